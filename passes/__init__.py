@@ -1,0 +1,5 @@
+"""Built-in rewrite passes, shipped as ``fxsplit.passes``.
+
+Every module here imports only fxsplit's public API (``fxsplit`` and the modules listed in
+``fxsplit.PUBLIC_MODULES``), exactly as a user's own pass would.
+"""
