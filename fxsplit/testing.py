@@ -1,0 +1,257 @@
+"""Multi-process test harness: run one function on every rank of a fresh gloo process group.
+
+Terms: **rank** -- one spawned process, numbered 0..world_size-1; **launch** -- one call of
+`run_distributed`, which owns a fresh process group for its lifetime.
+
+    run_distributed(fn, world_size, *args, backend="gloo", timeout=120.0, env=None) -> list
+
+The parent hosts the rendezvous store (a `TCPStore` on a port the OS picks), so launches running
+side by side on one machine never race for a port. Every rank gets MASTER_ADDR=127.0.0.1,
+MASTER_PORT (the store's port), RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE in its
+environment, runs with `torch.set_num_threads(1)`, and joins the default process group before
+`fn(rank, world_size, *args)` is called. `fn` and `args` must be picklable (a module-level
+function), and so must the return values.
+
+Failure handling: the parent waits on one pipe per rank plus each process's exit sentinel. The
+first rank to raise (or to exit without a result) ends the launch at once: the others are
+killed, and `DistributedRunError` names the rank and carries its traceback text. Past `timeout`
+seconds of wall-clock time (start-up included), every rank is killed and the error names the
+ranks that had not returned. Processes are always joined; none is left behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedRunError", "run_distributed"]
+
+# Collective timeout inside the ranks: longer than the wall-clock timeout, so that a hang is
+# reported by the parent (which names the stuck ranks) rather than by a gloo timeout in one rank.
+_PG_TIMEOUT_MARGIN_S = 30.0
+# After a failure, how long the parent keeps reading other ranks' reports before killing them.
+_ERROR_GRACE_S = 0.05
+# After every rank has returned, how long each may take to exit before it is killed.
+_EXIT_GRACE_S = 10.0
+
+
+class DistributedRunError(RuntimeError):
+    """A launch failed: a rank raised, died, or the launch ran past its timeout.
+
+    `rank` is the failing rank (None for a timeout), `rank_traceback` its traceback text
+    ("" when it died without one), `stuck_ranks` the ranks still running at a timeout.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        rank_traceback: str = "",
+        stuck_ranks: tuple[int, ...] = (),
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.rank_traceback = rank_traceback
+        self.stuck_ranks = stuck_ranks
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    pg_timeout_s: float,
+    env: Mapping[str, str],
+    conn: multiprocessing.connection.Connection,
+    fn: Callable[..., Any],
+    args: tuple,
+) -> None:
+    """Body of one rank: join the process group, run `fn`, send ("ok", value) or ("error", ...)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    ok = False
+    try:
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        value = fn(rank, world_size, *args)
+        try:
+            conn.send(("ok", value))
+        except Exception as exc:  # the value could not be pickled
+            raise TypeError(
+                f"run_distributed: rank {rank} returned a {type(value).__name__}, which could "
+                f"not be sent to the parent ({exc}); return plain data (tensors, numbers, dicts)"
+            ) from exc
+        ok = True
+        # Let every rank finish its last sends/receives before any rank tears its group down.
+        if dist.is_initialized():
+            dist.barrier()
+    except BaseException as exc:  # noqa: BLE001 -- everything is reported to the parent
+        if not ok:
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"
+
+
+def _kill_all(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return their results.
+
+    Returns the list of per-rank return values, indexed by rank. Raises `DistributedRunError`
+    naming the first rank that raised (with its traceback text) or died, or, past `timeout`
+    seconds, the ranks still running. `env` adds environment variables in every rank before
+    the process group is set up (torch is already imported by then).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"run_distributed: timeout must be > 0 seconds, got {timeout!r}")
+    ctx = multiprocessing.get_context("spawn")
+    # The parent hosts the store: port 0 lets the OS pick a free port with no race.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False
+    )
+    deadline = time.monotonic() + timeout
+    pg_timeout_s = timeout + _PG_TIMEOUT_MARGIN_S
+    procs, readers = [], []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, store.port, backend, pg_timeout_s, dict(env or {}),
+                      writer, fn, args),
+                name=f"fxsplit-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            writer.close()
+            procs.append(p)
+            readers.append(reader)
+        results = _collect(procs, readers, deadline, timeout)
+        # Every rank has reported; give them a moment to tear down their groups and exit.
+        for p in procs:
+            p.join(timeout=max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
+        return results
+    finally:
+        _kill_all(procs)
+        for r in readers:
+            r.close()
+        del store
+
+
+def _collect(procs: list, readers: list, deadline: float, timeout: float) -> list:
+    """Wait for every rank's report; raise at the first failure or at the deadline."""
+    world_size = len(procs)
+    results: dict[int, Any] = {}
+    errors: dict[int, tuple[str, str]] = {}
+    waiting = {r: reader for r, reader in enumerate(readers)}
+    by_sentinel = {p.sentinel: r for r, p in enumerate(procs)}
+    error_deadline = None
+    while len(results) < world_size:
+        now = time.monotonic()
+        if error_deadline is not None and now >= error_deadline:
+            break
+        if now >= deadline:
+            stuck = tuple(r for r in range(world_size) if r not in results)
+            raise DistributedRunError(
+                f"run_distributed: timed out after {timeout:g} s; rank(s) {list(stuck)} had not "
+                f"returned (finished: {sorted(results)}); all ranks were killed. A rank waiting "
+                "on a collective or recv that its peers never reach hangs like this.",
+                stuck_ranks=stuck,
+            )
+        limit = min(deadline, error_deadline or deadline) - now
+        ready = multiprocessing.connection.wait(
+            list(waiting.values()) + [procs[r].sentinel for r in waiting], timeout=limit
+        )
+        for obj in ready:
+            if obj in by_sentinel:
+                rank = by_sentinel[obj]
+                if rank not in waiting or waiting[rank].poll():
+                    continue  # its report is in the pipe: read it first
+                procs[rank].join()
+                del waiting[rank]
+                errors[rank] = (f"rank {rank} {_exit_reason(procs[rank].exitcode)} "
+                                "before returning a result", "")
+                continue
+            rank = readers.index(obj)
+            if rank not in waiting:
+                continue
+            try:
+                msg = obj.recv()
+            except EOFError:
+                continue  # the sentinel will report the exit
+            del waiting[rank]
+            if msg[0] == "ok":
+                results[rank] = msg[1]
+            else:
+                errors[rank] = (msg[1], msg[2])
+        if errors and error_deadline is None:
+            error_deadline = time.monotonic() + _ERROR_GRACE_S
+    if errors:
+        raise _first_error(errors)
+    return [results[r] for r in range(world_size)]
+
+
+def _first_error(errors: dict[int, tuple[str, str]]) -> DistributedRunError:
+    """Blame the lowest rank whose error is not a peer hanging up (the usual echo of a failure)."""
+    echoes = ("Connection closed by peer", "Connection reset by peer", "before returning a result")
+    primary = sorted(errors, key=lambda r: (any(e in errors[r][0] for e in echoes), r))
+    rank = primary[0]
+    summary, tb = errors[rank]
+    others = [f"rank {r}: {errors[r][0].splitlines()[0]}" for r in primary[1:]]
+    text = f"run_distributed: rank {rank} failed: {summary}"
+    if tb:
+        text += f"\n--- traceback of rank {rank} ---\n{tb.rstrip()}"
+    if others:
+        text += "\n--- other ranks ---\n" + "\n".join(others)
+    return DistributedRunError(text, rank=rank, rank_traceback=tb)

@@ -1,0 +1,99 @@
+"""Tests for fxsplit.testing.run_distributed: results, a raising rank, a hanging rank."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fxsplit.testing import DistributedRunError, run_distributed
+
+pytestmark = pytest.mark.dist
+
+
+def _report(rank, world_size, scale):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "pg_rank": dist.get_rank(),
+        "pg_world": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "sum": t.item() * scale,
+        "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                            "FXSPLIT_TEST_VAR")},
+        "threads": torch.get_num_threads(),
+        "tensor": torch.full((2,), float(rank)),
+    }
+
+
+def test_returns_per_rank_values():
+    out = run_distributed(_report, 3, 10.0, env={"FXSPLIT_TEST_VAR": "x"}, timeout=60)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    for r, o in enumerate(out):
+        assert o["pg_rank"] == r and o["pg_world"] == 3 and o["world_size"] == 3
+        assert o["backend"] == "gloo"
+        assert o["sum"] == 60.0  # (1 + 2 + 3) * 10, so the collective really ran
+        assert o["env"] == {"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
+                            "MASTER_ADDR": "127.0.0.1", "FXSPLIT_TEST_VAR": "x"}
+        assert o["threads"] == 1
+        assert torch.equal(o["tensor"], torch.full((2,), float(r)))
+
+
+def _raise_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom from the test")
+    dist.barrier()  # rank 0 would wait here forever: the harness must kill it
+    return rank
+
+
+def test_raising_rank_is_named_quickly():
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_raise_on_rank_one, 2, timeout=60)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1" in str(err) and "ValueError: boom from the test" in str(err)
+    assert "_raise_on_rank_one" in err.rank_traceback  # the rank's own traceback text
+    assert elapsed < 30, f"took {elapsed:.1f}s: the failure was not detected promptly"
+
+
+def _hang_on_rank_one(rank, world_size):
+    if rank == 1:
+        t = torch.zeros(1)
+        dist.recv(t, src=0)  # rank 0 never sends
+    return rank
+
+
+def test_hanging_rank_is_killed_at_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_hang_on_rank_one, 2, timeout=12)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.rank is None and err.stuck_ranks == (1,)
+    assert "timed out after 12 s" in str(err) and "[1]" in str(err)
+    assert 12 <= elapsed < 25
+
+
+def _die_on_rank_zero(rank, world_size):
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_rank_dying_without_result_is_reported():
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_die_on_rank_zero, 2, timeout=60)
+    assert info.value.rank == 0
+    assert "rank 0 exited with code 3 before returning a result" in str(info.value)
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        run_distributed(_report, 0)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        run_distributed(_report, 1, timeout=0)
