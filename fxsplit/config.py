@@ -1,0 +1,34 @@
+"""Environment switches: the one place fxsplit reads environment variables.
+
+Terms:
+    FXSPLIT_DEBUG_DIR: when set to a non-empty path, every PassManager run without an explicit
+        ``debug=`` argument writes per-pass dumps (graph code before and after, op-count diff,
+        graph diff, time) under that folder. See ``fxsplit.debug``.
+
+Signature::
+
+    debug_dir_from_env(environ=None) -> Path | None
+
+Other modules call these functions instead of reading ``os.environ`` themselves, so a reader finds
+every switch here and tests can pass an explicit mapping instead of patching the process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+DEBUG_DIR_ENV = "FXSPLIT_DEBUG_DIR"
+
+
+def debug_dir_from_env(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The folder named by ``FXSPLIT_DEBUG_DIR``, or None when it is unset or blank.
+
+    ``environ`` defaults to ``os.environ``; pass a dict in tests. ``~`` is expanded.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(DEBUG_DIR_ENV, "").strip()
+    if not value:
+        return None
+    return Path(value).expanduser()
