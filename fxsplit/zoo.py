@@ -380,11 +380,9 @@ class RotaryMaskedAttention(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (10000.0 ** (torch.arange(half).float() / half)),
                              persistent=False)
 
-    def rotate(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        # x: (B, nh, T, hs); angles: (B, 1, T, hs/2)
-        angles = (position_ids[:, None, :, None].to(x.dtype) * self.inv_freq)
-        cos, sin = angles.cos(), angles.sin()
-        x1, x2 = x.chunk(2, dim=-1)
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)  # x: (B, nh, T, hs); cos, sin: (B, 1, T, hs/2)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor,
@@ -394,7 +392,9 @@ class RotaryMaskedAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, self.head_size).transpose(1, 2)
         v = v.view(B, T, self.n_head, self.head_size).transpose(1, 2)
-        q, k = self.rotate(q, position_ids), self.rotate(k, position_ids)
+        angles = position_ids[:, None, :, None].to(x.dtype) * self.inv_freq  # (B, 1, T, hs/2)
+        cos, sin = angles.cos(), angles.sin()
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         pad = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * -1e9  # (B, 1, 1, T)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=pad)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
