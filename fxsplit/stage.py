@@ -45,7 +45,10 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
+from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
+
+from fxsplit.meta import to_expr
 
 __all__ = [
     "StageBuildError",
@@ -229,4 +232,345 @@ _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 def build_stages(
     gm: torch.fx.GraphModule, assignment: Mapping[str, int], num_stages: int
 ) -> StageGraphs:
-    raise NotImplementedError("build_stages is being written")
+    """Cut `gm` into `num_stages` stage GraphModules following `assignment`.
+
+    `assignment` maps every compute node name to a stage id in 0..num_stages-1 (names of
+    placeholders / get_attr nodes are ignored; nodes with no users, such as export's
+    `_guards_fn` and `_assert_*` checks, may be left out and join the stage of their latest
+    input). Values needed across a cut need `node.meta["val"]` (or ShapeProp's
+    `"tensor_meta"`), as written by `fxsplit.trace`. See [Note: values across a cut].
+
+    Raises `StageBuildError` naming the node for an invalid assignment or a non-tensor value that
+    cannot be recomputed in its consumer stage.
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    stage_of = _check_assignment(nodes, assignment, num_stages)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    input_index = {n: i for i, n in enumerate(placeholders)}
+    output_node = next(n for n in reversed(nodes) if n.op == "output")
+    flat_outputs, output_spec = _flat_outputs(gm, output_node)
+    grad_nodes = _grad_reachable(gm, nodes)
+    last = num_stages - 1
+
+    # 1. Plan: per stage, its local nodes (assigned + recomputed), its inputs and get_attrs.
+    plans = [_StagePlan(s) for s in range(num_stages)]
+    for n, s in stage_of.items():
+        plans[s].local.add(n)
+    for plan in plans:
+        for n in list(plan.local):
+            for m in n.all_input_nodes:
+                _need(m, plan, stage_of)
+    for leaf in flat_outputs:
+        if isinstance(leaf, torch.fx.Node):
+            _need(leaf, plans[last], stage_of)
+
+    # 2. Wire: a tensor from stage t read by stage s > t is an output of t consumed by s.
+    consumers: list[dict[torch.fx.Node, set[int]]] = [{} for _ in range(num_stages)]
+    for plan in plans:
+        for m in plan.external:
+            if m.op != "placeholder":
+                consumers[stage_of[m]].setdefault(m, set()).add(plan.index)
+    out_nodes: list[list[Any]] = [sorted(c, key=pos.__getitem__) for c in consumers[:last]]
+    last_outs: list[Any] = []
+    model_outputs: list[tuple[int, int]] = []
+    for flat_idx, leaf in enumerate(flat_outputs):
+        found = next((k for k, v in enumerate(last_outs) if v is leaf), None) if isinstance(
+            leaf, torch.fx.Node
+        ) else None
+        if found is None:
+            last_outs.append(leaf)
+            found = len(last_outs) - 1
+        model_outputs.append((flat_idx, found))
+    out_nodes.append(last_outs)
+    out_index = [{v: k for k, v in enumerate(outs) if isinstance(v, torch.fx.Node)} for outs in out_nodes]
+
+    def meta_of(n: torch.fx.Node) -> ValueMeta:
+        return _value_meta(n, gm, grad_nodes, model_input=n.op == "placeholder")
+
+    # 3. Build one GraphModule per stage; attributes are shared by reference (GraphModule copies
+    #    the referenced submodules / tensors from `gm` at the same FQN).
+    modules, ios = [], []
+    for plan in plans:
+        s = plan.index
+        g = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        inputs = sorted(plan.external, key=pos.__getitem__)
+        sources, in_meta = [], []
+        for m in inputs:
+            p = g.create_node("placeholder", m.name, name=m.name)
+            p.meta = dict(m.meta)
+            env[m] = p
+            if m.op == "placeholder":
+                sources.append(ValueSource(None, input_index[m]))
+            else:
+                sources.append(ValueSource(stage_of[m], out_index[stage_of[m]][m]))
+            in_meta.append(meta_of(m))
+        for a in sorted(plan.attrs, key=pos.__getitem__):
+            env[a] = g.create_node("get_attr", a.target, name=a.name)
+            env[a].meta = dict(a.meta)
+        for n in sorted(plan.local, key=pos.__getitem__):
+            env[n] = g.node_copy(n, env.__getitem__)
+        outs = out_nodes[s]
+        g.output(tuple(env[v] if isinstance(v, torch.fx.Node) else v for v in outs))
+        g.lint()
+        module = torch.fx.GraphModule(gm, g, class_name=f"Stage{s}")
+        out_meta = tuple(
+            meta_of(v) if isinstance(v, torch.fx.Node) else _constant_meta(f"output_{k}", v)
+            for k, v in enumerate(outs)
+        )
+        cons = tuple(
+            tuple(sorted(consumers[s].get(v, ()))) if isinstance(v, torch.fx.Node) else ()
+            for v in outs
+        )
+        params = tuple(name for name, _ in module.named_parameters())
+        ios.append(
+            StageIO(
+                index=s,
+                inputs=tuple(sources),
+                input_meta=tuple(in_meta),
+                outputs=out_meta,
+                consumers=cons,
+                model_outputs=tuple(model_outputs) if s == last else (),
+                param_names=params,
+            )
+        )
+        modules.append(module)
+
+    return StageGraphs(
+        modules=tuple(modules),
+        io=tuple(ios),
+        shared_params=_shared_params(modules),
+        input_meta=tuple(meta_of(p) for p in placeholders),
+        output_spec=output_spec,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Planning helpers
+# --------------------------------------------------------------------------------------------
+
+
+class _StagePlan:
+    """Mutable scratch for one stage while planning (never leaves this module)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.local: set[torch.fx.Node] = set()
+        self.external: set[torch.fx.Node] = set()  # stage inputs: model inputs and earlier tensors
+        self.attrs: set[torch.fx.Node] = set()
+
+
+def _need(m: torch.fx.Node, plan: _StagePlan, stage_of: Mapping[torch.fx.Node, int]) -> None:
+    """Make value `m` available in `plan`'s stage: an input, a get_attr, or a recomputed node."""
+    if m in plan.local or m in plan.external or m in plan.attrs:
+        return
+    if m.op == "placeholder":
+        plan.external.add(m)
+    elif m.op == "get_attr":
+        plan.attrs.add(m)
+    elif _is_tensor(m):
+        assert stage_of[m] < plan.index, f"{m.name} in stage {stage_of[m]} read by {plan.index}"
+        plan.external.add(m)
+    else:
+        _check_recomputable(m, stage_of[m], plan.index)
+        plan.local.add(m)
+        for i in m.all_input_nodes:
+            _need(i, plan, stage_of)
+
+
+_RANDOM_FUNCTIONS = frozenset(
+    f
+    for f in (
+        getattr(torch, "rand", None), getattr(torch, "randn", None), getattr(torch, "randint", None),
+        getattr(torch, "randperm", None), getattr(torch, "bernoulli", None),
+        getattr(torch, "multinomial", None), getattr(torch, "normal", None),
+        getattr(torch, "dropout", None), torch.nn.functional.dropout,
+    )
+    if f is not None
+)
+
+
+def _check_recomputable(m: torch.fx.Node, producer: int, consumer: int) -> None:
+    target = m.target
+    random = target in _RANDOM_FUNCTIONS if callable(target) else False
+    if isinstance(target, torch._ops.OpOverload):
+        random = torch.Tag.nondeterministic_seeded in target.tags
+    why = None
+    if m.op == "call_module":
+        why = "it is a module call"
+    elif random:
+        why = "it is random"
+    elif m.is_impure():
+        why = "it has side effects"
+    if why is not None:
+        raise StageBuildError(
+            f"node {m.name!r}{_where(m)} produces a non-tensor value in stage {producer} that stage "
+            f"{consumer} reads; non-tensor values are recomputed in the consumer, but {m.name!r} "
+            f"cannot be because {why}. Fix: assign its users to stage {producer} too, or make the "
+            f"value a tensor."
+        )
+
+
+def _where(n: torch.fx.Node) -> str:
+    info = n.meta.get("fxsplit")
+    path = getattr(info, "module_path", None)
+    if path is None:
+        stack = n.meta.get("nn_module_stack") or {}
+        path = str(list(stack.values())[-1][0]) if stack else ""
+    return f" (module {path!r})" if path else ""
+
+
+def _check_assignment(
+    nodes: list[torch.fx.Node], assignment: Mapping[str, int], num_stages: int
+) -> dict[torch.fx.Node, int]:
+    """Validate `assignment`; return compute node -> stage (unassigned user-less nodes placed)."""
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise StageBuildError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    by_name = {n.name: n for n in nodes}
+    unknown = sorted(k for k in assignment if k not in by_name)
+    if unknown:
+        raise StageBuildError(
+            f"assignment names {len(unknown)} node(s) not in the graph: {unknown[:5]}; use node.name "
+            f"of the graph passed to build_stages"
+        )
+    stage_of: dict[torch.fx.Node, int] = {}
+    missing = []
+    for n in nodes:
+        if n.op not in _COMPUTE_OPS:
+            continue
+        if n.name in assignment:
+            s = assignment[n.name]
+            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_stages:
+                raise StageBuildError(
+                    f"node {n.name!r}{_where(n)} is assigned stage {s!r}; stage ids are ints in "
+                    f"0..{num_stages - 1} (num_stages={num_stages})"
+                )
+            stage_of[n] = s
+        elif not n.users:
+            stage_of[n] = max((stage_of.get(m, 0) for m in n.all_input_nodes), default=0)
+        else:
+            missing.append(n.name)
+    if missing:
+        raise StageBuildError(
+            f"{len(missing)} compute node(s) have no stage in the assignment: {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}; every call_function/call_method/call_module node "
+            f"with users needs one"
+        )
+    for n, s in stage_of.items():
+        for m in n.all_input_nodes:
+            t = stage_of.get(m)
+            if t is not None and t > s:
+                raise StageBuildError(
+                    f"node {n.name!r}{_where(n)} is in stage {s} but reads {m.name!r} from the later "
+                    f"stage {t}; stages must follow the graph's topological order: move {n.name!r} "
+                    f"to stage >= {t} or {m.name!r} to stage <= {s}"
+                )
+    used = set(stage_of.values())
+    empty = [s for s in range(num_stages) if s not in used]
+    if empty:
+        raise StageBuildError(
+            f"stage(s) {empty} hold no compute node; each of 0..{num_stages - 1} needs at least one "
+            f"(reduce num_stages or move nodes)"
+        )
+    return stage_of
+
+
+def _flat_outputs(gm: torch.fx.GraphModule, output_node: torch.fx.Node) -> tuple[list, Any]:
+    """Flat model outputs (Nodes or constants) and the spec that rebuilds the structure."""
+    out = output_node.args[0]
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.out_spec is not None:
+        leaves = list(out) if isinstance(out, (tuple, list)) else [out]
+        return leaves, info.out_spec
+    return pytree.tree_flatten(out)
+
+
+def _grad_reachable(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Nodes whose value depends on a parameter that requires grad."""
+    reach: set[torch.fx.Node] = set()
+    for n in nodes:
+        if n.op == "get_attr":
+            obj = _get_attr(gm, str(n.target))
+            if isinstance(obj, torch.Tensor):
+                hit = obj.requires_grad
+            elif isinstance(obj, torch.nn.Module):
+                hit = any(p.requires_grad for p in obj.parameters())
+            else:
+                hit = False
+        elif n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            hit = any(p.requires_grad for p in mod.parameters()) or any(
+                m in reach for m in n.all_input_nodes
+            )
+        elif n.op in _COMPUTE_OPS:
+            hit = any(m in reach for m in n.all_input_nodes)
+        else:
+            hit = False
+        if hit:
+            reach.add(n)
+    return reach
+
+
+def _get_attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_NO_META = object()
+
+
+def _node_value(n: torch.fx.Node) -> Any:
+    """node.meta["val"], or ShapeProp's tensor_meta; `_NO_META` when neither is there."""
+    if "val" in n.meta:
+        return n.meta["val"]
+    if "tensor_meta" in n.meta:
+        return n.meta["tensor_meta"]
+    if "type" in n.meta:  # ShapeProp ran and the value holds no tensor
+        return None
+    return _NO_META
+
+
+def _is_tensor(n: torch.fx.Node) -> bool:
+    val = _node_value(n)
+    if val is _NO_META:
+        raise StageBuildError(
+            f"node {n.name!r}{_where(n)} has no metadata (node.meta['val']); build_stages needs it to "
+            f"tell tensors from other values across a cut. Fix: trace with fxsplit.trace, or run "
+            f"torch.fx.passes.fake_tensor_prop.FakeTensorProp / shape_prop.ShapeProp on the graph"
+        )
+    return isinstance(val, (torch.Tensor, TensorMetadata))
+
+
+def _value_meta(
+    n: torch.fx.Node, gm: torch.fx.GraphModule, grad_nodes: set[torch.fx.Node], *, model_input: bool
+) -> ValueMeta:
+    val = _node_value(n)
+    if val is _NO_META and n.op == "get_attr":
+        val = _get_attr(gm, str(n.target))
+    if val is _NO_META:
+        _is_tensor(n)  # raises, naming the node and the fix
+    if not isinstance(val, (torch.Tensor, TensorMetadata)):
+        return ValueMeta(n.name, False, None, None, False)
+    shape = tuple(to_expr(d) for d in val.shape)
+    dtype = val.dtype
+    floating = dtype.is_floating_point or dtype.is_complex
+    return ValueMeta(n.name, True, shape, dtype, floating and not model_input and n in grad_nodes)
+
+
+def _constant_meta(name: str, value: Any) -> ValueMeta:
+    if isinstance(value, torch.Tensor):
+        return ValueMeta(name, True, tuple(value.shape), value.dtype, False)
+    return ValueMeta(name, False, None, None, False)
+
+
+def _shared_params(modules: list[torch.fx.GraphModule]) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """Groups of (stage, fqn) holding the same Parameter object in more than one stage."""
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for s, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            holders.setdefault(id(p), []).append((s, name))
+    return tuple(tuple(g) for g in holders.values() if len({s for s, _ in g}) > 1)
