@@ -412,7 +412,7 @@ class PassManager:
             seconds = time.perf_counter() - start
             if not isinstance(result, PassResult):
                 raise TypeError(
-                    f"pass {name!r} returned {type(result).__name__} ({result!r:.80}); a pass "
+                    f"pass {name!r} returned {type(result).__name__}; a pass "
                     f"must return fxsplit.PassResult(graph_module, modified). Passes before "
                     f"it: {ran or 'none'}"
                 )
