@@ -1,6 +1,46 @@
-"""fxsplit: split an unmodified PyTorch model across devices.
+"""fxsplit: split an unmodified PyTorch model across devices, as an fx graph compiler.
 
-Data flows one way: model -> trace (graph + metadata) -> passes -> plan -> runtime.
+Data flows one way: model -> :func:`trace` (graph + metadata) -> passes (user passes, tensor
+parallel, pipeline split) -> plan (stage graphs, shardings, schedule) -> runtime (one rank's
+stages and actions over torch.distributed).
+
+The public API is what this module exports plus the modules named in :data:`PUBLIC_MODULES`;
+built-in passes (``fxsplit.passes``) use nothing else, exactly like a user's own pass.
 """
 
 __version__ = "0.1.0"
+
+from .meta import NodeInfo, TensorMeta, TraceInfo, annotate_node, annotate_graph, node_info, trace_info
+from .trace import TraceError, flatten_inputs, trace
+
+# Modules a pass (ours or a user's) may import; everything else is internal.
+PUBLIC_MODULES = (
+    "fxsplit",
+    "fxsplit.meta",
+    "fxsplit.trace",
+    "fxsplit.cost",
+    "fxsplit.pass_api",
+    "fxsplit.inspection",
+    "fxsplit.collectives",
+    "fxsplit.schedules",
+    "fxsplit.stage",
+    "fxsplit.partition",
+    "fxsplit.marker",
+    "fxsplit.zoo",
+    "fxsplit.hf_zoo",
+    "fxsplit.passes",
+)
+
+__all__ = [
+    "trace",
+    "flatten_inputs",
+    "TraceError",
+    "NodeInfo",
+    "TensorMeta",
+    "TraceInfo",
+    "node_info",
+    "trace_info",
+    "annotate_node",
+    "annotate_graph",
+    "PUBLIC_MODULES",
+]

@@ -1,0 +1,243 @@
+"""Graph metadata that every fxsplit pass can rely on, whichever tracer produced the graph.
+
+Terms:
+- **NodeInfo**: ``node.meta["fxsplit"]``, written by :func:`fxsplit.trace` on every node.
+- **TensorMeta**: shape (ints, or sympy expressions in the batch/sequence symbols) and dtype of one
+  tensor a node produces.
+- **TraceInfo**: ``gm.meta["fxsplit"]``: which tracer ran and why, the symbols of the dynamic
+  dimensions, and the names of the model inputs.
+
+[Note: metadata contract]
+After ``fxsplit.trace`` every node carries ``node.meta["val"]`` (a FakeTensor, a tuple of them, an
+int/SymInt or None) and ``node.meta["fxsplit"]`` (a :class:`NodeInfo`). Passes that add nodes call
+:func:`annotate_node` (or :func:`annotate_graph`) so later passes see the same contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import sympy
+import torch
+import torch.fx
+
+__all__ = [
+    "TensorMeta",
+    "NodeInfo",
+    "TraceInfo",
+    "node_info",
+    "trace_info",
+    "to_expr",
+    "tensor_metas",
+    "module_path_of",
+    "params_read",
+    "annotate_node",
+    "annotate_graph",
+]
+
+Dim = int | sympy.Expr
+
+
+def to_expr(x: Any) -> Dim:
+    """An int for a static size, a sympy expression for a symbolic one (``torch.SymInt``)."""
+    if isinstance(x, torch.SymInt):
+        expr = x.node.expr
+        return int(expr) if expr.is_Integer else expr
+    if isinstance(x, sympy.Expr):
+        return int(x) if x.is_Integer else x
+    return int(x)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor a node produces."""
+
+    shape: tuple[Dim, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+    @property
+    def numel(self) -> Dim:
+        n: Dim = 1
+        for d in self.shape:
+            n = n * d
+        return n
+
+    @property
+    def nbytes(self) -> Dim:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_symbolic(self) -> bool:
+        return any(isinstance(d, sympy.Expr) for d in self.shape)
+
+    def concrete_shape(self, bindings: Mapping[Any, int]) -> tuple[int, ...]:
+        """The shape with symbols substituted (``bindings`` maps sympy symbols or their names to ints)."""
+        subs = {(sympy.Symbol(k) if isinstance(k, str) else k): v for k, v in bindings.items()}
+        out = []
+        for d in self.shape:
+            if isinstance(d, sympy.Expr):
+                val = d.subs(subs)
+                if not val.is_Integer:
+                    raise ValueError(f"shape {self.shape}: dimension {d} has unbound symbols {sorted(map(str, val.free_symbols))}")
+                out.append(int(val))
+            else:
+                out.append(int(d))
+        return tuple(out)
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{dt}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """fxsplit's metadata of one node (``node.meta["fxsplit"]``).
+
+    ``module_path`` is the FQN of the innermost module the node came from ("" at top level);
+    ``outputs`` the tensors it produces (flattened; empty for non-tensor values); ``params`` the
+    parameter/buffer FQNs it reads directly (a get_attr's own target, a call_module's parameters,
+    or the get_attr nodes among its inputs); ``cost`` its :class:`fxsplit.cost.NodeCost` (None only
+    while the cost model is not attached).
+    """
+
+    module_path: str
+    module_type: str = ""
+    outputs: tuple[TensorMeta, ...] = ()
+    params: tuple[str, ...] = ()
+    cost: Any = None
+
+    def replace(self, **changes: Any) -> "NodeInfo":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    """How a graph was traced (``gm.meta["fxsplit"]``)."""
+
+    method: str  # "fx" or "export"
+    reason: str  # why this method (e.g. "fx failed: ...; used export")
+    input_names: tuple[str, ...]  # flat model inputs, graph placeholder order
+    symbols: Mapping[str, sympy.Symbol] = field(default_factory=dict)  # "batch", "seq", ... -> symbol
+    dynamic: bool = False  # whether batch/sequence are symbolic in the graph itself
+    on_meta: bool = False  # whether the model's parameters were on the meta device
+
+    def bindings(self, **sizes: int) -> dict[sympy.Symbol, int]:
+        """``info.bindings(batch=8, seq=128)`` -> {symbol: value} for :meth:`TensorMeta.concrete_shape`."""
+        unknown = set(sizes) - set(self.symbols)
+        if unknown:
+            raise KeyError(f"no symbolic dimension named {sorted(unknown)}; this graph has {sorted(self.symbols)}")
+        return {self.symbols[k]: v for k, v in sizes.items()}
+
+
+def node_info(node: torch.fx.Node) -> NodeInfo:
+    """The :class:`NodeInfo` of ``node``; a clear error if the graph was not traced by fxsplit."""
+    info = node.meta.get("fxsplit")
+    if info is None:
+        raise KeyError(
+            f"node {node.name!r} ({node.op} {node.target}) has no fxsplit metadata; trace the model "
+            f"with fxsplit.trace(...) or call fxsplit.meta.annotate_node(node, gm) after adding nodes"
+        )
+    return info
+
+
+def trace_info(gm: torch.fx.GraphModule) -> TraceInfo | None:
+    return getattr(gm, "meta", {}).get("fxsplit")
+
+
+def tensor_metas(val: Any) -> tuple[TensorMeta, ...]:
+    """Flatten a node's ``meta["val"]`` into TensorMetas (non-tensors are skipped)."""
+    if isinstance(val, torch.Tensor):
+        return (
+            TensorMeta(
+                tuple(to_expr(s) for s in val.shape),
+                val.dtype,
+                bool(val.requires_grad),
+            ),
+        )
+    if isinstance(val, (list, tuple)):
+        out: list[TensorMeta] = []
+        for v in val:
+            out.extend(tensor_metas(v))
+        return tuple(out)
+    return ()
+
+
+def _normalize_path(path: str) -> str:
+    # export may spell paths as "L['self'].h[0].attn" or "h.0.attn"
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    path = path.replace("[", ".").replace("]", "").replace("'", "")
+    return path.strip(".")
+
+
+def module_path_of(node: torch.fx.Node) -> tuple[str, str]:
+    """(module FQN, module class name) the node came from, from fx/export's ``nn_module_stack``."""
+    if node.op == "call_module":
+        stack = node.meta.get("nn_module_stack") or {}
+        cls = ""
+        if stack:
+            last = list(stack.values())[-1]
+            cls = last[1] if isinstance(last[1], str) else getattr(last[1], "__name__", str(last[1]))
+        return str(node.target), cls.rsplit(".", 1)[-1]
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0], ""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, cls = list(stack.values())[-1]
+    if path == "_empty_nn_module_stack_from_metadata_hook":
+        return "", ""
+    cls_name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+    return _normalize_path(str(path)), cls_name.rsplit(".", 1)[-1]
+
+
+def _get_attr_obj(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def params_read(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """FQNs of the parameters and buffers ``node`` reads directly."""
+    if node.op == "get_attr":
+        return (str(node.target),)
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        prefix = f"{node.target}."
+        names = [prefix + n for n, _ in mod.named_parameters(remove_duplicate=False)]
+        names += [prefix + n for n, _ in mod.named_buffers(remove_duplicate=False)]
+        return tuple(names)
+    return tuple(str(a.target) for a in node.all_input_nodes if a.op == "get_attr")
+
+
+def annotate_node(node: torch.fx.Node, gm: torch.fx.GraphModule, *, module_path: str | None = None) -> NodeInfo:
+    """(Re)compute ``node.meta["fxsplit"]`` from ``node.meta["val"]`` and the cost model."""
+    from .cost import node_cost  # the cost model is a pure function of this metadata
+
+    path, cls = module_path_of(node)
+    if module_path is not None:
+        path = module_path
+    info = NodeInfo(
+        module_path=path,
+        module_type=cls,
+        outputs=tensor_metas(node.meta.get("val")),
+        params=params_read(node, gm),
+    )
+    node.meta["fxsplit"] = info
+    try:
+        cost = node_cost(node, gm)
+    except Exception as exc:  # the cost model must never block tracing; record why
+        exc.add_note(f"while estimating the cost of node {node.name!r} ({node.op} {node.target})")
+        raise
+    info = info.replace(cost=cost)
+    node.meta["fxsplit"] = info
+    return info
+
+
+def annotate_graph(gm: torch.fx.GraphModule) -> None:
+    """Annotate every node of ``gm`` (after fake-tensor propagation filled ``meta["val"]``)."""
+    for node in gm.graph.nodes:
+        annotate_node(node, gm)

@@ -1,0 +1,456 @@
+"""Tracing frontends: one fx GraphModule with fxsplit metadata, from plain fx or torch.export.
+
+Terms:
+- **method**: ``"fx"`` (``torch.fx`` symbolic tracing at module level: ``nn.Linear`` stays a
+  ``call_module`` node), ``"export"`` (``torch.export.export(..., strict=False).module()``: ATen
+  ops, parameters as ``get_attr`` nodes), ``"auto"`` (fx, then export; :class:`TraceInfo` says which
+  ran and why).
+- **flat inputs**: the graph's placeholders, in order: the positional then keyword arguments the
+  caller gave (arguments left at their defaults are baked in).
+- **dynamic dimensions**: dim 0 of every tensor input (the batch) and dim 1 of every integer tensor
+  input (the sequence of token ids) are traced as sympy symbols where the model allows, so shapes
+  and costs are expressions and one plan serves several batch sizes.
+
+    gm = fxsplit.trace(model, (idx,))                  # fx, or export when fx cannot trace it
+    gm.meta["fxsplit"]                                 # TraceInfo(method=..., reason=..., symbols=...)
+    gm.graph.nodes[...].meta["fxsplit"]                # NodeInfo (see fxsplit.meta)
+
+Works on models whose parameters live on the meta device: shapes come from fake tensors, nothing
+is computed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import logging
+import traceback
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.fx
+from torch import nn
+
+from .meta import TraceInfo, annotate_graph, to_expr
+
+__all__ = ["trace", "TraceError", "flatten_inputs"]
+
+log = logging.getLogger(__name__)
+
+METHODS = ("auto", "fx", "export")
+
+# ops that export inserts for its own runtime checks; they carry no computation and would tie
+# stages together for nothing, so the traced graph drops them.
+_EXPORT_CHECK_OPS = (
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default",
+    "aten._assert_async.msg",
+)
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced; the message names where and suggests the fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _normalize_args(model: Any, example_args: Any, example_kwargs: Any) -> tuple[tuple, dict]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"fxsplit.trace expects a torch.nn.Module, got {type(model).__name__}; wrap a function "
+            f"in an nn.Module whose forward calls it"
+        )
+    if isinstance(example_args, (torch.Tensor, dict)) or not isinstance(example_args, Sequence):
+        if isinstance(example_args, dict):
+            raise TypeError(
+                "example_args is a dict; pass positional arguments as a tuple and keyword arguments "
+                "as example_kwargs=dict(...)"
+            )
+        example_args = (example_args,)
+    example_args = tuple(example_args)
+    if example_kwargs is None:
+        example_kwargs = {}
+    if not isinstance(example_kwargs, Mapping):
+        raise TypeError(f"example_kwargs must be a dict of keyword arguments, got {type(example_kwargs).__name__}")
+    example_kwargs = dict(example_kwargs)
+    sig = inspect.signature(model.forward)
+    try:
+        sig.bind(*example_args, **example_kwargs)
+    except TypeError as exc:
+        raise TypeError(
+            f"example arguments do not match {type(model).__name__}.forward{sig}: {exc}. "
+            f"Got {len(example_args)} positional argument(s) and keyword(s) {sorted(example_kwargs)}"
+        ) from None
+    return example_args, example_kwargs
+
+
+def _given_params(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[str], dict[str, Any]]:
+    """(names of the parameters the caller gave, in signature order; defaults of the others)."""
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    given, concrete = [], {}
+    for name, p in sig.parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            if name in bound.arguments:
+                raise TypeError(
+                    f"{type(model).__name__}.forward takes *{name}/**{name}; fxsplit traces fixed "
+                    f"signatures: pass the arguments by name or wrap the model"
+                )
+            continue
+        if name in bound.arguments:
+            given.append(name)
+        else:
+            concrete[name] = p.default
+    return given, concrete
+
+
+def flatten_inputs(gm: torch.fx.GraphModule, args: Sequence = (), kwargs: Mapping | None = None) -> list:
+    """The flat input list (placeholder order) of a traced graph for a call ``model(*args, **kwargs)``."""
+    info: TraceInfo | None = getattr(gm, "meta", {}).get("fxsplit")
+    kwargs = dict(kwargs or {})
+    if info is not None and info.method == "export":
+        in_spec = gm._in_spec  # pytree spec of (args, kwargs) recorded by export
+        flat, spec = torch.utils._pytree.tree_flatten((tuple(args), kwargs))
+        if spec != in_spec:
+            # kwargs may come in another order: reorder by the traced spec
+            ordered = {k: kwargs[k] for k in in_spec.child(1).context if k in kwargs}
+            flat, spec = torch.utils._pytree.tree_flatten((tuple(args), ordered))
+            if spec != in_spec:
+                raise TypeError(
+                    f"inputs do not have the structure the model was traced with: expected {in_spec}, got {spec}"
+                )
+        return flat
+    names = list(info.input_names) if info is not None else [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    values = list(args)
+    if len(values) > len(names):
+        raise TypeError(f"traced model takes {len(names)} inputs {names}, got {len(values)} positional arguments")
+    for name in names[len(values):]:
+        if name not in kwargs:
+            raise TypeError(f"traced model input {name!r} is missing; the graph was traced with inputs {names}")
+        values.append(kwargs.pop(name))
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; the graph was traced with inputs {names}")
+    return values
+
+
+# --------------------------------------------------------------------------------------------
+# error reporting
+
+
+def _failure_location(exc: BaseException, model: nn.Module) -> tuple[str, str]:
+    """(module path, 'file:line: source') of the innermost model frame in the traceback."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    where_mod, where_line = "", ""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        self_obj = frame.f_locals.get("self")
+        if self_obj is not None and id(self_obj) in paths:
+            where_mod = paths[id(self_obj)] or "<root>"
+            line = linecache.getline(frame.f_code.co_filename, tb.tb_lineno).strip()
+            where_line = f"{frame.f_code.co_filename}:{tb.tb_lineno}: {line}"
+        tb = tb.tb_next
+    return where_mod, where_line
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "config") and type(model).__module__.startswith("transformers")
+
+
+def _fx_error(exc: BaseException, model: nn.Module) -> TraceError:
+    mod, line = _failure_location(exc, model)
+    where = f" in module {mod!r} at {line}" if mod else ""
+    hints = []
+    if mod and mod != "<root>":
+        hints.append(f"mark it as a leaf (leaf_modules=[{mod!r}]) so fx does not trace into it")
+    hints.append('use method="export" (torch.export handles Python control flow on shapes and most library models)')
+    if _is_hf(model):
+        hints.append("Hugging Face models need method=\"export\" with use_cache=False")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return TraceError(
+        f"torch.fx could not trace {type(model).__name__}{where}: {type(exc).__name__}: {first}. "
+        f"Fix: " + "; or ".join(hints)
+    )
+
+
+def _export_error(exc: BaseException, model: nn.Module, kwargs: dict) -> TraceError:
+    mod, line = _failure_location(exc, model)
+    where = f" in module {mod!r} at {line}" if mod else ""
+    text = f"{type(exc).__name__}: {str(exc).strip()}"
+    hints = []
+    cache_on = _is_hf(model) and getattr(model.config, "use_cache", False) and kwargs.get("use_cache") is not False
+    if cache_on or "DynamicCache" in text or "Cache" in type(exc).__name__:
+        hints.append(
+            "the model returns a key/value cache (config.use_cache=True), which torch.export cannot "
+            "output: pass use_cache=False (example_kwargs={'use_cache': False} or config.use_cache=False)"
+        )
+    hints.append("or trace with method=\"fx\" and leaf_modules=[...] for the untraceable parts")
+    short = text.splitlines()[0][:500]
+    return TraceError(f"torch.export could not trace {type(model).__name__}{where}: {short}. Fix: " + "; ".join(hints))
+
+
+# --------------------------------------------------------------------------------------------
+# fx
+
+
+class _LeafTracer(torch.fx.Tracer):
+    def __init__(self, leaf_types: tuple[type, ...], leaf_paths: frozenset[str]):
+        super().__init__()
+        self._leaf_types = leaf_types
+        self._leaf_paths = leaf_paths
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self._leaf_paths or (self._leaf_types and isinstance(m, self._leaf_types)):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def _split_leaves(model: nn.Module, leaf_modules: Iterable[Any]) -> tuple[tuple[type, ...], frozenset[str]]:
+    types, paths = [], set()
+    names = dict(model.named_modules())
+    for leaf in leaf_modules:
+        if isinstance(leaf, type) and issubclass(leaf, nn.Module):
+            types.append(leaf)
+        elif isinstance(leaf, str):
+            if leaf not in names:
+                import difflib
+
+                close = difflib.get_close_matches(leaf, list(names), n=3)
+                raise ValueError(f"leaf_modules: no module named {leaf!r} in the model" + (f"; did you mean {close}?" if close else ""))
+            paths.add(leaf)
+        else:
+            raise TypeError(f"leaf_modules entries must be module paths (str) or nn.Module classes, got {leaf!r}")
+    return tuple(types), frozenset(paths)
+
+
+def _drop_concrete_placeholders(gm: torch.fx.GraphModule, names: Iterable[str]) -> None:
+    """Remove placeholders of arguments fixed to their defaults, and fx's checks on them."""
+    names = set(names)
+    for node in list(gm.graph.nodes):
+        if node.op != "placeholder" or node.target not in names:
+            continue
+        doomed: list[torch.fx.Node] = []
+        frontier = [node]
+        while frontier:
+            n = frontier.pop()
+            doomed.append(n)
+            frontier.extend(n.users)
+        for n in reversed(list(dict.fromkeys(doomed))):
+            if n.users:
+                raise TraceError(f"argument {node.target!r} fixed to its default is still used by {list(n.users)}")
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Iterable[Any]) -> tuple[torch.fx.GraphModule, list[str]]:
+    given, concrete = _given_params(model, args, kwargs)
+    tracer = _LeafTracer(*_split_leaves(model, leaf_modules))
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    name = model.__class__.__name__
+    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    # fx renames the placeholders of concrete arguments ("mask_1"); match them by signature order
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sig_names = [p for p in inspect.signature(model.forward).parameters if p in given or p in concrete]
+    doomed = [n.target for n, pname in zip(ph, sig_names) if pname in concrete]
+    if doomed:
+        _drop_concrete_placeholders(gm, doomed)
+    return gm, given
+
+
+def _dynamic_dims(t: torch.Tensor) -> list[int]:
+    """Which dims of an example input to trace as symbols: batch (0) and sequence (1 of int inputs)."""
+    dims = []
+    if t.dim() >= 1 and t.shape[0] >= 2:
+        dims.append(0)
+    if t.dim() >= 2 and not t.is_floating_point() and t.shape[1] >= 2:
+        dims.append(1)
+    return dims
+
+
+def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(shape_env=ShapeEnv() if dynamic else None, allow_non_fake_inputs=True)
+    fakes = []
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            if dynamic:
+                dyn = set(_dynamic_dims(x))
+                ctx = StatelessSymbolicContext(
+                    dynamic_sizes=[DimDynamic.DYNAMIC if d in dyn else DimDynamic.STATIC for d in range(x.dim())]
+                )
+                fakes.append(mode.from_tensor(x, symbolic_context=ctx))
+            else:
+                fakes.append(mode.from_tensor(x))
+        else:
+            fakes.append(x)
+    with mode:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+# --------------------------------------------------------------------------------------------
+# export
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torch.fx.GraphModule:
+    from torch.export import Dim
+
+    dyn_spec = None
+    if dynamic:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind(*args, **kwargs)
+        spec: dict[str, Any] = {}
+        for name, val in bound.arguments.items():
+            if isinstance(val, torch.Tensor):
+                spec[name] = {d: Dim.AUTO for d in _dynamic_dims(val)} or None
+            else:
+                spec[name] = None
+        dyn_spec = spec
+    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dyn_spec)
+    try:
+        gm = ep.module(check_guards=False)
+    except TypeError:  # older torch: no check_guards argument
+        gm = ep.module()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+            if hasattr(gm, "_guards_fn"):
+                delattr(gm, "_guards_fn")
+        elif node.op == "call_function" and str(node.target) in _EXPORT_CHECK_OPS and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# --------------------------------------------------------------------------------------------
+# the entry point
+
+
+def _name_symbols(gm: torch.fx.GraphModule, input_names: Sequence[str]) -> dict[str, Any]:
+    import sympy
+
+    symbols: dict[str, Any] = {}
+    for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], input_names):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d, size in enumerate(val.shape):
+            expr = to_expr(size)
+            if not isinstance(expr, sympy.Symbol):
+                continue
+            if d == 0 and "batch" not in symbols:
+                key = "batch"
+            elif d == 1 and not val.is_floating_point() and "seq" not in symbols:
+                key = "seq"
+            else:
+                key = f"{name}.size({d})"
+            if expr not in symbols.values():
+                symbols[key] = expr
+    return symbols
+
+
+def trace(
+    model: nn.Module,
+    example_args: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    method: str = "auto",
+    leaf_modules: Iterable[Any] = (),
+    dynamic: bool = True,
+) -> torch.fx.GraphModule:
+    """Trace ``model`` into a GraphModule whose every node carries fxsplit metadata.
+
+    Args:
+        model: an unmodified ``nn.Module`` (real weights, or parameters on the meta device).
+        example_args / example_kwargs: one example call ``model(*example_args, **example_kwargs)``;
+            tensors may be on the meta device. Arguments not given are fixed to their defaults.
+        method: ``"fx"``, ``"export"`` or ``"auto"`` (fx first, then export).
+        leaf_modules: module paths or classes that fx keeps as single ``call_module`` nodes.
+        dynamic: trace batch (dim 0) and sequence (dim 1 of integer inputs) as symbols.
+
+    Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.meta.TraceInfo` and whose
+    nodes have ``meta["fxsplit"]`` (:class:`fxsplit.meta.NodeInfo`) and ``meta["val"]``. Calling it
+    returns the model's output in the model's own structure (dicts, tuples, HF ``ModelOutput``).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    args, kwargs = _normalize_args(model, example_args, example_kwargs)
+    leaf_modules = tuple(leaf_modules)
+    on_meta = any(p.is_meta for p in model.parameters())
+
+    gm: torch.fx.GraphModule | None = None
+    used, reason = method, f'method="{method}" requested'
+    fx_error: TraceError | None = None
+    if method in ("auto", "fx"):
+        try:
+            gm, given = _trace_fx(model, args, kwargs, leaf_modules)
+            flat = [a for a in args] + [kwargs[k] for k in given[len(args):]]
+            _fake_propagate(gm, flat, dynamic)
+            input_names = tuple(given)
+            used = "fx"
+            if method == "auto":
+                reason = "torch.fx symbolic tracing succeeded"
+        except Exception as exc:  # fx fails in many ways (TraceError, TypeError, ValueError, ...)
+            fx_error = _fx_error(exc, model)
+            fx_error.__cause__ = exc
+            if method == "fx":
+                raise fx_error
+            gm = None
+    if gm is None:
+        note = ""
+        cache_cfg = getattr(model, "config", None) if _is_hf(model) else None
+        cache_was = getattr(cache_cfg, "use_cache", None)
+        if cache_was and "use_cache" not in kwargs:
+            # torch.export cannot output a key/value cache: trace with the cache off, then restore
+            cache_cfg.use_cache = False
+            note = " (with config.use_cache=False: torch.export cannot output a key/value cache)"
+        try:
+            try:
+                gm = _export(model, args, kwargs, dynamic)
+            except Exception:
+                if not dynamic:
+                    raise
+                gm = _export(model, args, kwargs, False)  # a model that cannot take symbolic sizes
+                note += " (static shapes: export failed with symbolic batch/sequence)"
+        except Exception as exc:
+            err = _export_error(exc, model, kwargs)
+            if fx_error is not None:
+                err = TraceError(f"{fx_error}\n\nthen {err}")
+            raise err from exc
+        finally:
+            if cache_was and "use_cache" not in kwargs:
+                cache_cfg.use_cache = cache_was
+        used = "export"
+        reason = (f"torch.fx failed ({str(fx_error).split('. Fix:')[0]}); used torch.export" if fx_error else reason) + note
+        spec = gm._in_spec
+        input_names = tuple(_flat_input_names(spec, model, args))
+    # name the dynamic dimensions
+    symbols = _name_symbols(gm, input_names)
+    gm.meta["fxsplit"] = TraceInfo(
+        method=used,
+        reason=reason,
+        input_names=input_names,
+        symbols=symbols,
+        dynamic=bool(symbols),
+        on_meta=on_meta,
+    )
+    annotate_graph(gm)
+    log.info("fxsplit.trace: %s", reason)
+    return gm
+
+
+def _flat_input_names(spec: Any, model: nn.Module, args: tuple) -> list[str]:
+    sig_names = list(inspect.signature(model.forward).parameters)
+    names = [sig_names[i] if i < len(sig_names) else f"arg{i}" for i in range(len(args))]
+    kw_spec = spec.child(1)
+    names += list(kw_spec.context)
+    if len(names) != spec.num_leaves:  # nested inputs: name the leaves by position
+        names = [f"input{i}" for i in range(spec.num_leaves)]
+    return names
