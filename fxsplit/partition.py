@@ -1,0 +1,678 @@
+"""Exact balanced partition of a chain of units into pipeline stages (pure Python, no torch).
+
+Terms
+-----
+unit        one element of the chain the pipeline split pass builds (a node, or the nodes of a
+            module), in topological order; ``n`` units numbered ``0 .. n-1``.
+position k  a cut placed before unit ``k``, ``0 <= k <= n``; positions 0 and n are the chain's
+            ends and always cuts.
+stage s     units ``[cuts[s], cuts[s+1])``; ``S = num_stages`` stages, each non-empty.
+rank r      a pipeline rank; stage ``s`` lives on rank ``s % p`` (``p = num_ranks``), so a rank
+            holds ``v = S // p`` stages (Megatron's interleaving when ``v > 1``).
+bottleneck  the largest stage time, ``B``.
+
+Representative call::
+
+    part = solve(PartitionProblem(compute=..., param_bytes=..., activation_bytes=...,
+                                  cut_bytes=..., num_stages=8, num_ranks=4))
+    part.cuts         # (0, k1, ..., n)
+    print(part)       # one line per stage: units, time, memory
+
+[Note: partition cost model]  The single definition used by `solve`, `brute_force`, `evaluate`
+and the baselines.
+
+- Communication seconds of position k: ``c[k] = cut_bytes[k] * cut_penalty[k] / bandwidth``
+  (0 when ``bandwidth`` is inf). A stage ``[a, b)`` receives position a and sends position b;
+  the chain ends count as given (``cut_bytes[0]`` model-input bytes, ``cut_bytes[n]`` output
+  bytes: pass 0 to leave them out). ``cut_penalty`` (default 1) scales a cut's communication, so a
+  caller can make cuts inside a module dearer than cuts at module boundaries; ``allowed`` forbids
+  cuts outright; ``forced`` cuts (user split points) are always present and always allowed.
+- Stage time ``t(a, b) = sum(compute[a:b]) + c[a] + c[b]``, evaluated as ``E[b] - K[a]`` with
+  ``P`` the prefix sums of ``compute``, ``E[k] = P[k] + c[k]`` and ``K[k] = P[k] - c[k]``. Every
+  routine here computes it with that one expression, so the bottleneck `solve` reports is
+  bit-identical to the one `brute_force` finds for the same cuts.
+- Stage memory of stage s on rank r = s % p:
+  ``state_bytes_per_param_byte * sum(param_bytes[a:b]) + inflight[r] * sum(activation_bytes[a:b])``.
+  ``state_bytes_per_param_byte`` (default 4) counts parameter, gradient and Adam's m and v, all
+  in the parameter's dtype; use 8 for bf16 parameters with fp32 grads... whatever the optimizer
+  keeps. ``activation_bytes`` are the bytes a unit saves for backward per microbatch.
+- Rank memory: the sum of its stages' memories, in stage order. ``memory_limit`` caps it.
+- ``inflight[r]``: how many microbatches' activations rank r holds at its peak, counted in
+  microbatches of the rank's whole share (all of its stages): GPipe ``m``
+  (`inflight_gpipe`); 1F1B ``p - r``; interleaved 1F1B (Megatron) ``((p-r-1)*2 + (v-1)*p + 1) / v``,
+  which is ``p + (p-1)/v`` on rank 0 (`inflight_1f1b`, the default). In an interleaved schedule
+  a rank's stages hold different numbers of microbatches; this model charges each the rank's
+  average, an approximation.
+- Objective: minimize the bottleneck over all partitions whose cuts are allowed, that contain
+  every forced cut and whose rank memories are within ``memory_limit``. Ties: among optimal
+  partitions, the one whose LAST cut is smallest, then the cut before it, and so on (the cut
+  tuple compared from the end). This fills stages from the last one backwards and leaves the
+  earliest stages lightest, which is where 1F1B keeps the most microbatches in flight.
+
+Guarantees of `solve`:
+
+- No ``memory_limit``, or ``v == 1``: exact (optimal bottleneck and the tie rule above), by
+  search over the finite set of stage-time values with an O(S * n) reachability check per probe.
+- ``memory_limit`` and ``v > 1`` (a rank sums memory over stages r, r+p, ...): exact by a
+  depth-first search over cut tuples when it finishes within ``exact_budget`` search states
+  (``Partition.exact`` is True). Otherwise sound but not exact: every stage is capped at
+  ``memory_limit / v``, which keeps every rank within the limit; the partition returned satisfies
+  the cap and has ``exact=False`` (its bottleneck may exceed the optimum), and a
+  `PartitionError` may be raised although a partition within the cap exists (the message says so).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass, replace
+from itertools import accumulate, combinations
+from operator import sub
+from typing import Callable, Sequence
+
+__all__ = [
+    "PartitionError",
+    "PartitionProblem",
+    "Partition",
+    "solve",
+    "brute_force",
+    "evaluate",
+    "equal_layer_cuts",
+    "parameter_count_cuts",
+    "inflight_1f1b",
+    "inflight_gpipe",
+]
+
+_INF = math.inf
+_NEG = -math.inf
+_MAXF = 1.7976931348623157e308  # a finite stand-in for an infinite bottleneck
+_RANK_SCAN_LIMIT = 16  # suggestions scan up to 4 * p + this many ranks
+
+
+class PartitionError(ValueError):
+    """A partition request that cannot be met; the message names the numbers and the fix."""
+
+
+def inflight_1f1b(num_ranks: int, stages_per_rank: int = 1) -> tuple[float, ...]:
+    """Peak in-flight microbatches per rank for 1F1B (``v == 1``: ``p - r``) and Megatron's
+    interleaved 1F1B (``v > 1``: ``((p-r-1)*2 + (v-1)*p + 1) / v``), in units of the rank's share."""
+    p, v = num_ranks, stages_per_rank
+    if v == 1:
+        return tuple(float(p - r) for r in range(p))
+    return tuple(((p - r - 1) * 2 + (v - 1) * p + 1) / v for r in range(p))
+
+
+def inflight_gpipe(num_ranks: int, num_microbatches: int) -> tuple[float, ...]:
+    """GPipe keeps every microbatch's activations until the backward pass: ``m`` on every rank."""
+    return tuple(float(num_microbatches) for _ in range(num_ranks))
+
+
+def _floats(name: str, values: Sequence[float], length: int, what: str) -> tuple[float, ...]:
+    out = tuple(float(x) for x in values)
+    if len(out) != length:
+        raise PartitionError(f"{name} has {len(out)} entries; it needs {length} ({what})")
+    for i, x in enumerate(out):
+        if not (math.isfinite(x) and x >= 0):
+            raise PartitionError(f"{name}[{i}] = {x!r}; it must be finite and >= 0")
+    return out
+
+
+@dataclass(frozen=True)
+class PartitionProblem:
+    """A chain of ``n`` units to cut into ``num_stages`` stages; see [Note: partition cost model].
+
+    ``cut_bytes``, ``allowed`` and ``cut_penalty`` are indexed by position (length ``n + 1``);
+    ``allowed[0]`` and ``allowed[n]`` are ignored (the ends are always cuts). ``inflight`` is
+    per rank: a tuple of length ``num_ranks``, a callable ``r -> float``, or None for
+    `inflight_1f1b`.
+    """
+
+    compute: tuple[float, ...]
+    param_bytes: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    cut_bytes: tuple[float, ...]
+    num_stages: int
+    num_ranks: int
+    allowed: tuple[bool, ...] | None = None
+    forced: tuple[int, ...] = ()
+    cut_penalty: tuple[float, ...] | None = None
+    bandwidth: float = _INF
+    memory_limit: float | None = None
+    state_bytes_per_param_byte: float = 4.0
+    inflight: Callable[[int], float] | tuple[float, ...] | None = None
+    exact_budget: int = 200_000
+
+    def __post_init__(self) -> None:
+        n = len(self.compute)
+        if n < 1:
+            raise PartitionError("compute is empty; a partition needs at least one unit")
+        put = lambda k, x: object.__setattr__(self, k, x)  # noqa: E731 (frozen dataclass)
+        put("compute", _floats("compute", self.compute, n, "one per unit"))
+        put("param_bytes", _floats("param_bytes", self.param_bytes, n, "one per unit"))
+        put("activation_bytes", _floats("activation_bytes", self.activation_bytes, n, "one per unit"))
+        put("cut_bytes", _floats("cut_bytes", self.cut_bytes, n + 1, "one per position 0..n"))
+        if self.cut_penalty is not None:
+            put("cut_penalty", _floats("cut_penalty", self.cut_penalty, n + 1, "one per position 0..n"))
+        if self.allowed is not None:
+            allowed = tuple(bool(x) for x in self.allowed)
+            if len(allowed) != n + 1:
+                raise PartitionError(
+                    f"allowed has {len(allowed)} entries; it needs {n + 1} (one per position 0..n)")
+            put("allowed", allowed)
+        for name in ("num_stages", "num_ranks"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise PartitionError(f"{name} = {x!r}; it must be an int >= 1")
+        if self.num_stages % self.num_ranks:
+            raise PartitionError(
+                f"num_stages = {self.num_stages} is not a multiple of num_ranks = {self.num_ranks}; "
+                f"every rank holds num_stages // num_ranks stages")
+        forced = tuple(self.forced)
+        for k in forced:
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 < k < n:
+                raise PartitionError(
+                    f"forced cut {k!r} is not a position strictly inside the chain (1..{n - 1})")
+        for x, y in zip(forced, forced[1:]):
+            if y <= x:
+                raise PartitionError(
+                    f"forced cuts {forced} are {'duplicated' if x == y else 'out of order'} at "
+                    f"{x}, {y}; pass them strictly increasing")
+        put("forced", forced)
+        if not (self.bandwidth > 0):
+            raise PartitionError(f"bandwidth = {self.bandwidth!r}; it must be > 0 bytes/s (inf: free)")
+        if self.memory_limit is not None and not (0 < self.memory_limit < _INF):
+            raise PartitionError(f"memory_limit = {self.memory_limit!r}; it must be finite and > 0 (or None)")
+        if not (0 <= self.state_bytes_per_param_byte < _INF):
+            raise PartitionError(
+                f"state_bytes_per_param_byte = {self.state_bytes_per_param_byte!r}; it must be finite and >= 0")
+        if isinstance(self.inflight, (tuple, list)):
+            put("inflight", _floats("inflight", self.inflight, self.num_ranks, "one per rank"))
+
+    @property
+    def n(self) -> int:
+        return len(self.compute)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    def inflight_per_rank(self) -> tuple[float, ...]:
+        """The in-flight microbatch count of every rank (see [Note: partition cost model])."""
+        if self.inflight is None:
+            return inflight_1f1b(self.num_ranks, self.stages_per_rank)
+        if callable(self.inflight):
+            return _floats("inflight(r)", [self.inflight(r) for r in range(self.num_ranks)],
+                           self.num_ranks, "one per rank")
+        return self.inflight
+
+    def cut_ok(self) -> tuple[bool, ...]:
+        """Per position: may a stage end there (allowed or forced, and always at n)."""
+        n = self.n
+        ok = [True] * (n + 1) if self.allowed is None else list(self.allowed)
+        for k in self.forced:
+            ok[k] = True
+        ok[0], ok[n] = False, True
+        return tuple(ok)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Stage s holds units ``[cuts[s], cuts[s+1])``; costs per [Note: partition cost model].
+
+    ``exact``: the bottleneck is proven minimal (see `solve`'s guarantees). ``method`` names the
+    routine that chose the cuts. ``balance = bottleneck / mean`` (1.0 is perfect).
+    """
+
+    cuts: tuple[int, ...]
+    stage_time: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+    rank_memory: tuple[float, ...]
+    bottleneck: float
+    mean: float
+    balance: float
+    fits_memory: bool
+    exact: bool = True
+    method: str = "solve"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.cuts) - 1
+
+    def __str__(self) -> str:
+        lines = [f"Partition({self.method}, exact={self.exact}): bottleneck {self.bottleneck:.6g} s, "
+                 f"mean {self.mean:.6g} s, balance {self.balance:.4f}, fits memory: {self.fits_memory}"]
+        p = len(self.rank_memory)
+        for s, (a, b) in enumerate(zip(self.cuts, self.cuts[1:])):
+            lines.append(f"  stage {s:3d} (rank {s % p}): units [{a}, {b})  time {self.stage_time[s]:.6g} s"
+                         f"  memory {self.stage_memory[s]:.6g} B")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+class _Chain:
+    """Prefix sums and position tables of one problem (read-only after construction)."""
+
+    def __init__(self, pb: PartitionProblem) -> None:
+        n, S, p = pb.n, pb.num_stages, pb.num_ranks
+        self.pb, self.n, self.S, self.p, self.v = pb, n, S, p, S // p
+        P = [0.0, *accumulate(pb.compute)]
+        if math.isinf(pb.bandwidth):
+            c = [0.0] * (n + 1)
+        else:
+            pen = pb.cut_penalty or (1.0,) * (n + 1)
+            c = [x * y / pb.bandwidth for x, y in zip(pb.cut_bytes, pen)]
+        self.c = c
+        self.E = [x + y for x, y in zip(P, c)]
+        self.K = [x - y for x, y in zip(P, c)]
+        self.Q = [0.0, *accumulate(pb.param_bytes)]
+        self.A = [0.0, *accumulate(pb.activation_bytes)]
+        self.state = pb.state_bytes_per_param_byte
+        self.inflight = pb.inflight_per_rank()
+        self.factor = [self.inflight[s % p] for s in range(S)]
+        self.ok = pb.cut_ok()
+        self.Eok = [e if ok else _INF for e, ok in zip(self.E, self.ok)]
+        bounds = [0, *pb.forced, n]
+        self.segs = list(zip(bounds, bounds[1:]))
+        self.bounds = bounds
+        self.num_cut_points = sum(self.ok[1:n])
+
+    def seg_start(self, b: int) -> int:
+        """The first position of the forced-cut segment a stage ending at b must start in."""
+        return self.bounds[bisect_right(self.bounds, b - 1) - 1]
+
+    def time(self, a: int, b: int) -> float:
+        return self.E[b] - self.K[a]
+
+    def mem(self, s: int, a: int, b: int) -> float:
+        return self.state * (self.Q[b] - self.Q[a]) + self.factor[s] * (self.A[b] - self.A[a])
+
+
+def _check_counts(ch: _Chain) -> None:
+    pb, S, m = ch.pb, ch.S, ch.num_cut_points
+    if S - 1 > m:
+        raise PartitionError(
+            f"num_stages = {S} needs {S - 1} cuts but the graph has only {m} possible cut points; "
+            f"use at most {m + 1} stages (or allow more cuts)")
+    if len(pb.forced) > S - 1:
+        raise PartitionError(
+            f"{len(pb.forced)} forced cuts {pb.forced} make at least {len(pb.forced) + 1} stages; "
+            f"num_stages = {S}: raise num_stages or drop forced cuts")
+
+
+def _forward(ch: _Chain, B: float, caps: Sequence[float] | None):
+    """Reachability layers for bottleneck B (and per-stage memory caps).
+
+    ``layers[s][b]`` is ``K[b]`` when position b can end stage s-1 (s stages covering units
+    ``[0, b)``, each with time <= B and memory <= caps[stage]), else -inf. Returns
+    ``(feasible, layers, next_B, next_L)``: when infeasible, every bottleneck below ``next_B``
+    is infeasible as well (with the same caps), and with ``B = inf`` and one cap for all stages
+    every cap below ``next_L`` is infeasible too.
+    """
+    n, S, E, K = ch.n, ch.S, ch.E, ch.K
+    Bc = min(B, _MAXF)
+    first = [_NEG] * (n + 1)
+    first[0] = K[0]
+    layers = [first]
+    next_b = next_l = _INF
+    for s in range(1, S + 1):
+        prev = layers[-1]
+        if caps is None:
+            mk = [_NEG] * (n + 1)
+            for f, g in ch.segs:
+                mk[f + 1:g + 1] = accumulate(prev[f:g], max)
+            d = list(map(sub, ch.Eok, mk))
+            cur = [k if x <= Bc else _NEG for k, x in zip(K, d)]
+            next_b = min(next_b, min(filter(Bc.__lt__, d), default=_INF))
+        else:
+            cur, nb, nl = _layer_capped(ch, prev, s - 1, Bc, caps[s - 1])
+            next_b, next_l = min(next_b, nb), min(next_l, nl)
+        layers.append(cur)
+        if max(cur) == _NEG:
+            break
+    feasible = len(layers) == S + 1 and layers[S][n] != _NEG
+    return feasible, layers, next_b, next_l
+
+
+def _layer_capped(ch: _Chain, prev: list, s: int, Bc: float, cap: float):
+    """One layer of `_forward` with a memory cap on stage s: a sliding-window maximum of K
+    over the reachable starts whose stage memory fits (the window start only moves right)."""
+    n, E, K, Q, A, ok = ch.n, ch.E, ch.K, ch.Q, ch.A, ch.ok
+    st, fa = ch.state, ch.factor[s]
+    cur = [_NEG] * (n + 1)
+    nb = nl = _INF
+    for f, g in ch.segs:
+        dq: deque[int] = deque()
+        lo, last = f, -1
+        for b in range(f + 1, g + 1):
+            ka = prev[b - 1]
+            if ka != _NEG:
+                while dq and prev[dq[-1]] <= ka:
+                    dq.pop()
+                dq.append(b - 1)
+                last = b - 1
+            if not ok[b]:
+                continue
+            qb, ab = Q[b], A[b]
+            while lo < b and st * (qb - Q[lo]) + fa * (ab - A[lo]) > cap:
+                lo += 1
+            while dq and dq[0] < lo:
+                dq.popleft()
+            if dq:
+                x = E[b] - prev[dq[0]]
+                if x <= Bc:
+                    cur[b] = K[b]
+                elif x < nb:
+                    nb = x
+            elif last >= 0:
+                y = st * (qb - Q[last]) + fa * (ab - A[last])
+                if y < nl:
+                    nl = y
+    return cur, nb, nl
+
+
+def _reconstruct(ch: _Chain, layers: list, B: float, caps: Sequence[float] | None) -> tuple[int, ...]:
+    """Cuts of a feasible layer table: the smallest last cut, then the smallest one before it..."""
+    Bc = min(B, _MAXF)
+    b, cuts = ch.n, [ch.n]
+    for s in range(ch.S, 0, -1):
+        prev = layers[s - 1]
+        for a in range(ch.seg_start(b), b):
+            if prev[a] != _NEG and ch.E[b] - ch.K[a] <= Bc and (caps is None or ch.mem(s - 1, a, b) <= caps[s - 1]):
+                break
+        else:  # pragma: no cover - a feasible table always has a start
+            raise AssertionError(f"no start for stage {s - 1} ending at {b}")
+        cuts.append(a)
+        b = a
+    assert b == 0, cuts
+    return tuple(reversed(cuts))
+
+
+def _evaluate(ch: _Chain, cuts: Sequence[int], method: str, exact: bool) -> Partition:
+    pb = ch.pb
+    times = tuple(ch.time(a, b) for a, b in zip(cuts, cuts[1:]))
+    mems = tuple(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:])))
+    rank = [0.0] * ch.p
+    for s, x in enumerate(mems):
+        rank[s % ch.p] += x
+    bott = max(times)
+    mean = sum(times) / len(times)
+    fits = pb.memory_limit is None or max(rank) <= pb.memory_limit
+    return Partition(tuple(cuts), times, mems, tuple(rank), bott, mean,
+                     bott / mean if mean > 0 else 1.0, fits, exact, method)
+
+
+def evaluate(problem: PartitionProblem, cuts: Sequence[int], *, method: str = "given") -> Partition:
+    """Cost of given cuts under [Note: partition cost model] (memory cap reported, not enforced)."""
+    ch = _Chain(problem)
+    cuts = tuple(int(x) for x in cuts)
+    if len(cuts) != ch.S + 1 or cuts[0] != 0 or cuts[-1] != ch.n or any(
+            y <= x for x, y in zip(cuts, cuts[1:])):
+        raise PartitionError(
+            f"cuts {cuts} are not {ch.S + 1} strictly increasing positions from 0 to {ch.n}")
+    return _evaluate(ch, cuts, method, exact=False)
+
+
+def _min_bottleneck(ch: _Chain, caps: Sequence[float] | None) -> tuple[int, ...] | None:
+    """Exact minimum-bottleneck cuts under per-stage caps, or None when the caps allow none.
+
+    Search over stage-time values: ``lo`` is a proven lower bound (every B < lo infeasible),
+    ``hi`` the bottleneck of the best cuts found. A feasible probe at B lowers hi to the found
+    cuts' bottleneck (<= B); an infeasible one raises lo to `_forward`'s next_B (> B). Both
+    move strictly and land on stage-time values, a finite set, so the loop ends with lo == hi.
+    """
+    feasible, layers, _, _ = _forward(ch, _INF, caps)
+    if not feasible:
+        return None
+    best = _reconstruct(ch, layers, _INF, caps)
+    hi = max(ch.time(a, b) for a, b in zip(best, best[1:]))
+    lo = 0.0
+    pb = ch.pb
+    probe = max(max(pb.compute), sum(pb.compute) / ch.S) * (1 - 1e-9)
+    best_at = _INF  # the bottleneck bound best was reconstructed under
+    while lo < hi:
+        feasible, layers, next_b, _ = _forward(ch, probe, caps)
+        if feasible:
+            best, best_at = _reconstruct(ch, layers, probe, caps), probe
+            hi = max(ch.time(a, b) for a, b in zip(best, best[1:]))
+        else:
+            lo = next_b
+        probe = lo + (hi - lo) / 2
+        if not lo < probe < hi:
+            probe = lo
+    if best_at != hi:  # the tie rule picks among partitions with bottleneck <= the optimum itself
+        feasible, layers, _, _ = _forward(ch, hi, caps)
+        assert feasible
+        best = _reconstruct(ch, layers, hi, caps)
+    return best
+
+
+def _min_cap(ch: _Chain) -> float:
+    """The smallest single per-stage memory cap any partition meets (time ignored)."""
+    feasible, layers, _, _ = _forward(ch, _INF, (_MAXF,) * ch.S)
+    assert feasible
+    cuts = _reconstruct(ch, layers, _INF, None)
+    hi = max(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:])))
+    lo = probe = 0.0
+    while lo < hi:
+        feasible, layers, _, next_l = _forward(ch, _INF, (probe,) * ch.S)
+        if feasible:
+            cuts = _reconstruct(ch, layers, _INF, (probe,) * ch.S)
+            hi = max(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:])))
+        else:
+            lo = next_l
+        probe = lo + (hi - lo) / 2
+        if not lo < probe < hi:
+            probe = lo
+    return hi
+
+
+class _Exhausted(Exception):
+    pass
+
+
+def _dfs_decide(ch: _Chain, B: float, budget: list) -> tuple[int, ...] | None:
+    """Exact decision for v > 1 with a rank memory cap: cuts with bottleneck <= B and every rank
+    within the limit, the smallest last cut first (the tie rule), or None. Raises _Exhausted."""
+    L, S, p = ch.pb.memory_limit, ch.S, ch.p
+    caps = (L,) * S
+    feasible, layers, _, _ = _forward(ch, B, caps)  # per-stage relaxation prunes the search
+    if not feasible:
+        return None
+    failed: set = set()
+    cuts = [0] * (S + 1)
+    cuts[S] = ch.n
+
+    def go(s: int, b: int, mems: tuple) -> bool:
+        # choose the start a of stage s, which ends at b; stages s+1.. are fixed in cuts
+        key = (s, b, mems)
+        if key in failed:
+            return False
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _Exhausted
+        prev, r = layers[s], s % p
+        for a in range(ch.seg_start(b), b):
+            if prev[a] == _NEG or ch.E[b] - ch.K[a] > B:
+                continue
+            x = ch.mem(s, a, b)
+            if mems[r] + x > L:
+                continue
+            cuts[s] = a
+            if s == 0:
+                if _evaluate(ch, cuts, "", True).fits_memory:
+                    return True
+                continue
+            if go(s - 1, a, mems[:r] + (mems[r] + x,) + mems[r + 1:]):
+                return True
+        failed.add(key)
+        return False
+
+    return tuple(cuts) if go(S - 1, ch.n, (0.0,) * p) else None
+
+
+def _solve_coupled(ch: _Chain) -> tuple[tuple[int, ...] | None, bool]:
+    """v > 1 with a memory cap: (cuts or None, exact)."""
+    L, S = ch.pb.memory_limit, ch.S
+    relaxed = _min_bottleneck(ch, (L,) * S)
+    if relaxed is None:  # one stage alone is over the limit: no partition fits
+        return None, True
+    pos = [k for k in range(ch.n + 1) if k == 0 or ch.ok[k]]
+    if len(pos) <= 400:
+        b0 = max(ch.time(a, b) for a, b in zip(relaxed, relaxed[1:]))
+        values = sorted({ch.time(a, b) for i, a in enumerate(pos) for b in pos[i + 1:]
+                         if ch.seg_start(b) <= a and ch.time(a, b) >= b0})
+        budget = [ch.pb.exact_budget]
+        try:
+            best = _dfs_decide(ch, values[-1], budget)
+            if best is None:
+                return None, True
+            lo, hi = 0, len(values) - 1  # values[hi] feasible; find the first feasible
+            while lo < hi:
+                mid = (lo + hi) // 2
+                found = _dfs_decide(ch, values[mid], budget)
+                if found is None:
+                    lo = mid + 1
+                else:
+                    best, hi = found, mid
+            return best, True
+        except _Exhausted:
+            pass
+    cap = L / ch.v
+    while True:  # shrink by ulps until rounding of the per-rank sums cannot exceed L
+        cuts = _min_bottleneck(ch, (cap,) * S)
+        if cuts is None or _evaluate(ch, cuts, "", False).fits_memory:
+            return cuts, False
+        cap = math.nextafter(cap, 0.0)
+
+
+def _needed_memory(ch: _Chain) -> tuple[float, bool]:
+    """(smallest achievable max rank memory, exact) for the error message; for v > 1 without
+    exhaustive search it is a lower bound (the smallest max single-stage memory)."""
+    if ch.v == 1:
+        return _min_cap(ch), True
+    combos = math.comb(ch.num_cut_points - len(ch.pb.forced), ch.S - 1 - len(ch.pb.forced))
+    if combos <= 200_000:
+        return min(max(_evaluate(ch, c, "", True).rank_memory) for c in _all_cuts(ch)), True
+    return _min_cap(ch), False
+
+
+def _fits_with_ranks(pb: PartitionProblem, p: int) -> bool:
+    """Whether p ranks (same v, default in-flight model) fit pb.memory_limit (sound)."""
+    try:
+        q = replace(pb, num_ranks=p, num_stages=p * pb.stages_per_rank, inflight=None)
+        ch = _Chain(q)
+        _check_counts(ch)
+    except PartitionError:
+        return False
+    caps = (pb.memory_limit / ch.v,) * ch.S
+    feasible, layers, _, _ = _forward(ch, _INF, caps)
+    return feasible and _evaluate(ch, _reconstruct(ch, layers, _INF, caps), "", False).fits_memory
+
+
+def _memory_error(ch: _Chain, sound_only: bool) -> PartitionError:
+    pb = ch.pb
+    need, exact = _needed_memory(ch)
+    what = "the smallest maximum rank memory any partition reaches is" if exact else \
+        "every partition needs at least"
+    msg = (f"memory_limit = {pb.memory_limit:.6g} bytes per rank cannot be met with num_stages = {ch.S} "
+           f"on num_ranks = {ch.p}: {what} {need:.6g} bytes per rank "
+           f"(params x {ch.state:g} + in-flight activations {tuple(round(x, 3) for x in ch.inflight)}).")
+    if sound_only:
+        msg += (" (The search gave up on exactness for this size: stages were capped at memory_limit / v, "
+                "so a partition within the limit may still exist.)")
+    if pb.inflight is None:
+        top = min(ch.num_cut_points + 1, (4 * ch.p + _RANK_SCAN_LIMIT) * ch.v) // ch.v
+        fit = next((q for q in range(ch.p + 1, top + 1) if _fits_with_ranks(pb, q)), None)
+        if fit is not None:
+            msg += f" Fix: use num_ranks = {fit} (num_stages = {fit * ch.v}), which fits, or raise memory_limit."
+        else:
+            msg += (f" No num_ranks up to {top} fits with this in-flight model (more 1F1B ranks keep more "
+                    f"microbatches in flight); raise memory_limit, use fewer microbatches in flight or "
+                    f"recompute activations.")
+    else:
+        msg += " Fix: raise memory_limit, add ranks, or keep fewer microbatches in flight."
+    return PartitionError(msg)
+
+
+# ----------------------------------------------------------------------------- public solvers
+
+
+def solve(problem: PartitionProblem) -> Partition:
+    """The minimum-bottleneck partition; see the module docstring for what is guaranteed.
+
+    Raises `PartitionError` when the stage count exceeds the possible cuts, or when no partition
+    meets ``memory_limit`` (naming the memory needed and a rank count that would fit).
+    """
+    ch = _Chain(problem)
+    _check_counts(ch)
+    L = problem.memory_limit
+    if L is None or ch.v == 1:
+        cuts = _min_bottleneck(ch, None if L is None else (L,) * ch.S)
+        exact = True
+    else:
+        cuts, exact = _solve_coupled(ch)
+    if cuts is None:
+        raise _memory_error(ch, sound_only=not exact)
+    part = _evaluate(ch, cuts, "solve", exact)
+    assert part.fits_memory, part
+    return part
+
+
+def _all_cuts(ch: _Chain):
+    forced = set(ch.pb.forced)
+    free = [k for k in range(1, ch.n) if ch.ok[k] and k not in forced]
+    for pick in combinations(free, ch.S - 1 - len(forced)):
+        yield (0, *sorted((*pick, *forced)), ch.n)
+
+
+def brute_force(problem: PartitionProblem, *, max_candidates: int = 2_000_000) -> Partition:
+    """Reference: evaluate every allowed cut tuple; same objective and tie rule as `solve`."""
+    ch = _Chain(problem)
+    _check_counts(ch)
+    count = math.comb(ch.num_cut_points - len(problem.forced), ch.S - 1 - len(problem.forced))
+    if count > max_candidates:
+        raise PartitionError(f"brute_force would evaluate {count} cut tuples (> {max_candidates}); use solve")
+    best, best_key = None, None
+    for cuts in _all_cuts(ch):
+        part = _evaluate(ch, cuts, "brute_force", True)
+        if not part.fits_memory:
+            continue
+        key = (part.bottleneck, cuts[::-1])
+        if best_key is None or key < best_key:
+            best, best_key = part, key
+    if best is None:
+        raise _memory_error(ch, sound_only=False)
+    return best
+
+
+def equal_layer_cuts(problem: PartitionProblem) -> Partition:
+    """Baseline: equal numbers of units per stage (Megatron/PTD split points).
+
+    With every position allowed and no forced cuts, stage s starts at ``s * n // S`` (PTD's
+    ``n / S`` units per stage when S divides n). Otherwise the cuts minimize the largest unit
+    count per stage within ``allowed``/``forced``. Memory is reported, not enforced.
+    """
+    ch = _Chain(problem)
+    _check_counts(ch)
+    n, S = ch.n, ch.S
+    if not problem.forced and all(ch.ok[1:]):
+        cuts = tuple(s * n // S for s in range(S + 1))
+    else:
+        units = replace(problem, compute=(1.0,) * n, cut_bytes=(0.0,) * (n + 1), memory_limit=None,
+                        bandwidth=_INF, cut_penalty=None)
+        cuts = solve(units).cuts
+    return _evaluate(ch, cuts, "equal_layers", exact=False)
+
+
+def parameter_count_cuts(problem: PartitionProblem) -> Partition:
+    """Baseline: DeepSpeed's ``partition_method="parameters"``, which balances parameter counts
+    (the minimum over allowed/forced cuts of the largest per-stage ``param_bytes``), evaluated
+    with the real cost model. Memory is reported, not enforced."""
+    ch = _Chain(problem)
+    _check_counts(ch)
+    params = replace(problem, compute=problem.param_bytes, cut_bytes=(0.0,) * (ch.n + 1),
+                     memory_limit=None, bandwidth=_INF, cut_penalty=None)
+    return _evaluate(ch, solve(params).cuts, "parameters", exact=False)
