@@ -34,6 +34,7 @@ Findings (torch 2.13, transformers 5.24; each checked by tests/test_zoo.py):
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -80,14 +81,14 @@ def _build(model_cls_name: str, config_cls_name: str, config: dict[str, Any], ov
     attn = overrides.pop("attn_implementation", "sdpa")
     config = {**config, **overrides}
     config_cls = getattr(transformers, config_cls_name)
-    try:
-        cfg = config_cls(**config)
-    except TypeError as e:
-        raise TypeError(f"{config_cls_name}: bad override in {sorted(overrides)}: {e}") from e
-    unknown = sorted(k for k in overrides if not hasattr(cfg, k))
+    # Configs accept and store any keyword, so a misspelt field would pass silently: check.
+    known = (set(inspect.signature(config_cls.__init__).parameters)
+             | set(getattr(config_cls, "attribute_map", {})) | set(config_cls().to_dict()))
+    unknown = sorted(k for k in overrides if k not in known)
     if unknown:
         raise TypeError(f"{config_cls_name} has no field(s) {unknown}; check the spelling "
                         f"against transformers.{config_cls_name}")
+    cfg = config_cls(**config)
     cfg._attn_implementation = attn
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     if max_pos is not None and seq_len > max_pos:
