@@ -64,7 +64,7 @@ Guarantees of `solve`:
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, replace
 from itertools import accumulate, combinations
@@ -258,7 +258,7 @@ class _Chain:
     def __init__(self, pb: PartitionProblem) -> None:
         n, S, p = pb.n, pb.num_stages, pb.num_ranks
         self.pb, self.n, self.S, self.p, self.v = pb, n, S, p, S // p
-        P = [0.0, *accumulate(pb.compute)]
+        self.P = P = [0.0, *accumulate(pb.compute)]
         if math.isinf(pb.bandwidth):
             c = [0.0] * (n + 1)
         else:
@@ -302,58 +302,90 @@ def _check_counts(ch: _Chain) -> None:
             f"num_stages = {S}: raise num_stages or drop forced cuts")
 
 
+_SLACK = 1e-9  # relative slack of the compute-only pruning bounds (they must never cut a real path)
+
+
 def _forward(ch: _Chain, B: float, caps: Sequence[float] | None):
     """Reachability layers for bottleneck B (and per-stage memory caps).
 
     ``layers[s][b]`` is ``K[b]`` when position b can end stage s-1 (s stages covering units
-    ``[0, b)``, each with time <= B and memory <= caps[stage]), else -inf. Returns
-    ``(feasible, layers, next_B, next_L)``: when infeasible, every bottleneck below ``next_B``
-    is infeasible as well (with the same caps), and with ``B = inf`` and one cap for all stages
-    every cap below ``next_L`` is infeasible too.
+    ``[0, b)``, each with time <= B and memory <= caps[stage]) and can still be completed, else
+    -inf. Returns ``(feasible, layers, next_B, next_L)``: when infeasible, every bottleneck below
+    ``next_B`` is infeasible as well (with the same caps), and with ``B = inf`` and one cap for
+    all stages every cap below ``next_L`` is infeasible too.
+
+    Only a band of positions is examined per layer: b must lie within ``B`` of compute after the
+    last reachable start (stage time >= its compute), and the remaining ``S - s`` stages must be
+    able to hold the compute after b. Positions outside the band cannot lie on a feasible path;
+    the bounds at which the band would grow enter next_B, so the search stays exact.
     """
-    n, S, E, K = ch.n, ch.S, ch.E, ch.K
+    n, S, E, K, P = ch.n, ch.S, ch.E, ch.K, ch.P
     Bc = min(B, _MAXF)
+    grow = Bc * (1 + _SLACK)
     first = [_NEG] * (n + 1)
     first[0] = K[0]
     layers = [first]
     next_b = next_l = _INF
+    pf = pl = 0  # first and last reachable position of the previous layer
     for s in range(1, S + 1):
         prev = layers[-1]
+        # forward bound: the first b past it has compute from pl alone above B
+        hi = min(n, bisect_right(P, P[pl] + grow) - 1)
+        while hi < n and P[hi + 1] - P[pl] <= Bc:
+            hi += 1
+        if hi < n:
+            next_b = min(next_b, P[hi + 1] - P[pl])
+        # backward bound: S - s stages of at most B must hold the compute after b
+        lo = pf + 1
+        if s < S and Bc < _MAXF:
+            rest = (S - s) * (1 + _SLACK)
+            lo = max(lo, bisect_left(P, P[n] - rest * Bc))
+            while lo > pf + 1 and (P[n] - P[lo - 1]) / rest * (1 - _SLACK) <= Bc:
+                lo -= 1
+            if lo > pf + 1:
+                next_b = min(next_b, (P[n] - P[lo - 1]) / rest * (1 - _SLACK))
+        cur = [_NEG] * (n + 1)
         if caps is None:
             mk = [_NEG] * (n + 1)
             for f, g in ch.segs:
-                mk[f + 1:g + 1] = accumulate(prev[f:g], max)
-            d = list(map(sub, ch.Eok, mk))
-            cur = [k if x <= Bc else _NEG for k, x in zip(K, d)]
+                a0, a1 = max(f, pf), min(g, hi)
+                if a0 < a1:
+                    mk[a0 + 1:a1 + 1] = accumulate(prev[a0:a1], max)
+            d = list(map(sub, ch.Eok[lo:hi + 1], mk[lo:hi + 1]))
+            reach = [b for b, x in zip(range(lo, hi + 1), d) if x <= Bc]
             next_b = min(next_b, min(filter(Bc.__lt__, d), default=_INF))
         else:
-            cur, nb, nl = _layer_capped(ch, prev, s - 1, Bc, caps[s - 1])
+            reach, nb, nl = _layer_capped(ch, prev, s - 1, Bc, caps[s - 1], pf, lo, hi)
             next_b, next_l = min(next_b, nb), min(next_l, nl)
+        for b in reach:
+            cur[b] = K[b]
         layers.append(cur)
-        if max(cur) == _NEG:
+        if not reach:
             break
+        pf, pl = reach[0], reach[-1]
     feasible = len(layers) == S + 1 and layers[S][n] != _NEG
     return feasible, layers, next_b, next_l
 
 
-def _layer_capped(ch: _Chain, prev: list, s: int, Bc: float, cap: float):
-    """One layer of `_forward` with a memory cap on stage s: a sliding-window maximum of K
-    over the reachable starts whose stage memory fits (the window start only moves right)."""
-    n, E, K, Q, A, ok = ch.n, ch.E, ch.K, ch.Q, ch.A, ch.ok
+def _layer_capped(ch: _Chain, prev: list, s: int, Bc: float, cap: float, pf: int, lo_b: int, hi_b: int):
+    """One layer of `_forward` with a memory cap on stage s, for ends b in [lo_b, hi_b]: a
+    sliding-window maximum of K over the reachable starts whose stage memory fits (the window
+    start only moves right). Returns (reachable ends, next_B, next_L)."""
+    E, Q, A, ok = ch.E, ch.Q, ch.A, ch.ok
     st, fa = ch.state, ch.factor[s]
-    cur = [_NEG] * (n + 1)
+    reach = []
     nb = nl = _INF
     for f, g in ch.segs:
         dq: deque[int] = deque()
-        lo, last = f, -1
-        for b in range(f + 1, g + 1):
+        lo, last = max(f, pf), -1
+        for b in range(lo + 1, min(g, hi_b) + 1):
             ka = prev[b - 1]
             if ka != _NEG:
                 while dq and prev[dq[-1]] <= ka:
                     dq.pop()
                 dq.append(b - 1)
                 last = b - 1
-            if not ok[b]:
+            if b < lo_b or not ok[b]:
                 continue
             qb, ab = Q[b], A[b]
             while lo < b and st * (qb - Q[lo]) + fa * (ab - A[lo]) > cap:
@@ -363,14 +395,14 @@ def _layer_capped(ch: _Chain, prev: list, s: int, Bc: float, cap: float):
             if dq:
                 x = E[b] - prev[dq[0]]
                 if x <= Bc:
-                    cur[b] = K[b]
+                    reach.append(b)
                 elif x < nb:
                     nb = x
             elif last >= 0:
                 y = st * (qb - Q[last]) + fa * (ab - A[last])
                 if y < nl:
                     nl = y
-    return cur, nb, nl
+    return reach, nb, nl
 
 
 def _reconstruct(ch: _Chain, layers: list, B: float, caps: Sequence[float] | None) -> tuple[int, ...]:
@@ -415,58 +447,74 @@ def evaluate(problem: PartitionProblem, cuts: Sequence[int], *, method: str = "g
     return _evaluate(ch, cuts, method, exact=False)
 
 
-def _min_bottleneck(ch: _Chain, caps: Sequence[float] | None) -> tuple[int, ...] | None:
-    """Exact minimum-bottleneck cuts under per-stage caps, or None when the caps allow none.
+def _search(check, first: float, top: float):
+    """The smallest feasible value of a monotone check over a finite set of event values.
 
-    Search over stage-time values: ``lo`` is a proven lower bound (every B < lo infeasible),
-    ``hi`` the bottleneck of the best cuts found. A feasible probe at B lowers hi to the found
-    cuts' bottleneck (<= B); an infeasible one raises lo to `_forward`'s next_B (> B). Both
-    move strictly and land on stage-time values, a finite set, so the loop ends with lo == hi.
+    ``check(x)`` returns ``(feasible, result, achieved, next_event)``: a feasible result has
+    ``achieved <= x`` and is itself feasible at ``achieved``; when infeasible, every value below
+    ``next_event`` (> x) is infeasible too. ``lo`` is a proven lower bound and ``hi`` the best
+    achieved value; probes gallop up from ``first`` until one is feasible, then bisect. Every
+    probe moves lo or hi strictly onto an event value, so the loop ends with lo == hi. Values at
+    or above ``top`` are all equivalent to inf. Returns ``(result, optimum, probe it was found
+    at)`` or None when even inf is infeasible.
     """
-    feasible, layers, _, _ = _forward(ch, _INF, caps)
-    if not feasible:
-        return None
-    best = _reconstruct(ch, layers, _INF, caps)
-    hi = max(ch.time(a, b) for a, b in zip(best, best[1:]))
-    lo = 0.0
-    pb = ch.pb
-    probe = max(max(pb.compute), sum(pb.compute) / ch.S) * (1 - 1e-9)
-    best_at = _INF  # the bottleneck bound best was reconstructed under
+    lo, hi, best, best_at = 0.0, _INF, None, _INF
+    probe, step = first, 0.0
     while lo < hi:
-        feasible, layers, next_b, _ = _forward(ch, probe, caps)
+        feasible, res, val, nxt = check(probe)
         if feasible:
-            best, best_at = _reconstruct(ch, layers, probe, caps), probe
-            hi = max(ch.time(a, b) for a, b in zip(best, best[1:]))
+            best, best_at, hi = res, probe, val
+        elif probe == _INF:
+            return None
         else:
-            lo = next_b
-        probe = lo + (hi - lo) / 2
-        if not lo < probe < hi:
-            probe = lo
-    if best_at != hi:  # the tie rule picks among partitions with bottleneck <= the optimum itself
-        feasible, layers, _, _ = _forward(ch, hi, caps)
-        assert feasible
-        best = _reconstruct(ch, layers, hi, caps)
+            lo = nxt
+        if hi == _INF:
+            step = step * 4 if step else max(lo, top * 1e-9) / 128
+            probe = lo + step if lo + step < top else _INF
+        else:
+            probe = lo + (hi - lo) / 2
+            if not lo < probe < hi:
+                probe = lo
+    return (best, hi, best_at) if best is not None else None
+
+
+def _min_bottleneck(ch: _Chain, caps: Sequence[float] | None) -> tuple[int, ...] | None:
+    """Exact minimum-bottleneck cuts under per-stage caps (tie rule of the module docstring),
+    or None when the caps allow no partition. A `_search` over stage-time values."""
+
+    def check(B: float):
+        feasible, layers, next_b, _ = _forward(ch, B, caps)
+        if not feasible:
+            return False, None, None, next_b
+        cuts = _reconstruct(ch, layers, B, caps)
+        return True, cuts, max(ch.time(a, b) for a, b in zip(cuts, cuts[1:])), None
+
+    pb = ch.pb
+    lower = max(max(pb.compute), ch.P[-1] / ch.S) * (1 - 1e-9)
+    found = _search(check, lower, (ch.P[-1] + 2 * max(ch.c)) * (1 + 1e-6) + 1e-300)
+    if found is None:
+        return None
+    best, opt, at = found
+    if at != opt:  # the tie rule picks among partitions with bottleneck <= the optimum itself
+        best = check(opt)[1]
     return best
 
 
 def _min_cap(ch: _Chain) -> float:
     """The smallest single per-stage memory cap any partition meets (time ignored)."""
-    feasible, layers, _, _ = _forward(ch, _INF, (_MAXF,) * ch.S)
-    assert feasible
-    cuts = _reconstruct(ch, layers, _INF, None)
-    hi = max(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:])))
-    lo = probe = 0.0
-    while lo < hi:
-        feasible, layers, _, next_l = _forward(ch, _INF, (probe,) * ch.S)
-        if feasible:
-            cuts = _reconstruct(ch, layers, _INF, (probe,) * ch.S)
-            hi = max(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:])))
-        else:
-            lo = next_l
-        probe = lo + (hi - lo) / 2
-        if not lo < probe < hi:
-            probe = lo
-    return hi
+
+    def check(L: float):
+        caps = (L,) * ch.S
+        feasible, layers, _, next_l = _forward(ch, _INF, caps)
+        if not feasible:
+            return False, None, None, next_l
+        cuts = _reconstruct(ch, layers, _INF, caps)
+        return True, cuts, max(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))), None
+
+    top = (ch.state * ch.Q[-1] + max(ch.factor) * ch.A[-1]) * (1 + 1e-6) + 1e-300
+    found = _search(check, 0.0, top)
+    assert found is not None
+    return found[1]
 
 
 class _Exhausted(Exception):
