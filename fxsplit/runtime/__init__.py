@@ -1,0 +1,32 @@
+"""Pipeline runtime: one pipeline rank executes its action list over torch.distributed.
+
+- `executor.PipelineRuntime`: runs a rank's stages through a schedule (training step, inference).
+- `p2p`: the message plan ([Note: message order]) and the channel that posts sends/receives.
+- `microbatch`: split inputs and targets into microbatches, merge outputs, concrete shapes.
+"""
+
+from fxsplit.runtime.executor import PipelineRuntime
+from fxsplit.runtime.microbatch import (
+    MicrobatchSplit,
+    bind_symbols,
+    concrete_shape,
+    merge_microbatches,
+    split_microbatches,
+    split_target,
+)
+from fxsplit.runtime.p2p import CommPlan, Message, P2PChannel, PipelineError, plan_communication
+
+__all__ = [
+    "CommPlan",
+    "Message",
+    "MicrobatchSplit",
+    "P2PChannel",
+    "PipelineError",
+    "PipelineRuntime",
+    "bind_symbols",
+    "concrete_shape",
+    "merge_microbatches",
+    "plan_communication",
+    "split_microbatches",
+    "split_target",
+]

@@ -1,0 +1,521 @@
+"""Pipeline executor: one pipeline rank runs its action list with its stage modules.
+
+Terms (DESIGN.md, fxsplit.stage, fxsplit.runtime.p2p): p pipeline ranks, S stages, m
+microbatches; rank r holds the stages with ``rank_of_stage(s) == r`` (default ``s % p``); an
+action ``sKi`` is kind K (F, B, I, W) of microbatch i on stage s.
+
+Representative signature::
+
+    rt = PipelineRuntime.from_stage_graphs(graphs, schedule=build("1f1b", p, m), pp_group=None,
+                                           loss_fn=lambda out, y: F.cross_entropy(...), device=dev)
+    loss = rt.step((idx,), target=y)   # every pp rank gets the full-batch loss; grads in .grad
+    out = rt.forward((idx,))           # inference: merged flat outputs on the last stage's rank
+
+[Note: pipeline step]
+1. The flat model inputs are split into m microbatches (fxsplit.runtime.microbatch); every rank
+   passes the same full inputs (ranks read model inputs locally, only boundary values travel),
+   the target is needed only on the rank of the last stage.
+2. Each action runs in order. F: take the inputs (model inputs, values handed over on this rank,
+   or received), run the stage, hand outputs to their consumers (sent straight to each consumer
+   stage, skip connections included), and on the last stage compute ``w_i * loss_fn(out, y_i)``
+   ([Note: loss weighting]). Received inputs are leaves with ``requires_grad`` from the plan.
+   B: sum the gradients received for each output, ``autograd.backward`` from the outputs (or the
+   weighted loss), send each input's ``.grad`` back, free what F saved. I: the input gradients
+   only (``autograd.grad``, graph kept); W: the weight gradients (``backward(inputs=params)``),
+   which recomputes the backward up to the parameters (correct, about 1.5x the cost of B).
+3. After the last action: wait for every send, sum the gradients of tied parameters across the
+   ranks (and stages) that hold them, broadcast the loss from the last stage's rank.
+Gradients ACCUMULATE into ``.grad`` like ``loss.backward()``: zero them between steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fxsplit.runtime.microbatch import (
+    bind_symbols,
+    concrete_shape,
+    merge_microbatches,
+    split_microbatches,
+    split_target,
+)
+from fxsplit.runtime.p2p import ACT, GRAD, CommPlan, Message, P2PChannel, PipelineError, plan_communication
+from fxsplit.schedule.ir import Action, ActionKind
+from fxsplit.stage import StageGraphs, StageIO, ValueMeta
+
+__all__ = ["PipelineRuntime"]
+
+F = ActionKind.FORWARD
+B = ActionKind.BACKWARD
+BI = ActionKind.BACKWARD_INPUT
+BW = ActionKind.BACKWARD_WEIGHT
+
+
+@dataclass
+class _Saved:
+    """What F keeps for the backward of one (stage, microbatch)."""
+
+    inputs: list[Any]
+    outputs: tuple[Any, ...]
+    loss: torch.Tensor | None = None  # weighted loss (last stage)
+    roots: list[torch.Tensor] = field(default_factory=list)  # set by I for W
+    root_grads: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class PipelineRuntime:
+    """Runs one pipeline rank's share of a schedule over ``torch.distributed`` point-to-point.
+
+    Arguments (keyword-only):
+    - ``stages``: this rank's stages, ``{stage: (module, StageIO)}``.
+    - ``stage_io``: the StageIO of ALL stages (``StageGraphs.io``); every rank derives the global
+      message order from it ([Note: message order]). May be omitted when ``stages`` has them all.
+    - ``schedule``: one action list per pipeline rank (``fxsplit.schedule``).
+    - ``pp_group`` / ``pp_rank`` / ``num_ranks``: the pipeline process group (None = default
+      group; e.g. ``mesh.get_group("pp")``), this rank's index in it and its size.
+    - ``input_meta``: the flat model inputs' metas (``StageGraphs.input_meta``): their symbolic
+      shapes bind the symbols of boundary shapes, so receive buffers need no handshake.
+    - ``loss_fn(output, target) -> scalar``: a mean over the microbatch; ``output`` is the model
+      output rebuilt with ``output_spec`` (a tensor or tuple of flat outputs when None).
+    - ``shared_params``: groups of (stage, fqn) holding the same parameter (tied weights).
+    - ``timeout``: seconds any wait may take before a `PipelineError` names the peer.
+    - ``split_dim`` / ``batched``: microbatch split (fxsplit.runtime.microbatch).
+    - ``abort_on_error``: on any failure, destroy ``pp_group`` (or the default group when it is
+      None) so that peers blocked on this rank fail at once instead of at their timeout; the
+      group is unusable afterwards.
+    - ``prefetch``: how many actions ahead receives are posted.
+    - ``blocking_waits``: see `P2PChannel`; default True on gloo, False on NCCL.
+    """
+
+    def __init__(
+        self,
+        *,
+        stages: Mapping[int, tuple[nn.Module, StageIO]],
+        num_stages: int,
+        schedule: Sequence[Sequence[Action | None]],
+        pp_group: dist.ProcessGroup | None,
+        pp_rank: int,
+        num_ranks: int,
+        input_meta: Sequence[ValueMeta],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        device: torch.device | str,
+        stage_io: Sequence[StageIO] | None = None,
+        rank_of_stage: Callable[[int], int] | None = None,
+        shared_params: Sequence[Sequence[tuple[int, str]]] = (),
+        output_spec: Any = None,
+        timeout: float = 300.0,
+        split_dim: int = 0,
+        batched: Sequence[bool] | None = None,
+        abort_on_error: bool = True,
+        prefetch: int = 2,
+        blocking_waits: bool | None = None,
+    ):
+        self.rank_of_stage = rank_of_stage or (lambda s: s % num_ranks)
+        if stage_io is None:
+            if sorted(stages) != list(range(num_stages)):
+                raise ValueError(
+                    f"pipeline rank {pp_rank}: stage_io (the StageIO of all {num_stages} stages, "
+                    "e.g. StageGraphs.io) is required when this rank holds only stages "
+                    f"{sorted(stages)}: every rank derives the message order from all stages"
+                )
+            stage_io = [stages[s][1] for s in range(num_stages)]
+        if len(stage_io) != num_stages:
+            raise ValueError(f"stage_io has {len(stage_io)} entries, expected num_stages={num_stages}")
+        mine = sorted(s for s in range(num_stages) if self.rank_of_stage(s) == pp_rank)
+        if sorted(stages) != mine:
+            raise ValueError(
+                f"pipeline rank {pp_rank} was given stages {sorted(stages)} but holds stages {mine} "
+                f"(rank_of_stage over {num_stages} stages and {num_ranks} ranks); pass exactly those"
+            )
+        for s, (_, sio) in stages.items():
+            if sio != stage_io[s]:
+                raise ValueError(f"stages[{s}] StageIO differs from stage_io[{s}]; pass the same plan")
+        if not 0 <= split_dim:
+            raise ValueError(f"split_dim must be >= 0, got {split_dim}")
+        self.device = torch.device(device)
+        self.modules = {s: mod for s, (mod, _) in stages.items()}
+        self.io = tuple(stage_io)
+        self.num_stages = num_stages
+        self.pp_group = pp_group
+        self.pp_rank = pp_rank
+        self.num_ranks = num_ranks
+        self.input_meta = tuple(input_meta)
+        self.loss_fn = loss_fn
+        self.output_spec = output_spec
+        self.timeout = float(timeout)
+        self.split_dim = split_dim
+        self.batched = batched
+        self.abort_on_error = abort_on_error
+        self.prefetch_depth = max(0, int(prefetch))
+        self.last_stage = num_stages - 1
+        self.last_rank = self.rank_of_stage(self.last_stage)
+        backend = dist.get_backend(pp_group) if dist.is_initialized() else "gloo"
+        self.blocking_waits = (backend != "nccl") if blocking_waits is None else blocking_waits
+        self._schedule = [list(row) for row in schedule]
+        self.train_plan = plan_communication(self._schedule, self.io, rank=pp_rank,
+                                             num_ranks=num_ranks, rank_of_stage=self.rank_of_stage)
+        self.forward_plan = plan_communication(self._schedule, self.io, rank=pp_rank,
+                                               num_ranks=num_ranks, rank_of_stage=self.rank_of_stage,
+                                               forward_only=True)
+        self.num_microbatches = self.train_plan.num_microbatches
+        self._tied = self._local_tied_groups(shared_params)
+        self._shape_cache: dict[tuple, tuple[int, ...]] = {}
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @classmethod
+    def from_stage_graphs(
+        cls,
+        graphs: StageGraphs,
+        *,
+        schedule: Sequence[Sequence[Action | None]],
+        pp_group: dist.ProcessGroup | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        device: torch.device | str,
+        pp_rank: int | None = None,
+        num_ranks: int | None = None,
+        rank_of_stage: Callable[[int], int] | None = None,
+        **options: Any,
+    ) -> PipelineRuntime:
+        """Build this rank's runtime from a full `StageGraphs` (stage modules moved to ``device``)."""
+        if pp_rank is None:
+            pp_rank = dist.get_rank(pp_group)
+        if num_ranks is None:
+            num_ranks = dist.get_world_size(pp_group)
+        owner = rank_of_stage or (lambda s: s % num_ranks)
+        stages = {s: (graphs.modules[s].to(device), graphs.io[s])
+                  for s in range(graphs.num_stages) if owner(s) == pp_rank}
+        return cls(stages=stages, num_stages=graphs.num_stages, schedule=schedule,
+                   pp_group=pp_group, pp_rank=pp_rank, num_ranks=num_ranks,
+                   input_meta=graphs.input_meta, loss_fn=loss_fn, device=device,
+                   stage_io=graphs.io, rank_of_stage=owner, shared_params=graphs.shared_params,
+                   output_spec=graphs.output_spec, **options)
+
+    def _local_tied_groups(self, shared: Sequence[Sequence[tuple[int, str]]]) -> list[tuple[int, tuple[int, ...], list[nn.Parameter]]]:
+        """(group index, holder ranks, this rank's distinct Parameters) per group this rank holds."""
+        out = []
+        for g, group in enumerate(shared):
+            holders = tuple(sorted({self.rank_of_stage(s) for s, _ in group}))
+            if self.pp_rank not in holders:
+                continue
+            params: list[nn.Parameter] = []
+            for s, fqn in sorted(group):
+                if s not in self.modules:
+                    continue
+                try:
+                    p = self.modules[s].get_parameter(fqn)
+                except AttributeError as exc:
+                    raise ValueError(f"shared parameter group {g}: stage {s} has no parameter "
+                                     f"{fqn!r} ({exc})") from exc
+                if all(p is not q for q in params):  # stages on one rank may share the object
+                    params.append(p)
+            out.append((g, holders, params))
+        return out
+
+    # ------------------------------------------------------------------ public API
+
+    def step(self, flat_inputs: Sequence[Any], target: Any = None) -> torch.Tensor:
+        """One training step over all microbatches ([Note: pipeline step]).
+
+        Returns the full-batch loss (float32 scalar) on every pipeline rank; gradients are left
+        (accumulated) in the stage parameters' ``.grad``. ``target`` is only read on the rank of
+        the last stage. Raises `PipelineError` naming the peer, action and microbatch when a peer
+        fails or times out.
+        """
+        if self.loss_fn is None:
+            raise ValueError("PipelineRuntime.step needs loss_fn; use forward() for inference")
+        return self._guarded(lambda: self._run(flat_inputs, target, training=True))
+
+    def forward(self, flat_inputs: Sequence[Any], *, all_ranks: bool = False) -> Any:
+        """Inference: run only the F actions without autograd; return the merged model outputs
+        (flat list, or rebuilt with ``output_spec``) on the last stage's rank, None elsewhere,
+        or on every rank with ``all_ranks`` (pickled broadcast, for convenience not speed)."""
+        return self._guarded(lambda: self._run(flat_inputs, None, training=False, all_ranks=all_ranks))
+
+    # ------------------------------------------------------------------ execution
+
+    def _guarded(self, fn: Callable[[], Any]) -> Any:
+        self._current: Action | None = None
+        try:
+            return fn()
+        except PipelineError:
+            self._abort()
+            raise
+        except Exception as exc:
+            a = self._current
+            where = (f"while running action {a} (stage {a.stage}, microbatch {a.microbatch})"
+                     if a is not None else "outside any action")
+            exc.add_note(
+                f"fxsplit: pipeline rank {self.pp_rank} failed {where}"
+                + ("; the pipeline process group was destroyed so that its peers fail at once"
+                   if self.abort_on_error else "")
+            )
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        self._saved, self._mailbox, self._channel = {}, {}, None
+        if not self.abort_on_error or not dist.is_initialized():
+            return
+        group, self.pp_group = self.pp_group, None
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 -- best effort: the original error is what matters
+            pass
+        self.abort_on_error = False  # only once
+
+    def _run(self, flat_inputs: Sequence[Any], target: Any, *, training: bool, all_ranks: bool = False) -> Any:
+        if len(flat_inputs) != len(self.input_meta):
+            raise TypeError(f"expected {len(self.input_meta)} flat model inputs "
+                            f"{[m.name for m in self.input_meta]}, got {len(flat_inputs)}")
+        flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+        mbs = split_microbatches(flat, self.num_microbatches, dim=self.split_dim, batched=self.batched)
+        self._mb = mbs
+        self._bindings = [bind_symbols(self.input_meta, inp) for inp in mbs.inputs]
+        self._binding_keys = [tuple(sorted((str(k), v) for k, v in b.items())) for b in self._bindings]
+        holds_last = self.last_stage in self.modules
+        if training and holds_last:
+            if target is None:
+                raise ValueError(f"pipeline rank {self.pp_rank} holds the last stage and needs the "
+                                 "target: pass step(inputs, target=...)")
+            self._targets = split_target(target, mbs.sizes, dim=self.split_dim)
+        self._training = training
+        self._saved: dict[tuple[int, int], _Saved] = {}
+        self._mailbox: dict[Message, torch.Tensor] = {}
+        self._outputs: dict[int, list[Any]] = {}
+        self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        plan = self.train_plan if training else self.forward_plan
+        self._channel = P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout,
+                                   alloc=self._alloc, blocking_waits=self.blocking_waits)
+        acts = plan.actions
+        with torch.set_grad_enabled(training):
+            for i, ac in enumerate(acts):
+                self._current = ac.action
+                for nxt in acts[i + 1: i + 1 + self.prefetch_depth]:
+                    self._channel.prefetch(nxt.recvs, ac.action)
+                if ac.action.kind is F:
+                    self._forward(ac)
+                elif ac.action.kind is BW:
+                    self._backward_weight(ac)
+                else:
+                    self._backward(ac)
+                self._channel.reap()
+            self._current = None
+            self._channel.finish()
+        self._channel = None
+        if training:
+            if self._saved:
+                left = ", ".join(f"{s}F{mb}" for s, mb in sorted(self._saved))
+                raise ValueError(f"pipeline rank {self.pp_rank}: forwards {left} never had their "
+                                 "backward (B, or I then W) in the schedule")
+            self._sum_tied_grads()
+            return self._broadcast_loss()
+        return self._gather_outputs(all_ranks)
+
+    # ------------------------------------------------------------------ messages
+
+    def _meta(self, msg: Message) -> ValueMeta:
+        return self.io[msg.stage].input_meta[msg.input]
+
+    def _alloc(self, msg: Message) -> torch.Tensor:
+        meta = self._meta(msg)
+        key = (meta.shape, self._binding_keys[msg.microbatch])
+        shape = self._shape_cache.get(key)
+        if shape is None:
+            shape = self._shape_cache[key] = concrete_shape(meta.shape, self._bindings[msg.microbatch])
+        return torch.empty(shape, dtype=meta.dtype, device=self.device)
+
+    def _take(self, msg: Message, local: bool, action: Action) -> torch.Tensor:
+        if local:
+            return self._mailbox.pop(msg)
+        return self._channel.wait(msg, action)
+
+    def _give(self, msg: Message, value: torch.Tensor, local: bool, action: Action) -> None:
+        if local:
+            self._mailbox[msg] = value
+        else:
+            self._channel.send(msg, value.detach(), action)
+
+    # ------------------------------------------------------------------ actions
+
+    def _forward(self, ac: Any) -> None:
+        a = ac.action
+        s, mb = a.stage, a.microbatch
+        sio = self.io[s]
+        received = {(m.stage, m.input): (m, False) for m in ac.recvs}
+        received.update({(m.stage, m.input): (m, True) for m in ac.local_recvs})
+        args: list[Any] = []
+        for k, (src, meta) in enumerate(zip(sio.inputs, sio.input_meta)):
+            if src.stage is None:
+                args.append(self._mb.inputs[mb][src.index])
+                continue
+            msg, local = received[(s, k)]
+            x = self._take(msg, local, a)
+            if local:
+                x = x.detach()
+            if self._training and meta.requires_grad:
+                x.requires_grad_(True)
+            args.append(x)
+        out = self.modules[s](*args)
+        if not isinstance(out, (tuple, list)):
+            out = (out,)
+        if len(out) != len(sio.outputs):
+            raise ValueError(f"stage {s} returned {len(out)} values but its StageIO lists "
+                             f"{len(sio.outputs)} outputs ({[m.name for m in sio.outputs]})")
+        saved = _Saved(args, tuple(out)) if self._training else None
+        if s == self.last_stage:
+            flat_out = [out[local] for _, local in sorted(sio.model_outputs)]
+            if self._training:
+                model_out = (pytree.tree_unflatten(flat_out, self.output_spec) if self.output_spec
+                             is not None else flat_out[0] if len(flat_out) == 1 else tuple(flat_out))
+                loss = self.loss_fn(model_out, self._targets[mb])
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+                saved.loss = loss.reshape(()) * self._mb.weights[mb]
+                self._loss += saved.loss.detach().float()
+            else:
+                self._outputs[mb] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat_out]
+        if saved is not None:
+            self._saved[(s, mb)] = saved
+        for msg in ac.local_sends:
+            self._give(msg, out[self.io[msg.stage].inputs[msg.input].index], True, a)
+        for msg in ac.sends:
+            self._give(msg, out[self.io[msg.stage].inputs[msg.input].index], False, a)
+
+    def _roots(self, ac: Any, saved: _Saved) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Tensors to differentiate from and their incoming gradients (summed per output)."""
+        a = ac.action
+        grads: dict[int, torch.Tensor] = {}
+        for msg, local in [(m, False) for m in ac.recvs] + [(m, True) for m in ac.local_recvs]:
+            g = self._take(msg, local, a)
+            j = self.io[msg.stage].inputs[msg.input].index
+            grads[j] = g if j not in grads else grads[j] + g
+        roots: list[torch.Tensor] = []
+        root_grads: list[torch.Tensor | None] = []
+        if saved.loss is not None:
+            roots.append(saved.loss)
+            root_grads.append(None)
+        for j in sorted(grads):
+            o = saved.outputs[j]
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                roots.append(o)
+                root_grads.append(grads[j])
+        return roots, root_grads
+
+    def _send_input_grads(self, ac: Any, saved: _Saved, input_grads: Mapping[int, torch.Tensor | None]) -> None:
+        a = ac.action
+        for msgs, local in ((ac.local_sends, True), (ac.sends, False)):
+            for msg in msgs:
+                g = input_grads.get(msg.input)
+                if g is None:  # no path from this input to the outputs: its gradient is zero
+                    g = torch.zeros_like(saved.inputs[msg.input])
+                self._give(msg, g, local, a)
+
+    def _backward(self, ac: Any) -> None:
+        a = ac.action
+        key = (a.stage, a.microbatch)
+        saved = self._saved[key] if a.kind is BI else self._saved.pop(key)
+        roots, root_grads = self._roots(ac, saved)
+        wanted = sorted({m.input for m in ac.sends + ac.local_sends})
+        if a.kind is B:
+            if roots:
+                torch.autograd.backward(roots, root_grads)
+            input_grads = {k: saved.inputs[k].grad for k in wanted}
+        else:  # I: input gradients only, keep the graph for W
+            leaves = [saved.inputs[k] for k in wanted]
+            got = (torch.autograd.grad(roots, leaves, root_grads, retain_graph=True, allow_unused=True)
+                   if roots and leaves else [None] * len(leaves))
+            input_grads = dict(zip(wanted, got))
+            saved.roots, saved.root_grads = roots, root_grads
+        self._send_input_grads(ac, saved, input_grads)
+
+    def _backward_weight(self, ac: Any) -> None:
+        a = ac.action
+        saved = self._saved.pop((a.stage, a.microbatch))
+        params = [p for p in self.modules[a.stage].parameters() if p.requires_grad]
+        if saved.roots and params:
+            torch.autograd.backward(saved.roots, saved.root_grads, inputs=params)
+
+    # ------------------------------------------------------------------ end of step
+
+    def _wait(self, work: dist.Work, what: str, peer: int | None) -> None:
+        try:
+            if self.blocking_waits:
+                work.wait(datetime.timedelta(seconds=self.timeout))
+            else:
+                work.wait()
+        except Exception as exc:
+            raise PipelineError(
+                f"pipeline rank {self.pp_rank}: {what} with pipeline rank "
+                f"{peer if peer is not None else '(any)'} failed or timed out after "
+                f"{self.timeout:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "that rank most likely failed: look for its own error first",
+                rank=self.pp_rank, peer=peer, action=None, microbatch=None) from exc
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.pp_group is None else dist.get_global_rank(self.pp_group, group_rank)
+
+    def _sum_tied_grads(self) -> None:
+        """Sum each tied parameter's gradient over the stages and ranks holding it; every holder
+        adds the per-rank partial sums in rank order, so all copies get bit-identical gradients."""
+        tag_base = 2 * self.num_microbatches * self.num_stages * max(len(s.inputs) for s in self.io) + 1
+        for g, holders, params in self._tied:
+            partial = None
+            for p in params:
+                if p.grad is not None:
+                    partial = p.grad.clone() if partial is None else partial + p.grad
+            if partial is None:
+                partial = torch.zeros_like(params[0])
+            parts = {self.pp_rank: partial}
+            works = []
+            for q in holders:
+                if q == self.pp_rank:
+                    continue
+                buf = torch.empty_like(partial)
+                parts[q] = buf
+                ops = [("send", partial), ("recv", buf)]
+                if q < self.pp_rank:  # one order per pair on both sides (NCCL)
+                    ops.reverse()
+                for kind, t in ops:
+                    fn = dist.isend if kind == "send" else dist.irecv
+                    works.append((fn(t, self._global(q), group=self.pp_group, tag=tag_base + g), q))
+            for work, q in works:
+                self._wait(work, f"summing the gradient of tied parameter group {g}", q)
+            total = parts[holders[0]]
+            for q in holders[1:]:
+                total = total + parts[q]
+            for p in params:
+                if p.grad is None:
+                    p.grad = total.clone()
+                else:
+                    p.grad.copy_(total)
+
+    def _broadcast_loss(self) -> torch.Tensor:
+        loss = self._loss
+        if self.num_ranks > 1:
+            work = dist.broadcast(loss, self._global(self.last_rank), group=self.pp_group, async_op=True)
+            self._wait(work, "broadcasting the loss", self.last_rank)
+        return loss
+
+    def _gather_outputs(self, all_ranks: bool) -> Any:
+        merged = None
+        if self.last_stage in self.modules:
+            merged = merge_microbatches([self._outputs[i] for i in range(self.num_microbatches)],
+                                        dim=self.split_dim)
+            if self.output_spec is not None:
+                merged = pytree.tree_unflatten(merged, self.output_spec)
+        self._outputs = {}
+        if all_ranks and self.num_ranks > 1:
+            box = [merged]
+            dist.broadcast_object_list(box, self._global(self.last_rank), group=self.pp_group)
+            merged = box[0]
+        return merged
