@@ -378,3 +378,64 @@ def test_debug_warns_when_modified_flag_is_wrong(tmp_path, caplog):
     PassManager([sneaky], debug=tmp_path)(traced())
     summary = (tmp_path / "summary.txt").read_text()
     assert "warning: pass 'sneaky' returned modified=False but changed the graph code" in summary
+
+
+# --------------------------------------------------------------------------- examples/custom_pass.py
+
+
+@pytest.fixture(scope="module")
+def example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_pass.py"
+    spec = importlib.util.spec_from_file_location("fxsplit_example_custom_pass", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registers "gelu_to_tanh"
+    yield module
+    unregister_pass("gelu_to_tanh")
+
+
+def test_example_main_changes_graph_and_keeps_numerics(example, tmp_path):
+    s = example.main(str(tmp_path), verbose=False)
+    assert s["modified"] is True
+    assert s["report"] == {
+        "gelu_to_tanh": ["gelu_1", "gelu_2", "gelu_3"],
+        "checkpoint_blocks": ["blocks.0", "blocks.1"],
+    }
+    added = [a.target for a in s["diff"].added]
+    assert added.count("torch.utils.checkpoint.checkpoint") == 2
+    # equal to the same model written with tanh GELU: output and every gradient
+    assert s["max_abs_vs_tanh_model"] <= 1e-6 and s["max_grad_abs_vs_tanh_model"] <= 1e-6
+    # different from, but close to, exact GELU
+    assert 0 < s["max_abs_vs_exact_gelu"] < 1e-2
+    # checkpointing keeps fewer tensors for backward
+    assert s["saved_tensors_after"] < s["saved_tensors_before"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "00_gelu_to_tanh", "01_checkpoint_blocks"
+    ]
+
+
+def test_example_gelu_pass_on_exported_graph(example):
+    torch.manual_seed(0)
+    model = example.TinyMLP()
+    x = torch.randn(2, 16)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    ctx = PassContext()
+    result = PassManager(["gelu_to_tanh"], debug=False)(gm, ctx)
+    gelus = [n for n in result.graph_module.graph.nodes
+             if n.target is torch.ops.aten.gelu.default]
+    assert len(gelus) == 3 and all(n.kwargs["approximate"] == "tanh" for n in gelus)
+    tanh_model = example.TinyMLP(approximate="tanh")
+    tanh_model.load_state_dict(model.state_dict())
+    torch.testing.assert_close(result.graph_module(x), tanh_model(x), rtol=1e-5, atol=1e-6)
+    # a second run finds nothing left to rewrite
+    assert PassManager(["gelu_to_tanh"], debug=False)(result.graph_module).modified is False
+
+
+def test_example_checkpoint_rejects_unknown_block(example):
+    gm = torch.fx.symbolic_trace(example.TinyMLP())
+    bad = functools.partial(example.checkpoint_blocks, blocks=("blocks.7",))
+    with pytest.raises(ValueError, match="no node comes from module 'blocks.7'") as info:
+        PassManager([bad], debug=False)(gm)
+    assert "in pass 'checkpoint_blocks'" in info.value.__notes__[0]
