@@ -8,6 +8,8 @@ Terms:
     shape: from ``node.meta["fxsplit"].outputs`` (NodeInfo), else ``node.meta["val"]`` (fake
         tensors, possibly with symbolic sizes), else ``node.meta["tensor_meta"]`` (ShapeProp).
     FLOPs: ``node.meta["fxsplit"].cost.flops`` when present (int or sympy expression), else blank.
+    symbol names: fxsplit.trace's symbols (``gm.meta["fxsplit"].symbols``, e.g. batch -> s26)
+        print by name, so shapes read ``[batch, 16]`` and FLOPs ``36*batch``.
     params: ``node.meta["fxsplit"].params`` when present, else the parameter/buffer FQNs a node
         reads (its own target for ``get_attr``, the module's parameters for ``call_module``, the
         ``get_attr`` arguments of a ``call_function``).
@@ -58,6 +60,7 @@ __all__ = [
     "node_params",
     "node_shape",
     "op_counts",
+    "symbol_names",
     "target_name",
     "to_dot",
 ]
@@ -120,26 +123,43 @@ def module_path(node: torch.fx.Node) -> str:
     return ""
 
 
-def _format_dim(d: Any) -> str:
-    if isinstance(d, torch.SymInt):
-        return str(d.node.expr)
-    return str(d)
+def symbol_names(graph: GraphLike) -> dict[sympy.Symbol, sympy.Symbol]:
+    """Tracer symbols -> readable ones (``s26`` -> ``batch``), from the graph module's
+    ``meta["fxsplit"].symbols`` (fxsplit.trace's TraceInfo); empty when there is none."""
+    graph = _graph(graph)
+    root = graph.owning_module
+    symbols = getattr(getattr(root, "meta", {}).get("fxsplit"), "symbols", None) if root else None
+    if not isinstance(symbols, Mapping):
+        return {}
+    return {
+        sym: sympy.Symbol(name)
+        for name, sym in symbols.items()
+        if isinstance(sym, sympy.Symbol) and isinstance(name, str)
+    }
 
 
-def _format_shape(shape: Any) -> str:
-    return "[" + ", ".join(_format_dim(d) for d in shape) + "]"
+def _readable(x: Any, names: Mapping[sympy.Symbol, sympy.Symbol]) -> Any:
+    if isinstance(x, torch.SymInt):
+        x = x.node.expr
+    if names and isinstance(x, sympy.Basic):
+        return x.xreplace(names)
+    return x
 
 
-def _format_val(val: Any) -> str:
+def _format_shape(shape: Any, names: Mapping) -> str:
+    return "[" + ", ".join(str(_readable(d, names)) for d in shape) + "]"
+
+
+def _format_val(val: Any, names: Mapping) -> str:
     if isinstance(val, torch.Tensor):
-        return _format_shape(val.shape)
+        return _format_shape(val.shape, names)
     if isinstance(val, (tuple, list)):
-        parts = [_format_val(v) for v in val]
+        parts = [_format_val(v, names) for v in val]
         if any(parts):
             return "(" + ", ".join(p or "-" for p in parts) + ")"
         return ""
     if isinstance(val, torch.SymInt):
-        return f"int {_format_dim(val)}"
+        return f"int {_readable(val, names)}"
     if isinstance(val, bool) or val is None:
         return ""
     if isinstance(val, int):
@@ -147,32 +167,44 @@ def _format_val(val: Any) -> str:
     return ""
 
 
-def node_shape(node: torch.fx.Node) -> str:
-    """The node's output shape(s) as text, e.g. ``[s0, 16]`` or ``([2, 4], [2])``; "" if unknown."""
+def node_shape(node: torch.fx.Node, names: Mapping[sympy.Symbol, sympy.Symbol] | None = None) -> str:
+    """The node's output shape(s) as text, e.g. ``[batch, 16]`` or ``([2, 4], [2])``; "" if unknown.
+
+    ``names`` renames symbols; by default ``symbol_names`` of the node's graph.
+    """
+    names = symbol_names(node.graph) if names is None else names
     info = _info(node)
     outputs = getattr(info, "outputs", None)
     if outputs:
-        parts = [_format_shape(o.shape) for o in outputs if getattr(o, "shape", None) is not None]
+        parts = [
+            _format_shape(o.shape, names) for o in outputs if getattr(o, "shape", None) is not None
+        ]
         if parts:
             return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
     if "val" in node.meta:
-        return _format_val(node.meta["val"])
+        return _format_val(node.meta["val"], names)
     tm = node.meta.get("tensor_meta")
     if tm is not None:
         if hasattr(tm, "shape"):
-            return _format_shape(tm.shape)
+            return _format_shape(tm.shape, names)
         if isinstance(tm, (tuple, list)):
-            return "(" + ", ".join(_format_shape(t.shape) for t in tm if hasattr(t, "shape")) + ")"
+            return "(" + ", ".join(
+                _format_shape(t.shape, names) for t in tm if hasattr(t, "shape")
+            ) + ")"
     return ""
 
 
-def node_flops(node: torch.fx.Node) -> int | float | sympy.Expr | None:
-    """``meta["fxsplit"].cost.flops`` (int or sympy expression), or None when not annotated."""
+def node_flops(
+    node: torch.fx.Node, names: Mapping[sympy.Symbol, sympy.Symbol] | None = None
+) -> int | float | sympy.Expr | None:
+    """``meta["fxsplit"].cost.flops`` (int or sympy expression, symbols renamed as in
+    ``node_shape``), or None when the node is not annotated."""
     cost = getattr(_info(node), "cost", None)
     flops = getattr(cost, "flops", None)
-    if isinstance(flops, torch.SymInt):
-        return flops.node.expr
-    return flops
+    if flops is None:
+        return None
+    names = symbol_names(node.graph) if names is None else names
+    return _readable(flops, names)
 
 
 def format_flops(flops: int | float | sympy.Expr | None) -> str:
@@ -236,6 +268,7 @@ _HEADERS = ("node", "op", "target", "module path", "shape", "FLOPs", "params")
 def graph_rows(gm: GraphLike) -> tuple[NodeRow, ...]:
     """One NodeRow per node of ``gm``, in graph order."""
     graph = _graph(gm)
+    names = symbol_names(graph)
     rows = []
     for node in graph.nodes:
         target = "" if node.op in ("placeholder", "output") else target_name(node)
@@ -245,8 +278,8 @@ def graph_rows(gm: GraphLike) -> tuple[NodeRow, ...]:
                 op=node.op,
                 target=target,
                 module_path=module_path(node),
-                shape=node_shape(node),
-                flops=format_flops(node_flops(node)),
+                shape=node_shape(node, names),
+                flops=format_flops(node_flops(node, names)),
                 params=", ".join(node_params(node)),
             )
         )
@@ -278,8 +311,9 @@ def graph_table(gm: GraphLike, *, max_width: int = 40) -> str:
             lines.append("  ".join("-" * w for w in widths))
     total: Any = 0
     annotated = 0
+    names = symbol_names(graph)
     for node in graph.nodes:
-        flops = node_flops(node)
+        flops = node_flops(node, names)
         if flops is not None:
             total = total + flops
             annotated += 1
@@ -514,6 +548,7 @@ def to_dot(
             mp = ".".join(mp.split(".")[:module_depth])
         return mp or "(top level)"
 
+    names = symbol_names(graph)
     groups: dict[str, str] = {}
     lines = [
         "digraph fxsplit {",
@@ -530,7 +565,7 @@ def to_dot(
         color = groups.get(group, _NO_GROUP) if group is not None else _NO_GROUP
         label_parts = [node.name, node.op if node.op in ("placeholder", "output", "get_attr")
                        else f"{node.op} {target_name(node)}"]
-        shape = node_shape(node)
+        shape = node_shape(node, names)
         if shape:
             label_parts.append(shape)
         if group is not None:

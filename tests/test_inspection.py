@@ -158,6 +158,20 @@ def test_symbolic_shapes_from_dynamic_export():
     assert rows["mul"].shape == shape
 
 
+def test_table_of_fxsplit_trace_names_symbols():
+    import fxsplit
+
+    for method in ("fx", "export"):
+        gm = fxsplit.trace(Net(), (torch.randn(2, 4),), method=method)
+        rows = {r.name: r for r in graph_rows(gm)}
+        assert rows["x"].shape == "[batch, 4]", method
+        assert rows["mul"].module_path == "" and rows["mul"].params == "scale"
+        assert re.fullmatch(r"\d+\*batch", rows["add_1"].flops), rows["add_1"].flops
+        assert graph_table(gm).splitlines()[-1].endswith("*batch over %d annotated nodes" % len(rows))
+        label = parse_dot(to_dot(gm))[0]["x"]["label"]
+        assert label == r"x\nplaceholder\n[batch, 4]\n(top level)"
+
+
 @pytest.mark.parametrize(
     "value, text",
     [
