@@ -246,9 +246,9 @@ def _drop_concrete_placeholders(gm: torch.fx.GraphModule, names: Iterable[str]) 
     gm.recompile()
 
 
-def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: Iterable[Any]) -> tuple[torch.fx.GraphModule, list[str]]:
+def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, leaves: tuple) -> tuple[torch.fx.GraphModule, list[str]]:
     given, concrete = _given_params(model, args, kwargs)
-    tracer = _LeafTracer(*_split_leaves(model, leaf_modules))
+    tracer = _LeafTracer(*leaves)
     graph = tracer.trace(model, concrete_args=concrete or None)
     name = model.__class__.__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
@@ -292,6 +292,34 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool) -> None
             fakes.append(x)
     with mode:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+def _propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, on_meta: bool) -> str:
+    """Fill ``meta["val"]``: fake tensors (symbolic if asked); falls back to static shapes, then,
+    for real-weight models only, to one real forward (a leaf module with data-dependent code)."""
+    try:
+        _fake_propagate(gm, flat, dynamic)
+        return ""
+    except Exception as first:
+        if dynamic:
+            try:
+                _fake_propagate(gm, flat, False)
+                return " (static shapes: fake propagation failed with symbolic batch/sequence)"
+            except Exception:
+                pass
+        real = not on_meta and all(not (isinstance(x, torch.Tensor) and x.is_meta) for x in flat)
+        if not real:
+            raise first
+
+    class _RealProp(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            n.meta["val"] = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("meta"), out)
+            return out
+
+    with torch.no_grad():
+        _RealProp(gm).run(*flat)
+    return " (shapes from one real forward: fake-tensor propagation failed, e.g. data-dependent code in a leaf module)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,7 +410,7 @@ def trace(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     args, kwargs = _normalize_args(model, example_args, example_kwargs)
-    leaf_modules = tuple(leaf_modules)
+    leaves = _split_leaves(model, tuple(leaf_modules))
     on_meta = any(p.is_meta for p in model.parameters())
 
     gm: torch.fx.GraphModule | None = None
@@ -390,13 +418,14 @@ def trace(
     fx_error: TraceError | None = None
     if method in ("auto", "fx"):
         try:
-            gm, given = _trace_fx(model, args, kwargs, leaf_modules)
+            gm, given = _trace_fx(model, args, kwargs, leaves)
             flat = [a for a in args] + [kwargs[k] for k in given[len(args):]]
-            _fake_propagate(gm, flat, dynamic)
+            prop_note = _propagate(gm, flat, dynamic, on_meta)
             input_names = tuple(given)
             used = "fx"
             if method == "auto":
                 reason = "torch.fx symbolic tracing succeeded"
+            reason += prop_note
         except Exception as exc:  # fx fails in many ways (TraceError, TypeError, ValueError, ...)
             fx_error = _fx_error(exc, model)
             fx_error.__cause__ = exc

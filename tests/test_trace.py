@@ -1,0 +1,207 @@
+"""fxsplit.trace: both frontends, metadata contract, meta-device models, errors."""
+
+import sympy
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxsplit
+from fxsplit import zoo
+from fxsplit.meta import NodeInfo, TraceInfo
+
+
+def _outputs_equal(a, b):
+    fa, sa = torch.utils._pytree.tree_flatten(a)
+    fb, sb = torch.utils._pytree.tree_flatten(b)
+    assert len(fa) == len(fb)
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        else:
+            assert x == y
+
+
+def _check_metadata(gm):
+    info = gm.meta["fxsplit"]
+    assert isinstance(info, TraceInfo)
+    for node in gm.graph.nodes:
+        ni = node.meta["fxsplit"]
+        assert isinstance(ni, NodeInfo), node
+        assert ni.cost is not None, node
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            assert len(ni.outputs) == 1 and ni.outputs[0].dtype == node.meta["val"].dtype
+
+
+@pytest.mark.parametrize("name", zoo.ZOO_NAMES)
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_zoo_models_trace_and_reproduce(name, method):
+    model, args, kwargs = zoo.make(name)
+    gm = fxsplit.trace(model, args, kwargs, method=method)
+    assert gm.meta["fxsplit"].method == method
+    _check_metadata(gm)
+    _outputs_equal(gm(*args, **kwargs), model(*args, **kwargs))
+
+
+def test_fx_metadata_module_paths_and_params():
+    model, args, kwargs = zoo.make("gpt")
+    gm = fxsplit.trace(model, args, kwargs, method="fx")
+    by_name = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    q = by_name["blocks.0.attn.q"]
+    info = q.meta["fxsplit"]
+    assert info.module_path == "blocks.0.attn.q"
+    assert set(info.params) == {"blocks.0.attn.q.weight", "blocks.0.attn.q.bias"}
+    # nodes inside a block's forward (not modules themselves) carry the block's path
+    paths = {n.meta["fxsplit"].module_path for n in gm.graph.nodes if n.op == "call_function"}
+    assert any(p.startswith("blocks.1.attn") for p in paths)
+    # output shape is symbolic in batch and sequence
+    sym = gm.meta["fxsplit"].symbols
+    assert set(sym) >= {"batch", "seq"}
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    shape = out.meta["fxsplit"].outputs[0].shape
+    assert shape[0] == sym["batch"] and shape[1] == sym["seq"]
+
+
+def test_export_metadata_same_kind_as_fx():
+    model, args, kwargs = zoo.make("gpt")
+    gm = fxsplit.trace(model, args, kwargs, method="export")
+    linears = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    assert linears
+    q = [n for n in linears if n.meta["fxsplit"].module_path == "blocks.0.attn.q"]
+    assert len(q) == 1
+    assert "blocks.0.attn.q.weight" in q[0].meta["fxsplit"].params
+    flops = q[0].meta["fxsplit"].cost.flops
+    assert isinstance(flops, sympy.Expr) and flops.free_symbols
+
+
+def test_symbolic_graph_serves_other_batch_sizes():
+    model, args, kwargs = zoo.make("gpt")
+    for method in ("fx", "export"):
+        gm = fxsplit.trace(model, args, kwargs, method=method)
+        idx = torch.randint(0, model.config.vocab_size, (args[0].shape[0] + 3, args[0].shape[1] - 2))
+        torch.testing.assert_close(gm(idx), model(idx))
+        info = gm.meta["fxsplit"]
+        b = info.symbols["batch"]
+        assert info.bindings(batch=7) == {b: 7}
+
+
+def test_auto_prefers_fx_and_says_why():
+    model, args, kwargs = zoo.make("mlp")
+    gm = fxsplit.trace(model, args, kwargs)
+    assert gm.meta["fxsplit"].method == "fx"
+    assert "fx" in gm.meta["fxsplit"].reason
+
+
+def test_leaf_modules_stay_single_nodes():
+    model, args, kwargs = zoo.make("gpt")
+    gm = fxsplit.trace(model, args, kwargs, method="fx", leaf_modules=["blocks.0"])
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert "blocks.0" in targets and not any(str(t).startswith("blocks.0.") for t in targets)
+    _outputs_equal(gm(*args), model(*args))
+
+
+def test_meta_model_traces_without_compute():
+    with torch.device("meta"):
+        model, args, kwargs = zoo.make("gpt")
+    assert all(p.is_meta for p in model.parameters())
+    args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+    for method in ("fx", "export"):
+        gm = fxsplit.trace(model, args, kwargs, method=method)
+        assert gm.meta["fxsplit"].on_meta
+        _check_metadata(gm)
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), _Branchy())
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class _Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return x * 2
+        return x
+
+
+def test_untraceable_model_error_names_module_line_and_fix():
+    model = _DataDependent()
+    with pytest.raises(fxsplit.TraceError) as ei:
+        fxsplit.trace(model, (torch.randn(2, 4),), method="fx")
+    msg = str(ei.value)
+    assert "'inner.1'" in msg and "if x.sum() > 0" in msg
+    assert "leaf_modules=['inner.1']" in msg and 'method="export"' in msg
+    with pytest.raises(fxsplit.TraceError) as ei:
+        fxsplit.trace(model, (torch.randn(2, 4),), method="auto")
+    assert "torch.fx could not trace" in str(ei.value) and "torch.export could not trace" in str(ei.value)
+    # the fix the message suggests works
+    gm = fxsplit.trace(model, (torch.randn(2, 4),), method="fx", leaf_modules=["inner.1"])
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_bad_inputs_get_clear_errors():
+    model, args, kwargs = zoo.make("mlp")
+    with pytest.raises(TypeError, match="expects a torch.nn.Module"):
+        fxsplit.trace(lambda x: x, args)
+    with pytest.raises(TypeError, match="do not match MLP.forward"):
+        fxsplit.trace(model, (args[0], args[0]))
+    with pytest.raises(ValueError, match="method must be one of"):
+        fxsplit.trace(model, args, method="jit")
+    with pytest.raises(ValueError, match="no module named 'layer.0'"):
+        fxsplit.trace(model, args, method="fx", leaf_modules=["layer.0"])
+    with pytest.raises(TypeError, match="example_kwargs"):
+        fxsplit.trace(model, args, example_kwargs=[1])
+
+
+class _DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x, scale: float = 1.0):
+        y = self.a(x) * scale
+        return {"y": y, "pair": (y.relu(), x)}
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_structured_outputs_and_default_arguments(method):
+    model = _DictOut()
+    x = torch.randn(2, 4)
+    gm = fxsplit.trace(model, (x,), method=method)
+    out = gm(x)
+    assert isinstance(out, dict) and isinstance(out["pair"], tuple)
+    _outputs_equal(out, model(x))
+    assert gm.meta["fxsplit"].input_names == ("x",)
+    flat = fxsplit.flatten_inputs(gm, (x,))
+    assert len(flat) == 1
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("builder", ["tiny_gpt2", "tiny_llama", "tiny_bert", "tiny_qwen2"])
+def test_hf_models_trace_with_export(builder):
+    from fxsplit import hf_zoo
+
+    model, args, kwargs = getattr(hf_zoo, builder)()
+    model.eval()
+    gm = fxsplit.trace(model, args, kwargs)
+    info = gm.meta["fxsplit"]
+    assert info.method == "export" and "torch.fx failed" in info.reason
+    _check_metadata(gm)
+    out, ref = gm(*args, **kwargs), model(*args, **kwargs)
+    assert type(out) is type(ref)  # HF ModelOutput structure comes back
+    _outputs_equal(out, ref)
+
+
+@pytest.mark.hf
+def test_hf_cache_is_turned_off_for_export_and_restored():
+    from fxsplit import hf_zoo
+
+    model, args, kwargs = hf_zoo.tiny_gpt2()
+    model.config.use_cache = True
+    gm = fxsplit.trace(model, args, kwargs, method="export")
+    assert "use_cache=False" in gm.meta["fxsplit"].reason
+    assert model.config.use_cache is True
