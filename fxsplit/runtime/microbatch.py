@@ -224,7 +224,7 @@ def concrete_shape(shape: Sequence[Any], binding: Mapping[sympy.Symbol, int]) ->
         if isinstance(d, int):
             out.append(d)
             continue
-        value = d.xreplace(dict(binding)) if binding else d
+        value = sympy.sympify(d.xreplace(dict(binding)) if binding else d)
         if value.free_symbols:
             raise ValueError(
                 f"shape {tuple(shape)}: dimension {d} uses {sorted(map(str, value.free_symbols))}, "

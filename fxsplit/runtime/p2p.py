@@ -378,7 +378,7 @@ class P2PChannel:
         text = (
             f"pipeline rank {self.plan.rank} (global rank {self._global_rank(self.plan.rank)}): "
             f"action {action} (stage {action.stage}, microbatch {action.microbatch}) {what} the "
-            f"{msg.describe()} {'to' if what.startswith('send') else 'from'} pipeline rank {peer} "
+            f"{msg.describe()} {'to' if 'send' in what else 'from'} pipeline rank {peer} "
             f"(global rank {self._global.get(peer, peer)}), which {reason}. Pipeline rank {peer} "
             "most likely failed or is stuck: look for its own error first. A slow but healthy "
             "peer needs a larger `timeout`."
@@ -390,15 +390,17 @@ class P2PChannel:
 
     def _post(self, op: CommOp, action: Action) -> None:
         msg, dst = op.message, self._global[op.peer]
+        if op.is_send:
+            tensor, producer = self._ready.pop(msg)
+        else:
+            tensor = self.alloc(msg)
         try:
             if op.is_send:
-                tensor, producer = self._ready.pop(msg)
                 work = dist.isend(tensor, dst, group=self.group, tag=msg.tag)
                 self._sends.append((work, msg, producer, tensor))
             else:
-                buf = self.alloc(msg)
-                work = dist.irecv(buf, dst, group=self.group, tag=msg.tag)
-                self._recvs[msg] = (work, buf)
+                work = dist.irecv(tensor, dst, group=self.group, tag=msg.tag)
+                self._recvs[msg] = (work, tensor)
         except Exception as exc:  # a dead peer makes the post itself raise on gloo
             raise self.error("posting the send of" if op.is_send else "posting the receive of",
                              msg, op.peer, action, exc) from exc

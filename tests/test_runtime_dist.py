@@ -1,0 +1,143 @@
+"""Pipeline runtime on gloo with 2 and 4 processes: loss and every gradient after 3 SGD steps
+equal the unsplit model, for each schedule, v in {1, 2}, m in {p, 2p, p+1}, on a tied-weight
+GPT and a model whose skip connection crosses every stage; forward-only inference equals the
+model; a rank that fails makes its peer raise a PipelineError naming it instead of hanging.
+Each group of cases runs in ONE process-group launch (spawning costs seconds)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxsplit.runtime import PipelineError, PipelineRuntime
+from fxsplit.schedule.builders import build
+from fxsplit.schedule.ir import Action, ActionKind
+from fxsplit.testing import run_distributed
+
+from test_runtime_cases import run_case, skip_model, skip_stages
+
+pytestmark = pytest.mark.dist
+
+
+def _cases(p: int) -> list[dict]:
+    cases = []
+    for schedule, vs in (("gpipe", (1, 2)), ("1f1b", (1,)), ("interleaved_1f1b", (2,)), ("zb_h1", (1,))):
+        for v in vs:
+            for m in (p, 2 * p, p + 1):
+                for model in ("gpt", "skip"):
+                    batch = 2 * p + 1  # never a multiple of m: unequal microbatches everywhere
+                    cases.append(dict(model=model, schedule=schedule, p=p, v=v, m=m, batch=batch,
+                                      check_forward=(m == p)))
+    return cases
+
+
+def _run_cases(rank: int, world_size: int, cases: list[dict], subgroups: bool) -> tuple[list[str], int]:
+    torch.set_num_threads(1)
+    bad, checks = [], 0
+    for case in cases:
+        got_bad, n = run_case(rank=rank, group=None, **case)
+        bad += got_bad
+        checks += n
+    if subgroups:
+        got_bad, n = _pp_subgroup_case(rank, world_size)
+        bad += got_bad
+        checks += n
+    return bad, checks
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_pipeline_matches_unsplit_model(p):
+    cases = _cases(p)
+    results = run_distributed(_run_cases, p, cases, p == 4, timeout=300.0)
+    bad = [line for rank_bad, _ in results for line in rank_bad]
+    assert not bad, "\n".join(bad)
+    # every rank compared its losses and its parameters' gradients in every case
+    assert all(n >= 3 * len(cases) for _, n in results), [n for _, n in results]
+
+
+def _pp_subgroup_case(rank: int, world_size: int) -> tuple[list[str], int]:
+    """Two independent 2-rank pipelines on subgroups {0, 1} and {2, 3} of a 4-process world
+    (as with dp=2, pp=2): group ranks differ from global ranks, and stages are placed by a custom
+    rank_of_stage (stages 0, 2 on pipeline rank 1; stages 1, 3 on pipeline rank 0)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in order
+    group = groups[rank // 2]
+    owner = {0: 1, 1: 0, 2: 1, 3: 0}
+    pp_rank = dist.get_rank(group)
+    ref, pipe = skip_model(), skip_model()
+    mods, ios, meta, _ = skip_stages(pipe, 4)
+    sched = []
+    for r in range(2):  # depth-first: each rank runs its stages in order per microbatch
+        mine = [s for s in range(4) if owner[s] == r]
+        row = [Action(s, ActionKind.FORWARD, mb) for mb in range(3) for s in mine]
+        row += [Action(s, ActionKind.BACKWARD, mb) for mb in range(3) for s in reversed(mine)]
+        sched.append(row)
+    rt = PipelineRuntime(stages={s: (mods[s], ios[s]) for s in range(4) if owner[s] == pp_rank},
+                         num_stages=4, schedule=sched, pp_group=group, pp_rank=pp_rank, num_ranks=2,
+                         stage_io=ios, input_meta=meta, loss_fn=nn.functional.mse_loss,
+                         device="cpu", rank_of_stage=owner.__getitem__, timeout=60.0)
+    g = torch.Generator().manual_seed(rank // 2)  # the two pipelines see different data
+    x, y = torch.randn(6, 16, generator=g), torch.randn(6, 16, generator=g)
+    loss = rt.step((x,), target=y)
+    want = nn.functional.mse_loss(ref(x), y)
+    want.backward()
+    refp = dict(ref.named_parameters())
+    bad, n = [], 1
+    if abs(loss.item() - want.item()) > 1e-6:
+        bad.append(f"subgroup rank {rank}: loss {loss.item()} != {want.item()}")
+    for s in range(4):
+        if owner[s] != pp_rank:
+            continue
+        for name, prm in mods[s].named_parameters():
+            n += 1
+            if not torch.allclose(prm.grad, refp[name].grad, rtol=1e-5, atol=1e-6):
+                bad.append(f"subgroup rank {rank}: grad {name} differs")
+    return bad, n
+
+
+class _Boom(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    def forward(self, *args):
+        self.calls += 1
+        if self.calls == 2:  # microbatch 1
+            raise RuntimeError("injected failure in the stage forward")
+        return self.inner(*args)
+
+
+def _failure_case(rank: int, world_size: int, timeout: float) -> dict:
+    mods, ios, meta, _ = skip_stages(skip_model(), 2)
+    if rank == 1:
+        mods[1] = _Boom(mods[1])
+    rt = PipelineRuntime(stages={rank: (mods[rank], ios[rank])}, num_stages=2,
+                         schedule=build("1f1b", 2, 4), pp_group=None, pp_rank=rank, num_ranks=2,
+                         stage_io=ios, input_meta=meta, loss_fn=nn.functional.mse_loss,
+                         device="cpu", timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        rt.step((torch.randn(8, 16),), target=torch.randn(8, 16))
+    except PipelineError as exc:
+        return dict(kind="PipelineError", text=str(exc), peer=exc.peer, action=exc.action,
+                    microbatch=exc.microbatch, seconds=time.monotonic() - t0)
+    except Exception as exc:  # noqa: BLE001 -- the failing rank reports its own error
+        return dict(kind=type(exc).__name__, text=str(exc), notes=getattr(exc, "__notes__", []),
+                    seconds=time.monotonic() - t0)
+    return dict(kind="none", seconds=time.monotonic() - t0)
+
+
+def test_failing_rank_makes_peer_raise_naming_it():
+    timeout = 20.0
+    r0, r1 = run_distributed(_failure_case, 2, timeout, timeout=90.0)
+    assert r1["kind"] == "RuntimeError" and "injected failure" in r1["text"], r1
+    assert any("pipeline rank 1 failed while running action 1F1" in n for n in r1["notes"]), r1
+    assert r0["kind"] == "PipelineError", r0
+    assert r0["peer"] == 1, r0
+    assert "pipeline rank 1" in r0["text"] and f"microbatch {r0['microbatch']}" in r0["text"], r0
+    assert r0["action"].startswith("0") and r0["action"] in r0["text"], r0
+    assert r0["seconds"] < timeout, f"rank 0 waited {r0['seconds']:.1f} s: the abort did not reach it"
