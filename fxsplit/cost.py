@@ -67,6 +67,7 @@ __all__ = [
     "graph_costs",
     "graph_cost",
     "estimate_time",
+    "value_bytes",
 ]
 
 Number = Union[int, float, sympy.Expr]
@@ -668,13 +669,33 @@ def _param_bytes(params: Iterable[nn.Parameter], seen: set[int]) -> int:
     return total
 
 
+def _related(a: str, b: str) -> bool:
+    """Targets that can reach the same parameter by name: equal, or one a submodule of the other."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
 def _seen_before(node: torch.fx.Node, gm: nn.Module | None) -> set[int]:
+    """Ids of ``node``'s parameters that an earlier node already owns.
+
+    Only earlier nodes whose target is related by name are resolved, unless one of the node's
+    parameters is reachable under several names (tied), so costing every node stays near-linear.
+    """
+    mine = _owned_params(node, gm)
+    if not mine or gm is None:
+        return set()
+    ids = {id(p) for p in mine}
+    counts: dict[int, int] = {}
+    for _, p in gm.named_parameters(remove_duplicate=False):
+        if id(p) in ids:
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    tied = any(c > 1 for c in counts.values())
+    target = str(node.target)
     seen: set[int] = set()
     for other in node.graph.nodes:
         if other is node:
             break
-        if other.op in ("get_attr", "call_module"):
-            seen.update(id(p) for p in _owned_params(other, gm))
+        if other.op in ("get_attr", "call_module") and (tied or _related(str(other.target), target)):
+            seen.update(id(p) for p in _owned_params(other, gm) if id(p) in ids)
     return seen
 
 
@@ -808,3 +829,9 @@ def graph_cost(gm: torch.fx.GraphModule) -> NodeCost:
     """Sum of ``graph_costs(gm)``; symbolic where the graph's shapes are."""
     costs = list(graph_costs(gm).values())
     return NodeCost(**{n: _clean(_sum(getattr(c, n) for c in costs)) for n in _FIELDS})
+
+
+def value_bytes(val: Any) -> Number:
+    """Bytes of the tensors in a node value (``node.meta["val"]``: tensor, tuple/list/dict of them,
+    or a non-tensor, which is 0); symbolic where the shapes are. Useful for boundary traffic."""
+    return _sum(m.nbytes for m in _metas_of_value(val))

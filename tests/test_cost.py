@@ -27,6 +27,7 @@ from fxsplit.cost import (
     node_cost,
     op_name,
     to_expr,
+    value_bytes,
 )
 from fxsplit.profile import PROFILE_KEY, apply_profile, node_time, profile_graph
 
@@ -353,6 +354,8 @@ def test_nodecost_arithmetic_and_validation():
     assert total.backward_flops == 16 + 3 * s
     assert total.evaluate({"s": 5}) == NodeCost(20, 9, 2, 1, 3, 11)
     assert a.scale(2) == NodeCost(20, 8, 4, 2, 6, 12)
+    fake = FakeTensorMode().from_tensor(torch.empty(3, 4, dtype=torch.float16))
+    assert value_bytes((fake, 5, None, [fake])) == 2 * 3 * 4 * 2
     assert to_expr(7) == 7 and to_expr(sympy.Integer(3)) == 3 and isinstance(to_expr(3), int)
     with pytest.raises(ValueError, match="flops"):
         NodeCost(flops=-1)
