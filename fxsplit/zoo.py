@@ -324,10 +324,13 @@ class ConvBlock(nn.Module):
 class UNet(nn.Module):
     """A 2D U-Net: ``forward(x: (B, in_ch, H, W)) -> (B, out_ch, H, W)``, H and W divisible by 2**depth.
 
-    Encoder ``down.{i}`` (ConvBlock then 2x2 average pooling), ``mid``, decoder ``up.{i}``
-    (nearest 2x upsampling, concatenation with the matching encoder output, ConvBlock), ``out``
-    (1x1 conv). The output of ``down.0`` is read by the last decoder block, so that skip value
-    crosses every block between them.
+    Encoder ``down.{i}`` (ConvBlock then 2x2 average pooling), ``mid``, decoder: ``upsample.{j}``
+    (2x2 transposed convolution, stride 2), concatenation with the matching encoder output,
+    ``up.{j}`` (ConvBlock); ``out`` (1x1 conv). The output of ``down.0`` is read by the last
+    decoder block, so that skip value crosses every block between them. (Upsampling is a
+    transposed convolution rather than ``F.interpolate``: fake-tensor propagation of
+    ``F.interpolate`` specialises the batch size to the example's, which would make a traced
+    plan static in the batch.)
     """
 
     def __init__(self, in_channels: int = 3, out_channels: int = 3, base: int = 8, depth: int = 2):
@@ -338,6 +341,9 @@ class UNet(nn.Module):
         )
         self.mid = ConvBlock(widths[depth - 1], widths[depth])
         # up.j handles level i = depth-1-j: input widths[i+1] upsampled, concat widths[i] skip
+        self.upsample = nn.ModuleList(
+            nn.ConvTranspose2d(widths[i + 1], widths[i + 1], 2, stride=2) for i in reversed(range(depth))
+        )
         self.up = nn.ModuleList(
             ConvBlock(widths[i + 1] + widths[i], widths[i]) for i in reversed(range(depth))
         )
@@ -350,10 +356,10 @@ class UNet(nn.Module):
             skips.append(x)
             x = F.avg_pool2d(x, 2)  # (B, w_i, H_i/2, W_i/2)
         x = self.mid(x)  # (B, w_depth, H/2**depth, W/2**depth)
-        for block in self.up:
-            skip = skips.pop()
-            x = F.interpolate(x, scale_factor=2.0, mode="nearest")
-            x = block(torch.cat([x, skip], dim=1))
+        for upsample, block in zip(self.upsample, self.up):
+            skip = skips.pop()  # (B, w_i, H_i, W_i)
+            x = upsample(x)  # (B, w_{i+1}, H_i, W_i)
+            x = block(torch.cat([x, skip], dim=1))  # (B, w_i, H_i, W_i)
         return self.out(x)  # (B, out_ch, H, W)
 
 

@@ -257,3 +257,19 @@ def test_meta_llama_70b_allocates_nothing():
             cfg.num_key_value_heads, cfg.intermediate_size) == (8192, 80, 64, 8, 28672)
     big, (ids3,), _ = hf_zoo.meta_llama_70b(vocab_size=128256, seq_len=128)
     assert 70e9 < sum(p.numel() for p in big.parameters()) < 71e9 and ids3.shape == (1, 128)
+
+
+@pytest.mark.parametrize("name", zoo.ZOO_NAMES)
+def test_zoo_batch_stays_symbolic_under_fxsplit_trace(name):
+    """Fake-tensor propagation must not specialise the batch to the example's (F.interpolate
+    did, in an earlier UNet): placeholders and the output keep a symbolic dim 0."""
+    from fxsplit.trace import trace
+
+    model, args, kwargs = zoo.make(name, **_small(name, {}))
+    gm = trace(model, args, kwargs, method="fx")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    vals.append(torch.utils._pytree.tree_leaves(out.meta.get("val", out.args[0].meta["val"]))[0])
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            assert isinstance(v.shape[0], torch.SymInt), f"{name}: batch specialised: {v.shape}"
