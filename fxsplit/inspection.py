@@ -367,25 +367,27 @@ def format_op_count_diff(before: Counter, after: Counter) -> str:
 # graph diff
 
 
-class _Ref:
-    """Stands for a node inside an argument repr: prints as ``%name``."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"%{self.name}"
+def _fmt_arg(a: Any, rename: Mapping[str, str]) -> str:
+    """An argument as text: nodes as ``%name`` (renamed), tensors by shape and dtype only."""
+    if isinstance(a, torch.fx.Node):
+        return "%" + rename.get(a.name, a.name)
+    if isinstance(a, torch.Tensor):
+        return f"tensor({list(a.shape)}, {str(a.dtype).replace('torch.', '')})"
+    if isinstance(a, tuple):
+        inner = ", ".join(_fmt_arg(x, rename) for x in a)
+        return f"({inner},)" if len(a) == 1 else f"({inner})"
+    if isinstance(a, list):
+        return "[" + ", ".join(_fmt_arg(x, rename) for x in a) + "]"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k!r}: {_fmt_arg(v, rename)}" for k, v in a.items()) + "}"
+    if isinstance(a, slice):
+        return f"slice({_fmt_arg(a.start, rename)}, {_fmt_arg(a.stop, rename)}, {_fmt_arg(a.step, rename)})"
+    return repr(a)
 
 
 def _args_text(node: torch.fx.Node, rename: Mapping[str, str]) -> str:
-    def ref(n: torch.fx.Node) -> _Ref:
-        return _Ref(rename.get(n.name, n.name))
-
-    args = torch.fx.node.map_arg(node.args, ref)
-    kwargs = torch.fx.node.map_arg(node.kwargs, ref)
-    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    parts = [_fmt_arg(a, rename) for a in node.args]
+    parts += [f"{k}={_fmt_arg(v, rename)}" for k, v in node.kwargs.items()]
     return ", ".join(parts)
 
 
@@ -399,6 +401,8 @@ class NodeSummary:
     args: str
 
     def __str__(self) -> str:
+        if self.op in ("placeholder", "get_attr") and not self.args:
+            return f"{self.name} = {self.op} {self.target}"
         return f"{self.name} = {self.op} {self.target}({self.args})"
 
 

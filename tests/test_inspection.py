@@ -337,3 +337,18 @@ def test_dot_writes_files(tmp_path, caplog):
         assert "graphviz 'dot' not found" in caplog.text
     else:
         assert (tmp_path / "r.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_diff_prints_tensor_constants_by_shape():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.add, (x, torch.zeros(1000, 3)), {"alpha": 2})
+    z = g.call_function(torch.cat, ([x, y],), {"dim": slice(0, None, None)})
+    g.output((z,))
+    diff = graph_diff(torch.fx.Graph(), g)
+    text = str(diff)
+    assert "add = call_function torch.add(%x, tensor([1000, 3], float32), alpha=2)" in text
+    assert "cat = call_function torch.cat([%x, %add], dim=slice(0, None, None))" in text
+    assert "+ x = placeholder x\n" in text
+    assert "output = output ((%cat,))" in text
+    assert len(diff.added) == 4 and diff.removed == ()

@@ -208,3 +208,12 @@ def test_builtin_passes_use_only_the_public_api():
             path.read_text(), public, known, filename=str(path.relative_to(PASSES_DIR.parent))
         )
     assert not problems, "built-in passes reach past the public API:\n" + "\n".join(problems)
+
+
+def test_example_user_pass_uses_only_the_public_api():
+    path = PASSES_DIR.parent / "examples" / "custom_pass.py"
+    problems = boundary_violations(
+        path.read_text(), public_modules(), fxsplit_module_names(), filename=str(path.name),
+        package="examples",
+    )
+    assert not problems, "\n".join(problems)
