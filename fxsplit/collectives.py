@@ -1,0 +1,364 @@
+"""Tensor-parallel collectives as graph-friendly functions of a mesh axis NAME.
+
+Terms: **axis** -- a mesh dimension name ("tp", "dp", "pp"); **group** -- the ProcessGroup an
+axis is bound to at run time; **n** -- the group's size; **shard** -- this rank's 1/n slice of a
+tensor along `dim`; **f / g** -- Megatron's conjugate operators (f: identity forward, all-reduce
+backward; g: all-reduce forward, identity backward).
+
+    with bind_groups({"tp": tp_group}):
+        y = reduce_from_region(row_linear(gelu(col_linear(copy_to_region(x)))))
+
+[Note: axis binding] A plan graph holds axis names, never ProcessGroups, so it prints cleanly,
+pickles, and runs unchanged in one process. `bind_groups` binds names to groups for the current
+context (a `contextvars.ContextVar`, so threads and async tasks each see their own binding;
+nested blocks add to and override the outer binding). An axis that is unbound, bound to None,
+or bound to a group of size 1 makes every op below the identity (a shard is the whole tensor).
+The group is looked up in forward and stored on the autograd context, so backward uses the
+same group even when it runs outside the `with` block or on another thread.
+
+[Note: fx leaves] Every public op here is registered with `torch.fx.wrap`, and also turns
+itself into a node when called on a `torch.fx.Proxy` (which covers callers that imported the
+function by name). Either way `torch.fx.symbolic_trace` records ONE `call_function` node whose
+target is the function itself, with the axis name as a plain argument; the body is never traced.
+
+| op | forward | backward |
+| --- | --- | --- |
+| copy_to_region (f) | identity | all-reduce sum |
+| reduce_from_region (g) | all-reduce sum | identity |
+| gather_from_region | all-gather, concat on dim | keep own shard |
+| scatter_to_region | keep own shard | all-gather, concat on dim |
+| reduce_scatter_to_region (sequence parallel) | reduce-scatter sum on dim | all-gather on dim |
+| gather_to_region (sequence parallel; alias gather_for_sp) | all-gather on dim | reduce-scatter sum on dim |
+
+Sharded dims must divide evenly by n (all ranks hold equal shards). Reduce-scatter uses
+`torch.distributed.reduce_scatter`, which gloo supports in torch 2.13 for float32/float64/
+bfloat16/int64 (checked); no all-reduce fallback is needed there. All ops sum in the group's
+reduction order, so results can differ from a one-process sum in the last float bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+__all__ = [
+    "all_reduce_sum",
+    "axis_rank",
+    "axis_size",
+    "bind_groups",
+    "copy_to_region",
+    "current_group",
+    "gather_for_sp",
+    "gather_from_region",
+    "gather_to_region",
+    "reduce_from_region",
+    "reduce_scatter_to_region",
+    "scatter_to_region",
+]
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+_GROUPS: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "fxsplit_axis_groups", default=_EMPTY
+)
+
+
+# ----------------------------------------------------------------------------- binding
+
+
+@contextlib.contextmanager
+def bind_groups(mapping: Mapping[str, Any]) -> Iterator[None]:
+    """Bind axis names to ProcessGroups (or None to unbind) inside the `with` block.
+
+    See [Note: axis binding]. `mapping` is typically `fxsplit.mesh.mesh_groups(mesh)`.
+    """
+    if not isinstance(mapping, Mapping):
+        raise TypeError(
+            f"bind_groups: expected a mapping from axis name to ProcessGroup, got "
+            f"{type(mapping).__name__}; for a DeviceMesh use bind_groups(mesh_groups(mesh))"
+        )
+    for name, group in mapping.items():
+        if not isinstance(name, str):
+            raise TypeError(f"bind_groups: axis names must be str, got {name!r}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"bind_groups: axis {name!r} is bound to a {type(group).__name__}, expected a "
+                "torch.distributed.ProcessGroup or None"
+            )
+    token = _GROUPS.set(MappingProxyType({**_GROUPS.get(), **mapping}))
+    try:
+        yield
+    finally:
+        _GROUPS.reset(token)
+
+
+def current_group(axis: str) -> dist.ProcessGroup | None:
+    """The ProcessGroup `axis` is bound to in this context, or None when it is unbound."""
+    return _GROUPS.get().get(axis)
+
+
+def _active_group(axis: str) -> dist.ProcessGroup | None:
+    """The bound group if it has more than one rank, else None (the ops become identities)."""
+    if not isinstance(axis, str):
+        raise TypeError(f"collectives: axis must be a mesh axis name (str), got {axis!r}")
+    group = _GROUPS.get().get(axis)
+    if group is None or group.size() == 1:
+        return None
+    return group
+
+
+def axis_size(axis: str = "tp") -> int:
+    """Number of ranks along `axis` (1 when unbound)."""
+    group = current_group(axis)
+    return 1 if group is None else group.size()
+
+
+def axis_rank(axis: str = "tp") -> int:
+    """This process's rank along `axis` (0 when unbound)."""
+    group = current_group(axis)
+    return 0 if group is None else group.rank()
+
+
+# ----------------------------------------------------------------------------- raw collectives
+
+
+def _norm_dim(x: torch.Tensor, dim: int, op: str) -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise IndexError(f"{op}: dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _check_divisible(x: torch.Tensor, dim: int, n: int, op: str, axis: str) -> None:
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"{op}: dim {dim} of shape {tuple(x.shape)} has size {x.shape[dim]}, which axis "
+            f"{axis!r} (size {n}) cannot split evenly; choose a degree that divides "
+            f"{x.shape[dim]} or pad that dimension"
+        )
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _own_shard(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return x.chunk(group.size(), dim=dim)[group.rank()].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    parts = [c.contiguous() for c in x.chunk(group.size(), dim=dim)]
+    out = torch.empty_like(parts[group.rank()])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+# ----------------------------------------------------------------------------- autograd pairs
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_shard(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _own_shard(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+# ----------------------------------------------------------------------------- public ops
+
+
+def _traced(name: str, args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
+    """If any argument is an fx Proxy, record one call_function node (see [Note: fx leaves])."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.fx.Proxy):
+            return a.tracer.create_proxy("call_function", _ORIGINALS[name], args, kwargs)
+    return None
+
+
+def copy_to_region(x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
+    """f: identity forward; backward all-reduces the gradient over `axis`. Before column-parallel."""
+    if (node := _traced("copy_to_region", (x,), {"axis": axis})) is not None:
+        return node
+    group = _active_group(axis)
+    return x if group is None else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
+    """g: forward all-reduces (sums) partial results over `axis`; identity backward. After row-parallel."""
+    if (node := _traced("reduce_from_region", (x,), {"axis": axis})) is not None:
+        return node
+    group = _active_group(axis)
+    return x if group is None else _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_region(x: torch.Tensor, dim: int = -1, axis: str = "tp") -> torch.Tensor:
+    """Forward all-gathers shards and concatenates them on `dim`; backward keeps this rank's shard."""
+    if (node := _traced("gather_from_region", (x,), {"dim": dim, "axis": axis})) is not None:
+        return node
+    group = _active_group(axis)
+    if group is None:
+        return x
+    return _GatherFromRegion.apply(x, _norm_dim(x, dim, "gather_from_region"), group)
+
+
+def scatter_to_region(x: torch.Tensor, dim: int = -1, axis: str = "tp") -> torch.Tensor:
+    """Forward keeps this rank's shard of `dim`; backward all-gathers the gradient shards."""
+    if (node := _traced("scatter_to_region", (x,), {"dim": dim, "axis": axis})) is not None:
+        return node
+    group = _active_group(axis)
+    if group is None:
+        return x
+    d = _norm_dim(x, dim, "scatter_to_region")
+    _check_divisible(x, d, group.size(), "scatter_to_region", axis)
+    return _ScatterToRegion.apply(x, d, group)
+
+
+def reduce_scatter_to_region(x: torch.Tensor, dim: int, axis: str = "tp") -> torch.Tensor:
+    """Sequence parallel: forward sums over `axis` and keeps this rank's shard of `dim`;
+    backward all-gathers. Replaces g after a row-parallel layer."""
+    if (node := _traced("reduce_scatter_to_region", (x,), {"dim": dim, "axis": axis})) is not None:
+        return node
+    group = _active_group(axis)
+    if group is None:
+        return x
+    d = _norm_dim(x, dim, "reduce_scatter_to_region")
+    _check_divisible(x, d, group.size(), "reduce_scatter_to_region", axis)
+    return _ReduceScatterToRegion.apply(x, d, group)
+
+
+def gather_to_region(x: torch.Tensor, dim: int, axis: str = "tp") -> torch.Tensor:
+    """Sequence parallel: forward all-gathers shards on `dim`; backward reduce-scatters the
+    gradient (sums the ranks' contributions, keeps this rank's shard). Replaces f before a
+    column-parallel layer."""
+    if (node := _traced("gather_to_region", (x,), {"dim": dim, "axis": axis})) is not None:
+        return node
+    group = _active_group(axis)
+    if group is None:
+        return x
+    return _GatherToRegion.apply(x, _norm_dim(x, dim, "gather_to_region"), group)
+
+
+gather_for_sp = gather_to_region  # the name used in the shared contract
+
+
+def all_reduce_sum(x: torch.Tensor, axis: str = "dp", *, inplace: bool = False) -> torch.Tensor:
+    """Sum `x` over `axis` with no autograd (gradient buckets, tied-weight gradients, metrics).
+
+    Returns a new tensor, or `x` itself summed in place when `inplace=True`. Raises if `x`
+    requires grad while grad mode is on: use `reduce_from_region` for a differentiable sum.
+    """
+    if (node := _traced("all_reduce_sum", (x,), {"axis": axis, "inplace": inplace})) is not None:
+        return node
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"all_reduce_sum: the tensor of shape {tuple(x.shape)} requires grad, and this sum "
+            "is not differentiated; use reduce_from_region(x, axis) inside a model, or call "
+            "under torch.no_grad() for gradients and metrics"
+        )
+    group = _active_group(axis)
+    if group is None:
+        return x if inplace else x.clone()
+    if inplace:
+        if not x.is_contiguous():
+            raise ValueError(
+                f"all_reduce_sum: inplace=True needs a contiguous tensor, got shape "
+                f"{tuple(x.shape)} with strides {x.stride()}; call .contiguous() first or use "
+                "inplace=False"
+            )
+        dist.all_reduce(x, group=group)
+        return x
+    return _all_reduce(x, group)
+
+
+_ORIGINALS = {
+    f.__name__: f
+    for f in (
+        copy_to_region,
+        reduce_from_region,
+        gather_from_region,
+        scatter_to_region,
+        reduce_scatter_to_region,
+        gather_to_region,
+        all_reduce_sum,
+    )
+}
+
+torch.fx.wrap("copy_to_region")
+torch.fx.wrap("reduce_from_region")
+torch.fx.wrap("gather_from_region")
+torch.fx.wrap("scatter_to_region")
+torch.fx.wrap("reduce_scatter_to_region")
+torch.fx.wrap("gather_to_region")
+torch.fx.wrap("gather_for_sp")
+torch.fx.wrap("all_reduce_sum")
