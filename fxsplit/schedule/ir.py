@@ -60,7 +60,7 @@ _ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 _IDLE_TOKENS = frozenset({"-", ".", "None", "none", ""})
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, repr=False)
 class Action:
     """One unit of pipeline work: ``kind`` of ``microbatch`` on ``stage``; prints as ``2F0``."""
 
@@ -88,6 +88,9 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self.stage}, {self.kind.value!r}, {self.microbatch})"
 
     @classmethod
     def parse(cls, text: str) -> Action:

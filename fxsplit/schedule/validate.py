@@ -21,12 +21,12 @@ blocks until each dependency has been executed; if no rank can progress, the sch
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fxsplit.schedule.ir import Action, ActionKind, parse_schedule
+from fxsplit.schedule.render import format_marked_grid
 
-__all__ = ["ScheduleError", "ScheduleInfo", "validate", "dependencies", "format_marked_grid"]
+__all__ = ["ScheduleError", "ScheduleInfo", "validate", "dependencies"]
 
 F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
@@ -72,24 +72,6 @@ def dependencies(action: Action, num_stages: int) -> tuple[Action, ...]:
     if s == num_stages - 1:
         return local
     return local + (Action(s + 1, B, m), Action(s + 1, BI, m))
-
-
-def format_marked_grid(schedule, marks: Iterable[tuple[int, int]] = ()) -> str:
-    """Rank x step grid of ``schedule``; cells at (rank, step) in ``marks`` are shown ``[2F0]``."""
-    rows = parse_schedule(schedule)
-    marked = set(marks)
-    width = max((len(str(a)) for row in rows for a in row if a is not None), default=3) + 2
-    steps = max((len(row) for row in rows), default=0)
-    label = max(len(f"rank {len(rows) - 1}"), 4)
-    header = "step".ljust(label) + " | " + " ".join(str(t).center(width) for t in range(steps))
-    lines = [header.rstrip(), "-" * len(header)]
-    for r, row in enumerate(rows):
-        cells = []
-        for t, a in enumerate(row):
-            text = "-" if a is None else str(a)
-            cells.append((f"[{text}]" if (r, t) in marked else text).center(width))
-        lines.append((f"rank {r}".ljust(label) + " | " + " ".join(cells)).rstrip())
-    return "\n".join(lines)
 
 
 def _fail(rows, rule: str, detail: str, marks=()) -> ScheduleError:
