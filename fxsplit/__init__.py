@@ -25,6 +25,7 @@ PUBLIC_MODULES = (
     "fxsplit.schedules",
     "fxsplit.stage",
     "fxsplit.partition",
+    "fxsplit.split",
     "fxsplit.marker",
     "fxsplit.zoo",
     "fxsplit.hf_zoo",

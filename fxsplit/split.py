@@ -1,0 +1,452 @@
+"""Pipeline split planning: turn a traced graph into a balanced, contiguous stage assignment.
+
+Terms:
+- **unit**: one compute node (call_function / call_method / call_module) of the traced graph, in
+  topological order. Placeholders and parameters (get_attr) are not units: every stage that needs
+  a model input or a parameter gets its own reference.
+- **position k**: a cut before unit k. **cut bytes** of k: the bytes of every tensor produced
+  before k and used at or after k (what crosses that cut, skips included).
+- **layer key**: a unit's module path up to its first numeric component (``blocks.3``,
+  ``model.layers.11``), else its first component; a cut between two layer keys is a *module
+  boundary*. Cuts inside a layer are allowed but cost ``inner_cut_penalty`` times their bytes.
+- **S** stages on **p** ranks (stage s on rank s % p, v = S / p stages per rank).
+
+    plan = plan_split(gm, num_stages=8, num_ranks=4)      # pure: no weights, no process group
+    print(plan)                                           # one row per stage, balance ratio
+    stages = plan.build(gm)                               # fxsplit.stage.StageGraphs
+
+The partition is exact (see ``fxsplit.partition``): it minimizes the most loaded stage, counting
+compute from the cost model plus the time to send and receive the stage's boundary bytes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import sympy
+import torch
+import torch.fx
+
+from .cost import estimate_time
+from .marker import find_pipe_splits
+from .meta import node_info
+from .partition import (
+    Partition,
+    PartitionError,
+    PartitionProblem,
+    equal_layer_cuts,
+    evaluate,
+    inflight_1f1b,
+    inflight_gpipe,
+    parameter_count_cuts,
+    solve,
+)
+from .stage import StageGraphs, build_stages
+
+__all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "example_bindings", "layer_key"]
+
+_COMPUTE = ("call_function", "call_method", "call_module")
+
+
+class SplitError(ValueError):
+    """A split request that cannot be met (bad split point, too many stages, memory cap)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the estimate of a stage's time assumes about one device and its links."""
+
+    flops_per_s: float = 100e12  # sustained matmul throughput
+    bytes_per_s: float = 1.5e12  # memory bandwidth
+    link_bytes_per_s: float = 25e9  # point-to-point bandwidth between pipeline ranks
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    index: int
+    rank: int
+    module_paths: tuple[str, ...]  # layer keys in order, e.g. ("wte", "wpe", "blocks.0", "blocks.1")
+    num_nodes: int
+    param_bytes: float
+    flops: float  # forward, at the example sizes
+    activation_bytes: float  # saved for backward per microbatch
+    bytes_in: float
+    bytes_out: float
+    time: float  # estimated forward+backward seconds per microbatch, communication included
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(x) < 1024 or unit == "TB":
+            return f"{x:.0f}{unit}" if unit == "B" else f"{x:.1f}{unit}"
+        x /= 1024
+    return str(x)
+
+
+def _fmt_num(x: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def _fmt_time(t: float) -> str:
+    if t >= 1:
+        return f"{t:.2f}s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.2f}ms"
+    return f"{t * 1e6:.2f}us"
+
+
+def _compress_paths(paths: Sequence[str]) -> str:
+    """("blocks.0", "blocks.1", "blocks.2", "ln_f") -> "blocks.0-2, ln_f"."""
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None
+    for p in paths:
+        m = re.fullmatch(r"(.*\.)(\d+)", p)
+        if m and run and run[0] == m.group(1) and int(m.group(2)) == run[2] + 1:
+            run = (run[0], run[1], int(m.group(2)))
+            continue
+        if run:
+            out.append(f"{run[0]}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+            run = None
+        if m:
+            run = (m.group(1), int(m.group(2)), int(m.group(2)))
+        else:
+            out.append(p or "<top>")
+    if run:
+        out.append(f"{run[0]}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+    return ", ".join(out)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """A contiguous assignment of the graph's compute nodes to ``num_stages`` stages.
+
+    ``stage_of`` maps node names to stages; ``starts`` names the first node of each stage;
+    ``partition`` is the solver's result (stage times, memory, ``exact``). ``baselines`` holds the
+    balance of an equal-layer split and a parameter-count split of the same graph, for comparison.
+    """
+
+    num_stages: int
+    num_ranks: int
+    stage_of: Mapping[str, int]
+    starts: tuple[str, ...]
+    stages: tuple[StageSummary, ...]
+    partition: Partition
+    method: str  # "balanced", "user split points", "user split points + balanced"
+    bindings: Mapping[str, int] = field(default_factory=dict)
+    baselines: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def bottleneck(self) -> float:
+        return max(s.time for s in self.stages)
+
+    @property
+    def mean(self) -> float:
+        return sum(s.time for s in self.stages) / len(self.stages)
+
+    @property
+    def balance(self) -> float:
+        """bottleneck / mean stage time (1.0 is perfect)."""
+        return self.bottleneck / self.mean if self.mean > 0 else 1.0
+
+    def build(self, gm: torch.fx.GraphModule) -> StageGraphs:
+        """The stage GraphModules (sharing ``gm``'s parameters) for this assignment."""
+        return build_stages(gm, dict(self.stage_of), self.num_stages)
+
+    def to_dot(self, gm: torch.fx.GraphModule, path: str | None = None) -> str:
+        from .inspection import to_dot
+
+        return to_dot(gm, path, color_by="stage", stage_of=dict(self.stage_of))
+
+    def __str__(self) -> str:
+        head = ("stage", "rank", "modules", "nodes", "params", "FLOPs", "act/mb", "in", "out", "time")
+        rows = [head]
+        for s in self.stages:
+            rows.append(
+                (
+                    str(s.index),
+                    str(s.rank),
+                    _compress_paths(s.module_paths),
+                    str(s.num_nodes),
+                    _fmt_bytes(s.param_bytes),
+                    _fmt_num(s.flops),
+                    _fmt_bytes(s.activation_bytes),
+                    _fmt_bytes(s.bytes_in),
+                    _fmt_bytes(s.bytes_out),
+                    _fmt_time(s.time),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        widths[2] = min(widths[2], 48)
+        lines = [
+            f"SplitPlan: {self.num_stages} stages on {self.num_ranks} ranks ({self.method}); "
+            f"balance {self.balance:.3f} (bottleneck {_fmt_time(self.bottleneck)} / mean {_fmt_time(self.mean)})"
+            + ("" if self.partition.exact else "; memory-capped, not proven optimal")
+        ]
+        for r in rows:
+            cells = [c if i != 2 or len(c) <= 48 else c[:45] + "..." for i, c in enumerate(r)]
+            lines.append("  ".join(c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+        if self.baselines:
+            lines.append("baselines (balance): " + ", ".join(f"{k} {v:.3f}" for k, v in self.baselines.items()))
+        return "\n".join(lines)
+
+
+def layer_key(path: str) -> str:
+    parts = path.split(".") if path else []
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if parts else ""
+
+
+def example_bindings(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
+    """The example sizes the graph was traced with, for every symbol in its input shapes."""
+    out: dict[sympy.Symbol, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for s in val.shape:
+            if isinstance(s, torch.SymInt):
+                expr = s.node.expr
+                hint = s.node.hint
+                if isinstance(expr, sympy.Symbol) and hint is not None:
+                    out[expr] = int(hint)
+    return out
+
+
+def _concrete(x: Any, bindings: Mapping) -> float:
+    if isinstance(x, sympy.Expr):
+        v = x.subs(bindings)
+        if v.free_symbols:
+            raise SplitError(f"cannot evaluate {x} at {dict(bindings)}: symbols {sorted(map(str, v.free_symbols))} are unbound")
+        return float(v)
+    return float(x)
+
+
+def _value_bytes(node: torch.fx.Node, bindings: Mapping) -> float:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        info = node.meta.get("fxsplit")
+        if info is not None and info.outputs:
+            return _concrete(info.outputs[0].nbytes, bindings)
+        n = 1
+        for s in val.shape:
+            n *= s
+        return _concrete(n * val.dtype.itemsize, bindings) if not isinstance(n, torch.SymInt) else _concrete(n.node.expr * val.dtype.itemsize, bindings)
+    return 0.0  # tuples travel as their getitem results; non-tensors are recomputed, not sent
+
+
+def _split_point_positions(units: list[torch.fx.Node], split_points: Sequence[str]) -> list[int]:
+    paths = [node_info(u).module_path for u in units]
+    positions = []
+    for sp in split_points:
+        if not isinstance(sp, str):
+            raise SplitError(f"split_points must be module paths (str), got {sp!r}")
+        pos = next((i for i, p in enumerate(paths) if p == sp or p.startswith(sp + ".")), None)
+        if pos is None:
+            known = sorted({".".join(p.split(".")[: k + 1]) for p in paths if p for k in range(len(p.split(".")))})
+            close = difflib.get_close_matches(sp, known, n=3, cutoff=0.5)
+            raise SplitError(
+                f"split point {sp!r} names no module of the traced graph"
+                + (f"; did you mean {close}?" if close else f"; modules include {known[:8]}")
+            )
+        if pos == 0:
+            raise SplitError(f"split point {sp!r} is the first module of the graph; a stage before it would be empty")
+        positions.append(pos)
+    for (a, pa), (b, pb) in zip(zip(split_points, positions), zip(split_points[1:], positions[1:])):
+        if pb <= pa:
+            raise SplitError(
+                f"split points out of order: {b!r} (node {pb}) does not come after {a!r} (node {pa}) in "
+                f"the graph; list them in execution order"
+            )
+    return positions
+
+
+def plan_split(
+    gm: torch.fx.GraphModule,
+    *,
+    num_stages: int,
+    num_ranks: int | None = None,
+    split_points: Sequence[str] | None = None,
+    schedule: str = "1f1b",
+    num_microbatches: int | None = None,
+    memory_limit: float | None = None,
+    hardware: Hardware = Hardware(),
+    bindings: Mapping[str | sympy.Symbol, int] | None = None,
+    inner_cut_penalty: float = 1.5,
+    state_bytes_per_param_byte: float = 4.0,
+) -> SplitPlan:
+    """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
+
+    Args:
+        num_stages: S = p * v stages. num_ranks: p (default S, i.e. v = 1).
+        split_points: module paths a stage must start at (before that module), in execution
+            order; with S - 1 of them the balancer only checks them, with fewer it fills in the
+            rest. ``fxsplit.pipe_split()`` markers in the model count as split points too.
+        schedule / num_microbatches: how many microbatches' activations a rank holds (GPipe: m,
+            1F1B: p - r, interleaved: about p + (p-1)/v), for the memory cap.
+        memory_limit: bytes per rank: parameters x ``state_bytes_per_param_byte`` (param, grad,
+            Adam m and v) + in-flight activations, summed over the rank's stages.
+        bindings: sizes for symbolic dims (``{"batch": 8}`` or ``{symbol: 8}``); default: the
+            traced example's sizes.
+    """
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise SplitError(f"num_stages must be a positive int, got {num_stages!r}")
+    p = num_stages if num_ranks is None else num_ranks
+    if p < 1 or num_stages % p:
+        raise SplitError(f"num_stages ({num_stages}) must be a multiple of num_ranks ({p}): each rank holds v = S / p stages")
+    v = num_stages // p
+    binds: dict[Any, int] = dict(example_bindings(gm))
+    info = getattr(gm, "meta", {}).get("fxsplit")
+    for k, val in (bindings or {}).items():
+        if isinstance(k, str):
+            if info is None or k not in info.symbols:
+                raise SplitError(f"bindings: no symbolic dimension named {k!r}; the graph has {sorted(info.symbols) if info else []}")
+            binds[info.symbols[k]] = int(val)
+        else:
+            binds[k] = int(val)
+
+    nodes = list(gm.graph.nodes)
+    units = [n for n in nodes if n.op in _COMPUTE]
+    if not units:
+        raise SplitError("the graph has no compute nodes to split")
+    index = {n: i for i, n in enumerate(units)}
+    n = len(units)
+
+    compute, params, acts, flops = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    for i, u in enumerate(units):
+        cost = node_info(u).cost
+        c = cost.evaluate(binds) if cost.is_symbolic else cost
+        compute[i] = estimate_time(c, flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s)
+        params[i] += float(c.param_bytes)
+        acts[i] = float(c.saved_bytes)
+        flops[i] = float(c.flops)
+    # parameters read through get_attr belong to the first unit that uses them
+    for node in nodes:
+        if node.op == "get_attr" and node.users:
+            cost = node_info(node).cost
+            if cost is not None and cost.param_bytes:
+                first = min((index[u] for u in node.users if u in index), default=None)
+                if first is not None:
+                    params[first] += _concrete(cost.param_bytes, binds)
+
+    # bytes live across each position (difference array over [producer + 1, last use])
+    diff = [0.0] * (n + 2)
+    for i, u in enumerate(units):
+        b = _value_bytes(u, binds)
+        if not b:
+            continue
+        last = max((index.get(user, n) for user in u.users), default=i)
+        if last > i:
+            diff[i + 1] += b
+            diff[last + 1] -= b
+    cut_bytes, run = [0.0] * (n + 1), 0.0
+    for k in range(n + 1):
+        run += diff[k]
+        cut_bytes[k] = run if 0 < k < n else 0.0
+    keys = [layer_key(node_info(u).module_path) for u in units]
+    penalty = [1.0] + [1.0 if keys[k - 1] != keys[k] else inner_cut_penalty for k in range(1, n)] + [1.0]
+
+    forced = list(_split_point_positions(units, list(split_points or ())))
+    markers = [index[m] for m in find_pipe_splits(gm) if m in index]
+    forced = sorted(set(forced) | {m for m in markers if m > 0})
+    if len(forced) > num_stages - 1:
+        raise SplitError(
+            f"{len(forced)} split points (user split points and pipe_split markers) make "
+            f"{len(forced) + 1} stages, but num_stages={num_stages}; pass num_stages={len(forced) + 1} or fewer split points"
+        )
+    if schedule in ("gpipe",):
+        inflight = inflight_gpipe(p, num_microbatches or p)
+    else:
+        inflight = inflight_1f1b(p, v)
+    problem = PartitionProblem(
+        compute=tuple(compute),
+        param_bytes=tuple(params),
+        activation_bytes=tuple(acts),
+        cut_bytes=tuple(cut_bytes),
+        num_stages=num_stages,
+        num_ranks=p,
+        forced=tuple(forced),
+        cut_penalty=tuple(penalty),
+        bandwidth=hardware.link_bytes_per_s,
+        memory_limit=memory_limit,
+        state_bytes_per_param_byte=state_bytes_per_param_byte,
+        inflight=inflight,
+    )
+    try:
+        part = solve(problem)
+    except PartitionError as exc:
+        raise SplitError(str(exc)) from None
+    method = "balanced"
+    if forced:
+        method = "user split points" if len(forced) == num_stages - 1 else "user split points + balanced"
+
+    baselines = {}
+    free = PartitionProblem(**{**problem.__dict__, "forced": (), "memory_limit": None})
+    try:
+        baselines["equal layers"] = _layer_equal_balance(free, keys)
+        baselines["parameter count"] = parameter_count_cuts(free).balance
+    except (PartitionError, ValueError):
+        pass
+
+    stage_of: dict[str, int] = {}
+    starts = []
+    summaries = []
+    for s in range(num_stages):
+        a, b = part.cuts[s], part.cuts[s + 1]
+        starts.append(units[a].name)
+        for u in units[a:b]:
+            stage_of[u.name] = s
+        paths = list(dict.fromkeys(keys[a:b]))
+        summaries.append(
+            StageSummary(
+                index=s,
+                rank=s % p,
+                module_paths=tuple(paths),
+                num_nodes=b - a,
+                param_bytes=sum(params[a:b]),
+                flops=sum(flops[a:b]),
+                activation_bytes=sum(acts[a:b]),
+                bytes_in=cut_bytes[a],
+                bytes_out=cut_bytes[b],
+                time=part.stage_time[s],
+            )
+        )
+    return SplitPlan(
+        num_stages=num_stages,
+        num_ranks=p,
+        stage_of=stage_of,
+        starts=tuple(starts),
+        stages=tuple(summaries),
+        partition=part,
+        method=method,
+        bindings={str(k): v for k, v in binds.items()},
+        baselines=baselines,
+    )
+
+
+def _layer_equal_balance(problem: PartitionProblem, keys: Sequence[str]) -> float:
+    """Balance of the split users write by hand: an equal number of layers per stage, cut at layer
+    boundaries (what ``pipeline()`` split points on ``layers.{k}`` give)."""
+    n = len(keys)
+    layers, seen = [], set()
+    for k, key in enumerate(keys):
+        if key not in seen and k > 0 and re.search(r"\.\d+$", key):
+            layers.append(k)
+        seen.add(key)
+    S = problem.num_stages
+    if len(layers) < S:
+        return equal_layer_cuts(problem).balance
+    per = len(layers) / S
+    cuts = [0] + [layers[round(i * per)] for i in range(1, S)] + [n]
+    if len(set(cuts)) != len(cuts):
+        return equal_layer_cuts(problem).balance
+    return evaluate(problem, cuts, method="equal layers").balance
