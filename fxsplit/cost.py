@@ -26,7 +26,8 @@ Terms:
   * Other ops are estimated per element (``_PER_ELEMENT_FLOPS``, default 1 per output element;
     reductions and losses count their largest input): layer_norm 5 (+1 per affine tensor),
     rms_norm 4 (+1), softmax 5, gelu 8, silu/sigmoid/tanh 4. Views, getitem and shape arithmetic
-    cost nothing; copies (cat, clone, contiguous, dtype casts) move bytes but do no FLOPs;
+    cost nothing; copies (cat, clone, contiguous, dtype casts) move bytes but do no FLOPs, and
+    a cast or ``contiguous`` that returns its input unchanged costs nothing;
     an embedding lookup does no FLOPs and reads only the gathered rows plus the indices.
   * ``bytes_read`` counts every tensor input, parameters and buffers included (a call_module node
     reads its module's parameters and buffers); ``bytes_written`` counts every tensor output.
@@ -723,7 +724,7 @@ def _node_cost(node: torch.fx.Node, gm: nn.Module | None, seen: set[int]) -> Nod
     module = _resolve_attr(gm, str(node.target)) if node.op == "call_module" else None
     name = op_name(node, gm)
     ins = _arg_metas(list(node.args) + list(node.kwargs.values()), gm)
-    if name in _VIEWS:
+    if name in _VIEWS or _is_noop_copy(node, name):
         return NodeCost(param_bytes=param_bytes)
     extra_read: Number = 0
     kind = _kind(name)
@@ -749,6 +750,22 @@ def _node_cost(node: torch.fx.Node, gm: nn.Module | None, seen: set[int]) -> Nod
         flops=_clean(flops), bytes_read=_clean(read), bytes_written=_clean(written),
         param_bytes=param_bytes, saved_bytes=_clean(saved), matmul_flops=_clean(mm),
     )
+
+
+_NOOP_WHEN_UNCHANGED = frozenset({"to", "type", "type_as", "float", "half", "bfloat16", "double",
+                                   "int", "long", "bool", "contiguous", "cpu", "cuda"})
+
+
+def _is_noop_copy(node: torch.fx.Node, name: str) -> bool:
+    """``x.to(...)``/``x.float()``/``x.contiguous()`` that returns ``x`` itself (nothing changes)."""
+    if name not in _NOOP_WHEN_UNCHANGED or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    src, out = _node_value(node.args[0]), _node_value(node)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    same_shape = [to_expr(d) for d in src.shape] == [to_expr(d) for d in out.shape]
+    same = same_shape and src.dtype == out.dtype and src.device == out.device
+    return same and (name != "contiguous" or src.is_contiguous())
 
 
 def _clean(x: Number) -> Number:

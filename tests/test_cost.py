@@ -300,6 +300,20 @@ def test_views_are_free_and_unknown_ops_do_not_crash():
     assert erfinv.flops == 24 and erfinv.bytes_written == 24 * F32 and erfinv.saved_bytes == 24 * F32
 
 
+def test_casts_and_contiguous_cost_only_when_they_copy():
+    class M(nn.Module):
+        def forward(self, x):
+            a = x.float().contiguous()  # both return x itself: free
+            b = x.transpose(0, 1).contiguous()  # a real copy
+            return a, b, x.to(torch.float16)  # a real cast
+
+    gm = fx_graph(M(), torch.randn(4, 6))
+    costs = {n.name: node_cost(n) for n in gm.graph.nodes}
+    assert costs["float_1"] == ZERO_COST and costs["contiguous"] == ZERO_COST
+    assert costs["contiguous_1"] == NodeCost(bytes_read=24 * F32, bytes_written=24 * F32)
+    assert costs["to"] == NodeCost(bytes_read=24 * F32, bytes_written=24 * 2)
+
+
 class MatPair(nn.Module):
     """A leaf module the cost model does not know: x @ w1 @ w2."""
 
