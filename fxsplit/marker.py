@@ -119,8 +119,8 @@ def assignment_from_cuts(
 
     Compute nodes are taken in graph (topological) order; stage k+1 starts at the k-th cut in that
     order. A cut node that is a marker belongs to the new stage. Cuts are nodes of `gm` or their
-    names; duplicates are an error, and so is a cut that leaves a stage empty (two cuts in a row,
-    or a cut at the first compute node).
+    names; a repeated cut is an error, and so is a cut at the first compute node (it would leave
+    stage 0 empty). A stage may hold just a marker (two `pipe_split()` calls in a row).
     """
     by_name = {n.name: n for n in gm.graph.nodes}
     cuts = []

@@ -501,16 +501,36 @@ def _grad_reachable(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> set
                 hit = False
         elif n.op == "call_module":
             mod = gm.get_submodule(str(n.target))
-            hit = any(p.requires_grad for p in mod.parameters()) or any(
-                m in reach for m in n.all_input_nodes
+            hit = _may_carry_grad(n) and (
+                any(p.requires_grad for p in mod.parameters())
+                or any(m in reach for m in n.all_input_nodes)
             )
         elif n.op in _COMPUTE_OPS:
-            hit = any(m in reach for m in n.all_input_nodes)
+            hit = _may_carry_grad(n) and any(m in reach for m in n.all_input_nodes)
         else:
             hit = False
         if hit:
             reach.add(n)
     return reach
+
+
+def _may_carry_grad(n: torch.fx.Node) -> bool:
+    """False when the value holds no floating tensor (`x.dtype`, `x.size()`, an int mask), so a
+    gradient cannot flow through it; True when unknown."""
+    val = _node_value(n)
+    if val is _NO_META:
+        return True
+
+    def floating(v: Any) -> bool:
+        if isinstance(v, (torch.Tensor, TensorMetadata)):
+            return v.dtype.is_floating_point or v.dtype.is_complex
+        if isinstance(v, (tuple, list)):
+            return any(floating(x) for x in v)
+        if isinstance(v, dict):
+            return any(floating(x) for x in v.values())
+        return False
+
+    return floating(val)
 
 
 def _get_attr(root: torch.nn.Module, target: str) -> Any:
@@ -531,7 +551,26 @@ def _node_value(n: torch.fx.Node) -> Any:
         return n.meta["tensor_meta"]
     if "type" in n.meta:  # ShapeProp ran and the value holds no tensor
         return None
+    if _obviously_not_tensor(n):  # fake propagation leaves e.g. `x.dtype` without "val"
+        return None
     return _NO_META
+
+
+_NON_TENSOR_ATTRS = frozenset(
+    {"dtype", "device", "shape", "ndim", "layout", "is_cuda", "requires_grad", "is_sparse", "names"}
+)
+_NON_TENSOR_METHODS = frozenset(
+    {"size", "dim", "ndimension", "numel", "nelement", "stride", "element_size", "is_contiguous",
+     "is_floating_point", "get_device"}
+)
+
+
+def _obviously_not_tensor(n: torch.fx.Node) -> bool:
+    if n.op == "call_function" and n.target is getattr and len(n.args) == 2:
+        return n.args[1] in _NON_TENSOR_ATTRS
+    if n.op == "call_method":
+        return n.target in _NON_TENSOR_METHODS
+    return False
 
 
 def _is_tensor(n: torch.fx.Node) -> bool:
