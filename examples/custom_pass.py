@@ -15,6 +15,11 @@ Two passes, written only against ``fxsplit.pass_api`` and ``fxsplit.inspection``
   ``torch.utils.checkpoint.checkpoint``, so its activations are recomputed in backward instead of
   kept.
 
+On a graph from ``fxsplit.trace`` the GELU pass keeps fxsplit's metadata contract (new nodes get
+``meta["val"]`` and ``meta["fxsplit"]`` via ``fxsplit.meta.annotate_node``). The checkpointing
+pass gives its new nodes ``meta["val"]`` only, and the cost model sees a checkpointed block as one
+opaque call: run it after the passes that read costs.
+
 Run ``python examples/custom_pass.py`` (add ``--debug DIR`` for per-pass dumps): it prints the
 graph diff, the node table, and checks the output and every gradient against the model.
 """
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from fxsplit.inspection import graph_diff, graph_table, module_path
+from fxsplit.meta import annotate_node
 from fxsplit.pass_api import PassContext, PassManager, PassResult, register_pass, this_before_that
 
 
@@ -53,6 +59,13 @@ def _exact_gelu_input(node: torch.fx.Node, gm: torch.fx.GraphModule) -> torch.fx
     return None
 
 
+def _copy_meta(src: torch.fx.Node, dst: torch.fx.Node) -> None:
+    """Give a replacement node the value and module stack of the node it stands for."""
+    for key in ("val", "nn_module_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
 @register_pass("gelu_to_tanh")
 def gelu_to_tanh(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Exact GELU -> ``gelu(x, approximate="tanh")``; records the rewritten nodes in the report."""
@@ -64,7 +77,9 @@ def gelu_to_tanh(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         target = torch.ops.aten.gelu.default if node.target is torch.ops.aten.gelu.default else F.gelu
         with gm.graph.inserting_after(node):
             new = gm.graph.call_function(target, (x,), {"approximate": "tanh"})
-        new.meta = dict(node.meta)  # same shape, module path and cost
+        _copy_meta(node, new)
+        if "fxsplit" in node.meta:  # traced by fxsplit.trace: keep the metadata contract
+            annotate_node(new, gm, module_path=node.meta["fxsplit"].module_path)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         rewritten.append(new.name)
@@ -129,7 +144,7 @@ def _outline(gm: torch.fx.GraphModule, block: str, nodes: list[torch.fx.Node]) -
     for i, out in enumerate(outputs):
         with gm.graph.inserting_after(anchor):
             item = gm.graph.call_function(operator.getitem, (call, i))
-        item.meta = dict(out.meta)
+        _copy_meta(out, item)
         out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
         anchor = item
     for n in reversed(nodes):

@@ -58,6 +58,7 @@ __all__ = [
     "register_pass",
     "registered_passes",
     "this_before_that",
+    "UnknownPassError",
     "unregister_pass",
 ]
 
@@ -179,6 +180,13 @@ def _check_order(names: Sequence[str], constraints: Sequence[Constraint]) -> Non
 _REGISTRY: dict[str, PassFn] = {}
 
 
+class UnknownPassError(KeyError):
+    """No pass is registered under the requested name (the message lists close names)."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
 def register_pass(name: str, *, replace: bool = False) -> Callable[[PassFn], PassFn]:
     """Decorator: make ``fn`` findable as ``get_pass(name)`` and usable by name in a PassManager.
 
@@ -209,7 +217,7 @@ def _register(name: str, fn: PassFn, *, replace: bool, origin: str) -> None:
 def unregister_pass(name: str) -> None:
     """Remove a registered pass (for tests and for packages that replace a pass)."""
     if name not in _REGISTRY:
-        raise KeyError(_unknown_pass_message(name, _REGISTRY))
+        raise UnknownPassError(_unknown_pass_message(name, _REGISTRY))
     del _REGISTRY[name]
 
 
@@ -223,7 +231,7 @@ def get_pass(name: str) -> PassFn:
     if name not in _REGISTRY:
         load_entry_point_passes()
     if name not in _REGISTRY:
-        raise KeyError(_unknown_pass_message(name, _REGISTRY))
+        raise UnknownPassError(_unknown_pass_message(name, _REGISTRY))
     return _REGISTRY[name]
 
 

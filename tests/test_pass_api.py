@@ -265,8 +265,9 @@ def test_register_conflict_and_unknown(clean_registry):
         register_pass("test_dup")(gelu_to_relu)
     register_pass("test_dup", replace=True)(gelu_to_relu)
     assert get_pass("test_dup") is gelu_to_relu
-    with pytest.raises(KeyError, match="did you mean 'test_dup'"):
+    with pytest.raises(KeyError, match="did you mean 'test_dup'") as info:
         get_pass("test_dpu")
+    assert str(info.value).startswith("no pass named 'test_dpu'")  # not wrapped in quotes
     with pytest.raises(KeyError, match="no pass named"):
         PassManager(["definitely_not_a_pass"])
 
@@ -439,3 +440,24 @@ def test_example_checkpoint_rejects_unknown_block(example):
     with pytest.raises(ValueError, match="no node comes from module 'blocks.7'") as info:
         PassManager([bad], debug=False)(gm)
     assert "in pass 'checkpoint_blocks'" in info.value.__notes__[0]
+
+
+def test_example_gelu_pass_keeps_fxsplit_metadata(example):
+    import fxsplit
+
+    torch.manual_seed(0)
+    model = example.TinyMLP()
+    gm = fxsplit.trace(model, (torch.randn(2, 16),), method="fx")
+
+    def every_node_annotated(gm):
+        missing = [n.name for n in gm.graph.nodes if "fxsplit" not in n.meta]
+        if missing:
+            raise ValueError(f"nodes without meta['fxsplit']: {missing}")
+
+    result = PassManager(["gelu_to_tanh"], checks=[every_node_annotated], debug=False)(gm)
+    new = [n for n in result.graph_module.graph.nodes
+           if n.op == "call_function" and n.kwargs.get("approximate") == "tanh"]
+    assert sorted(n.meta["fxsplit"].module_path for n in new) == ["", "blocks.0.act", "blocks.1.act"]
+    widths = {n.meta["fxsplit"].module_path: n.meta["fxsplit"].outputs[0].shape[-1] for n in new}
+    assert widths == {"": 16, "blocks.0.act": 64, "blocks.1.act": 64}
+    assert all(n.meta["fxsplit"].cost is not None for n in new)
