@@ -1,0 +1,159 @@
+"""The ("dp", "pp", "tp") device mesh fxsplit runs on, and process-group start-up.
+
+Terms: **d, p, t** -- data-, pipeline- and tensor-parallel degrees; **world size** -- the number
+of ranks in the default process group, which must equal d * p * t; **coords** -- this rank's
+index along each mesh dimension.
+
+    init_from_env()                       # under torchrun: nccl with CUDA, else gloo
+    mesh = build_mesh(dp=2, pp=2, tp=2)   # 8 ranks
+    with bind_groups(mesh_groups(mesh)):  # fxsplit.collectives resolves "tp" etc. here
+        ...
+
+Layout: global rank = dp_i * (p * t) + pp_i * t + tp_i, so tp is innermost (a tensor-parallel
+group is t consecutive ranks, which keeps it inside one host for t <= GPUs per host) and dp is
+outermost. Every check below runs before any collective, so a wrong request raises the same
+error on every rank instead of hanging the job.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = [
+    "MESH_DIMS",
+    "build_mesh",
+    "check_mesh",
+    "init_from_env",
+    "mesh_coords",
+    "mesh_groups",
+]
+
+MESH_DIMS: tuple[str, str, str] = ("dp", "pp", "tp")
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _check_degrees(fn: str, dp: int, pp: int, tp: int) -> None:
+    for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{fn}: {name}={value!r} must be an int >= 1 (1 means no "
+                f"{'data' if name == 'dp' else 'pipeline' if name == 'pp' else 'tensor'} "
+                "parallelism)"
+            )
+
+
+def _suggest(world: int, dp: int, pp: int, tp: int) -> str:
+    """Degree choices that multiply to `world`, changing one of the requested degrees."""
+    options = []
+    for keep_a, keep_b, fill in (("pp", "tp", "dp"), ("dp", "tp", "pp"), ("dp", "pp", "tp")):
+        given = {"dp": dp, "pp": pp, "tp": tp}
+        rest = given[keep_a] * given[keep_b]
+        if world % rest == 0:
+            given[fill] = world // rest
+            text = f"dp={given['dp']}, pp={given['pp']}, tp={given['tp']}"
+            if text not in options:
+                options.append(text)
+    if not options:
+        options.append(f"dp={world}, pp=1, tp=1")
+    return " or ".join(f"({o})" for o in options)
+
+
+def build_mesh(
+    *, dp: int = 1, pp: int = 1, tp: int = 1, device_type: str | None = None
+) -> DeviceMesh:
+    """A DeviceMesh of shape (dp, pp, tp) with dims ("dp", "pp", "tp") over the default group.
+
+    Collective on every rank (it creates the sub-groups). `device_type` defaults to "cuda"
+    when CUDA is available and the default group runs NCCL, else "cpu".
+    """
+    _check_degrees("build_mesh", dp, pp, tp)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"build_mesh(dp={dp}, pp={pp}, tp={tp}): the default process group is not "
+            "initialized; call fxsplit.mesh.init_from_env() under torchrun, or "
+            "torch.distributed.init_process_group(...) first"
+        )
+    world = dist.get_world_size()
+    if world != dp * pp * tp:
+        raise ValueError(
+            f"build_mesh: dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp}, but the default process "
+            f"group has world size {world}; the degrees must multiply to the world size. "
+            f"Try {_suggest(world, dp, pp, tp)}, or launch {dp * pp * tp} processes"
+        )
+    if device_type is None:
+        nccl = "nccl" in str(dist.get_backend()).lower()
+        device_type = "cuda" if torch.cuda.is_available() and nccl else "cpu"
+    return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int) -> None:
+    """Raise ValueError unless `mesh` has dims ("dp", "pp", "tp") and shape (dp, pp, tp)."""
+    _check_degrees("check_mesh", dp, pp, tp)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"check_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    shape = tuple(mesh.shape)
+    if names != MESH_DIMS or shape != (dp, pp, tp):
+        raise ValueError(
+            f"check_mesh: the mesh has dims {names or 'without names'} with shape {shape}; "
+            f"fxsplit needs dims {MESH_DIMS} with shape ({dp}, {pp}, {tp}) for dp={dp}, "
+            f"pp={pp}, tp={tp}. Build it with fxsplit.mesh.build_mesh(dp={dp}, pp={pp}, "
+            f"tp={tp}), or init_device_mesh(device_type, ({dp}, {pp}, {tp}), "
+            f"mesh_dim_names={MESH_DIMS})"
+        )
+
+
+def mesh_coords(mesh: DeviceMesh) -> dict[str, int]:
+    """This rank's index along each mesh dim, e.g. {"dp": 1, "pp": 0, "tp": 1}."""
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError("mesh_coords: the mesh has no dim names; build it with build_mesh(...)")
+    return {name: mesh.get_local_rank(name) for name in names}
+
+
+def mesh_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
+    """Axis name -> this rank's ProcessGroup along it, for fxsplit.collectives.bind_groups."""
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError("mesh_groups: the mesh has no dim names; build it with build_mesh(...)")
+    return {name: mesh.get_group(name) for name in names}
+
+
+def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> None:
+    """Initialize the default process group from torchrun's environment, unless already done.
+
+    Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for the CUDA device).
+    `backend` defaults to "nccl" when CUDA is available, else "gloo". `timeout_s` bounds every
+    collective, so a rank that never arrives fails the job instead of hanging it.
+    """
+    if dist.is_initialized():
+        return
+    if not dist.is_available():
+        raise RuntimeError("init_from_env: this torch build has no torch.distributed support")
+    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_from_env: environment variable(s) {', '.join(missing)} not set; launch with "
+            "`torchrun --nproc-per-node=N your_script.py` (which sets them), or call "
+            "torch.distributed.init_process_group(...) yourself"
+        )
+    if timeout_s <= 0:
+        raise ValueError(f"init_from_env: timeout_s must be > 0, got {timeout_s!r}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"init_from_env: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} "
+                "CUDA device(s) are visible; start at most that many processes per node"
+            )
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
+    )
