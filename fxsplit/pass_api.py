@@ -403,10 +403,14 @@ class PassManager:
                 recorder.finish()
         return PassResult(gm, any_modified)
 
-    def _run_one(self, fn, name, gm, ctx, ran, recorder):
+    def _run_one(
+        self, fn: PassFn, name: str, gm: torch.fx.GraphModule, ctx: PassContext,
+        ran: list[str], recorder: Any,
+    ) -> tuple[torch.fx.GraphModule, bool]:
         index = len(ctx.history)
         nodes_before = len(gm.graph.nodes)
         token = None
+        outer_debug_dir = ctx.debug_dir
         if recorder is not None:
             token = recorder.begin(len(ran), name, gm)
             ctx.debug_dir = token.folder
@@ -437,7 +441,7 @@ class PassManager:
                 recorder.fail(token, exc)
             raise
         finally:
-            ctx.debug_dir = None
+            ctx.debug_dir = outer_debug_dir
         record = PassRecord(name, result.modified, seconds, nodes_before, len(new_gm.graph.nodes))
         ctx.history.append(record)
         ctx.logger.debug(
