@@ -46,9 +46,7 @@ Terms:
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
@@ -114,12 +112,6 @@ def _is_symbolic(x: Number) -> bool:
 
 def _prod(xs: Iterable[Number]) -> Number:
     return math.prod(xs, start=1)
-
-
-def _max(a: Number, b: Number) -> Number:
-    if _is_symbolic(a) or _is_symbolic(b):
-        return sympy.Max(a, b)
-    return max(a, b)
 
 
 def _sum(xs: Iterable[Number]) -> Number:
@@ -294,11 +286,7 @@ class _Meta:
 
     @property
     def nbytes(self) -> Number:
-        return _mul(self.numel, _itemsize(self.dtype))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
+        return _mul(self.numel, self.dtype.itemsize)
 
 
 def _metas_of_value(val: Any, is_param: bool = False) -> list[_Meta]:
@@ -600,15 +588,14 @@ def _norm_cost(node, name, ins, outs, gm, module):
     if module is not None:
         affine = sum(p is not None for p in (getattr(module, "weight", None), getattr(module, "bias", None)))
         normalized = getattr(module, "normalized_shape", None)
-    else:
-        affine = sum(_arg(node, i, n) is not None for i, n in ((2, "weight"), (3, "bias"))
-                     if not ("rms_norm" in name and i == 3))
+    else:  # weight and bias are the parameter inputs (running statistics are buffers)
+        affine = min(2, sum(m.is_param for m in ins))
         normalized = _arg(node, 1, "normalized_shape") if name in {"layer_norm", "rms_norm"} else None
     flops = (base + affine) * x.numel
-    saved: Number = x.nbytes if not x.is_param else 0
+    saved: Number = x.nbytes
     if isinstance(normalized, (tuple, list, torch.Size)) and len(normalized) <= len(x.shape):
         rows = _prod(x.shape[: len(x.shape) - len(normalized)])
-        stats = 1 if "rms_norm" in name else 2
+        stats = 1 if "rms_norm" in name else 2  # float32 mean and rstd (rms_norm: rstd) per row
         saved = _sum((saved, stats * 4 * rows))
     return flops, 0, saved
 
@@ -644,10 +631,6 @@ _FORMULAS = {
 
 # ---------------------------------------------------------------------------------------------
 # Node cost
-
-
-def _module_tensors(module: nn.Module) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
-    return list(module.parameters()), list(module.buffers())
 
 
 def _owned_params(node: torch.fx.Node, gm: nn.Module | None) -> list[nn.Parameter]:
@@ -729,8 +712,8 @@ def _node_cost(node: torch.fx.Node, gm: nn.Module | None, seen: set[int]) -> Nod
     extra_read: Number = 0
     kind = _kind(name)
     if module is not None:
-        params, buffers = _module_tensors(module)
-        extra_read = sum(t.numel() * t.element_size() for t in params + buffers)
+        params = list(module.parameters())
+        extra_read = sum(t.numel() * t.element_size() for t in params + list(module.buffers()))
         if kind == "other" and name == type(module).__name__.lower() and params:
             kind = "leaf"
     if kind == "embedding":

@@ -269,6 +269,19 @@ def test_layer_norm_exact():
     assert c.flops == 5 * numel and c.param_bytes == 0
 
 
+@pytest.mark.parametrize("norm,shape,flops,saved", [
+    (nn.GroupNorm(2, 4), (2, 4, 3, 3), (5 + 2) * 72, 72 * F32),
+    (nn.BatchNorm2d(4).eval(), (2, 4, 3, 3), (5 + 2) * 72, 72 * F32),  # running stats are not affine
+    (nn.RMSNorm(6), (2, 3, 6), (4 + 1) * 36, 36 * F32 + 6 * F32),  # one float32 rstd per row
+])
+def test_other_norms_exact_fx_and_export(norm, shape, flops, saved):
+    x = torch.randn(*shape)
+    for gm in (fx_graph(nn.Sequential(norm), x), export_graph(norm, x)):
+        node = next(n for n in gm.graph.nodes if n.op.startswith("call") and op_name(n).endswith("_norm"))
+        c = node_cost(node)
+        assert (c.flops, c.saved_bytes, c.bytes_written) == (flops, saved, x.numel() * F32), gm.code
+
+
 def test_attention_matches_flop_counter():
     q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 12, 16), torch.randn(2, 4, 12, 16)
 
