@@ -183,7 +183,7 @@ def meta_llama_70b(*, seq_len: int = 4096, batch_size: int = 1, vocab_size: int 
     Nothing is allocated: parameters, buffers and inputs are meta tensors (shapes and dtypes
     only), so this builds in about a second and is meant for tracing, cost models and
     partition plans. Export of it (``torch.export.export(..., strict=False)``) works on meta
-    tensors (about 16 s and 0.5 GB on a 2-core CPU machine). Note the RoPE ``inv_freq`` buffer
+    tensors (16 to 26 s and under 0.5 GB peak on a 2-core CPU machine). Note the RoPE ``inv_freq`` buffer
     is a meta tensor too: the model cannot produce numbers until real weights are loaded.
     ``overrides`` are ``LlamaConfig`` fields (e.g. ``num_hidden_layers=2`` for a quick test).
     """

@@ -231,6 +231,16 @@ def test_hf_llama_shape_and_cache_finding():
         hf_zoo.tiny_llama(hiden_size=32)
 
 
+@pytest.mark.hf
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_eager_attention_exports(name):
+    model, args, kwargs = hf_zoo.make_hf(name, attn_implementation="eager", seq_len=8)
+    assert model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        ep = torch.export.export(model, args, kwargs, strict=False)
+        _assert_same(ep.module()(*args, **kwargs).logits, model(*args, **kwargs).logits, name)
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
