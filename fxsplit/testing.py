@@ -10,7 +10,9 @@ side by side on one machine never race for a port. Every rank gets MASTER_ADDR=1
 MASTER_PORT (the store's port), RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE in its
 environment, runs with `torch.set_num_threads(1)`, and joins the default process group before
 `fn(rank, world_size, *args)` is called. `fn` and `args` must be picklable (a module-level
-function), and so must the return values.
+function), and so must the return values. Both directions use plain `pickle`, so every rank
+gets its own copy of the arguments and the parent its own copy of each result (tensors are
+copied, never shared through shared memory, so nothing depends on a rank staying alive).
 
 Start-up cost: by default ranks come from a multiprocessing "forkserver" that imported torch
 once (preloaded) for the life of the parent, so each launch forks instead of importing torch
@@ -32,6 +34,7 @@ import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import sys
 import time
@@ -82,8 +85,7 @@ def _worker(
     pg_timeout_s: float,
     env: Mapping[str, str],
     conn: multiprocessing.connection.Connection,
-    fn: Callable[..., Any],
-    args: tuple,
+    payload: bytes,
 ) -> None:
     """Body of one rank: join the process group, run `fn`, send ("ok", value) or ("error", ...)."""
     os.environ.update(
@@ -103,21 +105,25 @@ def _worker(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+        fn, args = pickle.loads(payload)
         value = fn(rank, world_size, *args)
         try:
-            conn.send(("ok", value))
+            data = pickle.dumps(("ok", value))
         except Exception as exc:  # the value could not be pickled
             raise TypeError(
                 f"run_distributed: rank {rank} returned a {type(value).__name__}, which could "
-                f"not be sent to the parent ({exc}); return plain data (tensors, numbers, dicts)"
+                f"not be pickled ({exc}); return plain data (numbers, dicts, detached tensors)"
             ) from exc
+        conn.send_bytes(data)
         ok = True
         # Let every rank finish its last sends/receives before any rank tears its group down.
         if dist.is_initialized():
             dist.barrier()
     except BaseException as exc:  # noqa: BLE001 -- everything is reported to the parent
         if not ok:
-            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            conn.send_bytes(
+                pickle.dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -174,6 +180,13 @@ def run_distributed(
     if start_method is None:
         methods = multiprocessing.get_all_start_methods()
         start_method = "forkserver" if "forkserver" in methods else "spawn"
+    try:
+        payload = pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(
+            f"run_distributed: could not pickle {getattr(fn, '__qualname__', fn)!r} and its "
+            f"arguments ({exc}); fn must be a module-level function and args plain data"
+        ) from exc
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
@@ -190,7 +203,7 @@ def run_distributed(
             p = ctx.Process(
                 target=_worker,
                 args=(rank, world_size, store.port, backend, pg_timeout_s, dict(env or {}),
-                      writer, fn, args),
+                      writer, payload),
                 name=f"fxsplit-rank{rank}",
                 daemon=True,
             )
@@ -242,7 +255,7 @@ def _collect(procs: list, readers: list, deadline: float, timeout: float) -> lis
             msg = None
             if reader.poll():
                 try:
-                    msg = reader.recv()
+                    msg = pickle.loads(reader.recv_bytes())
                 except EOFError:
                     pass  # it exited (or died while starting) without a report
             elif obj is reader:

@@ -5,6 +5,8 @@ Gloo (2 and 4 ranks, one launch each): forward values and every gradient of hand
 tensor-parallel layers equal the unsplit layers (float32, rtol=1e-5, atol=1e-6).
 """
 
+import copy
+import pickle
 import threading
 
 import pytest
@@ -122,6 +124,11 @@ def test_ops_are_single_call_function_nodes_under_symbolic_trace():
     ref = _TPBlock(4, 8)
     ref.load_state_dict(gm.state_dict())
     torch.testing.assert_close(gm(x), ref(x), rtol=0, atol=0)
+    # plan graphs hold no ProcessGroup, so they pickle and copy (e.g. to ship a stage to a rank)
+    for clone in (pickle.loads(pickle.dumps(gm)), copy.deepcopy(gm)):
+        assert [n.target for n in clone.graph.nodes if n.op == "call_function" and n.target in
+                C._ORIGINALS.values()] == [n.target for n in calls]
+        torch.testing.assert_close(clone(x), ref(x), rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- gloo

@@ -12,7 +12,9 @@ from fxsplit.testing import DistributedRunError, run_distributed
 pytestmark = pytest.mark.dist
 
 
-def _report(rank, world_size, scale):
+def _report(rank, world_size, scale, shared=None):
+    if shared is not None:
+        shared.add_(100.0)  # each rank owns a copy: the parent's tensor must not change
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     return {
@@ -26,11 +28,15 @@ def _report(rank, world_size, scale):
                                             "FXSPLIT_TEST_VAR")},
         "threads": torch.get_num_threads(),
         "tensor": torch.full((2,), float(rank)),
+        "big": torch.full((1 << 20,), float(rank)),  # 4 MB, copied back after the rank exits
+        "shared": None if shared is None else shared.clone(),
     }
 
 
 def test_returns_per_rank_values():
-    out = run_distributed(_report, 3, 10.0, env={"FXSPLIT_TEST_VAR": "x"}, timeout=60)
+    arg = torch.zeros(3)
+    out = run_distributed(_report, 3, 10.0, arg, env={"FXSPLIT_TEST_VAR": "x"}, timeout=60)
+    assert torch.equal(arg, torch.zeros(3))
     assert [o["rank"] for o in out] == [0, 1, 2]
     for r, o in enumerate(out):
         assert o["pg_rank"] == r and o["pg_world"] == 3 and o["world_size"] == 3
@@ -40,6 +46,8 @@ def test_returns_per_rank_values():
                             "MASTER_ADDR": "127.0.0.1", "FXSPLIT_TEST_VAR": "x"}
         assert o["threads"] == 1
         assert torch.equal(o["tensor"], torch.full((2,), float(r)))
+        assert torch.equal(o["big"], torch.full((1 << 20,), float(r)))
+        assert torch.equal(o["shared"], torch.full((3,), 100.0))
 
 
 def _raise_on_rank_one(rank, world_size):
@@ -71,12 +79,12 @@ def _hang_on_rank_one(rank, world_size):
 def test_hanging_rank_is_killed_at_timeout():
     start = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        run_distributed(_hang_on_rank_one, 2, timeout=8)
+        run_distributed(_hang_on_rank_one, 2, timeout=5)
     elapsed = time.monotonic() - start
     err = info.value
     assert err.rank is None and 1 in err.stuck_ranks
-    assert "timed out after 8 s" in str(err) and "[1]" in str(err)
-    assert 8 <= elapsed < 20
+    assert "timed out after 5 s" in str(err) and "[1]" in str(err)
+    assert 5 <= elapsed < 15
 
 
 def _die_on_rank_zero(rank, world_size):
@@ -110,9 +118,15 @@ class _Unloadable:
         return (_fail_to_unpickle, ())
 
 
-def test_rank_dying_while_starting_is_reported_promptly():
-    start = time.monotonic()
-    with pytest.raises(DistributedRunError, match="before returning a result"):
+def _return_unpicklable(rank, world_size):
+    return (lambda: None) if rank == 1 else 0
+
+
+def test_pickling_failures_name_the_culprit():
+    with pytest.raises(TypeError, match="could not pickle .*<lambda>.*module-level function"):
+        run_distributed(lambda rank, ws: None, 2)
+    with pytest.raises(DistributedRunError, match="this argument cannot be loaded in the child"):
         run_distributed(_report, 2, _Unloadable(), timeout=60)
-    assert time.monotonic() - start < 30
+    with pytest.raises(DistributedRunError, match="rank 1 failed: TypeError: .*rank 1 returned a function"):
+        run_distributed(_return_unpicklable, 2, timeout=60)
 
