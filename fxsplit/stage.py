@@ -316,6 +316,7 @@ def build_stages(
         g.output(tuple(env[v] if isinstance(v, torch.fx.Node) else v for v in outs))
         g.lint()
         module = torch.fx.GraphModule(gm, g, class_name=f"Stage{s}")
+        _copy_buffer_persistence(gm, module)
         out_meta = tuple(
             meta_of(v) if isinstance(v, torch.fx.Node) else _constant_meta(f"output_{k}", v)
             for k, v in enumerate(outs)
@@ -604,6 +605,19 @@ def _constant_meta(name: str, value: Any) -> ValueMeta:
     if isinstance(value, torch.Tensor):
         return ValueMeta(name, True, tuple(value.shape), value.dtype, False)
     return ValueMeta(name, False, None, None, False)
+
+
+def _copy_buffer_persistence(root: torch.nn.Module, stage: torch.nn.Module) -> None:
+    """GraphModule registers every copied tensor as a persistent buffer; keep the original's
+    non-persistent ones out of the stage's state_dict so stage state dicts map back."""
+    for fqn, _ in stage.named_buffers():
+        prefix, _, field = fqn.rpartition(".")
+        try:
+            orig_owner = root.get_submodule(prefix)
+        except AttributeError:
+            continue
+        if field in getattr(orig_owner, "_non_persistent_buffers_set", ()):
+            stage.get_submodule(prefix)._non_persistent_buffers_set.add(field)
 
 
 def _shared_params(modules: list[torch.fx.GraphModule]) -> tuple[tuple[tuple[int, str], ...], ...]:

@@ -454,3 +454,40 @@ def test_assignment_from_cuts_rejects_bad_cuts():
         assignment_from_cuts(gm, ["missing"])
     a = assignment_from_cuts(gm, [nodes[2].name])
     assert [a[n.name] for n in nodes] == [0, 0] + [1] * (len(nodes) - 2)
+
+
+@pytest.mark.parametrize("kind", ["fx", "export"])
+def test_stage_state_dicts_map_back_to_the_model(kind):
+    model, _, _, gm, _ = _case("kwargs", kind)
+    sg = build_stages(gm, _even_assignment(gm, 3), 3)
+    full = model.state_dict(keep_vars=True)
+    buffers = dict(model.named_buffers())
+    covered = set()
+    for module in sg.modules:
+        for key, value in module.state_dict(keep_vars=True).items():
+            if kind == "fx" and key not in full:
+                # torch.fx.GraphModule registers every copied tensor as a persistent buffer, so
+                # a symbolic_trace graph has already lost which buffers were non-persistent
+                assert value is buffers[key]
+                continue
+            assert key in full, f"{key} is not a key of the model's state_dict"
+            assert value is full[key]
+            covered.add(key)
+    assert covered == set(full)
+    # non-persistent buffers (rotary inv_freq) are shared too, but stay out of state_dict
+    bufs = [b for m in sg.modules for n, b in m.named_buffers() if n.endswith("inv_freq")]
+    assert bufs and all(any(b is mb for mb in model.buffers()) for b in bufs)
+
+
+@pytest.mark.parametrize("name,method", [("skip", "fx"), ("skip", "export"), ("gpt", "fx")])
+def test_graphs_from_fxsplit_trace_with_symbolic_batch(name, method):
+    from fxsplit.trace import flatten_inputs, trace
+
+    model, args, kwargs = zoo.make(name)
+    gm = trace(model, args, kwargs, method=method)
+    sg = build_stages(gm, _even_assignment(gm, 3), 3)
+    _check_wiring(sg)
+    assert any(isinstance(d, sympy.Expr) for d in sg.io[0].outputs[0].shape)
+    _, args3, kwargs3 = zoo.make(name, batch_size=3)  # another batch size than traced
+    out = sg.unflatten_outputs(sg.run_sequential(*flatten_inputs(gm, args3, kwargs3)))
+    torch.testing.assert_close(out, model(*args3, **kwargs3), rtol=RTOL, atol=ATOL)
