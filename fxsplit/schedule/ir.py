@@ -56,6 +56,7 @@ class ActionKind(str, enum.Enum):
         return self is not ActionKind.FORWARD
 
 
+_KIND_INDEX = {kind: i for i, kind in enumerate(ActionKind)}
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 _IDLE_TOKENS = frozenset({"-", ".", "None", "none", ""})
 
@@ -69,7 +70,7 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kind, ActionKind):
+        if type(self.kind) is not ActionKind:
             try:
                 object.__setattr__(self, "kind", ActionKind(self.kind))
             except ValueError:
@@ -77,6 +78,16 @@ class Action:
                 raise ValueError(
                     f"Action kind {self.kind!r} is not one of {valid}"
                 ) from None
+        if not (type(self.stage) is int and type(self.microbatch) is int and self.stage >= 0 <= self.microbatch):
+            self._reject_fields()
+        # Actions are dict keys everywhere (validation, simulation): hash once. Only ints go in,
+        # so the hash is the same in every process (str hashes are salted per process).
+        object.__setattr__(self, "_hash", hash((self.stage, _KIND_INDEX[self.kind], self.microbatch)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def _reject_fields(self) -> None:
         for field in ("stage", "microbatch"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

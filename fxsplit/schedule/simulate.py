@@ -180,6 +180,7 @@ def _run(rows, info, cost_of, comm: float) -> list[Event]:
     """Execute the validated ``rows``; ``cost_of(rank, action)`` gives each action's duration."""
     present = {a for row in rows for a in row if a is not None}
     n_s, rank_of = info.num_stages, info.stage_ranks
+    needs = {a: tuple(d for d in dependencies(a, n_s) if d in present) for a in present}
     end: dict[Action, float] = {}
     free = [0.0] * len(rows)
     heads = [0] * len(rows)
@@ -193,7 +194,7 @@ def _run(rows, info, cost_of, comm: float) -> list[Event]:
                 if a is None:
                     heads[r] += 1
                     continue
-                deps = [d for d in dependencies(a, n_s) if d in present]
+                deps = needs[a]
                 if any(d not in end for d in deps):
                     break
                 ready = max((end[d] + (comm if rank_of[d.stage] != r else 0.0) for d in deps), default=0.0)

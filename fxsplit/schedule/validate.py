@@ -149,13 +149,14 @@ def validate(schedule, num_stages: int | None = None, num_microbatches: int | No
             split = split or has_i
 
     # Rule 3: dependencies held by the same rank must come earlier in that rank's list.
+    deps = {a: tuple(d for d in dependencies(a, n_s) if d in where) for a in where}
     for a, (r, t) in where.items():
-        for d in dependencies(a, n_s):
-            if d in where and where[d][0] == r and where[d][1] > t:
+        for d in deps[a]:
+            if where[d][0] == r and where[d][1] > t:
                 raise _fail(rows, _order_rule(a, d), f"{a} at rank {r} step {t} runs before {d} "
                             f"(step {where[d][1]}) on the same rank", [(r, t), where[d]])
 
-    _check_deadlock(rows, where, n_s)
+    _check_deadlock(rows, where, deps)
     p = len(rows)
     return ScheduleInfo(p, n_s, n_m, tuple(stage_rank[s][0] for s in range(n_s)), split)
 
@@ -170,14 +171,14 @@ def _order_rule(a: Action, d: Action) -> str:
     return "backward order (B of stage s+1 before B of stage s)"
 
 
-def _check_deadlock(rows, where: dict[Action, tuple[int, int]], n_s: int) -> None:
+def _check_deadlock(rows, where: dict[Action, tuple[int, int]], deps: dict[Action, tuple[Action, ...]]) -> None:
     """Run the lists in order; raise ``ScheduleError`` when no rank can progress."""
     done: set[Action] = set()
     heads = [0] * len(rows)
 
     def missing(a: Action) -> Action | None:
-        for d in dependencies(a, n_s):
-            if d in where and d not in done:
+        for d in deps[a]:
+            if d not in done:
                 return d
         return None
 
