@@ -712,9 +712,9 @@ def _node_cost(node: torch.fx.Node, gm: nn.Module | None, seen: set[int]) -> Nod
     extra_read: Number = 0
     kind = _kind(name)
     if module is not None:
-        params = list(module.parameters())
-        extra_read = sum(t.numel() * t.element_size() for t in params + list(module.buffers()))
-        if kind == "other" and name == type(module).__name__.lower() and params:
+        tensors = list(module.parameters()) + list(module.buffers())
+        extra_read = sum(t.numel() * t.element_size() for t in tensors)
+        if kind == "other" and name == type(module).__name__.lower():  # a module class we do not know
             kind = "leaf"
     if kind == "embedding":
         flops, mm = 0, 0

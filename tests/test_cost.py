@@ -338,19 +338,33 @@ class MatPair(nn.Module):
         return x @ self.w1 @ self.w2
 
 
-def test_unknown_leaf_module_counted_with_flop_counter():
+class SelfScores(nn.Module):
+    """A parameter-free leaf module the cost model does not know: x @ x^T."""
+
+    def forward(self, x):
+        return x @ x.transpose(-2, -1)
+
+
+def test_unknown_leaf_modules_counted_with_flop_counter():
     class LeafTracer(torch.fx.Tracer):
         def is_leaf_module(self, m, qualname):
-            return isinstance(m, MatPair) or super().is_leaf_module(m, qualname)
+            return isinstance(m, (MatPair, SelfScores)) or super().is_leaf_module(m, qualname)
 
-    model = nn.Sequential(MatPair(), nn.ReLU())
+    model = nn.Sequential(MatPair(), nn.ReLU(), SelfScores())
     x = torch.randn(3, 8)
     gm = fx_graph(model, x, tracer=LeafTracer())
-    c = node_cost(next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "0"))
+    costs = {n.target: node_cost(n) for n in gm.graph.nodes if n.op == "call_module"}
     mm = 2 * 3 * 8 * 12 + 2 * 3 * 12 * 5
-    assert c.matmul_flops == mm and c.flops == mm + 3 * 5
-    assert c.param_bytes == (8 * 12 + 12 * 5) * F32
-    assert c.bytes_read == (3 * 8 + 8 * 12 + 12 * 5) * F32
+    assert costs["0"].matmul_flops == mm and costs["0"].flops == mm + 3 * 5
+    assert costs["0"].param_bytes == (8 * 12 + 12 * 5) * F32
+    assert costs["0"].bytes_read == (3 * 8 + 8 * 12 + 12 * 5) * F32
+    assert costs["2"].matmul_flops == 2 * 3 * 3 * 5 and costs["2"].param_bytes == 0
+    # symbolic batch: the count at the hint is scaled to the symbolic output size
+    gm = sys.modules["fxsplit.trace"].trace(model, (x,), method="fx", leaf_modules=[MatPair, SelfScores])
+    b = gm.meta["fxsplit"].symbols["batch"]
+    costs = {n.target: n.meta["fxsplit"].cost for n in gm.graph.nodes if n.op == "call_module"}
+    assert sympy.simplify(costs["0"].matmul_flops - mm // 3 * b) == 0
+    assert sympy.simplify(costs["2"].matmul_flops - 2 * b * b * 5) == 0
 
 
 def test_module_called_twice_owns_params_once():
