@@ -32,6 +32,11 @@ def _cases(p: int) -> list[dict]:
                     batch = 2 * p + 1  # never a multiple of m: unequal microbatches everywhere
                     cases.append(dict(model=model, schedule=schedule, p=p, v=v, m=m, batch=batch,
                                       check_forward=(m == p)))
+    if p == 2:  # stages from fxsplit.trace + build_stages (tied weights under two FQNs, skips)
+        for model in ("gpt", "skip"):
+            for schedule, v, m in (("1f1b", 1, 3), ("interleaved_1f1b", 2, 4)):
+                cases.append(dict(model=model, schedule=schedule, p=p, v=v, m=m, batch=2 * p + 1,
+                                  check_forward=True, builder="graph"))
     return cases
 
 
