@@ -24,7 +24,7 @@ Terms:
     size); a bias adds 1 FLOP per output element. Attention counts the full (not causal-halved)
     ``q @ k^T`` and ``p @ v`` plus ``5`` FLOPs per score for the softmax, as the explicit graph does.
   * Other ops are estimated per element (``_PER_ELEMENT_FLOPS``, default 1 per output element;
-    reductions and losses count their largest input): layer_norm 5 (+1 per affine tensor),
+    reductions and losses count their first input): layer_norm 5 (+1 per affine tensor),
     rms_norm 4 (+1), softmax 5, gelu 8, silu/sigmoid/tanh 4. Views, getitem and shape arithmetic
     cost nothing; copies (cat, clone, contiguous, dtype casts) move bytes but do no FLOPs, and
     a cast or ``contiguous`` that returns its input unchanged costs nothing;
@@ -717,7 +717,6 @@ def _node_cost(node: torch.fx.Node, gm: nn.Module | None, seen: set[int]) -> Nod
         if kind == "other" and name == type(module).__name__.lower():  # a module class we do not know
             kind = "leaf"
     if kind == "embedding":
-        flops, mm = 0, 0
         index_meta = _embedding_indices(node, ins, module)
         idx_bytes = index_meta.nbytes if index_meta is not None else 0
         read = _sum((idx_bytes, _sum(o.nbytes for o in outs)))

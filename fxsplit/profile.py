@@ -115,11 +115,16 @@ def apply_profile(gm: torch.fx.GraphModule, times: Mapping[str, float]) -> None:
             f"{unknown[:5]}; profile the same graph you attach to (node names change when a pass "
             "rewrites the graph)"
         )
+    checked: dict[str, float] = {}
     for name, seconds in times.items():
-        if not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+        try:
+            checked[name] = float(seconds)
+        except (TypeError, ValueError):
+            checked[name] = float("nan")
+        if not 0 <= checked[name] < float("inf"):
             raise ValueError(f"apply_profile: time of node {name!r} must be a finite number >= 0, got {seconds!r}")
-    for name, seconds in times.items():
-        nodes[name].meta[PROFILE_KEY] = float(seconds)
+    for name, seconds in checked.items():
+        nodes[name].meta[PROFILE_KEY] = seconds
 
 
 def _cost_of(node: torch.fx.Node) -> NodeCost:

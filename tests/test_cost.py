@@ -445,6 +445,8 @@ def test_profile_times_every_compute_node_and_replaces_estimate():
     assert node_time(node, **rates) == pytest.approx(0.5 * ratio)
     with pytest.raises(ValueError, match="not nodes of this graph"):
         apply_profile(gm, {"no_such_node": 1.0})
+    with pytest.raises(ValueError, match="finite number"):
+        apply_profile(gm, {node.name: -1.0})
 
 
 @pytest.mark.gpu
