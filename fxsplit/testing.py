@@ -37,6 +37,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -85,9 +86,11 @@ def _worker(
     pg_timeout_s: float,
     env: Mapping[str, str],
     conn: multiprocessing.connection.Connection,
+    alive: multiprocessing.connection.Connection,
     payload: bytes,
 ) -> None:
     """Body of one rank: join the process group, run `fn`, send ("ok", value) or ("error", ...)."""
+    _exit_with_parent(alive)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -100,6 +103,8 @@ def _worker(
     torch.set_num_threads(1)
     ok = False
     try:
+        if "nccl" in backend and torch.cuda.is_available():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         timeout = datetime.timedelta(seconds=pg_timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
         dist.init_process_group(
@@ -132,6 +137,24 @@ def _worker(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _exit_with_parent(alive: multiprocessing.connection.Connection) -> None:
+    """Exit this rank as soon as the parent dies (a killed test run leaves no orphans).
+
+    `alive` is the read end of a pipe whose only write end the parent holds: it reaches EOF
+    exactly when the parent is gone. (The process's own parent is the forkserver, which
+    outlives a killed test process while ranks hold its pipe, so PR_SET_PDEATHSIG would not do.)
+    """
+
+    def watch() -> None:
+        try:
+            alive.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fxsplit-parent-watch", daemon=True).start()
 
 
 def _exit_reason(exitcode: int | None) -> str:
@@ -197,13 +220,14 @@ def run_distributed(
     deadline = time.monotonic() + timeout
     pg_timeout_s = timeout + _PG_TIMEOUT_MARGIN_S
     procs, readers = [], []
+    alive_r, alive_w = ctx.Pipe(duplex=False)  # EOF in the ranks when this process dies
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
                 args=(rank, world_size, store.port, backend, pg_timeout_s, dict(env or {}),
-                      writer, payload),
+                      writer, alive_r, payload),
                 name=f"fxsplit-rank{rank}",
                 daemon=True,
             )
@@ -220,6 +244,8 @@ def run_distributed(
         _kill_all(procs)
         for r in readers:
             r.close()
+        alive_r.close()
+        alive_w.close()
         del store
 
 

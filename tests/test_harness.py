@@ -50,41 +50,57 @@ def test_returns_per_rank_values():
         assert torch.equal(o["shared"], torch.full((3,), 100.0))
 
 
-def _raise_on_rank_one(rank, world_size):
+def _pids_left(pid_dir):
+    """Ranks (from the pid files they wrote) whose process still exists."""
+    left = []
+    for f in sorted(pid_dir.glob("rank*.pid")):
+        try:
+            os.kill(int(f.read_text()), 0)
+            left.append(f.stem)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def _raise_on_rank_one(rank, world_size, pid_dir):
+    (pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
     if rank == 1:
         raise ValueError("boom from the test")
     dist.barrier()  # rank 0 would wait here forever: the harness must kill it
     return rank
 
 
-def test_raising_rank_is_named_quickly():
+def test_raising_rank_is_named_quickly(tmp_path):
     start = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        run_distributed(_raise_on_rank_one, 2, timeout=60)
+        run_distributed(_raise_on_rank_one, 2, tmp_path, timeout=60)
     elapsed = time.monotonic() - start
     err = info.value
     assert err.rank == 1
     assert "rank 1" in str(err) and "ValueError: boom from the test" in str(err)
     assert "_raise_on_rank_one" in err.rank_traceback  # the rank's own traceback text
     assert elapsed < 30, f"took {elapsed:.1f}s: the failure was not detected promptly"
+    assert len(list(tmp_path.glob("rank*.pid"))) == 2 and _pids_left(tmp_path) == []
 
 
-def _hang_on_rank_one(rank, world_size):
+def _hang_on_rank_one(rank, world_size, pid_dir):
+    (pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
     if rank == 1:
         t = torch.zeros(1)
         dist.recv(t, src=0)  # rank 0 never sends
     return rank
 
 
-def test_hanging_rank_is_killed_at_timeout():
+def test_hanging_rank_is_killed_at_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        run_distributed(_hang_on_rank_one, 2, timeout=5)
+        run_distributed(_hang_on_rank_one, 2, tmp_path, timeout=5)
     elapsed = time.monotonic() - start
     err = info.value
     assert err.rank is None and 1 in err.stuck_ranks
     assert "timed out after 5 s" in str(err) and "[1]" in str(err)
     assert 5 <= elapsed < 15
+    assert _pids_left(tmp_path) == []  # killed and reaped
 
 
 def _die_on_rank_zero(rank, world_size):
