@@ -266,75 +266,48 @@ def build_stages(
         if isinstance(leaf, torch.fx.Node):
             _need(leaf, plans[last], stage_of)
 
-    # 2. Wire: a tensor from stage t read by stage s > t is an output of t consumed by s.
+    # 2. Wire: a tensor from stage t read by stage s > t is an output of t consumed by s; the
+    #    last stage returns the flat model outputs (each distinct node once).
     consumers: list[dict[torch.fx.Node, set[int]]] = [{} for _ in range(num_stages)]
     for plan in plans:
         for m in plan.external:
             if m.op != "placeholder":
                 consumers[stage_of[m]].setdefault(m, set()).add(plan.index)
-    out_nodes: list[list[Any]] = [sorted(c, key=pos.__getitem__) for c in consumers[:last]]
-    last_outs: list[Any] = []
-    model_outputs: list[tuple[int, int]] = []
-    for flat_idx, leaf in enumerate(flat_outputs):
-        found = next((k for k, v in enumerate(last_outs) if v is leaf), None) if isinstance(
-            leaf, torch.fx.Node
-        ) else None
-        if found is None:
-            last_outs.append(leaf)
-            found = len(last_outs) - 1
-        model_outputs.append((flat_idx, found))
-    out_nodes.append(last_outs)
-    out_index = [{v: k for k, v in enumerate(outs) if isinstance(v, torch.fx.Node)} for outs in out_nodes]
+    out_values: list[list[Any]] = [sorted(c, key=pos.__getitem__) for c in consumers[:last]]
+    last_outs, model_outputs = _dedup_model_outputs(flat_outputs)
+    out_values.append(last_outs)
+    out_index = [{v: k for k, v in enumerate(outs) if isinstance(v, torch.fx.Node)} for outs in out_values]
 
     def meta_of(n: torch.fx.Node) -> ValueMeta:
         return _value_meta(n, gm, grad_nodes, model_input=n.op == "placeholder")
 
-    # 3. Build one GraphModule per stage; attributes are shared by reference (GraphModule copies
-    #    the referenced submodules / tensors from `gm` at the same FQN).
+    def source_of(m: torch.fx.Node) -> ValueSource:
+        if m.op == "placeholder":
+            return ValueSource(None, input_index[m])
+        return ValueSource(stage_of[m], out_index[stage_of[m]][m])
+
+    # 3. Build one GraphModule per stage.
     modules, ios = [], []
     for plan in plans:
         s = plan.index
-        g = torch.fx.Graph()
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
         inputs = sorted(plan.external, key=pos.__getitem__)
-        sources, in_meta = [], []
-        for m in inputs:
-            p = g.create_node("placeholder", m.name, name=m.name)
-            p.meta = dict(m.meta)
-            env[m] = p
-            if m.op == "placeholder":
-                sources.append(ValueSource(None, input_index[m]))
-            else:
-                sources.append(ValueSource(stage_of[m], out_index[stage_of[m]][m]))
-            in_meta.append(meta_of(m))
-        for a in sorted(plan.attrs, key=pos.__getitem__):
-            env[a] = g.create_node("get_attr", a.target, name=a.name)
-            env[a].meta = dict(a.meta)
-        for n in sorted(plan.local, key=pos.__getitem__):
-            env[n] = g.node_copy(n, env.__getitem__)
-        outs = out_nodes[s]
-        g.output(tuple(env[v] if isinstance(v, torch.fx.Node) else v for v in outs))
-        g.lint()
-        module = torch.fx.GraphModule(gm, g, class_name=f"Stage{s}")
-        _copy_buffer_persistence(gm, module)
-        out_meta = tuple(
-            meta_of(v) if isinstance(v, torch.fx.Node) else _constant_meta(f"output_{k}", v)
-            for k, v in enumerate(outs)
-        )
-        cons = tuple(
-            tuple(sorted(consumers[s].get(v, ()))) if isinstance(v, torch.fx.Node) else ()
-            for v in outs
-        )
-        params = tuple(name for name, _ in module.named_parameters())
+        module = _build_module(gm, plan, inputs, out_values[s], pos)
+        outs = out_values[s]
         ios.append(
             StageIO(
                 index=s,
-                inputs=tuple(sources),
-                input_meta=tuple(in_meta),
-                outputs=out_meta,
-                consumers=cons,
-                model_outputs=tuple(model_outputs) if s == last else (),
-                param_names=params,
+                inputs=tuple(source_of(m) for m in inputs),
+                input_meta=tuple(meta_of(m) for m in inputs),
+                outputs=tuple(
+                    meta_of(v) if isinstance(v, torch.fx.Node) else _constant_meta(f"output_{k}", v)
+                    for k, v in enumerate(outs)
+                ),
+                consumers=tuple(
+                    tuple(sorted(consumers[s].get(v, ()))) if isinstance(v, torch.fx.Node) else ()
+                    for v in outs
+                ),
+                model_outputs=model_outputs if s == last else (),
+                param_names=tuple(name for name, _ in module.named_parameters()),
             )
         )
         modules.append(module)
@@ -349,7 +322,7 @@ def build_stages(
 
 
 # --------------------------------------------------------------------------------------------
-# Planning helpers
+# Planning and building helpers
 # --------------------------------------------------------------------------------------------
 
 
@@ -361,6 +334,49 @@ class _StagePlan:
         self.local: set[torch.fx.Node] = set()
         self.external: set[torch.fx.Node] = set()  # stage inputs: model inputs and earlier tensors
         self.attrs: set[torch.fx.Node] = set()
+
+
+def _dedup_model_outputs(flat_outputs: list) -> tuple[list, tuple[tuple[int, int], ...]]:
+    """The last stage's outputs (each distinct node once, constants as they are) and the
+    (flat model-output index, local output index) pairs."""
+    outs: list[Any] = []
+    mapping = []
+    for flat_idx, leaf in enumerate(flat_outputs):
+        local = None
+        if isinstance(leaf, torch.fx.Node):
+            local = next((k for k, v in enumerate(outs) if v is leaf), None)
+        if local is None:
+            outs.append(leaf)
+            local = len(outs) - 1
+        mapping.append((flat_idx, local))
+    return outs, tuple(mapping)
+
+
+def _build_module(
+    gm: torch.fx.GraphModule,
+    plan: _StagePlan,
+    inputs: list[torch.fx.Node],
+    outputs: list[Any],
+    pos: Mapping[torch.fx.Node, int],
+) -> torch.fx.GraphModule:
+    """One stage's GraphModule: placeholders for `inputs`, its get_attrs, its local nodes in graph
+    order, and a tuple output. Attributes are shared by reference: GraphModule copies the
+    referenced submodules / tensors of `gm` at the same FQN."""
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for m in inputs:
+        env[m] = g.create_node("placeholder", m.name, name=m.name)
+        env[m].meta = dict(m.meta)
+    for a in sorted(plan.attrs, key=pos.__getitem__):
+        env[a] = g.create_node("get_attr", a.target, name=a.name)
+        env[a].meta = dict(a.meta)
+    for n in sorted(plan.local, key=pos.__getitem__):
+        env[n] = g.node_copy(n, env.__getitem__)
+    g.output(tuple(env[v] if isinstance(v, torch.fx.Node) else v for v in outputs))
+    g.lint()
+    module = torch.fx.GraphModule(gm, g, class_name=f"Stage{plan.index}")
+    _copy_buffer_persistence(gm, module)
+    return module
 
 
 def _need(m: torch.fx.Node, plan: _StagePlan, stage_of: Mapping[torch.fx.Node, int]) -> None:
