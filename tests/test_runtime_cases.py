@@ -234,6 +234,11 @@ def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, r
                 bad.append(f"{tag}: forward() output differs from the model")
         elif got is not None:
             bad.append(f"{tag}: forward() returned outputs on a rank without the last stage")
+        everywhere = rt.forward(inputs, all_ranks=True)
+        everywhere = everywhere if builder == "graph" else everywhere[0]
+        checks += 1
+        if not _close(everywhere, want):
+            bad.append(f"{tag}: forward(all_ranks=True) output differs from the model")
     return bad, checks
 
 

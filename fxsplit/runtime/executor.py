@@ -168,6 +168,8 @@ class PipelineRuntime:
         self.num_microbatches = self.train_plan.num_microbatches
         self._tied = self._local_tied_groups(shared_params)
         self._shape_cache: dict[tuple, tuple[int, ...]] = {}
+        self._binding_cache: dict[tuple, dict] = {}
+        self._channels: dict[bool, P2PChannel] = {}
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -262,7 +264,7 @@ class PipelineRuntime:
             raise
 
     def _abort(self) -> None:
-        self._saved, self._mailbox, self._channel = {}, {}, None
+        self._saved, self._mailbox, self._channel, self._channels = {}, {}, None, {}
         if not self.abort_on_error or not dist.is_initialized():
             return
         group, self.pp_group = self.pp_group, None
@@ -279,7 +281,7 @@ class PipelineRuntime:
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
         mbs = split_microbatches(flat, self.num_microbatches, dim=self.split_dim, batched=self.batched)
         self._mb = mbs
-        self._bindings = [bind_symbols(self.input_meta, inp) for inp in mbs.inputs]
+        self._bindings = [self._bind(inp) for inp in mbs.inputs]
         self._binding_keys = [tuple(sorted((str(k), v) for k, v in b.items())) for b in self._bindings]
         holds_last = self.last_stage in self.modules
         if training and holds_last:
@@ -293,8 +295,11 @@ class PipelineRuntime:
         self._outputs: dict[int, list[Any]] = {}
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
         plan = self.train_plan if training else self.forward_plan
-        self._channel = P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout,
-                                   alloc=self._alloc, blocking_waits=self.blocking_waits)
+        if training not in self._channels:
+            self._channels[training] = P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout,
+                                                  alloc=self._alloc, blocking_waits=self.blocking_waits)
+        self._channel = self._channels[training]
+        self._channel.reset()
         acts = plan.actions
         with torch.set_grad_enabled(training):
             for i, ac in enumerate(acts):
@@ -321,6 +326,12 @@ class PipelineRuntime:
         return self._gather_outputs(all_ranks)
 
     # ------------------------------------------------------------------ messages
+
+    def _bind(self, inputs: Sequence[Any]) -> dict:
+        key = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs)
+        if key not in self._binding_cache:
+            self._binding_cache[key] = bind_symbols(self.input_meta, inputs)
+        return self._binding_cache[key]
 
     def _meta(self, msg: Message) -> ValueMeta:
         return self.io[msg.stage].input_meta[msg.input]
@@ -370,7 +381,9 @@ class PipelineRuntime:
         if len(out) != len(sio.outputs):
             raise ValueError(f"stage {s} returned {len(out)} values but its StageIO lists "
                              f"{len(sio.outputs)} outputs ({[m.name for m in sio.outputs]})")
-        saved = _Saved(args, tuple(out)) if self._training else None
+        # the last stage differentiates from its loss: do not keep its outputs (logits) alive
+        keep = tuple(out) if any(sio.consumers) else ()
+        saved = _Saved(args, keep) if self._training else None
         if s == self.last_stage:
             flat_out = [out[local] for _, local in sorted(sio.model_outputs)]
             if self._training:
