@@ -1,0 +1,528 @@
+"""How parameters are split over the tensor-parallel axis, and per-rank materialization.
+
+Terms: **t** -- the tensor-parallel degree (`num_shards`); **dim** -- the dimension a tensor is
+split along; **block** -- a sub-range of `dim` that is split into t pieces on its own (a fused
+[q|k|v] weight has three blocks, so every rank gets its q, k and v heads); **pad_to** -- the
+padded size of `dim` (a multiple of t) used for vocabulary sharding; **local** -- this rank's
+piece; **full** -- the unsplit tensor. Everything here is pure tensor code: no process group.
+
+    spec = ShardSpec(dim=0, num_shards=4, blocks=(C, C, C))     # fused QKV, column-parallel
+    w_r = spec.shard(w, rank)          # concat of q/k/v's rank-th chunks, shape (3C/4, C)
+    w = spec.unshard([w_0, w_1, w_2, w_3])
+    materialize_module(gm, specs, rank, source=model, device="cuda:0")
+
+[Note: vocabulary padding] When the vocabulary V does not divide by t, the table is padded to
+`pad_to` rows (the next multiple of t, or of t * k for alignment) and rank r holds the padded
+rows [r * L, (r + 1) * L) with L = pad_to / t. The padding rows are zero, are never looked up
+(`tp_ops.vocab_parallel_embedding` only sees ids < V) and their logit columns are excluded from
+the loss (`tp_ops.vocab_parallel_cross_entropy` treats them as -inf), so they get no gradient
+and never change. `local_range` reports ranges in the padded index space. `unshard` drops the
+padding, which needs the unpadded size: the spec's `size` field, or `unshard(..., size=V)`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ShardSpec",
+    "ShardedParam",
+    "ShardingError",
+    "default_init",
+    "materialize_module",
+    "padded_size",
+    "shard_state_dict",
+    "unshard_state_dict",
+    "valid_degrees",
+]
+
+
+class ShardingError(ValueError):
+    """A tensor cannot be split as asked (sizes, degree, or shapes that do not match)."""
+
+
+def valid_degrees(size: int, upto: int = 64) -> list[int]:
+    """The degrees t in [1, upto] that split `size` into equal pieces (divisors of size)."""
+    if size < 0:
+        raise ValueError(f"valid_degrees: size must be >= 0, got {size}")
+    return [t for t in range(1, upto + 1) if size % t == 0]
+
+
+def padded_size(size: int, num_shards: int, multiple_of: int = 1) -> int:
+    """The smallest size >= `size` divisible by num_shards * multiple_of (a `pad_to` value)."""
+    if num_shards < 1 or multiple_of < 1:
+        raise ValueError(
+            f"padded_size: num_shards={num_shards} and multiple_of={multiple_of} must be >= 1"
+        )
+    unit = num_shards * multiple_of
+    return -(-size // unit) * unit
+
+
+def _nearest(valid: list[int], t: int) -> str:
+    below = [d for d in valid if d < t]
+    above = [d for d in valid if d > t]
+    near = ([below[-1]] if below else []) + ([above[0]] if above else [])
+    return " or ".join(f"t={d}" for d in near) if near else "none"
+
+
+def _common_degrees(sizes: Sequence[int], upto: int = 64) -> list[int]:
+    return [t for t in range(1, upto + 1) if all(s % t == 0 for s in sizes)]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is split over the tp axis (see the module's Terms).
+
+    dim: the dimension split (negative counts from the end); num_shards: t; blocks: sizes along
+    `dim` of sub-blocks that are each split into t pieces separately (fused QKV [q|k|v] ->
+    blocks=(C, C, C), grouped-query fused -> (C, kv, kv)); None = one block. pad_to: for
+    vocabulary sharding, the padded size of `dim` (a multiple of t); padded rows are zero and
+    never looked up or used (see [Note: vocabulary padding]). size: optional unpadded size of
+    `dim`, which `unshard` needs to drop padding (and which shapes are checked against).
+    """
+
+    dim: int
+    num_shards: int
+    blocks: tuple[int, ...] | None = None
+    pad_to: int | None = None
+    size: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.num_shards
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ShardingError(f"ShardSpec: num_shards must be an int >= 1, got {t!r}")
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise ShardingError(f"ShardSpec: dim must be an int, got {self.dim!r}")
+        if self.blocks is not None:
+            if not isinstance(self.blocks, tuple) or not self.blocks or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.blocks
+            ):
+                raise ShardingError(
+                    f"ShardSpec: blocks must be a non-empty tuple of positive ints, got "
+                    f"{self.blocks!r} (use a tuple, e.g. blocks=(C, C, C))"
+                )
+            if self.pad_to is not None:
+                raise ShardingError(
+                    f"ShardSpec: blocks={self.blocks} and pad_to={self.pad_to} cannot be "
+                    "combined; padding is for one-block (vocabulary) sharding"
+                )
+            bad = [b for b in self.blocks if b % t]
+            if bad:
+                raise ShardingError(
+                    f"ShardSpec: block sizes {self.blocks} along dim {self.dim} cannot each be "
+                    f"split into t={t} equal pieces ({bad} not divisible); nearest valid t: "
+                    f"{_nearest(_common_degrees(self.blocks), t)}"
+                )
+            if self.size is not None and self.size != sum(self.blocks):
+                raise ShardingError(
+                    f"ShardSpec: size={self.size} differs from the sum of blocks "
+                    f"{self.blocks} = {sum(self.blocks)}"
+                )
+        if self.pad_to is not None:
+            if self.pad_to < 1 or self.pad_to % t:
+                raise ShardingError(
+                    f"ShardSpec: pad_to={self.pad_to} must be a positive multiple of "
+                    f"num_shards={t}; use padded_size(size, {t}) = "
+                    f"{padded_size(max(self.pad_to, 1), t)}"
+                )
+            if self.size is not None and self.size > self.pad_to:
+                raise ShardingError(
+                    f"ShardSpec: size={self.size} is larger than pad_to={self.pad_to}; use "
+                    f"pad_to=padded_size({self.size}, {t}) = {padded_size(self.size, t)}"
+                )
+
+    # ------------------------------------------------------------------ shapes
+
+    def _dim_of(self, ndim: int, shape: tuple) -> int:
+        if not -ndim <= self.dim < ndim:
+            raise ShardingError(
+                f"ShardSpec: dim={self.dim} is out of range for a tensor of shape {shape}"
+            )
+        return self.dim % ndim
+
+    def _check_full(self, full_shape: Sequence[int]) -> int:
+        """Validate a full shape; return the normalized dim."""
+        shape = tuple(int(s) for s in full_shape)
+        d = self._dim_of(len(shape), shape)
+        n, t = shape[d], self.num_shards
+        if self.blocks is not None:
+            if n != sum(self.blocks):
+                raise ShardingError(
+                    f"ShardSpec: dim {d} of shape {shape} has size {n}, but blocks "
+                    f"{self.blocks} sum to {sum(self.blocks)}"
+                )
+        elif self.pad_to is not None:
+            if n > self.pad_to:
+                raise ShardingError(
+                    f"ShardSpec: dim {d} of shape {shape} has size {n}, larger than "
+                    f"pad_to={self.pad_to}; use pad_to=padded_size({n}, {t}) = "
+                    f"{padded_size(n, t)}"
+                )
+            if self.size is not None and n != self.size:
+                raise ShardingError(
+                    f"ShardSpec: dim {d} of shape {shape} has size {n}, but the spec says "
+                    f"size={self.size}"
+                )
+        elif n % t:
+            raise ShardingError(
+                f"ShardSpec: dim {d} of shape {shape} has size {n}, which t={t} cannot split "
+                f"into equal shards; nearest valid t: {_nearest(valid_degrees(n), t)} "
+                f"(valid up to 64: {valid_degrees(n)}), or pad it with "
+                f"pad_to=padded_size({n}, {t}) = {padded_size(n, t)}"
+            )
+        return d
+
+    def _local_len(self, n: int) -> int:
+        if self.blocks is not None:
+            return sum(self.blocks) // self.num_shards
+        if self.pad_to is not None:
+            return self.pad_to // self.num_shards
+        return n // self.num_shards
+
+    def local_shape(self, full_shape: Sequence[int]) -> tuple[int, ...]:
+        """This rank's shape for a tensor of `full_shape` (every rank's is the same)."""
+        shape = tuple(int(s) for s in full_shape)
+        d = self._check_full(shape)
+        return shape[:d] + (self._local_len(shape[d]),) + shape[d + 1 :]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.num_shards:
+            raise ShardingError(
+                f"ShardSpec: rank={rank} is out of range for num_shards={self.num_shards}"
+            )
+
+    def local_range(self, rank: int) -> list[tuple[int, int]]:
+        """Global [start, end) ranges along `dim` that `rank` holds, in order (one per block;
+        in the padded index space when pad_to is set, see [Note: vocabulary padding])."""
+        self._check_rank(rank)
+        t = self.num_shards
+        if self.blocks is not None:
+            ranges, offset = [], 0
+            for b in self.blocks:
+                piece = b // t
+                ranges.append((offset + rank * piece, offset + (rank + 1) * piece))
+                offset += b
+            return ranges
+        if self.pad_to is None and self.size is None:
+            raise ShardingError(
+                "ShardSpec.local_range: a spec with neither blocks, pad_to nor size does not "
+                "know the size of its dim; set size= or call local_shape(full_shape) first"
+            )
+        total = self.pad_to if self.pad_to is not None else self.size
+        if total % t:
+            raise ShardingError(
+                f"ShardSpec: size {total} cannot be split into t={t} equal shards; nearest "
+                f"valid t: {_nearest(valid_degrees(total), t)}"
+            )
+        piece = total // t
+        return [(rank * piece, (rank + 1) * piece)]
+
+    def _ranges(self, n: int, rank: int) -> list[tuple[int, int]]:
+        if self.blocks is None and self.pad_to is None:
+            piece = n // self.num_shards
+            return [(rank * piece, (rank + 1) * piece)]
+        return self.local_range(rank)
+
+    # ------------------------------------------------------------------ tensors
+
+    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's piece of `full`, a contiguous copy on `full`'s device (for blocks: the
+        concatenation of each block's rank-th chunk; with pad_to: padding rows are zero)."""
+        self._check_rank(rank)
+        d = self._check_full(tuple(full.shape))
+        n = full.shape[d]
+        pieces = []
+        for start, end in self._ranges(n, rank):
+            real_end = min(end, n)
+            if real_end > start:
+                pieces.append(full.narrow(d, start, real_end - start))
+            pad = end - max(start, real_end)
+            if pad:
+                shape = list(full.shape)
+                shape[d] = pad
+                pieces.append(full.new_zeros(shape))
+        if len(pieces) == 1:
+            return pieces[0].clone(memory_format=torch.contiguous_format)
+        return torch.cat(pieces, dim=d)
+
+    def unshard(self, shards: Sequence[torch.Tensor], *, size: int | None = None) -> torch.Tensor:
+        """Inverse of `shard`: the full tensor from every rank's piece, in rank order, with
+        padding removed (pad_to needs the unpadded size: `size=` here or the spec's `size`)."""
+        shards = list(shards)
+        t = self.num_shards
+        if len(shards) != t:
+            raise ShardingError(
+                f"ShardSpec.unshard: expected {t} shards (one per rank), got {len(shards)}"
+            )
+        first = tuple(shards[0].shape)
+        d = self._dim_of(len(first), first)
+        for r, s in enumerate(shards):
+            if tuple(s.shape) != first:
+                raise ShardingError(
+                    f"ShardSpec.unshard: shard {r} has shape {tuple(s.shape)}, shard 0 has "
+                    f"{first}; every rank's shard must have the same shape"
+                )
+        if self.blocks is not None:
+            if first[d] * t != sum(self.blocks):
+                raise ShardingError(
+                    f"ShardSpec.unshard: shards of size {first[d]} on dim {d} do not fit blocks "
+                    f"{self.blocks} split {t} ways (expected {sum(self.blocks) // t})"
+                )
+            pieces = [s.split([b // t for b in self.blocks], dim=d) for s in shards]
+            return torch.cat(
+                [pieces[r][i] for i in range(len(self.blocks)) for r in range(t)], dim=d
+            )
+        full = torch.cat(shards, dim=d)
+        if self.pad_to is not None:
+            if full.shape[d] != self.pad_to:
+                raise ShardingError(
+                    f"ShardSpec.unshard: shards of size {first[d]} on dim {d} give "
+                    f"{full.shape[d]}, expected pad_to={self.pad_to}"
+                )
+            n = size if size is not None else self.size
+            if n is None:
+                raise ShardingError(
+                    f"ShardSpec.unshard: pad_to={self.pad_to} is set but the unpadded size is "
+                    "unknown; pass unshard(shards, size=V) or build the spec with size=V"
+                )
+            full = full.narrow(d, 0, n).contiguous()
+        return full
+
+
+@dataclass(frozen=True)
+class ShardedParam:
+    """One parameter of a plan, for full_state_dict and checkpoint reassembly.
+
+    fqn: the parameter's original name; full_shape: its unsplit shape; spec: how it is split
+    over tp, or None when it is replicated (every tp rank holds the full tensor).
+    """
+
+    fqn: str
+    full_shape: tuple[int, ...]
+    spec: ShardSpec | None
+
+    def __post_init__(self) -> None:
+        if self.spec is not None:
+            self.spec.local_shape(self.full_shape)  # raises ShardingError naming the sizes
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.full_shape if self.spec is None else self.spec.local_shape(self.full_shape)
+
+
+# ----------------------------------------------------------------------------- state dicts
+
+
+def shard_state_dict(
+    full_sd: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec], rank: int
+) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s state dict: sharded entries sliced by their spec (copies), the rest the
+    same tensor objects (replicated). Every key in `specs` must be in `full_sd`."""
+    missing = sorted(set(specs) - set(full_sd))
+    if missing:
+        raise ShardingError(
+            f"shard_state_dict: specs name {missing[:5]} which the state dict does not hold "
+            f"(it has {len(full_sd)} entries, e.g. {sorted(full_sd)[:3]})"
+        )
+    out = {}
+    for name, value in full_sd.items():
+        spec = specs.get(name)
+        out[name] = value if spec is None else _shard_named(spec, value, rank, name)
+    return out
+
+
+def _shard_named(spec: ShardSpec, value: torch.Tensor, rank: int, name: str) -> torch.Tensor:
+    try:
+        return spec.shard(value, rank)
+    except ShardingError as exc:
+        raise ShardingError(f"{name!r}: {exc}") from None
+
+
+def unshard_state_dict(
+    per_rank: Sequence[Mapping[str, torch.Tensor]], specs: Mapping[str, ShardSpec]
+) -> dict[str, torch.Tensor]:
+    """The full state dict from every tp rank's state dict (in rank order): sharded entries
+    reassembled, replicated ones taken from rank 0. Padding needs the spec's `size`."""
+    if not per_rank:
+        raise ShardingError("unshard_state_dict: got no per-rank state dicts")
+    keys = list(per_rank[0])
+    for r, sd in enumerate(per_rank[1:], 1):
+        if set(sd) != set(keys):
+            diff = sorted(set(sd) ^ set(keys))
+            raise ShardingError(
+                f"unshard_state_dict: rank {r}'s keys differ from rank 0's: {diff[:5]}"
+            )
+    out = {}
+    for name in keys:
+        spec = specs.get(name)
+        if spec is None:
+            out[name] = per_rank[0][name]
+            continue
+        try:
+            out[name] = spec.unshard([sd[name] for sd in per_rank])
+        except ShardingError as exc:
+            raise ShardingError(f"{name!r}: {exc}") from None
+    return out
+
+
+# ----------------------------------------------------------------------------- materialization
+
+
+def _seed(fqn: str, rank: int, base: int) -> int:
+    return (zlib.crc32(f"{fqn}#{rank}".encode()) + 1_000_003 * base) % (2**63)
+
+
+def default_init(fqn: str, tensor: torch.Tensor) -> None:
+    """The default initializer (in place, from torch's current RNG, which `materialize_module`
+    seeds per fqn): normal(0, 0.02) for tensors of 2 or more dims, ones for 1-D tensors whose
+    name ends in "weight" (norm scales), zeros for everything else (biases, 1-D buffers)."""
+    with torch.no_grad():
+        if not tensor.is_floating_point() and not tensor.is_complex():
+            tensor.zero_()
+        elif tensor.dim() >= 2:
+            tensor.normal_(0.0, 0.02)
+        elif fqn.rsplit(".", 1)[-1].endswith("weight"):
+            tensor.fill_(1.0)
+        else:
+            tensor.zero_()
+
+
+def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    path, _, leaf = fqn.rpartition(".")
+    return (root.get_submodule(path) if path else root), leaf
+
+
+def materialize_module(
+    module: nn.Module,
+    specs: Mapping[str, ShardSpec],
+    rank: int,
+    *,
+    source: nn.Module | Mapping[str, torch.Tensor] | None,
+    device: torch.device | str | None = None,
+    init_fn: Callable[[str, torch.Tensor], None] | None = None,
+    full_shapes: Mapping[str, Sequence[int]] | None = None,
+    seed: int = 0,
+) -> None:
+    """Replace, in place, every parameter and buffer of `module` by rank `rank`'s real tensor.
+
+    module: typically a stage or plan GraphModule whose tensors may be on the meta device, with
+    FULL or already-LOCAL shapes. specs: fqn -> ShardSpec for tp-sharded tensors (others are
+    replicated). Each tensor comes from, in order:
+      1. `source` (a model with real weights, or a full state dict) when it holds the fqn (or a
+         tied alias) on a real device: the shard is sliced where the source lives and only the
+         slice is copied to `device`, never the full tensor;
+      2. the module's own tensor when it is real (not meta): sharded if it has the full shape;
+      3. otherwise a fresh tensor of the LOCAL shape only, filled by `init_fn(fqn, tensor)`
+         (default `default_init`) under torch's RNG seeded from (seed, fqn, and rank when the
+         tensor is sharded), so replicated tensors are identical on every tp rank and a run is
+         reproducible.
+    The full shape of a tensor is the source's shape, else `full_shapes[fqn]`, else the module
+    tensor's own shape (so pass `full_shapes` -- e.g. {p.fqn: p.full_shape for p in
+    sharded_params} -- when a meta module already has local shapes and there is no source);
+    the module's shape must be that full shape or its local shape. `device` defaults to the
+    module tensor's device, or CPU for meta tensors. Dtypes follow the module's tensors.
+    Tied parameters (one Parameter object under several names) stay one object; parameters
+    keep their names and requires_grad; buffers keep their persistence.
+    """
+    src = _source_tensors(source)
+    full_shapes = dict(full_shapes or {})
+    # Group names by tensor object (tied parameters/buffers), in registration order.
+    groups: dict[int, list[str]] = {}
+    objects: dict[int, torch.Tensor] = {}
+    for name, t in (*module.named_parameters(remove_duplicate=False),
+                    *module.named_buffers(remove_duplicate=False)):
+        if t is None:
+            continue
+        groups.setdefault(id(t), []).append(name)
+        objects[id(t)] = t
+    unknown = sorted(set(specs) - {n for names in groups.values() for n in names})
+    if unknown:
+        raise ShardingError(
+            f"materialize_module: specs name {unknown[:5]}, which are not parameters or buffers "
+            f"of the module (it has e.g. {[ns[0] for ns in list(groups.values())[:3]]})"
+        )
+    for key, names in groups.items():
+        old = objects[key]
+        spec = _group_spec(names, specs)
+        new = _materialize_one(
+            names, old, spec, rank, src, device, init_fn, full_shapes, seed
+        )
+        if isinstance(old, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=old.requires_grad)
+        for name in names:
+            owner, leaf = _owner(module, name)
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = new
+            else:
+                owner._buffers[leaf] = new
+
+
+def _source_tensors(
+    source: nn.Module | Mapping[str, torch.Tensor] | None,
+) -> Mapping[str, torch.Tensor]:
+    if source is None:
+        return {}
+    if isinstance(source, nn.Module):
+        out = dict(source.named_parameters(remove_duplicate=False))
+        out.update(source.named_buffers(remove_duplicate=False))
+        return out
+    if isinstance(source, Mapping):
+        return source
+    raise TypeError(
+        f"materialize_module: source must be an nn.Module, a state dict (Mapping[str, Tensor]) "
+        f"or None, got {type(source).__name__}"
+    )
+
+
+def _group_spec(names: list[str], specs: Mapping[str, ShardSpec]) -> ShardSpec | None:
+    found = {n: specs[n] for n in names if n in specs}
+    if len(set(found.values())) > 1:
+        raise ShardingError(
+            f"materialize_module: tied names {names} have different specs {found}; tied "
+            "tensors are one tensor and need one spec"
+        )
+    return next(iter(found.values()), None)
+
+
+def _materialize_one(names, old, spec, rank, src, device, init_fn, full_shapes, seed):
+    name = names[0]
+    cur = tuple(old.shape)
+    target = torch.device(device) if device is not None else (
+        torch.device("cpu") if old.is_meta else old.device
+    )
+    real = next((src[n] for n in names if n in src and not src[n].is_meta), None)
+    if real is not None:
+        full = tuple(real.shape)
+    else:
+        full = next((tuple(full_shapes[n]) for n in names if n in full_shapes), cur)
+    try:
+        local = full if spec is None else spec.local_shape(full)
+    except ShardingError as exc:
+        raise ShardingError(f"materialize_module: {name!r}: {exc}") from None
+    if cur not in (full, local):
+        raise ShardingError(
+            f"materialize_module: {name!r} has shape {cur} in the module, but its full shape "
+            f"is {full} and this rank's shape {local}{'' if spec is None else f' ({spec})'}; "
+            "the module must hold the full or the local shape"
+        )
+    with torch.no_grad():
+        if real is None and not old.is_meta:
+            if cur == full:
+                real = old
+            else:  # already local and real: keep its values
+                return old.detach().to(device=target, copy=old.device == target)
+        if real is not None:
+            if spec is None:
+                return real.detach().to(device=target, dtype=old.dtype, copy=True)
+            return spec.shard(real.detach(), rank).to(device=target, dtype=old.dtype)
+        out = torch.empty(local, dtype=old.dtype, device=target)
+        devices = [target] if target.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(_seed(name, rank if spec is not None else 0, seed))
+            (init_fn or default_init)(name, out)
+        return out
