@@ -138,6 +138,7 @@ class SplitPlan:
     stages: tuple[StageSummary, ...]
     partition: Partition
     method: str  # "balanced", "user split points", "user split points + balanced"
+    problem: PartitionProblem | None = None  # what the solver was given (for checks and tools)
     bindings: Mapping[str, int] = field(default_factory=dict)
     baselines: Mapping[str, float] = field(default_factory=dict)
 
@@ -428,6 +429,7 @@ def plan_split(
         stages=tuple(summaries),
         partition=part,
         method=method,
+        problem=problem,
         bindings={str(k): v for k, v in binds.items()},
         baselines=baselines,
     )
