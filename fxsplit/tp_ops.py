@@ -1,0 +1,220 @@
+"""Vocabulary-parallel ops: embedding, cross-entropy and logits gather over the tp axis.
+
+Terms: **V** -- the real vocabulary size (`vocab_size`); **t** -- the size of the group `axis`
+is bound to; **L** -- the local vocabulary rows/columns per rank (the shard's size), so rank r
+holds the padded vocabulary range [r * L, (r + 1) * L) and L * t >= V (see
+fxsplit.sharding's [Note: vocabulary padding]); **unbound** -- `axis` not bound, bound to None
+or to a group of size 1 (fxsplit.collectives' [Note: axis binding]): every op is then the
+plain one-process op on the whole (possibly padded) tensor.
+
+    h = vocab_parallel_embedding(ids, wte_shard, V)            # (B, T, C), full on every rank
+    logits = lm_head_shard(h)                                  # (B, T, L): column-parallel
+    loss = vocab_parallel_cross_entropy(logits, targets, V)    # no full logits gathered
+    full = gather_logits(logits, V)                            # (B, T, V) when the user needs them
+
+Each op is one `call_function` node under `torch.fx.symbolic_trace` (registered with
+`torch.fx.wrap`, and also when called on an fx Proxy), taking the axis name as a plain argument.
+Gradients are exact: value and gradient equal the one-process op on the full tensors, up to the
+summation order of the all-reduces (float32 last bits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.nn.functional as F
+
+from fxsplit.collectives import current_group, gather_from_region, reduce_from_region
+
+__all__ = ["gather_logits", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
+
+
+def _group(axis: str) -> dist.ProcessGroup | None:
+    if not isinstance(axis, str):
+        raise TypeError(f"tp_ops: axis must be a mesh axis name (str), got {axis!r}")
+    group = current_group(axis)
+    return None if group is None or group.size() == 1 else group
+
+
+def _traced(fn, args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
+    """Record one call_function node when any argument is an fx Proxy."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.fx.Proxy):
+            return a.tracer.create_proxy("call_function", fn, args, kwargs)
+    return None
+
+
+def _check_vocab(op: str, local: int, t: int, vocab_size: int, what: str) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"{op}: vocab_size must be a positive int, got {vocab_size!r}")
+    if local * t < vocab_size:
+        raise ValueError(
+            f"{op}: {what} has {local} vocabulary entries per rank x t={t} ranks = {local * t}, "
+            f"fewer than vocab_size={vocab_size}; shard the table with "
+            f"ShardSpec(dim=0, num_shards={t}, pad_to=padded_size({vocab_size}, {t}))"
+        )
+
+
+# ----------------------------------------------------------------------------- embedding
+
+
+def vocab_parallel_embedding(
+    ids: torch.Tensor,
+    weight_shard: torch.Tensor,
+    vocab_size: int,
+    axis: str = "tp",
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    """Embedding lookup with the table's rows sharded over `axis`.
+
+    ids: integer tensor (...); weight_shard: (L, C), this rank's rows [r * L, (r + 1) * L).
+    Ids outside this rank's range are looked up as local row 0 and their output zeroed, then
+    the partial outputs are summed over `axis` (reduce_from_region). Returns (..., C) on every
+    rank. padding_idx is a GLOBAL id whose row gets no gradient (as in F.embedding). Unbound:
+    plain F.embedding on `weight_shard`.
+    """
+    kwargs = {"axis": axis, "padding_idx": padding_idx}
+    node = _traced(vocab_parallel_embedding, (ids, weight_shard, vocab_size), kwargs)
+    if node is not None:
+        return node
+    group = _group(axis)
+    t = 1 if group is None else group.size()
+    local = weight_shard.shape[0]
+    _check_vocab("vocab_parallel_embedding", local, t, vocab_size, "weight_shard")
+    if group is None:
+        return F.embedding(ids, weight_shard, padding_idx=padding_idx)
+    start = group.rank() * local
+    outside = (ids < start) | (ids >= start + local)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    local_pad = None
+    if padding_idx is not None:
+        pad = padding_idx % vocab_size if padding_idx < 0 else padding_idx
+        if start <= pad < start + local:
+            local_pad = pad - start
+    out = F.embedding(local_ids, weight_shard, padding_idx=local_pad)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_region(out, axis)
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-position loss (...,) from logits (..., L); see vocab_parallel_cross_entropy."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size, ignore_index, group):
+        local = logits.shape[-1]
+        rank = 0 if group is None else group.rank()
+        start = rank * local
+        n_real = max(0, min(local, vocab_size - start))  # columns < V on this rank
+        x = logits.float()
+        if n_real < local or x is logits:
+            x = x.clone()
+        x[..., n_real:] = float("-inf")
+        m = x.max(dim=-1).values  # (...); -inf when the rank holds only padding
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        x.sub_(m.unsqueeze(-1))
+        ignored = target == ignore_index
+        mine = (target >= start) & (target < start + local) & ~ignored
+        local_t = (target - start).masked_fill(~mine, 0)
+        picked = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        x.exp_()
+        sum_exp = x.sum(dim=-1)
+        if group is not None:
+            both = torch.stack([picked, sum_exp])
+            dist.all_reduce(both, group=group)
+            picked, sum_exp = both[0], both[1]
+        loss = (sum_exp.log() - picked).masked_fill(ignored, 0.0)
+        x.div_(sum_exp.unsqueeze(-1))  # softmax of this rank's columns
+        ctx.save_for_backward(x, mine, local_t, ignored)
+        ctx.in_dtype = logits.dtype
+        return loss.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, mine, local_t, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        onehot = mine.to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -onehot)
+        scale = grad_loss.to(grad.dtype).masked_fill(ignored, 0.0).unsqueeze(-1)
+        grad.mul_(scale)
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int,
+    axis: str = "tp",
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy over logits sharded on the last (vocabulary) dim (Megatron's parallel CE).
+
+    logits_shard: (..., L), this rank's columns [r * L, (r + 1) * L); target: (...) global ids
+    in [0, V) or ignore_index. Three all-reduces over `axis` (max, then one for the target
+    logit and the sum of exponentials together); backward is softmax - onehot on the local
+    columns, with no communication and no full logits. Padding columns (global index >= V) are
+    treated as -inf. reduction: "mean" (over targets != ignore_index; nan when all are
+    ignored, like F.cross_entropy), "sum" or "none" (0 at ignored positions). Equals
+    F.cross_entropy(full_logits.reshape(-1, V), target.reshape(-1)) in value and gradient;
+    computed in float32 for lower-precision logits. Targets >= V are not checked.
+    """
+    kwargs = {"axis": axis, "ignore_index": ignore_index, "reduction": reduction}
+    node = _traced(vocab_parallel_cross_entropy, (logits_shard, target, vocab_size), kwargs)
+    if node is not None:
+        return node
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'"
+        )
+    if tuple(logits_shard.shape[:-1]) != tuple(target.shape):
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: logits_shard has shape {tuple(logits_shard.shape)} "
+            f"and target {tuple(target.shape)}; target must be logits' shape without the last "
+            "(vocabulary) dim"
+        )
+    group = _group(axis)
+    t = 1 if group is None else group.size()
+    local = logits_shard.shape[-1]
+    _check_vocab("vocab_parallel_cross_entropy", local, t, vocab_size, "logits_shard")
+    if group is None and local == vocab_size:
+        flat = F.cross_entropy(
+            logits_shard.reshape(-1, local), target.reshape(-1),
+            ignore_index=ignore_index, reduction=reduction,
+        )
+        return flat.reshape(target.shape) if reduction == "none" else flat
+    loss = _VocabParallelCE.apply(logits_shard, target, vocab_size, ignore_index, group)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()
+
+
+# ----------------------------------------------------------------------------- logits
+
+
+def gather_logits(logits_shard: torch.Tensor, vocab_size: int, axis: str = "tp") -> torch.Tensor:
+    """All-gather vocabulary-sharded logits (..., L) into (..., V), dropping padding columns.
+
+    Backward keeps this rank's columns of the gradient (gather_from_region). Unbound: the
+    input with padding columns dropped.
+    """
+    if (node := _traced(gather_logits, (logits_shard, vocab_size), {"axis": axis})) is not None:
+        return node
+    group = _group(axis)
+    t = 1 if group is None else group.size()
+    _check_vocab("gather_logits", logits_shard.shape[-1], t, vocab_size, "logits_shard")
+    full = gather_from_region(logits_shard, -1, axis)
+    if full.shape[-1] > vocab_size:
+        full = full.narrow(-1, 0, vocab_size)
+    return full
+
+
+torch.fx.wrap("vocab_parallel_embedding")
+torch.fx.wrap("vocab_parallel_cross_entropy")
+torch.fx.wrap("gather_logits")
