@@ -30,6 +30,10 @@ target is the function itself, with the axis name as a plain argument; the body 
 | reduce_scatter_to_region (sequence parallel) | reduce-scatter sum on dim | all-gather on dim |
 | gather_to_region (sequence parallel; alias gather_for_sp) | all-gather on dim | reduce-scatter sum on dim |
 
+Counting: `record_collectives()` logs each collective a rank issues (op, wire kind, axis,
+phase, shape) so tests can check, e.g., one all-reduce forward and one backward per MLP;
+`COLLECTIVE_OPS` holds the graph targets so a pass or test can find the nodes.
+
 Sharded dims must divide evenly by n (all ranks hold equal shards). Reduce-scatter uses
 `torch.distributed.reduce_scatter`, which gloo supports in torch 2.13 for float32/float64/
 bfloat16/int64 (checked); no all-reduce fallback is needed there. All ops sum in the group's
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -49,6 +54,8 @@ import torch.distributed as dist
 import torch.fx
 
 __all__ = [
+    "COLLECTIVE_OPS",
+    "CollectiveCall",
     "all_reduce_sum",
     "axis_rank",
     "axis_size",
@@ -58,6 +65,7 @@ __all__ = [
     "gather_for_sp",
     "gather_from_region",
     "gather_to_region",
+    "record_collectives",
     "reduce_from_region",
     "reduce_scatter_to_region",
     "scatter_to_region",
@@ -103,14 +111,68 @@ def current_group(axis: str) -> dist.ProcessGroup | None:
     return _GROUPS.get().get(axis)
 
 
-def _active_group(axis: str) -> dist.ProcessGroup | None:
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective this rank issued, as recorded by `record_collectives`.
+
+    `op` is the public function ("copy_to_region"), `kind` the wire operation ("all_reduce",
+    "all_gather" or "reduce_scatter"), `phase` "forward", "backward" or "no_grad"
+    (`all_reduce_sum`), `shape`/`dtype` those of the tensor this rank contributed.
+    """
+
+    op: str
+    kind: str
+    axis: str
+    phase: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{self.phase} {self.kind}[{self.axis}] {list(self.shape)} ({self.op})"
+
+
+_LOG: contextvars.ContextVar[list[CollectiveCall] | None] = contextvars.ContextVar(
+    "fxsplit_collective_log", default=None
+)
+
+
+@contextlib.contextmanager
+def record_collectives() -> Iterator[list[CollectiveCall]]:
+    """Record every collective issued by ops called inside the block, backward included.
+
+    Yields the list the calls are appended to. The log is captured by each op in forward, so
+    the backward collectives of ops run inside the block are recorded even when `.backward()`
+    is called after it. Identity ops (unbound axis, group of size 1) record nothing.
+    """
+    log: list[CollectiveCall] = []
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """What an op needs from its context, captured in forward for use in backward."""
+
+    axis: str
+    group: dist.ProcessGroup
+    log: list[CollectiveCall] | None
+
+    def note(self, op: str, kind: str, phase: str, x: torch.Tensor) -> None:
+        if self.log is not None:
+            self.log.append(CollectiveCall(op, kind, self.axis, phase, tuple(x.shape), x.dtype))
+
+
+def _active(axis: str) -> _Bound | None:
     """The bound group if it has more than one rank, else None (the ops become identities)."""
     if not isinstance(axis, str):
         raise TypeError(f"collectives: axis must be a mesh axis name (str), got {axis!r}")
     group = _GROUPS.get().get(axis)
     if group is None or group.size() == 1:
         return None
-    return group
+    return _Bound(axis, group, _LOG.get())
 
 
 def axis_size(axis: str = "tp") -> int:
@@ -143,48 +205,52 @@ def _check_divisible(x: torch.Tensor, dim: int, n: int, op: str, axis: str) -> N
         )
 
 
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, b: _Bound, op: str, phase: str) -> torch.Tensor:
+    b.note(op, "all_reduce", phase, x)
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    dist.all_reduce(out, group=b.group)
     return out
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, b: _Bound, op: str, phase: str) -> torch.Tensor:
+    b.note(op, "all_gather", phase, x)
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(group.size())]
-    dist.all_gather(parts, x, group=group)
+    parts = [torch.empty_like(x) for _ in range(b.group.size())]
+    dist.all_gather(parts, x, group=b.group)
     return torch.cat(parts, dim=dim)
 
 
-def _own_shard(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    return x.chunk(group.size(), dim=dim)[group.rank()].contiguous()
+def _own_shard(x: torch.Tensor, dim: int, b: _Bound) -> torch.Tensor:
+    return x.chunk(b.group.size(), dim=dim)[b.group.rank()].contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    parts = [c.contiguous() for c in x.chunk(group.size(), dim=dim)]
-    out = torch.empty_like(parts[group.rank()])
-    dist.reduce_scatter(out, parts, group=group)
+def _reduce_scatter(x: torch.Tensor, dim: int, b: _Bound, op: str, phase: str) -> torch.Tensor:
+    b.note(op, "reduce_scatter", phase, x)
+    parts = [c.contiguous() for c in x.chunk(b.group.size(), dim=dim)]
+    out = torch.empty_like(parts[b.group.rank()])
+    dist.reduce_scatter(out, parts, group=b.group)
     return out
 
 
 # ----------------------------------------------------------------------------- autograd pairs
+# Each forward stores the _Bound on ctx; see [Note: axis binding].
 
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, b):
+        ctx.b = b
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce(grad, ctx.b, "copy_to_region", "backward"), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, b):
+        return _all_reduce(x, b, "reduce_from_region", "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -193,46 +259,48 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+    def forward(ctx, x, dim, b):
+        ctx.dim, ctx.b = dim, b
+        return _all_gather(x, dim, b, "gather_from_region", "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_shard(grad, ctx.dim, ctx.group), None, None
+        return _own_shard(grad, ctx.dim, ctx.b), None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _own_shard(x, dim, group)
+    def forward(ctx, x, dim, b):
+        ctx.dim, ctx.b = dim, b
+        return _own_shard(x, dim, b)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return _all_gather(grad, ctx.dim, ctx.b, "scatter_to_region", "backward"), None, None
 
 
 class _ReduceScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+    def forward(ctx, x, dim, b):
+        ctx.dim, ctx.b = dim, b
+        return _reduce_scatter(x, dim, b, "reduce_scatter_to_region", "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return (_all_gather(grad, ctx.dim, ctx.b, "reduce_scatter_to_region", "backward"),
+                None, None)
 
 
 class _GatherToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+    def forward(ctx, x, dim, b):
+        ctx.dim, ctx.b = dim, b
+        return _all_gather(x, dim, b, "gather_to_region", "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return (_reduce_scatter(grad, ctx.dim, ctx.b, "gather_to_region", "backward"),
+                None, None)
 
 
 # ----------------------------------------------------------------------------- public ops
@@ -250,38 +318,38 @@ def copy_to_region(x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
     """f: identity forward; backward all-reduces the gradient over `axis`. Before column-parallel."""
     if (node := _traced("copy_to_region", (x,), {"axis": axis})) is not None:
         return node
-    group = _active_group(axis)
-    return x if group is None else _CopyToRegion.apply(x, group)
+    b = _active(axis)
+    return x if b is None else _CopyToRegion.apply(x, b)
 
 
 def reduce_from_region(x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
     """g: forward all-reduces (sums) partial results over `axis`; identity backward. After row-parallel."""
     if (node := _traced("reduce_from_region", (x,), {"axis": axis})) is not None:
         return node
-    group = _active_group(axis)
-    return x if group is None else _ReduceFromRegion.apply(x, group)
+    b = _active(axis)
+    return x if b is None else _ReduceFromRegion.apply(x, b)
 
 
 def gather_from_region(x: torch.Tensor, dim: int = -1, axis: str = "tp") -> torch.Tensor:
     """Forward all-gathers shards and concatenates them on `dim`; backward keeps this rank's shard."""
     if (node := _traced("gather_from_region", (x,), {"dim": dim, "axis": axis})) is not None:
         return node
-    group = _active_group(axis)
-    if group is None:
+    b = _active(axis)
+    if b is None:
         return x
-    return _GatherFromRegion.apply(x, _norm_dim(x, dim, "gather_from_region"), group)
+    return _GatherFromRegion.apply(x, _norm_dim(x, dim, "gather_from_region"), b)
 
 
 def scatter_to_region(x: torch.Tensor, dim: int = -1, axis: str = "tp") -> torch.Tensor:
     """Forward keeps this rank's shard of `dim`; backward all-gathers the gradient shards."""
     if (node := _traced("scatter_to_region", (x,), {"dim": dim, "axis": axis})) is not None:
         return node
-    group = _active_group(axis)
-    if group is None:
+    b = _active(axis)
+    if b is None:
         return x
     d = _norm_dim(x, dim, "scatter_to_region")
-    _check_divisible(x, d, group.size(), "scatter_to_region", axis)
-    return _ScatterToRegion.apply(x, d, group)
+    _check_divisible(x, d, b.group.size(), "scatter_to_region", axis)
+    return _ScatterToRegion.apply(x, d, b)
 
 
 def reduce_scatter_to_region(x: torch.Tensor, dim: int, axis: str = "tp") -> torch.Tensor:
@@ -289,12 +357,12 @@ def reduce_scatter_to_region(x: torch.Tensor, dim: int, axis: str = "tp") -> tor
     backward all-gathers. Replaces g after a row-parallel layer."""
     if (node := _traced("reduce_scatter_to_region", (x,), {"dim": dim, "axis": axis})) is not None:
         return node
-    group = _active_group(axis)
-    if group is None:
+    b = _active(axis)
+    if b is None:
         return x
     d = _norm_dim(x, dim, "reduce_scatter_to_region")
-    _check_divisible(x, d, group.size(), "reduce_scatter_to_region", axis)
-    return _ReduceScatterToRegion.apply(x, d, group)
+    _check_divisible(x, d, b.group.size(), "reduce_scatter_to_region", axis)
+    return _ReduceScatterToRegion.apply(x, d, b)
 
 
 def gather_to_region(x: torch.Tensor, dim: int, axis: str = "tp") -> torch.Tensor:
@@ -303,10 +371,10 @@ def gather_to_region(x: torch.Tensor, dim: int, axis: str = "tp") -> torch.Tenso
     column-parallel layer."""
     if (node := _traced("gather_to_region", (x,), {"dim": dim, "axis": axis})) is not None:
         return node
-    group = _active_group(axis)
-    if group is None:
+    b = _active(axis)
+    if b is None:
         return x
-    return _GatherToRegion.apply(x, _norm_dim(x, dim, "gather_to_region"), group)
+    return _GatherToRegion.apply(x, _norm_dim(x, dim, "gather_to_region"), b)
 
 
 gather_for_sp = gather_to_region  # the name used in the shared contract
@@ -326,8 +394,8 @@ def all_reduce_sum(x: torch.Tensor, axis: str = "dp", *, inplace: bool = False) 
             "is not differentiated; use reduce_from_region(x, axis) inside a model, or call "
             "under torch.no_grad() for gradients and metrics"
         )
-    group = _active_group(axis)
-    if group is None:
+    b = _active(axis)
+    if b is None:
         return x if inplace else x.clone()
     if inplace:
         if not x.is_contiguous():
@@ -336,9 +404,10 @@ def all_reduce_sum(x: torch.Tensor, axis: str = "dp", *, inplace: bool = False) 
                 f"{tuple(x.shape)} with strides {x.stride()}; call .contiguous() first or use "
                 "inplace=False"
             )
-        dist.all_reduce(x, group=group)
+        b.note("all_reduce_sum", "all_reduce", "no_grad", x)
+        dist.all_reduce(x, group=b.group)
         return x
-    return _all_reduce(x, group)
+    return _all_reduce(x, b, "all_reduce_sum", "no_grad")
 
 
 _ORIGINALS = {
@@ -353,6 +422,9 @@ _ORIGINALS = {
         all_reduce_sum,
     )
 }
+
+# The graph targets of the ops above: `node.target in COLLECTIVE_OPS` finds (and counts) them.
+COLLECTIVE_OPS: frozenset = frozenset(_ORIGINALS.values())
 
 torch.fx.wrap("copy_to_region")
 torch.fx.wrap("reduce_from_region")

@@ -26,6 +26,7 @@ from fxsplit.collectives import (
     gather_for_sp,
     gather_from_region,
     gather_to_region,
+    record_collectives,
     reduce_from_region,
     reduce_scatter_to_region,
     scatter_to_region,
@@ -49,8 +50,10 @@ def test_unbound_axis_is_identity_forward_and_backward():
         assert op(x, dim=1) is x
         assert op(x, dim=-1, axis="sp") is x
     assert axis_size("tp") == 1 and axis_rank("tp") == 0 and current_group("tp") is None
-    y = reduce_from_region(gather_from_region(copy_to_region(x), dim=0))
-    y.sum().backward()
+    with record_collectives() as log:
+        y = reduce_from_region(gather_from_region(copy_to_region(x), dim=0))
+        y.sum().backward()
+    assert log == []
     torch.testing.assert_close(x.grad, torch.ones_like(x))
     with torch.no_grad():
         z = all_reduce_sum(x)
@@ -107,7 +110,7 @@ class _TPBlock(torch.nn.Module):
 
 def test_ops_are_single_call_function_nodes_under_symbolic_trace():
     gm = torch.fx.symbolic_trace(_TPBlock(4, 8))
-    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in C._ORIGINALS.values()]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in C.COLLECTIVE_OPS]
     assert [n.target.__name__ for n in calls] == [
         "copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region"]
     assert [n.kwargs.get("axis", "tp") for n in calls] == ["tp"] * 4
@@ -127,7 +130,7 @@ def test_ops_are_single_call_function_nodes_under_symbolic_trace():
     # plan graphs hold no ProcessGroup, so they pickle and copy (e.g. to ship a stage to a rank)
     for clone in (pickle.loads(pickle.dumps(gm)), copy.deepcopy(gm)):
         assert [n.target for n in clone.graph.nodes if n.op == "call_function" and n.target in
-                C._ORIGINALS.values()] == [n.target for n in calls]
+                C.COLLECTIVE_OPS] == [n.target for n in calls]
         torch.testing.assert_close(clone(x), ref(x), rtol=0, atol=0)
 
 
@@ -154,10 +157,14 @@ def _check_tp_mlp(n, r, done):
     b1s = b1.detach().chunk(n, 0)[r].clone().requires_grad_()
     w2s = w2.detach().chunk(n, 1)[r].clone().requires_grad_()
     b2p = b2.detach().clone().requires_grad_()
-    with bind_groups({"tp": dist.group.WORLD}):
+    with bind_groups({"tp": dist.group.WORLD}), record_collectives() as log:
         yp = reduce_from_region(F.linear(F.gelu(F.linear(copy_to_region(xp), w1s, b1s)), w2s)) + b2p
         loss = ((yp - target) ** 2).sum()
-    loss.backward()  # outside the block: the group was captured in forward
+    loss.backward()  # outside the block: the group (and the log) were captured in forward
+    # Megatron MLP: exactly one all-reduce forward (g) and one backward (f)
+    assert [str(c) for c in log] == [
+        f"forward all_reduce[tp] [{B}, {d}] (reduce_from_region)",
+        f"backward all_reduce[tp] [{B}, {d}] (copy_to_region)"], log
     _close(yp, y, "tp mlp output")
     _close(xp.grad, x.grad, "tp mlp input grad (f backward all-reduce)")
     _close(w1s.grad, w1.grad.chunk(n, 0)[r], "column weight grad")
@@ -238,12 +245,19 @@ def _check_sequence_parallel(n, r, done):
     w1s = w1.detach().chunk(n, 0)[r].clone().requires_grad_()
     w2s = w2.detach().chunk(n, 1)[r].clone().requires_grad_()
     b2p = b2.detach().clone().requires_grad_()
-    with bind_groups({"tp": dist.group.WORLD}):
+    with bind_groups({"tp": dist.group.WORLD}), record_collectives() as log:
         full = gather_to_region(xs, dim=1)
         ys = reduce_scatter_to_region(F.linear(F.gelu(F.linear(full, w1s)), w2s), dim=1) + b2p
         (ys * t.chunk(n, 1)[r]).sum().backward()
         with torch.no_grad():  # a replicated parameter applied on a sequence shard: sum its grad
             all_reduce_sum(b2p.grad, "tp", inplace=True)
+    s_loc = S // n
+    assert [str(c) for c in log] == [
+        f"forward all_gather[tp] [{B}, {s_loc}, {d}] (gather_to_region)",
+        f"forward reduce_scatter[tp] [{B}, {S}, {d}] (reduce_scatter_to_region)",
+        f"backward all_gather[tp] [{B}, {s_loc}, {d}] (reduce_scatter_to_region)",
+        f"backward reduce_scatter[tp] [{B}, {S}, {d}] (gather_to_region)",
+        f"no_grad all_reduce[tp] [{d}] (all_reduce_sum)"], log
     _close(ys, y.chunk(n, 1)[r], "sp output shard")
     _close(xs.grad, x.grad.chunk(n, 1)[r], "sp input grad (gather backward reduce-scatter)")
     _close(w1s.grad, w1.grad.chunk(n, 0)[r], "sp column weight grad")
