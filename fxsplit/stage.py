@@ -37,7 +37,6 @@ Representative signature::
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
