@@ -103,25 +103,28 @@ def _pp_subgroup_case(rank: int, world_size: int) -> tuple[list[str], int]:
     return bad, n
 
 
-class _Boom(nn.Module):
-    def __init__(self, inner: nn.Module):
+class _Faulty(nn.Module):
+    """Runs ``inner``, but on its second call (microbatch 1) raises, or sleeps ``hang`` seconds."""
+
+    def __init__(self, inner: nn.Module, hang: float = 0.0):
         super().__init__()
-        self.inner = inner
-        self.calls = 0
+        self.inner, self.hang, self.calls = inner, hang, 0
 
     def forward(self, *args):
         self.calls += 1
-        if self.calls == 2:  # microbatch 1
-            raise RuntimeError("injected failure in the stage forward")
+        if self.calls == 2:
+            if not self.hang:
+                raise RuntimeError("injected failure in the stage forward")
+            time.sleep(self.hang)
         return self.inner(*args)
 
 
-def _failure_case(rank: int, world_size: int, timeout: float) -> dict:
+def _one_failure(rank: int, group, timeout: float, hang: float) -> dict:
     mods, ios, meta, _ = skip_stages(skip_model(), 2)
     if rank == 1:
-        mods[1] = _Boom(mods[1])
+        mods[1] = _Faulty(mods[1], hang)
     rt = PipelineRuntime(stages={rank: (mods[rank], ios[rank])}, num_stages=2,
-                         schedule=build("1f1b", 2, 4), pp_group=None, pp_rank=rank, num_ranks=2,
+                         schedule=build("1f1b", 2, 4), pp_group=group, pp_rank=rank, num_ranks=2,
                          stage_io=ios, input_meta=meta, loss_fn=nn.functional.mse_loss,
                          device="cpu", timeout=timeout)
     t0 = time.monotonic()
@@ -136,13 +139,28 @@ def _failure_case(rank: int, world_size: int, timeout: float) -> dict:
     return dict(kind="none", seconds=time.monotonic() - t0)
 
 
-def test_failing_rank_makes_peer_raise_naming_it():
+def _failure_cases(rank: int, world_size: int, timeout: float) -> tuple[dict, dict]:
+    # 1. rank 1 hangs (alive, silent) on a subgroup: rank 0 times out naming it, aborts the
+    #    subgroup, and rank 1 then fails naming rank 0 when it sends again.
+    hang = _one_failure(rank, dist.new_group([0, 1]), timeout=2.0, hang=5.0)
+    # 2. rank 1 raises on the default group: it aborts the group and rank 0 fails at once.
+    crash = _one_failure(rank, None, timeout=timeout, hang=0.0)
+    return hang, crash
+
+
+def test_failing_or_silent_rank_makes_peer_raise_naming_it():
     timeout = 20.0
-    r0, r1 = run_distributed(_failure_case, 2, timeout, timeout=90.0)
-    assert r1["kind"] == "RuntimeError" and "injected failure" in r1["text"], r1
-    assert any("pipeline rank 1 failed while running action 1F1" in n for n in r1["notes"]), r1
-    assert r0["kind"] == "PipelineError", r0
-    assert r0["peer"] == 1, r0
-    assert "pipeline rank 1" in r0["text"] and f"microbatch {r0['microbatch']}" in r0["text"], r0
-    assert r0["action"].startswith("0") and r0["action"] in r0["text"], r0
-    assert r0["seconds"] < timeout, f"rank 0 waited {r0['seconds']:.1f} s: the abort did not reach it"
+    (h0, c0), (h1, c1) = run_distributed(_failure_cases, 2, timeout, timeout=90.0)
+    # silent peer: a timeout, named
+    assert h0["kind"] == "PipelineError" and h0["peer"] == 1, h0
+    assert "timed out after 2 s" in h0["text"] and f"action {h0['action']}" in h0["text"], h0
+    assert h0["action"] == "0B1" and h0["microbatch"] == 1, h0  # waits for the gradient of 1B1
+    assert h0["seconds"] < 4.5, h0
+    assert h1["kind"] == "PipelineError" and h1["peer"] == 0, h1  # the late peer fails too
+    # crashing peer: its own error carries a note; the other rank fails fast, naming it
+    assert c1["kind"] == "RuntimeError" and "injected failure" in c1["text"], c1
+    assert any("pipeline rank 1 failed while running action 1F1" in n for n in c1["notes"]), c1
+    assert c0["kind"] == "PipelineError" and c0["peer"] == 1, c0
+    assert "pipeline rank 1" in c0["text"] and f"microbatch {c0['microbatch']}" in c0["text"], c0
+    assert c0["action"].startswith("0") and c0["action"] in c0["text"], c0
+    assert c0["seconds"] < timeout / 2, f"rank 0 waited {c0['seconds']:.1f} s: the abort did not reach it"

@@ -11,6 +11,12 @@ Representative signature::
     loss = rt.step((idx,), target=y)   # every pp rank gets the full-batch loss; grads in .grad
     out = rt.forward((idx,))           # inference: merged flat outputs on the last stage's rank
 
+Launch one process per rank with ``torchrun --nproc-per-node=N train.py``; in each, after
+``dist.init_process_group("nccl" or "gloo")``, take the pipeline group from a DeviceMesh
+(``pp_group=mesh.get_group("pp")``, ``pp_rank=mesh.get_local_rank("pp")``) so the same code
+composes with TP and DP; the runtime only ever talks to ``pp_group`` (point-to-point, one
+broadcast of the loss), never creates groups, so no collective group creation is needed.
+
 [Note: pipeline step]
 1. The flat model inputs are split into m microbatches (fxsplit.runtime.microbatch); every rank
    passes the same full inputs (ranks read model inputs locally, only boundary values travel),
