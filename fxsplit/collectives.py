@@ -28,7 +28,7 @@ target is the function itself, with the axis name as a plain argument; the body 
 | gather_from_region | all-gather, concat on dim | keep own shard |
 | scatter_to_region | keep own shard | all-gather, concat on dim |
 | reduce_scatter_to_region (sequence parallel) | reduce-scatter sum on dim | all-gather on dim |
-| gather_to_region (sequence parallel; alias gather_for_sp) | all-gather on dim | reduce-scatter sum on dim |
+| gather_to_region (sequence parallel, = gather_for_sp) | all-gather on dim | reduce-scatter on dim |
 
 Counting: `record_collectives()` logs each collective a rank issues (op, wire kind, axis,
 phase, shape) so tests can check, e.g., one all-reduce forward and one backward per MLP;
@@ -315,7 +315,9 @@ def _traced(name: str, args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
 
 
 def copy_to_region(x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
-    """f: identity forward; backward all-reduces the gradient over `axis`. Before column-parallel."""
+    """f: identity forward; backward all-reduces the gradient over `axis`.
+
+    Goes before a column-parallel layer (its input is replicated)."""
     if (node := _traced("copy_to_region", (x,), {"axis": axis})) is not None:
         return node
     b = _active(axis)
@@ -323,7 +325,9 @@ def copy_to_region(x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
 
 
 def reduce_from_region(x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
-    """g: forward all-reduces (sums) partial results over `axis`; identity backward. After row-parallel."""
+    """g: forward all-reduces (sums) partial results over `axis`; identity backward.
+
+    Goes after a row-parallel layer (its output is a partial sum)."""
     if (node := _traced("reduce_from_region", (x,), {"axis": axis})) is not None:
         return node
     b = _active(axis)
@@ -331,7 +335,8 @@ def reduce_from_region(x: torch.Tensor, axis: str = "tp") -> torch.Tensor:
 
 
 def gather_from_region(x: torch.Tensor, dim: int = -1, axis: str = "tp") -> torch.Tensor:
-    """Forward all-gathers shards and concatenates them on `dim`; backward keeps this rank's shard."""
+    """Forward all-gathers shards and concatenates them on `dim`; backward keeps this rank's
+    shard (the consumer is replicated, so every rank holds the same full gradient)."""
     if (node := _traced("gather_from_region", (x,), {"dim": dim, "axis": axis})) is not None:
         return node
     b = _active(axis)
