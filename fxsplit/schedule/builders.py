@@ -36,8 +36,9 @@ short LAST group makes Megatron's order deadlock, e.g. p=4, v=3, m=5). For m = q
       exceeds the padded one's. The bubble is larger than with "front" (p=4, v=2, m=5, F=1,
       B=2: 7.5 idle time units per rank instead of 4.5).
 m < p with v >= 2 always uses "pad" (the same argument makes it correct; its bubble is large).
-Deadlock-freedom of "front" is checked by ``validate`` in the tests for every p <= 8, v <= 4,
-p <= m <= 4p, and by hypothesis on random larger cases.
+Deadlock-freedom of "front" has no such proof: ``validate`` checks it in the tests for every
+p <= 8, v <= 4, p <= m <= 3p, and hypothesis for random m up to p+12 (once, by hand: every
+p <= 8, v <= 6, p <= m <= 6p).
 """
 
 from __future__ import annotations
