@@ -206,6 +206,7 @@ def _check_deadlock(rows, where: dict[Action, tuple[int, int]], deps: dict[Actio
         lines.append(f"rank {r} step {heads[r]}: {a} waits for the {what} from {d} (rank {dr} step {dt}, "
                      f"not reached: rank {dr} is blocked at step {heads[dr]})")
     raise _fail(rows, "deadlock", "no rank can progress; each blocked rank waits for an action queued "
-                "behind another blocked action:\n  " + "\n  ".join(lines) + "\nFix: on one of these ranks, "
-                "move the awaited action before the blocked one (or the blocked one later)",
+                "behind another blocked action:\n  " + "\n  ".join(lines)
+                + "\nFix: move an awaited action before the blocked action of its rank, or that blocked "
+                "action later",
                 [(r, heads[r]) for r in blocked])
