@@ -196,9 +196,10 @@ class ShardSpec:
                 f"ShardSpec: rank={rank} is out of range for num_shards={self.num_shards}"
             )
 
-    def local_range(self, rank: int) -> list[tuple[int, int]]:
+    def local_range(self, rank: int, size: int | None = None) -> list[tuple[int, int]]:
         """Global [start, end) ranges along `dim` that `rank` holds, in order (one per block;
-        in the padded index space when pad_to is set, see [Note: vocabulary padding])."""
+        in the padded index space when pad_to is set, see [Note: vocabulary padding]). A plain
+        spec (no blocks, pad_to or size field) needs the size of `dim` as `size`."""
         self._check_rank(rank)
         t = self.num_shards
         if self.blocks is not None:
@@ -208,12 +209,14 @@ class ShardSpec:
                 ranges.append((offset + rank * piece, offset + (rank + 1) * piece))
                 offset += b
             return ranges
-        if self.pad_to is None and self.size is None:
+        total = self.pad_to if self.pad_to is not None else (
+            self.size if self.size is not None else size
+        )
+        if total is None:
             raise ShardingError(
                 "ShardSpec.local_range: a spec with neither blocks, pad_to nor size does not "
-                "know the size of its dim; set size= or call local_shape(full_shape) first"
+                "know the size of its dim; call local_range(rank, size=full_shape[dim])"
             )
-        total = self.pad_to if self.pad_to is not None else self.size
         if total % t:
             raise ShardingError(
                 f"ShardSpec: size {total} cannot be split into t={t} equal shards; nearest "
@@ -223,10 +226,7 @@ class ShardSpec:
         return [(rank * piece, (rank + 1) * piece)]
 
     def _ranges(self, n: int, rank: int) -> list[tuple[int, int]]:
-        if self.blocks is None and self.pad_to is None:
-            piece = n // self.num_shards
-            return [(rank * piece, (rank + 1) * piece)]
-        return self.local_range(rank)
+        return self.local_range(rank, n)
 
     # ------------------------------------------------------------------ tensors
 
