@@ -78,7 +78,8 @@ class Action:
                 raise ValueError(
                     f"Action kind {self.kind!r} is not one of {valid}"
                 ) from None
-        if not (type(self.stage) is int and type(self.microbatch) is int and self.stage >= 0 <= self.microbatch):
+        stage, microbatch = self.stage, self.microbatch
+        if not (type(stage) is int and type(microbatch) is int and stage >= 0 <= microbatch):
             self._reject_fields()
         # Actions are dict keys everywhere (validation, simulation): hash once. Only ints go in,
         # so the hash is the same in every process (str hashes are salted per process).

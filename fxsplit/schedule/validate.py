@@ -171,7 +171,8 @@ def _order_rule(a: Action, d: Action) -> str:
     return "backward order (B of stage s+1 before B of stage s)"
 
 
-def _check_deadlock(rows, where: dict[Action, tuple[int, int]], deps: dict[Action, tuple[Action, ...]]) -> None:
+def _check_deadlock(rows, where: dict[Action, tuple[int, int]],
+                    deps: dict[Action, tuple[Action, ...]]) -> None:
     """Run the lists in order; raise ``ScheduleError`` when no rank can progress."""
     done: set[Action] = set()
     heads = [0] * len(rows)
