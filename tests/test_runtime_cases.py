@@ -153,11 +153,13 @@ MODELS = {
 }
 
 
-def make_batch(name: str, batch: int, seed: int = 1):
+def make_batch(name: str, batch: int, seed: int = 1, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     if name == "gpt":
-        return (torch.randint(0, V, (batch, T), generator=g),), torch.randint(0, V, (batch, T), generator=g)
-    return (torch.randn(batch, D, generator=g),), torch.randn(batch, D, generator=g)
+        x, y = torch.randint(0, V, (batch, T), generator=g), torch.randint(0, V, (batch, T), generator=g)
+    else:
+        x, y = torch.randn(batch, D, generator=g), torch.randn(batch, D, generator=g)
+    return (x.to(device),), y.to(device)
 
 
 def graph_stages(model: nn.Module, name: str, S: int):
@@ -165,7 +167,7 @@ def graph_stages(model: nn.Module, name: str, S: int):
     import fxsplit
     from fxsplit.stage import build_stages
 
-    (x,), _ = make_batch(name, 4)
+    (x,), _ = make_batch(name, 4, device=str(next(model.parameters()).device))
     gm = fxsplit.trace(model, (x,))
     compute = [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     return build_stages(gm, {n: i * S // len(compute) for i, n in enumerate(compute)}, S)
@@ -177,24 +179,24 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, rank: int = 0,
              group=None, steps: int = 3, lr: float = 0.1, check_forward: bool = False,
-             builder: str = "hand") -> tuple[list[str], int]:
+             builder: str = "hand", device: str = "cpu") -> tuple[list[str], int]:
     """Train ``steps`` steps through the pipeline and compare with the unsplit model."""
     make_model, make_stages, loss_fn = MODELS[model]
     S = p * v
-    ref = make_model()
-    pipe = make_model()  # same seed: same weights; stages reference its modules
+    ref = make_model().to(device)
+    pipe = make_model().to(device)  # same seed: same weights; stages reference its modules
     sched = build(schedule, p, m, v)
     if builder == "hand":
         mods, ios, input_meta, shared = make_stages(pipe, S)
         rt = PipelineRuntime(
             stages={s: (mods[s], ios[s]) for s in range(S) if s % p == rank}, num_stages=S,
             schedule=sched, pp_group=group, pp_rank=rank, num_ranks=p, stage_io=ios,
-            input_meta=input_meta, loss_fn=loss_fn, device="cpu", shared_params=shared, timeout=60.0)
+            input_meta=input_meta, loss_fn=loss_fn, device=device, shared_params=shared, timeout=60.0)
     else:  # fxsplit.trace + build_stages, even cuts over the compute nodes
         graphs = graph_stages(pipe, model, S)
         mods = graphs.modules
         rt = PipelineRuntime.from_stage_graphs(graphs, schedule=sched, pp_group=group, pp_rank=rank,
-                                               num_ranks=p, loss_fn=loss_fn, device="cpu", timeout=60.0)
+                                               num_ranks=p, loss_fn=loss_fn, device=device, timeout=60.0)
     canonical = {id(prm): n for n, prm in pipe.named_parameters()}  # tied: one name per object
     mine = {canonical[id(prm)]: prm for s in range(S) if s % p == rank for prm in mods[s].parameters()}
     ref_params = dict(ref.named_parameters())
@@ -202,7 +204,7 @@ def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, r
     bad: list[str] = []
     checks = 0
     for step in range(steps):
-        inputs, target = make_batch(model, batch, seed=step + 1)
+        inputs, target = make_batch(model, batch, seed=step + 1, device=device)
         for prm in list(ref.parameters()) + list(pipe.parameters()):
             prm.grad = None
         want_loss = loss_fn(ref(*inputs), target)
@@ -223,7 +225,7 @@ def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, r
             for prm in {id(q): q for q in mine.values()}.values():
                 prm -= lr * prm.grad
     if check_forward:
-        inputs, _ = make_batch(model, batch, seed=99)
+        inputs, _ = make_batch(model, batch, seed=99, device=device)
         with torch.no_grad():
             want = ref(*inputs)
         got = rt.forward(inputs)

@@ -208,9 +208,10 @@ class _Work:
         return True
 
 
-@pytest.mark.parametrize("name,p,v,m", [("gpipe", 2, 2, 3), ("1f1b", 4, 1, 6), ("interleaved_1f1b", 2, 2, 3),
-                                        ("interleaved_1f1b", 3, 2, 4), ("zb_h1", 4, 1, 5)])
-def test_runtime_on_threads_with_in_order_matching(monkeypatch, name, p, v, m):
+@pytest.mark.parametrize("name,p,v,m,prefetch", [
+    ("gpipe", 2, 2, 3, 2), ("1f1b", 4, 1, 6, 2), ("1f1b", 4, 1, 6, 0), ("interleaved_1f1b", 2, 2, 3, 2),
+    ("interleaved_1f1b", 3, 2, 4, 2), ("interleaved_1f1b", 3, 2, 4, 100), ("zb_h1", 4, 1, 5, 2)])
+def test_runtime_on_threads_with_in_order_matching(monkeypatch, name, p, v, m, prefetch):
     net = _StrictNet()
     for fn in ("isend", "irecv", "broadcast"):
         monkeypatch.setattr(dist, fn, getattr(net, fn))
@@ -229,7 +230,7 @@ def test_runtime_on_threads_with_in_order_matching(monkeypatch, name, p, v, m):
             rt = PipelineRuntime(stages={s: (mods[s], ios[s]) for s in range(S) if s % p == r},
                                  num_stages=S, schedule=build(name, p, m, v), pp_group=None, pp_rank=r,
                                  num_ranks=p, stage_io=ios, input_meta=meta,
-                                 loss_fn=torch.nn.functional.mse_loss, device="cpu")
+                                 loss_fn=torch.nn.functional.mse_loss, device="cpu", prefetch=prefetch)
             loss = rt.step((x,), target=y)
             grads = {n: q.grad for s in range(S) if s % p == r for n, q in mods[s].named_parameters()}
             results[r] = (loss.item(), grads)
