@@ -37,11 +37,13 @@ def _group(axis: str) -> dist.ProcessGroup | None:
     return None if group is None or group.size() == 1 else group
 
 
-def _traced(fn, args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
-    """Record one call_function node when any argument is an fx Proxy."""
+def _traced(name: str, args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
+    """Record one call_function node when any argument is an fx Proxy. The target is the
+    original function (looked up in _ORIGINALS: while symbolic_trace runs, this module's
+    global names are patched by torch.fx.wrap)."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.fx.Proxy):
-            return a.tracer.create_proxy("call_function", fn, args, kwargs)
+            return a.tracer.create_proxy("call_function", _ORIGINALS[name], args, kwargs)
     return None
 
 
@@ -75,7 +77,7 @@ def vocab_parallel_embedding(
     plain F.embedding on `weight_shard`.
     """
     kwargs = {"axis": axis, "padding_idx": padding_idx}
-    node = _traced(vocab_parallel_embedding, (ids, weight_shard, vocab_size), kwargs)
+    node = _traced("vocab_parallel_embedding", (ids, weight_shard, vocab_size), kwargs)
     if node is not None:
         return node
     group = _group(axis)
@@ -164,7 +166,7 @@ def vocab_parallel_cross_entropy(
     computed in float32 for lower-precision logits. Targets >= V are not checked.
     """
     kwargs = {"axis": axis, "ignore_index": ignore_index, "reduction": reduction}
-    node = _traced(vocab_parallel_cross_entropy, (logits_shard, target, vocab_size), kwargs)
+    node = _traced("vocab_parallel_cross_entropy", (logits_shard, target, vocab_size), kwargs)
     if node is not None:
         return node
     if reduction not in ("mean", "sum", "none"):
@@ -204,7 +206,7 @@ def gather_logits(logits_shard: torch.Tensor, vocab_size: int, axis: str = "tp")
     Backward keeps this rank's columns of the gradient (gather_from_region). Unbound: the
     input with padding columns dropped.
     """
-    if (node := _traced(gather_logits, (logits_shard, vocab_size), {"axis": axis})) is not None:
+    if (node := _traced("gather_logits", (logits_shard, vocab_size), {"axis": axis})) is not None:
         return node
     group = _group(axis)
     t = 1 if group is None else group.size()
@@ -214,6 +216,11 @@ def gather_logits(logits_shard: torch.Tensor, vocab_size: int, axis: str = "tp")
         full = full.narrow(-1, 0, vocab_size)
     return full
 
+
+_ORIGINALS = {
+    f.__name__: f
+    for f in (vocab_parallel_embedding, vocab_parallel_cross_entropy, gather_logits)
+}
 
 torch.fx.wrap("vocab_parallel_embedding")
 torch.fx.wrap("vocab_parallel_cross_entropy")
