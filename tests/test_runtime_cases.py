@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import sympy
 import torch
 import torch.nn.functional as Fn
@@ -197,6 +198,8 @@ def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, r
         mods = graphs.modules
         rt = PipelineRuntime.from_stage_graphs(graphs, schedule=sched, pp_group=group, pp_rank=rank,
                                                num_ranks=p, loss_fn=loss_fn, device=device, timeout=60.0)
+    io_all = ios if builder == "hand" else graphs.io
+    reads = {src.index for s in range(S) if s % p == rank for src in io_all[s].inputs if src.stage is None}
     canonical = {id(prm): n for n, prm in pipe.named_parameters()}  # tied: one name per object
     mine = {canonical[id(prm)]: prm for s in range(S) if s % p == rank for prm in mods[s].parameters()}
     ref_params = dict(ref.named_parameters())
@@ -209,7 +212,9 @@ def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, r
             prm.grad = None
         want_loss = loss_fn(ref(*inputs), target)
         want_loss.backward()
-        got_loss = rt.step(inputs, target=target if rank == (S - 1) % p else None)
+        # model inputs this rank's stages never read: meta tensors (shapes only, no data)
+        given = tuple(x if i in reads else torch.empty_like(x, device="meta") for i, x in enumerate(inputs))
+        got_loss = rt.step(given, target=target if rank == (S - 1) % p else None)
         checks += 1
         if not math.isclose(got_loss.item(), want_loss.item(), rel_tol=RTOL, abs_tol=ATOL):
             bad.append(f"{tag} step {step}: loss {got_loss.item()} != {want_loss.item()}")
@@ -267,3 +272,24 @@ def test_single_process_matches_model_for_each_schedule():
         checks += n
     assert not bad, "\n".join(bad)
     assert checks > 50
+
+
+def test_errors_name_the_problem():
+    mods, ios, meta, _ = skip_stages(skip_model(), 2)
+    rt = PipelineRuntime(stages={0: (mods[0], ios[0]), 1: (mods[1], ios[1])}, num_stages=2,
+                         schedule=build("gpipe", 1, 2, 2), pp_group=None, pp_rank=0, num_ranks=1,
+                         input_meta=meta, loss_fn=mse_loss, device="cpu")
+    x, y = make_batch("skip", 4)
+    with pytest.raises(ValueError, match=r"stage 0 reads model input 0 \(x\) but this rank was given a meta"):
+        rt.step((torch.empty(4, D, device="meta"),), target=y)
+    with pytest.raises(ValueError, match="holds the last stage and needs the target"):
+        rt.step(x)
+    with pytest.raises(ValueError, match="traced with size 16"):
+        rt.step((torch.randn(4, D + 1),), target=y)
+    with pytest.raises(ValueError, match="was given stages \\[0\\] but holds stages \\[0, 1\\]"):
+        PipelineRuntime(stages={0: (mods[0], ios[0])}, num_stages=2, schedule=build("gpipe", 1, 2, 2),
+                        pp_group=None, pp_rank=0, num_ranks=1, stage_io=ios, input_meta=meta,
+                        loss_fn=mse_loss, device="cpu")
+    # after the errors the runtime still works (no process group to abort here)
+    loss = rt.step(x, target=y)
+    assert loss.item() == pytest.approx(mse_loss(skip_model()(x[0]), y).item(), rel=1e-5)

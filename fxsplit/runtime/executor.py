@@ -20,7 +20,9 @@ broadcast of the loss), never creates groups, so no collective group creation is
 [Note: pipeline step]
 1. The flat model inputs are split into m microbatches (fxsplit.runtime.microbatch); every rank
    passes the same full inputs (ranks read model inputs locally, only boundary values travel),
-   the target is needed only on the rank of the last stage.
+   the target is needed only on the rank of the last stage. A rank whose stages read no model
+   input may pass meta tensors of the right shapes (``torch.empty(shape, device="meta")``): their
+   shapes bind the symbols of the boundary shapes, no data is needed.
 2. Each action runs in order. F: take the inputs (model inputs, values handed over on this rank,
    or received), run the stage, hand outputs to their consumers (sent straight to each consumer
    stage, skip connections included), and on the last stage compute ``w_i * loss_fn(out, y_i)``
@@ -284,7 +286,8 @@ class PipelineRuntime:
         if len(flat_inputs) != len(self.input_meta):
             raise TypeError(f"expected {len(self.input_meta)} flat model inputs "
                             f"{[m.name for m in self.input_meta]}, got {len(flat_inputs)}")
-        flat = [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+        flat = [x.to(self.device) if isinstance(x, torch.Tensor) and not x.is_meta else x
+                for x in flat_inputs]
         mbs = split_microbatches(flat, self.num_microbatches, dim=self.split_dim, batched=self.batched)
         self._mb = mbs
         self._bindings = [self._bind(inp) for inp in mbs.inputs]
@@ -372,7 +375,13 @@ class PipelineRuntime:
         args: list[Any] = []
         for k, (src, meta) in enumerate(zip(sio.inputs, sio.input_meta)):
             if src.stage is None:
-                args.append(self._mb.inputs[mb][src.index])
+                x = self._mb.inputs[mb][src.index]
+                if isinstance(x, torch.Tensor) and x.is_meta:
+                    raise ValueError(
+                        f"pipeline rank {self.pp_rank}: stage {s} reads model input {src.index} "
+                        f"({self.input_meta[src.index].name}) but this rank was given a meta tensor; "
+                        "pass the real input on every rank whose stages read it")
+                args.append(x)
                 continue
             msg, local = received[(s, k)]
             x = self._take(msg, local, a)
