@@ -12,6 +12,10 @@ __version__ = "0.1.0"
 
 from .meta import NodeInfo, TensorMeta, TraceInfo, annotate_node, annotate_graph, node_info, trace_info
 from .trace import TraceError, flatten_inputs, trace
+from .marker import pipe_split
+from .pass_api import PassContext, PassManager, PassResult, register_pass
+from .split import Hardware
+from .api import ParallelConfig, ParallelModel, Plan, PlanError, load_full_checkpoint, parallelize, plan
 
 # Modules a pass (ours or a user's) may import; everything else is internal.
 PUBLIC_MODULES = (
@@ -30,6 +34,13 @@ PUBLIC_MODULES = (
     "fxsplit.zoo",
     "fxsplit.hf_zoo",
     "fxsplit.passes",
+    "fxsplit.mesh",
+    "fxsplit.testing",
+    "fxsplit.sharding",
+    "fxsplit.tp_ops",
+    "fxsplit.tp_plan",
+    "fxsplit.profile",
+    "fxsplit.api",
 )
 
 __all__ = [
@@ -44,4 +55,17 @@ __all__ = [
     "annotate_node",
     "annotate_graph",
     "PUBLIC_MODULES",
+    "pipe_split",
+    "PassContext",
+    "PassManager",
+    "PassResult",
+    "register_pass",
+    "Hardware",
+    "plan",
+    "parallelize",
+    "Plan",
+    "ParallelConfig",
+    "ParallelModel",
+    "PlanError",
+    "load_full_checkpoint",
 ]

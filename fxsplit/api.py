@@ -1,0 +1,577 @@
+"""The one-line API: ``fxsplit.plan`` (single process, no weights needed) and ``fxsplit.parallelize``.
+
+Terms: d, t, p data-, tensor- and pipeline-parallel degrees (world size d * t * p, mesh dims
+("dp", "pp", "tp"), tp innermost); v stages per pipeline rank (S = p * v stages, rank r holds
+stages r, r + p, ...); m microbatches per step.
+
+    plan = fxsplit.plan(model, (idx,), tp=2, pp=2)        # pure: trace -> passes -> TP -> split -> schedule
+    print(plan); plan.simulate(); plan.to_dot("g.dot"); plan.timeline("pp.png")
+
+    pm = fxsplit.parallelize(model, (idx,), loss_fn=F.cross_entropy, tp=2, pp=2)   # under torchrun
+    opt = torch.optim.AdamW(pm.parameters())
+    loss = pm.step(idx, target=y); opt.step(); opt.zero_grad()
+
+[Note: what every rank does]
+Every rank plans the same model the same way (planning is deterministic), keeps only the stages
+of its pipeline rank, copies their structure without copying tensors, and materializes only its
+tensor-parallel shard of each parameter: sliced from the model's real weights, or freshly
+initialized when the model lives on the meta device. The user's model is never modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from . import schedules as _schedules
+from .pass_api import PassContext, PassManager
+from .split import Hardware, SplitPlan, plan_split
+from .stage import StageGraphs
+from .trace import flatten_inputs, trace
+
+__all__ = ["ParallelConfig", "Plan", "plan", "parallelize", "ParallelModel", "PlanError"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+class PlanError(ValueError):
+    """A parallelization request that cannot be planned; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The degrees and options of a plan (validated on creation)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = "interleaved_1f1b"
+    stages_per_rank: int = 1
+    split_points: tuple[str, ...] | None = None
+    tp_plan: Mapping[str, str] | None = None
+    memory_limit: float | None = None
+    sequence_parallel: bool = False
+    vocab_parallel_loss: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} must be an int >= 1, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.pp > 1 and self.microbatches < self.pp:
+            raise PlanError(
+                f"microbatches={self.microbatches} < pp={self.pp}: every pipeline rank needs at least "
+                f"one microbatch in flight; use microbatches >= {self.pp} (2 * pp = {2 * self.pp} is a good start)"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before any process starts: printable, comparable, no weights needed.
+
+    ``graph`` is the traced graph after user passes and tensor parallelism (shared by all tp
+    ranks: shard offsets are read from the tp group at run time); ``stages`` its stage
+    GraphModules; ``split`` the balanced partition; ``schedule`` the per-rank action lists.
+    """
+
+    config: ParallelConfig
+    graph: torch.fx.GraphModule
+    split: SplitPlan
+    stages: StageGraphs
+    schedule: list
+    tp_plan: Any = None
+    pass_report: Mapping[str, Any] = field(default_factory=dict)
+    plan_seconds: float = 0.0
+
+    # -- inspection
+    def stage_graph(self, stage: int, tp_rank: int = 0) -> torch.fx.GraphModule:
+        """The fx GraphModule of ``stage``. Every tp rank runs the same graph on its own shards
+        (its offsets come from the tp group at run time), so ``tp_rank`` only checks the range."""
+        if not 0 <= stage < self.config.num_stages:
+            raise IndexError(f"stage {stage} out of range: the plan has {self.config.num_stages} stages")
+        if not 0 <= tp_rank < self.config.tp:
+            raise IndexError(f"tp_rank {tp_rank} out of range: tp={self.config.tp}")
+        return self.stages.modules[stage]
+
+    def simulate(self, comm: float | None = None):
+        """The schedule simulated with the split's estimated stage times (one rank's share costs
+        v x the bottleneck stage; forward 1/3, backward 2/3 of it)."""
+        per_rank = self.split.bottleneck * self.config.stages_per_rank
+        link = self.split.problem.bandwidth if self.split.problem is not None else float("inf")
+        if comm is None:
+            boundary = max((s.bytes_out for s in self.split.stages), default=0.0)
+            comm = boundary / link if link not in (0.0, float("inf")) else 0.0
+        return _schedules.simulate(self.schedule, forward=per_rank / 3, backward=2 * per_rank / 3, comm=comm)
+
+    def to_dot(self, path: str | None = None) -> str:
+        return self.split.to_dot(self.graph, path)
+
+    def timeline(self, path: str) -> str:
+        _schedules.timeline_png(self.simulate(), path, title=f"{self.config.schedule}: p={self.config.pp} v={self.config.stages_per_rank} m={self.config.microbatches}")
+        return path
+
+    def schedule_grid(self) -> str:
+        return _schedules.format_grid(self.schedule)
+
+    def __str__(self) -> str:
+        c = self.config
+        info = self.graph.meta.get("fxsplit")
+        head = [
+            f"fxsplit plan: dp={c.dp} tp={c.tp} pp={c.pp} (world size {c.world_size}); "
+            f"{c.num_stages} stages (v={c.stages_per_rank}), {c.schedule}, m={c.microbatches}",
+            f"traced with {info.method}: {info.reason}" if info is not None else "",
+        ]
+        if self.tp_plan is not None:
+            head.append(str(self.tp_plan))
+        sim = self.simulate()
+        lines = [h for h in head if h] + [str(self.split)]
+        lines.append(
+            f"simulated step: {sim.makespan * 1e3:.3f} ms; bubble {100 * sim.bubble_fraction:.1f}% of the step "
+            f"(idle/ideal {100 * sim.bubble_ratio:.1f}%); peak in-flight microbatches per rank {list(sim.peak_inflight)}"
+        )
+        lines.append(f"planned in {self.plan_seconds:.2f}s")
+        return "\n".join(lines)
+
+
+def _default_microbatches(pp: int) -> int:
+    return 1 if pp == 1 else 2 * pp
+
+
+def _resolve_config(
+    *, tp, pp, dp, microbatches, schedule, stages_per_rank, split_points, tp_plan, memory_limit,
+    sequence_parallel, vocab_parallel_loss,
+) -> ParallelConfig:
+    m = _default_microbatches(pp) if microbatches is None else microbatches
+    if stages_per_rank is None:
+        stages_per_rank = 2 if (schedule == "interleaved_1f1b" and pp > 1) else 1
+    if pp == 1 and schedule == "interleaved_1f1b":
+        schedule = "1f1b"  # one pipeline rank: nothing to interleave
+    if schedule == "interleaved_1f1b" and stages_per_rank < 2:
+        raise PlanError(
+            f"interleaved_1f1b needs stages_per_rank >= 2 (got {stages_per_rank}); use schedule='1f1b' for one stage per rank"
+        )
+    return ParallelConfig(
+        dp=dp, tp=tp, pp=pp, microbatches=m, schedule=schedule, stages_per_rank=stages_per_rank,
+        split_points=tuple(split_points) if split_points is not None else None,
+        tp_plan=dict(tp_plan) if tp_plan is not None else None, memory_limit=memory_limit,
+        sequence_parallel=sequence_parallel, vocab_parallel_loss=vocab_parallel_loss,
+    )
+
+
+def plan(
+    model: nn.Module,
+    example_args: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    microbatches: int | None = None,
+    schedule: str = "interleaved_1f1b",
+    stages_per_rank: int | None = None,
+    passes: Sequence[Callable] = (),
+    split_points: Sequence[str] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
+    memory_limit: float | None = None,
+    sequence_parallel: bool = False,
+    vocab_parallel_loss: bool = False,
+    method: str = "auto",
+    leaf_modules: Sequence[Any] = (),
+    hardware: Hardware = Hardware(),
+    debug: str | None = None,
+) -> Plan:
+    """Plan ``model`` for dp x tp x pp in this process: trace, user passes, tensor parallelism,
+    balanced pipeline split, schedule. No process group and no weights needed (meta is fine).
+
+    ``microbatches`` defaults to 2 * pp; ``stages_per_rank`` to 2 for interleaved 1F1B;
+    ``passes`` are user passes ``(gm, ctx) -> PassResult`` run first, through a PassManager
+    (``debug`` names a folder for per-pass dumps).
+    """
+    t0 = time.perf_counter()
+    config = _resolve_config(
+        tp=tp, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
+        split_points=split_points, tp_plan=tp_plan, memory_limit=memory_limit,
+        sequence_parallel=sequence_parallel, vocab_parallel_loss=vocab_parallel_loss,
+    )
+    gm = trace(model, example_args, example_kwargs, method=method, leaf_modules=leaf_modules)
+    ctx = PassContext(
+        example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
+        example_kwargs=dict(example_kwargs or {}),
+        options={"tp": config.tp, "pp": config.pp, "dp": config.dp},
+    )
+    pipeline = list(passes)
+    tp_result = None
+    if config.tp > 1 or config.tp_plan:
+        from .passes.tensor_parallel import tensor_parallel
+
+        pipeline.append(
+            functools.partial(
+                tensor_parallel, tp=config.tp, overrides=config.tp_plan,
+                sequence_parallel=config.sequence_parallel, vocab_parallel_loss=config.vocab_parallel_loss,
+            )
+        )
+    if pipeline:
+        gm = PassManager(pipeline, debug=debug)(gm, ctx).graph_module
+        tp_result = ctx.report.get("tensor_parallel")
+    split = plan_split(
+        gm, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
+        schedule=config.schedule, num_microbatches=config.microbatches,
+        memory_limit=config.memory_limit, hardware=hardware,
+    )
+    stages = split.build(gm)
+    sched_name = "1f1b" if config.schedule == "1f1b" else config.schedule
+    sched = _schedules.build(sched_name, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
+    _schedules.validate(sched)
+    return Plan(
+        config=config, graph=gm, split=split, stages=stages, schedule=sched, tp_plan=tp_result,
+        pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# per-rank materialization
+
+
+def _structural_copy(module: nn.Module) -> nn.Module:
+    """Copy ``module``'s structure with every parameter/buffer replaced by a meta tensor of the
+    same shape (tied tensors stay tied); no tensor data is copied."""
+    memo: dict[int, Any] = {}
+    for _, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _materialize(
+    module: nn.Module, *, specs: Mapping[str, Any], tp_rank: int, source: nn.Module, device: torch.device,
+    full_shapes: Mapping[str, Sequence[int]] | None = None,
+) -> nn.Module:
+    from .sharding import materialize_module
+
+    local = _structural_copy(module)
+    names = {n for n, _ in local.named_parameters(remove_duplicate=False)} | {n for n, _ in local.named_buffers(remove_duplicate=False)}
+    mine = {k: v for k, v in specs.items() if k in names}
+    on_meta = any(p.is_meta for p in source.parameters())
+    materialize_module(
+        local, mine, tp_rank, source=None if on_meta else source, device=device,
+        full_shapes={k: v for k, v in (full_shapes or {}).items() if k in names},
+    )
+    return local
+
+
+# ------------------------------------------------------------------------------------------------
+# the distributed model
+
+
+class ParallelModel(nn.Module):
+    """This rank's part of a parallelized model: its stages' modules (local shards) and the
+    pipeline runtime. ``parameters()`` are the local shards, so any torch optimizer works."""
+
+    def __init__(self, *, plan_: Plan, stages: Mapping[int, nn.Module], runtime: Any, mesh: Any,
+                 coords: Mapping[str, int], groups: Mapping[str, Any], loss_fn: Callable | None,
+                 bucket_bytes: int = 25 * 2**20, log_every: int | None = None):
+        super().__init__()
+        self.plan = plan_
+        self.stage_modules = nn.ModuleDict({str(s): m for s, m in stages.items()})
+        self._runtime = runtime
+        self.mesh = mesh
+        self.coords = dict(coords)
+        self._groups = dict(groups)
+        self.loss_fn = loss_fn
+        self._bucket_bytes = bucket_bytes
+        self._log_every = log_every
+        self._steps = 0
+        self.last_step_seconds = 0.0
+
+    # -- inspection
+    def local_stage_graphs(self) -> dict[int, torch.fx.GraphModule]:
+        return {int(s): m for s, m in self.stage_modules.items()}
+
+    # -- running
+    def _bound(self):
+        from .collectives import bind_groups
+
+        return bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp")})
+
+    def _flat(self, args: tuple, kwargs: dict) -> list:
+        return flatten_inputs(self.plan.graph, args, kwargs)
+
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Forward + backward over all microbatches; returns the full-batch loss on every rank
+        (averaged over data-parallel replicas). Gradients land in ``self.parameters()``."""
+        if self.loss_fn is None:
+            raise RuntimeError(
+                "step() needs a loss: this model was parallelized without loss_fn (inference only); "
+                "pass fxsplit.parallelize(..., loss_fn=...) to train"
+            )
+        t0 = time.perf_counter()
+        flat = self._flat(args, kwargs)
+        with self._bound():
+            loss = self._runtime.step(flat, target=target)
+        self._sync_grads()
+        dp = self._groups.get("dp")
+        if dp is not None and dist.get_world_size(dp) > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=dp)
+            loss /= dist.get_world_size(dp)
+        self.last_step_seconds = time.perf_counter() - t0
+        self._steps += 1
+        if self._log_every and self._steps % self._log_every == 0:
+            log.info("step %d: loss %.6f, %.3fs", self._steps, float(loss), self.last_step_seconds)
+        return loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Inference through the pipeline; the output in the model's own structure, on every rank."""
+        flat = self._flat(args, kwargs)
+        with self._bound(), torch.no_grad():
+            out = self._runtime.forward(flat, all_ranks=True)
+        return out
+
+    def _sync_grads(self) -> None:
+        """Data-parallel mean of the gradients (bucketed, asynchronous all-reduces); with sequence
+        parallelism, also the sum over tp of the replicated parameters' partial gradients."""
+        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        tp = self._groups.get("tp")
+        if self.plan.config.sequence_parallel and tp is not None and dist.get_world_size(tp) > 1:
+            rep = [p for n, p in self.named_parameters() if _strip(n) not in specs and p.grad is not None]
+            _bucketed_all_reduce([p.grad for p in rep], tp, self._bucket_bytes, scale=1.0)
+        dp = self._groups.get("dp")
+        if dp is None or dist.get_world_size(dp) == 1:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        _bucketed_all_reduce(grads, dp, self._bucket_bytes, scale=1.0 / dist.get_world_size(dp))
+
+    # -- state
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for mod in self.stage_modules.values():
+            for k, v in mod.state_dict(keep_vars=False).items():
+                out.setdefault(k, v)
+        return out
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The original model's state dict (original names and shapes, CPU tensors), gathered from
+        every rank's shards; on every rank, or only on global rank 0 with ``rank0_only``."""
+        from .sharding import unshard_state_dict
+
+        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        local = {k: v.detach().cpu() for k, v in self._local_state().items()}
+        tp = self._groups.get("tp")
+        if tp is not None and dist.get_world_size(tp) > 1:
+            per_rank: list = [None] * dist.get_world_size(tp)
+            dist.all_gather_object(per_rank, local, group=tp)
+            local = unshard_state_dict(per_rank, {k: s for k, s in specs.items() if k in local})
+        pp = self._groups.get("pp")
+        merged = dict(local)
+        if pp is not None and dist.get_world_size(pp) > 1:
+            parts: list = [None] * dist.get_world_size(pp)
+            dist.all_gather_object(parts, local, group=pp)
+            merged = {}
+            for part in parts:
+                for k, v in part.items():
+                    merged.setdefault(k, v)
+        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        return merged
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Load a full (unsharded) state dict with the original names; each rank keeps its shards."""
+        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        tp_rank = self.coords.get("tp", 0)
+        missing = []
+        for mod in self.stage_modules.values():
+            for name, t in [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]:
+                if name not in state_dict:
+                    missing.append(name)
+                    continue
+                src = state_dict[name]
+                if name in specs:
+                    src = specs[name].shard(src, tp_rank)
+                if tuple(src.shape) != tuple(t.shape):
+                    raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(src.shape)}, expected {tuple(t.shape)} (after sharding)")
+                t.copy_(src)
+        if strict and missing:
+            raise KeyError(f"load_full_state_dict: missing {sorted(set(missing))[:10]}")
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded save: each rank writes its own shards (original names) and their shard specs; the
+        checkpoint can be loaded under any (dp, tp, pp) with :meth:`load_checkpoint`."""
+        import os
+
+        os.makedirs(path, exist_ok=True)
+        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        dp_rank = self.coords.get("dp", 0)
+        if dp_rank == 0:  # replicas hold the same shards
+            local = {k: v.detach().cpu() for k, v in self._local_state().items()}
+            torch.save(
+                {"tensors": local, "specs": {k: s for k, s in specs.items() if k in local},
+                 "tp_rank": self.coords.get("tp", 0), "tp": self.plan.config.tp},
+                os.path.join(path, f"shard-pp{self.coords.get('pp', 0)}-tp{self.coords.get('tp', 0)}.pt"),
+            )
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint` under any (dp, tp, pp)."""
+        self.load_full_state_dict(load_full_checkpoint(path))
+
+
+def load_full_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """Reassemble the full state dict from a sharded checkpoint folder (any process, no group)."""
+    import glob
+    import os
+
+    from .sharding import unshard_state_dict
+
+    files = sorted(glob.glob(os.path.join(path, "shard-pp*-tp*.pt")))
+    if not files:
+        raise FileNotFoundError(f"no fxsplit checkpoint shards (shard-pp*-tp*.pt) in {path!r}")
+    by_pp: dict[str, list] = {}
+    for f in files:
+        pp_tag = os.path.basename(f).split("-")[1]
+        by_pp.setdefault(pp_tag, []).append(torch.load(f, weights_only=False))
+    full: dict[str, torch.Tensor] = {}
+    for parts in by_pp.values():
+        parts.sort(key=lambda d: d["tp_rank"])
+        specs = parts[0]["specs"]
+        if len(parts) > 1:
+            tensors = unshard_state_dict([p["tensors"] for p in parts], specs)
+        else:
+            tensors = parts[0]["tensors"]
+        for k, v in tensors.items():
+            full.setdefault(k, v)
+    return full
+
+
+def _strip(name: str) -> str:
+    """'stage_modules.3.blocks.0.ln1.weight' -> 'blocks.0.ln1.weight'."""
+    parts = name.split(".", 2)
+    return parts[2] if len(parts) == 3 and parts[0] == "stage_modules" else name
+
+
+def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float) -> None:
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for g in grads:
+        if size and size + g.numel() * g.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel() * g.element_size()
+    pending = []
+    for bucket in buckets:
+        if not bucket:
+            continue
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in bucket:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            pending.append((flat, gs, dist.all_reduce(flat, group=group, async_op=True)))
+    for flat, gs, work in pending:
+        work.wait()
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for g in gs:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def parallelize(
+    model: nn.Module,
+    example_args: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    mesh: Any = None,
+    device: torch.device | str | None = None,
+    timeout: float = 300.0,
+    log_every: int | None = None,
+    **options: Any,
+) -> ParallelModel:
+    """Parallelize ``model`` over dp x tp x pp processes (inside a torchrun launch); returns this
+    rank's :class:`ParallelModel`. Options are those of :func:`plan`. The process group is
+    initialized from torchrun's environment when needed (NCCL with CUDA, else gloo), and the mesh
+    built from it unless ``mesh=`` gives a DeviceMesh with dims ("dp", "pp", "tp")."""
+    from .mesh import build_mesh, check_mesh, init_from_env, mesh_coords, mesh_groups
+    from .runtime import PipelineRuntime
+
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
+    dp, tp, pp = options.get("dp", 1), options.get("tp", 1), options.get("pp", 1)
+    init_from_env()
+    if mesh is None:
+        mesh = build_mesh(dp=dp, pp=pp, tp=tp)
+    else:
+        check_mesh(mesh, dp, pp, tp)
+    coords = mesh_coords(mesh)
+    groups = mesh_groups(mesh)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    device = torch.device(device)
+    the_plan = plan(model, example_args, example_kwargs, **options)
+    c = the_plan.config
+    specs = getattr(the_plan.tp_plan, "param_specs", {}) or {}
+    full_shapes = {k: tuple(v) for k, v in (getattr(the_plan.tp_plan, "full_shapes", {}) or {}).items()}
+    pp_rank = coords["pp"]
+    mine = [s for s in range(c.num_stages) if s % c.pp == pp_rank]
+    stages = {
+        s: _materialize(the_plan.stages.modules[s], specs=specs, tp_rank=coords["tp"], source=model, device=device,
+                        full_shapes=full_shapes)
+        for s in mine
+    }
+    runtime = PipelineRuntime(
+        stages={s: (stages[s], the_plan.stages.io[s]) for s in mine},
+        num_stages=c.num_stages,
+        schedule=the_plan.schedule,
+        pp_group=groups["pp"] if c.pp > 1 else None,
+        pp_rank=pp_rank,
+        num_ranks=c.pp,
+        input_meta=the_plan.stages.input_meta,
+        loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None,
+        device=device,
+        stage_io=the_plan.stages.io,
+        shared_params=the_plan.stages.shared_params,
+        output_spec=the_plan.stages.output_spec,
+        timeout=timeout,
+    )
+    return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
+                         groups=groups, loss_fn=loss_fn, log_every=log_every)
+
+
+def _checked_loss(loss_fn: Callable) -> Callable:
+    @functools.wraps(loss_fn)
+    def wrapped(output: Any, target: Any) -> torch.Tensor:
+        loss = loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean())")
+        return loss
+
+    return wrapped
