@@ -1,0 +1,908 @@
+"""Tensor-parallel plans: what to shard, found from the traced graph (no per-model policy).
+
+Terms:
+- **t**: the tensor-parallel degree. **linear**: a node computing ``x @ W (+ b)`` with ``W`` a
+  parameter, whatever its spelling (``nn.Linear`` call_module, ``F.linear``/``aten.linear``,
+  ``aten.addmm``/``aten.mm`` with ``W`` stored ``[in, out]`` as HF GPT-2's ``Conv1D``).
+- **column** (``"colwise"``): W split on its output dim, input copied (Megatron's f), output
+  sharded on the feature dim. **row** (``"rowwise"``): W split on its input dim, input sharded,
+  partial outputs summed (g), bias added once after the sum. **vocab**: an embedding table split
+  by rows (vocabulary); an LM head column-parallel on the vocabulary. **replicate**: untouched.
+- **region**: the column linears that share one input (q, k, v; gate, up) and the row linears
+  that consume their sharded outputs (o; down), with every node between them carrying one
+  sharded dim (heads or hidden width). One forward all-reduce per region.
+- **blocks**: a fused projection (``qkv``) whose output is ``split`` on the sharded dim is
+  sharded block by block (q, k and v each by heads), never as one plain column range.
+
+    plan = find_tp_plan(gm, 2)              # pure: inspect, print, compare
+    print(plan)                             # one row per module: style, shards, reason
+    plan.param_specs["blocks.0.attn.qkv.weight"]   # ShardSpec(dim=0, num_shards=2, blocks=(32, 16, 16))
+
+Detection (propagation): every group of linears sharing an input is tried as the column
+linears of a region; a "sharded dim" is pushed forward through pointwise ops (with broadcast
+operands), views/reshapes (the dim groups of a view are matched by products of sizes, symbolic
+sizes compared with sympy, and the sharded dim must be the outer dim of its group), transposes,
+permutes, splits/chunks, expand and repeat_interleave (grouped-query attention), slices and
+cats on other dims (RoPE), softmax on other dims, scaled-dot-product attention and batched
+matmuls over heads, until every path ends in a linear whose input feature dim is the sharded
+one (row). Anything else (a norm or reduction over the sharded dim, a residual add with a
+replicated tensor, a model output) makes the region fail: it stays replicated and the plan
+says why. Sizes that t does not divide raise :class:`TPPlanError` (module, numbers, nearest t).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import sympy
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from .meta import to_expr
+from .sharding import ShardSpec, padded_size, valid_degrees
+
+__all__ = [
+    "STYLES",
+    "LinearInfo",
+    "EmbeddingInfo",
+    "Region",
+    "TPPlan",
+    "TPPlanError",
+    "find_tp_plan",
+    "find_linears",
+    "find_embeddings",
+    "op_name",
+]
+
+STYLES = ("colwise", "rowwise", "vocab", "replicate")
+
+
+class TPPlanError(ValueError):
+    """The graph or the user's plan cannot be tensor-parallel as asked; says what and the fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass(frozen=True)
+class LinearInfo:
+    """One linear of the graph. ``out_dim`` is the weight dim holding the output features
+    (0 for nn.Linear's [out, in], 1 for Conv1D/addmm's [in, out]); ``x_index`` the argument
+    position of the input; ``feature_dim`` the input dim contracted (always the last)."""
+
+    node: str
+    module_path: str
+    weight: str
+    bias: str | None
+    out_dim: int
+    in_features: int
+    out_features: int
+    x_index: int
+    kind: str  # "module", "linear", "addmm", "mm"
+
+
+@dataclass(frozen=True)
+class EmbeddingInfo:
+    node: str
+    module_path: str
+    weight: str
+    num_embeddings: int
+    padding_idx: int | None
+    kind: str  # "module", "embedding"
+    from_input: bool  # ids come from a model input (token ids), not a buffer or arange
+
+
+@dataclass(frozen=True)
+class Region:
+    """Column linears (node names) sharing ``inputs``, and the row linears ending the region."""
+
+    columns: tuple[str, ...]
+    rows: tuple[str, ...]
+    inputs: tuple[str, ...]  # the distinct input nodes of the column linears (f goes there)
+    kind: str  # "attention" or "mlp"
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """A tensor-parallel plan (frozen data; :func:`fxsplit.passes.tensor_parallel` applies it).
+
+    styles: module path -> style for every linear and embedding of the graph. param_specs: FQN
+    (every alias of a tied parameter) -> ShardSpec. regions: the column/row groups.
+    replicated: (module path, why) for linears/embeddings left whole. sharded_nodes: node name
+    -> (global dim sharded, global size of that dim) for every value carrying a shard.
+    rewrites: (node name, argument path, new int) shape arguments rewritten to local sizes.
+    lm_head: node names of vocabulary-parallel LM heads; vocab_size: V (unpadded).
+    """
+
+    tp: int
+    styles: Mapping[str, str]
+    param_specs: Mapping[str, ShardSpec]
+    regions: tuple[Region, ...]
+    replicated: tuple[tuple[str, str], ...]
+    sharded_nodes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    rewrites: tuple[tuple[str, tuple, int], ...] = ()
+    linears: Mapping[str, LinearInfo] = field(default_factory=dict)
+    embeddings: Mapping[str, EmbeddingInfo] = field(default_factory=dict)
+    vocab_embeddings: tuple[str, ...] = ()
+    lm_heads: tuple[str, ...] = ()
+    vocab_size: int | None = None
+    sequence_parallel: bool = False
+    vocab_parallel_loss: bool = False
+    overrides: Mapping[str, str] = field(default_factory=dict)
+    full_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def style_of(self, module_path: str) -> str:
+        return self.styles.get(module_path, "replicate")
+
+    def __str__(self) -> str:
+        why = dict(self.replicated)
+        rows = [("module", "style", "shards", "note")]
+        for path, style in self.styles.items():
+            specs = [f"{n.rsplit('.', 1)[-1]}: {_spec_str(s)}" for n, s in self.param_specs.items()
+                     if n.rpartition(".")[0] == path]
+            rows.append((path, style, "; ".join(specs) or "-", why.get(path, "")))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = [f"TPPlan(t={self.tp}, regions={len(self.regions)}, sequence_parallel="
+                 f"{self.sequence_parallel}, vocab_parallel_loss={self.vocab_parallel_loss})"]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + ("  " + r[3] if r[3] else ""))
+        return "\n".join(lines)
+
+
+def _spec_str(s: ShardSpec) -> str:
+    extra = (f", blocks={s.blocks}" if s.blocks else "") + (f", pad_to={s.pad_to}" if s.pad_to else "")
+    return f"dim {s.dim}/{s.num_shards}{extra}"
+
+
+# --------------------------------------------------------------------------------------------
+# op names (one vocabulary for fx and export graphs)
+
+_PY_NAMES = {
+    operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.mul: "mul",
+    operator.imul: "mul", operator.truediv: "div", operator.neg: "neg", operator.pow: "pow",
+    operator.getitem: "getitem", operator.matmul: "matmul",
+}
+_MODULE_NAMES = {
+    nn.Linear: "linear", nn.Embedding: "embedding", nn.Dropout: "dropout", nn.GELU: "gelu",
+    nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "alias",
+    nn.LayerNorm: "layer_norm",
+}
+# pointwise ops (beyond aten's pointwise tag), and ops that return their input's shape unchanged
+_POINTWISE = {
+    "add", "sub", "mul", "div", "neg", "pow", "gelu", "silu", "relu", "tanh", "sigmoid", "exp",
+    "dropout", "float", "to", "type_as", "contiguous", "clone", "alias", "detach", "_to_copy",
+    "masked_fill", "where", "rsqrt", "sqrt", "abs", "erf", "native_dropout", "half", "bfloat16",
+    "mul_", "add_", "lift_fresh_copy", "softplus", "leaky_relu", "elu", "gelu_", "rsub",
+}
+_VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as"}
+
+
+def op_name(node: torch.fx.Node, gm: torch.fx.GraphModule | None = None) -> str:
+    """A short op name shared by fx and export graphs ("view", "add", "linear", ...)."""
+    t = node.target
+    if node.op == "call_method":
+        return str(t)
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(t)) if gm is not None else None
+        for cls, name in _MODULE_NAMES.items():
+            if type(mod) is cls:
+                return name
+        return f"module:{type(mod).__name__}"
+    if node.op != "call_function":
+        return node.op
+    if isinstance(t, torch._ops.OpOverload):
+        return t.overloadpacket.__name__
+    if t in _PY_NAMES:
+        return _PY_NAMES[t]
+    name = getattr(t, "__name__", str(t))
+    return {"truediv": "div", "_VariableFunctionsClass.cat": "cat"}.get(name, name)
+
+
+def _is_pointwise(node: torch.fx.Node, name: str) -> bool:
+    if name in _POINTWISE:
+        return True
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+
+
+# --------------------------------------------------------------------------------------------
+# finding linears and embeddings
+
+
+def _get_attr_fqn(node: Any) -> str | None:
+    return str(node.target) if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
+
+
+def _param(gm: torch.fx.GraphModule, fqn: str) -> torch.Tensor:
+    mod_path, _, leaf = fqn.rpartition(".")
+    return getattr(gm.get_submodule(mod_path) if mod_path else gm, leaf)
+
+
+def _module_of(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
+    """Every linear of the graph by node name (see the module's Terms)."""
+    out: dict[str, LinearInfo] = {}
+    for node in gm.graph.nodes:
+        name = op_name(node, gm)
+        info = None
+        if node.op == "call_module" and name == "linear":
+            mod = gm.get_submodule(str(node.target))
+            info = LinearInfo(node.name, str(node.target), f"{node.target}.weight",
+                              f"{node.target}.bias" if mod.bias is not None else None, 0,
+                              mod.in_features, mod.out_features, 0, "module")
+        elif node.op == "call_function" and name == "linear":
+            args = list(node.args) + [node.kwargs.get("weight"), node.kwargs.get("bias")][len(node.args) - 1:]
+            w = _get_attr_fqn(args[1] if len(args) > 1 else None)
+            b = args[2] if len(args) > 2 else None
+            if w is not None and (b is None or _get_attr_fqn(b)):
+                shape = tuple(_param(gm, w).shape)
+                if len(shape) == 2:
+                    info = LinearInfo(node.name, _module_of(w), w, _get_attr_fqn(b), 0, shape[1], shape[0], 0, "linear")
+        elif node.op == "call_function" and name in ("addmm", "mm") and not node.kwargs:
+            off = 1 if name == "addmm" else 0
+            w = _get_attr_fqn(node.args[off + 1])
+            b = _get_attr_fqn(node.args[0]) if name == "addmm" else None
+            if w is not None and (name == "mm" or b is not None):
+                shape = tuple(_param(gm, w).shape)
+                if len(shape) == 2 and (b is None or tuple(_param(gm, b).shape) == (shape[1],)):
+                    info = LinearInfo(node.name, _module_of(w), w, b, 1, shape[0], shape[1], off, name)
+        if info is not None:
+            out[node.name] = info
+    return out
+
+
+def _from_input(node: Any) -> bool:
+    """Whether a value is a model input seen through casts and views (token ids)."""
+    seen = 0
+    while isinstance(node, torch.fx.Node) and seen < 8:
+        if node.op == "placeholder":
+            return True
+        if node.op in ("call_function", "call_method") and op_name(node) in (_VIEWS | {"to", "_to_copy", "long", "int", "contiguous", "slice", "alias"}):
+            node = node.args[0]
+            seen += 1
+            continue
+        return False
+    return False
+
+
+def find_embeddings(gm: torch.fx.GraphModule) -> dict[str, EmbeddingInfo]:
+    out: dict[str, EmbeddingInfo] = {}
+    for node in gm.graph.nodes:
+        name = op_name(node, gm)
+        if name != "embedding":
+            continue
+        if node.op == "call_module":
+            mod = gm.get_submodule(str(node.target))
+            out[node.name] = EmbeddingInfo(node.name, str(node.target), f"{node.target}.weight",
+                                           mod.num_embeddings, mod.padding_idx, "module",
+                                           _from_input(node.args[0]))
+        elif isinstance(node.target, torch._ops.OpOverload):
+            w = _get_attr_fqn(node.args[0])
+            if w is None:
+                continue
+            pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+            out[node.name] = EmbeddingInfo(node.name, _module_of(w), w, int(_param(gm, w).shape[0]),
+                                           None if pad in (None, -1) else int(pad), "embedding",
+                                           _from_input(node.args[1]))
+    return out
+
+
+def _aliases(gm: torch.fx.GraphModule) -> dict[str, tuple[str, ...]]:
+    """FQN -> every FQN of the same parameter object (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in gm.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    return {n: tuple(names) for names in by_id.values() for n in names}
+
+
+# --------------------------------------------------------------------------------------------
+# shapes
+
+
+def _shape(node: Any) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if isinstance(val, torch.Tensor):
+        return tuple(to_expr(s) for s in val.shape)
+    return None
+
+
+def _eq(a: Any, b: Any) -> bool:
+    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def _view_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]] | None:
+    """Match the dims of a view from shape ``a`` to shape ``b`` into groups of equal product."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        gi, gj = [i], [j]
+        pa, pb = sympy.sympify(a[i]), sympy.sympify(b[j])
+        i, j = i + 1, j + 1
+        for _ in range(64):
+            if _eq(pa, pb):
+                break
+            num, den = sympy.fraction(sympy.cancel(pb / pa))
+            if den == 1 and i < len(a):  # pb is a multiple of pa: take more of a
+                gi.append(i)
+                pa = pa * a[i]
+                i += 1
+            elif j < len(b):
+                gj.append(j)
+                pb = pb * b[j]
+                j += 1
+            elif i < len(a):
+                gi.append(i)
+                pa = pa * a[i]
+                i += 1
+            else:
+                return None
+        else:
+            return None
+        groups.append((gi, gj))
+    # trailing size-1 dims join the last group
+    if not groups:
+        return [([*range(len(a))], [*range(len(b))])]
+    groups[-1][0].extend(range(i, len(a)))
+    groups[-1][1].extend(range(j, len(b)))
+    return groups
+
+
+# --------------------------------------------------------------------------------------------
+# propagation
+
+
+@dataclass
+class _State:
+    dim: int
+    origins: frozenset  # seed linears whose output blocks may still be chosen by a split
+
+
+class _Fail(Exception):
+    pass
+
+
+def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _int_args(node: torch.fx.Node, start: int) -> list:
+    """fx varargs (x.view(a, b, c)) or one list argument (x.view([a, b, c]))."""
+    rest = list(node.args[start:])
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        return list(rest[0])
+    return rest
+
+
+def _norm(d: int, n: int) -> int:
+    return d % n if n else d
+
+
+class _Propagation:
+    """Push sharded dims from a set of column linears forward through the graph."""
+
+    def __init__(self, gm, t, linears, seeds, excluded, forced_rows):
+        self.gm, self.t, self.linears = gm, t, linears
+        self.seeds = set(seeds)
+        self.excluded = excluded
+        self.forced_rows = forced_rows
+        self.state: dict[str, _State] = {}
+        self.rows: list[str] = []
+        self.blocks: dict[str, tuple[int, ...]] = {}
+        self.rewrites: list[tuple[str, tuple, int]] = []
+        self.reshaped: set[str] = set()
+        self.shape_of: dict[str, int] = {}  # fx getattr(x, "shape") of a sharded x -> its dim
+
+    def fail(self, node: torch.fx.Node, why: str) -> None:
+        raise _Fail(f"{node.name} ({op_name(node, self.gm)}): {why}")
+
+    def run(self) -> None:
+        for node in self.gm.graph.nodes:
+            if node.name in self.seeds:
+                info = self.linears[node.name]
+                shape = _shape(node)
+                self.state[node.name] = _State(len(shape) - 1, frozenset([node.name]))
+                continue
+            ins = [a for a in node.all_input_nodes if a.name in self.state or a.name in self.shape_of]
+            if not ins:
+                continue
+            self.step(node)
+
+    def _set(self, node, dim, origins=frozenset()):
+        self.state[node.name] = _State(dim, origins)
+
+    def _rewrite(self, node, path, value, dim_size):
+        if isinstance(value, int) and value != -1:
+            if value % self.t:
+                raise TPPlanError(_divisibility_msg(node, self.t, value, "a shape argument"))
+            self.rewrites.append((node.name, path, value // self.t))
+        elif isinstance(value, torch.fx.Node):
+            self.fail(node, f"the sharded size {dim_size} is computed at run time ({value.name}); "
+                            "it must be a constant or -1 to be rewritten to the local size")
+
+    def step(self, node: torch.fx.Node) -> None:
+        gm, name = self.gm, op_name(node, self.gm)
+        if node.op == "output":
+            self.fail(node, "a sharded value is a model output")
+        # fx: B, T, C = x.shape
+        if any(a.name in self.shape_of for a in node.all_input_nodes):
+            src = next(a for a in node.all_input_nodes if a.name in self.shape_of)
+            if name == "getitem" and isinstance(node.args[1], int):
+                if _norm(node.args[1], len(_shape(src.args[0]) or ())) != self.shape_of[src.name]:
+                    return
+            self.fail(node, "reads the size of the sharded dim")
+        ins = [a for a in node.all_input_nodes if a.name in self.state]
+        x = node.args[0] if node.args else None
+        st = self.state.get(x.name) if isinstance(x, torch.fx.Node) else None
+        out_shape = _shape(node)
+        if node.name in self.linears:
+            info = self.linears[node.name]
+            if node.name in self.excluded:
+                self.fail(node, f"{info.module_path} is set to replicate")
+            xin = node.args[info.x_index] if info.kind != "module" else node.args[0]
+            if not isinstance(xin, torch.fx.Node) or xin.name not in self.state or len(ins) != 1:
+                self.fail(node, "a sharded weight or bias")
+            xs = _shape(xin)
+            if self.state[xin.name].dim != len(xs) - 1:
+                self.fail(node, f"input sharded on dim {self.state[xin.name].dim}, not on its features")
+            if self.state[xin.name].origins & set(self.blocks):
+                self.fail(node, "input still carries fused blocks")
+            self.rows.append(node.name)
+            return
+        if name in ("getattr",) and node.args[1] == "shape":
+            self.shape_of[node.name] = st.dim
+            return
+        if name in ("size", "sym_size"):
+            d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            if d is not None and _norm(d, len(_shape(x))) != st.dim:
+                return
+            self.fail(node, "reads the size of the sharded dim")
+        if name == "getitem":
+            src = node.args[0]
+            val = self.state.get(src.name)
+            if isinstance(val, _State) and isinstance(getattr(val, "pieces", None), dict):
+                pass
+            piece = self.state.get(f"{src.name}[{node.args[1]}]")
+            if piece is None:
+                self.fail(node, "indexing a sharded tensor")
+            self._set(node, piece.dim, piece.origins)
+            return
+        if out_shape is None:
+            if name in ("split", "split_with_sizes", "chunk", "unbind"):
+                return self._split(node, name, st)
+            self.fail(node, "a sharded value used by an op that returns no tensor")
+        if name in _VIEWS or name == "expand" or name == "expand_as":
+            return self._view(node, name, st, out_shape)
+        if name in ("transpose", "swapaxes", "t"):
+            n = len(out_shape)
+            if name == "t":
+                d0, d1 = 0, 1
+            else:
+                d0, d1 = _norm(node.args[1], n), _norm(node.args[2], n)
+            d = {d0: d1, d1: d0}.get(st.dim, st.dim)
+            return self._set(node, d, st.origins)
+        if name == "permute":
+            dims = [_norm(d, len(out_shape)) for d in _int_args(node, 1)]
+            return self._set(node, dims.index(st.dim), st.origins)
+        if name == "repeat_interleave":
+            if not isinstance(node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats"), int):
+                self.fail(node, "repeats given as a tensor")
+            return self._set(node, st.dim, frozenset())
+        if name in ("slice",):
+            d = _norm(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
+            if d == st.dim and not _eq(out_shape[d], _shape(x)[d]):
+                self.fail(node, "slices the sharded dim")
+            return self._set(node, st.dim, st.origins)
+        if name == "cat":
+            tensors = node.args[0]
+            d = _norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(out_shape))
+            dims = {self.state[a.name].dim if a.name in self.state else None for a in tensors}
+            if None in dims or len(dims) != 1:
+                self.fail(node, "concatenates sharded and replicated tensors")
+            (sd,) = dims
+            if sd == d:
+                self.fail(node, "concatenates along the sharded dim")
+            return self._set(node, sd)
+        if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+            d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            if d is None or _norm(d, len(out_shape)) == st.dim:
+                self.fail(node, "softmax over the sharded dim")
+            return self._set(node, st.dim, st.origins)
+        if name == "scaled_dot_product_attention":
+            return self._sdpa(node, out_shape)
+        if name in ("matmul", "bmm"):
+            return self._matmul(node, out_shape)
+        if _is_pointwise(node, name) or (node.op == "call_module" and name in _POINTWISE):
+            return self._pointwise(node, out_shape)
+        self.fail(node, "an op the pass does not know how to shard (left replicated)")
+
+    def _pointwise(self, node, out_shape):
+        n = len(out_shape)
+        out_dim, origins = None, frozenset()
+        for a in _tensor_inputs(node):
+            s = _shape(a)
+            if a.name in self.state:
+                d = self.state[a.name].dim + n - len(s)
+                if out_dim is not None and d != out_dim:
+                    self.fail(node, "operands sharded on different dims")
+                out_dim = d
+                origins |= self.state[a.name].origins
+        for a in _tensor_inputs(node):
+            if a.name in self.state:
+                continue
+            s = _shape(a)
+            pos = out_dim - (n - len(s))
+            if pos >= 0 and not _eq(s[pos], 1):
+                self.fail(node, f"combines the sharded value with replicated {a.name} of full size {s[pos]} on the sharded dim")
+        self._set(node, out_dim, origins)
+
+    def _view(self, node, name, st, out_shape):
+        in_shape = _shape(node.args[0])
+        if name in ("expand", "expand_as"):
+            d = st.dim + len(out_shape) - len(in_shape)
+            if name == "expand":
+                sizes = _int_args(node, 1)
+                lst = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
+                self._rewrite(node, (1, d) if lst else (1 + d,), sizes[d], out_shape[d])
+            else:
+                self.fail(node, "expand_as of a sharded tensor")
+            return self._set(node, d, st.origins)
+        groups = _view_groups(in_shape, out_shape)
+        if groups is None:
+            self.fail(node, f"cannot match view {in_shape} -> {out_shape}")
+        gi, gj = next((gi, gj) for gi, gj in groups if st.dim in gi)
+        outer_in = [i for i in gi if not _eq(in_shape[i], 1)]
+        outer_out = [j for j in gj if not _eq(out_shape[j], 1)]
+        if not outer_in or outer_in[0] != st.dim or not outer_out:
+            self.fail(node, f"the sharded dim {st.dim} of {in_shape} is merged into an outer dim by the view to {out_shape}")
+        d = outer_out[0]
+        size = out_shape[d]
+        if not isinstance(size, int):
+            self.fail(node, f"the sharded dim has symbolic size {size}")
+        if size % self.t:
+            raise TPPlanError(_divisibility_msg(node, self.t, size, "a view of the sharded value"))
+        changed = len(outer_in) != 1 or len(outer_out) != 1
+        origins = st.origins
+        if changed:
+            self.reshaped |= set(origins)
+        if name in ("view", "reshape", "_unsafe_view"):
+            sizes = _int_args(node, 1)
+            lst = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
+            if "size" in node.kwargs or "shape" in node.kwargs:
+                self.fail(node, "shape given by keyword")
+            self._rewrite(node, (1, d) if lst else (1 + d,), sizes[d], size)
+        elif name in ("unflatten", "view_as"):
+            self.fail(node, f"{name} of a sharded tensor")
+        self._set(node, d, origins)
+
+    def _split(self, node, name, st):
+        x = node.args[0]
+        xs = _shape(x)
+        n = len(xs)
+        if name == "unbind":
+            self.fail(node, "unbind of a sharded tensor")
+        dim_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        d = _norm(dim_arg, n)
+        pieces = [_shape(u) for u in node.users]  # getitem users
+        val = node.meta.get("val")
+        sizes = [int(to_expr(v.shape[d])) for v in val]
+        if d != st.dim:
+            for i in range(len(sizes)):
+                self.state[f"{node.name}[{i}]"] = _State(st.dim, st.origins)
+            self.state[node.name] = st
+            return
+        if name == "chunk":
+            self.fail(node, "chunk on the sharded dim (use split)")
+        bad = [s for s in sizes if s % self.t]
+        if bad:
+            raise TPPlanError(_divisibility_msg(node, self.t, sizes, "the split of a fused projection"))
+        if not st.origins or st.origins & self.reshaped:
+            self.fail(node, "splits the sharded dim of a value that is not a projection's direct output")
+        for o in st.origins:
+            prev = self.blocks.get(o)
+            if prev is not None and prev != tuple(sizes):
+                self.fail(node, f"splits {o} into {sizes} and elsewhere into {prev}")
+            self.blocks[o] = tuple(sizes)
+        arg = node.args[1]
+        if isinstance(arg, int):
+            self.rewrites.append((node.name, (1,), arg // self.t))
+        else:
+            for i, s in enumerate(arg):
+                self.rewrites.append((node.name, (1, i), s // self.t))
+        for i in range(len(sizes)):
+            self.state[f"{node.name}[{i}]"] = _State(d, frozenset())
+        self.state[node.name] = st
+
+    def _sdpa(self, node, out_shape):
+        q, k, v = node.args[:3]
+        for a in (q, k, v):
+            s = self.state.get(a.name) if isinstance(a, torch.fx.Node) else None
+            if s is None or s.dim != len(_shape(a)) - 3:
+                self.fail(node, f"{a} is not sharded by heads")
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, torch.fx.Node):
+            ms = _shape(mask)
+            pos = len(out_shape) - 3 - (len(out_shape) - len(ms))
+            if mask.name in self.state:
+                if self.state[mask.name].dim != pos:
+                    self.fail(node, "mask sharded on another dim")
+            elif pos >= 0 and not _eq(ms[pos], 1):
+                self.fail(node, f"attention mask {mask.name} has {ms[pos]} heads; a per-head mask is not sharded")
+        self._set(node, len(out_shape) - 3)
+
+    def _matmul(self, node, out_shape):
+        a, b = node.args[:2]
+        sa, sb = _shape(a), _shape(b)
+        n = len(out_shape)
+        if a.name not in self.state or b.name not in self.state or len(sa) < 3 or len(sb) < 3:
+            self.fail(node, "matmul with one sharded operand")
+        da, db = self.state[a.name].dim, self.state[b.name].dim
+        if da >= len(sa) - 2 or db >= len(sb) - 2 or da + n - len(sa) != db + n - len(sb):
+            self.fail(node, "matmul not batched over the sharded dim")
+        self._set(node, da + n - len(sa))
+
+
+def _node_where(node: torch.fx.Node) -> str:
+    info = node.meta.get("fxsplit")
+    path = getattr(info, "module_path", "") or ""
+    return f"node {node.name!r}" + (f" in module {path!r}" if path else "")
+
+
+def _nearest_t(sizes: list[int], t: int) -> str:
+    ok = [d for d in range(1, 65) if all(s % d == 0 for s in sizes)]
+    below = [d for d in ok if d < t]
+    above = [d for d in ok if d > t]
+    near = ([below[-1]] if below else []) + ([above[0]] if above else [])
+    return " or ".join(f"t={d}" for d in near)
+
+
+def _divisibility_msg(node, t, sizes, what) -> str:
+    sizes_l = sizes if isinstance(sizes, list) else [sizes]
+    heads = ""
+    sh = _shape(node)
+    if sh is not None and len(sh) == 4:
+        heads = " (the number of attention heads or key/value heads)"
+    return (f"tensor parallel t={t}: {what} at {_node_where(node)} has size {sizes}{heads}, "
+            f"which t={t} does not divide; nearest valid t: {_nearest_t(sizes_l, t)}")
+
+
+# --------------------------------------------------------------------------------------------
+# the plan
+
+
+def _match_overrides(overrides: Mapping[str, str], paths: list[str]) -> dict[str, str]:
+    styles: dict[str, str] = {}
+    for pattern, style in overrides.items():
+        if style not in STYLES:
+            raise TPPlanError(f"overrides[{pattern!r}] = {style!r}: the style must be one of {STYLES}")
+        hits = [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
+        if not hits:
+            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.4)
+            raise TPPlanError(
+                f"overrides: pattern {pattern!r} names no linear or embedding module of the graph"
+                + (f"; did you mean {close}?" if close else f"; modules are e.g. {paths[:4]}")
+            )
+        for p in hits:
+            styles[p] = style
+    return styles
+
+
+def find_tp_plan(
+    gm: torch.fx.GraphModule,
+    tp: int,
+    *,
+    overrides: Mapping[str, str] | None = None,
+    sequence_parallel: bool = False,
+    vocab_parallel_loss: bool = False,
+) -> TPPlan:
+    """Find the tensor-parallel plan of a traced graph for degree ``tp`` (pure: gm unchanged).
+
+    overrides: fnmatch patterns over module paths -> "colwise" | "rowwise" | "vocab" |
+    "replicate"; a pattern matching nothing, or a forced style the graph cannot honour, raises
+    :class:`TPPlanError`. vocab_parallel_loss: the LM head's logits stay sharded (the loss must be
+    ``fxsplit.tp_ops.vocab_parallel_cross_entropy``); otherwise they are gathered.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TPPlanError(f"find_tp_plan: tp must be an int >= 1, got {tp!r}")
+    if sequence_parallel:
+        raise TPPlanError("find_tp_plan: sequence_parallel=True is not implemented yet; use sequence_parallel=False")
+    linears = find_linears(gm)
+    embeds = find_embeddings(gm)
+    aliases = _aliases(gm)
+    paths = list(dict.fromkeys([l.module_path for l in linears.values()] + [e.module_path for e in embeds.values()]))
+    forced = _match_overrides(dict(overrides or {}), paths)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    excluded = {n for n, l in linears.items() if forced.get(l.module_path) in ("replicate", "vocab")}
+
+    # ---- embeddings and LM heads (vocabulary parallel)
+    vocab_embeds, vocab_weights = [], set()
+    replicated: list[tuple[str, str]] = []
+    for e in embeds.values():
+        style = forced.get(e.module_path)
+        if style in ("colwise", "rowwise"):
+            raise TPPlanError(f"overrides: {e.module_path!r} is an embedding; its styles are 'vocab' or 'replicate', not {style!r}")
+        if style == "vocab" or (style is None and e.from_input):
+            vocab_embeds.append(e)
+            vocab_weights |= set(aliases.get(e.weight, (e.weight,)))
+    vocab_size = None
+    if vocab_embeds:
+        vocab_size = vocab_embeds[0].num_embeddings
+    lm_heads = []
+    for l in linears.values():
+        tied = l.weight in vocab_weights
+        style = forced.get(l.module_path)
+        if style == "replicate":
+            if tied:
+                raise TPPlanError(f"overrides: {l.module_path!r} is set to replicate, but its weight is tied to the "
+                                  f"vocabulary-parallel embedding; set both to 'replicate' or both to 'vocab'")
+            continue
+        is_head = tied or style == "vocab" or (vocab_size is not None and l.out_features == vocab_size
+                                                and l.out_dim == 0 and _reaches_output(nodes[l.node]))
+        if style == "vocab" and l.out_dim != 0:
+            raise TPPlanError(f"overrides: {l.module_path!r} stores its weight [in, out]; 'vocab' supports [out, in] weights")
+        if is_head and style not in ("colwise", "rowwise"):
+            if vocab_size is None:
+                vocab_size = l.out_features
+            if l.out_features != vocab_size:
+                raise TPPlanError(f"LM head {l.module_path!r} has {l.out_features} outputs but the vocabulary-parallel "
+                                  f"embedding has {vocab_size} rows; mark one 'replicate' in overrides")
+            lm_heads.append(l.node)
+            excluded.add(l.node)
+    if vocab_parallel_loss and not lm_heads:
+        raise TPPlanError("vocab_parallel_loss=True but no LM head was found (a linear tied to the token embedding "
+                          "or with vocabulary-sized outputs that the model returns); mark it with overrides={path: 'vocab'}")
+
+    # ---- regions by propagation
+    regions: list[Region] = []
+    claimed: set[str] = set(lm_heads)
+    sharded_nodes: dict[str, tuple[int, int]] = {}
+    rewrites: list = []
+    blocks_of: dict[str, tuple[int, ...]] = {}
+    failures: dict[str, str] = {}
+    by_input: dict[str, list[str]] = {}
+    for name, l in linears.items():
+        x = nodes[name].args[l.x_index] if l.kind != "module" else nodes[name].args[0]
+        key = _input_source(x)
+        by_input.setdefault(key, []).append(name)
+    forced_rows = {n for n, l in linears.items() if forced.get(l.module_path) == "rowwise"}
+    for key, group in by_input.items():
+        cands = [n for n in group if n not in claimed and n not in excluded and n not in forced_rows]
+        attempts = [cands] + ([[c] for c in cands] if len(cands) > 1 else [])
+        for seeds in attempts:
+            seeds = [s for s in seeds if s not in claimed]
+            if not seeds:
+                continue
+            prop = _Propagation(gm, tp, linears, seeds, excluded, forced_rows)
+            try:
+                prop.run()
+                if not prop.rows:
+                    raise _Fail("no row-parallel linear consumes the sharded output")
+                bad = [r for r in prop.rows if r in claimed or forced.get(linears[r].module_path) == "colwise"]
+                if bad:
+                    raise _Fail(f"{linears[bad[0]].module_path} would be row-parallel after a column-parallel "
+                                "linear, but it is set to colwise (column after column needs a gather between)")
+                reshaped_blocked = prop.reshaped & set(prop.blocks)
+                if reshaped_blocked:
+                    raise _Fail(f"fused output of {sorted(reshaped_blocked)} is reshaped before it is split")
+            except _Fail as exc:
+                for s in seeds:
+                    failures[s] = str(exc)
+                continue
+            for s in seeds:
+                l = linears[s]
+                per = prop.blocks.get(s, (l.out_features,))
+                bad = [b for b in per if b % tp]
+                if bad:
+                    raise TPPlanError(_divisibility_msg(nodes[s], tp, list(per), f"the output features of {l.module_path!r}"))
+            inputs = tuple(dict.fromkeys(
+                (nodes[s].args[linears[s].x_index] if linears[s].kind != "module" else nodes[s].args[0]).name
+                for s in seeds))
+            kind = "attention" if any(op_name(nodes[n]) == "scaled_dot_product_attention" or op_name(nodes[n]) == "matmul"
+                                      for n in prop.state if n in nodes) else "mlp"
+            regions.append(Region(tuple(seeds), tuple(dict.fromkeys(prop.rows)), inputs, kind))
+            claimed |= set(seeds) | set(prop.rows)
+            blocks_of.update(prop.blocks)
+            for n, s in prop.state.items():
+                if n in nodes and isinstance(_shape(nodes[n]), tuple):
+                    size = _shape(nodes[n])[s.dim]
+                    if n in prop.blocks or any(n == r for r in prop.rows):
+                        pass
+                    sharded_nodes[n] = (s.dim, int(size))
+            for n in prop.rows:
+                sharded_nodes.pop(n, None)
+            for n, s in prop.state.items():
+                if n in nodes and n not in sharded_nodes and n not in prop.rows and _shape(nodes[n]) is None:
+                    pass
+            rewrites.extend(prop.rewrites)
+            for n, s in prop.state.items():  # split outputs (tuples) are marked for metadata
+                if n in nodes and _shape(nodes[n]) is None:
+                    sharded_nodes[n] = (s.dim, -1)
+            break
+
+    # ---- styles, specs, report
+    styles: dict[str, str] = {}
+    specs: dict[str, ShardSpec] = {}
+
+    def put(fqn: str, spec: ShardSpec) -> None:
+        for a in aliases.get(fqn, (fqn,)):
+            specs[a] = spec
+
+    col = {c for r in regions for c in r.columns}
+    row = {c for r in regions for c in r.rows}
+    for name, l in linears.items():
+        if name in col:
+            styles[l.module_path] = "colwise"
+            put(l.weight, ShardSpec(l.out_dim, tp, blocks_of.get(name)))
+            if l.bias:
+                put(l.bias, ShardSpec(0, tp, blocks_of.get(name)))
+        elif name in row:
+            styles[l.module_path] = "rowwise"
+            put(l.weight, ShardSpec(1 - l.out_dim, tp))
+        elif name in lm_heads:
+            styles[l.module_path] = "vocab"
+            pad = padded_size(vocab_size, tp) if vocab_size % tp else None
+            put(l.weight, ShardSpec(0, tp, pad_to=pad, size=vocab_size))
+            if l.bias:
+                put(l.bias, ShardSpec(0, tp, pad_to=pad, size=vocab_size))
+        else:
+            styles.setdefault(l.module_path, "replicate")
+            if l.module_path not in dict(replicated):
+                replicated.append((l.module_path, failures.get(name, "set to replicate" if name in excluded else
+                                                               "consumes a replicated value with no column-parallel partner")))
+    for e in embeds.values():
+        if e in vocab_embeds:
+            styles[e.module_path] = "vocab"
+            pad = padded_size(e.num_embeddings, tp) if e.num_embeddings % tp else None
+            put(e.weight, ShardSpec(0, tp, pad_to=pad, size=e.num_embeddings))
+        else:
+            styles[e.module_path] = "replicate"
+            replicated.append((e.module_path, "set to replicate" if forced.get(e.module_path) == "replicate"
+                               else "its indices are not a model input (positions or types)"))
+    for path, style in forced.items():
+        if style in ("colwise", "rowwise", "vocab") and styles.get(path) != style:
+            why = dict(replicated).get(path, f"found {styles.get(path)}")
+            raise TPPlanError(f"overrides: {path!r} is set to {style!r} but the graph does not allow it: {why}")
+    if tp > 1:
+        for n, (d, size) in sharded_nodes.items():
+            if size > 0 and size % tp:
+                raise TPPlanError(_divisibility_msg(nodes[n], tp, size, "a sharded value"))
+    return TPPlan(
+        tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
+        sharded_nodes=sharded_nodes, rewrites=tuple(rewrites), linears=linears, embeddings=embeds,
+        vocab_embeddings=tuple(e.node for e in vocab_embeds), lm_heads=tuple(lm_heads),
+        vocab_size=vocab_size, sequence_parallel=sequence_parallel,
+        vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
+        full_shapes={n: tuple(int(s) for s in _param(gm, n).shape) for n in specs},
+    )
+
+
+def _input_source(x: Any) -> str:
+    """The value a linear reads, seen through views (GPT-2's addmm reads view(ln, [-1, C]))."""
+    while isinstance(x, torch.fx.Node) and x.op != "placeholder" and op_name(x) in ("view", "reshape", "_unsafe_view"):
+        x = x.args[0]
+    return x.name if isinstance(x, torch.fx.Node) else str(x)
+
+
+def _reaches_output(node: torch.fx.Node) -> bool:
+    """Whether a value is returned by the model, through views/casts only."""
+    frontier, seen = [node], set()
+    while frontier:
+        n = frontier.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        for u in n.users:
+            if u.op == "output":
+                return True
+            if op_name(u) in _VIEWS | {"to", "_to_copy", "contiguous", "float", "slice", "alias", "getitem"}:
+                frontier.append(u)
+    return False
