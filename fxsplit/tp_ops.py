@@ -84,16 +84,21 @@ def vocab_parallel_embedding(
     t = 1 if group is None else group.size()
     local = weight_shard.shape[0]
     _check_vocab("vocab_parallel_embedding", local, t, vocab_size, "weight_shard")
+    if padding_idx is not None:
+        if not -vocab_size <= padding_idx < vocab_size:
+            raise ValueError(
+                f"vocab_parallel_embedding: padding_idx={padding_idx} is outside the vocabulary "
+                f"[-{vocab_size}, {vocab_size})"
+            )
+        padding_idx %= vocab_size  # negative ids count from V, not from the padded size
     if group is None:
         return F.embedding(ids, weight_shard, padding_idx=padding_idx)
     start = group.rank() * local
     outside = (ids < start) | (ids >= start + local)
     local_ids = (ids - start).masked_fill(outside, 0)
     local_pad = None
-    if padding_idx is not None:
-        pad = padding_idx % vocab_size if padding_idx < 0 else padding_idx
-        if start <= pad < start + local:
-            local_pad = pad - start
+    if padding_idx is not None and start <= padding_idx < start + local:
+        local_pad = padding_idx - start
     out = F.embedding(local_ids, weight_shard, padding_idx=local_pad)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     return reduce_from_region(out, axis)

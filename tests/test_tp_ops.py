@@ -43,7 +43,7 @@ def _check_embedding(rank, t, vocab, multiple, gen):
     ids[0, :3] = padding_idx
     ids[1, -1] = vocab - 1  # the last real row, next to the padding
     upstream = torch.randn(3, 7, C, generator=gen)
-    for pad in (None, padding_idx):
+    for pad in (None, padding_idx, -1):
         ref = F.embedding(ids, weight, padding_idx=pad)
         (ref * upstream).sum().backward()
         shard = spec.shard(weight.detach(), rank).requires_grad_()
@@ -223,6 +223,12 @@ def test_single_fx_nodes_and_errors():
     with pytest.raises(ValueError, match=r"3 vocabulary entries per rank x t=1 ranks = 3, fewer "
                                          r"than vocab_size=8.*pad_to=padded_size\(8, 1\)"):
         vocab_parallel_embedding(torch.tensor([0]), torch.randn(3, 2), 8)
+    # a negative padding_idx counts from V, not from the padded table's size
+    w = torch.randn(8, 2, requires_grad=True)  # V=6 padded to 8
+    vocab_parallel_embedding(torch.tensor([5, 1]), w, 6, padding_idx=-1).sum().backward()
+    assert w.grad[5].abs().sum() == 0 and w.grad[1].abs().sum() > 0
+    with pytest.raises(ValueError, match=r"padding_idx=6 is outside the vocabulary \[-6, 6\)"):
+        vocab_parallel_embedding(torch.tensor([0]), w, 6, padding_idx=6)
     with pytest.raises(ValueError, match=r"reduction='avg'"):
         vocab_parallel_cross_entropy(torch.randn(2, 8), torch.tensor([0, 1]), 8, reduction="avg")
     with pytest.raises(ValueError, match=r"shape \(2, 8\) and target \(3,\)"):
