@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.fx
 from torch import nn
 
 __all__ = [
@@ -440,6 +441,7 @@ def materialize_module(
             continue
         groups.setdefault(id(t), []).append(name)
         objects[id(t)] = t
+    _check_constants(module, groups)
     unknown = sorted(set(specs) - {n for names in groups.values() for n in names})
     if unknown:
         raise ShardingError(
@@ -460,6 +462,31 @@ def materialize_module(
                 owner._parameters[leaf] = new
             else:
                 owner._buffers[leaf] = new
+
+
+def _check_constants(module: nn.Module, groups: Mapping[int, list[str]]) -> None:
+    """A graph's plain tensor attributes (constants) cannot be materialized: fail on meta ones
+    before anything is replaced."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return
+    known = {n for names in groups.values() for n in names}
+    bad = []
+    for node in module.graph.nodes:
+        if node.op != "get_attr" or node.target in known:
+            continue
+        try:
+            owner, leaf = _owner(module, node.target)
+        except AttributeError:
+            continue  # a dangling get_attr is the graph's problem, not ours
+        value = getattr(owner, leaf, None)
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            bad.append(node.target)
+    if bad:
+        raise ShardingError(
+            f"materialize_module: the graph reads tensor constants {bad[:5]} that are on the "
+            "meta device and are neither parameters nor buffers, so nothing can fill them; "
+            "register them as buffers in the model, or trace with real (non-meta) constants"
+        )
 
 
 def _source_tensors(

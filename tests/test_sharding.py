@@ -328,5 +328,12 @@ def test_materialize_errors():
     with pytest.raises(ShardingError, match=r"'up.weight' has shape \(5, 8\).*full shape is "
                                             r"\(16, 8\) and this rank's shape \(8, 8\)"):
         materialize_module(gm, {"up.weight": ShardSpec(0, 2)}, 0, source=model)
+    gm = _meta_graph()
+    gm.const = torch.empty(3, device="meta")  # a plain tensor attribute the graph reads
+    with gm.graph.inserting_before(next(iter(gm.graph.nodes))), pytest.warns(UserWarning):
+        gm.graph.get_attr("const")  # fx warns: a constant is no parameter or buffer
+    with pytest.raises(ShardingError, match=r"tensor constants \['const'\] that are on the meta"):
+        materialize_module(gm, {}, 0, source=model)
+    assert gm.up.weight.is_meta, "nothing is replaced when materialization fails"
     with pytest.raises(TypeError, match="source must be an nn.Module"):
         materialize_module(_meta_graph(), {}, 0, source=[1, 2])
