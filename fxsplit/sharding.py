@@ -124,6 +124,13 @@ class ShardSpec:
                     f"ShardSpec: size={self.size} differs from the sum of blocks "
                     f"{self.blocks} = {sum(self.blocks)}"
                 )
+        if self.blocks is None and self.pad_to is None and self.size is not None:
+            if self.size % t:
+                raise ShardingError(
+                    f"ShardSpec: size={self.size} cannot be split into t={t} equal shards; "
+                    f"nearest valid t: {_nearest(valid_degrees(self.size), t)}, or pad it with "
+                    f"pad_to=padded_size({self.size}, {t}) = {padded_size(self.size, t)}"
+                )
         if self.pad_to is not None:
             if self.pad_to < 1 or self.pad_to % t:
                 raise ShardingError(
@@ -169,6 +176,11 @@ class ShardSpec:
                     f"ShardSpec: dim {d} of shape {shape} has size {n}, but the spec says "
                     f"size={self.size}"
                 )
+        elif self.size is not None and n != self.size:
+            raise ShardingError(
+                f"ShardSpec: dim {d} of shape {shape} has size {n}, but the spec says "
+                f"size={self.size}"
+            )
         elif n % t:
             raise ShardingError(
                 f"ShardSpec: dim {d} of shape {shape} has size {n}, which t={t} cannot split "
@@ -548,8 +560,15 @@ def _materialize_one(names, old, spec, rank, src, device, init_fn, full_shapes, 
                 return real.detach().to(device=target, dtype=old.dtype, copy=True)
             return spec.shard(real.detach(), rank).to(device=target, dtype=old.dtype)
         out = torch.empty(local, dtype=old.dtype, device=target)
-        devices = [target] if target.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(_seed(name, rank if spec is not None else 0, seed))
+        cuda = target.type == "cuda"
+        index = (target.index if target.index is not None else torch.cuda.current_device()) \
+            if cuda else None
+        with torch.random.fork_rng(devices=[index] if cuda else []):
+            # seed only the generators this tensor uses (torch.manual_seed would reseed every
+            # GPU for good); fork_rng restores them afterwards
+            s = _seed(name, rank if spec is not None else 0, seed)
+            torch.default_generator.manual_seed(s)
+            if cuda:
+                torch.cuda.default_generators[index].manual_seed(s)
             (init_fn or default_init)(name, out)
         return out

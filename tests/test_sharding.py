@@ -120,6 +120,11 @@ def test_errors_name_sizes_and_nearest_degrees():
         ShardSpec(dim=0, num_shards=2).shard(torch.zeros(4), 2)
     with pytest.raises(ShardingError, match="expected 2 shards"):
         ShardSpec(dim=0, num_shards=2).unshard([torch.zeros(2)])
+    with pytest.raises(ShardingError, match=r"size=50257 cannot be split into t=8.*t=1 or t=29"):
+        ShardSpec(dim=0, num_shards=8, size=50257)
+    with pytest.raises(ShardingError, match=r"has size 12, but the spec says size=16"):
+        ShardSpec(dim=0, num_shards=2, size=16).shard(torch.zeros(12), 0)
+    assert ShardSpec(dim=0, num_shards=2, size=16).local_range(1) == [(8, 16)]
     with pytest.raises(ShardingError, match="num_shards must be an int >= 1"):
         ShardSpec(dim=0, num_shards=0)
     assert valid_degrees(12, upto=8) == [1, 2, 3, 4, 6]
@@ -274,7 +279,9 @@ def test_materialize_from_meta_allocates_only_local_and_inits():
         assert torch.equal(gm.frozen, outs[0].frozen)
     assert not torch.equal(outs[0].up.weight, outs[1].up.weight)
     again = _meta_graph()
+    rng = torch.get_rng_state()
     materialize_module(again, specs, 2, source=None)
+    assert torch.equal(torch.get_rng_state(), rng), "the caller's RNG state must not change"
     assert torch.equal(again.up.weight, outs[2].up.weight)
     seen = []
     gm = _meta_graph()
