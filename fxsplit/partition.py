@@ -494,10 +494,9 @@ def _min_bottleneck(ch: _Chain, caps: Sequence[float] | None) -> tuple[int, ...]
     found = _search(check, lower, (ch.P[-1] + 2 * max(ch.c)) * (1 + 1e-6) + 1e-300)
     if found is None:
         return None
-    best, opt, at = found
-    if at != opt:  # the tie rule picks among partitions with bottleneck <= the optimum itself
-        best = check(opt)[1]
-    return best
+    # best was reconstructed under some probe B >= the optimum; it is the smallest (from the end)
+    # cut tuple with stage times <= B, so also the smallest among those <= the optimum
+    return found[0]
 
 
 def _min_cap(ch: _Chain) -> float:
@@ -589,11 +588,12 @@ def _solve_coupled(ch: _Chain) -> tuple[tuple[int, ...] | None, bool]:
         except _Exhausted:
             pass
     cap = L / ch.v
-    while True:  # shrink by ulps until rounding of the per-rank sums cannot exceed L
+    for _ in range(8):  # v stages of at most L / v each: within L up to the rounding of the sum
         cuts = _min_bottleneck(ch, (cap,) * S)
         if cuts is None or _evaluate(ch, cuts, "", False).fits_memory:
             return cuts, False
-        cap = math.nextafter(cap, 0.0)
+        cap *= 1 - 1e-12
+    return None, False
 
 
 def _needed_memory(ch: _Chain) -> tuple[float, bool]:
