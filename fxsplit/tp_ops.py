@@ -126,7 +126,7 @@ class _VocabParallelCE(torch.autograd.Function):
         x.sub_(m.unsqueeze(-1))
         ignored = target == ignore_index
         mine = (target >= start) & (target < start + local) & ~ignored
-        local_t = (target - start).masked_fill(~mine, 0)
+        local_t = (target.long() - start).masked_fill(~mine, 0)
         picked = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         x.exp_()
         sum_exp = x.sum(dim=-1)
@@ -162,8 +162,8 @@ def vocab_parallel_cross_entropy(
     """Cross-entropy over logits sharded on the last (vocabulary) dim (Megatron's parallel CE).
 
     logits_shard: (..., L), this rank's columns [r * L, (r + 1) * L); target: (...) global ids
-    in [0, V) or ignore_index. Three all-reduces over `axis` (max, then one for the target
-    logit and the sum of exponentials together); backward is softmax - onehot on the local
+    in [0, V) or ignore_index. Two all-reduces over `axis` (the max, then the target logit
+    and the sum of exponentials together); backward is softmax - onehot on the local
     columns, with no communication and no full logits. Padding columns (global index >= V) are
     treated as -inf. reduction: "mean" (over targets != ignore_index; nan when all are
     ignored, like F.cross_entropy), "sum" or "none" (0 at ignored positions). Equals
