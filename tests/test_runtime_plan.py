@@ -252,3 +252,38 @@ def test_runtime_on_threads_with_in_order_matching(monkeypatch, name, p, v, m, p
             torch.testing.assert_close(g, refp[n].grad, rtol=1e-5, atol=1e-6)
             checked += 1
     assert checked == len(refp)
+
+
+def test_split_backward_weight_pass_equals_full_backward():
+    from fxsplit.runtime.executor import _SplitBackward
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8),
+                              torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(5, 8)
+    g_out = torch.randn(5, 8)
+    # reference: full backward, middle stage (its input needs a gradient)
+    leaf = x.clone().requires_grad_(True)
+    torch.autograd.backward([net(leaf)], [g_out])
+    want_dx, want = leaf.grad, {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    # I then W
+    leaf = x.clone().requires_grad_(True)
+    out = net(leaf)
+    split = _SplitBackward([out], [g_out], [leaf], list(net.parameters()))
+    assert split.from_roots == [] and sum(len(ps) for _, ps in split.groups) == 8  # all split off
+    with split.capturing():
+        (dx,) = torch.autograd.grad([out], [leaf], [g_out], retain_graph=True)
+    assert all(p.grad is None for p in net.parameters())  # I touched no weight gradient
+    split.weight_grads()
+    torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-7)
+    # first stage: the input needs no gradient, so W differentiates from the roots
+    net.zero_grad(set_to_none=True)
+    out = net(x)
+    split = _SplitBackward([out], [g_out], [], list(net.parameters()))
+    assert len(split.from_roots) == 8 and split.groups == []
+    split.weight_grads()
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-6, atol=1e-7)
