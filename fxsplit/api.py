@@ -21,6 +21,7 @@ initialized when the model lives on the meta device. The user's model is never m
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 import logging
 import time
@@ -38,7 +39,7 @@ from .split import Hardware, SplitPlan, plan_split
 from .stage import StageGraphs
 from .trace import flatten_inputs, trace
 
-__all__ = ["ParallelConfig", "Plan", "plan", "parallelize", "ParallelModel", "PlanError"]
+__all__ = ["ParallelConfig", "Plan", "plan", "parallelize", "ParallelModel", "PlanError", "RankFailedError"]
 
 log = logging.getLogger(__name__)
 
@@ -320,18 +321,45 @@ class ParallelModel(nn.Module):
     def _flat(self, args: tuple, kwargs: dict) -> list:
         return flatten_inputs(self.plan.graph, args, kwargs)
 
+    # [Note: failures] set when a step failed inside the runtime on some rank; the pipeline group
+    # of that rank is destroyed then, so this model cannot run again.
+    _failure: str | None = None
+
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward + backward over all microbatches; returns the full-batch loss on every rank
-        (averaged over data-parallel replicas). Gradients land in ``self.parameters()``."""
+        (averaged over data-parallel replicas). Gradients land in ``self.parameters()``.
+
+        Any batch size B >= m and any sequence length the model allows run without re-planning
+        (batch and sequence are traced as symbols). B need not divide by m: the microbatches
+        differ by at most one sample and microbatch i's loss is weighted by b_i / B
+        ([Note: loss weighting] in fxsplit.runtime.microbatch), which equals the full-batch loss
+        and gradients for a loss that is a mean over samples. Errors: [Note: failures].
+        """
         if self.loss_fn is None:
             raise RuntimeError(
                 "step() needs a loss: this model was parallelized without loss_fn (inference only); "
-                "pass fxsplit.parallelize(..., loss_fn=...) to train"
+                "call pm(inputs) for inference, or pass fxsplit.parallelize(..., loss_fn=...) to train"
             )
+        self._check_usable("step")
         t0 = time.perf_counter()
-        flat = self._flat(args, kwargs)
-        with self._bound():
-            loss = self._runtime.step(flat, target=target)
+        error, loss = None, None
+        try:
+            flat = self._flat(args, kwargs)
+            _check_batch(flat, self.plan.config, "step")
+            if target is None and self.plan.config.num_stages - 1 in self.local_stage_graphs():
+                raise ValueError(
+                    "step(): this rank holds the last stage, which computes the loss, and needs the "
+                    "target: pass step(inputs, target=...) (on every rank is simplest)"
+                )
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
+            error = exc
+        self._agree(error, False, "step")  # before the runtime: no rank enters it alone
+        try:
+            with self._bound():
+                loss = self._runtime.step(flat, target=target)
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
+            error = exc
+        self._agree(error, True, "step")
         self._sync_grads()
         dp = self._groups.get("dp")
         if dp is not None and dist.get_world_size(dp) > 1:
@@ -345,11 +373,59 @@ class ParallelModel(nn.Module):
         return loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Inference through the pipeline; the output in the model's own structure, on every rank."""
-        flat = self._flat(args, kwargs)
-        with self._bound(), torch.no_grad():
-            out = self._runtime.forward(flat, all_ranks=True)
+        """Inference through the pipeline; the output in the model's own structure, on every rank.
+        Other batch sizes (>= m) and sequence lengths run without re-planning, as in :meth:`step`."""
+        self._check_usable("forward")
+        error, out = None, None
+        try:
+            flat = self._flat(args, kwargs)
+            _check_batch(flat, self.plan.config, "forward")
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
+            error = exc
+        self._agree(error, False, "forward")
+        try:
+            with self._bound(), torch.no_grad():
+                out = self._runtime.forward(flat, all_ranks=True)
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
+            error = exc
+        self._agree(error, True, "forward")
         return out
+
+    def _check_usable(self, what: str) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"{what}(): this ParallelModel cannot run again: {self._failure}. The failed rank "
+                "destroyed its pipeline process group; build a new one with fxsplit.parallelize(...)"
+            )
+
+    def _agree(self, error: Exception | None, in_runtime: bool, what: str) -> None:
+        """[Note: failures] Every rank learns whether any rank failed, and all raise together.
+
+        Called twice per step: after the input checks (so that no rank enters the pipeline while a
+        peer it waits for refused its inputs) and after the runtime. Each is one all-reduce of a
+        4-byte flag over every rank on the happy path (over gloo, waited with the runtime's
+        timeout). When some rank failed, every rank gathers the error texts: a rank whose own code
+        raised re-raises its exception (same type) with a note naming the other failed ranks;
+        every other rank raises :class:`RankFailedError` naming the failed global rank(s), their
+        mesh coordinates and their errors. A failure inside the pipeline runtime destroys that
+        rank's pipeline group (so its peers stop waiting at once), after which this model refuses
+        to run again; errors found before the runtime (bad batch, missing target) leave it usable.
+        """
+        group = self._groups.get("errors")
+        if group is None:  # one process: nobody to tell
+            if error is not None:
+                raise error
+            return
+        failure = _exchange_errors(group, error, in_runtime, timeout=self._runtime.timeout,
+                                   coords=self.coords, what=what)
+        if failure is None:
+            return
+        worst, exc = failure
+        if worst >= 2 and self.plan.config.pp > 1:
+            first = (str(exc).splitlines() or [""])[0]
+            self._failure = (f"an earlier {what}() failed in the pipeline runtime "
+                             f"({type(exc).__name__}: {first[:160]}{'...' if len(first) > 160 else ''})")
+        raise exc
 
     def _sync_grads(self) -> None:
         """Data-parallel mean of the gradients (bucketed, asynchronous all-reduces); with sequence
@@ -524,6 +600,9 @@ def parallelize(
 
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
+                         f"may take), got {timeout!r}")
     dp, tp, pp = options.get("dp", 1), options.get("tp", 1), options.get("pp", 1)
     init_from_env()
     if mesh is None:
@@ -532,6 +611,16 @@ def parallelize(
         check_mesh(mesh, dp, pp, tp)
     coords = mesh_coords(mesh)
     groups = mesh_groups(mesh)
+    # [Note: failures]: flag all-reduces over every rank, on the CPU (gloo); the runtime gets a
+    # pipeline group of its own, which it destroys on a failure (the mesh's "pp" group may be the
+    # world group itself, and the mesh stays usable for the next parallelize)
+    pipe_group = None
+    if dist.get_world_size() > 1:
+        gloo = str(dist.get_backend()).lower() == "gloo"
+        groups["errors"] = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+        if pp > 1:  # one group per (dp, tp) coordinate, ordered by pp rank; collective on every rank
+            chains = mesh.mesh.reshape(dp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
+            pipe_group, _ = dist.new_subgroups_by_enumeration(chains)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     device = torch.device(device)
@@ -550,7 +639,7 @@ def parallelize(
         stages={s: (stages[s], the_plan.stages.io[s]) for s in mine},
         num_stages=c.num_stages,
         schedule=the_plan.schedule,
-        pp_group=groups["pp"] if c.pp > 1 else None,
+        pp_group=pipe_group,
         pp_rank=pp_rank,
         num_ranks=c.pp,
         input_meta=the_plan.stages.input_meta,
@@ -560,18 +649,117 @@ def parallelize(
         shared_params=the_plan.stages.shared_params,
         output_spec=the_plan.stages.output_spec,
         timeout=timeout,
+        abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
     )
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
                          groups=groups, loss_fn=loss_fn, log_every=log_every)
 
 
 def _checked_loss(loss_fn: Callable) -> Callable:
+    """``loss_fn`` wrapped to check its result: a scalar tensor (the mean over the microbatch,
+    [Note: loss weighting]) that can be differentiated when training."""
+
     @functools.wraps(loss_fn)
     def wrapped(output: Any, target: Any) -> torch.Tensor:
         loss = loss_fn(output, target)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean())")
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got a {type(loss).__name__} ({loss!r:.40}); return "
+                "the loss tensor itself, not loss.item() or a Python number"
+            )
+        if loss.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor (the mean over the microbatch), got a tensor of shape "
+                f"{tuple(loss.shape)}; reduce it, e.g. return loss.mean() (a sum over samples gives wrong "
+                "gradients when batches are split into microbatches: see fxsplit.runtime.microbatch)"
+            )
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise ValueError(
+                "loss_fn returned a tensor that does not require grad, so no gradient can reach the "
+                "model; compute it from the model output without .detach(), .item() or torch.no_grad()"
+            )
         return loss
 
     return wrapped
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed a ``step()`` or ``forward()`` call; raised on every rank whose own code
+    did not fail ([Note: failures]). ``failed`` maps each failed global rank to its error text."""
+
+    def __init__(self, message: str, *, failed: Mapping[int, str]):
+        super().__init__(message)
+        self.failed = dict(failed)
+
+
+# codes of a rank's outcome in the error exchange ([Note: failures]); higher wins
+_OK, _BAD_INPUT, _RAISED, _PEER_FAILED = 0, 1, 2, 3
+
+
+def _exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, timeout: float,
+                     coords: Mapping[str, int], what: str) -> tuple[int, Exception] | None:
+    """All-reduce this rank's outcome code over ``group``; None when every rank succeeded, else
+    (the highest code, the exception this rank must raise). Waits at most ``timeout`` seconds."""
+    from .runtime import PipelineError
+
+    if error is None:
+        code = _OK
+    elif isinstance(error, PipelineError):
+        code = _PEER_FAILED  # waited for a rank that failed: an echo, not a cause
+    else:
+        code = _RAISED if in_runtime else _BAD_INPUT
+    flag = torch.tensor([code], dtype=torch.int32)
+    try:
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        work.wait(datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 -- a rank never arrived
+        text = (f"{what}(): the end-of-call error check with the other ranks failed or timed out after "
+                f"{timeout:g} s ({type(exc).__name__}); some rank crashed, hangs, or did not call "
+                f"{what}() (every rank must)")
+        if error is not None:
+            error.add_note(f"fxsplit: {text}")
+            return (_RAISED, error)
+        return (_RAISED, RankFailedError(text, failed={}))
+    worst = int(flag.item())
+    if worst == _OK:
+        return None
+    me = dist.get_rank()
+    report = (me, code, dict(coords), "" if error is None else f"{type(error).__name__}: {error}")
+    reports: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, report, group=group)
+    causes = [r for r in reports if r[1] in (_BAD_INPUT, _RAISED)] or [r for r in reports if r[1] != _OK]
+
+    def where(r: tuple) -> str:
+        return f"global rank {r[0]} ({', '.join(f'{k} {v}' for k, v in r[2].items())})"
+
+    lines = [f"{where(r)}: {r[3]}" for r in causes]
+    echoes = [r[0] for r in reports if r[1] == _PEER_FAILED and r not in causes]
+    tail = (f"; rank(s) {echoes} stopped waiting for them" if echoes else "")
+    if error is not None and code in (_BAD_INPUT, _RAISED):
+        others = [line for r, line in zip(causes, lines) if r[0] != me]
+        if others:
+            error.add_note(f"fxsplit: {what}() also failed on " + "; ".join(others))
+        return (worst, error)
+    text = (f"{what}() failed on {len(causes)} rank(s), so it fails on every rank (this is global rank "
+            f"{me}): " + "; ".join(lines) + tail + ". Look for the first error above on the rank(s) named.")
+    exc = RankFailedError(text, failed={r[0]: r[3] for r in causes})
+    if error is not None:
+        exc.__cause__ = error
+    return (worst, exc)
+
+
+def _check_batch(flat: Sequence[Any], config: ParallelConfig, what: str) -> None:
+    """Raise ValueError naming the sizes when the batch (dim 0 of the first tensor input that
+    has one, as fxsplit.runtime.microbatch splits it) has fewer samples than microbatches."""
+    m = config.microbatches
+    batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    if batch is None or batch >= m:
+        return
+    fix = (f"parallelize(..., microbatches=k) with {config.pp} <= k <= {batch}" if batch >= config.pp
+           else f"fewer pipeline ranks (microbatches must be >= pp={config.pp})")
+    raise ValueError(
+        f"{what}(): the batch has {batch} samples (dim 0 of the inputs) but the plan splits every "
+        f"batch into microbatches={m}, so a microbatch would be empty; pass a batch of at least {m} "
+        f"samples, or use {fix}. (Batches that {m} does not divide are fine: the microbatches then "
+        "differ by one sample and their losses are weighted by their sizes.)"
+    )

@@ -1,0 +1,333 @@
+"""fxsplit.parallelize on bad input and failures (issue 6), and runs it must handle without re-planning.
+
+Every bad input must give a clear error on EVERY rank (naming the numbers and the fix), fast, never
+a hang. Each launch batches many checks: a rank catches each expected exception and returns its
+type and text, so one process-group launch checks many errors ([Note: failures] in fxsplit.api).
+Numerical checks compare with the unsplit model in one process (float32, tight tolerances):
+a batch that the microbatch count does not divide (unequal microbatches weighted by size), other
+batch sizes and sequence lengths than the traced ones, inference output structure, and
+full_state_dict after training with dp=2 x pp=2 on different data per replica.
+"""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit import zoo
+from fxsplit.api import RankFailedError
+from fxsplit.testing import run_distributed
+
+HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))  # tiny models: split by compute alone
+GPT = {"n_layer": 2, "batch_size": 4, "seq_len": 16}
+FAST = 20.0  # seconds: any error must arrive well before a timeout
+
+
+class DictOut(nn.Module):
+    """Output in a nested structure, with a value made on the first stage and returned by the last."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 16)
+        self.l2 = nn.Linear(16, 16)
+        self.l3 = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        h2 = torch.tanh(self.l2(h))
+        h3 = torch.tanh(self.l3(h2))
+        return {"logits": self.head(h3), "hidden": (h, h3 * 2)}
+
+
+def _dict_model():
+    torch.manual_seed(0)
+    return DictOut(), torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _catch(fn):
+    """(exception type name, text with notes, seconds) of fn(), or ("ok", repr of result, s)."""
+    t0 = time.perf_counter()
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001 -- the test inspects it
+        text = "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+        return type(exc).__name__, text, time.perf_counter() - t0
+    return "ok", repr(value)[:200], time.perf_counter() - t0
+
+
+def _gpt_batch(seed, b, t):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (b, t), generator=g), torch.randint(0, 128, (b, t), generator=g)
+
+
+def _local_grads(pm):
+    """{original parameter name: grad} of this rank's shards (pp only here, so full tensors)."""
+    out = {}
+    for mod in pm.stage_modules.values():
+        for name, p in mod.named_parameters(remove_duplicate=False):
+            if p.grad is not None:
+                out.setdefault(name, p.grad.detach().clone())
+    return out
+
+
+def _gpt_pm(**options):
+    model, args, _ = zoo.make("gpt", **GPT)
+    options = {"pp": 2, "schedule": "1f1b", "microbatches": 2, "hardware": HW, "timeout": FAST, **options}
+    return model, fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, **options)
+
+
+# ------------------------------------------------------------------------------------------------
+# launch 1: two ranks, pp=2
+
+
+def _two_ranks(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    r = {}
+    model, args, _ = zoo.make("gpt", **GPT)
+    loss = zoo.cross_entropy_loss
+    par = lambda **kw: fxsplit.parallelize(model, args, loss_fn=loss, hardware=HW, timeout=FAST, **kw)  # noqa: E731
+    # -- requests that cannot be met: each raised on every rank before any collective
+    r["world"] = _catch(lambda: par(pp=4, microbatches=4))
+    r["world_dp"] = _catch(lambda: par(dp=2, pp=2))
+    mesh_1d = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    r["mesh_names"] = _catch(lambda: par(pp=2, mesh=mesh_1d))
+    mesh_dp = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    r["mesh_shape"] = _catch(lambda: par(pp=2, mesh=mesh_dp))
+    r["few_microbatches"] = _catch(lambda: par(pp=2, microbatches=1))
+    r["timeout"] = _catch(lambda: fxsplit.parallelize(model, args, loss_fn=loss, pp=2, timeout=0))
+    r["loss_not_callable"] = _catch(lambda: fxsplit.parallelize(model, args, loss_fn="mean", pp=2))
+
+    # -- a working model: bad batches are refused on every rank and leave it usable
+    ref, pm = _gpt_pm()
+    plan0, stages0 = pm.plan, dict(pm.stage_modules)
+    x, y = _gpt_batch(0, 1, 16)
+    r["small_batch"] = _catch(lambda: pm.step(x, target=y))
+    r["small_batch_fwd"] = _catch(lambda: pm(x))
+    r["no_target"] = _catch(lambda: pm.step(_gpt_batch(0, 4, 16)[0], target=None if rank == 1 else y))
+    # other batch sizes (5 and 3 do not divide by m=2) and sequence lengths, no re-planning
+    r["runs"] = {}
+    for b, t in [(5, 16), (4, 8), (3, 12), (6, 5)]:
+        x, y = _gpt_batch(b * 100 + t, b, t)
+        for p in pm.parameters():
+            p.grad = None
+        step_loss = float(pm.step(x, target=y))
+        r["runs"][(b, t)] = (step_loss, _local_grads(pm), pm(x).detach().clone())
+    r["same_plan"] = pm.plan is plan0 and all(pm.stage_modules[k] is v for k, v in stages0.items())
+
+    # -- inference only: step() refused; pm(x) gives the model's own output structure
+    dmodel, dx = _dict_model()
+    pm_inf = fxsplit.parallelize(dmodel, (dx,), pp=2, schedule="1f1b", microbatches=3, hardware=HW,
+                                 timeout=FAST)
+    r["step_inference"] = _catch(lambda: pm_inf.step(dx, target=dx))
+    r["dict_out"] = pm_inf(dx)
+    r["dict_out_odd"] = pm_inf(dx[:5])
+
+    # -- failures on the last stage only: every rank raises fast, the others name the failed rank
+    x, y = _gpt_batch(1, 4, 16)
+    bad = fxsplit.parallelize(model, args, loss_fn=_nonscalar_loss_ce, pp=2, schedule="1f1b",
+                              microbatches=2, hardware=HW, timeout=FAST)
+    r["nonscalar"] = _catch(lambda: bad.step(x, target=y))
+    r["after_failure"] = _catch(lambda: bad.step(x, target=y))
+    _, pm = _gpt_pm()
+    r["bad_target"] = _catch(lambda: pm.step(x, target=y[:, :7]))
+    return r
+
+
+def _nonscalar_loss_ce(logits, y):
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+
+
+@pytest.fixture(scope="module")
+def two():
+    t0 = time.perf_counter()
+    results = run_distributed(_two_ranks, 2, timeout=150)
+    print(f"two-rank launch: {time.perf_counter() - t0:.1f}s")
+    return results
+
+
+def _same_error(results, key, kind, *needles):
+    for rank, res in enumerate(results):
+        got, text, seconds = res[key]
+        assert got == kind, f"rank {rank} {key}: expected {kind}, got {got}: {text}"
+        for needle in needles:
+            assert needle in text, f"rank {rank} {key}: {needle!r} not in {text!r}"
+        assert seconds < FAST / 2, f"rank {rank} {key}: took {seconds:.1f}s"
+
+
+@pytest.mark.dist
+def test_world_size_and_mesh_errors_on_every_rank(two):
+    _same_error(two, "world", "ValueError", "1*4*1 = 4", "world size 2", "dp=1, pp=2, tp=1", "launch 4 processes")
+    _same_error(two, "world_dp", "ValueError", "2*2*1 = 4", "world size 2")
+    _same_error(two, "mesh_names", "ValueError", "('pp',)", "shape (2,)", "('dp', 'pp', 'tp')", "(1, 2, 1)",
+                "build_mesh(dp=1, pp=2, tp=1)")
+    _same_error(two, "mesh_shape", "ValueError", "shape (2, 1, 1)", "(1, 2, 1)")
+    _same_error(two, "few_microbatches", "PlanError", "microbatches=1 < pp=2", "microbatches >= 2")
+    _same_error(two, "timeout", "ValueError", "timeout", "got 0")
+    _same_error(two, "loss_not_callable", "TypeError", "loss_fn must be callable", "str")
+
+
+@pytest.mark.dist
+def test_bad_batches_refused_on_every_rank_and_model_stays_usable(two):
+    _same_error(two, "small_batch", "ValueError", "batch has 1 samples", "microbatches=2",
+                "at least 2 samples", "fewer pipeline ranks")
+    _same_error(two, "small_batch_fwd", "ValueError", "forward(): the batch has 1 samples")
+    # only rank 1 (last stage) lacks the target: it says so, rank 0 names it instead of hanging
+    kind, text, _ = two[1]["no_target"]
+    assert kind == "ValueError" and "needs the target" in text, text
+    kind, text, s = two[0]["no_target"]
+    assert kind == "RankFailedError" and "global rank 1 (dp 0, pp 1, tp 0)" in text and "needs the target" in text, text
+    assert s < FAST / 2
+    assert all(res["same_plan"] for res in two)
+
+
+def _gpt_reference(b, t):
+    model, _, _ = zoo.make("gpt", **GPT)
+    x, y = _gpt_batch(b * 100 + t, b, t)
+    out = model(x)
+    loss = zoo.cross_entropy_loss(out, y)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    return loss.item(), grads, out.detach()
+
+
+@pytest.mark.dist
+def test_other_batch_sizes_and_lengths_match_one_process_without_replanning(two):
+    # (5, 16) and (3, 12): the batch does not divide by m=2; microbatches of 3+2 and 2+1 samples,
+    # weighted 3/5, 2/5 and 2/3, 1/3, give the full-batch mean loss and gradients
+    for (b, t) in two[0]["runs"]:
+        ref_loss, ref_grads, ref_out = _gpt_reference(b, t)
+        seen = set()
+        for rank, res in enumerate(two):
+            loss, grads, out = res["runs"][(b, t)]
+            assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), f"rank {rank} {(b, t)}"
+            torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {(b, t)}")
+            for name, g in grads.items():
+                torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name} {(b, t)}")
+                seen.add(name)
+        assert seen == set(ref_grads), set(ref_grads) - seen
+
+
+@pytest.mark.dist
+def test_inference_output_keeps_the_model_structure(two):
+    model, x = _dict_model()
+    with torch.no_grad():
+        ref, ref_odd = model(x), model(x[:5])
+    _same_error(two, "step_inference", "RuntimeError", "without loss_fn", "loss_fn=...")
+    for rank, res in enumerate(two):
+        for got, want in ((res["dict_out"], ref), (res["dict_out_odd"], ref_odd)):
+            assert isinstance(got, dict) and set(got) == {"logits", "hidden"}, f"rank {rank}: {type(got)}"
+            assert isinstance(got["hidden"], tuple) and len(got["hidden"]) == 2
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+
+
+@pytest.mark.dist
+def test_failure_on_last_stage_fails_every_rank_fast_naming_it(two):
+    # the last stage's own error, with its type; the other rank names it instead of timing out
+    kind, text, s = two[1]["nonscalar"]
+    assert kind == "ValueError", text
+    assert "got a tensor of shape (2, 16)" in text and ".mean()" in text, text
+    assert "pipeline rank 1 failed while running action 1F0" in text, text
+    kind, text, s0 = two[0]["nonscalar"]
+    assert kind == "RankFailedError", text
+    assert "global rank 1 (dp 0, pp 1, tp 0): ValueError: loss_fn must return a scalar" in text, text
+    assert max(s, s0) < FAST / 2, (s, s0)
+    # the failed pipeline cannot run again: said plainly on every rank
+    _same_error(two, "after_failure", "RuntimeError", "cannot run again", "fxsplit.parallelize")
+    kind, text, _ = two[1]["bad_target"]
+    assert kind in ("ValueError", "RuntimeError") and "pipeline rank 1 failed" in text, text
+    kind, text, s0 = two[0]["bad_target"]
+    assert kind == "RankFailedError" and "global rank 1 (dp 0, pp 1, tp 0)" in text, text
+    assert s0 < FAST / 2
+
+
+# ------------------------------------------------------------------------------------------------
+# launch 2: four ranks, dp=2 x pp=2
+
+STEPS, LR = 3, 0.05
+
+
+def _replica_batch(step, dp_rank=None):
+    """Full batch of step `step` (8 samples); replica d gets samples 4d..4d+3."""
+    x, y = _gpt_batch(1000 + step, 8, 16)
+    if dp_rank is None:
+        return x, y
+    return x[4 * dp_rank: 4 * dp_rank + 4], y[4 * dp_rank: 4 * dp_rank + 4]
+
+
+def _four_ranks(rank, world):
+    r = {}
+    model, args, _ = zoo.make("gpt", **GPT)
+    r["world"] = _catch(lambda: fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, dp=2, pp=3))
+    # training on different data per replica: the dp mean equals one process on the whole batch
+    _, pm = _gpt_pm(dp=2)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _replica_batch(step, pm.coords["dp"])
+        losses.append(float(pm.step(x, target=y)))
+        opt.step()
+        opt.zero_grad()
+    r["losses"] = losses
+    r["state"] = pm.full_state_dict()
+    # one replica's batch is bad: every rank of both replicas hears of it, none hangs
+    x, y = _replica_batch(0, pm.coords["dp"])
+    r["one_replica_small"] = _catch(lambda: pm.step(x[:1] if pm.coords["dp"] == 1 else x, target=y))
+    r["usable_after"] = _catch(lambda: pm.step(x, target=y))
+    # one replica's last stage fails inside the pipeline
+    r["one_replica_target"] = _catch(lambda: pm.step(x, target=y[:, :5] if pm.coords["dp"] == 0 else y))
+    return r
+
+
+@pytest.fixture(scope="module")
+def four():
+    t0 = time.perf_counter()
+    results = run_distributed(_four_ranks, 4, timeout=150)
+    print(f"four-rank launch: {time.perf_counter() - t0:.1f}s")
+    return results
+
+
+@pytest.mark.dist
+def test_full_state_dict_after_dp_pp_training_equals_one_process(four):
+    model, _, _ = zoo.make("gpt", **GPT)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _replica_batch(step)
+        loss = zoo.cross_entropy_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    ref = model.state_dict()
+    for rank, res in enumerate(four):
+        assert res["losses"] == pytest.approx(losses, rel=1e-5, abs=1e-6), f"rank {rank}"
+        assert set(res["state"]) == set(ref), f"rank {rank}: {set(res['state']) ^ set(ref)}"
+        for k, v in ref.items():
+            torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {k}")
+
+
+@pytest.mark.dist
+def test_errors_reach_every_rank_of_every_replica(four):
+    _same_error(four, "world", "ValueError", "2*3*1 = 6", "world size 4", "dp=2, pp=2, tp=1")
+    # replica 1 (global ranks 2, 3) passed a batch of 1: they say why, replica 0 names them
+    for rank in (2, 3):
+        kind, text, _ = four[rank]["one_replica_small"]
+        assert kind == "ValueError" and "batch has 1 samples" in text, text
+    for rank in (0, 1):
+        kind, text, s = four[rank]["one_replica_small"]
+        assert kind == "RankFailedError" and "global rank 2 (dp 1, pp 0, tp 0)" in text, text
+        assert "global rank 3 (dp 1, pp 1, tp 0)" in text and "batch has 1 samples" in text, text
+        assert s < FAST / 2
+    for rank, res in enumerate(four):
+        assert res["usable_after"][0] == "ok", f"rank {rank}: {res['usable_after']}"
+    # replica 0's last stage (global rank 1) fails in its loss: all four ranks raise, naming it
+    kind, text, _ = four[1]["one_replica_target"]
+    assert "pipeline rank 1 failed" in text, text
+    for rank in (0, 2, 3):
+        kind, text, s = four[rank]["one_replica_target"]
+        assert kind == "RankFailedError" and "global rank 1 (dp 0, pp 1, tp 0)" in text, f"rank {rank}: {text}"
+        assert s < FAST / 2
