@@ -1,0 +1,175 @@
+"""Peak activation memory per pipeline rank: GPipe vs 1F1B vs interleaved 1F1B, against the formulas.
+
+Terms: p pipeline ranks (rank r), v stages per rank, m microbatches; a rank's **share** of one
+microbatch is what its stages save for backward in one forward of that microbatch (all v stages).
+Formulas (DESIGN.md), peak in-flight microbatches on rank r in units of its share: GPipe m,
+1F1B p - r, interleaved 1F1B about p + (p-1)/v on rank 0 (Megatron, m % p == 0).
+
+    .venv/bin/python benchmarks/activation_memory.py              # p=2 and p=4, m=8
+    .venv/bin/python benchmarks/activation_memory.py --ranks 2 --microbatches 6
+
+Method: each rank trains one step of fxsplit.parallelize under ``saved_tensors_hooks`` that count
+the bytes of every distinct storage autograd saves (parameter storages excluded: a weight saved by
+a matmul is not an activation), minus what is freed when its graph is released; the peak of that
+count is the rank's peak activation memory. The share is measured on the same rank: the count's
+growth over each local stage's forward of microbatch 0 (the loss' saved log-softmax included on
+the last stage). Peak / share is the measured in-flight number, printed next to the formula and the
+simulator's ``Timeline.peak_inflight``; "held" is the peak number of (stage, microbatch) forwards
+the runtime held (weight 1/v each), read from its state after every action.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import weakref
+from dataclasses import asdict, dataclass
+
+import torch
+
+import fxsplit
+from fxsplit import schedules, zoo
+from fxsplit.testing import run_distributed
+
+SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2)}
+
+
+@dataclass(frozen=True)
+class Setup:
+    layers: int = 8
+    width: int = 128
+    heads: int = 4
+    vocab: int = 1024
+    seq: int = 64
+    batch: int = 16
+    microbatches: int = 8
+    ranks: str = "2,4"
+
+
+class SavedBytes:
+    """Live and peak bytes of distinct non-parameter storages saved for backward."""
+
+    def __init__(self, params):
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= nbytes
+
+    def pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.param_ptrs or st.nbytes() == 0:
+            return t
+        if key not in self.refs:
+            self.refs[key] = 0
+            self.live += st.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        box = _Box(t)
+        weakref.finalize(box, self._release, key, st.nbytes())
+        return box
+
+    @staticmethod
+    def unpack(x):
+        return x.t if isinstance(x, _Box) else x
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Box:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+def formula(schedule: str, p: int, r: int, m: int, v: int) -> float:
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - r))
+    return float(min(m, p + (p - 1) / v)) if r == 0 else float("nan")  # stated for rank 0 only
+
+
+def _rank_main(rank: int, world: int, setup: Setup) -> dict:
+    model, (x,), _ = zoo.make_gpt(n_layer=setup.layers, n_embd=setup.width, n_head=setup.heads,
+                                  vocab_size=setup.vocab, block_size=setup.seq, seq_len=setup.seq,
+                                  batch_size=setup.batch, tie_weights=False, seed=0)
+    y = torch.randint(0, setup.vocab, (setup.batch, setup.seq), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for label, (name, v) in SCHEDULES.items():
+        pm = fxsplit.parallelize(model, (x,), loss_fn=zoo.cross_entropy_loss, pp=world,
+                                 microbatches=setup.microbatches, schedule=name, stages_per_rank=v,
+                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), timeout=120)
+        rt = pm._runtime  # instrumentation only: wrap two methods of this instance
+        counter = SavedBytes(pm.parameters())
+        share: dict[int, int] = {}
+        held = {"now": 0.0, "peak": 0.0}
+
+        def wrap(method, is_forward):
+            def run(ac):
+                before = counter.live
+                method(ac)
+                a = ac.action
+                if is_forward and a.microbatch == 0:
+                    share[a.stage] = counter.live - before
+                held["now"] = len(rt._saved) / v
+                held["peak"] = max(held["peak"], held["now"])
+            return run
+
+        rt._forward = wrap(rt._forward, True)
+        rt._backward = wrap(rt._backward, False)
+        with counter.hooks():
+            loss = pm.step(x, target=y)
+        if counter.live != 0:
+            raise RuntimeError(f"rank {rank} {label}: {counter.live} saved bytes still live after the step")
+        sim = schedules.simulate(pm.plan.schedule, forward=1.0, backward=2.0)
+        out[label] = {"peak": counter.peak, "share": sum(share.values()), "held": held["peak"],
+                      "sim": sim.peak_inflight[rank], "loss": float(loss), "v": v}
+        del pm, rt
+    return out
+
+
+def report(p: int, results: list[dict], setup: Setup) -> list[str]:
+    m = setup.microbatches
+    lines = [f"p={p}, m={m}: GPT {setup.layers} layers, width {setup.width}, vocab {setup.vocab}, "
+             f"seq {setup.seq}, batch {setup.batch} (microbatch {setup.batch // m})",
+             f"{'schedule':<14} {'rank':>4} {'peak MiB':>9} {'share MiB':>9} {'measured':>8} "
+             f"{'held':>6} {'simulated':>9} {'formula':>8}"]
+    for label in SCHEDULES:
+        for r, res in enumerate(results):
+            d = res[label]
+            f = formula(label, p, r, m, d["v"])
+            lines.append(
+                f"{label + ' v=' + str(d['v']):<14} {r:>4} {d['peak'] / 2**20:9.2f} {d['share'] / 2**20:9.2f} "
+                f"{d['peak'] / d['share']:8.2f} {d['held']:6.2f} {d['sim']:9.2f} "
+                f"{'' if f != f else f'{f:.2f}':>8}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f, val in asdict(Setup()).items():
+        ap.add_argument(f"--{f}", type=type(val), default=val)
+    setup = Setup(**vars(ap.parse_args(argv)))
+    for p in (int(s) for s in setup.ranks.split(",") if s):
+        if setup.microbatches % p:
+            raise SystemExit(f"--microbatches {setup.microbatches} must be a multiple of p={p} "
+                             "(Megatron's interleaving formula assumes m % p == 0)")
+        t0 = time.perf_counter()
+        results = run_distributed(_rank_main, p, setup, timeout=600)
+        print("\n".join(report(p, results, setup)))
+        print(f"({time.perf_counter() - t0:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
