@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -50,7 +51,7 @@ class Setup:
     seq: int = 128
     batch: int = 16
     microbatches: int = 4
-    warmup: int = 2
+    warmup: int = 1
     steps: int = 5
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
 
@@ -99,14 +100,16 @@ def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, worl
     return sched, stages, first, last
 
 
-def _timed(fn, active: bool) -> float:
+def _timed(fn, active: bool) -> tuple[float, float]:
+    """(slowest rank's wall seconds, this rank's main-thread CPU seconds) of one step."""
     dist.barrier()
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     if active:
         fn()
     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    cpu = time.thread_time() - c0
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
+    return float(dt), cpu
 
 
 def _rank_main(rank: int, world: int, setup: Setup) -> dict:
@@ -152,21 +155,23 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
 
         runs = [("fxsplit", fx_step, True), ("ptd", ptd_step, True), ("single", single_step, rank == 0)]
         times: dict[str, list[float]] = {k: [] for k, _, _ in runs}
+        cpus: dict[str, list[float]] = {k: [] for k, _, _ in runs}
         first_losses = None
         for i in range(setup.warmup + setup.steps):
             order = runs if i % 2 == 0 else runs[::-1]
             for name, fn, active in order:
-                dt = _timed(fn, active)
+                dt, cpu = _timed(fn, active)
                 zero()
                 if i >= setup.warmup:
                     times[name].append(dt)
+                    cpus[name].append(cpu)
             if i == 0:
                 first_losses = dict(losses)
         sim_plan = pm.plan.simulate()
         est_work = setup.microbatches * sum(s.time for s in pm.plan.split.stages)
         sim_bal = schedules.simulate(pm.plan.schedule, forward=1 / 3, backward=2 / 3)
         out[label] = {
-            "times": times, "losses": first_losses, "paths": paths, "setup_s": (t_fx, t_ptd),
+            "times": times, "cpu": cpus, "losses": first_losses, "paths": paths, "setup_s": (t_fx, t_ptd),
             "sim_plan_ratio": sim_plan.makespan / est_work,  # predicted step / T1
             "sim_bal_ratio": sim_bal.makespan / (setup.microbatches * world),
             "stage_est": [s.time for s in pm.plan.split.stages],
@@ -183,36 +188,51 @@ def _losses_agree(all_losses: list[dict]) -> float:
     return max(abs(a - b) / abs(b) for a in vals for b in vals)
 
 
-def report(results: list[dict], setup: Setup) -> str:
+def _med(xs) -> float:
+    return statistics.median(xs)
+
+
+def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
+    """Medians over the timed rounds; ratios are per round (same round, same machine load)."""
     p = len(results)
     m = setup.microbatches
     ideal = m / (m + p - 1) * p
     lines = [
         f"GPT {setup.layers} layers, width {setup.width}, vocab {setup.vocab}, seq {setup.seq}, batch {setup.batch}; "
         f"p={p}, m={m}, gloo, 1 thread per rank; {setup.warmup} warmup + {setup.steps} timed rounds; "
-        f"ideal speedup m/(m+p-1)*p = {ideal:.3f}",
-        f"{'schedule':<12} {'T1 s':>7} {'fxsplit s':>9} {'PTD s':>7} {'fx/PTD':>7} {'fx spd':>7} "
-        f"{'PTD spd':>7} {'fx %ideal':>9} {'PTD %ideal':>10} {'pred(plan)':>10} {'pred(bal)':>9} "
-        f"{'split':<20}",
+        f"ideal speedup m/(m+p-1)*p = {ideal:.3f}; 1-min load average {load[0]:.1f} -> {load[1]:.1f} "
+        f"on {os.cpu_count()} cores",
+        f"{'schedule':<15} {'T1 s':>6} {'fx s':>6} {'PTD s':>6} {'fx/PTD':>6} {'fx %id':>6} {'PTD %id':>7} "
+        f"{'pred plan':>9} {'pred bal':>8} {'fx cpu':>6} {'PTD cpu':>7} {'cpu eff fx':>10} {'cpu eff PTD':>11}",
     ]
     for label in setup.schedules:
         r0 = results[0][label]
-        med = {k: statistics.median(v) for k, v in r0["times"].items()}
-        t1, tf, tp_ = med["single"], med["fxsplit"], med["ptd"]
-        sf, sp = t1 / tf, t1 / tp_
+        w = r0["times"]
+        n = len(w["single"])
+        t1 = _med(w["single"])
+        ratio = _med([w["fxsplit"][i] / w["ptd"][i] for i in range(n)])
+        fx_id = _med([w["single"][i] / w["fxsplit"][i] / ideal for i in range(n)])
+        ptd_id = _med([w["single"][i] / w["ptd"][i] / ideal for i in range(n)])
+        cpu_single = results[0][label]["cpu"]["single"]
+        cpu_rank = {k: [max(r[label]["cpu"][k][i] for r in results) for i in range(n)] for k in ("fxsplit", "ptd")}
+        eff = {k: _med([cpu_single[i] / (p * cpu_rank[k][i]) for i in range(n)]) for k in cpu_rank}
         lines.append(
-            f"{label + ' v=' + str(SCHEDULES[label][1]):<12} {t1:7.3f} {tf:9.3f} {tp_:7.3f} {tf / tp_:7.3f} "
-            f"{sf:7.3f} {sp:7.3f} {sf / ideal:9.3f} {sp / ideal:10.3f} "
-            f"{r0['sim_plan_ratio'] * t1:10.3f} {r0['sim_bal_ratio'] * t1:9.3f} {','.join(r0['paths']):<20}"
+            f"{label + ' v=' + str(SCHEDULES[label][1]):<15} {t1:6.3f} {_med(w['fxsplit']):6.3f} {_med(w['ptd']):6.3f} "
+            f"{ratio:6.3f} {fx_id:6.3f} {ptd_id:7.3f} {r0['sim_plan_ratio'] * t1:9.3f} {r0['sim_bal_ratio'] * t1:8.3f} "
+            f"{_med(cpu_rank['fxsplit']):6.3f} {_med(cpu_rank['ptd']):7.3f} {eff['fxsplit']:10.3f} {eff['ptd']:11.3f}"
         )
         rel = _losses_agree([r[label]["losses"] for r in results])
         lines.append(
-            f"    first-step losses {results[-1][label]['losses']} | {results[0][label]['losses']}: "
-            f"max rel diff {rel:.1e}; setup s (fxsplit, PTD) rank0 "
-            f"{tuple(round(t, 1) for t in r0['setup_s'])}"
+            f"    split at {r0['paths']}; first-step losses agree to {rel:.1e} (fxsplit, PTD, single); "
+            f"setup s rank 0 (fxsplit, PTD) {tuple(round(t, 1) for t in r0['setup_s'])}"
         )
-        lines.append("    raw s: " + "; ".join(
-            f"{k} " + " ".join(f"{t:.3f}" for t in v) for k, v in r0["times"].items()))
+        lines.append("    wall s per round: " + "; ".join(
+            f"{k} " + " ".join(f"{t:.3f}" for t in v) for k, v in w.items()))
+    lines.append(
+        "columns: medians over rounds; fx/PTD, %id (speedup T1/step over the ideal) and cpu eff are "
+        "medians of per-round ratios; pred = simulator makespan scaled to T1 (plan: estimated stage "
+        "costs; bal: balanced); cpu = slowest rank's main-thread CPU s per step; cpu eff = T1 CPU / "
+        "(p * that): 1.0 = no per-rank work beyond an even split of the single process")
     return "\n".join(lines)
 
 
@@ -232,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown schedules {bad}; choose from {sorted(SCHEDULES)}")
     setup = Setup(**kw)
     t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
     results = run_distributed(_rank_main, 2, setup, timeout=900)
-    print(report(results, setup))
+    print(report(results, setup, (load0, os.getloadavg()[0])))
     print(f"wall {time.perf_counter() - t0:.0f}s")
     return 0
 
