@@ -307,6 +307,7 @@ class ParallelModel(nn.Module):
         self._log_every = log_every
         self._steps = 0
         self.last_step_seconds = 0.0
+        self.last_bubble = 0.0  # share of the last step this rank spent blocked on its peers
 
     # -- inspection
     def local_stage_graphs(self) -> dict[int, torch.fx.GraphModule]:
@@ -367,9 +368,14 @@ class ParallelModel(nn.Module):
             dist.all_reduce(loss, group=dp)
             loss /= dist.get_world_size(dp)
         self.last_step_seconds = time.perf_counter() - t0
+        waited = getattr(self._runtime, "last_wait_seconds", 0.0)
+        self.last_bubble = waited / self.last_step_seconds if self.last_step_seconds > 0 else 0.0
         self._steps += 1
         if self._log_every and self._steps % self._log_every == 0:
-            log.info("step %d: loss %.6f, %.3fs", self._steps, float(loss), self.last_step_seconds)
+            log.info(
+                "step %d: loss %.6f, %.3fs, measured bubble %.1f%% (time blocked on pipeline peers)",
+                self._steps, float(loss), self.last_step_seconds, 100 * self.last_bubble,
+            )
         return loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -422,9 +428,12 @@ class ParallelModel(nn.Module):
             return
         worst, exc = failure
         if worst >= 2 and self.plan.config.pp > 1:
-            first = (str(exc).splitlines() or [""])[0]
-            self._failure = (f"an earlier {what}() failed in the pipeline runtime "
-                             f"({type(exc).__name__}: {first[:160]}{'...' if len(first) > 160 else ''})")
+            if isinstance(exc, RankFailedError):
+                cause = f"on global rank(s) {sorted(exc.failed)}"
+            else:
+                first = (str(exc).splitlines() or [""])[0]
+                cause = f"on this rank ({type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''})"
+            self._failure = f"an earlier {what}() failed in the pipeline runtime {cause}"
         raise exc
 
     def _sync_grads(self) -> None:
@@ -736,12 +745,16 @@ def _exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, t
     echoes = [r[0] for r in reports if r[1] == _PEER_FAILED and r not in causes]
     tail = (f"; rank(s) {echoes} stopped waiting for them" if echoes else "")
     if error is not None and code in (_BAD_INPUT, _RAISED):
-        others = [line for r, line in zip(causes, lines) if r[0] != me]
+        mine = report[3]
+        same = [r[0] for r in causes if r[0] != me and r[3] == mine]
+        others = [line for r, line in zip(causes, lines) if r[0] != me and r[3] != mine]
+        if same:
+            error.add_note(f"fxsplit: {what}() failed the same way on global rank(s) {same}")
         if others:
             error.add_note(f"fxsplit: {what}() also failed on " + "; ".join(others))
         return (worst, error)
     text = (f"{what}() failed on {len(causes)} rank(s), so it fails on every rank (this is global rank "
-            f"{me}): " + "; ".join(lines) + tail + ". Look for the first error above on the rank(s) named.")
+            f"{me}): " + "; ".join(lines) + tail + "; their own tracebacks say where.")
     exc = RankFailedError(text, failed={r[0]: r[3] for r in causes})
     if error is not None:
         exc.__cause__ = error
@@ -758,8 +771,8 @@ def _check_batch(flat: Sequence[Any], config: ParallelConfig, what: str) -> None
     fix = (f"parallelize(..., microbatches=k) with {config.pp} <= k <= {batch}" if batch >= config.pp
            else f"fewer pipeline ranks (microbatches must be >= pp={config.pp})")
     raise ValueError(
-        f"{what}(): the batch has {batch} samples (dim 0 of the inputs) but the plan splits every "
-        f"batch into microbatches={m}, so a microbatch would be empty; pass a batch of at least {m} "
-        f"samples, or use {fix}. (Batches that {m} does not divide are fine: the microbatches then "
-        "differ by one sample and their losses are weighted by their sizes.)"
+        f"{what}(): batch size {batch} (dim 0 of the inputs) is smaller than microbatches={m}, so a "
+        f"microbatch would be empty; pass a batch of at least {m} samples, or use {fix}. (A batch "
+        f"size that {m} does not divide is fine: the microbatches then differ by one sample and their "
+        "losses are weighted by their sizes.)"
     )

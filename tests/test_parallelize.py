@@ -55,6 +55,7 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
         x = _batch(name, model, args, i)
         y = zoo.make_target(name, ref_model(x), seed=i)
         loss = pm.step(x, target=y)
+        assert 0.0 <= pm.last_bubble < 1.0 and pm.last_step_seconds > 0
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))

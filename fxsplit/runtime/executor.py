@@ -286,6 +286,7 @@ class PipelineRuntime:
         self._shape_cache: dict[tuple, tuple[int, ...]] = {}
         self._binding_cache: dict[tuple, dict] = {}
         self._channels: dict[bool, P2PChannel] = {}
+        self.last_wait_seconds = 0.0  # host time the last step/forward spent blocked on peers
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -432,6 +433,7 @@ class PipelineRuntime:
                 self._channel.reap()
             self._current = None
             self._channel.finish()
+        self.last_wait_seconds = self._channel.wait_seconds
         self._channel = None
         if training:
             if self._saved:

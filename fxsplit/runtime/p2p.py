@@ -37,6 +37,7 @@ same order is used on every backend so that the gloo tests exercise the NCCL pat
 from __future__ import annotations
 
 import datetime
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -369,6 +370,7 @@ class P2PChannel:
         self._ready: dict[Message, tuple[torch.Tensor, Action]] = {}
         self._recvs: dict[Message, tuple[dist.Work, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, Message, Action, torch.Tensor]] = []
+        self.wait_seconds = 0.0  # host time blocked in waits this step (the measured bubble)
 
     # -- errors ---------------------------------------------------------------------------------
 
@@ -437,6 +439,7 @@ class P2PChannel:
             self._advance(peer, i, action, strict=True)
         work, buf = self._recvs.pop(msg)
         peer = self._where[(False, msg)][0]
+        t0 = time.perf_counter()
         try:
             if self.blocking_waits:
                 work.wait(self.timeout)
@@ -444,6 +447,7 @@ class P2PChannel:
                 work.wait()
         except Exception as exc:
             raise self.error("waited for", msg, peer, action, exc) from exc
+        self.wait_seconds += time.perf_counter() - t0
         return buf
 
     def reap(self) -> None:
@@ -458,6 +462,7 @@ class P2PChannel:
                 f"were never posted (first: {ops[self._cursor[peer]].message.describe()})")
         assert not self._recvs, f"receives never consumed: {[m.describe() for m in self._recvs]}"
         sends, self._sends = self._sends, []
+        t0 = time.perf_counter()
         for work, msg, action, _ in sends:
             peer = self._where[(True, msg)][0]
             try:
@@ -467,3 +472,4 @@ class P2PChannel:
                     work.wait()
             except Exception as exc:
                 raise self.error("sending", msg, peer, action, exc) from exc
+        self.wait_seconds += time.perf_counter() - t0
