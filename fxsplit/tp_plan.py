@@ -225,8 +225,11 @@ def _param(gm: torch.fx.GraphModule, fqn: str) -> torch.Tensor:
     return getattr(gm.get_submodule(mod_path) if mod_path else gm, leaf)
 
 
-def _module_of(fqn: str) -> str:
-    return fqn.rpartition(".")[0]
+def _module_of(fqn: str, node: torch.fx.Node | None = None) -> str:
+    """The module a node came from (export's module stack), else the parameter's owner."""
+    info = node.meta.get("fxsplit") if node is not None else None
+    path = getattr(info, "module_path", "") or ""
+    return path or fqn.rpartition(".")[0]
 
 
 def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
@@ -247,7 +250,7 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
             if w is not None and (b is None or _get_attr_fqn(b)):
                 shape = tuple(_param(gm, w).shape)
                 if len(shape) == 2:
-                    info = LinearInfo(node.name, _module_of(w), w, _get_attr_fqn(b), 0, shape[1], shape[0], 0, "linear")
+                    info = LinearInfo(node.name, _module_of(w, node), w, _get_attr_fqn(b), 0, shape[1], shape[0], 0, "linear")
         elif node.op == "call_function" and name in ("addmm", "mm") and not node.kwargs:
             off = 1 if name == "addmm" else 0
             w = _get_attr_fqn(node.args[off + 1])
@@ -255,7 +258,7 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
             if w is not None and (name == "mm" or b is not None):
                 shape = tuple(_param(gm, w).shape)
                 if len(shape) == 2 and (b is None or tuple(_param(gm, b).shape) == (shape[1],)):
-                    info = LinearInfo(node.name, _module_of(w), w, b, 1, shape[0], shape[1], off, name)
+                    info = LinearInfo(node.name, _module_of(w, node), w, b, 1, shape[0], shape[1], off, name)
         if info is not None:
             out[node.name] = info
     return out
@@ -291,7 +294,7 @@ def find_embeddings(gm: torch.fx.GraphModule) -> dict[str, EmbeddingInfo]:
             if w is None:
                 continue
             pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            out[node.name] = EmbeddingInfo(node.name, _module_of(w), w, int(_param(gm, w).shape[0]),
+            out[node.name] = EmbeddingInfo(node.name, _module_of(w, node), w, int(_param(gm, w).shape[0]),
                                            None if pad in (None, -1) else int(pad), "embedding",
                                            _from_input(node.args[1]))
     return out

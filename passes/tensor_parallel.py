@@ -133,14 +133,15 @@ def _linear_input(node: torch.fx.Node, plan: TPPlan) -> torch.fx.Node:
 
 def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -> torch.fx.GraphModule:
     """Rewrite ``gm`` in place into the graph every tp rank runs; returns it."""
+    if gm.meta.get("fxsplit_tp") is not None:
+        raise TPPlanError("apply_tp_plan: this graph is already tensor parallel (gm.meta['fxsplit_tp'] is set); "
+                          "apply a plan to the graph as traced")
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
     missing = [n for n in (*plan.linears, *plan.embeddings) if n not in nodes]
     if missing:
         raise TPPlanError(f"apply_tp_plan: the plan names nodes {missing[:3]} that this graph lacks; find the "
                           "plan on this graph (find_tp_plan(gm, tp))")
-    if gm.meta.get("fxsplit_tp") is not None:
-        raise TPPlanError("apply_tp_plan: this graph is already tensor parallel (gm.meta['fxsplit_tp'] is set)")
     t = plan.tp
     aten = torch.ops.aten
     is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)

@@ -144,8 +144,7 @@ CASES_2 = [
 ]
 CASES_4 = [
     (("gpt", dict(SMALL, fused_qkv=True)), {}),
-    (("gpt", dict(SMALL, n_kv_head=2, n_head=8, fused_qkv=True, mlp="swiglu")), {"vocab_parallel_loss": True}),
-    (("hf_gpt2", {}), {}),
+    (("gpt", dict(SMALL, n_kv_head=4, n_head=8, fused_qkv=True, mlp="swiglu")), {"vocab_parallel_loss": True}),
     (("hf_llama", dict(num_key_value_heads=4)), {}),
 ]
 

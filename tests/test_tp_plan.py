@@ -1,0 +1,255 @@
+"""Tensor-parallel plans found from graphs, with no process group: styles, blocks, regions,
+collectives counted in the rewritten graph, the replicated report, overrides and bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit import hf_zoo, zoo
+from fxsplit.collectives import copy_to_region, reduce_from_region
+from fxsplit.pass_api import PassContext, PassManager
+from fxsplit.passes.tensor_parallel import apply_tp_plan, full_state_dict, tensor_parallel, tp_graph_diff
+from fxsplit.sharding import ShardSpec, materialize_module
+from fxsplit.tp_ops import gather_logits, vocab_parallel_embedding
+from fxsplit.tp_plan import TPPlanError, find_tp_plan
+
+SMALL = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
+
+
+def _gpt(**kw):
+    model, args, kwargs = zoo.make("gpt", **{**SMALL, **kw})
+    return model, fxsplit.trace(model, args, kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf(name: str):
+    model, args, kwargs = hf_zoo.make_hf(name)
+    return model, fxsplit.trace(model, args, kwargs)
+
+
+def _count(gm, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def _block0(plan, prefix="blocks.0."):
+    return {k[len(prefix):]: v for k, v in plan.styles.items() if k.startswith(prefix)}
+
+
+# ------------------------------------------------------------------------------ detection
+
+
+def test_gpt_separate_qkv_styles_and_specs():
+    _, gm = _gpt()
+    plan = find_tp_plan(gm, 2)
+    assert _block0(plan) == {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.proj": "rowwise",
+                             "mlp.up": "colwise", "mlp.down": "rowwise"}
+    assert plan.styles["wte"] == "vocab" and plan.styles["lm_head"] == "vocab"
+    assert plan.styles["wpe"] == "replicate"
+    assert plan.param_specs["blocks.0.attn.q.weight"] == ShardSpec(0, 2)
+    assert plan.param_specs["blocks.0.attn.proj.weight"] == ShardSpec(1, 2)
+    assert "blocks.0.attn.proj.bias" not in plan.param_specs  # added once, after the sum
+    assert plan.param_specs["wte.weight"] == plan.param_specs["lm_head.weight"] == ShardSpec(0, 2, size=64)
+    assert [r.kind for r in plan.regions] == ["attention", "mlp"] * 2
+    assert [len(r.columns) for r in plan.regions] == [3, 1, 3, 1]
+    assert "wpe" in dict(plan.replicated)
+    text = str(plan)
+    assert "blocks.1.attn.proj" in text and "rowwise" in text and "dim 1/2" in text
+
+
+def test_gpt_fused_qkv_is_sharded_by_blocks():
+    _, gm = _gpt(fused_qkv=True, n_kv_head=2, mlp="swiglu")
+    plan = find_tp_plan(gm, 2)
+    assert _block0(plan) == {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.gate": "colwise",
+                             "mlp.up": "colwise", "mlp.down": "rowwise"}
+    # q has 4 heads of 8, k and v 2 heads each: every rank gets half of each block
+    assert plan.param_specs["blocks.0.attn.qkv.weight"] == ShardSpec(0, 2, blocks=(32, 16, 16))
+    assert plan.param_specs["blocks.0.attn.qkv.bias"] == ShardSpec(0, 2, blocks=(32, 16, 16))
+    mlp = [r for r in plan.regions if r.kind == "mlp"][0]
+    assert len(mlp.columns) == 2 and len(mlp.rows) == 1
+
+
+def test_mlp_pairs_and_reports_the_unpaired_layer():
+    model, args, kwargs = zoo.make("mlp")
+    gm = fxsplit.trace(model, args, kwargs)
+    plan = find_tp_plan(gm, 2)
+    assert plan.styles == {"layers.0": "colwise", "layers.1": "rowwise", "layers.2": "replicate"}
+    assert "model output" in dict(plan.replicated)["layers.2"]
+
+
+def test_hf_gpt2_conv1d_fused_qkv():
+    _, gm = _hf("gpt2")
+    plan = find_tp_plan(gm, 2)
+    assert _block0(plan, "transformer.h.0.") == {"attn.c_attn": "colwise", "attn.c_proj": "rowwise",
+                                                 "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+    # Conv1D stores [in, out]: the output dim is 1, and q, k, v are split each by heads
+    assert plan.param_specs["transformer.h.0.attn.c_attn.weight"] == ShardSpec(1, 2, blocks=(64, 64, 64))
+    assert plan.param_specs["transformer.h.0.attn.c_proj.weight"] == ShardSpec(0, 2)
+    assert plan.styles["transformer.wte"] == "vocab" and plan.styles["lm_head"] == "vocab"
+
+
+def test_hf_llama_gqa_swiglu_rope():
+    _, gm = _hf("llama")
+    plan = find_tp_plan(gm, 2)
+    assert _block0(plan, "model.layers.0.") == {
+        "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise"}
+    assert plan.styles["lm_head"] == "vocab" and plan.styles["model.embed_tokens"] == "vocab"
+    assert plan.replicated == ()
+    with pytest.raises(TPPlanError, match=r"(?s)model\.layers\.0\.self_attn.*size 2.*t=2"):
+        find_tp_plan(gm, 4)  # 2 key/value heads
+
+
+def test_hf_bert_reports_the_mlm_transform():
+    _, gm = _hf("bert")
+    plan = find_tp_plan(gm, 2)
+    assert _block0(plan, "bert.encoder.layer.0.") == {
+        "attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
+        "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}
+    assert plan.styles["cls.predictions.decoder"] == "vocab"
+    why = dict(plan.replicated)
+    assert "layer_norm" in why["cls.predictions.transform.dense"]
+    assert set(why) == {"cls.predictions.transform.dense", "bert.embeddings.token_type_embeddings",
+                        "bert.embeddings.position_embeddings"}
+
+
+def test_find_is_pure():
+    model, gm = _gpt(fused_qkv=True)
+    code = gm.code
+    shapes = {n: tuple(p.shape) for n, p in gm.named_parameters()}
+    find_tp_plan(gm, 2)
+    assert gm.code == code and shapes == {n: tuple(p.shape) for n, p in gm.named_parameters()}
+
+
+# ------------------------------------------------------------------------------ rewrite
+
+
+@pytest.mark.parametrize("kw", [{}, {"fused_qkv": True, "n_kv_head": 2, "mlp": "swiglu"}])
+def test_collectives_counted_fx(kw):
+    model, gm = _gpt(**kw)
+    before = gm.code
+    plan = find_tp_plan(gm, 2)
+    apply_tp_plan(gm, plan)
+    n_layer = SMALL["n_layer"]
+    # one forward all-reduce per attention block and one per MLP (g); the embedding's all-reduce
+    # lives inside vocab_parallel_embedding
+    assert _count(gm, reduce_from_region) == 2 * n_layer
+    assert _count(gm, copy_to_region) == 2 * n_layer + 1  # f per region input, and the LM head's
+    assert _count(gm, vocab_parallel_embedding) == 1 and _count(gm, gather_logits) == 1
+    diff = tp_graph_diff(fxsplit.trace(model, *zoo.make("gpt", **{**SMALL, **kw})[1:]), gm)
+    assert "+    copy_to_region" in diff and "reduce_from_region" in diff
+    assert gm.code != before
+    # every node keeps the metadata contract, with local shapes
+    for n in gm.graph.nodes:
+        assert "fxsplit" in n.meta, n
+    lm = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "lm_head"][0]
+    assert lm.meta["fxsplit"].outputs[0].shape[-1] == SMALL["vocab_size"] // 2
+    # the user's model is untouched
+    assert model.blocks[0].mlp.up.weight.shape == (4 * SMALL["n_embd"], SMALL["n_embd"])
+    assert not model.blocks[0].mlp.up.weight.is_meta
+
+
+def test_collectives_counted_export_gpt2_and_vocab_parallel_output():
+    model, args, kwargs = hf_zoo.tiny_gpt2()
+    gm = fxsplit.trace(model, args, kwargs)
+    plan = find_tp_plan(gm, 2, vocab_parallel_loss=True)
+    apply_tp_plan(gm, plan)
+    assert _count(gm, reduce_from_region) == 4 and _count(gm, copy_to_region) == 5
+    assert _count(gm, gather_logits) == 0  # the loss will be vocab_parallel_cross_entropy
+    split = [n for n in gm.graph.nodes if n.target == torch.ops.aten.split.Tensor][0]
+    assert split.args[1] == 32  # q, k, v of 64 each -> 32 per rank
+    w = gm.get_submodule("transformer.h.0.attn.c_attn").weight
+    assert w.shape == (64, 96) and w.is_meta
+
+
+def test_pass_through_pass_manager_records_the_plan():
+    _, gm = _gpt()
+    ctx = PassContext()
+    result = PassManager([functools.partial(tensor_parallel, tp=2)])(gm, ctx)
+    plan = ctx.report["tensor_parallel"]
+    assert result.graph_module.meta["fxsplit_tp"] is plan and plan.tp == 2
+    assert _count(result.graph_module, reduce_from_region) == 4
+    with pytest.raises(TPPlanError, match="already tensor parallel"):
+        apply_tp_plan(result.graph_module, plan)
+
+
+def test_materialize_from_real_weights_and_meta_and_reassemble():
+    model, args, kwargs = zoo.make("gpt", **{**SMALL, "fused_qkv": True, "vocab_size": 63})
+    t = 2
+    per_rank = []
+    for rank in range(t):
+        gm = fxsplit.trace(model, args, kwargs)
+        plan = find_tp_plan(gm, t)
+        apply_tp_plan(gm, plan)
+        materialize_module(gm, plan.param_specs, rank, source=model)
+        assert gm.get_submodule("blocks.0.attn.qkv").weight.shape == (48, 32)
+        assert gm.wte.weight.shape == (32, 32) and gm.wte.weight is gm.lm_head.weight  # 63 padded to 64
+        per_rank.append(dict(gm.state_dict()))
+    full = full_state_dict(per_rank, plan)
+    ref = model.state_dict()
+    assert set(full) == set(ref)
+    for name, value in ref.items():
+        torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
+    # from a model on the meta device: each rank builds only its shards
+    with torch.device("meta"):
+        meta_model = zoo.GPT(zoo.GPTConfig(**{**SMALL, "fused_qkv": True}))
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    gm = fxsplit.trace(meta_model, (idx,))
+    plan = find_tp_plan(gm, 4)
+    apply_tp_plan(gm, plan)
+    materialize_module(gm, plan.param_specs, 3, source=None, full_shapes=plan.full_shapes)
+    down = gm.get_submodule("blocks.1.mlp.down").weight
+    assert not down.is_meta and down.shape == (32, 32)
+
+
+# ------------------------------------------------------------------------------ overrides and errors
+
+
+def test_overrides_replicate_and_force():
+    _, gm = _gpt()
+    plan = find_tp_plan(gm, 2, overrides={"blocks.*.mlp.*": "replicate"})
+    assert plan.styles["blocks.0.mlp.up"] == "replicate" and plan.styles["blocks.0.attn.q"] == "colwise"
+    assert [r.kind for r in plan.regions] == ["attention", "attention"]
+    plan = find_tp_plan(gm, 2, overrides={"wte": "replicate", "lm_head": "replicate"})
+    assert plan.styles["wte"] == "replicate" and "wte.weight" not in plan.param_specs
+    plan = find_tp_plan(gm, 2, overrides={"blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise"})
+    assert plan.styles["blocks.1.mlp.down"] == "rowwise"
+
+
+def test_override_errors():
+    _, gm = _gpt()
+    with pytest.raises(TPPlanError, match=r"names no linear.*did you mean \['blocks.0.mlp.up'"):
+        find_tp_plan(gm, 2, overrides={"blocks.0.mlp.upp": "colwise"})
+    with pytest.raises(TPPlanError, match="style must be one of"):
+        find_tp_plan(gm, 2, overrides={"blocks.0.mlp.up": "column"})
+    with pytest.raises(TPPlanError, match="tied to the vocabulary-parallel embedding"):
+        find_tp_plan(gm, 2, overrides={"lm_head": "replicate"})
+    model, args, kwargs = zoo.make("mlp")
+    mlp = fxsplit.trace(model, args, kwargs)
+    with pytest.raises(TPPlanError, match=r"'layers.2' is set to 'colwise'.*model output"):
+        find_tp_plan(mlp, 2, overrides={"layers.2": "colwise"})
+    model, args, kwargs = zoo.make("mlp", sizes=(32, 64, 32))
+    mlp = fxsplit.trace(model, args, kwargs)
+    with pytest.raises(TPPlanError, match=r"'layers.0' is set to 'colwise'.*column after column"):
+        find_tp_plan(mlp, 2, overrides={"layers.0": "colwise", "layers.1": "colwise"})
+
+
+def test_bad_degrees_name_module_numbers_and_nearest():
+    _, gm = _gpt()
+    with pytest.raises(TPPlanError, match=r"(?s)blocks\.0\.attn.*size 4.*attention heads.*nearest valid t: t=4"):
+        find_tp_plan(gm, 8)
+    _, gm = _gpt(n_kv_head=2, n_head=4)
+    with pytest.raises(TPPlanError, match=r"(?s)blocks\.0\.attn.*size 2.*nearest valid t: t=2"):
+        find_tp_plan(gm, 4)
+    model, args, kwargs = zoo.make("mlp", sizes=(32, 66, 32))
+    with pytest.raises(TPPlanError, match=r"(?s)layers\.0.*66.*t=3 or t=6"):
+        find_tp_plan(fxsplit.trace(model, args, kwargs), 4)
+    _, gm = _gpt(vocab_size=63)
+    plan = find_tp_plan(gm, 2)  # the vocabulary is padded, the usual answer
+    assert plan.param_specs["wte.weight"] == ShardSpec(0, 2, pad_to=64, size=63)
+    with pytest.raises(TPPlanError, match="tp must be an int"):
+        find_tp_plan(gm, 0)
