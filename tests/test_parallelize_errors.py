@@ -172,9 +172,11 @@ def test_world_size_and_mesh_errors_on_every_rank(two):
 
 @pytest.mark.dist
 def test_bad_batches_refused_on_every_rank_and_model_stays_usable(two):
-    _same_error(two, "small_batch", "ValueError", "batch has 1 samples", "microbatches=2",
+    _same_error(two, "small_batch", "ValueError", "batch size 1", "smaller than microbatches=2",
                 "at least 2 samples", "fewer pipeline ranks")
-    _same_error(two, "small_batch_fwd", "ValueError", "forward(): the batch has 1 samples")
+    _same_error(two, "small_batch_fwd", "ValueError", "forward(): batch size 1")
+    for rank in (0, 1):  # each also says the other rank refused the same batch
+        assert f"failed the same way on global rank(s) [{1 - rank}]" in two[rank]["small_batch"][1]
     # only rank 1 (last stage) lacks the target: it says so, rank 0 names it instead of hanging
     kind, text, _ = two[1]["no_target"]
     assert kind == "ValueError" and "needs the target" in text, text
@@ -237,6 +239,8 @@ def test_failure_on_last_stage_fails_every_rank_fast_naming_it(two):
     assert max(s, s0) < FAST / 2, (s, s0)
     # the failed pipeline cannot run again: said plainly on every rank
     _same_error(two, "after_failure", "RuntimeError", "cannot run again", "fxsplit.parallelize")
+    assert "on global rank(s) [1]" in two[0]["after_failure"][1]
+    assert "on this rank (ValueError: loss_fn must return a scalar" in two[1]["after_failure"][1]
     kind, text, _ = two[1]["bad_target"]
     assert kind in ("ValueError", "RuntimeError") and "pipeline rank 1 failed" in text, text
     kind, text, s0 = two[0]["bad_target"]
@@ -316,11 +320,11 @@ def test_errors_reach_every_rank_of_every_replica(four):
     # replica 1 (global ranks 2, 3) passed a batch of 1: they say why, replica 0 names them
     for rank in (2, 3):
         kind, text, _ = four[rank]["one_replica_small"]
-        assert kind == "ValueError" and "batch has 1 samples" in text, text
+        assert kind == "ValueError" and "batch size 1" in text, text
     for rank in (0, 1):
         kind, text, s = four[rank]["one_replica_small"]
         assert kind == "RankFailedError" and "global rank 2 (dp 1, pp 0, tp 0)" in text, text
-        assert "global rank 3 (dp 1, pp 1, tp 0)" in text and "batch has 1 samples" in text, text
+        assert "global rank 3 (dp 1, pp 1, tp 0)" in text and "batch size 1" in text, text
         assert s < FAST / 2
     for rank, res in enumerate(four):
         assert res["usable_after"][0] == "ok", f"rank {rank}: {res['usable_after']}"
