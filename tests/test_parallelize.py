@@ -104,3 +104,62 @@ def test_data_and_pipeline_parallel_matches_single_process():
     results = run_distributed(_cases_dp2pp2, 4, timeout=240)
     ref_losses, ref_state = _reference("gpt", {})
     _check([r["gpt"] for r in results], ref_losses, ref_state)
+
+
+def _hf_loss(out, y):
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _hf_train(rank, world, builder, options, steps=STEPS):
+    from fxsplit import hf_zoo
+
+    model, args, kwargs = getattr(hf_zoo, builder)()
+    options = dict(options)
+    options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
+    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=_hf_loss, timeout=90, **options)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = []
+    for i in range(steps):
+        ids, y = _hf_batch(model, args, i)
+        loss = pm.step(ids, target=y, **kwargs)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _hf_batch(model, args, i):
+    g = torch.Generator().manual_seed(300 + i)
+    V = model.config.vocab_size
+    return torch.randint(0, V, args[0].shape, generator=g), torch.randint(0, V, args[0].shape, generator=g)
+
+
+def _hf_reference(builder, steps=STEPS):
+    from fxsplit import hf_zoo
+
+    model, args, kwargs = getattr(hf_zoo, builder)()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for i in range(steps):
+        ids, y = _hf_batch(model, args, i)
+        loss = _hf_loss(model(ids, **kwargs), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _hf_cases(rank, world):
+    return {b: _hf_train(rank, world, b, dict(dp=2, pp=2, microbatches=2)) for b in ("tiny_gpt2", "tiny_llama")}
+
+
+@pytest.mark.dist
+@pytest.mark.hf
+def test_hf_models_data_and_pipeline_parallel():
+    results = run_distributed(_hf_cases, 4, timeout=300)
+    for builder in ("tiny_gpt2", "tiny_llama"):
+        ref = _hf_reference(builder)
+        for rank, r in enumerate(results):
+            assert r[builder] == pytest.approx(ref, rel=1e-5, abs=1e-6), f"{builder} rank {rank}"
