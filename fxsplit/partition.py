@@ -54,7 +54,7 @@ Guarantees of `solve`:
 - No ``memory_limit``, or ``v == 1``: exact (optimal bottleneck and the tie rule above), by
   search over the finite set of stage-time values with an O(S * n) reachability check per probe.
 - ``memory_limit`` and ``v > 1`` (a rank sums memory over stages r, r+p, ...): exact by a
-  depth-first search over cut tuples when it finishes within ``exact_budget`` search states
+  depth-first search over cut tuples when it finishes within ``exact_budget`` search steps
   (``Partition.exact`` is True). Otherwise sound but not exact: every stage is capped at
   ``memory_limit / v``, which keeps every rank within the limit; the partition returned satisfies
   the cap and has ``exact=False`` (its bottleneck may exceed the optimum), and a
@@ -87,7 +87,8 @@ __all__ = [
 _INF = math.inf
 _NEG = -math.inf
 _MAXF = 1.7976931348623157e308  # a finite stand-in for an infinite bottleneck
-_RANK_SCAN_LIMIT = 16  # suggestions scan up to 4 * p + this many ranks
+_RANK_SCAN_LIMIT = 16  # suggestions scan up to 4 * p + this many ranks ...
+_RANK_SCAN_WORK = 2_000_000  # ... or this many (stage x unit) steps, about 2 s
 
 
 class PartitionError(ValueError):
@@ -141,7 +142,7 @@ class PartitionProblem:
     memory_limit: float | None = None
     state_bytes_per_param_byte: float = 4.0
     inflight: Callable[[int], float] | tuple[float, ...] | None = None
-    exact_budget: int = 200_000
+    exact_budget: int = 300_000  # search steps of the exact v > 1 memory-capped search (~0.3 s)
 
     def __post_init__(self) -> None:
         n = len(self.compute)
@@ -344,8 +345,12 @@ def _forward(ch: _Chain, B: float, caps: Sequence[float] | None):
                 lo -= 1
             if lo > pf + 1:
                 next_b = min(next_b, (P[n] - P[lo - 1]) / rest * (1 - _SLACK))
+        if caps is not None:
+            hi, lo, next_l = _memory_band(ch, s, caps, pf, pl, hi, lo, next_l)
         cur = [_NEG] * (n + 1)
-        if caps is None:
+        if lo > hi:
+            reach = []
+        elif caps is None:
             mk = [_NEG] * (n + 1)
             for f, g in ch.segs:
                 a0, a1 = max(f, pf), min(g, hi)
@@ -365,6 +370,32 @@ def _forward(ch: _Chain, B: float, caps: Sequence[float] | None):
         pf, pl = reach[0], reach[-1]
     feasible = len(layers) == S + 1 and layers[S][n] != _NEG
     return feasible, layers, next_b, next_l
+
+
+def _memory_band(ch: _Chain, s: int, caps: Sequence[float], pf: int, pl: int, hi: int, lo: int,
+                 next_l: float) -> tuple[int, int, float]:
+    """Narrow layer s's band [lo, hi] by memory: stage s-1 starting at pl or later must fit its
+    cap, and the remaining stages' caps must hold the memory after b (counted at the smallest
+    in-flight factor among them). Returns (hi, lo, next_L) with the caps at which it would widen."""
+    n, S, Q, A, st = ch.n, ch.S, ch.Q, ch.A, ch.state
+    cap, fa = caps[s - 1], ch.factor[s - 1]
+    qa, aa = Q[pl], A[pl]
+    mhi = bisect_right(range(n + 1), cap, lo=pl + 1, key=lambda b: st * (Q[b] - qa) + fa * (A[b] - aa)) - 1
+    if mhi < n:
+        next_l = min(next_l, st * (Q[mhi + 1] - qa) + fa * (A[mhi + 1] - aa))
+    hi = min(hi, mhi)
+    if s < S:
+        room = sum(caps[s:]) * (1 + _SLACK)
+        fmin, qn, an = min(ch.factor[s:]), Q[n], A[n]
+        rest = lambda b: st * (qn - Q[b]) + fmin * (an - A[b])  # noqa: E731 (nonincreasing in b)
+        mlo = bisect_left(range(n + 1), -room, lo=pf + 1, key=lambda b: -rest(b))
+        share = (S - s) * (1 + _SLACK)
+        while mlo > pf + 1 and rest(mlo - 1) / share * (1 - _SLACK) <= cap:
+            mlo -= 1
+        if mlo > pf + 1:
+            next_l = min(next_l, rest(mlo - 1) / share * (1 - _SLACK))
+        lo = max(lo, mlo)
+    return hi, lo, next_l
 
 
 def _layer_capped(ch: _Chain, prev: list, s: int, Bc: float, cap: float, pf: int, lo_b: int, hi_b: int):
@@ -537,11 +568,11 @@ def _dfs_decide(ch: _Chain, B: float, budget: list) -> tuple[int, ...] | None:
         key = (s, b, mems)
         if key in failed:
             return False
-        budget[0] -= 1
+        prev, r, a0 = layers[s], s % p, ch.seg_start(b)
+        budget[0] -= b - a0 + 1
         if budget[0] < 0:
             raise _Exhausted
-        prev, r = layers[s], s % p
-        for a in range(ch.seg_start(b), b):
+        for a in range(a0, b):
             if prev[a] == _NEG or ch.E[b] - ch.K[a] > B:
                 continue
             x = ch.mem(s, a, b)
@@ -561,11 +592,21 @@ def _dfs_decide(ch: _Chain, B: float, budget: list) -> tuple[int, ...] | None:
 
 
 def _solve_coupled(ch: _Chain) -> tuple[tuple[int, ...] | None, bool]:
-    """v > 1 with a memory cap: (cuts or None, exact)."""
+    """v > 1 with a memory cap: (cuts or None, exact).
+
+    1. Relaxation: each stage alone within the limit. Its optimum is a lower bound; when its
+       partition also keeps every rank within the limit it is the exact answer (tie rule too).
+    2. Exact search (`_dfs_decide`) over the sorted stage-time values, within exact_budget.
+    3. Sound fallback: per-stage caps that sum to the limit on every rank (uniform ``L / v``,
+       and caps proportional to the stage memories of the relaxed and of the best found
+       partition); the best partition that fits is returned, not proven optimal.
+    """
     L, S = ch.pb.memory_limit, ch.S
     relaxed = _min_bottleneck(ch, (L,) * S)
     if relaxed is None:  # one stage alone is over the limit: no partition fits
         return None, True
+    if _evaluate(ch, relaxed, "", True).fits_memory:
+        return relaxed, True
     pos = [k for k in range(ch.n + 1) if k == 0 or ch.ok[k]]
     if len(pos) <= 400:
         b0 = max(ch.time(a, b) for a, b in zip(relaxed, relaxed[1:]))
@@ -587,24 +628,53 @@ def _solve_coupled(ch: _Chain) -> tuple[tuple[int, ...] | None, bool]:
             return best, True
         except _Exhausted:
             pass
-    cap = L / ch.v
-    for _ in range(8):  # v stages of at most L / v each: within L up to the rounding of the sum
-        cuts = _min_bottleneck(ch, (cap,) * S)
-        if cuts is None or _evaluate(ch, cuts, "", False).fits_memory:
-            return cuts, False
-        cap *= 1 - 1e-12
-    return None, False
+    return _fallback(ch, relaxed), False
+
+
+def _fallback(ch: _Chain, relaxed: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Sound heuristic for v > 1 with a memory cap (see `_solve_coupled`)."""
+    L, S, p = ch.pb.memory_limit, ch.S, ch.p
+    best: Partition | None = None
+
+    def attempt(caps: tuple[float, ...]) -> None:
+        nonlocal best
+        for _ in range(4):  # within L up to the rounding of the per-rank sums: shrink and retry
+            cuts = _min_bottleneck(ch, caps)
+            if cuts is None:
+                return
+            part = _evaluate(ch, cuts, "", False)
+            if part.fits_memory:
+                if best is None or (part.bottleneck, cuts[::-1]) < (best.bottleneck, best.cuts[::-1]):
+                    best = part
+                return
+            caps = tuple(c * (1 - 1e-12) for c in caps)
+
+    def proportional(cuts: tuple[int, ...], weight: float) -> tuple[float, ...]:
+        mem = [ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        total = [sum(mem[r::p]) for r in range(p)]
+        return tuple(L * ((1 - weight) / ch.v + (weight * m / total[s % p] if total[s % p] else weight / ch.v))
+                     for s, m in enumerate(mem))
+
+    attempt((L / ch.v,) * S)
+    attempt(proportional(relaxed, 1.0))
+    attempt(proportional(relaxed, 0.5))
+    if best is not None:
+        attempt(proportional(best.cuts, 1.0))
+    return None if best is None else best.cuts
 
 
 def _needed_memory(ch: _Chain) -> tuple[float, bool]:
-    """(smallest achievable max rank memory, exact) for the error message; for v > 1 without
-    exhaustive search it is a lower bound (the smallest max single-stage memory)."""
+    """(smallest achievable max rank memory, exact) for the error message. For v > 1 with too
+    many cut tuples to enumerate it is a lower bound instead: the rank average of the least
+    total memory, or the heaviest single unit, whichever is larger."""
     if ch.v == 1:
         return _min_cap(ch), True
     combos = math.comb(ch.num_cut_points - len(ch.pb.forced), ch.S - 1 - len(ch.pb.forced))
-    if combos <= 200_000:
+    if combos <= 20_000:
         return min(max(_evaluate(ch, c, "", True).rank_memory) for c in _all_cuts(ch)), True
-    return _min_cap(ch), False
+    pb, f = ch.pb, min(ch.inflight)
+    unit = max(ch.state * q + f * a for q, a in zip(pb.param_bytes, pb.activation_bytes))
+    return max(unit, (ch.state * ch.Q[-1] + f * ch.A[-1]) / ch.p), False
 
 
 def _fits_with_ranks(pb: PartitionProblem, p: int) -> bool:
@@ -624,16 +694,30 @@ def _memory_error(ch: _Chain, sound_only: bool) -> PartitionError:
     pb = ch.pb
     need, exact = _needed_memory(ch)
     what = "the smallest maximum rank memory any partition reaches is" if exact else \
-        "every partition needs at least"
+        "every partition needs at least (a lower bound of)"
     msg = (f"memory_limit = {pb.memory_limit:.6g} bytes per rank cannot be met with num_stages = {ch.S} "
            f"on num_ranks = {ch.p}: {what} {need:.6g} bytes per rank "
            f"(params x {ch.state:g} + in-flight activations {tuple(round(x, 3) for x in ch.inflight)}).")
+    if sound_only and exact and need <= pb.memory_limit:
+        msg = (f"memory_limit = {pb.memory_limit:.6g} bytes per rank: a partition within it exists (the "
+               f"smallest maximum rank memory is {need:.6g} bytes per rank), but the exact search ran out "
+               f"of exact_budget = {pb.exact_budget} steps and the sound fallback (per-stage caps that sum "
+               f"to the limit on each rank) found none. Fix: raise exact_budget, or raise memory_limit.")
+        return PartitionError(msg)
     if sound_only:
-        msg += (" (The search gave up on exactness for this size: stages were capped at memory_limit / v, "
-                "so a partition within the limit may still exist.)")
+        msg += (" (The exact search ran out of exact_budget and the sound fallback capped stages so that "
+                "each rank's caps sum to the limit, so a partition within the limit may still exist.)")
     if pb.inflight is None:
         top = min(ch.num_cut_points + 1, (4 * ch.p + _RANK_SCAN_LIMIT) * ch.v) // ch.v
-        fit = next((q for q in range(ch.p + 1, top + 1) if _fits_with_ranks(pb, q)), None)
+        fit, work = None, 0
+        for q in range(ch.p + 1, top + 1):
+            work += q * ch.v * ch.n
+            if work > _RANK_SCAN_WORK:
+                top = q - 1
+                break
+            if _fits_with_ranks(pb, q):
+                fit = q
+                break
         if fit is not None:
             msg += f" Fix: use num_ranks = {fit} (num_stages = {fit * ch.v}), which fits, or raise memory_limit."
         else:
