@@ -30,7 +30,7 @@ import sympy
 import torch
 import torch.fx
 
-from .cost import estimate_time
+from .profile import node_time
 from .marker import find_pipe_splits
 from .meta import node_info
 from .partition import (
@@ -326,7 +326,8 @@ def plan_split(
     for i, u in enumerate(units):
         cost = node_info(u).cost
         c = cost.evaluate(binds) if cost.is_symbolic else cost
-        compute[i] = estimate_time(c, flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s)
+        # a measured profile (fxsplit.profile.apply_profile) replaces the roofline estimate
+        compute[i] = node_time(u, flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, bindings=binds)
         params[i] += float(c.param_bytes)
         acts[i] = float(c.saved_bytes)
         flops[i] = float(c.flops)

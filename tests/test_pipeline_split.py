@@ -233,3 +233,16 @@ def test_random_dags_split_exactly(dag, S, batch):
     if n_units <= 12:
         assert plan.partition.bottleneck == pytest.approx(brute_force(plan.problem).bottleneck, rel=1e-12)
 
+
+
+def test_measured_profile_replaces_the_estimate():
+    from fxsplit.profile import apply_profile
+
+    model, args, kwargs = zoo.make("mlp")
+    gm = fxsplit.trace(model, args, kwargs, method="fx")
+    units = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    even = plan_split(gm, num_stages=2, hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))
+    # pretend the first unit is measured to be very slow: it must get a stage of its own
+    apply_profile(gm, {units[0].name: 1.0, **{u.name: 1e-6 for u in units[1:]}})
+    skewed = plan_split(gm, num_stages=2, hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))
+    assert skewed.starts[1] == units[1].name != even.starts[1]
