@@ -1,0 +1,169 @@
+"""The ``fxsplit`` command line: plan a model file (table, DOT, PNG, per-pass dumps), the three
+factory forms, ``--meta``, ``schedule``, and the errors (exit code 2 for usage, 1 for user code)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fxsplit.cli import load_example, main, parse_size
+
+MODEL_FILE = textwrap.dedent(
+    """
+    import torch
+    from fxsplit import zoo
+
+    def gpt():
+        return zoo.make("gpt", n_layer=2, seed=0)          # (model, args, kwargs)
+
+    def mlp_pair():
+        model, args, _ = zoo.make("mlp", sizes=(16, 32, 32, 32, 16))
+        return model, args                                 # (model, args)
+
+    def bare():
+        torch.manual_seed(0)
+        return zoo.MLP((16, 32, 16))                       # a model; inputs from example_inputs()
+
+    def example_inputs():
+        return torch.randn(4, 16)
+
+    def broken():
+        raise RuntimeError("the user's factory is broken")
+
+    def not_a_model():
+        return 42
+
+    class NotUsed:
+        pass
+    """
+)
+
+KWARGS_FILE = textwrap.dedent(
+    """
+    import torch
+    from fxsplit import zoo
+
+    def build():
+        return zoo.make("kwargs", n_layer=2)[0]
+
+    def example_inputs():
+        _, args, kwargs = zoo.make("kwargs", n_layer=2)
+        return args, kwargs
+    """
+)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "my_model.py"
+    path.write_text(MODEL_FILE)
+    return path
+
+
+def test_plan_prints_plan_and_writes_dot_png_and_dumps(model_file, tmp_path, capsys):
+    dot, png, dumps = tmp_path / "g.dot", tmp_path / "pp.png", tmp_path / "dumps"
+    rc = main(["plan", f"{model_file}:gpt", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--grid",
+               "--dot", str(dot), "--timeline", str(png), "--debug-dir", str(dumps)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "fxsplit plan: dp=1 tp=2 pp=2 (world size 4); 2 stages (v=1), 1f1b, m=4" in out
+    assert "blocks.0.attn.q" in out and "colwise" in out and "rowwise" in out  # the TP table
+    assert "SplitPlan: 2 stages on 2 ranks" in out                            # the stage table
+    assert "rank 1 |" in out and "1B3" in out                                  # --grid
+    assert dot.read_text().lstrip().startswith("digraph")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (dumps / "summary.txt").is_file()
+    tp_dump = dumps / "00_tensor_parallel"
+    assert (tp_dump / "before.py").read_text() != (tp_dump / "after.py").read_text()
+
+
+def test_factory_forms_and_meta(model_file, tmp_path):
+    model, args, kwargs = load_example(f"{model_file}:mlp_pair")
+    assert isinstance(model, torch.nn.Module) and len(args) == 1 and kwargs == {}
+    model, args, kwargs = load_example(f"{model_file}:bare")
+    assert tuple(args[0].shape) == (4, 16) and kwargs == {}
+    assert model(*args).shape == (4, 16)
+    model, args, kwargs = load_example(f"{model_file}:bare", meta=True)
+    assert all(p.is_meta for p in model.parameters()) and args[0].is_meta
+    kw = tmp_path / "kw_model.py"
+    kw.write_text(KWARGS_FILE)
+    model, args, kwargs = load_example(f"{kw}:build")
+    assert set(kwargs) == {"attention_mask", "position_ids", "scale"} and len(args) == 1
+    model(*args, **kwargs)  # the split of (args, kwargs) is the one the model takes
+
+
+def test_plan_options_split_points_meta_and_memory(model_file, capsys):
+    rc = main(["plan", f"{model_file}:mlp_pair", "--pp", "2", "--schedule", "gpipe", "--microbatches", "2",
+               "--split-points", "layers.2", "--meta", "--memory-limit", "1GiB", "--method", "fx"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "(user split points)" in out and "gpipe, m=2" in out
+    stage_rows = [line.split() for line in out.splitlines() if line.startswith("    ")]
+    assert [row[:3] for row in stage_rows] == [["0", "0", "layers.0,"], ["1", "1", "layers.2,"]], out
+
+
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["plan", "--tp", "2"], 2, "FILE.py:FACTORY"),
+        (["plan", "{dir}/missing.py:gpt"], 2, "does not exist"),
+        (["plan", "{file}:nope"], 2, "callables defined there: NotUsed, bare, broken, example_inputs, gpt, mlp_pair, not_a_model"),
+        (["plan", "{file}"], 2, "write {file}:NAME"),
+        (["plan", "no_such_module_xyz:f"], 2, "neither a file nor an importable module"),
+        (["plan", "{file}:not_a_model"], 2, "returned a int; it must return (model, example_args"),
+        (["plan", "{file}:broken"], 1, "the user's factory is broken"),
+        (["plan", "{file}:mlp_pair", "--pp", "0"], 2, "a degree or count must be >= 1"),
+        (["plan", "{file}:mlp_pair", "--pp", "2", "--microbatches", "1"], 2, "microbatches=1 < pp=2"),
+        (["plan", "{file}:mlp_pair", "--memory-limit", "80XB"], 2, "is not a size"),
+        (["plan", "{file}:mlp_pair", "--pp", "2", "--schedule", "1f1b", "--memory-limit", "1KB"], 2, "memory"),
+        (["plan", "{file}:gpt", "--tp", "3"], 2, "which t=3 does not divide"),
+        (["schedule", "no_such_schedule", "--pp", "2", "--microbatches", "2"], 2, "valid names: gpipe, 1f1b"),
+    ],
+)
+def test_errors_name_the_problem(model_file, argv, code, message, capsys):
+    fill = dict(file=str(model_file), dir=str(model_file.parent))
+    rc = main([a.format(**fill) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == code, err
+    assert message.format(**fill) in err, err
+
+
+def test_bare_model_without_example_inputs(tmp_path, capsys):
+    path = tmp_path / "lonely.py"
+    path.write_text("from fxsplit import zoo\n\ndef build():\n    return zoo.MLP()\n")
+    assert main(["plan", f"{path}:build"]) == 2
+    assert "defines no example_inputs()" in capsys.readouterr().err
+
+
+def test_schedule_command_prints_grid_and_simulation(tmp_path, capsys):
+    png = tmp_path / "s.png"
+    rc = main(["schedule", "interleaved_1f1b", "--pp", "4", "--microbatches", "8", "--stages-per-rank", "2",
+               "--timeline", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "interleaved_1f1b: p=4 v=2 m=8; 8 stages" in out
+    assert out.count("rank ") >= 4 and "7B7" in out
+    assert "makespan 28.5" in out  # golden: the simulator for p=4 v=2 m=8, F=1 B=2 (per stage F/v, B/v)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    rc = main(["schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--forward", "1", "--backward", "1"])
+    assert rc == 0 and "makespan 6" in capsys.readouterr().out  # 2(m + p - 1) with F = B = 1
+
+
+def test_parse_size():
+    assert parse_size("80GB") == 80e9
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("512 mb") == 512e6
+    assert parse_size("1e9") == 1e9
+    with pytest.raises(Exception, match="not a size"):
+        parse_size("lots")
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "fxsplit", "schedule", "gpipe", "--pp", "2", "--microbatches", "2"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "gpipe: p=2 v=1 m=2" in done.stdout
