@@ -39,7 +39,7 @@ from fxsplit.collectives import copy_to_region, reduce_from_region
 from fxsplit.pass_api import PassContext, PassResult
 from fxsplit.sharding import ShardSpec, unshard_state_dict
 from fxsplit.tp_ops import gather_logits, vocab_parallel_embedding
-from fxsplit.tp_plan import TPPlan, TPPlanError, find_tp_plan
+from fxsplit.tp_plan import TPPlan, TPPlanError, find_tp_plan, op_name
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -126,6 +126,10 @@ def _new(graph: torch.fx.Graph, target, args, kwargs=None, *, like: torch.fx.Nod
     return n
 
 
+def _is_view(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and op_name(node) in ("view", "reshape", "_unsafe_view")
+
+
 def _linear_input(node: torch.fx.Node, plan: TPPlan) -> torch.fx.Node:
     info = plan.linears[node.name]
     return node.args[0] if info.kind == "module" else node.args[info.x_index]
@@ -164,16 +168,21 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
         if n.op == "get_attr" and str(n.target) in plan.param_specs:
             n.meta["val"] = None  # refilled with the local shape below
 
-    # 3. f before the column linears of each region (once per input)
+    # 3. f before the column linears of each region, once per source (placed before views of
+    #    the source, so that under sequence parallelism the gather sees [B, T, C])
     for region in plan.regions:
-        for inp in region.inputs:
-            x = nodes[inp]
-            with graph.inserting_after(x):
-                f = _new(graph, copy_to_region, (x,), {"axis": axis}, like=x, val=x.meta.get("val"))
-            for c in region.columns:
-                nodes[c].replace_input_with(x, f)
+        fs: dict[str, torch.fx.Node] = {}
+        for c in region.columns:
+            consumer, src = nodes[c], _linear_input(nodes[c], plan)
+            while _is_view(src) and len(src.users) == 1 and isinstance(src.args[0], torch.fx.Node):
+                consumer, src = src, src.args[0]
+            if src.name not in fs:
+                with graph.inserting_after(src):
+                    fs[src.name] = _new(graph, copy_to_region, (src,), {"axis": axis}, like=src,
+                                        val=src.meta.get("val"))
+            consumer.replace_input_with(src, fs[src.name])
 
-    # 4. row linears: linear without bias, g, bias
+    # 4. row linears: linear without bias, (views back to [B, T, C]), g, bias
     for region in plan.regions:
         for r in region.rows:
             node, info = nodes[r], plan.linears[r]
@@ -188,14 +197,21 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                     y = _new(graph, aten.linear.default, (x, w), like=node, val=val)
                 else:
                     y = _new(graph, aten.mm.default, (x, w), like=node, val=val)
-                g = _new(graph, reduce_from_region, (y,), {"axis": axis}, like=node, val=val)
-                out = g
-                if info.bias is not None:
-                    b = graph.get_attr(info.bias)
-                    out = _new(graph, add, (g, b), like=node, val=val)
-            node.replace_all_uses_with(out)
+            node.replace_all_uses_with(y)
             graph.erase_node(node)
             nodes.pop(r)
+            end = y
+            while len(end.users) == 1 and _is_view(next(iter(end.users))):
+                end = next(iter(end.users))
+            with graph.inserting_after(end):
+                g = _new(graph, reduce_from_region, (end,), {"axis": axis}, like=node, val=end.meta.get("val"))
+            out = g
+            if info.bias is not None:
+                with graph.inserting_after(g):
+                    b = graph.get_attr(info.bias)
+                with graph.inserting_after(b):
+                    out = _new(graph, add, (g, b), like=node, val=end.meta.get("val"))
+            end.replace_all_uses_with(out, delete_user_cb=lambda u: u is not g)
 
     # 5. vocabulary embeddings
     for name in plan.vocab_embeddings:
