@@ -147,20 +147,32 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             loss.backward()
             losses["single"] = float(loss.detach())
 
+        def single_mb_step():  # the same m microbatches, one after the other (gradient accumulation)
+            total = 0.0
+            for xs, ys in zip(x.chunk(setup.microbatches), y.chunk(setup.microbatches)):
+                loss = zoo.cross_entropy_loss(single(xs), ys) / setup.microbatches
+                loss.backward()
+                total += float(loss.detach())
+            losses["single_mb"] = total
+
         def zero():
             pm.zero_grad(set_to_none=True)
             single.zero_grad(set_to_none=True)
             for st in stages:
                 st.submod.zero_grad(set_to_none=True)
 
-        runs = [("fxsplit", fx_step, True), ("ptd", ptd_step, True), ("single", single_step, rank == 0)]
+        runs = [("fxsplit", fx_step, True), ("ptd", ptd_step, True), ("single", single_step, rank == 0),
+                ("single_mb", single_mb_step, rank == 0)]
         times: dict[str, list[float]] = {k: [] for k, _, _ in runs}
+        waits: list[float] = []  # fxsplit: seconds this rank blocked in receives (bubble + transfers)
         cpus: dict[str, list[float]] = {k: [] for k, _, _ in runs}
         first_losses = None
         for i in range(setup.warmup + setup.steps):
             order = runs if i % 2 == 0 else runs[::-1]
             for name, fn, active in order:
                 dt, cpu = _timed(fn, active)
+                if name == "fxsplit" and i >= setup.warmup:
+                    waits.append(pm._runtime._channels[True].wait_seconds)
                 zero()
                 if i >= setup.warmup:
                     times[name].append(dt)
@@ -171,7 +183,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         est_work = setup.microbatches * sum(s.time for s in pm.plan.split.stages)
         sim_bal = schedules.simulate(pm.plan.schedule, forward=1 / 3, backward=2 / 3)
         out[label] = {
-            "times": times, "cpu": cpus, "losses": first_losses, "paths": paths, "setup_s": (t_fx, t_ptd),
+            "times": times, "cpu": cpus, "waits": waits, "losses": first_losses, "paths": paths, "setup_s": (t_fx, t_ptd),
             "sim_plan_ratio": sim_plan.makespan / est_work,  # predicted step / T1
             "sim_bal_ratio": sim_bal.makespan / (setup.microbatches * world),
             "stage_est": [s.time for s in pm.plan.split.stages],
@@ -190,6 +202,10 @@ def _losses_agree(all_losses: list[dict]) -> float:
 
 def _med(xs) -> float:
     return statistics.median(xs)
+
+
+def cpu_single_mb(results: list[dict], label: str) -> list[float]:
+    return results[0][label]["cpu"]["single_mb"]
 
 
 def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
@@ -221,6 +237,15 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
             f"{ratio:6.3f} {fx_id:6.3f} {ptd_id:7.3f} {r0['sim_plan_ratio'] * t1:9.3f} {r0['sim_bal_ratio'] * t1:8.3f} "
             f"{_med(cpu_rank['fxsplit']):6.3f} {_med(cpu_rank['ptd']):7.3f} {eff['fxsplit']:10.3f} {eff['ptd']:11.3f}"
         )
+        t1mb = _med(w["single_mb"])
+        mb_ideal = _med([w["single_mb"][i] / w["fxsplit"][i] / ideal for i in range(n)])
+        per_rank = lambda k: [round(_med(r[label]["cpu"][k]), 3) for r in results]  # noqa: E731
+        lines.append(
+            f"    single process over the m microbatches: {t1mb:.3f} s (CPU {_med(cpu_single_mb(results, label)):.3f} s); "
+            f"fx %ideal against it {mb_ideal:.3f}; CPU s per rank: fxsplit {per_rank('fxsplit')}, "
+            f"PTD {per_rank('ptd')}; fxsplit blocked in receives per rank "
+            f"{[round(_med(r[label]['waits']), 3) for r in results]} s"
+        )
         rel = _losses_agree([r[label]["losses"] for r in results])
         lines.append(
             f"    split at {r0['paths']}; first-step losses agree to {rel:.1e} (fxsplit, PTD, single); "
@@ -229,7 +254,7 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
         lines.append("    wall s per round: " + "; ".join(
             f"{k} " + " ".join(f"{t:.3f}" for t in v) for k, v in w.items()))
     lines.append(
-        "columns: medians over rounds; fx/PTD, %id (speedup T1/step over the ideal) and cpu eff are "
+        "columns (all times wall s unless CPU): medians over rounds; fx/PTD, %id (speedup T1/step over the ideal) and cpu eff are "
         "medians of per-round ratios; pred = simulator makespan scaled to T1 (plan: estimated stage "
         "costs; bal: balanced); cpu = slowest rank's main-thread CPU s per step; cpu eff = T1 CPU / "
         "(p * that): 1.0 = no per-rank work beyond an even split of the single process")
