@@ -33,9 +33,10 @@ and the baselines.
   bit-identical to the one `brute_force` finds for the same cuts.
 - Stage memory of stage s on rank r = s % p:
   ``state_bytes_per_param_byte * sum(param_bytes[a:b]) + inflight[r] * sum(activation_bytes[a:b])``.
-  ``state_bytes_per_param_byte`` (default 4) counts parameter, gradient and Adam's m and v, all
-  in the parameter's dtype; use 8 for bf16 parameters with fp32 grads... whatever the optimizer
-  keeps. ``activation_bytes`` are the bytes a unit saves for backward per microbatch.
+  ``state_bytes_per_param_byte`` (default 4: fp32 parameter, gradient, Adam m and v) is the
+  training state per parameter byte; bf16 parameters and gradients with an fp32 master copy and
+  fp32 Adam state make (2 + 2 + 4 + 4 + 4) / 2 = 8. ``activation_bytes`` are the bytes a unit
+  saves for backward per microbatch.
 - Rank memory: the sum of its stages' memories, in stage order. ``memory_limit`` caps it.
 - ``inflight[r]``: how many microbatches' activations rank r holds at its peak, counted in
   microbatches of the rank's whole share (all of its stages): GPipe ``m``
@@ -51,14 +52,22 @@ and the baselines.
 
 Guarantees of `solve`:
 
-- No ``memory_limit``, or ``v == 1``: exact (optimal bottleneck and the tie rule above), by
-  search over the finite set of stage-time values with an O(S * n) reachability check per probe.
-- ``memory_limit`` and ``v > 1`` (a rank sums memory over stages r, r+p, ...): exact by a
-  depth-first search over cut tuples when it finishes within ``exact_budget`` search steps
-  (``Partition.exact`` is True). Otherwise sound but not exact: every stage is capped at
-  ``memory_limit / v``, which keeps every rank within the limit; the partition returned satisfies
-  the cap and has ``exact=False`` (its bottleneck may exceed the optimum), and a
-  `PartitionError` may be raised although a partition within the cap exists (the message says so).
+- No ``memory_limit``, or ``v == 1``: exact (optimal bottleneck and the tie rule above). Method:
+  a search over the finite set of stage-time values (galloping, then bisection; an infeasible
+  probe jumps straight to the next value at which anything could change), each probe an
+  O(S * band) reachability sweep over positions with prefix sums, where the band holds the
+  positions a stage can end at given the compute (and memory) bounds. n = 5000, S = 64: ~0.2 s.
+- ``memory_limit`` and ``v > 1`` (a rank sums memory over stages r, r+p, ...):
+  exact (``Partition.exact`` True) when the optimum of the relaxation "each stage alone within
+  the limit" also fits every rank, or when a depth-first search over cut tuples (at most 400
+  allowed positions) finishes within ``exact_budget`` steps. Otherwise sound, not exact:
+  per-stage caps that sum to the limit on every rank (uniform ``memory_limit / v``, or in
+  proportion to the stage memories of near-optimal partitions); the best partition found is
+  returned with ``exact=False``: it fits the limit, its bottleneck may exceed the optimum, and a
+  `PartitionError` may be raised although a fitting partition exists (the message says so).
+- A `PartitionError` for memory names the smallest per-rank memory any partition needs (exact
+  for v == 1 and for enumerable v > 1 problems, else a lower bound) and, for the default
+  in-flight model, the smallest ``num_ranks`` (same v) found to fit.
 """
 
 from __future__ import annotations
@@ -186,7 +195,8 @@ class PartitionProblem:
             raise PartitionError(f"memory_limit = {self.memory_limit!r}; it must be finite and > 0 (or None)")
         if not (0 <= self.state_bytes_per_param_byte < _INF):
             raise PartitionError(
-                f"state_bytes_per_param_byte = {self.state_bytes_per_param_byte!r}; it must be finite and >= 0")
+                f"state_bytes_per_param_byte = {self.state_bytes_per_param_byte!r}; "
+                f"it must be finite and >= 0")
         if isinstance(self.inflight, (tuple, list)):
             put("inflight", _floats("inflight", self.inflight, self.num_ranks, "one per rank"))
 
@@ -443,7 +453,8 @@ def _reconstruct(ch: _Chain, layers: list, B: float, caps: Sequence[float] | Non
     for s in range(ch.S, 0, -1):
         prev = layers[s - 1]
         for a in range(ch.seg_start(b), b):
-            if prev[a] != _NEG and ch.E[b] - ch.K[a] <= Bc and (caps is None or ch.mem(s - 1, a, b) <= caps[s - 1]):
+            if prev[a] != _NEG and ch.E[b] - ch.K[a] <= Bc and (
+                    caps is None or ch.mem(s - 1, a, b) <= caps[s - 1]):
                 break
         else:  # pragma: no cover - a feasible table always has a start
             raise AssertionError(f"no start for stage {s - 1} ending at {b}")
@@ -652,8 +663,8 @@ def _fallback(ch: _Chain, relaxed: tuple[int, ...]) -> tuple[int, ...] | None:
     def proportional(cuts: tuple[int, ...], weight: float) -> tuple[float, ...]:
         mem = [ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))]
         total = [sum(mem[r::p]) for r in range(p)]
-        return tuple(L * ((1 - weight) / ch.v + (weight * m / total[s % p] if total[s % p] else weight / ch.v))
-                     for s, m in enumerate(mem))
+        share = [m / total[s % p] if total[s % p] else 1 / ch.v for s, m in enumerate(mem)]
+        return tuple(L * ((1 - weight) / ch.v + weight * x) for x in share)
 
     attempt((L / ch.v,) * S)
     attempt(proportional(relaxed, 1.0))
@@ -719,7 +730,8 @@ def _memory_error(ch: _Chain, sound_only: bool) -> PartitionError:
                 fit = q
                 break
         if fit is not None:
-            msg += f" Fix: use num_ranks = {fit} (num_stages = {fit * ch.v}), which fits, or raise memory_limit."
+            msg += (f" Fix: use num_ranks = {fit} (num_stages = {fit * ch.v}), which fits, "
+                    f"or raise memory_limit.")
         else:
             msg += (f" No num_ranks up to {top} fits with this in-flight model (more 1F1B ranks keep more "
                     f"microbatches in flight); raise memory_limit, use fewer microbatches in flight or "

@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fxsplit.partition import (
-    Partition,
     PartitionError,
     PartitionProblem,
     brute_force,
@@ -63,7 +62,8 @@ def ref_rank_memory(pb, cuts):
     mem = [0.0] * pb.num_ranks
     for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
         r = s % pb.num_ranks
-        mem[r] += pb.state_bytes_per_param_byte * sum(pb.param_bytes[a:b]) + f[r] * sum(pb.activation_bytes[a:b])
+        mem[r] += (pb.state_bytes_per_param_byte * sum(pb.param_bytes[a:b])
+                   + f[r] * sum(pb.activation_bytes[a:b]))
     return mem
 
 
@@ -94,7 +94,8 @@ def ref_dp_bottleneck(pb):
                     continue
                 if pb.memory_limit is not None:
                     r = s % pb.num_ranks
-                    m = pb.state_bytes_per_param_byte * sum(pb.param_bytes[a:b]) + f_[r] * sum(pb.activation_bytes[a:b])
+                    m = (pb.state_bytes_per_param_byte * sum(pb.param_bytes[a:b])
+                         + f_[r] * sum(pb.activation_bytes[a:b]))
                     if m > pb.memory_limit:
                         continue
                 new[b] = min(new[b], max(best[a], ref_time(pb, a, b)))
@@ -275,8 +276,9 @@ def test_interleaved_memory_sums_over_the_ranks_stages():
 
 
 def test_sound_fallback_fits_but_may_lose_time():
-    pb = PartitionProblem(compute=(0, 3, 5, 4, 0, 1), param_bytes=(4, 3, 2, 3, 5, 0), activation_bytes=(0,) * 6,
-                          cut_bytes=(0,) * 7, num_stages=4, num_ranks=2, memory_limit=40.0, inflight=(1.0, 1.0))
+    pb = PartitionProblem(compute=(0, 3, 5, 4, 0, 1), param_bytes=(4, 3, 2, 3, 5, 0),
+                          activation_bytes=(0,) * 6, cut_bytes=(0,) * 7, num_stages=4, num_ranks=2,
+                          memory_limit=40.0, inflight=(1.0, 1.0))
     exact = solve(pb)
     assert exact.exact and (exact.cuts, exact.bottleneck) == ((0, 2, 3, 4, 6), 5.0)
     sound = solve(replace(pb, exact_budget=0))
