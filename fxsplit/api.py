@@ -603,7 +603,12 @@ def parallelize(
     """Parallelize ``model`` over dp x tp x pp processes (inside a torchrun launch); returns this
     rank's :class:`ParallelModel`. Options are those of :func:`plan`. The process group is
     initialized from torchrun's environment when needed (NCCL with CUDA, else gloo), and the mesh
-    built from it unless ``mesh=`` gives a DeviceMesh with dims ("dp", "pp", "tp")."""
+    built from it unless ``mesh=`` gives a DeviceMesh with dims ("dp", "pp", "tp") over every rank.
+
+    Bad requests (world size != dp * tp * pp, a mesh of another shape, microbatches < pp) raise
+    on every rank before any collective. ``timeout`` bounds every wait on another rank; a failure
+    on any rank in ``step()`` / ``forward()`` raises on every rank, naming it ([Note: failures]
+    at ``ParallelModel._agree``)."""
     from .mesh import build_mesh, check_mesh, init_from_env, mesh_coords, mesh_groups
     from .runtime import PipelineRuntime
 
@@ -618,6 +623,12 @@ def parallelize(
         mesh = build_mesh(dp=dp, pp=pp, tp=tp)
     else:
         check_mesh(mesh, dp, pp, tp)
+    if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
+        raise ValueError(
+            f"the mesh covers {mesh.mesh.numel()} ranks but the default process group has "
+            f"{dist.get_world_size()}; fxsplit runs on every rank of the default group: build the mesh "
+            f"over all of them (fxsplit.mesh.build_mesh(dp=..., pp=..., tp=...))"
+        )
     coords = mesh_coords(mesh)
     groups = mesh_groups(mesh)
     # [Note: failures]: flag all-reduces over every rank, on the CPU (gloo); the runtime gets a
