@@ -182,6 +182,32 @@ def test_solve_matches_brute_force(pb):
     assert ref.bottleneck == min(max(ref_time(pb, a, b) for a, b in zip(c, c[1:])) for c in feasible)
 
 
+@st.composite
+def coupled_problems(draw):
+    """v > 1, every cut allowed, memory that differs between units: rank coupling can bind."""
+    S, p = draw(st.sampled_from([(4, 2), (3, 1), (4, 1), (2, 1)]))
+    n = draw(st.integers(S, 9))
+    ints = lambda lo: st.lists(st.integers(lo, 12).map(float), min_size=n, max_size=n)  # noqa: E731
+    return PartitionProblem(compute=draw(ints(0)), param_bytes=draw(ints(1)), activation_bytes=draw(ints(0)),
+                            cut_bytes=(0.0,) * (n + 1), num_stages=S, num_ranks=p,
+                            inflight=draw(st.none() | st.just(tuple(float(p - r) for r in range(p)))))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(coupled_problems(), st.sampled_from([0.0, 0.25, 0.5, 0.75]))
+def test_coupled_memory_exact_search_matches_brute_force(pb, frac):
+    """v > 1 with a limit between the least memory any partition needs and the memory of the
+    unconstrained optimum: the rank coupling binds, and the exact search must find the optimum."""
+    assume(pb.num_stages - 1 <= possible_cuts(pb) and len(pb.forced) <= pb.num_stages - 1)
+    need = min(max(ref_rank_memory(pb, c)) for c in ref_candidates(pb))
+    free = max(ref_rank_memory(pb, solve(pb).cuts))
+    assume(need < free)
+    pb = replace(pb, memory_limit=need + frac * (free - need))
+    ref, part = brute_force(pb), solve(pb)
+    check_structure(pb, part)
+    assert part.exact and (part.bottleneck, part.cuts) == (ref.bottleneck, ref.cuts)
+
+
 @settings(max_examples=60, deadline=None)
 @given(problems(max_n=40, max_stages=7))
 def test_solve_matches_independent_dp_medium(pb):
