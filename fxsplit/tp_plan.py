@@ -716,8 +716,6 @@ def find_tp_plan(
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise TPPlanError(f"find_tp_plan: tp must be an int >= 1, got {tp!r}")
-    if sequence_parallel:
-        raise TPPlanError("find_tp_plan: sequence_parallel=True is not implemented yet; use sequence_parallel=False")
     linears = find_linears(gm)
     embeds = find_embeddings(gm)
     aliases = _aliases(gm)
@@ -763,6 +761,11 @@ def find_tp_plan(
     if vocab_parallel_loss and not lm_heads:
         raise TPPlanError("vocab_parallel_loss=True but no LM head was found (a linear tied to the token embedding "
                           "or with vocabulary-sized outputs that the model returns); mark it with overrides={path: 'vocab'}")
+
+    if sequence_parallel and not vocab_embeds:
+        raise TPPlanError("sequence_parallel=True needs a token embedding (a vocabulary-parallel embedding whose "
+                          "[B, T, C] output starts the sequence-sharded residual stream); this graph has none. "
+                          "Use sequence_parallel=False, or mark the token embedding with overrides={path: 'vocab'}")
 
     # ---- regions by propagation
     regions: list[Region] = []

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxsplit
-from fxsplit.collectives import copy_to_region, reduce_from_region
+from fxsplit.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
+                                 reduce_scatter_to_region, scatter_to_region)
 from fxsplit.pass_api import PassContext, PassResult
 from fxsplit.sharding import ShardSpec, unshard_state_dict
 from fxsplit.tp_ops import gather_logits, vocab_parallel_embedding
@@ -242,14 +243,196 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                 gl = _new(graph, gather_logits, (node, plan.vocab_size), {"axis": axis}, like=node, val=val)
             node.replace_all_uses_with(gl, delete_user_cb=lambda u: u is not gl)
 
+    if plan.sequence_parallel:
+        _sequence_parallel(gm, plan, axis)
     graph.lint()
     gm.recompile()
     for n in graph.nodes:  # metadata contract: every node annotated
         if n.op == "get_attr" and n.meta.get("val") is None:
             n.meta["val"] = _param_val(gm, n, nodes)
+        elif n.target is copy_to_region and n.meta.get("val") is None:
+            n.meta["val"] = n.args[0].meta.get("val")
         fxsplit.annotate_node(n, gm)
     gm.meta["fxsplit_tp"] = plan
     return gm
+
+
+# ------------------------------------------------------------------------------------------------
+# sequence parallelism (Megatron-3)
+
+_SP_REDUCTIONS = ("mean", "sum", "amax", "var")
+
+
+def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str) -> None:
+    """Shard the activations between regions along the sequence (dim 1 of [B, T, C]).
+
+    The residual stream after the vocabulary embedding is scattered along the sequence; f before
+    a region becomes an all-gather along the sequence (``gather_to_region``: backward
+    reduce-scatter), g after a region a reduce-scatter (``reduce_scatter_to_region``); norms,
+    dropout, pointwise ops, per-token linears and reductions over other dims run on the shard.
+    Parameters read on the shard (norm weights, row biases) go through ``copy_to_region`` so
+    their gradients are summed over the tp ranks; a replicated operand that spans the sequence
+    is scattered too. Any other consumer gets the value all-gathered first (``gather_from_region``),
+    so nothing downstream changes: e.g. the model output.
+    """
+    graph, t = gm.graph, plan.tp
+    seq: dict[torch.fx.Node, int] = {}  # node -> sequence dim of its local shard
+    shape_of: dict[torch.fx.Node, int] = {}  # fx getattr(x, "shape") of a sharded x
+    orig = {n: n.meta.get("val") for n in graph.nodes}
+    for n in graph.nodes:  # parameters read by get_attr nodes added above (no val yet)
+        if n.op == "get_attr" and orig[n] is None:
+            owner, leaf = _owner(gm, str(n.target))
+            orig[n] = getattr(owner, leaf)
+    gathered: list[torch.fx.Node] = []
+    params = {id(p) for p in gm.parameters()}
+
+    def insert(target, args, kwargs, before, like):
+        with graph.inserting_before(before):
+            return _new(graph, target, args, kwargs, like=like)
+
+    def is_grad_param(x) -> bool:
+        if not isinstance(x, torch.fx.Node) or x.op != "get_attr":
+            return False
+        owner, leaf = _owner(gm, str(x.target))
+        return id(getattr(owner, leaf)) in params and getattr(owner, leaf).requires_grad
+
+    def summed(node, x):  # f on a replicated operand read by the shard: gradients summed over tp
+        if not isinstance(x, torch.fx.Node):
+            return
+        if x.op == "get_attr" and not is_grad_param(x):
+            return  # a buffer or constant: no gradient
+        if x.op != "get_attr" and not isinstance(orig.get(x, x.meta.get("val")), torch.Tensor):
+            return
+        c = insert(copy_to_region, (x,), {"axis": axis}, node, x)
+        orig[c] = orig.get(x, x.meta.get("val"))
+        node.replace_input_with(x, c)
+
+    def gather_input(node, x):
+        g = insert(gather_from_region, (x,), {"dim": seq[x], "axis": axis}, node, x)
+        orig[g] = orig.get(x)
+        gathered.append(g)
+        node.replace_input_with(x, g)
+
+    for node in list(graph.nodes):
+        name = op_name(node, gm)
+        if node.op == "call_function" and node.target is vocab_parallel_embedding:
+            with graph.inserting_after(node):
+                sc = _new(graph, scatter_to_region, (node,), {"dim": 1, "axis": axis}, like=node)
+            node.replace_all_uses_with(sc, delete_user_cb=lambda u: u is not sc)
+            orig[sc] = orig[node]
+            seq[sc] = 1
+            continue
+        if node.op == "call_function" and node.target is reduce_from_region:
+            v = orig.get(node.args[0])
+            if isinstance(v, torch.Tensor) and v.dim() >= 3:
+                node.target = reduce_scatter_to_region
+                node.kwargs = {"dim": 1, "axis": axis}
+                seq[node] = 1
+            continue
+        if node in shape_of or any(a in shape_of for a in node.all_input_nodes):
+            src = next(a for a in node.all_input_nodes if a in shape_of)
+            if name == "getitem" and node.args[1] == shape_of[src]:
+                _times_t(graph, node, t)
+            continue
+        ins = [a for a in node.all_input_nodes if a in seq]
+        if not ins:
+            continue
+        x = node.args[0] if node.args else None
+        if node.op == "call_function" and node.target is copy_to_region:
+            node.target, node.kwargs = gather_to_region, {"dim": seq[x], "axis": axis}
+            continue
+        if name == "getattr" and node.args[1] == "shape":
+            shape_of[node] = seq[x]
+            continue
+        if name in ("size", "sym_size") and len(node.args) > 1:
+            if _norm_dim(node.args[1], orig[x].dim()) == seq[x]:
+                _times_t(graph, node, t)
+            continue
+        out = orig.get(node)
+        if not isinstance(out, torch.Tensor):
+            for a in ins:
+                gather_input(node, a)
+            continue
+        n = out.dim()
+        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), (nn.LayerNorm, nn.Linear)):
+            node = _module_to_function(gm, node)
+            name = op_name(node, gm)
+            orig[node] = out
+        ok = False
+        if (_pointwise(node, name)) and all(a in seq for a in ins):
+            dims = {seq[a] + n - orig[a].dim() for a in ins}
+            if len(dims) == 1:
+                (d,) = dims
+                for a in list(node.all_input_nodes):
+                    va = orig.get(a, a.meta.get("val"))
+                    if a in seq or not isinstance(va, torch.Tensor):
+                        continue
+                    pos = d - (n - va.dim())
+                    if pos >= 0 and va.shape[pos] != 1:
+                        sc = insert(scatter_to_region, (a,), {"dim": pos, "axis": axis}, node, a)
+                        orig[sc] = va
+                        node.replace_input_with(a, sc)
+                    else:
+                        summed(node, a)
+                seq[node], ok = d, True
+        elif name in ("layer_norm", "native_layer_norm", "linear") and x in seq and seq[x] < orig[x].dim() - 1:
+            for a in node.args[1:]:
+                if isinstance(a, torch.fx.Node):
+                    summed(node, a)
+            seq[node], ok = seq[x], True
+        elif name in _SP_REDUCTIONS and x in seq and len(node.args) > 1 and isinstance(node.args[1], (list, tuple)):
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            dims = [_norm_dim(d, orig[x].dim()) for d in node.args[1]]
+            if keep and seq[x] not in dims:
+                seq[node], ok = seq[x], True
+        if not ok:
+            for a in ins:
+                gather_input(node, a)
+    for node, d in seq.items():
+        v = orig.get(node)
+        if isinstance(v, torch.Tensor):
+            node.meta["val"] = _local_val(v, d, v.shape[d] // t)
+    for node in graph.nodes:
+        if node.op != "get_attr" and node.meta.get("val") is None and isinstance(orig.get(node), torch.Tensor):
+            node.meta["val"] = orig[node]
+
+
+def _norm_dim(d: int, n: int) -> int:
+    return d % n if n else d
+
+
+def _pointwise(node: torch.fx.Node, name: str) -> bool:
+    if node.op == "call_function" and node.target in (copy_to_region, gather_from_region):
+        return False
+    if name in ("dropout", "gelu", "silu", "relu", "tanh", "sigmoid", "alias", "add", "sub", "mul", "div", "neg",
+                "pow", "to", "float", "type_as", "contiguous", "clone", "_to_copy", "rsqrt", "sqrt", "exp"):
+        return True
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+
+
+def _times_t(graph: torch.fx.Graph, node: torch.fx.Node, t: int) -> None:
+    """A size read from a sequence shard means the whole sequence: multiply it by t."""
+    with graph.inserting_after(node):
+        m = graph.call_function(operator.mul, (node, t))
+    m.meta["val"] = node.meta.get("val")
+    node.replace_all_uses_with(m, delete_user_cb=lambda u: u is not m)
+
+
+def _module_to_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
+    """nn.LayerNorm / nn.Linear call_module -> F.layer_norm / F.linear with get_attr parameters."""
+    graph, mod = gm.graph, gm.get_submodule(str(node.target))
+    with graph.inserting_before(node):
+        w = graph.get_attr(f"{node.target}.weight") if mod.weight is not None else None
+        b = graph.get_attr(f"{node.target}.bias") if getattr(mod, "bias", None) is not None else None
+        if isinstance(mod, nn.LayerNorm):
+            new = _new(graph, F.layer_norm, (node.args[0], tuple(mod.normalized_shape), w, b, mod.eps), like=node,
+                       val=node.meta.get("val"))
+        else:
+            new = _new(graph, F.linear, (node.args[0], w, b), like=node, val=node.meta.get("val"))
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
 
 
 def _param_val(gm, n, nodes):

@@ -142,6 +142,14 @@ CASES_2 = [
     (("hf_bert", {}), {}),
     (("hf_llama", {}), {"vocab_parallel_loss": True}),
 ]
+CASES_2 += [
+    (("gpt", SMALL), {"sequence_parallel": True}),
+    (("gpt", dict(SMALL, fused_qkv=True, n_kv_head=2, mlp="swiglu")),
+     {"sequence_parallel": True, "vocab_parallel_loss": True}),
+    (("hf_gpt2", {}), {"sequence_parallel": True}),
+    (("hf_llama", {}), {"sequence_parallel": True}),
+    (("hf_bert", {}), {"sequence_parallel": True}),
+]
 CASES_4 = [
     (("gpt", dict(SMALL, fused_qkv=True)), {}),
     (("gpt", dict(SMALL, n_kv_head=4, n_head=8, fused_qkv=True, mlp="swiglu")), {"vocab_parallel_loss": True}),
