@@ -134,6 +134,18 @@ def _two_ranks(rank, world):
     r["after_failure"] = _catch(lambda: bad.step(x, target=y))
     _, pm = _gpt_pm()
     r["bad_target"] = _catch(lambda: pm.step(x, target=y[:, :7]))
+
+    # -- dp=2, pp=1: one replica fails in its loss; the world group survives, the model too
+    _, pm = _gpt_pm(dp=2, pp=1, microbatches=1)
+    r["dp_bad_target"] = _catch(lambda: pm.step(x, target=y[:, :7] if rank == 1 else y))
+    r["dp_after"] = _catch(lambda: float(pm.step(x, target=y)))
+
+    # -- a rank that never calls step(): its peer gives up after `timeout`, naming the cause
+    _, pm = _gpt_pm(timeout=3)
+    if rank == 0:
+        r["absent_peer"] = _catch(lambda: pm.step(x, target=y))
+    else:
+        time.sleep(4.5)
     return r
 
 
@@ -246,6 +258,25 @@ def test_failure_on_last_stage_fails_every_rank_fast_naming_it(two):
     kind, text, s0 = two[0]["bad_target"]
     assert kind == "RankFailedError" and "global rank 1 (dp 0, pp 1, tp 0)" in text, text
     assert s0 < FAST / 2
+
+
+@pytest.mark.dist
+def test_failure_in_one_data_parallel_replica_without_pipeline(two):
+    kind, text, _ = two[1]["dp_bad_target"]
+    assert kind == "ValueError" and "batch_size" in text, text
+    kind, text, s0 = two[0]["dp_bad_target"]
+    assert kind == "RankFailedError" and "global rank 1 (dp 1, pp 0, tp 0): ValueError" in text, text
+    assert s0 < FAST / 2
+    # pp=1: nothing was destroyed, both replicas train on with the same loss
+    assert two[0]["dp_after"][0] == two[1]["dp_after"][0] == "ok", (two[0]["dp_after"], two[1]["dp_after"])
+    assert two[0]["dp_after"][1] == two[1]["dp_after"][1]
+
+
+@pytest.mark.dist
+def test_absent_peer_times_out_instead_of_hanging(two):
+    kind, text, s = two[0]["absent_peer"]
+    assert kind == "RankFailedError" and "timed out after 3 s" in text and "did not call step()" in text, text
+    assert 2.5 < s < 4.5, s
 
 
 # ------------------------------------------------------------------------------------------------
