@@ -100,6 +100,82 @@ def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, worl
     return sched, stages, first, last
 
 
+class ActionClock:
+    """Main-thread CPU seconds of each pipeline action of one step on this rank: from the action's
+    start to the next one's start (the loss and bookkeeping after an action count to it; time
+    blocked in a receive uses no CPU); what precedes the first action counts to the first."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, str, int, float]] = []
+        self.t0 = time.thread_time()
+
+    def reset(self) -> None:
+        self.marks, self.t0 = [], time.thread_time()
+
+    def mark(self, stage: int, kind: str, mb: int) -> None:
+        self.marks.append((stage, kind, mb, time.thread_time()))
+
+    def actions(self) -> list[tuple[int, str, int, float]]:
+        end = time.thread_time()
+        starts = [t for *_, t in self.marks] + [end]
+        out = [(s, k, mb, starts[i + 1] - starts[i]) for i, (s, k, mb, _) in enumerate(self.marks)]
+        if out:
+            s, k, mb, d = out[0]
+            out[0] = (s, k, mb, d + starts[0] - self.t0)
+        return out
+
+
+def _clock_fxsplit(rt, clock: ActionClock) -> None:
+    """Instrumentation only: wrap this runtime instance's action methods."""
+    def wrap(method, kind):
+        def run(ac):
+            clock.mark(ac.action.stage, kind, ac.action.microbatch)
+            return method(ac)
+        return run
+    rt._forward, rt._backward = wrap(rt._forward, "F"), wrap(rt._backward, "B")
+
+
+def _clock_ptd(stage, clock: ActionClock) -> None:
+    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(chunk, *a, **k):
+        clock.mark(stage.stage_index, "F", chunk)
+        return fwd(chunk, *a, **k)
+
+    def backward_one_chunk(chunk, *a, **k):
+        clock.mark(stage.stage_index, "B", chunk)
+        return bwd(chunk, *a, **k)
+
+    stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+
+
+def free_machine_makespan(per_rank: list[list[tuple[int, str, int, float]]]) -> float:
+    """Step time on idle cores: every rank runs its recorded actions in their recorded order, each
+    as soon as its rank is free and its dependency is done (F(s, i) after F(s-1, i); B(s, i) after
+    B(s+1, i), the last stage's after its own F), taking its measured CPU time; transfers free."""
+    num_stages = 1 + max(s for acts in per_rank for s, *_ in acts)
+    done: dict[tuple[int, str, int], float] = {}
+    nxt, free = [0] * len(per_rank), [0.0] * len(per_rank)
+    remaining = sum(len(a) for a in per_rank)
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(per_rank):
+            while nxt[r] < len(acts):
+                s, k, mb, d = acts[nxt[r]]
+                dep = ((s - 1, "F", mb) if s > 0 else None) if k == "F" else \
+                    ((s + 1, "B", mb) if s < num_stages - 1 else (s, "F", mb))
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[r], done[dep] if dep is not None else 0.0)
+                free[r] = done[(s, k, mb)] = start + d
+                nxt[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("recorded action orders deadlock: instrumentation bug")
+    return max(free)
+
+
 def _timed(fn, active: bool) -> tuple[float, float]:
     """(slowest rank's wall seconds, this rank's main-thread CPU seconds) of one step."""
     dist.barrier()
@@ -131,16 +207,25 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         sched, stages, first, last = _ptd(copy.deepcopy(model), x, paths, setup, label, v, rank, world)
         t_ptd = time.perf_counter() - t0
         losses: dict[str, float] = {}
+        clocks = {"fxsplit": ActionClock(), "ptd": ActionClock()}
+        _clock_fxsplit(pm._runtime, clocks["fxsplit"])
+        for st in stages:
+            _clock_ptd(st, clocks["ptd"])
+        actions: dict[str, list] = {"fxsplit": [], "ptd": []}
 
         def fx_step():
+            clocks["fxsplit"].reset()
             losses["fxsplit"] = float(pm.step(x, target=y))
+            actions["fxsplit"].append(clocks["fxsplit"].actions())
 
         def ptd_step():
+            clocks["ptd"].reset()
             mb_losses: list = []
             args = (x,) if first else ()
             sched.step(*args, target=y if last else None, losses=mb_losses if last else None)
             if last:
                 losses["ptd"] = float(torch.stack(mb_losses).detach().mean())
+            actions["ptd"].append(clocks["ptd"].actions())
 
         def single_step():
             loss = zoo.cross_entropy_loss(single(x), y)
@@ -179,11 +264,14 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
                     cpus[name].append(cpu)
             if i == 0:
                 first_losses = dict(losses)
+            if i < setup.warmup:
+                for acts in actions.values():
+                    acts.clear()
         sim_plan = pm.plan.simulate()
         est_work = setup.microbatches * sum(s.time for s in pm.plan.split.stages)
         sim_bal = schedules.simulate(pm.plan.schedule, forward=1 / 3, backward=2 / 3)
         out[label] = {
-            "times": times, "cpu": cpus, "waits": waits, "losses": first_losses, "paths": paths, "setup_s": (t_fx, t_ptd),
+            "times": times, "cpu": cpus, "waits": waits, "actions": actions, "losses": first_losses, "paths": paths, "setup_s": (t_fx, t_ptd),
             "sim_plan_ratio": sim_plan.makespan / est_work,  # predicted step / T1
             "sim_bal_ratio": sim_bal.makespan / (setup.microbatches * world),
             "stage_est": [s.time for s in pm.plan.split.stages],
@@ -204,61 +292,61 @@ def _med(xs) -> float:
     return statistics.median(xs)
 
 
-def cpu_single_mb(results: list[dict], label: str) -> list[float]:
-    return results[0][label]["cpu"]["single_mb"]
 
 
 def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
-    """Medians over the timed rounds; ratios are per round (same round, same machine load)."""
+    """Medians over the timed rounds; every ratio is taken within a round (same machine load)."""
     p = len(results)
     m = setup.microbatches
     ideal = m / (m + p - 1) * p
-    lines = [
-        f"GPT {setup.layers} layers, width {setup.width}, vocab {setup.vocab}, seq {setup.seq}, batch {setup.batch}; "
-        f"p={p}, m={m}, gloo, 1 thread per rank; {setup.warmup} warmup + {setup.steps} timed rounds; "
-        f"ideal speedup m/(m+p-1)*p = {ideal:.3f}; 1-min load average {load[0]:.1f} -> {load[1]:.1f} "
-        f"on {os.cpu_count()} cores",
-        f"{'schedule':<15} {'T1 s':>6} {'fx s':>6} {'PTD s':>6} {'fx/PTD':>6} {'fx %id':>6} {'PTD %id':>7} "
-        f"{'pred plan':>9} {'pred bal':>8} {'fx cpu':>6} {'PTD cpu':>7} {'cpu eff fx':>10} {'cpu eff PTD':>11}",
-    ]
+    head = (f"GPT {setup.layers} layers, width {setup.width}, vocab {setup.vocab}, seq {setup.seq}, "
+            f"batch {setup.batch}; p={p}, m={m}, gloo, 1 thread per rank; {setup.warmup} warmup + "
+            f"{setup.steps} timed rounds; ideal speedup m/(m+p-1)*p = {ideal:.3f}; 1-min load average "
+            f"{load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores")
+    wall = [f"{'A. wall clock':<16} {'T1':>6} {'T1 mb':>6} {'fxsplit':>7} {'PTD':>6} {'fx/PTD':>6} "
+            f"{'fx/ideal':>8} {'PTD/ideal':>9}"]
+    free = [f"{'B. free cores':<16} {'T1 CPU':>6} {'fxsplit':>7} {'PTD':>6} {'fx/PTD':>6} {'fx/ideal':>8} "
+            f"{'PTD/ideal':>9} {'sim plan':>8} {'sim bal':>7} {'fx rank CPU':>13} {'PTD rank CPU':>13}"]
+    notes = []
     for label in setup.schedules:
+        name = f"{label} v={SCHEDULES[label][1]}"
         r0 = results[0][label]
         w = r0["times"]
         n = len(w["single"])
-        t1 = _med(w["single"])
-        ratio = _med([w["fxsplit"][i] / w["ptd"][i] for i in range(n)])
-        fx_id = _med([w["single"][i] / w["fxsplit"][i] / ideal for i in range(n)])
-        ptd_id = _med([w["single"][i] / w["ptd"][i] / ideal for i in range(n)])
-        cpu_single = results[0][label]["cpu"]["single"]
-        cpu_rank = {k: [max(r[label]["cpu"][k][i] for r in results) for i in range(n)] for k in ("fxsplit", "ptd")}
-        eff = {k: _med([cpu_single[i] / (p * cpu_rank[k][i]) for i in range(n)]) for k in cpu_rank}
-        lines.append(
-            f"{label + ' v=' + str(SCHEDULES[label][1]):<15} {t1:6.3f} {_med(w['fxsplit']):6.3f} {_med(w['ptd']):6.3f} "
-            f"{ratio:6.3f} {fx_id:6.3f} {ptd_id:7.3f} {r0['sim_plan_ratio'] * t1:9.3f} {r0['sim_bal_ratio'] * t1:8.3f} "
-            f"{_med(cpu_rank['fxsplit']):6.3f} {_med(cpu_rank['ptd']):7.3f} {eff['fxsplit']:10.3f} {eff['ptd']:11.3f}"
-        )
-        t1mb = _med(w["single_mb"])
-        mb_ideal = _med([w["single_mb"][i] / w["fxsplit"][i] / ideal for i in range(n)])
-        per_rank = lambda k: [round(_med(r[label]["cpu"][k]), 3) for r in results]  # noqa: E731
-        lines.append(
-            f"    single process over the m microbatches: {t1mb:.3f} s (CPU {_med(cpu_single_mb(results, label)):.3f} s); "
-            f"fx %ideal against it {mb_ideal:.3f}; CPU s per rank: fxsplit {per_rank('fxsplit')}, "
-            f"PTD {per_rank('ptd')}; fxsplit blocked in receives per rank "
-            f"{[round(_med(r[label]['waits']), 3) for r in results]} s"
-        )
+        rounds = range(n)
+        wall.append(
+            f"{name:<16} {_med(w['single']):6.3f} {_med(w['single_mb']):6.3f} {_med(w['fxsplit']):7.3f} "
+            f"{_med(w['ptd']):6.3f} {_med([w['fxsplit'][i] / w['ptd'][i] for i in rounds]):6.3f} "
+            f"{_med([w['single'][i] / w['fxsplit'][i] / ideal for i in rounds]):8.3f} "
+            f"{_med([w['single'][i] / w['ptd'][i] / ideal for i in rounds]):9.3f}")
+        t1cpu = r0["cpu"]["single"]
+        est = {k: [free_machine_makespan([r[label]["actions"][k][i] for r in results]) for i in rounds]
+               for k in ("fxsplit", "ptd")}
+        rank_cpu = {k: [round(_med(r[label]["cpu"][k]), 3) for r in results] for k in est}
+        free.append(
+            f"{name:<16} {_med(t1cpu):6.3f} {_med(est['fxsplit']):7.3f} {_med(est['ptd']):6.3f} "
+            f"{_med([est['fxsplit'][i] / est['ptd'][i] for i in rounds]):6.3f} "
+            f"{_med([t1cpu[i] / est['fxsplit'][i] / ideal for i in rounds]):8.3f} "
+            f"{_med([t1cpu[i] / est['ptd'][i] / ideal for i in rounds]):9.3f} "
+            f"{r0['sim_plan_ratio'] * _med(t1cpu):8.3f} {r0['sim_bal_ratio'] * _med(t1cpu):7.3f} "
+            f"{str(rank_cpu['fxsplit']):>13} {str(rank_cpu['ptd']):>13}")
         rel = _losses_agree([r[label]["losses"] for r in results])
-        lines.append(
-            f"    split at {r0['paths']}; first-step losses agree to {rel:.1e} (fxsplit, PTD, single); "
-            f"setup s rank 0 (fxsplit, PTD) {tuple(round(t, 1) for t in r0['setup_s'])}"
-        )
-        lines.append("    wall s per round: " + "; ".join(
+        notes.append(
+            f"{name}: split at {r0['paths']}; first-step losses (fxsplit, PTD, single, single over "
+            f"microbatches) agree to {rel:.1e}; fxsplit blocked in receives per rank "
+            f"{[round(_med(r[label]['waits']), 3) for r in results]} s; setup s on rank 0 (fxsplit, PTD) "
+            f"{tuple(round(t, 1) for t in r0['setup_s'])}")
+        notes.append(f"    wall s per round: " + "; ".join(
             f"{k} " + " ".join(f"{t:.3f}" for t in v) for k, v in w.items()))
-    lines.append(
-        "columns (all times wall s unless CPU): medians over rounds; fx/PTD, %id (speedup T1/step over the ideal) and cpu eff are "
-        "medians of per-round ratios; pred = simulator makespan scaled to T1 (plan: estimated stage "
-        "costs; bal: balanced); cpu = slowest rank's main-thread CPU s per step; cpu eff = T1 CPU / "
-        "(p * that): 1.0 = no per-rank work beyond an even split of the single process")
-    return "\n".join(lines)
+    legend = (
+        "A: medians of wall seconds per step (slowest rank); T1 = one process, whole batch; T1 mb = "
+        "one process, the m microbatches in turn; ratios are medians of per-round ratios, x/ideal = "
+        "(T1 / step) / ideal speedup. B: the step on idle cores, estimated from each action's "
+        "measured main-thread CPU seconds (each rank runs its recorded order, each action after its "
+        "dependency; transfers free); x/ideal against T1 CPU; sim = plan.simulate() makespan scaled "
+        "to T1 CPU (plan: the cost model's stage estimates; bal: balanced stages); rank CPU = "
+        "main-thread CPU seconds per step on each rank.")
+    return "\n".join([head, *wall, *free, *notes, legend])
 
 
 def main(argv: list[str] | None = None) -> int:
