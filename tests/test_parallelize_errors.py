@@ -102,7 +102,7 @@ def _two_ranks(rank, world):
     r["loss_not_callable"] = _catch(lambda: fxsplit.parallelize(model, args, loss_fn="mean", pp=2))
 
     # -- a working model: bad batches are refused on every rank and leave it usable
-    ref, pm = _gpt_pm()
+    _, pm = _gpt_pm()
     plan0, stages0 = pm.plan, dict(pm.stage_modules)
     x, y = _gpt_batch(0, 1, 16)
     r["small_batch"] = _catch(lambda: pm.step(x, target=y))
