@@ -31,6 +31,7 @@ how to fix it); 1 an error raised by the user's own code or while tracing (trace
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -121,8 +122,14 @@ def _callables_in(module: Any) -> list[str]:
 
 
 def _import_file(path: Path) -> Any:
-    module_name = "fxsplit_user_" + re.sub(r"\W", "_", path.stem)
-    spec = importlib.util.spec_from_file_location(module_name, path)
+    """Import ``path`` once per process (a factory and a ``--pass`` from the same file share one
+    module, so its ``register_pass`` decorators run once)."""
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
+    module_name = f"fxsplit_user_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
         raise UsageError(f"cannot import {str(path)!r}: it is not a Python file; give FILE.py:FACTORY")
     module = importlib.util.module_from_spec(spec)
@@ -198,7 +205,7 @@ def load_example(spec: str, *, meta: bool = False) -> tuple[Any, tuple, dict]:
         inputs_fn = getattr(module, "example_inputs", None)
         if not callable(inputs_fn):
             raise UsageError(
-                f"{spec} returned a bare model and {module.__name__.removeprefix('fxsplit_user_')} defines no "
+                f"{spec} returned a bare model and its file defines no "
                 "example_inputs(); return (model, example_args[, example_kwargs]) or add a module-level "
                 "example_inputs() returning example_args or (example_args, example_kwargs)"
             )

@@ -38,6 +38,11 @@ MODEL_FILE = textwrap.dedent(
 
     class NotUsed:
         pass
+
+    def tag_outputs(gm, ctx):                              # a user pass for --pass
+        from fxsplit.pass_api import PassResult
+        ctx.report["tag_outputs"] = len(gm.graph.find_nodes(op="output"))
+        return PassResult(gm, False)
     """
 )
 
@@ -110,7 +115,8 @@ def test_plan_options_split_points_meta_and_memory(model_file, capsys):
     [
         (["plan", "--tp", "2"], 2, "FILE.py:FACTORY"),
         (["plan", "{dir}/missing.py:gpt"], 2, "does not exist"),
-        (["plan", "{file}:nope"], 2, "callables defined there: NotUsed, bare, broken, example_inputs, gpt, mlp_pair, not_a_model"),
+        (["plan", "{file}:nope"], 2,
+         "callables defined there: NotUsed, bare, broken, example_inputs, gpt, mlp_pair, not_a_model, tag_outputs"),
         (["plan", "{file}"], 2, "write {file}:NAME"),
         (["plan", "no_such_module_xyz:f"], 2, "neither a file nor an importable module"),
         (["plan", "{file}:not_a_model"], 2, "returned a int; it must return (model, example_args"),
@@ -129,6 +135,23 @@ def test_errors_name_the_problem(model_file, argv, code, message, capsys):
     err = capsys.readouterr().err
     assert rc == code, err
     assert message.format(**fill) in err, err
+
+
+def test_user_pass_and_debug_dir(model_file, tmp_path, capsys):
+    dumps = tmp_path / "dumps"
+    rc = main(["plan", f"{model_file}:mlp_pair", "--pass", f"{model_file}:tag_outputs", "--debug-dir", str(dumps)])
+    assert rc == 0, capsys.readouterr().err
+    assert (dumps / "00_tag_outputs" / "after.py").is_file() and (dumps / "summary.txt").is_file()
+    rc = main(["plan", f"{model_file}:mlp_pair", "--debug-dir", str(tmp_path / "none")])
+    assert rc == 0 and "no pass runs with tp=1 and no --pass" in capsys.readouterr().err
+
+
+def test_import_error_in_the_file_is_exit_1(tmp_path, capsys):
+    path = tmp_path / "bad.py"
+    path.write_text("import no_such_package_xyz\n")
+    assert main(["plan", f"{path}:f"]) == 1
+    err = capsys.readouterr().err
+    assert "importing" in err and "No module named 'no_such_package_xyz'" in err
 
 
 def test_bare_model_without_example_inputs(tmp_path, capsys):
