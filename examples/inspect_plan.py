@@ -58,7 +58,8 @@ def compact(text: str) -> str:
             layers.add(int(match.group(1)))
             continue
         if folded and not match:
-            out.append(f"... {folded} more rows: the same styles for layers {min(layers)}-{max(layers)} (--full prints them)")
+            out.append(f"... {folded} more rows: the same styles for layers {min(layers)}-{max(layers)} "
+                       "(--full prints them)")
             folded = 0
         out.append(line)
     return "\n".join(out)

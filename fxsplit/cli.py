@@ -102,7 +102,9 @@ def _nonnegative_float(text: str) -> float:
 def _comma_list(text: str) -> list[str]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
-        raise argparse.ArgumentTypeError("--split-points needs module paths separated by commas, e.g. blocks.2,blocks.4")
+        raise argparse.ArgumentTypeError(
+            "--split-points needs module paths separated by commas, e.g. blocks.2,blocks.4"
+        )
     return items
 
 
@@ -228,7 +230,9 @@ def load_example(spec: str, *, meta: bool = False) -> tuple[Any, tuple, dict]:
             "(model, example_args), or a model with a module-level example_inputs()"
         )
     if not isinstance(model, nn.Module):
-        raise UsageError(f"{spec} returned {type(model).__name__} as the model; the first item must be a torch.nn.Module")
+        raise UsageError(
+            f"{spec} returned {type(model).__name__} as the model; the first item must be a torch.nn.Module"
+        )
     return model, args, kwargs
 
 
@@ -385,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"fxsplit {ns.command}: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except BrokenPipeError:  # the output was piped into a reader that stopped (`| head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except ImportError as exc:  # an optional dependency (matplotlib, transformers)
         print(f"fxsplit {ns.command}: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
