@@ -173,7 +173,7 @@ def load_factory(spec: str) -> tuple[Callable[[], Any], Any]:
     available = _callables_in(module)
     listing = ", ".join(available) if available else "(none)"
     if not name:
-        raise UsageError(f"no factory named: write {where}:NAME; callables defined in {where}: {listing}")
+        raise UsageError(f"name the factory: write {where}:NAME; callables defined in {where}: {listing}")
     obj = getattr(module, name, None)
     if obj is None or not callable(obj):
         what = "is not callable" if obj is not None else "is not defined"
@@ -224,7 +224,9 @@ def load_example(spec: str, *, meta: bool = False) -> tuple[Any, tuple, dict]:
         model, args = result[0], _as_args(result[1])
         kwargs = dict(result[2] or {}) if len(result) == 3 else {}
     else:
-        got = f"a {type(result).__name__}" + (f" of length {len(result)}" if isinstance(result, (tuple, list)) else "")
+        got = f"a value of type {type(result).__name__}"
+        if isinstance(result, (tuple, list)):
+            got += f" of length {len(result)}"
         raise UsageError(
             f"{spec} returned {got}; it must return (model, example_args, example_kwargs), "
             "(model, example_args), or a model with a module-level example_inputs()"

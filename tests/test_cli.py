@@ -119,7 +119,7 @@ def test_plan_options_split_points_meta_and_memory(model_file, capsys):
          "callables defined there: NotUsed, bare, broken, example_inputs, gpt, mlp_pair, not_a_model, tag_outputs"),
         (["plan", "{file}"], 2, "write {file}:NAME"),
         (["plan", "no_such_module_xyz:f"], 2, "neither a file nor an importable module"),
-        (["plan", "{file}:not_a_model"], 2, "returned a int; it must return (model, example_args"),
+        (["plan", "{file}:not_a_model"], 2, "returned a value of type int; it must return (model, example_args"),
         (["plan", "{file}:broken"], 1, "the user's factory is broken"),
         (["plan", "{file}:mlp_pair", "--pp", "0"], 2, "a degree or count must be >= 1"),
         (["plan", "{file}:mlp_pair", "--pp", "2", "--microbatches", "1"], 2, "microbatches=1 < pp=2"),
