@@ -346,7 +346,7 @@ class ParallelModel(nn.Module):
         error, loss = None, None
         try:
             flat = self._flat(args, kwargs)
-            _check_batch(flat, self.plan.config, "step")
+            _check_batch(flat, self.plan, "step")
             if target is None and self.plan.config.num_stages - 1 in self.local_stage_graphs():
                 raise ValueError(
                     "step(): this rank holds the last stage, which computes the loss, and needs the "
@@ -385,7 +385,7 @@ class ParallelModel(nn.Module):
         error, out = None, None
         try:
             flat = self._flat(args, kwargs)
-            _check_batch(flat, self.plan.config, "forward")
+            _check_batch(flat, self.plan, "forward")
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
         self._agree(error, False, "forward")
@@ -772,18 +772,31 @@ def _exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, t
     return (worst, exc)
 
 
-def _check_batch(flat: Sequence[Any], config: ParallelConfig, what: str) -> None:
-    """Raise ValueError naming the sizes when the batch (dim 0 of the first tensor input that
-    has one, as fxsplit.runtime.microbatch splits it) has fewer samples than microbatches."""
+def _check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:
+    """Raise ValueError naming the sizes, on the rank that was given them and before any
+    communication, when the inputs cannot be split into the plan's microbatches: a batch (dim 0
+    of the first tensor input that has one, as fxsplit.runtime.microbatch splits it) smaller than
+    m, or microbatch shapes the traced graph does not accept (a size fixed at trace time)."""
+    from .runtime.microbatch import bind_symbols, split_microbatches
+
+    config = plan_.config
     m = config.microbatches
     batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-    if batch is None or batch >= m:
-        return
-    fix = (f"parallelize(..., microbatches=k) with {config.pp} <= k <= {batch}" if batch >= config.pp
-           else f"fewer pipeline ranks (microbatches must be >= pp={config.pp})")
-    raise ValueError(
-        f"{what}(): batch size {batch} (dim 0 of the inputs) is smaller than microbatches={m}, so a "
-        f"microbatch would be empty; pass a batch of at least {m} samples, or use {fix}. (A batch "
-        f"size that {m} does not divide is fine: the microbatches then differ by one sample and their "
-        "losses are weighted by their sizes.)"
-    )
+    if batch is not None and batch < m:
+        fix = (f"parallelize(..., microbatches=k) with {config.pp} <= k <= {batch}" if batch >= config.pp
+               else f"fewer pipeline ranks (microbatches must be >= pp={config.pp})")
+        raise ValueError(
+            f"{what}(): batch size {batch} (dim 0 of the inputs) is smaller than microbatches={m}, so a "
+            f"microbatch would be empty; pass a batch of at least {m} samples, or use {fix}. (A batch "
+            f"size that {m} does not divide is fine: the microbatches then differ by one sample and their "
+            "losses are weighted by their sizes.)"
+        )
+    if len(flat) != len(plan_.stages.input_meta):
+        return  # the runtime names the inputs it expected
+    split = split_microbatches(flat, m)
+    try:  # microbatch sizes differ by at most one: the first and last cover every shape (~20 us)
+        for inputs in (split.inputs[0], split.inputs[-1]) if m > 1 else split.inputs:
+            bind_symbols(plan_.stages.input_meta, inputs)
+    except ValueError as exc:
+        raise ValueError(f"{what}(): a batch of {batch} in microbatches={m} gives microbatches of "
+                         f"{sorted(set(split.sizes))} samples, which the plan does not accept: {exc}") from None

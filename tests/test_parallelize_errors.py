@@ -42,6 +42,26 @@ class DictOut(nn.Module):
         return {"logits": self.head(h3), "hidden": (h, h3 * 2)}
 
 
+class FixedBatch(nn.Module):
+    """A batch size of 4 fixed in the code (a view): only microbatches of 4 can run."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)).view(4, 2, 4).flip(1).reshape(4, 8)
+        return self.c(torch.tanh(self.b(h)))
+
+
+def _fixed_model():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    return FixedBatch(), torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
 def _dict_model():
     torch.manual_seed(0)
     return DictOut(), torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
@@ -117,6 +137,13 @@ def _two_ranks(rank, world):
         step_loss = float(pm.step(x, target=y))
         r["runs"][(b, t)] = (step_loss, _local_grads(pm), pm(x).detach().clone())
     r["same_plan"] = pm.plan is plan0 and all(pm.stage_modules[k] is v for k, v in stages0.items())
+
+    # -- a batch size fixed in the model: the wrong microbatch size is refused before the pipeline
+    fmodel, fx, fy = _fixed_model()
+    pm_fixed = fxsplit.parallelize(fmodel, (fx[:4],), loss_fn=zoo.mse_loss, pp=2, schedule="1f1b",
+                                   microbatches=2, hardware=HW, timeout=FAST)
+    r["fixed_wrong"] = _catch(lambda: pm_fixed.step(fx[:4], target=fy[:4]))
+    r["fixed_right"] = _catch(lambda: float(pm_fixed.step(fx, target=fy)))
 
     # -- inference only: step() refused; pm(x) gives the model's own output structure
     dmodel, dx = _dict_model()
@@ -196,6 +223,18 @@ def test_bad_batches_refused_on_every_rank_and_model_stays_usable(two):
     assert kind == "RankFailedError" and "global rank 1 (dp 0, pp 1, tp 0)" in text and "needs the target" in text, text
     assert s < FAST / 2
     assert all(res["same_plan"] for res in two)
+
+
+@pytest.mark.dist
+def test_microbatch_size_fixed_at_trace_time_is_refused_before_the_pipeline(two):
+    _same_error(two, "fixed_wrong", "ValueError", "step(): a batch of 4 in microbatches=2",
+                "microbatches of [2] samples", "traced with size 4")
+    # still usable: batches of 8 give microbatches of 4, the mean of the two halves' losses
+    model, x, y = _fixed_model()
+    want = (zoo.mse_loss(model(x[:4]), y[:4]) + zoo.mse_loss(model(x[4:]), y[4:])).item() / 2
+    for rank, res in enumerate(two):
+        kind, value, _ = res["fixed_right"]
+        assert kind == "ok" and float(value) == pytest.approx(want, rel=1e-5, abs=1e-6), f"rank {rank}: {value}"
 
 
 def _gpt_reference(b, t):
