@@ -257,7 +257,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             for name, fn, active in order:
                 dt, cpu = _timed(fn, active)
                 if name == "fxsplit" and i >= setup.warmup:
-                    waits.append(pm._runtime._channels[True].wait_seconds)
+                    waits.append(pm._runtime.last_wait_seconds)
                 zero()
                 if i >= setup.warmup:
                     times[name].append(dt)
