@@ -3,7 +3,8 @@
 Terms: p pipeline ranks (rank r), v stages per rank, m microbatches; a rank's **share** of one
 microbatch is what its stages save for backward in one forward of that microbatch (all v stages).
 Formulas (DESIGN.md), peak in-flight microbatches on rank r in units of its share: GPipe m,
-1F1B p - r, interleaved 1F1B about p + (p-1)/v on rank 0 (Megatron, m % p == 0).
+1F1B p - r, interleaved 1F1B (2(p-r-1) + (v-1)p + 1) / v, which is p + (p-1)/v on rank 0
+(Megatron, m % p == 0).
 
     .venv/bin/python benchmarks/activation_memory.py              # p=2 and p=4, m=8
     .venv/bin/python benchmarks/activation_memory.py --ranks 2 --microbatches 6
@@ -96,7 +97,9 @@ def formula(schedule: str, p: int, r: int, m: int, v: int) -> float:
         return float(m)
     if schedule == "1f1b":
         return float(min(m, p - r))
-    return float(min(m, p + (p - 1) / v)) if r == 0 else float("nan")  # stated for rank 0 only
+    # Megatron's warm-up: rank r runs 2(p-r-1) + (v-1)p forwards before its first backward and
+    # holds one more when that backward starts: (2(p-r-1) + (v-1)p + 1) / v shares; p + (p-1)/v on rank 0
+    return float(min(m, (2 * (p - r - 1) + (v - 1) * p + 1) / v))
 
 
 def _rank_main(rank: int, world: int, setup: Setup) -> dict:
@@ -151,7 +154,7 @@ def report(p: int, results: list[dict], setup: Setup) -> list[str]:
             lines.append(
                 f"{label + ' v=' + str(d['v']):<14} {r:>4} {d['peak'] / 2**20:9.2f} {d['share'] / 2**20:9.2f} "
                 f"{d['peak'] / d['share']:8.2f} {d['held']:6.2f} {d['sim']:9.2f} "
-                f"{'' if f != f else f'{f:.2f}':>8}")
+                f"{f:8.2f}")
     return lines
 
 
