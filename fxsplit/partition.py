@@ -68,6 +68,10 @@ Guarantees of `solve`:
 - A `PartitionError` for memory names the smallest per-rank memory any partition needs (exact
   for v == 1 and for enumerable v > 1 problems, else a lower bound) and, for the default
   in-flight model, the smallest ``num_ranks`` (same v) found to fit.
+
+The memory-coupled search (``memory_limit`` and ``v > 1``) and the memory error are in the
+internal module ``fxsplit.partition_memory``, which builds on the sweeps here (`_forward`,
+`_min_bottleneck`); it is imported where it is used, as it imports this module.
 """
 
 from __future__ import annotations
@@ -96,8 +100,6 @@ __all__ = [
 _INF = math.inf
 _NEG = -math.inf
 _MAXF = 1.7976931348623157e308  # a finite stand-in for an infinite bottleneck
-_RANK_SCAN_LIMIT = 16  # suggestions scan up to 4 * p + this many ranks ...
-_RANK_SCAN_WORK = 2_000_000  # ... or this many (stage x unit) steps, about 2 s
 
 
 class PartitionError(ValueError):
@@ -541,206 +543,6 @@ def _min_bottleneck(ch: _Chain, caps: Sequence[float] | None) -> tuple[int, ...]
     return found[0]
 
 
-def _min_cap(ch: _Chain) -> float:
-    """The smallest single per-stage memory cap any partition meets (time ignored)."""
-
-    def check(L: float):
-        caps = (L,) * ch.S
-        feasible, layers, _, next_l = _forward(ch, _INF, caps)
-        if not feasible:
-            return False, None, None, next_l
-        cuts = _reconstruct(ch, layers, _INF, caps)
-        return True, cuts, max(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))), None
-
-    top = (ch.state * ch.Q[-1] + max(ch.factor) * ch.A[-1]) * (1 + 1e-6) + 1e-300
-    found = _search(check, 0.0, top)
-    assert found is not None
-    return found[1]
-
-
-class _Exhausted(Exception):
-    pass
-
-
-def _dfs_decide(ch: _Chain, B: float, budget: list) -> tuple[int, ...] | None:
-    """Exact decision for v > 1 with a rank memory cap: cuts with bottleneck <= B and every rank
-    within the limit, the smallest last cut first (the tie rule), or None. Raises _Exhausted."""
-    L, S, p = ch.pb.memory_limit, ch.S, ch.p
-    caps = (L,) * S
-    feasible, layers, _, _ = _forward(ch, B, caps)  # per-stage relaxation prunes the search
-    if not feasible:
-        return None
-    failed: set = set()
-    cuts = [0] * (S + 1)
-    cuts[S] = ch.n
-
-    def go(s: int, b: int, mems: tuple) -> bool:
-        # choose the start a of stage s, which ends at b; stages s+1.. are fixed in cuts
-        key = (s, b, mems)
-        if key in failed:
-            return False
-        prev, r, a0 = layers[s], s % p, ch.seg_start(b)
-        budget[0] -= b - a0 + 1
-        if budget[0] < 0:
-            raise _Exhausted
-        for a in range(a0, b):
-            if prev[a] == _NEG or ch.E[b] - ch.K[a] > B:
-                continue
-            x = ch.mem(s, a, b)
-            if mems[r] + x > L:
-                continue
-            cuts[s] = a
-            if s == 0:
-                if _evaluate(ch, cuts, "", True).fits_memory:
-                    return True
-                continue
-            if go(s - 1, a, mems[:r] + (mems[r] + x,) + mems[r + 1:]):
-                return True
-        failed.add(key)
-        return False
-
-    return tuple(cuts) if go(S - 1, ch.n, (0.0,) * p) else None
-
-
-def _solve_coupled(ch: _Chain) -> tuple[tuple[int, ...] | None, bool]:
-    """v > 1 with a memory cap: (cuts or None, exact).
-
-    1. Relaxation: each stage alone within the limit. Its optimum is a lower bound; when its
-       partition also keeps every rank within the limit it is the exact answer (tie rule too).
-    2. Exact search (`_dfs_decide`) over the sorted stage-time values, within exact_budget.
-    3. Sound fallback: per-stage caps that sum to the limit on every rank (uniform ``L / v``,
-       and caps proportional to the stage memories of the relaxed and of the best found
-       partition); the best partition that fits is returned, not proven optimal.
-    """
-    L, S = ch.pb.memory_limit, ch.S
-    relaxed = _min_bottleneck(ch, (L,) * S)
-    if relaxed is None:  # one stage alone is over the limit: no partition fits
-        return None, True
-    if _evaluate(ch, relaxed, "", True).fits_memory:
-        return relaxed, True
-    pos = [k for k in range(ch.n + 1) if k == 0 or ch.ok[k]]
-    if len(pos) <= 400:
-        b0 = max(ch.time(a, b) for a, b in zip(relaxed, relaxed[1:]))
-        values = sorted({ch.time(a, b) for i, a in enumerate(pos) for b in pos[i + 1:]
-                         if ch.seg_start(b) <= a and ch.time(a, b) >= b0})
-        budget = [ch.pb.exact_budget]
-        try:
-            best = _dfs_decide(ch, values[-1], budget)
-            if best is None:
-                return None, True
-            lo, hi = 0, len(values) - 1  # values[hi] feasible; find the first feasible
-            while lo < hi:
-                mid = (lo + hi) // 2
-                found = _dfs_decide(ch, values[mid], budget)
-                if found is None:
-                    lo = mid + 1
-                else:
-                    best, hi = found, mid
-            return best, True
-        except _Exhausted:
-            pass
-    return _fallback(ch, relaxed), False
-
-
-def _fallback(ch: _Chain, relaxed: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Sound heuristic for v > 1 with a memory cap (see `_solve_coupled`)."""
-    L, S, p = ch.pb.memory_limit, ch.S, ch.p
-    best: Partition | None = None
-
-    def attempt(caps: tuple[float, ...]) -> None:
-        nonlocal best
-        for _ in range(4):  # within L up to the rounding of the per-rank sums: shrink and retry
-            cuts = _min_bottleneck(ch, caps)
-            if cuts is None:
-                return
-            part = _evaluate(ch, cuts, "", False)
-            if part.fits_memory:
-                if best is None or (part.bottleneck, cuts[::-1]) < (best.bottleneck, best.cuts[::-1]):
-                    best = part
-                return
-            caps = tuple(c * (1 - 1e-12) for c in caps)
-
-    def proportional(cuts: tuple[int, ...], weight: float) -> tuple[float, ...]:
-        mem = [ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))]
-        total = [sum(mem[r::p]) for r in range(p)]
-        share = [m / total[s % p] if total[s % p] else 1 / ch.v for s, m in enumerate(mem)]
-        return tuple(L * ((1 - weight) / ch.v + weight * x) for x in share)
-
-    attempt((L / ch.v,) * S)
-    attempt(proportional(relaxed, 1.0))
-    attempt(proportional(relaxed, 0.5))
-    if best is not None:
-        attempt(proportional(best.cuts, 1.0))
-    return None if best is None else best.cuts
-
-
-def _needed_memory(ch: _Chain) -> tuple[float, bool]:
-    """(smallest achievable max rank memory, exact) for the error message. For v > 1 with too
-    many cut tuples to enumerate it is a lower bound instead: the rank average of the least
-    total memory, or the heaviest single unit, whichever is larger."""
-    if ch.v == 1:
-        return _min_cap(ch), True
-    combos = math.comb(ch.num_cut_points - len(ch.pb.forced), ch.S - 1 - len(ch.pb.forced))
-    if combos <= 20_000:
-        return min(max(_evaluate(ch, c, "", True).rank_memory) for c in _all_cuts(ch)), True
-    pb, f = ch.pb, min(ch.inflight)
-    unit = max(ch.state * q + f * a for q, a in zip(pb.param_bytes, pb.activation_bytes))
-    return max(unit, (ch.state * ch.Q[-1] + f * ch.A[-1]) / ch.p), False
-
-
-def _fits_with_ranks(pb: PartitionProblem, p: int) -> bool:
-    """Whether p ranks (same v, default in-flight model) fit pb.memory_limit (sound)."""
-    try:
-        q = replace(pb, num_ranks=p, num_stages=p * pb.stages_per_rank, inflight=None)
-        ch = _Chain(q)
-        _check_counts(ch)
-    except PartitionError:
-        return False
-    caps = (pb.memory_limit / ch.v,) * ch.S
-    feasible, layers, _, _ = _forward(ch, _INF, caps)
-    return feasible and _evaluate(ch, _reconstruct(ch, layers, _INF, caps), "", False).fits_memory
-
-
-def _memory_error(ch: _Chain, sound_only: bool) -> PartitionError:
-    pb = ch.pb
-    need, exact = _needed_memory(ch)
-    what = "the smallest maximum rank memory any partition reaches is" if exact else \
-        "every partition needs at least (a lower bound of)"
-    msg = (f"memory_limit = {pb.memory_limit:.6g} bytes per rank cannot be met with num_stages = {ch.S} "
-           f"on num_ranks = {ch.p}: {what} {need:.6g} bytes per rank "
-           f"(params x {ch.state:g} + in-flight activations {tuple(round(x, 3) for x in ch.inflight)}).")
-    if sound_only and exact and need <= pb.memory_limit:
-        msg = (f"memory_limit = {pb.memory_limit:.6g} bytes per rank: a partition within it exists (the "
-               f"smallest maximum rank memory is {need:.6g} bytes per rank), but the exact search ran out "
-               f"of exact_budget = {pb.exact_budget} steps and the sound fallback (per-stage caps that sum "
-               f"to the limit on each rank) found none. Fix: raise exact_budget, or raise memory_limit.")
-        return PartitionError(msg)
-    if sound_only:
-        msg += (" (The exact search ran out of exact_budget and the sound fallback capped stages so that "
-                "each rank's caps sum to the limit, so a partition within the limit may still exist.)")
-    if pb.inflight is None:
-        top = min(ch.num_cut_points + 1, (4 * ch.p + _RANK_SCAN_LIMIT) * ch.v) // ch.v
-        fit, work = None, 0
-        for q in range(ch.p + 1, top + 1):
-            work += q * ch.v * ch.n
-            if work > _RANK_SCAN_WORK:
-                top = q - 1
-                break
-            if _fits_with_ranks(pb, q):
-                fit = q
-                break
-        if fit is not None:
-            msg += (f" Fix: use num_ranks = {fit} (num_stages = {fit * ch.v}), which fits, "
-                    f"or raise memory_limit.")
-        else:
-            msg += (f" No num_ranks up to {top} fits with this in-flight model (more 1F1B ranks keep more "
-                    f"microbatches in flight); raise memory_limit, use fewer microbatches in flight or "
-                    f"recompute activations.")
-    else:
-        msg += " Fix: raise memory_limit, add ranks, or keep fewer microbatches in flight."
-    return PartitionError(msg)
-
-
 # ----------------------------------------------------------------------------- public solvers
 
 
@@ -757,9 +559,13 @@ def solve(problem: PartitionProblem) -> Partition:
         cuts = _min_bottleneck(ch, None if L is None else (L,) * ch.S)
         exact = True
     else:
-        cuts, exact = _solve_coupled(ch)
+        from .partition_memory import solve_coupled  # it imports this module's internals
+
+        cuts, exact = solve_coupled(ch)
     if cuts is None:
-        raise _memory_error(ch, sound_only=not exact)
+        from .partition_memory import memory_error
+
+        raise memory_error(ch, sound_only=not exact)
     part = _evaluate(ch, cuts, "solve", exact)
     assert part.fits_memory, part
     return part
@@ -788,7 +594,9 @@ def brute_force(problem: PartitionProblem, *, max_candidates: int = 2_000_000) -
         if best_key is None or key < best_key:
             best, best_key = part, key
     if best is None:
-        raise _memory_error(ch, sound_only=False)
+        from .partition_memory import memory_error  # it imports this module's internals
+
+        raise memory_error(ch, sound_only=False)
     return best
 
 
