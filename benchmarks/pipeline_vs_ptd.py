@@ -54,6 +54,15 @@ class Setup:
     warmup: int = 1
     steps: int = 5
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    # fxsplit's balanced split unless given, e.g. "1f1b=blocks.4;interleaved=blocks.2,blocks.4,blocks.6"
+    split_points: str = ""
+
+    def split_points_of(self, label: str) -> tuple[str, ...] | None:
+        for item in filter(None, self.split_points.split(";")):
+            key, _, paths = item.partition("=")
+            if key.strip() == label:
+                return tuple(p.strip() for p in paths.split(",") if p.strip())
+        return None
 
 
 def build_model(s: Setup):
@@ -73,10 +82,16 @@ def split_paths(plan) -> list[str]:
             paths.append(str(node.target))
             continue
         stack = list((node.meta.get("nn_module_stack") or {}).values())
-        if not stack:
-            raise ValueError(f"stage start {name!r} ({node.op} {node.target}) has no module path; "
-                             "PTD can only split at module boundaries: pass split_points to fxsplit")
-        paths.append(stack[-1][0])
+        path = stack[-1][0] if stack else None
+        first = next((n for n in plan.graph.graph.nodes
+                      if path is not None and path in [p for p, _ in (n.meta.get("nn_module_stack") or {}).values()]),
+                     None)
+        if first is not node:
+            raise ValueError(
+                f"stage start {name!r} ({node.op} {node.target}) is not the first node of a module "
+                f"(innermost module {path!r}); PTD's split_spec can only cut before a module call, so "
+                "the two splits would differ: give fxsplit module paths with --split-points")
+        paths.append(path)
     return paths
 
 
@@ -200,7 +215,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         t0 = time.perf_counter()
         pm = fxsplit.parallelize(model, (x,), loss_fn=zoo.cross_entropy_loss, pp=world,
                                  microbatches=setup.microbatches, schedule=sched_name,
-                                 stages_per_rank=v, timeout=120)
+                                 stages_per_rank=v, split_points=setup.split_points_of(label), timeout=120)
         t_fx = time.perf_counter() - t0
         paths = split_paths(pm.plan)
         t0 = time.perf_counter()
@@ -356,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         if f == "schedules":
             ap.add_argument("--schedules", default=",".join(val), help="comma list of 1f1b, interleaved")
         else:
-            ap.add_argument(f"--{f}", type=type(val), default=val)
+            ap.add_argument(f"--{f.replace('_', '-')}", dest=f, type=type(val), default=val)
     a = ap.parse_args(argv)
     kw = vars(a)
     kw["schedules"] = tuple(s for s in kw["schedules"].split(",") if s)
