@@ -411,9 +411,7 @@ class _Propagation:
     def run(self) -> None:
         for node in self.gm.graph.nodes:
             if node.name in self.seeds:
-                info = self.linears[node.name]
-                shape = _shape(node)
-                self.state[node.name] = _State(len(shape) - 1, frozenset([node.name]))
+                self.state[node.name] = _State(len(_shape(node)) - 1, frozenset([node.name]))
                 continue
             ins = [a for a in node.all_input_nodes if a.name in self.state or a.name in self.shape_of]
             if not ins:
@@ -471,9 +469,6 @@ class _Propagation:
             self.fail(node, "reads the size of the sharded dim")
         if name == "getitem":
             src = node.args[0]
-            val = self.state.get(src.name)
-            if isinstance(val, _State) and isinstance(getattr(val, "pieces", None), dict):
-                pass
             piece = self.state.get(f"{src.name}[{node.args[1]}]")
             if piece is None:
                 self.fail(node, "indexing a sharded tensor")
@@ -595,7 +590,6 @@ class _Propagation:
             self.fail(node, "unbind of a sharded tensor")
         dim_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         d = _norm(dim_arg, n)
-        pieces = [_shape(u) for u in node.users]  # getitem users
         val = node.meta.get("val")
         sizes = [int(to_expr(v.shape[d])) for v in val]
         if d != st.dim:
@@ -768,71 +762,8 @@ def find_tp_plan(
                           "Use sequence_parallel=False, or mark the token embedding with overrides={path: 'vocab'}")
 
     # ---- regions by propagation
-    regions: list[Region] = []
-    claimed: set[str] = set(lm_heads)
-    sharded_nodes: dict[str, tuple[int, int]] = {}
-    rewrites: list = []
-    blocks_of: dict[str, tuple[int, ...]] = {}
-    failures: dict[str, str] = {}
-    by_input: dict[str, list[str]] = {}
-    for name, l in linears.items():
-        x = nodes[name].args[l.x_index] if l.kind != "module" else nodes[name].args[0]
-        key = _input_source(x)
-        by_input.setdefault(key, []).append(name)
-    forced_rows = {n for n, l in linears.items() if forced.get(l.module_path) == "rowwise"}
-    for key, group in by_input.items():
-        cands = [n for n in group if n not in claimed and n not in excluded and n not in forced_rows]
-        attempts = [cands] + ([[c] for c in cands] if len(cands) > 1 else [])
-        for seeds in attempts:
-            seeds = [s for s in seeds if s not in claimed]
-            if not seeds:
-                continue
-            prop = _Propagation(gm, tp, linears, seeds, excluded, forced_rows)
-            try:
-                prop.run()
-                if not prop.rows:
-                    raise _Fail("no row-parallel linear consumes the sharded output")
-                bad = [r for r in prop.rows if r in claimed or forced.get(linears[r].module_path) == "colwise"]
-                if bad:
-                    raise _Fail(f"{linears[bad[0]].module_path} would be row-parallel after a column-parallel "
-                                "linear, but it is set to colwise (column after column needs a gather between)")
-                reshaped_blocked = prop.reshaped & set(prop.blocks)
-                if reshaped_blocked:
-                    raise _Fail(f"fused output of {sorted(reshaped_blocked)} is reshaped before it is split")
-            except _Fail as exc:
-                for s in seeds:
-                    failures[s] = str(exc)
-                continue
-            for s in seeds:
-                l = linears[s]
-                per = prop.blocks.get(s, (l.out_features,))
-                bad = [b for b in per if b % tp]
-                if bad:
-                    raise TPPlanError(_divisibility_msg(nodes[s], tp, list(per), f"the output features of {l.module_path!r}"))
-            inputs = tuple(dict.fromkeys(
-                (nodes[s].args[linears[s].x_index] if linears[s].kind != "module" else nodes[s].args[0]).name
-                for s in seeds))
-            kind = "attention" if any(op_name(nodes[n]) == "scaled_dot_product_attention" or op_name(nodes[n]) == "matmul"
-                                      for n in prop.state if n in nodes) else "mlp"
-            regions.append(Region(tuple(seeds), tuple(dict.fromkeys(prop.rows)), inputs, kind))
-            claimed |= set(seeds) | set(prop.rows)
-            blocks_of.update(prop.blocks)
-            for n, s in prop.state.items():
-                if n in nodes and isinstance(_shape(nodes[n]), tuple):
-                    size = _shape(nodes[n])[s.dim]
-                    if n in prop.blocks or any(n == r for r in prop.rows):
-                        pass
-                    sharded_nodes[n] = (s.dim, int(size))
-            for n in prop.rows:
-                sharded_nodes.pop(n, None)
-            for n, s in prop.state.items():
-                if n in nodes and n not in sharded_nodes and n not in prop.rows and _shape(nodes[n]) is None:
-                    pass
-            rewrites.extend(prop.rewrites)
-            for n, s in prop.state.items():  # split outputs (tuples) are marked for metadata
-                if n in nodes and _shape(nodes[n]) is None:
-                    sharded_nodes[n] = (s.dim, -1)
-            break
+    found = _find_regions(gm, tp, linears, forced, excluded, set(lm_heads))
+    regions, sharded_nodes, rewrites, blocks_of, failures = found
 
     # ---- styles, specs, report
     styles: dict[str, str] = {}
@@ -889,6 +820,64 @@ def find_tp_plan(
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in _param(gm, n).shape) for n in specs},
     )
+
+
+def _linear_x(node: torch.fx.Node, info: LinearInfo) -> Any:
+    return node.args[0] if info.kind == "module" else node.args[info.x_index]
+
+
+def _find_regions(gm, tp, linears, forced, excluded, claimed):
+    """Try each group of linears sharing an input (then each alone) as a region's columns."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    regions: list[Region] = []
+    sharded: dict[str, tuple[int, int]] = {}
+    rewrites: list = []
+    blocks_of: dict[str, tuple[int, ...]] = {}
+    failures: dict[str, str] = {}
+    by_input: dict[str, list[str]] = {}
+    for name, info in linears.items():
+        by_input.setdefault(_input_source(_linear_x(nodes[name], info)), []).append(name)
+    forced_rows = {n for n, l in linears.items() if forced.get(l.module_path) == "rowwise"}
+    for group in by_input.values():
+        cands = [n for n in group if n not in claimed and n not in excluded and n not in forced_rows]
+        for seeds in [cands] + ([[c] for c in cands] if len(cands) > 1 else []):
+            seeds = [s for s in seeds if s not in claimed]
+            if not seeds:
+                continue
+            prop = _Propagation(gm, tp, linears, seeds, excluded, forced_rows)
+            try:
+                prop.run()
+                if not prop.rows:
+                    raise _Fail("no row-parallel linear consumes the sharded output")
+                bad = [r for r in prop.rows if r in claimed or forced.get(linears[r].module_path) == "colwise"]
+                if bad:
+                    raise _Fail(f"{linears[bad[0]].module_path} would be row-parallel after a column-parallel "
+                                "linear, but it is set to colwise (column after column needs a gather between)")
+                if prop.reshaped & set(prop.blocks):
+                    raise _Fail(f"the fused output of {sorted(prop.reshaped & set(prop.blocks))} is reshaped "
+                                "before it is split")
+            except _Fail as exc:
+                failures.update({s: str(exc) for s in seeds})
+                continue
+            for s in seeds:
+                per = prop.blocks.get(s, (linears[s].out_features,))
+                if any(b % tp for b in per):
+                    raise TPPlanError(_divisibility_msg(nodes[s], tp, list(per),
+                                                        f"the output features of {linears[s].module_path!r}"))
+            inputs = tuple(dict.fromkeys(_linear_x(nodes[s], linears[s]).name for s in seeds))
+            attn = any(op_name(nodes[n]) in ("scaled_dot_product_attention", "matmul", "bmm")
+                       for n in prop.state if n in nodes)
+            regions.append(Region(tuple(seeds), tuple(dict.fromkeys(prop.rows)), inputs,
+                                  "attention" if attn else "mlp"))
+            claimed |= set(seeds) | set(prop.rows)
+            blocks_of.update(prop.blocks)
+            rewrites.extend(prop.rewrites)
+            for n, st in prop.state.items():
+                if n in nodes:  # split outputs (tuples) are marked with size -1
+                    shape = _shape(nodes[n])
+                    sharded[n] = (st.dim, int(shape[st.dim]) if shape is not None else -1)
+            break
+    return regions, sharded, rewrites, blocks_of, failures
 
 
 def _input_source(x: Any) -> str:

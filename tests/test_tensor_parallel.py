@@ -9,7 +9,7 @@ Many cases share one process-group launch per world size to keep spawn costs low
 
 from __future__ import annotations
 
-import operator
+import copy
 
 import pytest
 import torch
@@ -75,13 +75,16 @@ def _reference(spec: tuple, vocab_size: int | None) -> tuple[list[float], list[d
     return losses, grads
 
 
-def _run_tp(rank: int, world: int, spec: tuple, options: dict) -> dict:
+def _run_tp(rank: int, world: int, spec: tuple, options: dict, traced: dict) -> dict:
     import torch.distributed as dist
 
     from fxsplit.collectives import bind_groups
 
     model, args, kwargs = _build(spec)
-    gm = fxsplit.trace(model, args, kwargs)
+    key = repr(spec)
+    if key not in traced:  # tracing HF models costs seconds: once per model, copied per case
+        traced[key] = fxsplit.trace(model, args, kwargs)
+    gm = copy.deepcopy(traced[key])
     plan = find_tp_plan(gm, world, **options)
     apply_tp_plan(gm, plan)
     materialize_module(gm, plan.param_specs, rank, source=model)
@@ -104,11 +107,17 @@ def _run_tp(rank: int, world: int, spec: tuple, options: dict) -> dict:
 
 
 def _cases_worker(rank: int, world: int, cases: list) -> list:
-    return [_run_tp(rank, world, spec, options) for spec, options in cases]
+    traced: dict = {}
+    return [_run_tp(rank, world, spec, options, traced) for spec, options in cases]
+
+
+_REFERENCES: dict[str, tuple] = {}
 
 
 def _check(spec, options, per_rank: list[dict]) -> None:
-    ref_losses, ref_grads = _reference(spec, None)
+    if repr(spec) not in _REFERENCES:  # the single-process run does not depend on the options
+        _REFERENCES[repr(spec)] = _reference(spec, None)
+    ref_losses, ref_grads = _REFERENCES[repr(spec)]
     specs = per_rank[0]["specs"]
     for r in per_rank:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=ATOL,
@@ -154,6 +163,7 @@ CASES_4 = [
     (("gpt", dict(SMALL, fused_qkv=True)), {}),
     (("gpt", dict(SMALL, n_kv_head=4, n_head=8, fused_qkv=True, mlp="swiglu")), {"vocab_parallel_loss": True}),
     (("hf_llama", dict(num_key_value_heads=4)), {}),
+    (("gpt", dict(SMALL, fused_qkv=True)), {"sequence_parallel": True}),
 ]
 
 
