@@ -253,3 +253,30 @@ def test_bad_degrees_name_module_numbers_and_nearest():
     assert plan.param_specs["wte.weight"] == ShardSpec(0, 2, pad_to=64, size=63)
     with pytest.raises(TPPlanError, match="tp must be an int"):
         find_tp_plan(gm, 0)
+
+
+def test_sequence_parallel_collectives_fx():
+    from fxsplit.collectives import gather_to_region, reduce_scatter_to_region, scatter_to_region
+
+    _, gm = _gpt()
+    plan = find_tp_plan(gm, 2, sequence_parallel=True)
+    assert plan.sequence_parallel
+    apply_tp_plan(gm, plan)
+    n_layer = SMALL["n_layer"]
+    # each all-reduce of plain TP becomes a reduce-scatter, each f an all-gather along the sequence
+    assert _count(gm, reduce_from_region) == 0
+    assert _count(gm, reduce_scatter_to_region) == 2 * n_layer
+    assert _count(gm, gather_to_region) == 2 * n_layer + 1  # regions and the LM head
+    assert _count(gm, scatter_to_region) == 2  # token embedding output and the position embedding
+    # norm weights and row biases read by the sequence shard have their gradients summed over tp
+    summed = {n.args[0].target for n in gm.graph.nodes if n.target is copy_to_region}
+    assert {"blocks.0.ln1.weight", "blocks.0.ln1.bias", "blocks.1.mlp.down.bias", "ln_f.weight"} <= summed
+    ln = [n for n in gm.graph.nodes if n.target is torch.nn.functional.layer_norm][0]
+    T = gm.meta["fxsplit"].symbols["seq"]
+    assert str(ln.meta["fxsplit"].outputs[0].shape[1]).strip("()") == f"{T}//2"  # local sequence T / t
+
+
+def test_sequence_parallel_needs_a_token_embedding():
+    model, args, kwargs = zoo.make("mlp")
+    with pytest.raises(TPPlanError, match="sequence_parallel=True needs a token embedding"):
+        find_tp_plan(fxsplit.trace(model, args, kwargs), 2, sequence_parallel=True)
