@@ -437,13 +437,9 @@ class ParallelModel(nn.Module):
         raise exc
 
     def _sync_grads(self) -> None:
-        """Data-parallel mean of the gradients (bucketed, asynchronous all-reduces); with sequence
-        parallelism, also the sum over tp of the replicated parameters' partial gradients."""
-        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
-        tp = self._groups.get("tp")
-        if self.plan.config.sequence_parallel and tp is not None and dist.get_world_size(tp) > 1:
-            rep = [p for n, p in self.named_parameters() if _strip(n) not in specs and p.grad is not None]
-            _bucketed_all_reduce([p.grad for p in rep], tp, self._bucket_bytes, scale=1.0)
+        """Data-parallel mean of the gradients (bucketed, asynchronous all-reduces). With sequence
+        parallelism the replicated parameters' partial gradients are already summed over tp by
+        the graph itself (the tensor-parallel pass reads them through Megatron's f)."""
         dp = self._groups.get("dp")
         if dp is None or dist.get_world_size(dp) == 1:
             return
@@ -551,12 +547,6 @@ def load_full_checkpoint(path: str) -> dict[str, torch.Tensor]:
         for k, v in tensors.items():
             full.setdefault(k, v)
     return full
-
-
-def _strip(name: str) -> str:
-    """'stage_modules.3.blocks.0.ln1.weight' -> 'blocks.0.ln1.weight'."""
-    parts = name.split(".", 2)
-    return parts[2] if len(parts) == 3 and parts[0] == "stage_modules" else name
 
 
 def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float) -> None:

@@ -94,16 +94,26 @@ def test_pipeline_parallel_matches_single_process():
         _check([r[label] for r in results], ref_losses, ref_state)
 
 
-def _cases_dp2pp2(rank, world):
-    return {"gpt": _train(rank, world, "gpt", {}, dict(dp=2, pp=2, microbatches=2))}
+LAYOUTS_4 = {
+    "dp2-pp2": dict(dp=2, pp=2, microbatches=2),
+    "tp2-pp2": dict(tp=2, pp=2, microbatches=2),
+    "dp2-tp2": dict(dp=2, tp=2),
+    "tp2-pp2-sp": dict(tp=2, pp=2, microbatches=2, sequence_parallel=True),
+}
+
+
+def _cases_4(rank, world):
+    return {label: _train(rank, world, "gpt", {}, dict(opts)) for label, opts in LAYOUTS_4.items()}
 
 
 @pytest.mark.dist
-def test_data_and_pipeline_parallel_matches_single_process():
-    # every dp replica sees the same batch here, so the mean over replicas equals one process
-    results = run_distributed(_cases_dp2pp2, 4, timeout=240)
+def test_3d_layouts_match_single_process():
+    # every dp replica sees the same batch here, so the mean over replicas equals one process;
+    # full_state_dict() reassembles tp shards and pp stages into the original names and shapes
+    results = run_distributed(_cases_4, 4, timeout=400)
     ref_losses, ref_state = _reference("gpt", {})
-    _check([r["gpt"] for r in results], ref_losses, ref_state)
+    for label in LAYOUTS_4:
+        _check([r[label] for r in results], ref_losses, ref_state)
 
 
 def _hf_loss(out, y):
@@ -151,15 +161,21 @@ def _hf_reference(builder, steps=STEPS):
     return losses
 
 
+HF_LAYOUTS = {"dp2-pp2": dict(dp=2, pp=2, microbatches=2), "tp2-pp2": dict(tp=2, pp=2, microbatches=2),
+              "dp2-tp2": dict(dp=2, tp=2)}
+
+
 def _hf_cases(rank, world):
-    return {b: _hf_train(rank, world, b, dict(dp=2, pp=2, microbatches=2)) for b in ("tiny_gpt2", "tiny_llama")}
+    return {(b, label): _hf_train(rank, world, b, dict(opts))
+            for b in ("tiny_gpt2", "tiny_llama") for label, opts in HF_LAYOUTS.items()}
 
 
 @pytest.mark.dist
 @pytest.mark.hf
-def test_hf_models_data_and_pipeline_parallel():
-    results = run_distributed(_hf_cases, 4, timeout=300)
+def test_hf_models_in_3d_layouts():
+    results = run_distributed(_hf_cases, 4, timeout=600)
     for builder in ("tiny_gpt2", "tiny_llama"):
         ref = _hf_reference(builder)
-        for rank, r in enumerate(results):
-            assert r[builder] == pytest.approx(ref, rel=1e-5, abs=1e-6), f"{builder} rank {rank}"
+        for label in HF_LAYOUTS:
+            for rank, r in enumerate(results):
+                assert r[(builder, label)] == pytest.approx(ref, rel=1e-5, abs=1e-6), f"{builder} {label} rank {rank}"
