@@ -1,4 +1,4 @@
-"""Checkpoints: save under one (dp, tp, pp), reload under another, continue: same losses as an
+"""Checkpoints: save at (tp=2, pp=2), reload at (pp=4) and in one process, continue: same losses as an
 uninterrupted run; full_state_dict equals the single-process model's state dict."""
 
 import pytest
@@ -59,7 +59,7 @@ def _run(rank, world, options, start, stop, load_from, save_to):
 def test_checkpoint_reloads_under_other_layouts(tmp_path):
     ref_losses, ref_state = _reference(3)
     ckpt = str(tmp_path / "ckpt")
-    first = run_distributed(_run, 4, dict(dp=2, pp=2, microbatches=2), 0, 2, None, ckpt, timeout=240)
+    first = run_distributed(_run, 4, dict(tp=2, pp=2, microbatches=2), 0, 2, None, ckpt, timeout=240)
     for losses, _ in first:
         assert losses == pytest.approx(ref_losses[:2], rel=1e-5)
     # reload at pp=4 (4 ranks) and at 1 process; both continue exactly like the uninterrupted run
