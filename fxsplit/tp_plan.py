@@ -28,6 +28,12 @@ matmuls over heads, until every path ends in a linear whose input feature dim is
 one (row). Anything else (a norm or reduction over the sharded dim, a residual add with a
 replicated tensor, a model output) makes the region fail: it stays replicated and the plan
 says why. Sizes that t does not divide raise :class:`TPPlanError` (module, numbers, nearest t).
+
+Vocabulary: an embedding whose indices are a model input is vocabulary-parallel (rows; padded
+to a multiple of t when V is not divisible, see ``fxsplit.sharding``); a linear tied to it, or
+returning vocabulary-sized outputs to the model output, is the LM head. ``sequence_parallel``
+is recorded here and applied by the pass (it needs such a token embedding to start the
+sequence-sharded residual stream).
 """
 
 from __future__ import annotations
@@ -521,6 +527,8 @@ class _Propagation:
             return self._matmul(node, out_shape)
         if _is_pointwise(node, name) or (node.op == "call_module" and name in _POINTWISE):
             return self._pointwise(node, out_shape)
+        if "norm" in name:
+            self.fail(node, f"a normalization ({name}) reads the whole sharded feature dim")
         self.fail(node, "an op the pass does not know how to shard (left replicated)")
 
     def _pointwise(self, node, out_shape):

@@ -150,6 +150,7 @@ CASES_2 = [
     (("hf_llama", {}), {}),
     (("hf_bert", {}), {}),
     (("hf_llama", {}), {"vocab_parallel_loss": True}),
+    (("hf_gpt2", {"attn_implementation": "eager"}), {}),  # matmul/softmax attention
 ]
 CASES_2 += [
     (("gpt", SMALL), {"sequence_parallel": True}),
@@ -167,6 +168,9 @@ CASES_4 = [
 ]
 
 
+@pytest.mark.dist
+@pytest.mark.hf
+@pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["t2", "t4"])
 def test_tp_matches_single_process(world, cases):
     results = run_distributed(_cases_worker, world, cases, timeout=300)

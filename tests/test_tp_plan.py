@@ -80,6 +80,7 @@ def test_mlp_pairs_and_reports_the_unpaired_layer():
     assert "model output" in dict(plan.replicated)["layers.2"]
 
 
+@pytest.mark.hf
 def test_hf_gpt2_conv1d_fused_qkv():
     _, gm = _hf("gpt2")
     plan = find_tp_plan(gm, 2)
@@ -91,6 +92,7 @@ def test_hf_gpt2_conv1d_fused_qkv():
     assert plan.styles["transformer.wte"] == "vocab" and plan.styles["lm_head"] == "vocab"
 
 
+@pytest.mark.hf
 def test_hf_llama_gqa_swiglu_rope():
     _, gm = _hf("llama")
     plan = find_tp_plan(gm, 2)
@@ -104,6 +106,7 @@ def test_hf_llama_gqa_swiglu_rope():
         find_tp_plan(gm, 4)  # 2 key/value heads
 
 
+@pytest.mark.hf
 def test_hf_bert_reports_the_mlm_transform():
     _, gm = _hf("bert")
     plan = find_tp_plan(gm, 2)
@@ -112,7 +115,7 @@ def test_hf_bert_reports_the_mlm_transform():
         "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}
     assert plan.styles["cls.predictions.decoder"] == "vocab"
     why = dict(plan.replicated)
-    assert "layer_norm" in why["cls.predictions.transform.dense"]
+    assert "normalization (layer_norm)" in why["cls.predictions.transform.dense"]
     assert set(why) == {"cls.predictions.transform.dense", "bert.embeddings.token_type_embeddings",
                         "bert.embeddings.position_embeddings"}
 
@@ -153,6 +156,7 @@ def test_collectives_counted_fx(kw):
     assert not model.blocks[0].mlp.up.weight.is_meta
 
 
+@pytest.mark.hf
 def test_collectives_counted_export_gpt2_and_vocab_parallel_output():
     model, args, kwargs = hf_zoo.tiny_gpt2()
     gm = fxsplit.trace(model, args, kwargs)
