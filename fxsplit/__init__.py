@@ -15,7 +15,8 @@ from .trace import TraceError, flatten_inputs, trace
 from .marker import pipe_split
 from .pass_api import PassContext, PassManager, PassResult, register_pass
 from .split import Hardware
-from .api import ParallelConfig, ParallelModel, Plan, PlanError, load_full_checkpoint, parallelize, plan
+from .api import ParallelConfig, ParallelModel, Plan, PlanError, RankFailedError, load_full_checkpoint, parallelize, plan
+from . import schedules
 
 # Modules a pass (ours or a user's) may import; everything else is internal.
 PUBLIC_MODULES = (
@@ -41,6 +42,10 @@ PUBLIC_MODULES = (
     "fxsplit.tp_plan",
     "fxsplit.profile",
     "fxsplit.api",
+    "fxsplit.parallel_model",
+    "fxsplit.failures",
+    "fxsplit.runtime",
+    "fxsplit.cli",
 )
 
 __all__ = [
@@ -68,4 +73,6 @@ __all__ = [
     "ParallelModel",
     "PlanError",
     "load_full_checkpoint",
+    "RankFailedError",
+    "schedules",
 ]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import inspect
 import linecache
 import logging
-import traceback
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch

@@ -1,0 +1,318 @@
+"""This rank's part of a parallelized model: :class:`ParallelModel` (training step, inference,
+gradient synchronization, full state dicts and sharded checkpoints).
+
+Terms as in :mod:`fxsplit.api` (d, t, p; stages; microbatches). Built by :func:`fxsplit.parallelize`;
+its parameters are this rank's local shards, so any torch optimizer works on ``pm.parameters()``.
+Failures are agreed on by every rank ([Note: failures] in :mod:`fxsplit.failures`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from .failures import RankFailedError, _check_batch, _exchange_errors
+from .trace import flatten_inputs
+
+if TYPE_CHECKING:
+    from .api import Plan
+
+__all__ = ["ParallelModel", "load_full_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class ParallelModel(nn.Module):
+    """This rank's part of a parallelized model: its stages' modules (local shards) and the
+    pipeline runtime. ``parameters()`` are the local shards, so any torch optimizer works."""
+
+    def __init__(self, *, plan_: Plan, stages: Mapping[int, nn.Module], runtime: Any, mesh: Any,
+                 coords: Mapping[str, int], groups: Mapping[str, Any], loss_fn: Callable | None,
+                 bucket_bytes: int = 25 * 2**20, log_every: int | None = None):
+        super().__init__()
+        self.plan = plan_
+        self.stage_modules = nn.ModuleDict({str(s): m for s, m in stages.items()})
+        self._runtime = runtime
+        self.mesh = mesh
+        self.coords = dict(coords)
+        self._groups = dict(groups)
+        self.loss_fn = loss_fn
+        self._bucket_bytes = bucket_bytes
+        self._log_every = log_every
+        self._steps = 0
+        self.last_step_seconds = 0.0
+        self.last_bubble = 0.0  # share of the last step this rank spent blocked on its peers
+
+    # -- inspection
+    def local_stage_graphs(self) -> dict[int, torch.fx.GraphModule]:
+        return {int(s): m for s, m in self.stage_modules.items()}
+
+    # -- running
+    def _bound(self):
+        from .collectives import bind_groups
+
+        return bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp")})
+
+    def _flat(self, args: tuple, kwargs: dict) -> list:
+        return flatten_inputs(self.plan.graph, args, kwargs)
+
+    # [Note: failures] set when a step failed inside the runtime on some rank; the pipeline group
+    # of that rank is destroyed then, so this model cannot run again.
+    _failure: str | None = None
+
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Forward + backward over all microbatches; returns the full-batch loss on every rank
+        (averaged over data-parallel replicas). Gradients land in ``self.parameters()``.
+
+        Any batch size B >= m and any sequence length the model allows run without re-planning
+        (batch and sequence are traced as symbols). B need not divide by m: the microbatches
+        differ by at most one sample and microbatch i's loss is weighted by b_i / B
+        ([Note: loss weighting] in fxsplit.runtime.microbatch), which equals the full-batch loss
+        and gradients for a loss that is a mean over samples. Errors: [Note: failures].
+        """
+        if self.loss_fn is None:
+            raise RuntimeError(
+                "step() needs a loss: this model was parallelized without loss_fn (inference only); "
+                "call pm(inputs) for inference, or pass fxsplit.parallelize(..., loss_fn=...) to train"
+            )
+        self._check_usable("step")
+        t0 = time.perf_counter()
+        error, loss = None, None
+        try:
+            flat = self._flat(args, kwargs)
+            _check_batch(flat, self.plan, "step")
+            if target is None and self.plan.config.num_stages - 1 in self.local_stage_graphs():
+                raise ValueError(
+                    "step(): this rank holds the last stage, which computes the loss, and needs the "
+                    "target: pass step(inputs, target=...) (on every rank is simplest)"
+                )
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
+            error = exc
+        self._agree(error, False, "step")  # before the runtime: no rank enters it alone
+        try:
+            with self._bound():
+                loss = self._runtime.step(flat, target=target)
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
+            error = exc
+        self._agree(error, True, "step")
+        self._sync_grads()
+        dp = self._groups.get("dp")
+        if dp is not None and dist.get_world_size(dp) > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=dp)
+            loss /= dist.get_world_size(dp)
+        self.last_step_seconds = time.perf_counter() - t0
+        waited = getattr(self._runtime, "last_wait_seconds", 0.0)
+        self.last_bubble = waited / self.last_step_seconds if self.last_step_seconds > 0 else 0.0
+        self._steps += 1
+        if self._log_every and self._steps % self._log_every == 0:
+            log.info(
+                "step %d: loss %.6f, %.3fs, measured bubble %.1f%% (time blocked on pipeline peers)",
+                self._steps, float(loss), self.last_step_seconds, 100 * self.last_bubble,
+            )
+        return loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Inference through the pipeline; the output in the model's own structure, on every rank.
+        Other batch sizes (>= m) and sequence lengths run without re-planning, as in :meth:`step`."""
+        self._check_usable("forward")
+        error, out = None, None
+        try:
+            flat = self._flat(args, kwargs)
+            _check_batch(flat, self.plan, "forward")
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
+            error = exc
+        self._agree(error, False, "forward")
+        try:
+            with self._bound(), torch.no_grad():
+                out = self._runtime.forward(flat, all_ranks=True)
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
+            error = exc
+        self._agree(error, True, "forward")
+        return out
+
+    def _check_usable(self, what: str) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"{what}(): this ParallelModel cannot run again: {self._failure}. The failed rank "
+                "destroyed its pipeline process group; build a new one with fxsplit.parallelize(...)"
+            )
+
+    def _agree(self, error: Exception | None, in_runtime: bool, what: str) -> None:
+        """[Note: failures] Every rank learns whether any rank failed, and all raise together.
+
+        Called twice per step: after the input checks (so that no rank enters the pipeline while a
+        peer it waits for refused its inputs) and after the runtime. Each is one all-reduce of a
+        4-byte flag over every rank on the happy path (over gloo, waited with the runtime's
+        timeout). When some rank failed, every rank gathers the error texts: a rank whose own code
+        raised re-raises its exception (same type) with a note naming the other failed ranks;
+        every other rank raises :class:`RankFailedError` naming the failed global rank(s), their
+        mesh coordinates and their errors. A failure inside the pipeline runtime destroys that
+        rank's pipeline group (so its peers stop waiting at once), after which this model refuses
+        to run again; errors found before the runtime (bad batch, missing target) leave it usable.
+        """
+        group = self._groups.get("errors")
+        if group is None:  # one process: nobody to tell
+            if error is not None:
+                raise error
+            return
+        failure = _exchange_errors(group, error, in_runtime, timeout=self._runtime.timeout,
+                                   coords=self.coords, what=what)
+        if failure is None:
+            return
+        worst, exc = failure
+        if worst >= 2 and self.plan.config.pp > 1:
+            if isinstance(exc, RankFailedError):
+                cause = f"on global rank(s) {sorted(exc.failed)}"
+            else:
+                first = (str(exc).splitlines() or [""])[0]
+                cause = f"on this rank ({type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''})"
+            self._failure = f"an earlier {what}() failed in the pipeline runtime {cause}"
+        raise exc
+
+    def _sync_grads(self) -> None:
+        """Data-parallel mean of the gradients (bucketed, asynchronous all-reduces). With sequence
+        parallelism the replicated parameters' partial gradients are already summed over tp by
+        the graph itself (the tensor-parallel pass reads them through Megatron's f)."""
+        dp = self._groups.get("dp")
+        if dp is None or dist.get_world_size(dp) == 1:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        _bucketed_all_reduce(grads, dp, self._bucket_bytes, scale=1.0 / dist.get_world_size(dp))
+
+    # -- state
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for mod in self.stage_modules.values():
+            for k, v in mod.state_dict(keep_vars=False).items():
+                out.setdefault(k, v)
+        return out
+
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The original model's state dict (original names and shapes, CPU tensors), gathered from
+        every rank's shards; on every rank, or only on global rank 0 with ``rank0_only``."""
+        from .sharding import unshard_state_dict
+
+        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        local = {k: v.detach().cpu() for k, v in self._local_state().items()}
+        tp = self._groups.get("tp")
+        if tp is not None and dist.get_world_size(tp) > 1:
+            per_rank: list = [None] * dist.get_world_size(tp)
+            dist.all_gather_object(per_rank, local, group=tp)
+            local = unshard_state_dict(per_rank, {k: s for k, s in specs.items() if k in local})
+        pp = self._groups.get("pp")
+        merged = dict(local)
+        if pp is not None and dist.get_world_size(pp) > 1:
+            parts: list = [None] * dist.get_world_size(pp)
+            dist.all_gather_object(parts, local, group=pp)
+            merged = {}
+            for part in parts:
+                for k, v in part.items():
+                    merged.setdefault(k, v)
+        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+            return None
+        return merged
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Load a full (unsharded) state dict with the original names; each rank keeps its shards."""
+        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        tp_rank = self.coords.get("tp", 0)
+        missing = []
+        for mod in self.stage_modules.values():
+            for name, t in [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]:
+                if name not in state_dict:
+                    missing.append(name)
+                    continue
+                src = state_dict[name]
+                if name in specs:
+                    src = specs[name].shard(src, tp_rank)
+                if tuple(src.shape) != tuple(t.shape):
+                    raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(src.shape)}, expected {tuple(t.shape)} (after sharding)")
+                t.copy_(src)
+        if strict and missing:
+            raise KeyError(f"load_full_state_dict: missing {sorted(set(missing))[:10]}")
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded save: each rank writes its own shards (original names) and their shard specs; the
+        checkpoint can be loaded under any (dp, tp, pp) with :meth:`load_checkpoint`."""
+        import os
+
+        os.makedirs(path, exist_ok=True)
+        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        dp_rank = self.coords.get("dp", 0)
+        if dp_rank == 0:  # replicas hold the same shards
+            local = {k: v.detach().cpu() for k, v in self._local_state().items()}
+            torch.save(
+                {"tensors": local, "specs": {k: s for k, s in specs.items() if k in local},
+                 "tp_rank": self.coords.get("tp", 0), "tp": self.plan.config.tp},
+                os.path.join(path, f"shard-pp{self.coords.get('pp', 0)}-tp{self.coords.get('tp', 0)}.pt"),
+            )
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a checkpoint written by :meth:`save_checkpoint` under any (dp, tp, pp)."""
+        self.load_full_state_dict(load_full_checkpoint(path))
+
+
+def load_full_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """Reassemble the full state dict from a sharded checkpoint folder (any process, no group)."""
+    import glob
+    import os
+
+    from .sharding import unshard_state_dict
+
+    files = sorted(glob.glob(os.path.join(path, "shard-pp*-tp*.pt")))
+    if not files:
+        raise FileNotFoundError(f"no fxsplit checkpoint shards (shard-pp*-tp*.pt) in {path!r}")
+    by_pp: dict[str, list] = {}
+    for f in files:
+        pp_tag = os.path.basename(f).split("-")[1]
+        by_pp.setdefault(pp_tag, []).append(torch.load(f, weights_only=False))
+    full: dict[str, torch.Tensor] = {}
+    for parts in by_pp.values():
+        parts.sort(key=lambda d: d["tp_rank"])
+        specs = parts[0]["specs"]
+        if len(parts) > 1:
+            tensors = unshard_state_dict([p["tensors"] for p in parts], specs)
+        else:
+            tensors = parts[0]["tensors"]
+        for k, v in tensors.items():
+            full.setdefault(k, v)
+    return full
+
+
+def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float) -> None:
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for g in grads:
+        if size and size + g.numel() * g.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel() * g.element_size()
+    pending = []
+    for bucket in buckets:
+        if not bucket:
+            continue
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in bucket:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            pending.append((flat, gs, dist.all_reduce(flat, group=group, async_op=True)))
+    for flat, gs, work in pending:
+        work.wait()
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for g in gs:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
