@@ -34,7 +34,7 @@ from torch import nn
 
 from . import schedules as _schedules
 from .pass_api import PassContext, PassManager
-from .split import Hardware, SplitPlan, plan_split
+from .split import Hardware, SplitPlan
 from .stage import StageGraphs
 from .trace import trace
 from .failures import RankFailedError
@@ -237,14 +237,20 @@ def plan(
                 sequence_parallel=config.sequence_parallel, vocab_parallel_loss=config.vocab_parallel_loss,
             )
         )
-    if pipeline:
-        gm = PassManager(pipeline, debug=debug)(gm, ctx).graph_module
-        tp_result = ctx.report.get("tensor_parallel")
-    split = plan_split(
-        gm, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
-        schedule=config.schedule, num_microbatches=config.microbatches,
-        memory_limit=config.memory_limit, hardware=hardware,
+    from .passes.pipeline_split import pipeline_split
+
+    pipeline.append(
+        functools.partial(
+            pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
+            schedule=config.schedule, num_microbatches=config.microbatches,
+            memory_limit=config.memory_limit, hardware=hardware,
+        )
     )
+    # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
+    # debug dumps (debug=DIR or FXSPLIT_DEBUG_DIR) show each of them
+    gm = PassManager(pipeline, debug=debug)(gm, ctx).graph_module
+    tp_result = ctx.report.get("tensor_parallel")
+    split = ctx.report["pipeline_split"]
     stages = split.build(gm)
     sched_name = "1f1b" if config.schedule == "1f1b" else config.schedule
     sched = _schedules.build(sched_name, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)

@@ -255,8 +255,6 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
 
     model, args, kwargs = load_example(ns.factory, meta=ns.meta)
     passes = _load_passes(ns.passes)
-    if ns.debug_dir and not passes and ns.tp == 1:
-        print("fxsplit: note: no pass runs with tp=1 and no --pass, so --debug-dir gets no dumps", file=sys.stderr)
     options: dict[str, Any] = dict(
         tp=ns.tp, pp=ns.pp, dp=ns.dp, microbatches=ns.microbatches, schedule=ns.schedule,
         stages_per_rank=ns.stages_per_rank, split_points=ns.split_points, memory_limit=ns.memory_limit,

@@ -142,8 +142,11 @@ def test_user_pass_and_debug_dir(model_file, tmp_path, capsys):
     rc = main(["plan", f"{model_file}:mlp_pair", "--pass", f"{model_file}:tag_outputs", "--debug-dir", str(dumps)])
     assert rc == 0, capsys.readouterr().err
     assert (dumps / "00_tag_outputs" / "after.py").is_file() and (dumps / "summary.txt").is_file()
-    rc = main(["plan", f"{model_file}:mlp_pair", "--debug-dir", str(tmp_path / "none")])
-    assert rc == 0 and "no pass runs with tp=1 and no --pass" in capsys.readouterr().err
+    # with no user pass and tp=1 the pipeline split pass still runs through the PassManager
+    rc = main(["plan", f"{model_file}:mlp_pair", "--debug-dir", str(tmp_path / "split")])
+    assert rc == 0, capsys.readouterr().err
+    assert (tmp_path / "split" / "00_pipeline_split" / "before.py").is_file()
+    assert (dumps / "01_pipeline_split").is_dir()
 
 
 def test_import_error_in_the_file_is_exit_1(tmp_path, capsys):
