@@ -20,6 +20,8 @@ bias are the local shard (by blocks for fused projections). Row linear: the line
 counts. Vocabulary embedding: ``tp_ops.vocab_parallel_embedding``. LM head: f, the column linear
 on the vocabulary, then ``tp_ops.gather_logits`` -- or, with ``vocab_parallel_loss=True``, the
 model returns the local logits and the loss must be ``tp_ops.vocab_parallel_cross_entropy``.
+With ``sequence_parallel=True`` (Megatron-3) the activations between regions are sharded along
+the sequence (dim 1 of [B, T, C]; T must divide by t at run time): see ``_sequence_parallel``.
 Written only against fxsplit's public API.
 """
 

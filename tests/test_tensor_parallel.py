@@ -161,10 +161,14 @@ CASES_2 += [
     (("hf_bert", {}), {"sequence_parallel": True}),
 ]
 CASES_4 = [
+    (("mlp", {}), {}),
+    (("gpt", SMALL), {}),
     (("gpt", dict(SMALL, fused_qkv=True)), {}),
     (("gpt", dict(SMALL, n_kv_head=4, n_head=8, fused_qkv=True, mlp="swiglu")), {"vocab_parallel_loss": True}),
     (("hf_llama", dict(num_key_value_heads=4)), {}),
     (("gpt", dict(SMALL, fused_qkv=True)), {"sequence_parallel": True}),
+    (("hf_gpt2", {}), {"sequence_parallel": True}),
+    (("hf_bert", {}), {}),
 ]
 
 
