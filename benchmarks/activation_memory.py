@@ -137,7 +137,6 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         sim = schedules.simulate(pm.plan.schedule, forward=1.0, backward=2.0)
         out[label] = {"peak": counter.peak, "share": sum(share.values()), "held": held["peak"],
                       "sim": sim.peak_inflight[rank], "loss": float(loss), "v": v}
-        del pm, rt
     return out
 
 

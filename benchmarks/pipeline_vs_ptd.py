@@ -286,12 +286,12 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         est_work = setup.microbatches * sum(s.time for s in pm.plan.split.stages)
         sim_bal = schedules.simulate(pm.plan.schedule, forward=1 / 3, backward=2 / 3)
         out[label] = {
-            "times": times, "cpu": cpus, "waits": waits, "actions": actions, "losses": first_losses, "paths": paths, "setup_s": (t_fx, t_ptd),
+            "times": times, "cpu": cpus, "waits": waits, "actions": actions, "losses": first_losses,
+            "paths": paths, "setup_s": (t_fx, t_ptd),
             "sim_plan_ratio": sim_plan.makespan / est_work,  # predicted step / T1
             "sim_bal_ratio": sim_bal.makespan / (setup.microbatches * world),
             "stage_est": [s.time for s in pm.plan.split.stages],
         }
-        del pm, sched, stages
     return out
 
 
@@ -351,7 +351,7 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
             f"microbatches) agree to {rel:.1e}; fxsplit blocked in receives per rank "
             f"{[round(_med(r[label]['waits']), 3) for r in results]} s; setup s on rank 0 (fxsplit, PTD) "
             f"{tuple(round(t, 1) for t in r0['setup_s'])}")
-        notes.append(f"    wall s per round: " + "; ".join(
+        notes.append("    wall s per round: " + "; ".join(
             f"{k} " + " ".join(f"{t:.3f}" for t in v) for k, v in w.items()))
     legend = (
         "A: medians of wall seconds per step (slowest rank); T1 = one process, whole batch; T1 mb = "
