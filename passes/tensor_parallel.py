@@ -40,7 +40,7 @@ import fxsplit
 from fxsplit.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
                                  reduce_scatter_to_region, scatter_to_region)
 from fxsplit.pass_api import PassContext, PassResult
-from fxsplit.sharding import ShardSpec, unshard_state_dict
+from fxsplit.sharding import unshard_state_dict
 from fxsplit.tp_ops import gather_logits, vocab_parallel_embedding
 from fxsplit.tp_plan import TPPlan, TPPlanError, find_tp_plan, op_name
 

@@ -1,0 +1,488 @@
+"""Sharded-dim propagation: which dim of each value carries a tensor-parallel shard.
+
+Terms (see ``fxsplit.tp_plan`` for t, column / row, region, blocks):
+- **sharded dim**: the one dim of a value that holds 1/t of its global size on each rank
+  (``State.dim``); a value with no entry in ``Propagation.state`` is replicated.
+- **seeds**: the column linears a region is tried from; their outputs are sharded on the last
+  (feature) dim. **origins**: the seeds whose output blocks a later ``split`` may still choose.
+- **view groups**: the dims of a view ``a -> b`` matched into groups of equal size product
+  (``_view_groups``); symbolic sizes are compared with sympy.
+- **rewrites**: ``(node name, argument path, local int)``, shape arguments (view sizes, split
+  sizes, expand sizes) that become local sizes once the value is sharded.
+- **op name**: one short name per op shared by fx and export graphs (:func:`op_name`).
+
+    prop = Propagation(gm, t, linears, seeds=["q", "k", "v"], excluded=set(), forced_rows=set())
+    prop.run()           # raises RegionFailed (the region stays replicated) or TPPlanError
+    prop.state["attn"]   # State(dim=1, origins=frozenset()); prop.rows == ["o"]
+
+[Note: sharded-dim propagation] The dim is pushed forward in graph order from the seeds through
+pointwise ops (with broadcast operands), views/reshapes (the sharded dim must be the outer dim
+of its view group), transposes, permutes, splits/chunks, expand and repeat_interleave
+(grouped-query attention), slices and cats on other dims (RoPE), softmax on other dims,
+scaled-dot-product attention and batched matmuls over heads, until every path ends in a linear
+whose input feature dim is the sharded one (a row linear). Anything else (a norm or reduction
+over the sharded dim, a residual add with a replicated tensor, a model output, reading the
+sharded size) raises :class:`RegionFailed` naming the node: the region stays replicated and the
+plan says why. A sharded size that t does not divide raises :class:`TPPlanError` (node, module,
+sizes, nearest valid t). ``fxsplit.tp_plan.find_tp_plan`` chooses the seeds and turns the
+result into the plan; ``fxsplit.passes.tensor_parallel`` applies ``rewrites``.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+from torch import nn
+
+from .meta import to_expr
+
+__all__ = [
+    "TPPlanError",
+    "VIEWS",
+    "op_name",
+    "node_shape",
+    "divisibility_msg",
+    "State",
+    "RegionFailed",
+    "Propagation",
+]
+
+
+class TPPlanError(ValueError):
+    """The graph or the user's plan cannot be tensor-parallel as asked; says what and the fix."""
+
+    # defined here, below the plan, because propagation raises it; its public home (the name
+    # printed in tracebacks and used by pickle) stays fxsplit.tp_plan, which re-exports it
+    __module__ = "fxsplit.tp_plan"
+
+
+# --------------------------------------------------------------------------------------------
+# op names (one vocabulary for fx and export graphs)
+
+_PY_NAMES = {
+    operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.mul: "mul",
+    operator.imul: "mul", operator.truediv: "div", operator.neg: "neg", operator.pow: "pow",
+    operator.getitem: "getitem", operator.matmul: "matmul",
+}
+_MODULE_NAMES = {
+    nn.Linear: "linear", nn.Embedding: "embedding", nn.Dropout: "dropout", nn.GELU: "gelu",
+    nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "alias",
+    nn.LayerNorm: "layer_norm",
+}
+# pointwise ops (beyond aten's pointwise tag), and ops that return their input's shape unchanged
+_POINTWISE = {
+    "add", "sub", "mul", "div", "neg", "pow", "gelu", "silu", "relu", "tanh", "sigmoid", "exp",
+    "dropout", "float", "to", "type_as", "contiguous", "clone", "alias", "detach", "_to_copy",
+    "masked_fill", "where", "rsqrt", "sqrt", "abs", "erf", "native_dropout", "half", "bfloat16",
+    "mul_", "add_", "lift_fresh_copy", "softplus", "leaky_relu", "elu", "gelu_", "rsub",
+}
+VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as"}
+
+
+def op_name(node: torch.fx.Node, gm: torch.fx.GraphModule | None = None) -> str:
+    """A short op name shared by fx and export graphs ("view", "add", "linear", ...)."""
+    t = node.target
+    if node.op == "call_method":
+        return str(t)
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(t)) if gm is not None else None
+        for cls, name in _MODULE_NAMES.items():
+            if type(mod) is cls:
+                return name
+        return f"module:{type(mod).__name__}"
+    if node.op != "call_function":
+        return node.op
+    if isinstance(t, torch._ops.OpOverload):
+        return t.overloadpacket.__name__
+    if t in _PY_NAMES:
+        return _PY_NAMES[t]
+    name = getattr(t, "__name__", str(t))
+    return {"truediv": "div", "_VariableFunctionsClass.cat": "cat"}.get(name, name)
+
+
+def _is_pointwise(node: torch.fx.Node, name: str) -> bool:
+    if name in _POINTWISE:
+        return True
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+
+
+# --------------------------------------------------------------------------------------------
+# shapes
+
+
+def node_shape(node: Any) -> tuple | None:
+    """The traced shape of a tensor value (sizes as ints or sympy expressions), else None."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if isinstance(val, torch.Tensor):
+        return tuple(to_expr(s) for s in val.shape)
+    return None
+
+
+def _eq(a: Any, b: Any) -> bool:
+    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def _view_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]] | None:
+    """Match the dims of a view from shape ``a`` to shape ``b`` into groups of equal product."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        gi, gj = [i], [j]
+        pa, pb = sympy.sympify(a[i]), sympy.sympify(b[j])
+        i, j = i + 1, j + 1
+        for _ in range(64):
+            if _eq(pa, pb):
+                break
+            num, den = sympy.fraction(sympy.cancel(pb / pa))
+            if den == 1 and i < len(a):  # pb is a multiple of pa: take more of a
+                gi.append(i)
+                pa = pa * a[i]
+                i += 1
+            elif j < len(b):
+                gj.append(j)
+                pb = pb * b[j]
+                j += 1
+            elif i < len(a):
+                gi.append(i)
+                pa = pa * a[i]
+                i += 1
+            else:
+                return None
+        else:
+            return None
+        groups.append((gi, gj))
+    # trailing size-1 dims join the last group
+    if not groups:
+        return [([*range(len(a))], [*range(len(b))])]
+    groups[-1][0].extend(range(i, len(a)))
+    groups[-1][1].extend(range(j, len(b)))
+    return groups
+
+# --------------------------------------------------------------------------------------------
+# propagation
+
+
+@dataclass
+class State:
+    """How one value is sharded ([Note: sharded-dim propagation])."""
+
+    dim: int
+    origins: frozenset  # seed linears whose output blocks may still be chosen by a split
+
+
+class RegionFailed(Exception):
+    """These seeds cannot form a region; the message (node and why) is the plan's replicated reason."""
+
+
+def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _int_args(node: torch.fx.Node, start: int) -> list:
+    """fx varargs (x.view(a, b, c)) or one list argument (x.view([a, b, c]))."""
+    rest = list(node.args[start:])
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple)):
+        return list(rest[0])
+    return rest
+
+
+def _norm(d: int, n: int) -> int:
+    return d % n if n else d
+
+
+class Propagation:
+    """Push sharded dims from a set of column linears forward through the graph
+    ([Note: sharded-dim propagation]); ``run`` fills ``state``, ``rows``, ``blocks``, ``rewrites``."""
+
+    def __init__(self, gm, t, linears, seeds, excluded, forced_rows):
+        self.gm, self.t, self.linears = gm, t, linears
+        self.seeds = set(seeds)
+        self.excluded = excluded
+        self.forced_rows = forced_rows
+        self.state: dict[str, State] = {}
+        self.rows: list[str] = []
+        self.blocks: dict[str, tuple[int, ...]] = {}
+        self.rewrites: list[tuple[str, tuple, int]] = []
+        self.reshaped: set[str] = set()
+        self.shape_of: dict[str, int] = {}  # fx getattr(x, "shape") of a sharded x -> its dim
+
+    def fail(self, node: torch.fx.Node, why: str) -> None:
+        raise RegionFailed(f"{node.name} ({op_name(node, self.gm)}): {why}")
+
+    def run(self) -> None:
+        for node in self.gm.graph.nodes:
+            if node.name in self.seeds:
+                self.state[node.name] = State(len(node_shape(node)) - 1, frozenset([node.name]))
+                continue
+            ins = [a for a in node.all_input_nodes if a.name in self.state or a.name in self.shape_of]
+            if not ins:
+                continue
+            self.step(node)
+
+    def _set(self, node, dim, origins=frozenset()):
+        self.state[node.name] = State(dim, origins)
+
+    def _rewrite(self, node, path, value, dim_size):
+        if isinstance(value, int) and value != -1:
+            if value % self.t:
+                raise TPPlanError(divisibility_msg(node, self.t, value, "a shape argument"))
+            self.rewrites.append((node.name, path, value // self.t))
+        elif isinstance(value, torch.fx.Node):
+            self.fail(node, f"the sharded size {dim_size} is computed at run time ({value.name}); "
+                            "it must be a constant or -1 to be rewritten to the local size")
+
+    def step(self, node: torch.fx.Node) -> None:
+        name = op_name(node, self.gm)
+        if node.op == "output":
+            self.fail(node, "a sharded value is a model output")
+        # fx: B, T, C = x.shape
+        if any(a.name in self.shape_of for a in node.all_input_nodes):
+            src = next(a for a in node.all_input_nodes if a.name in self.shape_of)
+            if name == "getitem" and isinstance(node.args[1], int):
+                if _norm(node.args[1], len(node_shape(src.args[0]) or ())) != self.shape_of[src.name]:
+                    return
+            self.fail(node, "reads the size of the sharded dim")
+        ins = [a for a in node.all_input_nodes if a.name in self.state]
+        x = node.args[0] if node.args else None
+        st = self.state.get(x.name) if isinstance(x, torch.fx.Node) else None
+        out_shape = node_shape(node)
+        if node.name in self.linears:
+            info = self.linears[node.name]
+            if node.name in self.excluded:
+                self.fail(node, f"{info.module_path} is set to replicate")
+            xin = node.args[info.x_index] if info.kind != "module" else node.args[0]
+            if not isinstance(xin, torch.fx.Node) or xin.name not in self.state or len(ins) != 1:
+                self.fail(node, "a sharded weight or bias")
+            xs = node_shape(xin)
+            if self.state[xin.name].dim != len(xs) - 1:
+                self.fail(node, f"input sharded on dim {self.state[xin.name].dim}, not on its features")
+            if self.state[xin.name].origins & set(self.blocks):
+                self.fail(node, "input still carries fused blocks")
+            self.rows.append(node.name)
+            return
+        if name in ("getattr",) and node.args[1] == "shape":
+            self.shape_of[node.name] = st.dim
+            return
+        if name in ("size", "sym_size"):
+            d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            if d is not None and _norm(d, len(node_shape(x))) != st.dim:
+                return
+            self.fail(node, "reads the size of the sharded dim")
+        if name == "getitem":
+            src = node.args[0]
+            piece = self.state.get(f"{src.name}[{node.args[1]}]")
+            if piece is None:
+                self.fail(node, "indexing a sharded tensor")
+            self._set(node, piece.dim, piece.origins)
+            return
+        if out_shape is None:
+            if name in ("split", "split_with_sizes", "chunk", "unbind"):
+                return self._split(node, name, st)
+            self.fail(node, "a sharded value used by an op that returns no tensor")
+        if name in VIEWS or name == "expand" or name == "expand_as":
+            return self._view(node, name, st, out_shape)
+        if name in ("transpose", "swapaxes", "t"):
+            n = len(out_shape)
+            if name == "t":
+                d0, d1 = 0, 1
+            else:
+                d0, d1 = _norm(node.args[1], n), _norm(node.args[2], n)
+            d = {d0: d1, d1: d0}.get(st.dim, st.dim)
+            return self._set(node, d, st.origins)
+        if name == "permute":
+            dims = [_norm(d, len(out_shape)) for d in _int_args(node, 1)]
+            return self._set(node, dims.index(st.dim), st.origins)
+        if name == "repeat_interleave":
+            if not isinstance(node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats"), int):
+                self.fail(node, "repeats given as a tensor")
+            return self._set(node, st.dim, frozenset())
+        if name in ("slice",):
+            d = _norm(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
+            if d == st.dim and not _eq(out_shape[d], node_shape(x)[d]):
+                self.fail(node, "slices the sharded dim")
+            return self._set(node, st.dim, st.origins)
+        if name == "cat":
+            tensors = node.args[0]
+            d = _norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(out_shape))
+            dims = {self.state[a.name].dim if a.name in self.state else None for a in tensors}
+            if None in dims or len(dims) != 1:
+                self.fail(node, "concatenates sharded and replicated tensors")
+            (sd,) = dims
+            if sd == d:
+                self.fail(node, "concatenates along the sharded dim")
+            return self._set(node, sd)
+        if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+            d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            if d is None or _norm(d, len(out_shape)) == st.dim:
+                self.fail(node, "softmax over the sharded dim")
+            return self._set(node, st.dim, st.origins)
+        if name == "scaled_dot_product_attention":
+            return self._sdpa(node, out_shape)
+        if name in ("matmul", "bmm"):
+            return self._matmul(node, out_shape)
+        if _is_pointwise(node, name) or (node.op == "call_module" and name in _POINTWISE):
+            return self._pointwise(node, out_shape)
+        if "norm" in name:
+            self.fail(node, f"a normalization ({name}) reads the whole sharded feature dim")
+        self.fail(node, "an op the pass does not know how to shard (left replicated)")
+
+    def _pointwise(self, node, out_shape):
+        n = len(out_shape)
+        out_dim, origins = None, frozenset()
+        for a in _tensor_inputs(node):
+            s = node_shape(a)
+            if a.name in self.state:
+                d = self.state[a.name].dim + n - len(s)
+                if out_dim is not None and d != out_dim:
+                    self.fail(node, "operands sharded on different dims")
+                out_dim = d
+                origins |= self.state[a.name].origins
+        for a in _tensor_inputs(node):
+            if a.name in self.state:
+                continue
+            s = node_shape(a)
+            pos = out_dim - (n - len(s))
+            if pos >= 0 and not _eq(s[pos], 1):
+                self.fail(node, f"combines the sharded value with replicated {a.name} of full size {s[pos]} on the sharded dim")
+        self._set(node, out_dim, origins)
+
+    def _view(self, node, name, st, out_shape):
+        in_shape = node_shape(node.args[0])
+        if name in ("expand", "expand_as"):
+            d = st.dim + len(out_shape) - len(in_shape)
+            if name == "expand":
+                sizes = _int_args(node, 1)
+                lst = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
+                self._rewrite(node, (1, d) if lst else (1 + d,), sizes[d], out_shape[d])
+            else:
+                self.fail(node, "expand_as of a sharded tensor")
+            return self._set(node, d, st.origins)
+        groups = _view_groups(in_shape, out_shape)
+        if groups is None:
+            self.fail(node, f"cannot match view {in_shape} -> {out_shape}")
+        gi, gj = next((gi, gj) for gi, gj in groups if st.dim in gi)
+        outer_in = [i for i in gi if not _eq(in_shape[i], 1)]
+        outer_out = [j for j in gj if not _eq(out_shape[j], 1)]
+        if not outer_in or outer_in[0] != st.dim or not outer_out:
+            self.fail(node, f"the sharded dim {st.dim} of {in_shape} is merged into an outer dim by the view to {out_shape}")
+        d = outer_out[0]
+        size = out_shape[d]
+        if not isinstance(size, int):
+            self.fail(node, f"the sharded dim has symbolic size {size}")
+        if size % self.t:
+            raise TPPlanError(divisibility_msg(node, self.t, size, "a view of the sharded value"))
+        changed = len(outer_in) != 1 or len(outer_out) != 1
+        origins = st.origins
+        if changed:
+            self.reshaped |= set(origins)
+        if name in ("view", "reshape", "_unsafe_view"):
+            sizes = _int_args(node, 1)
+            lst = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
+            if "size" in node.kwargs or "shape" in node.kwargs:
+                self.fail(node, "shape given by keyword")
+            self._rewrite(node, (1, d) if lst else (1 + d,), sizes[d], size)
+        elif name in ("unflatten", "view_as"):
+            self.fail(node, f"{name} of a sharded tensor")
+        self._set(node, d, origins)
+
+    def _split(self, node, name, st):
+        x = node.args[0]
+        xs = node_shape(x)
+        n = len(xs)
+        if name == "unbind":
+            self.fail(node, "unbind of a sharded tensor")
+        dim_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        d = _norm(dim_arg, n)
+        val = node.meta.get("val")
+        sizes = [int(to_expr(v.shape[d])) for v in val]
+        if d != st.dim:
+            for i in range(len(sizes)):
+                self.state[f"{node.name}[{i}]"] = State(st.dim, st.origins)
+            self.state[node.name] = st
+            return
+        if name == "chunk":
+            self.fail(node, "chunk on the sharded dim (use split)")
+        bad = [s for s in sizes if s % self.t]
+        if bad:
+            raise TPPlanError(divisibility_msg(node, self.t, sizes, "the split of a fused projection"))
+        if not st.origins or st.origins & self.reshaped:
+            self.fail(node, "splits the sharded dim of a value that is not a projection's direct output")
+        for o in st.origins:
+            prev = self.blocks.get(o)
+            if prev is not None and prev != tuple(sizes):
+                self.fail(node, f"splits {o} into {sizes} and elsewhere into {prev}")
+            self.blocks[o] = tuple(sizes)
+        arg = node.args[1]
+        if isinstance(arg, int):
+            self.rewrites.append((node.name, (1,), arg // self.t))
+        else:
+            for i, s in enumerate(arg):
+                self.rewrites.append((node.name, (1, i), s // self.t))
+        for i in range(len(sizes)):
+            self.state[f"{node.name}[{i}]"] = State(d, frozenset())
+        self.state[node.name] = st
+
+    def _sdpa(self, node, out_shape):
+        q, k, v = node.args[:3]
+        for a in (q, k, v):
+            s = self.state.get(a.name) if isinstance(a, torch.fx.Node) else None
+            if s is None or s.dim != len(node_shape(a)) - 3:
+                self.fail(node, f"{a} is not sharded by heads")
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, torch.fx.Node):
+            ms = node_shape(mask)
+            pos = len(out_shape) - 3 - (len(out_shape) - len(ms))
+            if mask.name in self.state:
+                if self.state[mask.name].dim != pos:
+                    self.fail(node, "mask sharded on another dim")
+            elif pos >= 0 and not _eq(ms[pos], 1):
+                self.fail(node, f"attention mask {mask.name} has {ms[pos]} heads; a per-head mask is not sharded")
+        self._set(node, len(out_shape) - 3)
+
+    def _matmul(self, node, out_shape):
+        a, b = node.args[:2]
+        sa, sb = node_shape(a), node_shape(b)
+        n = len(out_shape)
+        if a.name not in self.state or b.name not in self.state or len(sa) < 3 or len(sb) < 3:
+            self.fail(node, "matmul with one sharded operand")
+        da, db = self.state[a.name].dim, self.state[b.name].dim
+        if da >= len(sa) - 2 or db >= len(sb) - 2 or da + n - len(sa) != db + n - len(sb):
+            self.fail(node, "matmul not batched over the sharded dim")
+        self._set(node, da + n - len(sa))
+
+
+
+# --------------------------------------------------------------------------------------------
+# error text
+
+
+def _node_where(node: torch.fx.Node) -> str:
+    info = node.meta.get("fxsplit")
+    path = getattr(info, "module_path", "") or ""
+    return f"node {node.name!r}" + (f" in module {path!r}" if path else "")
+
+
+def _nearest_t(sizes: list[int], t: int) -> str:
+    ok = [d for d in range(1, 65) if all(s % d == 0 for s in sizes)]
+    below = [d for d in ok if d < t]
+    above = [d for d in ok if d > t]
+    near = ([below[-1]] if below else []) + ([above[0]] if above else [])
+    return " or ".join(f"t={d}" for d in near)
+
+
+def divisibility_msg(node, t, sizes, what) -> str:
+    """The TPPlanError text for sizes that t does not divide: where, the sizes, the nearest valid t."""
+    sizes_l = sizes if isinstance(sizes, list) else [sizes]
+    heads = ""
+    sh = node_shape(node)
+    if sh is not None and len(sh) == 4:
+        heads = " (the number of attention heads or key/value heads)"
+    return (f"tensor parallel t={t}: {what} at {_node_where(node)} has size {sizes}{heads}, "
+            f"which t={t} does not divide; nearest valid t: {_nearest_t(sizes_l, t)}")
+
