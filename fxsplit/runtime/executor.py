@@ -30,7 +30,7 @@ broadcast of the loss), never creates groups, so no collective group creation is
    B: sum the gradients received for each output, ``autograd.backward`` from the outputs (or the
    weighted loss), send each input's ``.grad`` back, free what F saved. I: the input gradients
    only (``autograd.grad``, graph kept); W: the weight gradients from what I captured
-   ([Note: split backward]).
+   ([Note: split backward] in fxsplit.runtime.split_backward).
 3. After the last action: wait for every send, sum the gradients of tied parameters across the
    ranks (and stages) that hold them, broadcast the loss from the last stage's rank.
 Gradients ACCUMULATE into ``.grad`` like ``loss.backward()``: zero them between steps.
@@ -38,17 +38,14 @@ Gradients ACCUMULATE into ``.grad`` like ``loss.backward()``: zero them between 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.utils import _pytree as pytree
 
 from fxsplit.runtime.microbatch import (
@@ -59,6 +56,7 @@ from fxsplit.runtime.microbatch import (
     split_target,
 )
 from fxsplit.runtime.p2p import Message, P2PChannel, PipelineError, plan_communication
+from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.stage import StageGraphs, StageIO, ValueMeta
 
@@ -69,6 +67,8 @@ B = ActionKind.BACKWARD
 BI = ActionKind.BACKWARD_INPUT
 BW = ActionKind.BACKWARD_WEIGHT
 
+_SplitBackward = SplitBackward  # its former name here (tests/test_runtime_plan.py imports it)
+
 
 @dataclass
 class _Saved:
@@ -77,114 +77,7 @@ class _Saved:
     inputs: list[Any]
     outputs: tuple[Any, ...]
     loss: torch.Tensor | None = None  # weighted loss (last stage)
-    split: _SplitBackward | None = None  # set by I for W
-
-
-class _SplitBackward:
-    """[Note: split backward] The W half of a backward split into I and W, without redoing I.
-
-    The approach of torch.distributed.pipelining's ``stage_backward_input/weight``: before I,
-    walk the autograd graph from the roots. The I pass (``autograd.grad`` to the stage inputs)
-    runs exactly the nodes from which an input is reachable (set ``I``). For each parameter, walk
-    up from its gradient accumulator through nodes outside ``I``; the nodes of ``I`` met on the
-    way ("intermediates") are where its gradient branches off the input path. A pre-hook
-    captures the gradient flowing into each intermediate during I; W then runs
-    ``autograd.grad(GradientEdge(intermediate), params, captured)`` per group of parameters that
-    share intermediates, which computes only the weight branches. A parameter reached from a
-    root outside ``I`` (e.g. every parameter of stage 0, whose inputs need no gradient) is
-    differentiated from the roots instead. I + W thus cost about one full backward.
-    """
-
-    def __init__(self, roots: list[torch.Tensor], root_grads: list[torch.Tensor | None],
-                 leaves: list[torch.Tensor], params: list[nn.Parameter]):
-        self.roots, self.root_grads = roots, root_grads
-        self.captured: dict[Node, tuple] = {}
-        root_nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
-        parents: dict[Node, list[Node]] = defaultdict(list)
-        seen, queue = set(root_nodes), deque(root_nodes)
-        while queue:  # reverse edges of the graph below the roots
-            node = queue.popleft()
-            for child, _ in node.next_functions:
-                if child is not None:
-                    parents[child].append(node)
-                    if child not in seen:
-                        seen.add(child)
-                        queue.append(child)
-        on_input_path: set[Node] = set()
-        queue = deque(get_gradient_edge(x).node for x in leaves)
-        while queue:
-            node = queue.popleft()
-            for par in parents.get(node, ()):
-                if par not in on_input_path:
-                    on_input_path.add(par)
-                    queue.append(par)
-        roots_set = set(root_nodes)
-        groups: list[tuple[set[Node], list[nn.Parameter]]] = []
-        self.from_roots: list[nn.Parameter] = []
-        for p in params:
-            acc = get_gradient_edge(p).node
-            if acc not in seen:
-                continue  # not used by this microbatch's graph
-            inter: set[Node] = set()
-            top = False
-            visited, queue = {acc}, deque([acc])
-            while queue:
-                node = queue.popleft()
-                top |= node in roots_set
-                for par in parents.get(node, ()):
-                    if par in visited:
-                        continue
-                    visited.add(par)
-                    if par in on_input_path:
-                        inter.add(par)
-                    else:
-                        queue.append(par)
-            if top or not inter:
-                self.from_roots.append(p)
-                continue
-            merged = [g for g in groups if g[0] & inter]
-            for g in merged:
-                groups.remove(g)
-                inter |= g[0]
-            groups.append((inter, [q for g in merged for q in g[1]] + [p]))
-        self.groups = groups
-
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        def hook_for(node: Node) -> Callable:
-            def hook(grad_outputs: tuple) -> None:
-                self.captured[node] = tuple(grad_outputs)
-            return hook
-
-        handles = [node.register_prehook(hook_for(node)) for nodes, _ in self.groups for node in nodes]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    def weight_grads(self) -> None:
-        """Accumulate the parameter gradients into ``.grad`` (the W action)."""
-        if self.from_roots:
-            torch.autograd.backward(self.roots, self.root_grads, inputs=self.from_roots, retain_graph=True)
-        for nodes, params in self.groups:
-            edges, grads = [], []
-            for node in nodes:
-                for i, g in enumerate(self.captured.get(node, ())):
-                    if g is not None:
-                        edges.append(GradientEdge(node, i))
-                        grads.append(g)
-            if not edges:
-                continue
-            got = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
-            for p, g in zip(params, got):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
-        self.captured.clear()
+    split: SplitBackward | None = None  # set by I for W
 
 
 class PipelineRuntime:
@@ -571,7 +464,7 @@ class PipelineRuntime:
         else:  # I: input gradients only, keep the graph for W ([Note: split backward])
             leaves = [saved.inputs[k] for k in wanted]
             params = [p for p in self.modules[a.stage].parameters() if p.requires_grad]
-            split = _SplitBackward(roots, root_grads, leaves, params)
+            split = SplitBackward(roots, root_grads, leaves, params)
             with split.capturing():
                 got = (torch.autograd.grad(roots, leaves, root_grads, retain_graph=True, allow_unused=True)
                        if roots and leaves else [None] * len(leaves))
