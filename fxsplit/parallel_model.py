@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -240,52 +241,94 @@ class ParallelModel(nn.Module):
             raise KeyError(f"load_full_state_dict: missing {sorted(set(missing))[:10]}")
 
     def save_checkpoint(self, path: str) -> None:
-        """Sharded save: each rank writes its own shards (original names) and their shard specs; the
-        checkpoint can be loaded under any (dp, tp, pp) with :meth:`load_checkpoint`."""
-        import os
+        """Sharded save through ``torch.distributed.checkpoint`` ([Note: checkpoint layout]): every
+        rank writes only its own tensors; a checkpoint loads under any (dp, tp, pp) with
+        :meth:`load_checkpoint`, or whole in one process with :func:`load_full_checkpoint`."""
+        import torch.distributed.checkpoint as dcp
 
-        os.makedirs(path, exist_ok=True)
         specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
-        dp_rank = self.coords.get("dp", 0)
-        if dp_rank == 0:  # replicas hold the same shards
-            local = {k: v.detach().cpu() for k, v in self._local_state().items()}
-            torch.save(
-                {"tensors": local, "specs": {k: s for k, s in specs.items() if k in local},
-                 "tp_rank": self.coords.get("tp", 0), "tp": self.plan.config.tp},
-                os.path.join(path, f"shard-pp{self.coords.get('pp', 0)}-tp{self.coords.get('tp', 0)}.pt"),
-            )
-        if dist.is_initialized():
-            dist.barrier()
+        t, tp_rank = self.plan.config.tp, self.coords.get("tp", 0)
+        state: dict[str, Any] = {}
+        mine: dict[str, Any] = {}
+        for name, tensor in self._local_state().items():
+            if name in specs and t > 1:
+                state[_shard_key(name, tp_rank, t)] = tensor.detach()
+                mine[name] = specs[name]
+            else:
+                state[name] = tensor.detach()
+        # each (pp, tp) position records the specs of the shards it wrote (replicas write the same)
+        state[f"{_META}/pp{self.coords.get('pp', 0)}-tp{tp_rank}"] = _ShardRecord(t, mine)
+        dcp.save(state, checkpoint_id=path, process_group=self._groups.get("world"),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
 
     def load_checkpoint(self, path: str) -> None:
-        """Load a checkpoint written by :meth:`save_checkpoint` under any (dp, tp, pp)."""
-        self.load_full_state_dict(load_full_checkpoint(path))
+        """Load a checkpoint written by :meth:`save_checkpoint` under any (dp, tp, pp): each rank
+        reads only the tensors its stages need and keeps its own shards."""
+        names = set()
+        for mod in self.stage_modules.values():
+            names |= {n for n, _ in [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]}
+        self.load_full_state_dict(load_full_checkpoint(path, names=names))
 
 
-def load_full_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    """Reassemble the full state dict from a sharded checkpoint folder (any process, no group)."""
-    import glob
-    import os
+# [Note: checkpoint layout]
+# A checkpoint is a torch.distributed.checkpoint folder. A replicated tensor is stored under its
+# original name (written once, DCP deduplicates replicas); a tensor-parallel shard under
+# "<name>/tp<r>of<t>"; "fxsplit_meta/pp<i>-tp<r>" holds the ShardSpecs of the shards that position
+# wrote, so a reader can reassemble the full tensor and cut it again for any other layout.
+_META = "fxsplit_meta"
 
-    from .sharding import unshard_state_dict
 
-    files = sorted(glob.glob(os.path.join(path, "shard-pp*-tp*.pt")))
-    if not files:
-        raise FileNotFoundError(f"no fxsplit checkpoint shards (shard-pp*-tp*.pt) in {path!r}")
-    by_pp: dict[str, list] = {}
-    for f in files:
-        pp_tag = os.path.basename(f).split("-")[1]
-        by_pp.setdefault(pp_tag, []).append(torch.load(f, weights_only=False))
+@dataclass(frozen=True)
+class _ShardRecord:
+    """Saved as one object (DCP would flatten a dict into many entries)."""
+
+    tp: int
+    specs: Mapping[str, Any]
+
+
+def _shard_key(name: str, rank: int, t: int) -> str:
+    return f"{name}/tp{rank}of{t}"
+
+
+def load_full_checkpoint(path: str, *, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The full state dict (original names and shapes, CPU) of a checkpoint written by
+    :meth:`ParallelModel.save_checkpoint`, read in this process alone (no process group);
+    ``names`` limits it to those tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(path)
+    try:
+        meta = reader.read_metadata().state_dict_metadata
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path!r} is not an fxsplit checkpoint (no torch.distributed.checkpoint metadata)") from None
+    specs: dict[str, Any] = {}
+    meta_keys = [k for k in meta if k.startswith(_META + "/")]
+    objs: dict[str, Any] = {k: None for k in meta_keys}
+    import warnings
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    dcp.load(objs, checkpoint_id=path, no_dist=True)
+    for obj in objs.values():
+        specs.update(obj.specs)
+    wanted: dict[str, Any] = {}
+    for key, m in meta.items():
+        if not isinstance(m, TensorStorageMetadata):
+            continue
+        base = key.split("/tp")[0] if "/tp" in key else key
+        if names is None or base in names:
+            wanted[key] = torch.empty(m.size, dtype=m.properties.dtype)
+    dcp.load(wanted, checkpoint_id=path, no_dist=True)
     full: dict[str, torch.Tensor] = {}
-    for parts in by_pp.values():
-        parts.sort(key=lambda d: d["tp_rank"])
-        specs = parts[0]["specs"]
-        if len(parts) > 1:
-            tensors = unshard_state_dict([p["tensors"] for p in parts], specs)
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for key, tensor in wanted.items():
+        if "/tp" in key and key.rsplit("/", 1)[0] in specs:
+            base, tag = key.rsplit("/", 1)
+            shards.setdefault(base, {})[int(tag[2:].split("of")[0])] = tensor
         else:
-            tensors = parts[0]["tensors"]
-        for k, v in tensors.items():
-            full.setdefault(k, v)
+            full[key] = tensor
+    for base, parts in shards.items():
+        full[base] = specs[base].unshard([parts[r] for r in sorted(parts)])
     return full
 
 

@@ -70,6 +70,7 @@ def test_checkpoint_reloads_under_other_layouts(tmp_path):
         assert set(state) == set(ref_state)
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)
-    # the checkpoint folder alone gives the full state dict (no process group)
+    # a torch.distributed.checkpoint folder; alone it gives the full state dict (no process group)
+    assert (tmp_path / "ckpt" / ".metadata").is_file()
     full = fxsplit.load_full_checkpoint(ckpt)
     assert set(full) == set(ref_state)
