@@ -243,7 +243,7 @@ def plan(
         functools.partial(
             pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
             schedule=config.schedule, num_microbatches=config.microbatches,
-            memory_limit=config.memory_limit, hardware=hardware,
+            memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
         )
     )
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
@@ -259,6 +259,28 @@ def plan(
         config=config, graph=gm, split=split, stages=stages, schedule=sched, tp_plan=tp_result,
         pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0,
     )
+
+
+def _loss_seconds(gm: torch.fx.GraphModule, hardware: Hardware) -> float:
+    """Estimated forward+backward time of a loss over the model's outputs (a cross-entropy-like
+    loss reads each output element a few times), charged to the last stage by the balancer."""
+    from .cost import NodeCost, estimate_time
+    from .split import example_bindings
+
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    binds = example_bindings(gm)
+    total = 0.0
+    for node in out.all_input_nodes:
+        info = node.meta.get("fxsplit")
+        for t in (info.outputs if info is not None else ()):
+            if t.dtype.is_floating_point:
+                nbytes = t.nbytes.subs(binds) if hasattr(t.nbytes, "subs") else t.nbytes
+                numel = nbytes / t.dtype.itemsize
+                total += estimate_time(
+                    NodeCost(flops=int(8 * numel), bytes_read=int(3 * nbytes), bytes_written=int(2 * nbytes)),
+                    flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, backward=False,
+                )
+    return total
 
 
 # ------------------------------------------------------------------------------------------------

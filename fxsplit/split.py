@@ -63,6 +63,11 @@ class Hardware:
     bytes_per_s: float = 1.5e12  # memory bandwidth
     link_bytes_per_s: float = 25e9  # point-to-point bandwidth between pipeline ranks
 
+    @classmethod
+    def cpu(cls, cores: int = 1) -> "Hardware":
+        """A CPU rank (gloo): ~50 GFLOP/s and ~10 GB/s per core, ~5 GB/s between processes."""
+        return cls(flops_per_s=50e9 * cores, bytes_per_s=10e9 * cores, link_bytes_per_s=5e9)
+
 
 @dataclass(frozen=True)
 class StageSummary:
@@ -284,6 +289,7 @@ def plan_split(
     bindings: Mapping[str | sympy.Symbol, int] | None = None,
     inner_cut_penalty: float = 1.5,
     state_bytes_per_param_byte: float = 4.0,
+    loss_seconds: float = 0.0,
 ) -> SplitPlan:
     """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
 
@@ -298,6 +304,7 @@ def plan_split(
             Adam m and v) + in-flight activations, summed over the rank's stages.
         bindings: sizes for symbolic dims (``{"batch": 8}`` or ``{symbol: 8}``); default: the
             traced example's sizes.
+        loss_seconds: time of the loss (not in the traced graph), charged to the last stage.
     """
     if not isinstance(num_stages, int) or num_stages < 1:
         raise SplitError(f"num_stages must be a positive int, got {num_stages!r}")
@@ -331,6 +338,7 @@ def plan_split(
         params[i] += float(c.param_bytes)
         acts[i] = float(c.saved_bytes)
         flops[i] = float(c.flops)
+    compute[-1] += loss_seconds  # the loss runs on the last stage, after the graph's last node
     # parameters read through get_attr belong to the first unit that uses them
     for node in nodes:
         if node.op == "get_attr" and node.users:
