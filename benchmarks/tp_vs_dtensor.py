@@ -16,6 +16,9 @@ ranks build, over the same weights:
            proj/down row-parallel itself);
   fx-auto  fxsplit.parallelize(tp=2) with its automatic plan (vocabulary-parallel embedding and LM
            head, logits gathered for the user's loss): more collectives, less memory;
+  fx-vp    the automatic plan with ``vocab_parallel_loss=True`` and the loss
+           ``fxsplit.tp_ops.vocab_parallel_cross_entropy`` (Megatron's parallel cross-entropy: the
+           logits stay sharded, so the head and the loss are split too);
   dtensor  ``parallelize_module`` with ColwiseParallel on attn.q/k/v and mlp.up, RowwiseParallel on
            attn.proj and mlp.down of every block (the tutorial plan), embeddings, norms and head
            replicated. The zoo GPT reshapes with ``self.n_head`` read at run time, so each block's
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import functools
 import os
 import statistics
 import sys
@@ -53,6 +57,7 @@ import fxsplit
 from fxsplit import zoo
 from fxsplit.collectives import record_collectives
 from fxsplit.testing import run_distributed
+from fxsplit.tp_ops import vocab_parallel_cross_entropy
 
 MATCHED_PLAN = {"wte": "replicate", "lm_head": "replicate"}
 
@@ -67,7 +72,7 @@ class Setup:
     batch: int = 16
     warmup: int = 1
     steps: int = 5
-    auto: bool = True  # also time fxsplit's automatic (vocabulary-parallel) plan
+    auto: bool = True  # also time fxsplit's automatic (vocabulary-parallel) plan, and with the parallel loss
 
 
 def build_model(s: Setup):
@@ -131,13 +136,16 @@ class FunctionalCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def timed(fn, active: bool = True) -> float:
-    """The slowest rank's wall seconds for ``fn()``, started after a barrier."""
+def timed(fn, active: bool = True, cpu: list | None = None) -> float:
+    """The slowest rank's wall seconds for ``fn()``, started after a barrier; this rank's
+    main-thread CPU seconds are appended to ``cpu`` (gloo's own threads are not counted)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     if active:
         fn()
     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    if cpu is not None:
+        cpu.append(time.thread_time() - c0)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
     return float(dt)
 
@@ -252,6 +260,11 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         t0 = time.perf_counter()
         pms["fx-auto"] = fxsplit.parallelize(model, (x,), loss_fn=zoo.cross_entropy_loss, tp=world, timeout=300)
         setup_s["fx-auto"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        vp_loss = functools.partial(vocab_parallel_cross_entropy, vocab_size=setup.vocab)
+        pms["fx-vp"] = fxsplit.parallelize(model, (x,), loss_fn=vp_loss, tp=world, vocab_parallel_loss=True,
+                                           timeout=300)
+        setup_s["fx-vp"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     dt_model = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -290,14 +303,18 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
 
     runs = [(k, fx_step(k), True) for k in pms] + [("dtensor", dt_step, True), ("single", single_step, rank == 0)]
     times: dict[str, list[float]] = {k: [] for k, _, _ in runs}
+    cpus: dict[str, list[float]] = {k: [] for k, _, _ in runs}
     check = {}
     for i in range(setup.warmup + setup.steps):
         order = runs if i % 2 == 0 else runs[::-1]
         for name, fn, active in order:
             peak.start()
-            dt = timed(fn, active)
+            cpu: list[float] = []
+            dt = timed(fn, active, cpu)
             if active:
                 peaks.setdefault(name, []).append(peak.stop())
+                if i >= setup.warmup:
+                    cpus[name].extend(cpu)
             if i == 0:  # numerics: every gradient against the single process
                 grads = (full_grads_dtensor(dt_model) if name == "dtensor" else
                          full_grads_fxsplit(pms[name]) if name in pms else
@@ -311,7 +328,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
     params = {k: sum(p.numel() * p.element_size() for p in pm.parameters()) for k, pm in pms.items()}
     params["dtensor"] = sum(_local(p).numel() * p.element_size() for p in dt_model.parameters())
     params["single"] = sum(p.numel() * p.element_size() for p in single.parameters())
-    return {"times": times, "losses": losses, "comm": {k: summarize_calls(v) for k, v in comm.items()},
+    return {"times": times, "cpu": cpus, "losses": losses, "comm": {k: summarize_calls(v) for k, v in comm.items()},
             "peaks": peaks, "params": params, "numerics": numerics, "setup_s": setup_s}
 
 
@@ -351,7 +368,7 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float], wall: f
         f"{n} timed rounds; 1-min load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores; "
         f"wall {wall:.0f}s",
         f"{'step':<9} {'median s':>8} {'x single':>8} {'x dtensor':>9} {'colls':>5} {'MiB moved':>9} "
-        f"{'x Megatron':>10} {'peak MiB r0/r1':>15} {'param MiB':>9}",
+        f"{'x Megatron':>10} {'peak MiB r0/r1':>15} {'param MiB':>9} {'CPU s r0/r1':>11} {'CPU x dt':>8}",
     ]
     mega = megatron_bytes(setup)
     for k in [*names, "single"]:
@@ -359,10 +376,13 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float], wall: f
         ratio_dt = _med([w[k][i] / w["dtensor"][i] for i in range(n)])
         c = r0["comm"].get(k)
         pk = "/".join(mib(_med(r["peaks"][k])) for r in results if k in r["peaks"])
+        cpu = [_med(r["cpu"][k]) for r in results if r["cpu"][k]]
+        dt_cpu = max(_med(r["cpu"]["dtensor"]) for r in results)
         lines.append(
             f"{k:<9} {_med(w[k]):8.3f} {ratio_single:8.3f} {ratio_dt:9.3f} "
             f"{(c['count'] if c else 0):5d} {mib(c['bytes']) if c else '0':>9} "
-            f"{(c['bytes'] / mega if c else 0):10.3f} {pk:>15} {mib(r0['params'][k]):>9}")
+            f"{(c['bytes'] / mega if c else 0):10.3f} {pk:>15} {mib(r0['params'][k]):>9} "
+            f"{'/'.join(f'{x:.2f}' for x in cpu):>11} {max(cpu) / dt_cpu:8.3f}")
     lines.append(f"Megatron count: 4 all-reduces x {setup.layers} layers x b*s*h = "
                  f"{4 * setup.layers} x {mib(setup.batch * setup.seq * setup.width * 4)} MiB = {mib(mega)} MiB per step")
     for k in names:
@@ -378,7 +398,9 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float], wall: f
     lines.append("  wall s per round: " + "; ".join(f"{k} " + " ".join(f"{x:.3f}" for x in v) for k, v in w.items()))
     lines.append(
         "ratios are medians of per-round ratios; MiB moved = payload bytes of this rank's collectives "
-        "in one step (forward + backward); peak = rise of resident memory during one step (median).")
+        "in one step (forward + backward); peak = rise of resident memory during one step (median); CPU = "
+        "main-thread CPU seconds per step (median; compute and framework overhead, not waits), "
+        "CPU x dt = slowest rank's CPU / DTensor's slowest rank's CPU.")
     return "\n".join(lines)
 
 
