@@ -268,6 +268,7 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
     runs = [("fxsplit", fx_step, True)] + ([("ptd", ptd_step, True)] if ptd is not None else []) + \
         [("single", single_step, rank == 0)]
     times: dict[str, list[float]] = {k: [] for k, _, _ in runs}
+    cpus: dict[str, list[float]] = {k: [] for k, _, _ in runs}
     peaks: dict[str, list[int]] = {}
     peak = PeakRSS()
     check: dict[str, dict] = {}
@@ -276,9 +277,12 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
         order = runs if i % 2 == 0 else runs[::-1]
         for name, fn, active in order:
             peak.start()
-            dt = timed(fn, active)
+            cpu: list[float] = []
+            dt = timed(fn, active, cpu)
             if active:
                 peaks.setdefault(name, []).append(peak.stop())
+                if i >= s.warmup:
+                    cpus[name].extend(cpu)
             if i == 0:
                 if name == "fxsplit":
                     check[name] = full_grads_fxsplit(pm)
@@ -312,7 +316,7 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
 
         params["ptd"] = sum(_local(p).numel() * p.element_size() for st in ptd["stages"] for p in st.submod.parameters())
     params["single"] = sum(p.numel() * p.element_size() for p in single.parameters())
-    return {"times": times, "peaks": peaks, "params": params, "losses": step_losses, "numerics": numerics,
+    return {"times": times, "cpu": cpus, "peaks": peaks, "params": params, "losses": step_losses, "numerics": numerics,
             "setup_s": setup_s, "ptd_error": ptd_error, "notes": ptd["notes"] if ptd else [],
             "fx_plan_s": pm.plan.plan_seconds, "fx_notes": fx_notes}
 
@@ -341,7 +345,10 @@ def report(results: list[dict], s: Setup, load: tuple[float, float], wall: float
         xp = _med([w[k][i] / w["ptd"][i] for i in range(n)]) if "ptd" in w else float("nan")
         pk = "/".join(mib(_med(r["peaks"][k])) for r in results if k in r["peaks"])
         pa = "/".join(mib(r["params"][k]) for r in results) if k != "single" else mib(r0["params"][k])
-        lines.append(f"{k:<8} {_med(w[k]):8.3f} {xs:8.3f} {xp:6.3f} {pk:>26} {pa:>26}")
+        cpu = [_med(r["cpu"][k]) for r in results if r["cpu"][k]]
+        cpu_ptd = max(_med(r["cpu"]["ptd"]) for r in results) if "ptd" in w else float("nan")
+        lines.append(f"{k:<8} {_med(w[k]):8.3f} {xs:8.3f} {xp:6.3f} {pk:>26} {pa:>26} "
+                     f"{'/'.join(f'{c:.2f}' for c in cpu):>23} {max(cpu) / cpu_ptd:9.3f}")
     for k, v_ in r0["numerics"].items():
         lines.append(f"  step-0 numerics {k} vs single: loss {r0['losses'].get(k, float('nan')):.6f} vs "
                      f"{r0['losses'].get('single', float('nan')):.6f}; {v_['n']} gradients, max |diff| "
@@ -359,7 +366,9 @@ def report(results: list[dict], s: Setup, load: tuple[float, float], wall: float
                  f" (fxsplit plan {r0['fx_plan_s']:.1f})")
     lines.append("  wall s per round: " + "; ".join(f"{k} " + " ".join(f"{t:.3f}" for t in v_) for k, v_ in w.items()))
     lines.append("ratios are medians of per-round ratios; peak = rise of resident memory during one step "
-                 "(median; ranks 0/1/2/3); param = this rank's parameter shards.")
+                 "(median; ranks 0/1/2/3); param = this rank's parameter shards; CPU = main-thread CPU seconds per "
+                 "step (compute and framework overhead, not waits; gloo's threads not counted), CPU x PTD = "
+                 "slowest rank's / PTD's slowest rank's.")
     return "\n".join(lines)
 
 
