@@ -314,7 +314,8 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
     if ptd is not None:
         from tp_vs_dtensor import _local
 
-        params["ptd"] = sum(_local(p).numel() * p.element_size() for st in ptd["stages"] for p in st.submod.parameters())
+        params["ptd"] = sum(_local(p).numel() * p.element_size()
+                            for st in ptd["stages"] for p in st.submod.parameters())
     params["single"] = sum(p.numel() * p.element_size() for p in single.parameters())
     return {"times": times, "cpu": cpus, "peaks": peaks, "params": params, "losses": step_losses, "numerics": numerics,
             "setup_s": setup_s, "ptd_error": ptd_error, "notes": ptd["notes"] if ptd else [],
@@ -338,7 +339,8 @@ def report(results: list[dict], s: Setup, load: tuple[float, float], wall: float
         f"{'tied' if s.tie else 'untied'} head; tp={TP} x pp={PP} (4 ranks), {name} v={v}, m={s.microbatches}, "
         f"split at {list(split_points(s))}; gloo, 1 thread per rank; {s.warmup} warmup + {n} timed rounds; "
         f"1-min load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores; wall {wall:.0f}s",
-        f"{'step':<8} {'median s':>8} {'x single':>8} {'x PTD':>6} {'peak MiB per rank':>26} {'param MiB per rank':>26}",
+        f"{'step':<8} {'median s':>8} {'x single':>8} {'x PTD':>6} {'peak MiB per rank':>26} "
+        f"{'param MiB per rank':>26} {'CPU s per rank':>23} {'CPU x PTD':>9}",
     ]
     for k in w:
         xs = _med([w[k][i] / w["single"][i] for i in range(n)])

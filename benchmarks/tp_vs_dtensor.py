@@ -384,10 +384,12 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float], wall: f
             f"{(c['bytes'] / mega if c else 0):10.3f} {pk:>15} {mib(r0['params'][k]):>9} "
             f"{'/'.join(f'{x:.2f}' for x in cpu):>11} {max(cpu) / dt_cpu:8.3f}")
     lines.append(f"Megatron count: 4 all-reduces x {setup.layers} layers x b*s*h = "
-                 f"{4 * setup.layers} x {mib(setup.batch * setup.seq * setup.width * 4)} MiB = {mib(mega)} MiB per step")
+                 f"{4 * setup.layers} x {mib(setup.batch * setup.seq * setup.width * 4)} MiB = "
+                 f"{mib(mega)} MiB per step")
     for k in names:
         c = r0["comm"][k]
-        lines.append(f"  {k}: " + ", ".join(f"{kind} {cnt} x = {mib(b)} MiB" for kind, (cnt, b) in c["by_kind"].items()))
+        lines.append(f"  {k}: " + ", ".join(f"{kind} {cnt} x = {mib(b)} MiB"
+                                             for kind, (cnt, b) in c["by_kind"].items()))
     for k, v in r0["numerics"].items():
         lines.append(f"  step-0 numerics {k} vs single: loss {r0['losses'].get(k, float('nan')):.6f} vs "
                      f"{r0['losses'].get('single', float('nan')):.6f}; {v['n']} gradients, max |diff| "
