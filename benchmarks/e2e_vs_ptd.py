@@ -279,10 +279,9 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
             peak.start()
             cpu: list[float] = []
             dt = timed(fn, active, cpu)
-            if active:
+            if active and i >= s.warmup:
                 peaks.setdefault(name, []).append(peak.stop())
-                if i >= s.warmup:
-                    cpus[name].extend(cpu)
+                cpus[name].extend(cpu)
             if i == 0:
                 if name == "fxsplit":
                     check[name] = full_grads_fxsplit(pm)

@@ -311,10 +311,9 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             peak.start()
             cpu: list[float] = []
             dt = timed(fn, active, cpu)
-            if active:
+            if active and i >= setup.warmup:
                 peaks.setdefault(name, []).append(peak.stop())
-                if i >= setup.warmup:
-                    cpus[name].extend(cpu)
+                cpus[name].extend(cpu)
             if i == 0:  # numerics: every gradient against the single process
                 grads = (full_grads_dtensor(dt_model) if name == "dtensor" else
                          full_grads_fxsplit(pms[name]) if name in pms else
