@@ -206,7 +206,10 @@ def _register(name: str, fn: PassFn, *, replace: bool, origin: str) -> None:
     if not callable(fn):
         raise TypeError(f"pass {name!r} from {origin} is not callable: {fn!r}")
     old = _REGISTRY.get(name)
-    if old is not None and old is not fn and not replace:
+    # the same function from a module imported again (importlib reload, a file loaded twice) is
+    # the same pass: it replaces the old one instead of conflicting
+    same = old is not None and _describe(old) == _describe(fn)
+    if old is not None and old is not fn and not same and not replace:
         raise ValueError(
             f"pass name {name!r} is already registered to {_describe(old)}; cannot register "
             f"{_describe(fn)} ({origin}) under it. Choose another name or pass replace=True"
