@@ -461,3 +461,27 @@ def test_example_gelu_pass_keeps_fxsplit_metadata(example):
     widths = {n.meta["fxsplit"].module_path: n.meta["fxsplit"].outputs[0].shape[-1] for n in new}
     assert widths == {"": 16, "blocks.0.act": 64, "blocks.1.act": 64}
     assert all(n.meta["fxsplit"].cost is not None for n in new)
+
+
+def test_same_pass_file_loaded_twice_registers_once(tmp_path):
+    import importlib.util
+
+    from fxsplit.pass_api import get_pass, register_pass, unregister_pass
+
+    src = tmp_path / "twice_pass.py"
+    src.write_text(
+        "from fxsplit.pass_api import PassResult, register_pass\n"
+        "@register_pass('loaded_twice')\n"
+        "def loaded_twice(gm, ctx):\n    return PassResult(gm, False)\n"
+    )
+    try:
+        for _ in range(2):  # e.g. two tests importing the same example by path
+            spec = importlib.util.spec_from_file_location("twice_pass", src)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        assert get_pass("loaded_twice") is mod.loaded_twice
+        # a different function under the same name still conflicts
+        with pytest.raises(ValueError, match="already registered"):
+            register_pass("loaded_twice")(lambda gm, ctx: None)
+    finally:
+        unregister_pass("loaded_twice")
