@@ -49,6 +49,15 @@ class ParallelModel(nn.Module):
         self._steps = 0
         self.last_step_seconds = 0.0
         self.last_bubble = 0.0  # share of the last step this rank spent blocked on its peers
+        self._dp_pending: list = []
+        self._dp_done: set[int] = set()
+        # parameters shared between stages (tied weights): their gradients are final only after
+        # the runtime sums them across stages, so their data-parallel all-reduce waits for the end
+        self._tied_ids = {
+            id(p) for grp in plan_.stages.shared_params for s, name in grp if str(s) in self.stage_modules
+            for p in [self.stage_modules[str(s)].get_parameter(name)]
+        }
+        runtime.on_stage_grads_ready = self._stage_grads_ready
 
     # -- inspection
     def local_stage_graphs(self) -> dict[int, torch.fx.GraphModule]:
@@ -178,14 +187,32 @@ class ParallelModel(nn.Module):
         raise exc
 
     def _sync_grads(self) -> None:
-        """Data-parallel mean of the gradients (bucketed, asynchronous all-reduces). With sequence
-        parallelism the replicated parameters' partial gradients are already summed over tp by
-        the graph itself (the tensor-parallel pass reads them through Megatron's f)."""
+        """Data-parallel mean of the gradients. Each stage's gradients are all-reduced (bucketed,
+        asynchronous) as soon as its last backward of the step has run, overlapping later stages'
+        compute (:meth:`_stage_grads_ready`); tied parameters, whose gradients the runtime sums
+        across stages after the last action, go at the end. With sequence parallelism the
+        replicated parameters' partial gradients are already summed over tp by the graph itself
+        (the tensor-parallel pass reads them through Megatron's f)."""
+        pending, self._dp_pending = self._dp_pending, []
         dp = self._groups.get("dp")
         if dp is None or dist.get_world_size(dp) == 1:
             return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        _bucketed_all_reduce(grads, dp, self._bucket_bytes, scale=1.0 / dist.get_world_size(dp))
+        scale = 1.0 / dist.get_world_size(dp)
+        _finish_all_reduce(pending, scale=scale)
+        done = self._dp_done
+        self._dp_done = set()
+        rest = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in done]
+        _bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale)
+
+    def _stage_grads_ready(self, stage: int) -> None:
+        dp = self._groups.get("dp")
+        if dp is None or dist.get_world_size(dp) == 1:
+            return
+        tied = self._tied_ids
+        params = [p for p in self.stage_modules[str(stage)].parameters()
+                  if p.grad is not None and id(p) not in tied and id(p) not in self._dp_done]
+        self._dp_done.update(id(p) for p in params)
+        self._dp_pending += _launch_all_reduce([p.grad for p in params], dp, self._bucket_bytes)
 
     # -- state
     def _local_state(self) -> dict[str, torch.Tensor]:
@@ -332,7 +359,9 @@ def load_full_checkpoint(path: str, *, names: set[str] | None = None) -> dict[st
     return full
 
 
-def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float) -> None:
+def _launch_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int) -> list:
+    """Start asynchronous all-reduces of ``grads`` packed into flat buckets (per dtype); returns
+    the pending work for :func:`_finish_all_reduce`."""
     buckets: list[list[torch.Tensor]] = [[]]
     size = 0
     for g in grads:
@@ -343,14 +372,16 @@ def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes
         size += g.numel() * g.element_size()
     pending = []
     for bucket in buckets:
-        if not bucket:
-            continue
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in bucket:
             by_dtype.setdefault(g.dtype, []).append(g)
         for gs in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in gs])
             pending.append((flat, gs, dist.all_reduce(flat, group=group, async_op=True)))
+    return pending
+
+
+def _finish_all_reduce(pending: list, *, scale: float) -> None:
     for flat, gs, work in pending:
         work.wait()
         if scale != 1.0:
@@ -359,3 +390,7 @@ def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes
         for g in gs:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float) -> None:
+    _finish_all_reduce(_launch_all_reduce(grads, group, bucket_bytes), scale=scale)

@@ -47,6 +47,10 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
     pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, timeout=60, **options)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    # data-parallel all-reduces start per stage as soon as its last backward ran (overlap)
+    ready = []
+    inner = pm._runtime.on_stage_grads_ready
+    pm._runtime.on_stage_grads_ready = lambda s: (ready.append((s, len(pm._dp_pending))), inner(s))
     # targets are computed from the single-process model's outputs, as in _reference
     ref_model, _, _ = zoo.make(name, **overrides)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
@@ -59,6 +63,8 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
+        assert sorted(s for s, _ in ready) == sorted(int(s) for s in pm.stage_modules), ready
+        ready.clear()
         # keep the reference model in step so targets match _reference exactly
         rl = loss_fn(ref_model(x), y)
         ref_opt.zero_grad()

@@ -180,6 +180,10 @@ class PipelineRuntime:
         self._binding_cache: dict[tuple, dict] = {}
         self._channels: dict[bool, P2PChannel] = {}
         self.last_wait_seconds = 0.0  # host time the last step/forward spent blocked on peers
+        # called with a stage index once that stage's last backward of the step has run (its
+        # gradients are complete, except tied parameters, summed after all actions); lets
+        # data-parallel all-reduces start while later stages still compute
+        self.on_stage_grads_ready: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -312,6 +316,12 @@ class PipelineRuntime:
         self._channel = self._channels[training]
         self._channel.reset()
         acts = plan.actions
+        # the index of each local stage's last gradient-producing action (its weight grads are final then)
+        last_grad = {}
+        if training:
+            for i, ac in enumerate(acts):
+                if ac.action.kind is not F and ac.action.kind is not BI:
+                    last_grad[ac.action.stage] = i
         with torch.set_grad_enabled(training):
             for i, ac in enumerate(acts):
                 self._current = ac.action
@@ -324,6 +334,8 @@ class PipelineRuntime:
                 else:
                     self._backward(ac)
                 self._channel.reap()
+                if self.on_stage_grads_ready is not None and last_grad.get(ac.action.stage) == i:
+                    self.on_stage_grads_ready(ac.action.stage)
             self._current = None
             self._channel.finish()
         self.last_wait_seconds = self._channel.wait_seconds
