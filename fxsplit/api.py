@@ -368,14 +368,17 @@ def parallelize(
     # world group itself, and the mesh stays usable for the next parallelize)
     pipe_group = None
     if dist.get_world_size() > 1:
-        gloo = str(dist.get_backend()).lower() == "gloo"
-        groups["errors"] = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+        # a group of its own: data-parallel gradient all-reduces run asynchronously during the
+        # pipeline and must never interleave with the flags on one group
+        groups["errors"] = dist.new_group(backend="gloo")
         if pp > 1:  # one group per (dp, tp) coordinate, ordered by pp rank; collective on every rank
             chains = mesh.mesh.reshape(dp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
             pipe_group, _ = dist.new_subgroups_by_enumeration(chains)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     device = torch.device(device)
+    if "hardware" not in options and device.type == "cpu":
+        options["hardware"] = Hardware.cpu()  # cost the stages for the machine they will run on
     the_plan = plan(model, example_args, example_kwargs, **options)
     c = the_plan.config
     specs = getattr(the_plan.tp_plan, "param_specs", {}) or {}

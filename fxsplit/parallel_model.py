@@ -177,6 +177,14 @@ class ParallelModel(nn.Module):
         if failure is None:
             return
         worst, exc = failure
+        if self._dp_pending:
+            # all-reduces this rank started during the failed step have no partner on a rank that
+            # failed before starting its own: drop the data-parallel group so they end, and refuse
+            # to run again (a new fxsplit.parallelize builds fresh groups)
+            self._dp_pending = []
+            self._abort_group("dp")
+            if self._failure is None:
+                self._failure = f"an earlier {what}() failed while data-parallel gradients were in flight"
         if worst >= 2 and self.plan.config.pp > 1:
             if isinstance(exc, RankFailedError):
                 cause = f"on global rank(s) {sorted(exc.failed)}"
@@ -185,6 +193,16 @@ class ParallelModel(nn.Module):
                 cause = f"on this rank ({type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''})"
             self._failure = f"an earlier {what}() failed in the pipeline runtime {cause}"
         raise exc
+
+    def _abort_group(self, axis: str) -> None:
+        group = self._groups.get(axis)
+        if group is None or group is dist.group.WORLD:
+            return
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 -- best effort; the original error is what gets raised
+            pass
+        self._groups[axis] = None
 
     def _sync_grads(self) -> None:
         """Data-parallel mean of the gradients. Each stage's gradients are all-reduced (bucketed,
@@ -206,8 +224,8 @@ class ParallelModel(nn.Module):
 
     def _stage_grads_ready(self, stage: int) -> None:
         dp = self._groups.get("dp")
-        if dp is None or dist.get_world_size(dp) == 1:
-            return
+        if dp is None or dist.get_world_size(dp) == 1 or self.plan.config.num_stages == 1:
+            return  # (one stage: nothing computes after its backward; all-reduce at the end)
         tied = self._tied_ids
         params = [p for p in self.stage_modules[str(stage)].parameters()
                   if p.grad is not None and id(p) not in tied and id(p) not in self._dp_done]
