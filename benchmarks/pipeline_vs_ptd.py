@@ -215,7 +215,8 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         t0 = time.perf_counter()
         pm = fxsplit.parallelize(model, (x,), loss_fn=zoo.cross_entropy_loss, pp=world,
                                  microbatches=setup.microbatches, schedule=sched_name,
-                                 stages_per_rank=v, split_points=setup.split_points_of(label), timeout=120)
+                                 stages_per_rank=v, split_points=setup.split_points_of(label), timeout=120,
+                                 cut_at="modules")  # cuts PTD's split_spec can reproduce
         t_fx = time.perf_counter() - t0
         paths = split_paths(pm.plan)
         t0 = time.perf_counter()

@@ -205,6 +205,7 @@ def plan(
     method: str = "auto",
     leaf_modules: Sequence[Any] = (),
     hardware: Hardware = Hardware(),
+    cut_at: str = "any",
     debug: str | None = None,
 ) -> Plan:
     """Plan ``model`` for dp x tp x pp in this process: trace, user passes, tensor parallelism,
@@ -212,7 +213,9 @@ def plan(
 
     ``microbatches`` defaults to 2 * pp; ``stages_per_rank`` to 2 for interleaved 1F1B;
     ``passes`` are user passes ``(gm, ctx) -> PassResult`` run first, through a PassManager
-    (``debug`` names a folder for per-pass dumps).
+    (``debug`` names a folder for per-pass dumps). ``hardware`` is what stage times are estimated
+    for (``parallelize`` on CPU uses ``Hardware.cpu()``); ``cut_at="modules"`` lets stages start
+    only where a module call begins.
     """
     t0 = time.perf_counter()
     config = _resolve_config(
@@ -244,6 +247,7 @@ def plan(
             pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
             schedule=config.schedule, num_microbatches=config.microbatches,
             memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
+            cut_at=cut_at,
         )
     )
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the

@@ -290,6 +290,7 @@ def plan_split(
     inner_cut_penalty: float = 1.5,
     state_bytes_per_param_byte: float = 4.0,
     loss_seconds: float = 0.0,
+    cut_at: str = "any",
 ) -> SplitPlan:
     """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
 
@@ -305,7 +306,12 @@ def plan_split(
         bindings: sizes for symbolic dims (``{"batch": 8}`` or ``{symbol: 8}``); default: the
             traced example's sizes.
         loss_seconds: time of the loss (not in the traced graph), charged to the last stage.
+        cut_at: "any" (cuts inside a layer cost ``inner_cut_penalty`` x their bytes) or "modules"
+            (a stage may only start where a module call begins, as ``pipeline()`` split points
+            in torch.distributed.pipelining require).
     """
+    if cut_at not in ("any", "modules"):
+        raise SplitError(f'cut_at must be "any" or "modules", got {cut_at!r}')
     if not isinstance(num_stages, int) or num_stages < 1:
         raise SplitError(f"num_stages must be a positive int, got {num_stages!r}")
     p = num_stages if num_ranks is None else num_ranks
@@ -365,6 +371,13 @@ def plan_split(
     keys = [layer_key(node_info(u).module_path) for u in units]
     penalty = [1.0] + [1.0 if keys[k - 1] != keys[k] else inner_cut_penalty for k in range(1, n)] + [1.0]
 
+    allowed = None
+    if cut_at == "modules":
+        paths = [node_info(u).module_path for u in units]
+        allowed = [True] + [
+            bool(paths[k]) and paths[k] != paths[k - 1] and not (paths[k - 1] + ".").startswith(paths[k] + ".")
+            for k in range(1, n)
+        ] + [True]
     forced = list(_split_point_positions(units, list(split_points or ())))
     markers = [index[m] for m in find_pipe_splits(gm) if m in index]
     forced = sorted(set(forced) | {m for m in markers if m > 0})
@@ -385,6 +398,7 @@ def plan_split(
         num_stages=num_stages,
         num_ranks=p,
         forced=tuple(forced),
+        allowed=tuple(allowed) if allowed is not None else None,
         cut_penalty=tuple(penalty),
         bandwidth=hardware.link_bytes_per_s,
         memory_limit=memory_limit,

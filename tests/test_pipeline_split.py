@@ -246,3 +246,18 @@ def test_measured_profile_replaces_the_estimate():
     apply_profile(gm, {units[0].name: 1.0, **{u.name: 1e-6 for u in units[1:]}})
     skewed = plan_split(gm, num_stages=2, hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))
     assert skewed.starts[1] == units[1].name != even.starts[1]
+
+
+def test_cut_at_modules_starts_stages_only_at_module_calls():
+    model, args, kwargs = zoo.make("gpt", n_layer=3)
+    gm = fxsplit.trace(model, args, kwargs, method="fx")
+    by_name = {n.name: n for n in gm.graph.nodes}
+    plan = plan_split(gm, num_stages=5, cut_at="modules", hardware=fxsplit.Hardware.cpu())
+    for start in plan.starts[1:]:
+        node = by_name[start]
+        path = node.meta["fxsplit"].module_path
+        prev = node.prev.meta["fxsplit"].module_path
+        assert path and path != prev and not (prev + ".").startswith(path + "."), (start, path, prev)
+    _check_chain(model, gm, args, kwargs, 5)
+    with pytest.raises(SplitError, match="cut_at"):
+        plan_split(gm, num_stages=2, cut_at="layers")
