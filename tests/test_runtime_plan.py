@@ -255,7 +255,7 @@ def test_runtime_on_threads_with_in_order_matching(monkeypatch, name, p, v, m, p
 
 
 def test_split_backward_weight_pass_equals_full_backward():
-    from fxsplit.runtime.executor import _SplitBackward
+    from fxsplit.runtime.split_backward import SplitBackward as _SplitBackward
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8),

@@ -3,6 +3,7 @@
 - `executor.PipelineRuntime`: runs a rank's stages through a schedule (training step, inference).
 - `p2p`: the message plan ([Note: message order]) and the channel that posts sends/receives.
 - `microbatch`: split inputs and targets into microbatches, merge outputs, concrete shapes.
+- `split_backward`: the I / W halves of a backward for zero-bubble schedules ([Note: split backward]).
 """
 
 from fxsplit.runtime.executor import PipelineRuntime

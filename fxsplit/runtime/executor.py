@@ -67,7 +67,6 @@ B = ActionKind.BACKWARD
 BI = ActionKind.BACKWARD_INPUT
 BW = ActionKind.BACKWARD_WEIGHT
 
-_SplitBackward = SplitBackward  # its former name here (tests/test_runtime_plan.py imports it)
 
 
 @dataclass
