@@ -17,6 +17,11 @@ from .pass_api import PassContext, PassManager, PassResult, register_pass
 from .split import Hardware
 from .api import ParallelConfig, ParallelModel, Plan, PlanError, RankFailedError, load_full_checkpoint, parallelize, plan
 from . import schedules
+from .schedule import Action, ActionKind, ScheduleError
+from .stage import StageGraphs, StageIO, ValueMeta, ValueSource, build_stages
+from .cost import NodeCost, graph_cost, node_cost
+from .runtime import PipelineError, PipelineRuntime
+from .testing import run_distributed
 
 # Modules a pass (ours or a user's) may import; everything else is internal.
 PUBLIC_MODULES = (
@@ -75,4 +80,18 @@ __all__ = [
     "load_full_checkpoint",
     "RankFailedError",
     "schedules",
+    "Action",
+    "ActionKind",
+    "ScheduleError",
+    "StageGraphs",
+    "StageIO",
+    "ValueMeta",
+    "ValueSource",
+    "build_stages",
+    "NodeCost",
+    "graph_cost",
+    "node_cost",
+    "PipelineError",
+    "PipelineRuntime",
+    "run_distributed",
 ]
