@@ -285,20 +285,38 @@ class ParallelModel(nn.Module):
         if strict and missing:
             raise KeyError(f"load_full_state_dict: missing {sorted(set(missing))[:10]}")
 
-    def save_checkpoint(self, path: str) -> None:
+    def _named_local_params(self) -> dict[str, nn.Parameter]:
+        out: dict[str, nn.Parameter] = {}
+        for mod in self.stage_modules.values():
+            for name, param in mod.named_parameters(remove_duplicate=False):
+                out.setdefault(name, param)
+        return out
+
+    def save_checkpoint(self, path: str, *, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Sharded save through ``torch.distributed.checkpoint`` ([Note: checkpoint layout]): every
-        rank writes only its own tensors; a checkpoint loads under any (dp, tp, pp) with
+        rank writes only its own tensors (and, with ``optimizer``, its per-parameter optimizer
+        state, sharded like the parameter); a checkpoint loads under any (dp, tp, pp) with
         :meth:`load_checkpoint`, or whole in one process with :func:`load_full_checkpoint`."""
         import torch.distributed.checkpoint as dcp
 
         specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
         t, tp_rank = self.plan.config.tp, self.coords.get("tp", 0)
+        tensors: dict[str, torch.Tensor] = dict(self._local_state())
+        tensor_specs = dict(specs)
+        if optimizer is not None:
+            for name, param in self._named_local_params().items():
+                for key, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        okey = f"{_OPTIM}/{name}/{key}"
+                        tensors[okey] = value
+                        if name in specs and tuple(value.shape) == tuple(param.shape):
+                            tensor_specs[okey] = specs[name]
         state: dict[str, Any] = {}
         mine: dict[str, Any] = {}
-        for name, tensor in self._local_state().items():
-            if name in specs and t > 1:
+        for name, tensor in tensors.items():
+            if name in tensor_specs and t > 1:
                 state[_shard_key(name, tp_rank, t)] = tensor.detach()
-                mine[name] = specs[name]
+                mine[name] = tensor_specs[name]
             else:
                 state[name] = tensor.detach()
         # each (pp, tp) position records the specs of the shards it wrote (replicas write the same)
@@ -306,13 +324,36 @@ class ParallelModel(nn.Module):
         dcp.save(state, checkpoint_id=path, process_group=self._groups.get("world"),
                  no_dist=not (dist.is_available() and dist.is_initialized()))
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, *, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load a checkpoint written by :meth:`save_checkpoint` under any (dp, tp, pp): each rank
-        reads only the tensors its stages need and keeps its own shards."""
+        reads only the tensors its stages need and keeps its own shards; with ``optimizer`` (built
+        over ``self.parameters()``), also its per-parameter state, cut to this rank's shards."""
         names = set()
         for mod in self.stage_modules.values():
             names |= {n for n, _ in [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]}
-        self.load_full_state_dict(load_full_checkpoint(path, names=names))
+        params = self._named_local_params()
+        wanted = set(names)
+        if optimizer is not None:
+            wanted |= {f"{_OPTIM}/{n}" for n in params}
+        full = load_full_checkpoint(path, names=wanted)
+        self.load_full_state_dict({k: v for k, v in full.items() if not k.startswith(_OPTIM + "/")})
+        if optimizer is None:
+            return
+        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        tp_rank = self.coords.get("tp", 0)
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for name, param in params.items():
+            if id(param) not in mine:
+                continue
+            prefix = f"{_OPTIM}/{name}/"
+            entry = {}
+            for key, value in full.items():
+                if key.startswith(prefix):
+                    if name in specs and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                        value = specs[name].shard(value, tp_rank)
+                    entry[key[len(prefix):]] = value.to(param.device) if value.dim() > 0 else value
+            if entry:
+                optimizer.state[param] = entry
 
 
 # [Note: checkpoint layout]
@@ -321,6 +362,7 @@ class ParallelModel(nn.Module):
 # "<name>/tp<r>of<t>"; "fxsplit_meta/pp<i>-tp<r>" holds the ShardSpecs of the shards that position
 # wrote, so a reader can reassemble the full tensor and cut it again for any other layout.
 _META = "fxsplit_meta"
+_OPTIM = "optim"  # "optim/<param name>/<state key>": per-parameter optimizer state (Adam's exp_avg, ...)
 
 
 @dataclass(frozen=True)
@@ -335,10 +377,12 @@ def _shard_key(name: str, rank: int, t: int) -> str:
     return f"{name}/tp{rank}of{t}"
 
 
-def load_full_checkpoint(path: str, *, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """The full state dict (original names and shapes, CPU) of a checkpoint written by
+def load_full_checkpoint(path: str, *, names: set[str] | None = None,
+                         include_optimizer: bool = False) -> dict[str, torch.Tensor]:
+    """The full model state dict (original names and shapes, CPU) of a checkpoint written by
     :meth:`ParallelModel.save_checkpoint`, read in this process alone (no process group);
-    ``names`` limits it to those tensors."""
+    ``names`` limits it to those tensors; ``include_optimizer`` adds the optimizer state saved
+    with it, as "optim/<param name>/<state key>" entries."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -360,8 +404,10 @@ def load_full_checkpoint(path: str, *, names: set[str] | None = None) -> dict[st
     for key, m in meta.items():
         if not isinstance(m, TensorStorageMetadata):
             continue
-        base = key.split("/tp")[0] if "/tp" in key else key
-        if names is None or base in names:
+        base = key.rsplit("/tp", 1)[0] if "/tp" in key else key
+        if names is None and key.startswith(_OPTIM + "/") and not include_optimizer:
+            continue
+        if names is None or base in names or base.rsplit("/", 1)[0] in names:
             wanted[key] = torch.empty(m.size, dtype=m.properties.dtype)
     dcp.load(wanted, checkpoint_id=path, no_dist=True)
     full: dict[str, torch.Tensor] = {}
