@@ -65,6 +65,9 @@ def _pids_left(pid_dir):
 def _raise_on_rank_one(rank, world_size, pid_dir):
     (pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
     if rank == 1:
+        deadline = time.monotonic() + 20  # let rank 0 record its pid first (a loaded machine may
+        while not (pid_dir / "rank0.pid").exists() and time.monotonic() < deadline:  # run it late)
+            time.sleep(0.01)
         raise ValueError("boom from the test")
     dist.barrier()  # rank 0 would wait here forever: the harness must kill it
     return rank
