@@ -12,6 +12,8 @@ plain one-process op on the whole (possibly padded) tensor.
     loss = vocab_parallel_cross_entropy(logits, targets, V)    # no full logits gathered
     full = gather_logits(logits, V)                            # (B, T, V) when the user needs them
 
+    ys = column_parallel_linear(h, [wq, wk, wv], [bq, bk, bv])  # f + q/k/v shards, one node
+
 Each op is one `call_function` node under `torch.fx.symbolic_trace` (registered with
 `torch.fx.wrap`, and also when called on an fx Proxy), taking the axis name as a plain argument.
 Gradients are exact: value and gradient equal the one-process op on the full tensors, up to the
@@ -25,9 +27,9 @@ import torch.distributed as dist
 import torch.fx
 import torch.nn.functional as F
 
-from fxsplit.collectives import current_group, gather_from_region, reduce_from_region
+from fxsplit.collectives import _active, current_group, gather_from_region, reduce_from_region
 
-__all__ = ["gather_logits", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
+__all__ = ["column_parallel_linear", "gather_logits", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
 
 def _group(axis: str) -> dist.ProcessGroup | None:
@@ -41,7 +43,8 @@ def _traced(name: str, args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
     """Record one call_function node when any argument is an fx Proxy. The target is the
     original function (looked up in _ORIGINALS: while symbolic_trace runs, this module's
     global names are patched by torch.fx.wrap)."""
-    for a in (*args, *kwargs.values()):
+    flat = [b for a in (*args, *kwargs.values()) for b in (a if isinstance(a, (list, tuple)) else (a,))]
+    for a in flat:
         if isinstance(a, torch.fx.Proxy):
             return a.tracer.create_proxy("call_function", _ORIGINALS[name], args, kwargs)
     return None
@@ -222,11 +225,84 @@ def gather_logits(logits_shard: torch.Tensor, vocab_size: int, axis: str = "tp")
     return full
 
 
+# ----------------------------------------------------------------------------- column-parallel linears
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """f followed by the column linears reading its output, with f's backward all-reduce
+    overlapped with the weight gradients (Megatron's async tensor-model-parallel all-reduce).
+
+    forward(x, bound, n, w_1..w_n, b_1..b_n) -> (F.linear(x, w_i, b_i) for each i). Backward:
+    grad_x = sum_i grad_i @ w_i, start its all-reduce (async), then the weight and bias
+    gradients, then wait: the all-reduce runs while this rank computes the weight gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, x, bound, n, *params):
+        weights, biases = params[:n], params[n:]
+        ctx.bound, ctx.n = bound, n
+        ctx.has_bias = tuple(b is not None for b in biases)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        n, need = ctx.n, ctx.needs_input_grad
+        g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
+        grad_x, work = None, None
+        if need[0]:
+            for g2, w in zip(g2s, weights):  # summed in place: one [N, in] buffer
+                grad_x = g2.mm(w) if grad_x is None else grad_x.addmm_(g2, w)
+            grad_x = grad_x.view(x.shape)
+            ctx.bound.note("column_parallel_linear", "all_reduce", "backward", grad_x)
+            work = dist.all_reduce(grad_x, group=ctx.bound.group, async_op=True)
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_w: list = [None] * n
+        grad_b: list = [None] * n
+        for i, g2 in enumerate(g2s):
+            if need[3 + i]:
+                grad_w[i] = g2.t().mm(x2)
+            if ctx.has_bias[i] and need[3 + n + i]:
+                grad_b[i] = g2.sum(0)
+        if work is not None:
+            work.wait()
+        return (grad_x, None, None, *grad_w, *grad_b)
+
+
+def column_parallel_linear(
+    x: torch.Tensor,
+    weights: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    biases: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...],
+    axis: str = "tp",
+) -> tuple[torch.Tensor, ...]:
+    """``copy_to_region(x)`` followed by ``F.linear(., w_i, b_i)`` for every weight: a tuple of
+    the column-parallel outputs (the q/k/v or gate/up linears sharing one input are ONE op).
+
+    Same values and gradients as the unfused ops; in backward the input-gradient contributions
+    of all the linears are summed first, their single all-reduce over `axis` is started
+    asynchronously and the weight (and bias) gradients are computed while it runs (Megatron's
+    async tensor-model-parallel all-reduce). weights: (out_i, in) shards; biases: one per weight
+    (None for none). Unbound (or a group of size 1): the plain linears.
+    """
+    kwargs = {"axis": axis}
+    if (node := _traced("column_parallel_linear", (x, weights, biases), kwargs)) is not None:
+        return node
+    if len(weights) != len(biases) or not weights:
+        raise ValueError(f"column_parallel_linear: got {len(weights)} weights and {len(biases)} biases; "
+                         "pass one bias (or None) per weight, and at least one weight")
+    bound = _active(axis)
+    if bound is None:
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    return _ColumnParallelLinear.apply(x, bound, len(weights), *weights, *biases)
+
+
 _ORIGINALS = {
     f.__name__: f
-    for f in (vocab_parallel_embedding, vocab_parallel_cross_entropy, gather_logits)
+    for f in (vocab_parallel_embedding, vocab_parallel_cross_entropy, gather_logits, column_parallel_linear)
 }
 
 torch.fx.wrap("vocab_parallel_embedding")
 torch.fx.wrap("vocab_parallel_cross_entropy")
 torch.fx.wrap("gather_logits")
+torch.fx.wrap("column_parallel_linear")

@@ -15,7 +15,11 @@ group the axis name is bound to (``fxsplit.collectives.bind_groups``).
 
 Rewrites (one forward all-reduce per region, collectives are graph nodes in f/g pairs):
 column linear: its input goes through ``copy_to_region`` (f) once per region input; weight and
-bias are the local shard (by blocks for fused projections). Row linear: the linear without bias,
+bias are the local shard (by blocks for fused projections). Where every reader of a region's f
+is a plain [out, in] linear (nn.Linear, F.linear, aten.linear: q/k/v, gate/up, up), f and those
+linears become ONE ``tp_ops.column_parallel_linear`` node (outputs read by getitem) whose
+backward starts f's all-reduce before the weight gradients and waits after them (Megatron's
+async tensor-model-parallel all-reduce); not under sequence parallelism. Row linear: the linear without bias,
 ``reduce_from_region`` (g), then the bias. Shape arguments carrying heads or width are the local
 counts. Vocabulary embedding: ``tp_ops.vocab_parallel_embedding``. LM head: f, the column linear
 on the vocabulary, then ``tp_ops.gather_logits`` -- or, with ``vocab_parallel_loss=True``, the
@@ -41,7 +45,7 @@ from fxsplit.collectives import (copy_to_region, gather_from_region, gather_to_r
                                  reduce_scatter_to_region, scatter_to_region)
 from fxsplit.pass_api import PassContext, PassResult
 from fxsplit.sharding import unshard_state_dict
-from fxsplit.tp_ops import gather_logits, vocab_parallel_embedding
+from fxsplit.tp_ops import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp_plan import TPPlan, TPPlanError, find_tp_plan, op_name
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
@@ -173,6 +177,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
 
     # 3. f before the column linears of each region, once per source (placed before views of
     #    the source, so that under sequence parallelism the gather sees [B, T, C])
+    region_fs: list[torch.fx.Node] = []
     for region in plan.regions:
         fs: dict[str, torch.fx.Node] = {}
         for c in region.columns:
@@ -183,6 +188,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                 with graph.inserting_after(src):
                     fs[src.name] = _new(graph, copy_to_region, (src,), {"axis": axis}, like=src,
                                         val=src.meta.get("val"))
+                    region_fs.append(fs[src.name])
             consumer.replace_input_with(src, fs[src.name])
 
     # 4. row linears: linear without bias, (views back to [B, T, C]), g, bias
@@ -247,6 +253,9 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
 
     if plan.sequence_parallel:
         _sequence_parallel(gm, plan, axis)
+    else:
+        for f in region_fs:
+            _fuse_columns(gm, plan, f, axis)
     graph.lint()
     gm.recompile()
     for n in graph.nodes:  # metadata contract: every node annotated
@@ -255,8 +264,78 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
         elif n.target is copy_to_region and n.meta.get("val") is None:
             n.meta["val"] = n.args[0].meta.get("val")
         fxsplit.annotate_node(n, gm)
+    for n in list(graph.nodes):
+        if n.target is column_parallel_linear:
+            _cost_as_linears(gm, n)
     gm.meta["fxsplit_tp"] = plan
     return gm
+
+
+def _cost_as_linears(gm: torch.fx.GraphModule, fused: torch.fx.Node) -> None:
+    """The cost model does not know ``column_parallel_linear``: give the node the cost of its
+    linears (each costed as an F.linear node at the fused node's place)."""
+    from fxsplit.cost import node_cost
+
+    graph, total = gm.graph, None
+    x, ws, bs = fused.args[:3]
+    for i, (w, b) in enumerate(zip(ws, bs)):
+        with graph.inserting_before(fused):
+            tmp = graph.call_function(F.linear, (x, w, b))
+        tmp.meta["val"] = fused.meta["val"][i]
+        try:
+            cost = node_cost(tmp, gm)
+        finally:
+            graph.erase_node(tmp)
+        total = cost if total is None else total + cost
+    fused.meta["fxsplit"] = fused.meta["fxsplit"].replace(cost=total)
+
+
+def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis: str) -> None:
+    """Replace f and the column linears reading it by one ``tp_ops.column_parallel_linear`` node
+    (one output per linear, read by getitem), whose backward overlaps f's all-reduce with the
+    weight gradients. Only when every user of f is a plain [out, in] linear reading f as its
+    input (nn.Linear module, F.linear or aten.linear); otherwise f and the linears stay."""
+    graph = gm.graph
+    users = list(f.users)
+    if not users:
+        return
+    for u in users:
+        info = plan.linears.get(u.name)
+        if info is None or info.out_dim != 0 or info.kind not in ("module", "linear") or u.kwargs:
+            return
+        if info.kind == "module":
+            mod = gm.get_submodule(str(u.target))
+            if type(mod) is not nn.Linear or u.args != (f,):
+                return
+        elif u.args[0] is not f or f in u.args[1:] or len(u.args) > 3:
+            return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    users.sort(key=order.__getitem__)
+    weights = [plan.linears[u.name].weight for u in users]
+    biases = [plan.linears[u.name].bias for u in users]
+    stacks = [list((u.meta.get("nn_module_stack") or {}).items()) for u in users]
+    common = stacks[0][:-1] if stacks[0] else []
+    for st in stacks[1:]:
+        k = 0
+        while k < min(len(common), len(st)) and common[k][0] == st[k][0]:
+            k += 1
+        common = common[:k]
+    with graph.inserting_before(f.next):
+        ws = [graph.get_attr(w) for w in weights]
+        bs = [graph.get_attr(b) if b is not None else None for b in biases]
+        fused = _new(graph, column_parallel_linear, (f.args[0], ws, bs), {"axis": axis}, like=f,
+                     val=tuple(u.meta.get("val") for u in users))
+        fused.meta["nn_module_stack"] = dict(common)
+        fused.meta.pop("stack_trace", None)
+        outs = [_new(graph, operator.getitem, (fused, i), like=u, val=u.meta.get("val")) for i, u in enumerate(users)]
+    for u, out in zip(users, outs):
+        old_attrs = [a for a in u.all_input_nodes if a.op == "get_attr"]
+        u.replace_all_uses_with(out)
+        graph.erase_node(u)
+        for a in old_attrs:
+            if not a.users:
+                graph.erase_node(a)
+    graph.erase_node(f)
 
 
 # ------------------------------------------------------------------------------------------------

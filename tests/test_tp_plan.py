@@ -14,7 +14,7 @@ from fxsplit.collectives import copy_to_region, reduce_from_region
 from fxsplit.pass_api import PassContext, PassManager
 from fxsplit.passes.tensor_parallel import apply_tp_plan, full_state_dict, tensor_parallel, tp_graph_diff
 from fxsplit.sharding import ShardSpec, materialize_module
-from fxsplit.tp_ops import gather_logits, vocab_parallel_embedding
+from fxsplit.tp_ops import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp_plan import TPPlanError, find_tp_plan
 
 SMALL = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
@@ -141,7 +141,10 @@ def test_collectives_counted_fx(kw):
     # one forward all-reduce per attention block and one per MLP (g); the embedding's all-reduce
     # lives inside vocab_parallel_embedding
     assert _count(gm, reduce_from_region) == 2 * n_layer
-    assert _count(gm, copy_to_region) == 2 * n_layer + 1  # f per region input, and the LM head's
+    # f per region input, fused with the region's column linears into one node (one backward
+    # all-reduce each, overlapped with the weight gradients); the LM head keeps its own f
+    assert _count(gm, column_parallel_linear) == 2 * n_layer
+    assert _count(gm, copy_to_region) == 1
     assert _count(gm, vocab_parallel_embedding) == 1 and _count(gm, gather_logits) == 1
     diff = tp_graph_diff(fxsplit.trace(model, *zoo.make("gpt", **{**SMALL, **kw})[1:]), gm)
     assert "+    copy_to_region" in diff and "reduce_from_region" in diff
