@@ -185,3 +185,32 @@ def test_hf_models_in_3d_layouts():
         for label in HF_LAYOUTS:
             for rank, r in enumerate(results):
                 assert r[(builder, label)] == pytest.approx(ref, rel=1e-5, abs=1e-6), f"{builder} {label} rank {rank}"
+
+
+def _logged_steps(rank, world):
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("fxsplit.parallel_model")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    model, args, kwargs = zoo.make("gpt")
+    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, pp=2, microbatches=2,
+                             schedule="1f1b", log_every=1, timeout=60)
+    y = zoo.make_target("gpt", model(*args))
+    for _ in range(2):
+        pm.step(*args, target=y)
+    return records
+
+
+@pytest.mark.dist
+def test_step_logging_reports_loss_time_and_measured_bubble():
+    for records in run_distributed(_logged_steps, 2, timeout=120):
+        assert len(records) == 2
+        for i, msg in enumerate(records, 1):
+            assert msg.startswith(f"step {i}: loss ") and "measured bubble" in msg and "s," in msg
