@@ -151,6 +151,7 @@ def _all_checks(rank, world_size):
     return done
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_vocab_parallel_ops_match_single_process(world_size):
     results = run_distributed(_all_checks, world_size, timeout=120)
