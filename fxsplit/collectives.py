@@ -65,6 +65,7 @@ __all__ = [
     "gather_for_sp",
     "gather_from_region",
     "gather_to_region",
+    "note_collective",
     "record_collectives",
     "reduce_from_region",
     "reduce_scatter_to_region",
@@ -150,6 +151,14 @@ def record_collectives() -> Iterator[list[CollectiveCall]]:
         yield log
     finally:
         _LOG.reset(token)
+
+
+def note_collective(op: str, kind: str, axis: str, phase: str, x: torch.Tensor) -> None:
+    """Record a collective that an op issues itself (with torch.distributed directly) in the
+    active `record_collectives()` log, so that every collective fxsplit issues is counted."""
+    log = _LOG.get()
+    if log is not None:
+        log.append(CollectiveCall(op, kind, axis, phase, tuple(x.shape), x.dtype))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.nn.functional as F
 
-from fxsplit.collectives import _active, current_group, gather_from_region, reduce_from_region
+from fxsplit.collectives import _active, current_group, gather_from_region, note_collective, reduce_from_region
 
 __all__ = ["column_parallel_linear", "gather_logits", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
@@ -114,7 +114,8 @@ class _VocabParallelCE(torch.autograd.Function):
     """Per-position loss (...,) from logits (..., L); see vocab_parallel_cross_entropy."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_size, ignore_index, group):
+    def forward(ctx, logits, target, vocab_size, ignore_index, group, axis="tp"):
+        ctx.axis = axis
         local = logits.shape[-1]
         rank = 0 if group is None else group.rank()
         start = rank * local
@@ -125,6 +126,7 @@ class _VocabParallelCE(torch.autograd.Function):
         x[..., n_real:] = float("-inf")
         m = x.max(dim=-1).values  # (...); -inf when the rank holds only padding
         if group is not None:
+            note_collective("vocab_parallel_cross_entropy", "all_reduce", ctx.axis, "forward", m)
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         x.sub_(m.unsqueeze(-1))
         ignored = target == ignore_index
@@ -135,6 +137,7 @@ class _VocabParallelCE(torch.autograd.Function):
         sum_exp = x.sum(dim=-1)
         if group is not None:
             both = torch.stack([picked, sum_exp])
+            note_collective("vocab_parallel_cross_entropy", "all_reduce", ctx.axis, "forward", both)
             dist.all_reduce(both, group=group)
             picked, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - picked).masked_fill(ignored, 0.0)
@@ -151,7 +154,7 @@ class _VocabParallelCE(torch.autograd.Function):
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -onehot)
         scale = grad_loss.to(grad.dtype).masked_fill(ignored, 0.0).unsqueeze(-1)
         grad.mul_(scale)
-        return grad.to(ctx.in_dtype), None, None, None, None
+        return grad.to(ctx.in_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -197,7 +200,7 @@ def vocab_parallel_cross_entropy(
             ignore_index=ignore_index, reduction=reduction,
         )
         return flat.reshape(target.shape) if reduction == "none" else flat
-    loss = _VocabParallelCE.apply(logits_shard, target, vocab_size, ignore_index, group)
+    loss = _VocabParallelCE.apply(logits_shard, target, vocab_size, ignore_index, group, axis)
     if reduction == "none":
         return loss
     if reduction == "sum":

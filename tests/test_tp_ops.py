@@ -16,7 +16,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxsplit.collectives import bind_groups, copy_to_region
+from fxsplit.collectives import bind_groups, copy_to_region, record_collectives
 from fxsplit.sharding import ShardSpec, padded_size
 from fxsplit.testing import run_distributed
 from fxsplit.tp_ops import gather_logits, vocab_parallel_cross_entropy, vocab_parallel_embedding
@@ -71,8 +71,11 @@ def _check_cross_entropy(rank, t, vocab, multiple, gen):
             up = torch.randn(ref.shape, generator=gen)
             (ref * up).sum().backward()
             shard = spec.shard(logits.detach(), rank).requires_grad_()
-            loss = vocab_parallel_cross_entropy(shard, tgt, vocab, "tp",
-                                                ignore_index=ignore_index, reduction=reduction)
+            with record_collectives() as log:
+                loss = vocab_parallel_cross_entropy(shard, tgt, vocab, "tp",
+                                                    ignore_index=ignore_index, reduction=reduction)
+            # max, then (target logit, sum of exponentials) together: both recorded
+            assert [c.kind for c in log] == ["all_reduce", "all_reduce"], log
             (loss * up).sum().backward()
             what = f"cross-entropy V={vocab} t={t} rank {rank} {reduction} ignore={ignore_index}"
             _close(loss, ref, what + " value")
