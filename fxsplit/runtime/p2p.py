@@ -438,7 +438,12 @@ class P2PChannel:
             peer, i = self._where[(False, msg)]
             self._advance(peer, i, action, strict=True)
         work, buf = self._recvs.pop(msg)
-        peer = self._where[(False, msg)][0]
+        self._wait(work, "waited for", msg, self._where[(False, msg)][0], action)
+        return buf
+
+    def _wait(self, work: dist.Work, what: str, msg: Message, peer: int, action: Action) -> None:
+        """Wait for one transfer (with the timeout when waits block the host), counting the
+        time in ``wait_seconds``; a failure names the peer, the message and the action."""
         t0 = time.perf_counter()
         try:
             if self.blocking_waits:
@@ -446,9 +451,9 @@ class P2PChannel:
             else:
                 work.wait()
         except Exception as exc:
-            raise self.error("waited for", msg, peer, action, exc) from exc
-        self.wait_seconds += time.perf_counter() - t0
-        return buf
+            raise self.error(what, msg, peer, action, exc) from exc
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
 
     def reap(self) -> None:
         """Drop finished sends (frees their buffers)."""
@@ -462,14 +467,5 @@ class P2PChannel:
                 f"were never posted (first: {ops[self._cursor[peer]].message.describe()})")
         assert not self._recvs, f"receives never consumed: {[m.describe() for m in self._recvs]}"
         sends, self._sends = self._sends, []
-        t0 = time.perf_counter()
         for work, msg, action, _ in sends:
-            peer = self._where[(True, msg)][0]
-            try:
-                if self.blocking_waits:
-                    work.wait(self.timeout)
-                else:
-                    work.wait()
-            except Exception as exc:
-                raise self.error("sending", msg, peer, action, exc) from exc
-        self.wait_seconds += time.perf_counter() - t0
+            self._wait(work, "sending", msg, self._where[(True, msg)][0], action)
