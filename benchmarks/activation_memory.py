@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 import fxsplit
-from fxsplit import schedules, zoo
+from fxsplit import schedule as schedules
+from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
 
 SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2)}

@@ -52,7 +52,7 @@ from tp_vs_dtensor import (  # noqa: E402 -- a sibling script, not a package
     release_freed_memory, timed)
 
 import fxsplit  # noqa: E402
-from fxsplit import zoo  # noqa: E402
+from fxsplit.testing import zoo  # noqa: E402
 from fxsplit.testing import run_distributed  # noqa: E402
 
 SCHEDULES = {"interleaved": ("interleaved_1f1b", 2), "1f1b": ("1f1b", 1)}

@@ -19,8 +19,8 @@ import time
 import torch
 
 import fxsplit
-from fxsplit import zoo
-from fxsplit.split import plan_split
+from fxsplit.testing import zoo
+from fxsplit.pipeline.split import plan_split
 
 
 def rss_mb() -> float:
@@ -44,7 +44,7 @@ def balance_table() -> None:
 
 
 def llama_70b() -> None:
-    from fxsplit import hf_zoo
+    from fxsplit.testing import hf_zoo
 
     model, args, kwargs = hf_zoo.meta_llama_70b(seq_len=4096)
     r0 = rss_mb()

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 import fxsplit
-from fxsplit import schedules, zoo
+from fxsplit import schedule as schedules
+from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
 
 SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2)}

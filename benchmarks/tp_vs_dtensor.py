@@ -17,7 +17,7 @@ ranks build, over the same weights:
   fx-auto  fxsplit.parallelize(tp=2) with its automatic plan (vocabulary-parallel embedding and LM
            head, logits gathered for the user's loss): more collectives, less memory;
   fx-vp    the automatic plan with ``vocab_parallel_loss=True`` and the loss
-           ``fxsplit.tp_ops.vocab_parallel_cross_entropy`` (Megatron's parallel cross-entropy: the
+           ``fxsplit.tp.functional.vocab_parallel_cross_entropy`` (Megatron's parallel cross-entropy: the
            logits stay sharded, so the head and the loss are split too);
   dtensor  ``parallelize_module`` with ColwiseParallel on attn.q/k/v and mlp.up, RowwiseParallel on
            attn.proj and mlp.down of every block (the tutorial plan), embeddings, norms and head
@@ -29,7 +29,7 @@ Each step is forward + backward over the whole batch, no optimizer; every timed 
 a barrier and its time is the slowest rank's; gradients are zeroed outside the timing. Step 0 is
 checked: loss and EVERY gradient (shards gathered) against the single process.
 
-Collectives: fxsplit's via ``fxsplit.collectives.record_collectives`` (plus 2 all-reduces of a
+Collectives: fxsplit's via ``fxsplit.tp.collectives.record_collectives`` (plus 2 all-reduces of a
 4-byte error flag per step); DTensor's with a TorchDispatchMode that logs the functional
 collectives (``_c10d_functional``) DTensor issues, backward included. Peak memory per rank: the
 kernel's high-water mark of resident memory (VmHWM, reset through /proc/self/clear_refs before
@@ -54,10 +54,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxsplit
-from fxsplit import zoo
-from fxsplit.collectives import record_collectives
+from fxsplit.testing import zoo
+from fxsplit.tp.collectives import record_collectives
 from fxsplit.testing import run_distributed
-from fxsplit.tp_ops import vocab_parallel_cross_entropy
+from fxsplit.tp.functional import vocab_parallel_cross_entropy
 
 MATCHED_PLAN = {"wte": "replicate", "lm_head": "replicate"}
 
@@ -199,7 +199,7 @@ def full_grads_dtensor(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def full_grads_fxsplit(pm) -> dict[str, torch.Tensor]:
     """Every gradient of ``pm`` under the original names and shapes (collective over tp and pp)."""
-    from fxsplit.sharding import unshard_state_dict
+    from fxsplit.tp.sharding import unshard_state_dict
 
     specs = getattr(pm.plan.tp_plan, "param_specs", {}) or {}
     local: dict[str, torch.Tensor] = {}

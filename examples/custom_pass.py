@@ -2,10 +2,10 @@
 
 Terms:
     pass: ``(gm, ctx) -> PassResult(gm, modified)``; options are bound with functools.partial.
-    block: the nodes whose module path (``fxsplit.inspection.module_path``) is a given module
+    block: the nodes whose module path (``fxsplit.graph.inspection.module_path``) is a given module
         path or lies below it, e.g. every node that came from ``blocks.0``.
 
-Two passes, written only against ``fxsplit.pass_api`` and ``fxsplit.inspection`` (public modules):
+Two passes, written only against ``fxsplit.graph.pass_api`` and ``fxsplit.graph.inspection`` (public modules):
 
 * ``gelu_to_tanh``: replace exact GELU by its tanh approximation wherever it appears: an
   ``nn.GELU`` module (``call_module``), ``F.gelu`` (``call_function``) or ``aten.gelu`` (exported
@@ -16,7 +16,7 @@ Two passes, written only against ``fxsplit.pass_api`` and ``fxsplit.inspection``
   kept.
 
 On a graph from ``fxsplit.trace`` the GELU pass keeps fxsplit's metadata contract (new nodes get
-``meta["val"]`` and ``meta["fxsplit"]`` via ``fxsplit.meta.annotate_node``). The checkpointing
+``meta["val"]`` and ``meta["fxsplit"]`` via ``fxsplit.graph.meta.annotate_node``). The checkpointing
 pass gives its new nodes ``meta["val"]`` only, and the cost model sees a checkpointed block as one
 opaque call: run it after the passes that read costs.
 
@@ -38,9 +38,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from fxsplit.inspection import graph_diff, graph_table, module_path
-from fxsplit.meta import annotate_node
-from fxsplit.pass_api import PassContext, PassManager, PassResult, register_pass, this_before_that
+from fxsplit.graph.inspection import graph_diff, graph_table, module_path
+from fxsplit.graph.meta import annotate_node
+from fxsplit.graph.pass_api import PassContext, PassManager, PassResult, register_pass, this_before_that
 
 
 # --------------------------------------------------------------------------- pass 1: GELU -> tanh

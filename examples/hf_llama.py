@@ -5,7 +5,7 @@ Terms: dp, tp, pp the data-, tensor- and pipeline-parallel degrees (world size d
     torchrun --standalone --nproc-per-node 4 examples/hf_llama.py              # tp=2, pp=2
     torchrun --standalone --nproc-per-node 2 examples/hf_llama.py --tp 1       # pp=2 only
 
-The model is ``transformers.LlamaForCausalLM`` from ``fxsplit.hf_zoo.tiny_llama`` (RMSNorm, RoPE,
+The model is ``transformers.LlamaForCausalLM`` from ``fxsplit.testing.hf_zoo.tiny_llama`` (RMSNorm, RoPE,
 SwiGLU, grouped-query attention; random weights; ``use_cache=False`` so it can be exported).
 fxsplit traces it with ``torch.export`` (transformers 5 has no fx tracer), shards the attention
 and MLP projections (q/k/v, gate/up column-parallel; o/down row-parallel; embedding and LM head
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fxsplit
-from fxsplit.hf_zoo import tiny_llama
+from fxsplit.testing.hf_zoo import tiny_llama
 
 
 def lm_loss(output, labels: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ m microbatches per step.
     python examples/inspect_plan.py --layers 8 --pp 4     # a shallower model, seconds instead of a minute
 
 The model is ``transformers.LlamaForCausalLM`` with Llama-2-70B's shape (hidden 8192, 80 layers,
-64 heads, 8 key/value heads) built on the meta device by ``fxsplit.hf_zoo.meta_llama_70b``:
+64 heads, 8 key/value heads) built on the meta device by ``fxsplit.testing.hf_zoo.meta_llama_70b``:
 parameters and inputs are shapes only, so nothing is allocated. ``fxsplit.plan`` runs in this one
 process with no process group: it exports the model, finds the tensor-parallel plan, balances the
 pipeline stages with the cost model (FLOPs, bytes, activations at bfloat16) and builds the
@@ -27,7 +27,7 @@ import sys
 import time
 
 import fxsplit
-from fxsplit.hf_zoo import meta_llama_70b
+from fxsplit.testing.hf_zoo import meta_llama_70b
 
 
 def parse_args(argv=None) -> argparse.Namespace:

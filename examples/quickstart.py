@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import fxsplit
-from fxsplit.zoo import GPT, GPTConfig, cross_entropy_loss
+from fxsplit.testing.zoo import GPT, GPTConfig, cross_entropy_loss
 
 
 def parse_args(argv=None) -> argparse.Namespace:

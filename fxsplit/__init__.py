@@ -1,55 +1,92 @@
 """fxsplit: split an unmodified PyTorch model across devices, as an fx graph compiler.
 
-Data flows one way: model -> :func:`trace` (graph + metadata) -> passes (user passes, tensor
-parallel, pipeline split) -> plan (stage graphs, shardings, schedule) -> runtime (one rank's
-stages and actions over torch.distributed).
+Data flows one way, through subpackages named after their layer::
 
-The public API is what this module exports plus the modules named in :data:`PUBLIC_MODULES`;
-built-in passes (``fxsplit.passes``) use nothing else, exactly like a user's own pass.
+    model -> graph/     trace (fx or torch.export), node metadata, op vocabulary, cost model,
+                        profile, pass manager, inspection
+          -> tp/        tensor-parallel plan, sharding propagation, shard specs, collectives
+             pipeline/  exact balanced partition, split plan, stage graphs, communication plan
+          -> passes/    the built-in passes (tensor_parallel, pipeline_split), on the public API only
+          -> schedule/  pipeline schedules as data: IR, builders, validation, simulation (torch-free)
+          -> runtime/   one rank: executor, p2p channel, microbatching, mesh, failures
+          -> api/       options, Plan, plan(), parallelize(), ParallelModel, checkpoints
+    beside the API: testing/ (run_distributed, model zoos), cli
+
+[Note: layer contract]
+A module may import from its own subpackage and from the subpackages :data:`LAYERS` puts below
+its own (transitively), never from above: ``schedule`` imports only ``errors``; ``graph`` knows no
+parallelism; ``tp`` and ``pipeline`` do not import each other; passes never import the runtime
+or the API; the runtime runs what the plan holds and never plans; nothing imports ``testing``
+or the ``cli``. ``errors`` (every exception, under :class:`FxsplitError`) and ``config`` (the
+environment switches) sit at the bottom. The package itself (this file) is the top: no module
+inside fxsplit imports ``fxsplit`` bare. ``tests/test_public_api_boundary.py`` parses every
+import and enforces this, and that ``passes/`` uses only :data:`PUBLIC_MODULES` (no private
+names), exactly like a user's own pass.
 """
 
 __version__ = "0.1.0"
 
-from .meta import NodeInfo, TensorMeta, TraceInfo, annotate_node, annotate_graph, node_info, trace_info
-from .trace import TraceError, flatten_inputs, trace
-from .marker import pipe_split
-from .pass_api import PassContext, PassManager, PassResult, register_pass
-from .split import Hardware
-from .api import ParallelConfig, ParallelModel, Plan, PlanError, RankFailedError, load_full_checkpoint, parallelize, plan
-from . import schedules
-from .schedule import Action, ActionKind, ScheduleError
-from .stage import StageGraphs, StageIO, ValueMeta, ValueSource, build_stages
-from .cost import NodeCost, graph_cost, node_cost
-from .runtime import PipelineError, PipelineRuntime
-from .testing import run_distributed
+from fxsplit.graph.meta import NodeInfo, TensorMeta, TraceInfo, annotate_node, annotate_graph, node_info, trace_info
+from fxsplit.graph.trace import TraceError, flatten_inputs, trace
+from fxsplit.graph.marker import pipe_split
+from fxsplit.graph.pass_api import PassContext, PassManager, PassResult, register_pass
+from fxsplit.graph.hardware import Hardware
+from fxsplit.api import ParallelConfig, ParallelModel, Plan, PlanError, RankFailedError, load_full_checkpoint, parallelize, plan
+from fxsplit.schedule import Action, ActionKind, ScheduleError
+from fxsplit.pipeline.stage import StageGraphs, StageIO, ValueMeta, ValueSource, build_stages
+from fxsplit.graph.cost import NodeCost, graph_cost, node_cost
+from fxsplit.runtime import PipelineError, PipelineRuntime
+from fxsplit.testing import run_distributed
+from fxsplit.errors import FxsplitError
+
+LAYERS: dict[str, tuple[str, ...]] = {
+    # unit -> the units directly below it ([Note: layer contract]); imports may go down transitively
+    "fxsplit.errors": (),
+    "fxsplit.config": (),
+    "fxsplit.schedule": ("fxsplit.errors",),
+    "fxsplit.graph": ("fxsplit.errors", "fxsplit.config"),
+    "fxsplit.tp": ("fxsplit.graph",),
+    "fxsplit.pipeline": ("fxsplit.graph", "fxsplit.schedule"),
+    "fxsplit.passes": ("fxsplit.tp", "fxsplit.pipeline"),
+    "fxsplit.runtime": ("fxsplit.tp", "fxsplit.pipeline"),
+    "fxsplit.api": ("fxsplit.runtime", "fxsplit.passes"),
+    "fxsplit.testing": ("fxsplit.api",),
+    "fxsplit.cli": ("fxsplit.api",),
+    "fxsplit.__main__": ("fxsplit.cli",),
+}
 
 # Modules a pass (ours or a user's) may import; everything else is internal.
 PUBLIC_MODULES = (
     "fxsplit",
-    "fxsplit.meta",
-    "fxsplit.trace",
-    "fxsplit.cost",
-    "fxsplit.pass_api",
-    "fxsplit.inspection",
-    "fxsplit.collectives",
-    "fxsplit.schedules",
-    "fxsplit.stage",
-    "fxsplit.partition",
-    "fxsplit.split",
-    "fxsplit.marker",
-    "fxsplit.zoo",
-    "fxsplit.hf_zoo",
+    "fxsplit.errors",
+    "fxsplit.graph",
+    "fxsplit.graph.meta",
+    "fxsplit.graph.trace",
+    "fxsplit.graph.cost",
+    "fxsplit.graph.hardware",
+    "fxsplit.graph.pass_api",
+    "fxsplit.graph.inspection",
+    "fxsplit.graph.marker",
+    "fxsplit.graph.profile",
+    "fxsplit.tp",
+    "fxsplit.tp.collectives",
+    "fxsplit.tp.sharding",
+    "fxsplit.tp.functional",
+    "fxsplit.tp.plan",
+    "fxsplit.pipeline",
+    "fxsplit.pipeline.stage",
+    "fxsplit.pipeline.partition",
+    "fxsplit.pipeline.split",
+    "fxsplit.schedule",
     "fxsplit.passes",
-    "fxsplit.mesh",
-    "fxsplit.testing",
-    "fxsplit.sharding",
-    "fxsplit.tp_ops",
-    "fxsplit.tp_plan",
-    "fxsplit.profile",
-    "fxsplit.api",
-    "fxsplit.parallel_model",
-    "fxsplit.failures",
     "fxsplit.runtime",
+    "fxsplit.runtime.mesh",
+    "fxsplit.runtime.failures",
+    "fxsplit.api",
+    "fxsplit.api.model",
+    "fxsplit.testing",
+    "fxsplit.testing.zoo",
+    "fxsplit.testing.hf_zoo",
     "fxsplit.cli",
 )
 
@@ -79,7 +116,8 @@ __all__ = [
     "PlanError",
     "load_full_checkpoint",
     "RankFailedError",
-    "schedules",
+    "FxsplitError",
+    "LAYERS",
     "Action",
     "ActionKind",
     "ScheduleError",

@@ -20,7 +20,7 @@ Representative use::
 
 ``plan`` prints :class:`fxsplit.Plan` (stages, costs, tensor-parallel plan, simulated step) and
 writes on request the graph colored by stage (DOT), the simulated schedule (PNG) and the per-pass
-dumps of :mod:`fxsplit.debug`. ``schedule`` prints a schedule's grid and its simulation with unit
+dumps of :mod:`fxsplit.graph.debug`. ``schedule`` prints a schedule's grid and its simulation with unit
 costs (forward 1, backward 2 unless told otherwise); no model needed.
 
 Exit codes: 0 success; 2 a usage error (bad arguments, a file or factory that cannot be found, a
@@ -42,6 +42,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from fxsplit.errors import REQUEST_ERRORS, UsageError
+
 __all__ = ["main", "build_parser", "load_factory", "load_example", "parse_size", "UsageError"]
 
 EXIT_OK = 0
@@ -53,10 +55,6 @@ _SIZE_UNITS = {
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
-
-
-class UsageError(Exception):
-    """A command-line request that cannot be carried out as given; exit code 2."""
 
 
 class _UserCodeError(Exception):
@@ -251,7 +249,8 @@ def _load_passes(specs: Sequence[str]) -> list[Callable]:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
-    import fxsplit
+    from fxsplit.api import plan
+    from fxsplit.graph.hardware import Hardware
 
     model, args, kwargs = load_example(ns.factory, meta=ns.meta)
     passes = _load_passes(ns.passes)
@@ -262,8 +261,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         sequence_parallel=ns.sequence_parallel, vocab_parallel_loss=ns.vocab_parallel_loss,
     )
     if ns.link_bandwidth is not None:
-        options["hardware"] = fxsplit.Hardware(link_bytes_per_s=ns.link_bandwidth)
-    the_plan = fxsplit.plan(model, args, kwargs, **options)
+        options["hardware"] = Hardware(link_bytes_per_s=ns.link_bandwidth)
+    the_plan = plan(model, args, kwargs, **options)
     print(the_plan)
     if ns.grid:
         print(the_plan.schedule_grid())
@@ -279,7 +278,7 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def _cmd_schedule(ns: argparse.Namespace) -> int:
-    from fxsplit import schedules
+    from fxsplit import schedule as schedules
 
     v = ns.stages_per_rank
     if v is None:
@@ -302,9 +301,9 @@ def _cmd_schedule(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fxsplit import schedules
+    from fxsplit import schedule as schedules
     from fxsplit.api import SCHEDULES
-    from fxsplit.trace import METHODS
+    from fxsplit.graph.trace import METHODS
 
     parser = argparse.ArgumentParser(
         prog="fxsplit", description="Plan tensor + pipeline parallelism for an unmodified PyTorch model.",
@@ -359,18 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _planning_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean "this request cannot be planned as given": usage errors (exit 2)."""
-    from fxsplit.api import PlanError
-    from fxsplit.partition import PartitionError
-    from fxsplit.schedule.validate import ScheduleError
-    from fxsplit.sharding import ShardingError
-    from fxsplit.split import SplitError
-    from fxsplit.tp_plan import TPPlanError
-
-    return (UsageError, PlanError, SplitError, PartitionError, TPPlanError, ShardingError, ScheduleError)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     parser = build_parser()
@@ -380,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     try:
         return ns.run(ns)
-    except _planning_errors() as exc:
+    except REQUEST_ERRORS as exc:
         print(f"fxsplit {ns.command}: error: {exc}", file=sys.stderr)
         for note in getattr(exc, "__notes__", ()):
             print(f"  {note}", file=sys.stderr)

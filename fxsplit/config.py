@@ -3,7 +3,7 @@
 Terms:
     FXSPLIT_DEBUG_DIR: when set to a non-empty path, every PassManager run without an explicit
         ``debug=`` argument writes per-pass dumps (graph code before and after, op-count diff,
-        graph diff, time) under that folder. See ``fxsplit.debug``.
+        graph diff, time) under that folder. See ``fxsplit.graph.debug``.
 
 Signature::
 

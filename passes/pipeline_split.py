@@ -1,7 +1,7 @@
 """The pipeline split pass: plan a balanced contiguous split of the graph into stages.
 
 Written only against fxsplit's public API. The pass does not change the graph: it records the
-plan (``fxsplit.split.SplitPlan``) in ``ctx.report["pipeline_split"]`` and ``gm.meta["fxsplit_split"]``
+plan (``fxsplit.pipeline.split.SplitPlan``) in ``ctx.report["pipeline_split"]`` and ``gm.meta["fxsplit_split"]``
 and each node's stage in ``node.meta["fxsplit_stage"]``; ``plan.build(gm)`` makes the stage
 GraphModules. Bind options with ``functools.partial``:
 
@@ -14,14 +14,14 @@ from typing import Any
 
 import torch.fx
 
-from fxsplit.pass_api import PassContext, PassResult
-from fxsplit.split import plan_split
+from fxsplit.graph.pass_api import PassContext, PassResult
+from fxsplit.pipeline.split import plan_split
 
 __all__ = ["pipeline_split"]
 
 
 def pipeline_split(gm: torch.fx.GraphModule, ctx: PassContext, *, num_stages: int, **options: Any) -> PassResult:
-    """Assign every compute node to a stage; options as :func:`fxsplit.split.plan_split`."""
+    """Assign every compute node to a stage; options as :func:`fxsplit.pipeline.split.plan_split`."""
     plan = plan_split(gm, num_stages=num_stages, **options)
     for node in gm.graph.nodes:
         if node.name in plan.stage_of:

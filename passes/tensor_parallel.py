@@ -1,9 +1,9 @@
 """The tensor-parallel pass: rewrite a traced graph into one tp rank's graph (Megatron-style).
 
-Terms (see ``fxsplit.tp_plan``): t, column / row / vocab / replicate, region, blocks. The
+Terms (see ``fxsplit.tp.plan``): t, column / row / vocab / replicate, region, blocks. The
 rewritten graph is the SAME for every tp rank: sharded parameters become parameters of the local
 shape on the meta device (same FQNs), and every rank-dependent offset is read at run time from the
-group the axis name is bound to (``fxsplit.collectives.bind_groups``).
+group the axis name is bound to (``fxsplit.tp.collectives.bind_groups``).
 
     plan = find_tp_plan(gm, 2)                          # inspect first (pure)
     gm = apply_tp_plan(gm, plan)                        # rewrite
@@ -40,13 +40,13 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-import fxsplit
-from fxsplit.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
+from fxsplit.tp.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
                                  reduce_scatter_to_region, scatter_to_region)
-from fxsplit.pass_api import PassContext, PassResult
-from fxsplit.sharding import unshard_state_dict
-from fxsplit.tp_ops import column_parallel_linear, gather_logits, vocab_parallel_embedding
-from fxsplit.tp_plan import TPPlan, TPPlanError, find_tp_plan, op_name
+from fxsplit.graph.meta import annotate_node
+from fxsplit.graph.pass_api import PassContext, PassResult
+from fxsplit.tp.sharding import unshard_state_dict
+from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
+from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan, op_name
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -263,7 +263,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
             n.meta["val"] = _param_val(gm, n, nodes)
         elif n.target is copy_to_region and n.meta.get("val") is None:
             n.meta["val"] = n.args[0].meta.get("val")
-        fxsplit.annotate_node(n, gm)
+        annotate_node(n, gm)
     for n in list(graph.nodes):
         if n.target is column_parallel_linear:
             _cost_as_linears(gm, n)
@@ -274,7 +274,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
 def _cost_as_linears(gm: torch.fx.GraphModule, fused: torch.fx.Node) -> None:
     """The cost model does not know ``column_parallel_linear``: give the node the cost of its
     linears (each costed as an F.linear node at the fused node's place)."""
-    from fxsplit.cost import node_cost
+    from fxsplit.graph.cost import node_cost
 
     graph, total = gm.graph, None
     x, ws, bs = fused.args[:3]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit import zoo
+from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
 
 LR = 0.05

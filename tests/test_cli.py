@@ -14,7 +14,7 @@ from fxsplit.cli import load_example, main, parse_size
 MODEL_FILE = textwrap.dedent(
     """
     import torch
-    from fxsplit import zoo
+    from fxsplit.testing import zoo
 
     def gpt():
         return zoo.make("gpt", n_layer=2, seed=0)          # (model, args, kwargs)
@@ -40,7 +40,7 @@ MODEL_FILE = textwrap.dedent(
         pass
 
     def tag_outputs(gm, ctx):                              # a user pass for --pass
-        from fxsplit.pass_api import PassResult
+        from fxsplit.graph.pass_api import PassResult
         ctx.report["tag_outputs"] = len(gm.graph.find_nodes(op="output"))
         return PassResult(gm, False)
     """
@@ -49,7 +49,7 @@ MODEL_FILE = textwrap.dedent(
 KWARGS_FILE = textwrap.dedent(
     """
     import torch
-    from fxsplit import zoo
+    from fxsplit.testing import zoo
 
     def build():
         return zoo.make("kwargs", n_layer=2)[0]
@@ -159,7 +159,7 @@ def test_import_error_in_the_file_is_exit_1(tmp_path, capsys):
 
 def test_bare_model_without_example_inputs(tmp_path, capsys):
     path = tmp_path / "lonely.py"
-    path.write_text("from fxsplit import zoo\n\ndef build():\n    return zoo.MLP()\n")
+    path.write_text("from fxsplit.testing import zoo\n\ndef build():\n    return zoo.MLP()\n")
     assert main(["plan", f"{path}:build"]) == 2
     assert "defines no example_inputs()" in capsys.readouterr().err
 

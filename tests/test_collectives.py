@@ -1,4 +1,4 @@
-"""Tests for fxsplit.collectives.
+"""Tests for fxsplit.tp.collectives.
 
 One process: unbound axes are identities, binding is per context, ops are single fx nodes.
 Gloo (2 and 4 ranks, one launch each): forward values and every gradient of hand-built
@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.fx
 import torch.nn.functional as F
 
-from fxsplit import collectives as C
-from fxsplit.collectives import (
+from fxsplit.tp import collectives as C
+from fxsplit.tp.collectives import (
     all_reduce_sum,
     axis_rank,
     axis_size,

@@ -1,4 +1,4 @@
-"""Cost model (fxsplit.cost) and measured profile (fxsplit.profile).
+"""Cost model (fxsplit.graph.cost) and measured profile (fxsplit.graph.profile).
 
 Terms: b batch, s sequence, h hidden, V vocabulary, n layers. Analytic forward FLOPs of a GPT
 (Megatron): n * (24*b*s*h^2 + 4*b*s^2*h) + 2*b*s*h*V, all of it matmul-like work.
@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxsplit.cost import (
+from fxsplit.graph.cost import (
     ZERO_COST,
     NodeCost,
     estimate_time,
@@ -29,7 +29,7 @@ from fxsplit.cost import (
     to_expr,
     value_bytes,
 )
-from fxsplit.profile import PROFILE_KEY, apply_profile, node_time, profile_graph
+from fxsplit.graph.profile import PROFILE_KEY, apply_profile, node_time, profile_graph
 
 F32 = 4
 
@@ -159,9 +159,9 @@ def test_gpt_flops_symbolic_in_batch_and_seq():
 
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_zoo_gpt_through_trace_is_symbolic_and_matches(method):
-    from fxsplit import zoo
+    from fxsplit.testing import zoo
 
-    trace = sys.modules["fxsplit.trace"].trace
+    trace = sys.modules["fxsplit.graph.trace"].trace
     model, args, _ = zoo.make_gpt(n_layer=2, n_embd=64, n_head=4, vocab_size=512, block_size=64,
                                   batch_size=2, seq_len=32, fused_qkv=True)
     gm = trace(model, args, method=method)
@@ -360,7 +360,7 @@ def test_unknown_leaf_modules_counted_with_flop_counter():
     assert costs["0"].bytes_read == (3 * 8 + 8 * 12 + 12 * 5) * F32
     assert costs["2"].matmul_flops == 2 * 3 * 3 * 5 and costs["2"].param_bytes == 0
     # symbolic batch: the count at the hint is scaled to the symbolic output size
-    gm = sys.modules["fxsplit.trace"].trace(model, (x,), method="fx", leaf_modules=[MatPair, SelfScores])
+    gm = sys.modules["fxsplit.graph.trace"].trace(model, (x,), method="fx", leaf_modules=[MatPair, SelfScores])
     b = gm.meta["fxsplit"].symbols["batch"]
     costs = {n.target: n.meta["fxsplit"].cost for n in gm.graph.nodes if n.op == "call_module"}
     assert sympy.simplify(costs["0"].matmul_flops - mm // 3 * b) == 0

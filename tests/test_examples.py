@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit import zoo
-from fxsplit.pass_api import PassContext, PassManager
+from fxsplit.testing import zoo
+from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxsplit.inspection import (
+from fxsplit.graph.inspection import (
     GraphDiff,
     format_flops,
     format_op_count_diff,
@@ -54,7 +54,7 @@ def fx_graph() -> torch.fx.GraphModule:
     return torch.fx.symbolic_trace(Net())
 
 
-# Stand-ins with the fields of fxsplit.meta.NodeInfo / TensorMeta and fxsplit.cost.NodeCost that
+# Stand-ins with the fields of fxsplit.graph.meta.NodeInfo / TensorMeta and fxsplit.graph.cost.NodeCost that
 # inspection reads (duck-typed, so the test does not depend on the tracer).
 @dataclass(frozen=True)
 class FakeTensorMeta:
@@ -329,7 +329,7 @@ def test_dot_writes_files(tmp_path, caplog):
     gm = fx_graph()
     text = to_dot(gm, tmp_path / "g.dot")
     assert (tmp_path / "g.dot").read_text() == text
-    with caplog.at_level(logging.WARNING, logger="fxsplit.inspection"):
+    with caplog.at_level(logging.WARNING, logger="fxsplit.graph.inspection"):
         to_dot(gm, tmp_path / "r.svg")
     assert (tmp_path / "r.dot").read_text() == text
     if shutil.which("dot") is None:

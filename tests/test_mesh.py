@@ -1,4 +1,4 @@
-"""Tests for fxsplit.mesh: argument checks in one process; meshes, coords and groups on 4 gloo ranks."""
+"""Tests for fxsplit.runtime.mesh: argument checks in one process; meshes, coords and groups on 4 gloo ranks."""
 
 import os
 import socket
@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from fxsplit.collectives import axis_rank, axis_size, bind_groups, reduce_from_region
-from fxsplit.mesh import build_mesh, check_mesh, init_from_env, mesh_coords, mesh_groups
+from fxsplit.tp.collectives import axis_rank, axis_size, bind_groups, reduce_from_region
+from fxsplit.runtime.mesh import build_mesh, check_mesh, init_from_env, mesh_coords, mesh_groups
 from fxsplit.testing import run_distributed
 
 
@@ -24,7 +24,7 @@ def test_degrees_must_be_positive_ints():
 
 def test_build_mesh_without_process_group_says_how_to_start_one():
     assert not dist.is_initialized()  # pytest's own process never joins a process group
-    with pytest.raises(RuntimeError, match="not initialized; call fxsplit.mesh.init_from_env"):
+    with pytest.raises(RuntimeError, match="not initialized; call fxsplit.runtime.mesh.init_from_env"):
         build_mesh(dp=2)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit import zoo
+from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
 
 STEPS = 3
@@ -128,7 +128,7 @@ def _hf_loss(out, y):
 
 
 def _hf_train(rank, world, builder, options, steps=STEPS):
-    from fxsplit import hf_zoo
+    from fxsplit.testing import hf_zoo
 
     model, args, kwargs = getattr(hf_zoo, builder)()
     options = dict(options)
@@ -152,7 +152,7 @@ def _hf_batch(model, args, i):
 
 
 def _hf_reference(builder, steps=STEPS):
-    from fxsplit import hf_zoo
+    from fxsplit.testing import hf_zoo
 
     model, args, kwargs = getattr(hf_zoo, builder)()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -196,7 +196,7 @@ def _logged_steps(rank, world):
         def emit(self, record):
             records.append(record.getMessage())
 
-    logger = logging.getLogger("fxsplit.parallel_model")
+    logger = logging.getLogger("fxsplit.api.model")
     logger.addHandler(Keep())
     logger.setLevel(logging.INFO)
     model, args, kwargs = zoo.make("gpt")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import fxsplit
-from fxsplit import zoo
+from fxsplit.testing import zoo
 from fxsplit.api import RankFailedError
 from fxsplit.testing import run_distributed
 

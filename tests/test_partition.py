@@ -1,4 +1,4 @@
-"""Tests of fxsplit.partition: exactness against brute force and an independent DP, structure,
+"""Tests of fxsplit.pipeline.partition: exactness against brute force and an independent DP, structure,
 errors with their numbers, baselines, and the large-n timing.
 
 Data are small integers (and power-of-two bandwidths and penalties) so float sums are exact and
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fxsplit.partition import (
+from fxsplit.pipeline.partition import (
     PartitionError,
     PartitionProblem,
     brute_force,
@@ -486,7 +486,7 @@ def test_large_n_is_fast(bandwidth, every, memory_limit):
     check_structure(pb, part)
     # optimality certificate: no partition has bottleneck < the found one. Shrinking the
     # bottleneck by one ulp must make the instance infeasible for the same solver core.
-    from fxsplit.partition import _Chain, _forward
+    from fxsplit.pipeline.chain import Chain as _Chain, forward as _forward
     ch = _Chain(pb)
     caps = None if memory_limit is None else (memory_limit,) * pb.num_stages
     assert _forward(ch, part.bottleneck, caps)[0]

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxsplit import config
-from fxsplit.pass_api import (
+from fxsplit.graph.pass_api import (
     PassContext,
     PassManager,
     PassResult,
@@ -275,7 +275,7 @@ def test_register_conflict_and_unknown(clean_registry):
 def test_entry_point_passes(tmp_path, monkeypatch, clean_registry):
     pkg = tmp_path / "fake_fxsplit_plugin.py"
     pkg.write_text(textwrap.dedent("""
-        from fxsplit.pass_api import PassResult
+        from fxsplit.graph.pass_api import PassResult
         LOADS = []
         def plugin_pass(gm, ctx):
             ctx.report["plugin"] = "ran"
@@ -303,7 +303,7 @@ def test_entry_point_passes(tmp_path, monkeypatch, clean_registry):
 
 def test_entry_point_lookup_is_lazy_in_get_pass(tmp_path, monkeypatch, clean_registry):
     (tmp_path / "fake_fxsplit_plugin2.py").write_text(
-        "from fxsplit.pass_api import PassResult\n"
+        "from fxsplit.graph.pass_api import PassResult\n"
         "def other(gm, ctx):\n    return PassResult(gm, False)\n"
     )
     dist = tmp_path / "fake_fxsplit_plugin2-1.0.dist-info"
@@ -466,11 +466,11 @@ def test_example_gelu_pass_keeps_fxsplit_metadata(example):
 def test_same_pass_file_loaded_twice_registers_once(tmp_path):
     import importlib.util
 
-    from fxsplit.pass_api import get_pass, register_pass, unregister_pass
+    from fxsplit.graph.pass_api import get_pass, register_pass, unregister_pass
 
     src = tmp_path / "twice_pass.py"
     src.write_text(
-        "from fxsplit.pass_api import PassResult, register_pass\n"
+        "from fxsplit.graph.pass_api import PassResult, register_pass\n"
         "@register_pass('loaded_twice')\n"
         "def loaded_twice(gm, ctx):\n    return PassResult(gm, False)\n"
     )

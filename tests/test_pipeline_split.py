@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxsplit
-from fxsplit import zoo
-from fxsplit.partition import brute_force
-from fxsplit.pass_api import PassContext, PassManager
-from fxsplit.split import SplitError, plan_split
+from fxsplit.testing import zoo
+from fxsplit.pipeline.partition import brute_force
+from fxsplit.graph.pass_api import PassContext, PassManager
+from fxsplit.pipeline.split import SplitError, plan_split
 from fxsplit.passes.pipeline_split import pipeline_split
 
 
@@ -94,7 +94,7 @@ def test_interleaved_ranks_and_plan_printing():
 @pytest.mark.hf
 @pytest.mark.parametrize("builder", ["tiny_gpt2", "tiny_llama"])
 def test_hf_stage_chain_matches_model(builder):
-    from fxsplit import hf_zoo
+    from fxsplit.testing import hf_zoo
 
     model, args, kwargs = getattr(hf_zoo, builder)()
     gm = fxsplit.trace(model, args, kwargs)
@@ -127,7 +127,7 @@ def test_split_points_and_markers():
 
         def forward(self, x):
             x = self.a(x).relu()
-            fxsplit.marker.pipe_split()
+            fxsplit.graph.marker.pipe_split()
             return self.c(self.b(x))
 
     m = Marked()
@@ -236,7 +236,7 @@ def test_random_dags_split_exactly(dag, S, batch):
 
 
 def test_measured_profile_replaces_the_estimate():
-    from fxsplit.profile import apply_profile
+    from fxsplit.graph.profile import apply_profile
 
     model, args, kwargs = zoo.make("mlp")
     gm = fxsplit.trace(model, args, kwargs, method="fx")

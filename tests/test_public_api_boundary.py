@@ -23,7 +23,7 @@ def _private(name: str) -> bool:
 
 
 def fxsplit_module_names() -> set[str]:
-    """Every module of the installed fxsplit package (``fxsplit.stage``, ``fxsplit.schedule.ir``...)."""
+    """Every module of the installed fxsplit package (``fxsplit.pipeline.stage``, ``fxsplit.schedule.ir``...)."""
     names = {"fxsplit"}
     for info in pkgutil.walk_packages(fxsplit.__path__, prefix="fxsplit.", onerror=lambda _: None):
         names.add(info.name)
@@ -71,7 +71,7 @@ def boundary_violations(
             )
 
     def _is_attribute_of_known(module: str) -> bool:
-        # "fxsplit.pass_api.PassResult" is an attribute of a module, not a module
+        # "fxsplit.graph.pass_api.PassResult" is an attribute of a module, not a module
         return module.rpartition(".")[0] in known
 
     def resolve(node: ast.ImportFrom) -> str | None:
@@ -133,24 +133,25 @@ def boundary_violations(
 # --------------------------------------------------------------------------- the checker itself
 
 
-KNOWN = {"fxsplit", "fxsplit.pass_api", "fxsplit.inspection", "fxsplit.stage",
-         "fxsplit.schedule", "fxsplit.schedule.ir", "fxsplit.passes", "fxsplit.passes.tp"}
-PUBLIC = ("fxsplit.pass_api", "fxsplit.inspection")
+KNOWN = {"fxsplit", "fxsplit.graph", "fxsplit.graph.pass_api", "fxsplit.graph.inspection", "fxsplit.pipeline",
+         "fxsplit.pipeline.stage", "fxsplit.schedule", "fxsplit.schedule.ir", "fxsplit.passes", "fxsplit.passes.tp"}
+PUBLIC = ("fxsplit.graph", "fxsplit.graph.pass_api", "fxsplit.graph.inspection", "fxsplit.pipeline")
 
 
 def test_checker_accepts_public_imports():
     good = """
 import torch
 import fxsplit
-import fxsplit.pass_api as pa
-from fxsplit import PassResult, pass_api, __version__
-from fxsplit.inspection import graph_diff
+import fxsplit.graph.pass_api as pa
+from fxsplit import PassResult, __version__
+from fxsplit.graph import pass_api
+from fxsplit.graph.inspection import graph_diff
 from . import tp
 from .tp import column_parallel
 from fxsplit.passes.tp import helper
 
 def p(gm, ctx):
-    return fxsplit.PassResult(gm, fxsplit.inspection.graph_diff(gm, gm) is None)
+    return fxsplit.PassResult(gm, fxsplit.graph.inspection.graph_diff(gm, gm) is None)
 """
     assert boundary_violations(good, PUBLIC, KNOWN) == []
 
@@ -158,16 +159,16 @@ def p(gm, ctx):
 @pytest.mark.parametrize(
     "source, expected",
     [
-        ("from fxsplit.stage import build_stages", "uses 'fxsplit.stage', which is not a public"),
+        ("from fxsplit.pipeline.stage import build_stages", "uses 'fxsplit.pipeline.stage', which is not a public"),
         ("import fxsplit.schedule.ir", "uses 'fxsplit.schedule.ir', which is not a public"),
-        ("from fxsplit import stage", "uses 'fxsplit.stage', which is not a public"),
-        ("from fxsplit.pass_api import _failure_note", "imports private name '_failure_note'"),
+        ("from fxsplit.pipeline import stage", "uses 'fxsplit.pipeline.stage', which is not a public"),
+        ("from fxsplit.graph.pass_api import _failure_note", "imports private name '_failure_note'"),
         ("from fxsplit._impl import x", "uses private module 'fxsplit._impl'"),
-        ("from ..stage import build_stages", "uses 'fxsplit.stage', which is not a public"),
-        ("from fxsplit.inspection import *", "star import from 'fxsplit.inspection'"),
-        ("import fxsplit\nfxsplit.stage.build_stages(1, 2, 3)", "<source>:2: uses 'fxsplit.stage'"),
-        ("import fxsplit as fx\nfx.pass_api._REGISTRY.clear()", "uses private name '_REGISTRY'"),
-        ("from fxsplit import inspection as i\ni._graph(1)", "uses private name '_graph'"),
+        ("from ..pipeline.stage import build_stages", "uses 'fxsplit.pipeline.stage', which is not a public"),
+        ("from fxsplit.graph.inspection import *", "star import from 'fxsplit.graph.inspection'"),
+        ("import fxsplit\nfxsplit.pipeline.stage.build_stages(1, 2, 3)", "<source>:2: uses 'fxsplit.pipeline.stage'"),
+        ("import fxsplit as fx\nfx.graph.pass_api._REGISTRY.clear()", "uses private name '_REGISTRY'"),
+        ("from fxsplit.graph import inspection as i\ni._graph(1)", "uses private name '_graph'"),
     ],
 )
 def test_checker_flags_reaching_past_the_api(source, expected):
@@ -183,7 +184,7 @@ def public_modules() -> tuple[str, ...]:
     if public is None:
         pytest.fail(
             "fxsplit.PUBLIC_MODULES is missing: define it in fxsplit/__init__.py as a tuple of "
-            "the module names a pass may import (e.g. ('fxsplit.pass_api', 'fxsplit.inspection'))"
+            "the module names a pass may import (e.g. ('fxsplit.graph.pass_api', 'fxsplit.graph.inspection'))"
         )
     if not isinstance(public, tuple) or not all(isinstance(m, str) for m in public):
         pytest.fail(f"fxsplit.PUBLIC_MODULES must be a tuple of module names, got {public!r}")
@@ -217,3 +218,201 @@ def test_example_user_pass_uses_only_the_public_api():
         package="examples",
     )
     assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- the layer contract
+
+
+PACKAGE_DIRS = {"fxsplit": Path(fxsplit.__file__).resolve().parent, "fxsplit.passes": PASSES_DIR}
+
+
+def package_sources() -> dict[str, Path]:
+    """Every module of fxsplit (passes/ as fxsplit.passes) -> its file."""
+    out = {}
+    for pkg, root in PACKAGE_DIRS.items():
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([pkg, *parts])] = path
+    return out
+
+
+def unit_of(module: str, units: Iterable[str]) -> str | None:
+    """The layer unit (a key of fxsplit.LAYERS) holding ``module``: the longest matching prefix."""
+    best = None
+    for u in units:
+        if (module == u or module.startswith(u + ".")) and (best is None or len(u) > len(best)):
+            best = u
+    return best
+
+
+def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, imported fxsplit module or name) for every import in the file, TYPE_CHECKING and
+    function-level imports included, relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "fxsplit"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = module.split(".")
+                if not is_pkg:
+                    parts = parts[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.split(".")[0] != "fxsplit":
+                continue
+            out += [(node.lineno, f"{base}.{a.name}" if base == "fxsplit" else base) for a in node.names]
+    return out
+
+
+def allowed_units(layers: dict[str, tuple[str, ...]]) -> dict[str, set[str]]:
+    """unit -> every unit it may import (its own and everything below it, transitively)."""
+    out: dict[str, set[str]] = {}
+
+    def below(u: str, seen: tuple[str, ...] = ()) -> set[str]:
+        assert u not in seen, f"fxsplit.LAYERS has a cycle: {' -> '.join(seen + (u,))}"
+        if u not in out:
+            acc = {u}
+            for d in layers[u]:
+                acc |= below(d, seen + (u,))
+            out[u] = acc
+        return out[u]
+
+    for u in layers:
+        below(u)
+    return out
+
+
+def layer_violations(sources: dict[str, Path], layers: dict[str, tuple[str, ...]]) -> list[str]:
+    allowed = allowed_units(layers)
+    problems = []
+    for module, path in sources.items():
+        if module == "fxsplit":
+            continue  # the package itself is the top: it re-exports every layer
+        mine = unit_of(module, layers)
+        if mine is None:
+            problems.append(f"{module}: not in any unit of fxsplit.LAYERS (add its subpackage there)")
+            continue
+        for line, target in imports_of(path, module):
+            where = f"{path.name}:{line}"
+            if target == "fxsplit" or (target.startswith("fxsplit.") and target.count(".") == 1
+                                       and target not in sources and unit_of(target, layers) is None):
+                problems.append(f"{where}: imports the top-level package fxsplit ({target}); import the "
+                                f"module that defines the name instead")
+                continue
+            theirs = unit_of(target, layers)
+            if theirs is not None and theirs not in allowed[mine]:
+                problems.append(f"{where}: {module} ({mine}) imports {target} ({theirs}), which "
+                                f"[Note: layer contract] puts above or beside it")
+    return problems
+
+
+def import_cycles(sources: dict[str, Path]) -> list[list[str]]:
+    """Module-level import cycles (a package's __init__ re-exporting its children excluded)."""
+    edges: dict[str, set[str]] = {m: set() for m in sources}
+    for module, path in sources.items():
+        for _, target in imports_of(path, module):
+            t = target
+            while t and t not in sources:
+                t = t.rpartition(".")[0]
+            if t and t != module and t != "fxsplit" and not module.startswith(t + "."):
+                edges[module].add(t)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 and not all(m == min(comp) or m.startswith(min(comp) + ".") for m in comp):
+                cycles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return cycles
+
+
+def test_layer_contract_holds():
+    sources = package_sources()
+    problems = layer_violations(sources, fxsplit.LAYERS)
+    assert not problems, "imports against [Note: layer contract]:\n" + "\n".join(problems)
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(package_sources())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_package_shape():
+    """At most 8 modules directly in fxsplit/, every subpackage says what it owns and may import,
+    and no module has grown past 700 lines (a second responsibility)."""
+    root = PACKAGE_DIRS["fxsplit"]
+    top = sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 8, f"{len(top)} modules directly in fxsplit/ (at most 8): {top}"
+    for init in sorted(root.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import" in doc, f"{init.relative_to(root.parent)}: its docstring must say what it may import"
+    long = {m: n for m, p in package_sources().items() if (n := len(p.read_text().splitlines())) > 700}
+    assert not long, f"modules over 700 lines: {long}"
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({"fxsplit/graph/a.py": "from fxsplit.tp.b import x"}, "fxsplit.graph.a (fxsplit.graph) imports fxsplit.tp.b"),
+        ({"fxsplit/tp/a.py": "from fxsplit.pipeline import b"}, "imports fxsplit.pipeline (fxsplit.pipeline)"),
+        ({"fxsplit/schedule/a.py": "def f():\n    from fxsplit.graph import meta"}, "fxsplit.schedule.a (fxsplit.schedule) imports"),
+        ({"fxsplit/graph/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fxsplit.api import Plan"},
+         "imports fxsplit.api (fxsplit.api)"),
+        ({"fxsplit/graph/a.py": "from .. import api"}, "imports fxsplit.api"),
+        ({"fxsplit/graph/a.py": "import fxsplit"}, "imports the top-level package fxsplit"),
+        ({"fxsplit/graph/a.py": "from fxsplit import plan"}, "imports the top-level package fxsplit"),
+        ({"fxsplit/extra/a.py": "x = 1"}, "not in any unit of fxsplit.LAYERS"),
+    ],
+)
+def test_layer_checker_flags(tmp_path, files, expected):
+    sources = {}
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        sources[rel[:-3].replace("/", ".")] = path
+    for rel in ("fxsplit/tp/b.py", "fxsplit/api/__init__.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1")
+        sources.setdefault(rel[:-3].replace("/", ".").removesuffix(".__init__"), tmp_path / rel)
+    found = layer_violations(sources, fxsplit.LAYERS)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_cycle_checker_finds_a_cycle(tmp_path):
+    (tmp_path / "a.py").write_text("from fxsplit.graph.b import x")
+    (tmp_path / "b.py").write_text("def f():\n    from fxsplit.graph.a import y")
+    (tmp_path / "c.py").write_text("from fxsplit.graph.a import y")
+    sources = {f"fxsplit.graph.{n}": tmp_path / f"{n}.py" for n in "abc"}
+    assert import_cycles(sources) == [["fxsplit.graph.a", "fxsplit.graph.b"]]

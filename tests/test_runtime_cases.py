@@ -1,9 +1,9 @@
 """Hand-built pipeline stages for the runtime tests, and single-process runtime checks.
 
 The stages are written by hand (not by `build_stages`) so that the runtime is tested on its own:
-- ``gpt``: `fxsplit.zoo.GPT` with tied ``wte``/``lm_head`` weights; stage 0 embeds, the last
+- ``gpt``: `fxsplit.testing.zoo.GPT` with tied ``wte``/``lm_head`` weights; stage 0 embeds, the last
   stage holds ``ln_f`` and computes the head with ``wte.weight`` (a shared-parameter group).
-- ``skip``: `fxsplit.zoo.SkipModel`; ``h0`` from stage 0 goes straight to the last stage (a skip
+- ``skip``: `fxsplit.testing.zoo.SkipModel`; ``h0`` from stage 0 goes straight to the last stage (a skip
   connection over every stage in between), and the last stage reads the model input ``x`` too.
 Boundary shapes are symbolic in the batch symbol ``b`` so unequal microbatches work.
 
@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as Fn
 from torch import nn
 
-from fxsplit import zoo
+from fxsplit.testing import zoo
 from fxsplit.runtime import PipelineRuntime
 from fxsplit.schedule.builders import build
-from fxsplit.stage import StageIO, ValueMeta, ValueSource
+from fxsplit.pipeline.stage import StageIO, ValueMeta, ValueSource
 
 b = sympy.Symbol("b", integer=True, positive=True)
 RTOL, ATOL = 1e-5, 1e-6
@@ -166,7 +166,7 @@ def make_batch(name: str, batch: int, seed: int = 1, device: str = "cpu"):
 def graph_stages(model: nn.Module, name: str, S: int):
     """Trace ``model`` (dynamic batch) and cut it into ``S`` stages of equal compute-node count."""
     import fxsplit
-    from fxsplit.stage import build_stages
+    from fxsplit.pipeline.stage import build_stages
 
     (x,), _ = make_batch(name, 4, device=str(next(model.parameters()).device))
     gm = fxsplit.trace(model, (x,))

@@ -24,7 +24,7 @@ from fxsplit.runtime import (
 )
 from fxsplit.schedule.builders import build
 from fxsplit.schedule.ir import parse_schedule
-from fxsplit.stage import ValueMeta
+from fxsplit.pipeline.stage import ValueMeta
 
 from test_runtime_cases import make_batch, skip_model, skip_stages
 

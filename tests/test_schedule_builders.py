@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from fxsplit import schedules
+from fxsplit import schedule as schedules
 from fxsplit.schedule import Action, ActionKind, align_steps, build, format_schedule, validate
 
 NAMES_V1 = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]

@@ -1,6 +1,6 @@
-"""Pictures: the text grid and the timeline PNG; the public facade fxsplit.schedules."""
+"""Pictures: the text grid and the timeline PNG; the public facade fxsplit.schedule."""
 
-from fxsplit import schedules
+from fxsplit import schedule as schedules
 from fxsplit.schedule import build, format_grid, format_marked_grid, simulate, timeline_png
 
 

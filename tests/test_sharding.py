@@ -1,4 +1,4 @@
-"""fxsplit.sharding: ShardSpec round trips, errors, state dicts and per-rank materialization.
+"""fxsplit.tp.sharding: ShardSpec round trips, errors, state dicts and per-rank materialization.
 
 All in one process (no process group): sharding is pure tensor code.
 """
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxsplit.sharding import (
+from fxsplit.tp.sharding import (
     ShardedParam,
     ShardingError,
     ShardSpec,

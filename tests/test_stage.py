@@ -1,4 +1,4 @@
-"""Stage construction (fxsplit.stage) and the pipe_split marker (fxsplit.marker).
+"""Stage construction (fxsplit.pipeline.stage) and the pipe_split marker (fxsplit.graph.marker).
 
 Every split is checked against the unsplit model: outputs and the gradient of every parameter
 (float32, rtol=1e-5, atol=1e-6), for graphs from torch.fx.symbolic_trace and torch.export.
@@ -16,15 +16,15 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
-from fxsplit import zoo
-from fxsplit.marker import (
+from fxsplit.testing import zoo
+from fxsplit.graph.marker import (
     PIPE_SPLIT_OP,
     assignment_from_cuts,
     find_pipe_splits,
     pipe_split,
     strip_pipe_splits,
 )
-from fxsplit.stage import (
+from fxsplit.pipeline.stage import (
     StageBuildError,
     StageGraphs,
     StageIO,
@@ -481,7 +481,7 @@ def test_stage_state_dicts_map_back_to_the_model(kind):
 
 @pytest.mark.parametrize("name,method", [("skip", "fx"), ("skip", "export"), ("gpt", "fx")])
 def test_graphs_from_fxsplit_trace_with_symbolic_batch(name, method):
-    from fxsplit.trace import flatten_inputs, trace
+    from fxsplit.graph.trace import flatten_inputs, trace
 
     model, args, kwargs = zoo.make(name)
     gm = trace(model, args, kwargs, method=method)

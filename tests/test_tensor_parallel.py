@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 
 import fxsplit
-from fxsplit import hf_zoo, zoo
-from fxsplit.collectives import copy_to_region, reduce_from_region
-from fxsplit.pass_api import PassContext, PassManager
+from fxsplit.testing import hf_zoo, zoo
+from fxsplit.tp.collectives import copy_to_region, reduce_from_region
+from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.passes.tensor_parallel import apply_tp_plan, full_state_dict, tensor_parallel, tp_graph_diff
-from fxsplit.sharding import materialize_module
+from fxsplit.tp.sharding import materialize_module
 from fxsplit.testing import run_distributed
-from fxsplit.tp_ops import gather_logits, vocab_parallel_cross_entropy, vocab_parallel_embedding
-from fxsplit.tp_plan import find_tp_plan
+from fxsplit.tp.functional import gather_logits, vocab_parallel_cross_entropy, vocab_parallel_embedding
+from fxsplit.tp.plan import find_tp_plan
 
 STEPS, LR = 3, 0.5
 RTOL, ATOL = 1e-5, 1e-6
@@ -78,7 +78,7 @@ def _reference(spec: tuple, vocab_size: int | None) -> tuple[list[float], list[d
 def _run_tp(rank: int, world: int, spec: tuple, options: dict, traced: dict) -> dict:
     import torch.distributed as dist
 
-    from fxsplit.collectives import bind_groups
+    from fxsplit.tp.collectives import bind_groups
 
     model, args, kwargs = _build(spec)
     key = repr(spec)

@@ -19,10 +19,10 @@ import torch.fx
 import torch.nn.functional as F
 
 import fxsplit
-from fxsplit import zoo
-from fxsplit.collectives import copy_to_region, gather_to_region, reduce_from_region
+from fxsplit.testing import zoo
+from fxsplit.tp.collectives import copy_to_region, gather_to_region, reduce_from_region
 from fxsplit.testing import run_distributed
-from fxsplit.tp_ops import column_parallel_linear
+from fxsplit.tp.functional import column_parallel_linear
 
 B, T, C = 2, 5, 8  # B * T rows: not one of OUTS, so no other mm has a weight's shape
 OUTS = (4, 6, 2)  # distinct from C so the weight-gradient matmuls are recognizable by shape
@@ -98,10 +98,10 @@ def _order(rank: int):
 def _gpt_counts(rank: int, world: int):
     import torch.distributed as dist
 
-    from fxsplit.collectives import bind_groups, record_collectives
+    from fxsplit.tp.collectives import bind_groups, record_collectives
     from fxsplit.passes.tensor_parallel import apply_tp_plan
-    from fxsplit.sharding import materialize_module
-    from fxsplit.tp_plan import find_tp_plan
+    from fxsplit.tp.sharding import materialize_module
+    from fxsplit.tp.plan import find_tp_plan
 
     model, args, kwargs = zoo.make("gpt", **SMALL)
     gm = fxsplit.trace(model, args, kwargs)
@@ -116,7 +116,7 @@ def _gpt_counts(rank: int, world: int):
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from fxsplit.collectives import bind_groups, record_collectives
+    from fxsplit.tp.collectives import bind_groups, record_collectives
 
     out: dict = {"cases": {}}
     with bind_groups({"tp": dist.group.WORLD}):
@@ -209,7 +209,7 @@ def test_unbound_is_plain_linear_and_one_fx_node():
 
 def test_pass_fuses_regions_not_under_sequence_parallelism():
     from fxsplit.passes.tensor_parallel import apply_tp_plan
-    from fxsplit.tp_plan import find_tp_plan
+    from fxsplit.tp.plan import find_tp_plan
 
     model, args, kwargs = zoo.make("gpt", **SMALL, mlp="swiglu")
     traced = fxsplit.trace(model, args, kwargs)

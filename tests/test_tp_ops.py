@@ -1,4 +1,4 @@
-"""fxsplit.tp_ops: vocabulary-parallel embedding, cross-entropy and logits gather.
+"""fxsplit.tp.functional: vocabulary-parallel embedding, cross-entropy and logits gather.
 
 Every parallel value and gradient is compared with the one-process op on the full tensors
 (float32). The multi-process checks run in one gloo launch per world size (2 and 4 ranks),
@@ -16,10 +16,10 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxsplit.collectives import bind_groups, copy_to_region, record_collectives
-from fxsplit.sharding import ShardSpec, padded_size
+from fxsplit.tp.collectives import bind_groups, copy_to_region, record_collectives
+from fxsplit.tp.sharding import ShardSpec, padded_size
 from fxsplit.testing import run_distributed
-from fxsplit.tp_ops import gather_logits, vocab_parallel_cross_entropy, vocab_parallel_embedding
+from fxsplit.tp.functional import gather_logits, vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 # (V, pad multiple): divisible by 2 and 4; not divisible; padded so far that with t=4 the last

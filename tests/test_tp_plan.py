@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit import hf_zoo, zoo
-from fxsplit.collectives import copy_to_region, reduce_from_region
-from fxsplit.pass_api import PassContext, PassManager
+from fxsplit.testing import hf_zoo, zoo
+from fxsplit.tp.collectives import copy_to_region, reduce_from_region
+from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.passes.tensor_parallel import apply_tp_plan, full_state_dict, tensor_parallel, tp_graph_diff
-from fxsplit.sharding import ShardSpec, materialize_module
-from fxsplit.tp_ops import column_parallel_linear, gather_logits, vocab_parallel_embedding
-from fxsplit.tp_plan import TPPlanError, find_tp_plan
+from fxsplit.tp.sharding import ShardSpec, materialize_module
+from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
+from fxsplit.tp.plan import TPPlanError, find_tp_plan
 
 SMALL = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
 
@@ -263,7 +263,7 @@ def test_bad_degrees_name_module_numbers_and_nearest():
 
 
 def test_sequence_parallel_collectives_fx():
-    from fxsplit.collectives import gather_to_region, reduce_scatter_to_region, scatter_to_region
+    from fxsplit.tp.collectives import gather_to_region, reduce_scatter_to_region, scatter_to_region
 
     _, gm = _gpt()
     plan = find_tp_plan(gm, 2, sequence_parallel=True)

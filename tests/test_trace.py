@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxsplit
-from fxsplit import zoo
-from fxsplit.meta import NodeInfo, TraceInfo
+from fxsplit.testing import zoo
+from fxsplit.graph.meta import NodeInfo, TraceInfo
 
 
 def _outputs_equal(a, b):
@@ -183,7 +183,7 @@ def test_structured_outputs_and_default_arguments(method):
 @pytest.mark.hf
 @pytest.mark.parametrize("builder", ["tiny_gpt2", "tiny_llama", "tiny_bert", "tiny_qwen2"])
 def test_hf_models_trace_with_export(builder):
-    from fxsplit import hf_zoo
+    from fxsplit.testing import hf_zoo
 
     model, args, kwargs = getattr(hf_zoo, builder)()
     model.eval()
@@ -198,7 +198,7 @@ def test_hf_models_trace_with_export(builder):
 
 @pytest.mark.hf
 def test_hf_cache_is_turned_off_for_export_and_restored():
-    from fxsplit import hf_zoo
+    from fxsplit.testing import hf_zoo
 
     model, args, kwargs = hf_zoo.tiny_gpt2()
     model.config.use_cache = True

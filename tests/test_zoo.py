@@ -1,4 +1,4 @@
-"""Tests for fxsplit.zoo (our reference models) and fxsplit.hf_zoo (tiny Hugging Face models).
+"""Tests for fxsplit.testing.zoo (our reference models) and fxsplit.testing.hf_zoo (tiny Hugging Face models).
 
 Every zoo model: builds deterministically, runs forward and backward (every parameter gets a
 finite gradient), traces with torch.fx.symbolic_trace and with torch.export (strict=False), and
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from fxsplit import hf_zoo, zoo
+from fxsplit.testing import hf_zoo, zoo
 
 # The zoo cases: every registered name, plus GPT variants (fused qkv, GQA, SwiGLU, untied).
 CASES = [(name, {}) for name in zoo.ZOO_NAMES] + [
@@ -273,7 +273,7 @@ def test_meta_llama_70b_allocates_nothing():
 def test_zoo_batch_stays_symbolic_under_fxsplit_trace(name):
     """Fake-tensor propagation must not specialise the batch to the example's (F.interpolate
     did, in an earlier UNet): placeholders and the output keep a symbolic dim 0."""
-    from fxsplit.trace import trace
+    from fxsplit.graph.trace import trace
 
     model, args, kwargs = zoo.make(name, **_small(name, {}))
     gm = trace(model, args, kwargs, method="fx")

@@ -4,6 +4,12 @@
 - `p2p`: the message plan ([Note: message order]) and the channel that posts sends/receives.
 - `microbatch`: split inputs and targets into microbatches, merge outputs, concrete shapes.
 - `split_backward`: the I / W halves of a backward for zero-bubble schedules ([Note: split backward]).
+- `mesh`: process-group set-up from torchrun's environment and the ("dp", "pp", "tp") DeviceMesh.
+- `failures`: the end-of-call error exchange that makes every rank fail together ([Note: failures]).
+
+May import: ``fxsplit.pipeline``, ``fxsplit.tp``, ``fxsplit.schedule``, ``fxsplit.graph``,
+``fxsplit.errors``, ``fxsplit.config`` and torch; never ``fxsplit.api`` or the passes. The runtime
+runs what the plan holds and never plans.
 """
 
 from fxsplit.runtime.executor import PipelineRuntime

@@ -1,6 +1,6 @@
 """Pipeline executor: one pipeline rank runs its action list with its stage modules.
 
-Terms (DESIGN.md, fxsplit.stage, fxsplit.runtime.p2p): p pipeline ranks, S stages, m
+Terms (DESIGN.md, fxsplit.pipeline.stage, fxsplit.runtime.p2p): p pipeline ranks, S stages, m
 microbatches; rank r holds the stages with ``rank_of_stage(s) == r`` (default ``s % p``); an
 action ``sKi`` is kind K (F, B, I, W) of microbatch i on stage s.
 
@@ -58,7 +58,7 @@ from fxsplit.runtime.microbatch import (
 from fxsplit.runtime.p2p import Message, P2PChannel, PipelineError, plan_communication
 from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.schedule.ir import Action, ActionKind
-from fxsplit.stage import StageGraphs, StageIO, ValueMeta
+from fxsplit.pipeline.stage import StageGraphs, StageIO, ValueMeta
 
 __all__ = ["PipelineRuntime"]
 

@@ -35,7 +35,7 @@ import sympy
 import torch
 from torch.utils import _pytree as pytree
 
-from fxsplit.stage import ValueMeta
+from fxsplit.pipeline.stage import ValueMeta
 
 __all__ = [
     "MicrobatchSplit",

@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from fxsplit.schedule.ir import Action, ActionKind
-from fxsplit.stage import StageIO
+from fxsplit.pipeline.stage import StageIO
+from fxsplit.errors import PipelineError
 
 __all__ = [
     "ActionComm",
@@ -67,22 +68,6 @@ ACT = "activation"
 GRAD = "gradient"
 # Largest tag the C++ API takes (int).
 _MAX_TAG = 2**31 - 1
-
-
-class PipelineError(RuntimeError):
-    """A pipeline step failed on this rank: a peer failed or never answered, or a stage raised.
-
-    Attributes name the place: ``rank`` (this pipeline rank), ``peer`` (the pipeline rank that was
-    awaited, or None), ``action`` (e.g. "2F3"), ``microbatch``.
-    """
-
-    def __init__(self, message: str, *, rank: int, peer: int | None, action: str | None,
-                 microbatch: int | None):
-        super().__init__(message)
-        self.rank = rank
-        self.peer = peer
-        self.action = action
-        self.microbatch = microbatch
 
 
 @dataclass(frozen=True, order=True)

@@ -180,3 +180,21 @@ def stage_to_rank(stage: int, num_ranks: int) -> int:
     if stage < 0:
         raise ValueError(f"stage must be >= 0, got {stage}")
     return stage % num_ranks
+
+
+def format_marked_grid(schedule, marks: Iterable[tuple[int, int]] = ()) -> str:
+    """Rank x step grid of ``schedule`` as given; cells at (rank, step) in ``marks`` show ``[2F0]``."""
+    rows = parse_schedule(schedule)
+    marked = set(marks)
+    width = max((len(str(a)) for row in rows for a in row if a is not None), default=3) + 2
+    steps = max((len(row) for row in rows), default=0)
+    label = max(len(f"rank {len(rows) - 1}"), 4)
+    header = "step".ljust(label) + " | " + " ".join(str(t).center(width) for t in range(steps))
+    lines = [header.rstrip(), "-" * len(header)]
+    for r, row in enumerate(rows):
+        cells = []
+        for t, a in enumerate(row):
+            text = "-" if a is None else str(a)
+            cells.append((f"[{text}]" if (r, t) in marked else text).center(width))
+        lines.append((f"rank {r}".ljust(label) + " | " + " ".join(cells)).rstrip())
+    return "\n".join(lines)

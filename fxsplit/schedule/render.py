@@ -12,29 +12,11 @@ Representative use::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
-from fxsplit.schedule.ir import parse_schedule
+from fxsplit.schedule.ir import format_marked_grid
+from fxsplit.schedule.simulate import align_steps
 
-__all__ = ["format_grid", "format_marked_grid", "timeline_png"]
-
-
-def format_marked_grid(schedule, marks: Iterable[tuple[int, int]] = ()) -> str:
-    """Rank x step grid of ``schedule`` as given; cells at (rank, step) in ``marks`` show ``[2F0]``."""
-    rows = parse_schedule(schedule)
-    marked = set(marks)
-    width = max((len(str(a)) for row in rows for a in row if a is not None), default=3) + 2
-    steps = max((len(row) for row in rows), default=0)
-    label = max(len(f"rank {len(rows) - 1}"), 4)
-    header = "step".ljust(label) + " | " + " ".join(str(t).center(width) for t in range(steps))
-    lines = [header.rstrip(), "-" * len(header)]
-    for r, row in enumerate(rows):
-        cells = []
-        for t, a in enumerate(row):
-            text = "-" if a is None else str(a)
-            cells.append((f"[{text}]" if (r, t) in marked else text).center(width))
-        lines.append((f"rank {r}".ljust(label) + " | " + " ".join(cells)).rstrip())
-    return "\n".join(lines)
+__all__ = ["format_grid", "timeline_png"]
 
 
 def format_grid(schedule, *, align: bool = True) -> str:
@@ -45,8 +27,6 @@ def format_grid(schedule, *, align: bool = True) -> str:
     lists are shown as given.
     """
     if align:
-        from fxsplit.schedule.simulate import align_steps
-
         schedule = align_steps(schedule)
     return format_marked_grid(schedule)
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxsplit.schedule.ir import Action, ActionKind, parse_schedule
-from fxsplit.schedule.render import format_marked_grid
+from fxsplit.schedule.ir import Action, ActionKind, format_marked_grid, parse_schedule
+
+from fxsplit.errors import ScheduleError
 
 __all__ = ["ScheduleError", "ScheduleInfo", "validate", "dependencies"]
 
@@ -32,10 +33,6 @@ F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
 BI = ActionKind.BACKWARD_INPUT
 BW = ActionKind.BACKWARD_WEIGHT
-
-
-class ScheduleError(ValueError):
-    """A schedule breaks a rule; the message names the rule and the action and shows the grid."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Sharded-dim propagation: which dim of each value carries a tensor-parallel shard.
 
-Terms (see ``fxsplit.tp_plan`` for t, column / row, region, blocks):
+Terms (see ``fxsplit.tp.plan`` for t, column / row, region, blocks):
 - **sharded dim**: the one dim of a value that holds 1/t of its global size on each rank
   (``State.dim``); a value with no entry in ``Propagation.state`` is replicated.
 - **seeds**: the column linears a region is tried from; their outputs are sharded on the last
@@ -24,7 +24,7 @@ whose input feature dim is the sharded one (a row linear). Anything else (a norm
 over the sharded dim, a residual add with a replicated tensor, a model output, reading the
 sharded size) raises :class:`RegionFailed` naming the node: the region stays replicated and the
 plan says why. A sharded size that t does not divide raises :class:`TPPlanError` (node, module,
-sizes, nearest valid t). ``fxsplit.tp_plan.find_tp_plan`` chooses the seeds and turns the
+sizes, nearest valid t). ``fxsplit.tp.plan.find_tp_plan`` chooses the seeds and turns the
 result into the plan; ``fxsplit.passes.tensor_parallel`` applies ``rewrites``.
 """
 
@@ -39,7 +39,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from .meta import to_expr
+from fxsplit.graph.meta import to_expr
+from fxsplit.errors import TPPlanError
 
 __all__ = [
     "TPPlanError",
@@ -51,14 +52,6 @@ __all__ = [
     "RegionFailed",
     "Propagation",
 ]
-
-
-class TPPlanError(ValueError):
-    """The graph or the user's plan cannot be tensor-parallel as asked; says what and the fix."""
-
-    # defined here, below the plan, because propagation raises it; its public home (the name
-    # printed in tracebacks and used by pickle) stays fxsplit.tp_plan, which re-exports it
-    __module__ = "fxsplit.tp_plan"
 
 
 # --------------------------------------------------------------------------------------------

@@ -537,7 +537,7 @@ def to_dot(
     if color_by == "stage" and stage_of is None:
         raise ValueError(
             "to_dot(color_by='stage') needs stage_of={node name: stage}, e.g. the assignment "
-            "passed to fxsplit.stage.build_stages"
+            "passed to fxsplit.pipeline.stage.build_stages"
         )
     if module_depth is not None and module_depth < 1:
         raise ValueError(f"to_dot(module_depth={module_depth}) must be >= 1 or None")

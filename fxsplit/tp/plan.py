@@ -20,13 +20,13 @@ Terms:
 
 Detection: every group of linears sharing an input is tried as the column linears of a
 region (then each alone); the "sharded dim" is pushed forward from them until every path ends
-in a row linear, as [Note: sharded-dim propagation] in ``fxsplit.tp_propagate`` describes
+in a row linear, as [Note: sharded-dim propagation] in ``fxsplit.tp.propagate`` describes
 (that module holds the propagation, the view-shape arithmetic and the op-name vocabulary
 :func:`op_name`). A region that fails stays replicated and the plan says why. Sizes that t
 does not divide raise :class:`TPPlanError` (module, numbers, nearest t).
 
 Vocabulary: an embedding whose indices are a model input is vocabulary-parallel (rows; padded
-to a multiple of t when V is not divisible, see ``fxsplit.sharding``); a linear tied to it, or
+to a multiple of t when V is not divisible, see ``fxsplit.tp.sharding``); a linear tied to it, or
 returning vocabulary-sized outputs to the model output, is the LM head. ``sequence_parallel``
 is recorded here and applied by the pass (it needs such a token embedding to start the
 sequence-sharded residual stream).
@@ -42,8 +42,8 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
-from .sharding import ShardSpec, padded_size
-from .tp_propagate import VIEWS, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape, op_name
+from fxsplit.tp.sharding import ShardSpec, padded_size
+from fxsplit.tp.propagate import VIEWS, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape, op_name
 
 __all__ = [
     "STYLES",
@@ -285,7 +285,7 @@ def find_tp_plan(
     overrides: fnmatch patterns over module paths -> "colwise" | "rowwise" | "vocab" |
     "replicate"; a pattern matching nothing, or a forced style the graph cannot honour, raises
     :class:`TPPlanError`. vocab_parallel_loss: the LM head's logits stay sharded (the loss must be
-    ``fxsplit.tp_ops.vocab_parallel_cross_entropy``); otherwise they are gathered.
+    ``fxsplit.tp.functional.vocab_parallel_cross_entropy``); otherwise they are gathered.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise TPPlanError(f"find_tp_plan: tp must be an int >= 1, got {tp!r}")

@@ -9,7 +9,7 @@ Terms:
 
 Representative use::
 
-    model, args, kwargs = fxsplit.hf_zoo.tiny_llama(num_hidden_layers=4)
+    model, args, kwargs = fxsplit.testing.hf_zoo.tiny_llama(num_hidden_layers=4)
     ep = torch.export.export(model, args, kwargs, strict=False)
 
 ``overrides`` are config fields (``hidden_size=128``) plus ``seed``, ``batch_size``, ``seq_len``

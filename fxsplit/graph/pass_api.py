@@ -42,6 +42,7 @@ from typing import Any, Union
 import torch.fx
 
 from fxsplit import config
+from fxsplit.errors import UnknownPassError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -180,13 +181,6 @@ def _check_order(names: Sequence[str], constraints: Sequence[Constraint]) -> Non
 _REGISTRY: dict[str, PassFn] = {}
 
 
-class UnknownPassError(KeyError):
-    """No pass is registered under the requested name (the message lists close names)."""
-
-    def __str__(self) -> str:  # KeyError would print the message in quotes
-        return str(self.args[0]) if self.args else ""
-
-
 def register_pass(name: str, *, replace: bool = False) -> Callable[[PassFn], PassFn]:
     """Decorator: make ``fn`` findable as ``get_pass(name)`` and usable by name in a PassManager.
 
@@ -292,11 +286,11 @@ class PassManager:
     (``this_before_that``) validated when the manager is built. ``disabled`` names passes to skip;
     a name that matches no pass is an error. ``checks`` are invariants ``check(gm)`` run on the
     input graph and after every pass, after ``gm.graph.lint()`` and ``gm.recompile()``.
-    ``debug``: a folder for per-pass dumps (see ``fxsplit.debug``), False for none, or None to
+    ``debug``: a folder for per-pass dumps (see ``fxsplit.graph.debug``), False for none, or None to
     use the ``FXSPLIT_DEBUG_DIR`` environment variable.
 
     Calling the manager returns ``PassResult(final_gm, modified_by_any_pass)``; failures follow
-    [Note: pass failures] in ``fxsplit.pass_api``.
+    [Note: pass failures] in ``fxsplit.graph.pass_api``.
     """
 
     def __init__(
@@ -384,7 +378,7 @@ class PassManager:
 
         recorder = None
         if self.debug_dir is not None:
-            from fxsplit.debug import PassDumper  # debug writing is optional; keep import local
+            from fxsplit.graph.debug import PassDumper  # debug writing is optional; keep import local
 
             recorder = PassDumper(self.debug_dir)
 

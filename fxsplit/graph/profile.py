@@ -6,7 +6,7 @@ Terms:
     attached     ``apply_profile(gm, times)`` stores a node's seconds in
                  ``node.meta["fxsplit_profile"]`` (a float).
     node time    ``node_time(node, flops_per_s=..., bytes_per_s=...)``: the measured seconds when
-                 attached, else the roofline estimate of ``fxsplit.cost.estimate_time``; with
+                 attached, else the roofline estimate of ``fxsplit.graph.cost.estimate_time``; with
                  ``backward=True`` a measured forward time is scaled by the cost model's
                  (forward + backward) / forward ratio, or by 3 where the model estimates 0.
 
@@ -26,7 +26,7 @@ import sympy
 import torch
 import torch.fx
 
-from fxsplit.cost import NodeCost, estimate_time, node_cost
+from fxsplit.graph.cost import NodeCost, estimate_time, node_cost
 
 __all__ = ["PROFILE_KEY", "profile_graph", "apply_profile", "node_time"]
 
@@ -143,7 +143,7 @@ def node_time(
 ) -> float:
     """Seconds for ``node``: the attached measurement if any, else the roofline estimate.
 
-    The cost is ``node.meta["fxsplit"].cost`` when present, else ``fxsplit.cost.node_cost(node)``;
+    The cost is ``node.meta["fxsplit"].cost`` when present, else ``fxsplit.graph.cost.node_cost(node)``;
     a symbolic cost needs ``bindings`` (see ``NodeCost.evaluate``).
     """
     cost = _cost_of(node)

@@ -47,7 +47,8 @@ import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
 
-from fxsplit.meta import to_expr
+from fxsplit.graph.meta import to_expr
+from fxsplit.errors import StageBuildError
 
 __all__ = [
     "StageBuildError",
@@ -57,10 +58,6 @@ __all__ = [
     "ValueSource",
     "build_stages",
 ]
-
-
-class StageBuildError(ValueError):
-    """A graph or an assignment that cannot be cut into stages; the message names the node."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,17 +1,17 @@
 """The memory-coupled partition search (``memory_limit`` with ``v > 1``) and the memory error.
 
-Internal to :mod:`fxsplit.partition` (not a public module): ``solve`` calls `solve_coupled` when
+Internal to :mod:`fxsplit.pipeline.partition` (not a public module; the chain model it searches is :mod:`fxsplit.pipeline.chain`): ``solve`` calls `solve_coupled` when
 a rank holds several stages and memory is capped, and ``solve``/``brute_force`` raise
 `memory_error` when no partition fits. The cost model is [Note: partition cost model] and the
 guarantees are "Guarantees of `solve`", both in ``fxsplit/partition.py``.
 
 Terms
 -----
-(unit, position, stage, rank, ``v`` and bottleneck as in ``fxsplit.partition``)
+(unit, position, stage, rank, ``v`` and bottleneck as in ``fxsplit.pipeline.partition``)
 
 rank memory  the sum of the memories of a rank's stages ``r, r + p, ...``; with ``v > 1`` it
              couples stages that are far apart in the chain, so the per-stage sweep of
-             ``partition._forward`` cannot enforce it alone.
+             ``partition.forward`` cannot enforce it alone.
 relaxation   the problem with each stage alone capped at ``memory_limit``: its optimum is a lower
              bound, and exact when its partition also fits every rank.
 exact search `_dfs_decide`, a depth-first search over cut tuples bounded by ``exact_budget`` steps.
@@ -26,20 +26,20 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .partition import (
-    _INF,
-    _NEG,
+from fxsplit.errors import PartitionError
+from fxsplit.pipeline.chain import (
+    INF,
+    NEG,
+    Chain,
     Partition,
-    PartitionError,
     PartitionProblem,
-    _all_cuts,
-    _Chain,
-    _check_counts,
-    _evaluate,
-    _forward,
-    _min_bottleneck,
-    _reconstruct,
-    _search,
+    all_cuts,
+    check_counts,
+    evaluate_cuts,
+    forward,
+    min_bottleneck,
+    reconstruct,
+    search,
 )
 
 __all__ = ["solve_coupled", "memory_error"]
@@ -55,12 +55,12 @@ class _Exhausted(Exception):
     pass
 
 
-def _dfs_decide(ch: _Chain, B: float, budget: list) -> tuple[int, ...] | None:
+def _dfs_decide(ch: Chain, B: float, budget: list) -> tuple[int, ...] | None:
     """Exact decision for v > 1 with a rank memory cap: cuts with bottleneck <= B and every rank
     within the limit, the smallest last cut first (the tie rule), or None. Raises _Exhausted."""
     L, S, p = ch.pb.memory_limit, ch.S, ch.p
     caps = (L,) * S
-    feasible, layers, _, _ = _forward(ch, B, caps)  # per-stage relaxation prunes the search
+    feasible, layers, _, _ = forward(ch, B, caps)  # per-stage relaxation prunes the search
     if not feasible:
         return None
     failed: set = set()
@@ -77,14 +77,14 @@ def _dfs_decide(ch: _Chain, B: float, budget: list) -> tuple[int, ...] | None:
         if budget[0] < 0:
             raise _Exhausted
         for a in range(a0, b):
-            if prev[a] == _NEG or ch.E[b] - ch.K[a] > B:
+            if prev[a] == NEG or ch.E[b] - ch.K[a] > B:
                 continue
             x = ch.mem(s, a, b)
             if mems[r] + x > L:
                 continue
             cuts[s] = a
             if s == 0:
-                if _evaluate(ch, cuts, "", True).fits_memory:
+                if evaluate_cuts(ch, cuts, "", True).fits_memory:
                     return True
                 continue
             if go(s - 1, a, mems[:r] + (mems[r] + x,) + mems[r + 1:]):
@@ -95,7 +95,7 @@ def _dfs_decide(ch: _Chain, B: float, budget: list) -> tuple[int, ...] | None:
     return tuple(cuts) if go(S - 1, ch.n, (0.0,) * p) else None
 
 
-def solve_coupled(ch: _Chain) -> tuple[tuple[int, ...] | None, bool]:
+def solve_coupled(ch: Chain) -> tuple[tuple[int, ...] | None, bool]:
     """v > 1 with a memory cap: (cuts or None, exact).
 
     1. Relaxation: each stage alone within the limit. Its optimum is a lower bound; when its
@@ -106,10 +106,10 @@ def solve_coupled(ch: _Chain) -> tuple[tuple[int, ...] | None, bool]:
        partition); the best partition that fits is returned, not proven optimal.
     """
     L, S = ch.pb.memory_limit, ch.S
-    relaxed = _min_bottleneck(ch, (L,) * S)
+    relaxed = min_bottleneck(ch, (L,) * S)
     if relaxed is None:  # one stage alone is over the limit: no partition fits
         return None, True
-    if _evaluate(ch, relaxed, "", True).fits_memory:
+    if evaluate_cuts(ch, relaxed, "", True).fits_memory:
         return relaxed, True
     pos = [k for k in range(ch.n + 1) if k == 0 or ch.ok[k]]
     if len(pos) <= 400:
@@ -135,7 +135,7 @@ def solve_coupled(ch: _Chain) -> tuple[tuple[int, ...] | None, bool]:
     return _fallback(ch, relaxed), False
 
 
-def _fallback(ch: _Chain, relaxed: tuple[int, ...]) -> tuple[int, ...] | None:
+def _fallback(ch: Chain, relaxed: tuple[int, ...]) -> tuple[int, ...] | None:
     """Sound heuristic for v > 1 with a memory cap (see `solve_coupled`)."""
     L, S, p = ch.pb.memory_limit, ch.S, ch.p
     best: Partition | None = None
@@ -143,10 +143,10 @@ def _fallback(ch: _Chain, relaxed: tuple[int, ...]) -> tuple[int, ...] | None:
     def attempt(caps: tuple[float, ...]) -> None:
         nonlocal best
         for _ in range(4):  # within L up to the rounding of the per-rank sums: shrink and retry
-            cuts = _min_bottleneck(ch, caps)
+            cuts = min_bottleneck(ch, caps)
             if cuts is None:
                 return
-            part = _evaluate(ch, cuts, "", False)
+            part = evaluate_cuts(ch, cuts, "", False)
             if part.fits_memory:
                 if best is None or (part.bottleneck, cuts[::-1]) < (best.bottleneck, best.cuts[::-1]):
                     best = part
@@ -170,24 +170,24 @@ def _fallback(ch: _Chain, relaxed: tuple[int, ...]) -> tuple[int, ...] | None:
 # ----------------------------------------------------------------------------- the memory error
 
 
-def _min_cap(ch: _Chain) -> float:
+def _min_cap(ch: Chain) -> float:
     """The smallest single per-stage memory cap any partition meets (time ignored)."""
 
     def check(L: float):
         caps = (L,) * ch.S
-        feasible, layers, _, next_l = _forward(ch, _INF, caps)
+        feasible, layers, _, next_l = forward(ch, INF, caps)
         if not feasible:
             return False, None, None, next_l
-        cuts = _reconstruct(ch, layers, _INF, caps)
+        cuts = reconstruct(ch, layers, INF, caps)
         return True, cuts, max(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))), None
 
     top = (ch.state * ch.Q[-1] + max(ch.factor) * ch.A[-1]) * (1 + 1e-6) + 1e-300
-    found = _search(check, 0.0, top)
+    found = search(check, 0.0, top)
     assert found is not None
     return found[1]
 
 
-def _needed_memory(ch: _Chain) -> tuple[float, bool]:
+def _needed_memory(ch: Chain) -> tuple[float, bool]:
     """(smallest achievable max rank memory, exact) for the error message. For v > 1 with too
     many cut tuples to enumerate it is a lower bound instead: the rank average of the least
     total memory, or the heaviest single unit, whichever is larger."""
@@ -195,7 +195,7 @@ def _needed_memory(ch: _Chain) -> tuple[float, bool]:
         return _min_cap(ch), True
     combos = math.comb(ch.num_cut_points - len(ch.pb.forced), ch.S - 1 - len(ch.pb.forced))
     if combos <= 20_000:
-        return min(max(_evaluate(ch, c, "", True).rank_memory) for c in _all_cuts(ch)), True
+        return min(max(evaluate_cuts(ch, c, "", True).rank_memory) for c in all_cuts(ch)), True
     pb, f = ch.pb, min(ch.inflight)
     unit = max(ch.state * q + f * a for q, a in zip(pb.param_bytes, pb.activation_bytes))
     return max(unit, (ch.state * ch.Q[-1] + f * ch.A[-1]) / ch.p), False
@@ -205,16 +205,16 @@ def _fits_with_ranks(pb: PartitionProblem, p: int) -> bool:
     """Whether p ranks (same v, default in-flight model) fit pb.memory_limit (sound)."""
     try:
         q = replace(pb, num_ranks=p, num_stages=p * pb.stages_per_rank, inflight=None)
-        ch = _Chain(q)
-        _check_counts(ch)
+        ch = Chain(q)
+        check_counts(ch)
     except PartitionError:
         return False
     caps = (pb.memory_limit / ch.v,) * ch.S
-    feasible, layers, _, _ = _forward(ch, _INF, caps)
-    return feasible and _evaluate(ch, _reconstruct(ch, layers, _INF, caps), "", False).fits_memory
+    feasible, layers, _, _ = forward(ch, INF, caps)
+    return feasible and evaluate_cuts(ch, reconstruct(ch, layers, INF, caps), "", False).fits_memory
 
 
-def memory_error(ch: _Chain, sound_only: bool) -> PartitionError:
+def memory_error(ch: Chain, sound_only: bool) -> PartitionError:
     """The `PartitionError` when no partition meets ``memory_limit``: the memory needed and a fix
     (a rank count that fits, for the default in-flight model). ``sound_only``: the search that
     found none was the fallback, so a fitting partition may still exist."""

@@ -6,8 +6,8 @@ Terms:
         ran (00, 01, ...), holding
             before.py       graph code before the pass (``gm.graph.python_code``)
             after.py        graph code after the pass (absent when the pass failed)
-            op_counts.txt   op-count changes (``fxsplit.inspection.format_op_count_diff``)
-            diff.txt        node diff (``fxsplit.inspection.graph_diff``)
+            op_counts.txt   op-count changes (``fxsplit.graph.inspection.format_op_count_diff``)
+            diff.txt        node diff (``fxsplit.graph.inspection.graph_diff``)
             time.txt        seconds the pass took, node counts, the modified flag
             error.txt       the traceback, with fxsplit's notes, when the pass or a check failed
     summary.txt: one line per pass (folder, modified, seconds, nodes before -> after, status),
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.fx
 
-from fxsplit.inspection import format_op_count_diff, graph_diff, op_counts
+from fxsplit.graph.inspection import format_op_count_diff, graph_diff, op_counts
 
 __all__ = ["PassDump", "PassDumper"]
 

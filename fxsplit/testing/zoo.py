@@ -8,7 +8,7 @@ Terms:
 
 Representative use::
 
-    model, args, kwargs = fxsplit.zoo.make("gpt", n_layer=2, fused_qkv=True, seed=0)
+    model, args, kwargs = fxsplit.testing.zoo.make("gpt", n_layer=2, fused_qkv=True, seed=0)
     logits = model(*args, **kwargs)                      # (B, T, V)
     loss = cross_entropy_loss(logits, make_target("gpt", logits))
 

@@ -1,77 +1,13 @@
-"""Exact balanced partition of a chain of units into pipeline stages (pure Python, no torch).
+"""The chain model of a partition problem and the exact bottleneck search, shared by
+:mod:`fxsplit.pipeline.partition` (``solve``, ``brute_force``, the baselines) and
+:mod:`fxsplit.pipeline.partition_memory` (the memory-coupled search).
 
-Terms
------
-unit        one element of the chain the pipeline split pass builds (a node, or the nodes of a
-            module), in topological order; ``n`` units numbered ``0 .. n-1``.
-position k  a cut placed before unit ``k``, ``0 <= k <= n``; positions 0 and n are the chain's
-            ends and always cuts.
-stage s     units ``[cuts[s], cuts[s+1])``; ``S = num_stages`` stages, each non-empty.
-rank r      a pipeline rank; stage ``s`` lives on rank ``s % p`` (``p = num_ranks``), so a rank
-            holds ``v = S // p`` stages (Megatron's interleaving when ``v > 1``).
-bottleneck  the largest stage time, ``B``.
+Terms and the cost model: [Note: partition cost model] in :mod:`fxsplit.pipeline.partition`.
 
-Representative call::
-
-    part = solve(PartitionProblem(compute=..., param_bytes=..., activation_bytes=...,
-                                  cut_bytes=..., num_stages=8, num_ranks=4))
-    part.cuts         # (0, k1, ..., n)
-    print(part)       # one line per stage: units, time, memory
-
-[Note: partition cost model]  The single definition used by `solve`, `brute_force`, `evaluate`
-and the baselines.
-
-- Communication seconds of position k: ``c[k] = cut_bytes[k] * cut_penalty[k] / bandwidth``
-  (0 when ``bandwidth`` is inf). A stage ``[a, b)`` receives position a and sends position b;
-  the chain ends count as given (``cut_bytes[0]`` model-input bytes, ``cut_bytes[n]`` output
-  bytes: pass 0 to leave them out). ``cut_penalty`` (default 1) scales a cut's communication, so a
-  caller can make cuts inside a module dearer than cuts at module boundaries; ``allowed`` forbids
-  cuts outright; ``forced`` cuts (user split points) are always present and always allowed.
-- Stage time ``t(a, b) = sum(compute[a:b]) + c[a] + c[b]``, evaluated as ``E[b] - K[a]`` with
-  ``P`` the prefix sums of ``compute``, ``E[k] = P[k] + c[k]`` and ``K[k] = P[k] - c[k]``. Every
-  routine here computes it with that one expression, so the bottleneck `solve` reports is
-  bit-identical to the one `brute_force` finds for the same cuts.
-- Stage memory of stage s on rank r = s % p:
-  ``state_bytes_per_param_byte * sum(param_bytes[a:b]) + inflight[r] * sum(activation_bytes[a:b])``.
-  ``state_bytes_per_param_byte`` (default 4: fp32 parameter, gradient, Adam m and v) is the
-  training state per parameter byte; bf16 parameters and gradients with an fp32 master copy and
-  fp32 Adam state make (2 + 2 + 4 + 4 + 4) / 2 = 8. ``activation_bytes`` are the bytes a unit
-  saves for backward per microbatch.
-- Rank memory: the sum of its stages' memories, in stage order. ``memory_limit`` caps it.
-- ``inflight[r]``: how many microbatches' activations rank r holds at its peak, counted in
-  microbatches of the rank's whole share (all of its stages): GPipe ``m``
-  (`inflight_gpipe`); 1F1B ``p - r``; interleaved 1F1B (Megatron) ``((p-r-1)*2 + (v-1)*p + 1) / v``,
-  which is ``p + (p-1)/v`` on rank 0 (`inflight_1f1b`, the default). In an interleaved schedule
-  a rank's stages hold different numbers of microbatches; this model charges each the rank's
-  average, an approximation.
-- Objective: minimize the bottleneck over all partitions whose cuts are allowed, that contain
-  every forced cut and whose rank memories are within ``memory_limit``. Ties: among optimal
-  partitions, the one whose LAST cut is smallest, then the cut before it, and so on (the cut
-  tuple compared from the end). This fills stages from the last one backwards and leaves the
-  earliest stages lightest, which is where 1F1B keeps the most microbatches in flight.
-
-Guarantees of `solve`:
-
-- No ``memory_limit``, or ``v == 1``: exact (optimal bottleneck and the tie rule above). Method:
-  a search over the finite set of stage-time values (galloping, then bisection; an infeasible
-  probe jumps straight to the next value at which anything could change), each probe an
-  O(S * band) reachability sweep over positions with prefix sums, where the band holds the
-  positions a stage can end at given the compute (and memory) bounds. n = 5000, S = 64: ~0.2 s.
-- ``memory_limit`` and ``v > 1`` (a rank sums memory over stages r, r+p, ...):
-  exact (``Partition.exact`` True) when the optimum of the relaxation "each stage alone within
-  the limit" also fits every rank, or when a depth-first search over cut tuples (at most 400
-  allowed positions) finishes within ``exact_budget`` steps. Otherwise sound, not exact:
-  per-stage caps that sum to the limit on every rank (uniform ``memory_limit / v``, or in
-  proportion to the stage memories of near-optimal partitions); the best partition found is
-  returned with ``exact=False``: it fits the limit, its bottleneck may exceed the optimum, and a
-  `PartitionError` may be raised although a fitting partition exists (the message says so).
-- A `PartitionError` for memory names the smallest per-rank memory any partition needs (exact
-  for v == 1 and for enumerable v > 1 problems, else a lower bound) and, for the default
-  in-flight model, the smallest ``num_ranks`` (same v) found to fit.
-
-The memory-coupled search (``memory_limit`` and ``v > 1``) and the memory error are in the
-internal module ``fxsplit.partition_memory``, which builds on the sweeps here (`_forward`,
-`_min_bottleneck`); it is imported where it is used, as it imports this module.
+    ch = Chain(problem)                # prefix sums, allowed cuts, memory per stage
+    check_counts(ch)                   # PartitionError when S exceeds the possible cuts
+    cuts = min_bottleneck(ch, caps)    # the optimal cut tuple, or None when no cut tuple fits caps
+    part = evaluate_cuts(ch, cuts, "solve", exact=True)
 """
 
 from __future__ import annotations
@@ -79,31 +15,20 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate, combinations
 from operator import sub
 from typing import Callable, Sequence
+from fxsplit.errors import PartitionError
 
 __all__ = [
-    "PartitionError",
-    "PartitionProblem",
-    "Partition",
-    "solve",
-    "brute_force",
-    "evaluate",
-    "equal_layer_cuts",
-    "parameter_count_cuts",
-    "inflight_1f1b",
-    "inflight_gpipe",
+    "PartitionProblem", "Partition", "inflight_1f1b", "inflight_gpipe", "Chain", "check_counts", "forward",
+    "reconstruct", "evaluate_cuts", "search", "min_bottleneck", "all_cuts", "INF", "NEG",
 ]
 
-_INF = math.inf
-_NEG = -math.inf
+INF = math.inf
+NEG = -math.inf
 _MAXF = 1.7976931348623157e308  # a finite stand-in for an infinite bottleneck
-
-
-class PartitionError(ValueError):
-    """A partition request that cannot be met; the message names the numbers and the fix."""
 
 
 def inflight_1f1b(num_ranks: int, stages_per_rank: int = 1) -> tuple[float, ...]:
@@ -149,7 +74,7 @@ class PartitionProblem:
     allowed: tuple[bool, ...] | None = None
     forced: tuple[int, ...] = ()
     cut_penalty: tuple[float, ...] | None = None
-    bandwidth: float = _INF
+    bandwidth: float = INF
     memory_limit: float | None = None
     state_bytes_per_param_byte: float = 4.0
     inflight: Callable[[int], float] | tuple[float, ...] | None = None
@@ -193,9 +118,9 @@ class PartitionProblem:
         put("forced", forced)
         if not (self.bandwidth > 0):
             raise PartitionError(f"bandwidth = {self.bandwidth!r}; it must be > 0 bytes/s (inf: free)")
-        if self.memory_limit is not None and not (0 < self.memory_limit < _INF):
+        if self.memory_limit is not None and not (0 < self.memory_limit < INF):
             raise PartitionError(f"memory_limit = {self.memory_limit!r}; it must be finite and > 0 (or None)")
-        if not (0 <= self.state_bytes_per_param_byte < _INF):
+        if not (0 <= self.state_bytes_per_param_byte < INF):
             raise PartitionError(
                 f"state_bytes_per_param_byte = {self.state_bytes_per_param_byte!r}; "
                 f"it must be finite and >= 0")
@@ -265,7 +190,7 @@ class Partition:
 # ----------------------------------------------------------------------------- internals
 
 
-class _Chain:
+class Chain:
     """Prefix sums and position tables of one problem (read-only after construction)."""
 
     def __init__(self, pb: PartitionProblem) -> None:
@@ -286,7 +211,7 @@ class _Chain:
         self.inflight = pb.inflight_per_rank()
         self.factor = [self.inflight[s % p] for s in range(S)]
         self.ok = pb.cut_ok()
-        self.Eok = [e if ok else _INF for e, ok in zip(self.E, self.ok)]
+        self.Eok = [e if ok else INF for e, ok in zip(self.E, self.ok)]
         bounds = [0, *pb.forced, n]
         self.segs = list(zip(bounds, bounds[1:]))
         self.bounds = bounds
@@ -303,7 +228,7 @@ class _Chain:
         return self.state * (self.Q[b] - self.Q[a]) + self.factor[s] * (self.A[b] - self.A[a])
 
 
-def _check_counts(ch: _Chain) -> None:
+def check_counts(ch: Chain) -> None:
     pb, S, m = ch.pb, ch.S, ch.num_cut_points
     if S - 1 > m:
         raise PartitionError(
@@ -318,7 +243,7 @@ def _check_counts(ch: _Chain) -> None:
 _SLACK = 1e-9  # relative slack of the compute-only pruning bounds (they must never cut a real path)
 
 
-def _forward(ch: _Chain, B: float, caps: Sequence[float] | None):
+def forward(ch: Chain, B: float, caps: Sequence[float] | None):
     """Reachability layers for bottleneck B (and per-stage memory caps).
 
     ``layers[s][b]`` is ``K[b]`` when position b can end stage s-1 (s stages covering units
@@ -335,10 +260,10 @@ def _forward(ch: _Chain, B: float, caps: Sequence[float] | None):
     n, S, E, K, P = ch.n, ch.S, ch.E, ch.K, ch.P
     Bc = min(B, _MAXF)
     grow = Bc * (1 + _SLACK)
-    first = [_NEG] * (n + 1)
+    first = [NEG] * (n + 1)
     first[0] = K[0]
     layers = [first]
-    next_b = next_l = _INF
+    next_b = next_l = INF
     pf = pl = 0  # first and last reachable position of the previous layer
     for s in range(1, S + 1):
         prev = layers[-1]
@@ -359,18 +284,18 @@ def _forward(ch: _Chain, B: float, caps: Sequence[float] | None):
                 next_b = min(next_b, (P[n] - P[lo - 1]) / rest * (1 - _SLACK))
         if caps is not None:
             hi, lo, next_l = _memory_band(ch, s, caps, pf, pl, hi, lo, next_l)
-        cur = [_NEG] * (n + 1)
+        cur = [NEG] * (n + 1)
         if lo > hi:
             reach = []
         elif caps is None:
-            mk = [_NEG] * (n + 1)
+            mk = [NEG] * (n + 1)
             for f, g in ch.segs:
                 a0, a1 = max(f, pf), min(g, hi)
                 if a0 < a1:
                     mk[a0 + 1:a1 + 1] = accumulate(prev[a0:a1], max)
             d = list(map(sub, ch.Eok[lo:hi + 1], mk[lo:hi + 1]))
             reach = [b for b, x in zip(range(lo, hi + 1), d) if x <= Bc]
-            next_b = min(next_b, min(filter(Bc.__lt__, d), default=_INF))
+            next_b = min(next_b, min(filter(Bc.__lt__, d), default=INF))
         else:
             reach, nb, nl = _layer_capped(ch, prev, s - 1, Bc, caps[s - 1], pf, lo, hi)
             next_b, next_l = min(next_b, nb), min(next_l, nl)
@@ -380,11 +305,11 @@ def _forward(ch: _Chain, B: float, caps: Sequence[float] | None):
         if not reach:
             break
         pf, pl = reach[0], reach[-1]
-    feasible = len(layers) == S + 1 and layers[S][n] != _NEG
+    feasible = len(layers) == S + 1 and layers[S][n] != NEG
     return feasible, layers, next_b, next_l
 
 
-def _memory_band(ch: _Chain, s: int, caps: Sequence[float], pf: int, pl: int, hi: int, lo: int,
+def _memory_band(ch: Chain, s: int, caps: Sequence[float], pf: int, pl: int, hi: int, lo: int,
                  next_l: float) -> tuple[int, int, float]:
     """Narrow layer s's band [lo, hi] by memory: stage s-1 starting at pl or later must fit its
     cap, and the remaining stages' caps must hold the memory after b (counted at the smallest
@@ -410,20 +335,20 @@ def _memory_band(ch: _Chain, s: int, caps: Sequence[float], pf: int, pl: int, hi
     return hi, lo, next_l
 
 
-def _layer_capped(ch: _Chain, prev: list, s: int, Bc: float, cap: float, pf: int, lo_b: int, hi_b: int):
-    """One layer of `_forward` with a memory cap on stage s, for ends b in [lo_b, hi_b]: a
+def _layer_capped(ch: Chain, prev: list, s: int, Bc: float, cap: float, pf: int, lo_b: int, hi_b: int):
+    """One layer of `forward` with a memory cap on stage s, for ends b in [lo_b, hi_b]: a
     sliding-window maximum of K over the reachable starts whose stage memory fits (the window
     start only moves right). Returns (reachable ends, next_B, next_L)."""
     E, Q, A, ok = ch.E, ch.Q, ch.A, ch.ok
     st, fa = ch.state, ch.factor[s]
     reach = []
-    nb = nl = _INF
+    nb = nl = INF
     for f, g in ch.segs:
         dq: deque[int] = deque()
         lo, last = max(f, pf), -1
         for b in range(lo + 1, min(g, hi_b) + 1):
             ka = prev[b - 1]
-            if ka != _NEG:
+            if ka != NEG:
                 while dq and prev[dq[-1]] <= ka:
                     dq.pop()
                 dq.append(b - 1)
@@ -448,14 +373,14 @@ def _layer_capped(ch: _Chain, prev: list, s: int, Bc: float, cap: float, pf: int
     return reach, nb, nl
 
 
-def _reconstruct(ch: _Chain, layers: list, B: float, caps: Sequence[float] | None) -> tuple[int, ...]:
+def reconstruct(ch: Chain, layers: list, B: float, caps: Sequence[float] | None) -> tuple[int, ...]:
     """Cuts of a feasible layer table: the smallest last cut, then the smallest one before it..."""
     Bc = min(B, _MAXF)
     b, cuts = ch.n, [ch.n]
     for s in range(ch.S, 0, -1):
         prev = layers[s - 1]
         for a in range(ch.seg_start(b), b):
-            if prev[a] != _NEG and ch.E[b] - ch.K[a] <= Bc and (
+            if prev[a] != NEG and ch.E[b] - ch.K[a] <= Bc and (
                     caps is None or ch.mem(s - 1, a, b) <= caps[s - 1]):
                 break
         else:  # pragma: no cover - a feasible table always has a start
@@ -466,7 +391,7 @@ def _reconstruct(ch: _Chain, layers: list, B: float, caps: Sequence[float] | Non
     return tuple(reversed(cuts))
 
 
-def _evaluate(ch: _Chain, cuts: Sequence[int], method: str, exact: bool) -> Partition:
+def evaluate_cuts(ch: Chain, cuts: Sequence[int], method: str, exact: bool) -> Partition:
     pb = ch.pb
     times = tuple(ch.time(a, b) for a, b in zip(cuts, cuts[1:]))
     mems = tuple(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:])))
@@ -480,18 +405,7 @@ def _evaluate(ch: _Chain, cuts: Sequence[int], method: str, exact: bool) -> Part
                      bott / mean if mean > 0 else 1.0, fits, exact, method)
 
 
-def evaluate(problem: PartitionProblem, cuts: Sequence[int], *, method: str = "given") -> Partition:
-    """Cost of given cuts under [Note: partition cost model] (memory cap reported, not enforced)."""
-    ch = _Chain(problem)
-    cuts = tuple(int(x) for x in cuts)
-    if len(cuts) != ch.S + 1 or cuts[0] != 0 or cuts[-1] != ch.n or any(
-            y <= x for x, y in zip(cuts, cuts[1:])):
-        raise PartitionError(
-            f"cuts {cuts} are not {ch.S + 1} strictly increasing positions from 0 to {ch.n}")
-    return _evaluate(ch, cuts, method, exact=False)
-
-
-def _search(check, first: float, top: float):
+def search(check, first: float, top: float):
     """The smallest feasible value of a monotone check over a finite set of event values.
 
     ``check(x)`` returns ``(feasible, result, achieved, next_event)``: a feasible result has
@@ -502,19 +416,19 @@ def _search(check, first: float, top: float):
     or above ``top`` are all equivalent to inf. Returns ``(result, optimum, probe it was found
     at)`` or None when even inf is infeasible.
     """
-    lo, hi, best, best_at = 0.0, _INF, None, _INF
+    lo, hi, best, best_at = 0.0, INF, None, INF
     probe, step = first, 0.0
     while lo < hi:
         feasible, res, val, nxt = check(probe)
         if feasible:
             best, best_at, hi = res, probe, val
-        elif probe == _INF:
+        elif probe == INF:
             return None
         else:
             lo = nxt
-        if hi == _INF:
+        if hi == INF:
             step = step * 4 if step else max(lo, top * 1e-9) / 128
-            probe = lo + step if lo + step < top else _INF
+            probe = lo + step if lo + step < top else INF
         else:
             probe = lo + (hi - lo) / 2
             if not lo < probe < hi:
@@ -522,20 +436,20 @@ def _search(check, first: float, top: float):
     return (best, hi, best_at) if best is not None else None
 
 
-def _min_bottleneck(ch: _Chain, caps: Sequence[float] | None) -> tuple[int, ...] | None:
+def min_bottleneck(ch: Chain, caps: Sequence[float] | None) -> tuple[int, ...] | None:
     """Exact minimum-bottleneck cuts under per-stage caps (tie rule of the module docstring),
-    or None when the caps allow no partition. A `_search` over stage-time values."""
+    or None when the caps allow no partition. A `search` over stage-time values."""
 
     def check(B: float):
-        feasible, layers, next_b, _ = _forward(ch, B, caps)
+        feasible, layers, next_b, _ = forward(ch, B, caps)
         if not feasible:
             return False, None, None, next_b
-        cuts = _reconstruct(ch, layers, B, caps)
+        cuts = reconstruct(ch, layers, B, caps)
         return True, cuts, max(ch.time(a, b) for a, b in zip(cuts, cuts[1:])), None
 
     pb = ch.pb
     lower = max(max(pb.compute), ch.P[-1] / ch.S) * (1 - 1e-9)
-    found = _search(check, lower, (ch.P[-1] + 2 * max(ch.c)) * (1 + 1e-6) + 1e-300)
+    found = search(check, lower, (ch.P[-1] + 2 * max(ch.c)) * (1 + 1e-6) + 1e-300)
     if found is None:
         return None
     # best was reconstructed under some probe B >= the optimum; it is the smallest (from the end)
@@ -546,85 +460,8 @@ def _min_bottleneck(ch: _Chain, caps: Sequence[float] | None) -> tuple[int, ...]
 # ----------------------------------------------------------------------------- public solvers
 
 
-def solve(problem: PartitionProblem) -> Partition:
-    """The minimum-bottleneck partition; see the module docstring for what is guaranteed.
-
-    Raises `PartitionError` when the stage count exceeds the possible cuts, or when no partition
-    meets ``memory_limit`` (naming the memory needed and a rank count that would fit).
-    """
-    ch = _Chain(problem)
-    _check_counts(ch)
-    L = problem.memory_limit
-    if L is None or ch.v == 1:
-        cuts = _min_bottleneck(ch, None if L is None else (L,) * ch.S)
-        exact = True
-    else:
-        from .partition_memory import solve_coupled  # it imports this module's internals
-
-        cuts, exact = solve_coupled(ch)
-    if cuts is None:
-        from .partition_memory import memory_error
-
-        raise memory_error(ch, sound_only=not exact)
-    part = _evaluate(ch, cuts, "solve", exact)
-    assert part.fits_memory, part
-    return part
-
-
-def _all_cuts(ch: _Chain):
+def all_cuts(ch: Chain):
     forced = set(ch.pb.forced)
     free = [k for k in range(1, ch.n) if ch.ok[k] and k not in forced]
     for pick in combinations(free, ch.S - 1 - len(forced)):
         yield (0, *sorted((*pick, *forced)), ch.n)
-
-
-def brute_force(problem: PartitionProblem, *, max_candidates: int = 2_000_000) -> Partition:
-    """Reference: evaluate every allowed cut tuple; same objective and tie rule as `solve`."""
-    ch = _Chain(problem)
-    _check_counts(ch)
-    count = math.comb(ch.num_cut_points - len(problem.forced), ch.S - 1 - len(problem.forced))
-    if count > max_candidates:
-        raise PartitionError(f"brute_force would evaluate {count} cut tuples (> {max_candidates}); use solve")
-    best, best_key = None, None
-    for cuts in _all_cuts(ch):
-        part = _evaluate(ch, cuts, "brute_force", True)
-        if not part.fits_memory:
-            continue
-        key = (part.bottleneck, cuts[::-1])
-        if best_key is None or key < best_key:
-            best, best_key = part, key
-    if best is None:
-        from .partition_memory import memory_error  # it imports this module's internals
-
-        raise memory_error(ch, sound_only=False)
-    return best
-
-
-def equal_layer_cuts(problem: PartitionProblem) -> Partition:
-    """Baseline: equal numbers of units per stage (Megatron/PTD split points).
-
-    With every position allowed and no forced cuts, stage s starts at ``s * n // S`` (PTD's
-    ``n / S`` units per stage when S divides n). Otherwise the cuts minimize the largest unit
-    count per stage within ``allowed``/``forced``. Memory is reported, not enforced.
-    """
-    ch = _Chain(problem)
-    _check_counts(ch)
-    n, S = ch.n, ch.S
-    if not problem.forced and all(ch.ok[1:]):
-        cuts = tuple(s * n // S for s in range(S + 1))
-    else:
-        units = replace(problem, compute=(1.0,) * n, cut_bytes=(0.0,) * (n + 1), memory_limit=None,
-                        bandwidth=_INF, cut_penalty=None)
-        cuts = solve(units).cuts
-    return _evaluate(ch, cuts, "equal_layers", exact=False)
-
-
-def parameter_count_cuts(problem: PartitionProblem) -> Partition:
-    """Baseline: DeepSpeed's ``partition_method="parameters"``, which balances parameter counts
-    (the minimum over allowed/forced cuts of the largest per-stage ``param_bytes``), evaluated
-    with the real cost model. Memory is reported, not enforced."""
-    ch = _Chain(problem)
-    _check_counts(ch)
-    params = replace(problem, compute=problem.param_bytes, cut_bytes=(0.0,) * (ch.n + 1),
-                     memory_limit=None, bandwidth=_INF, cut_penalty=None)
-    return _evaluate(ch, solve(params).cuts, "parameters", exact=False)

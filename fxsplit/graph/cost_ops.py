@@ -1,6 +1,6 @@
 """Per-op cost of the cost model: what one fx node's operator reads, writes, computes and saves.
 
-This is the internal half of :mod:`fxsplit.cost` (not a public module): ``fxsplit.cost`` owns
+This is the internal half of :mod:`fxsplit.graph.cost` (not a public module): ``fxsplit.graph.cost`` owns
 ``NodeCost``, parameter ownership and the graph sums, and imports what it needs from here; the
 public names defined here (``Number``, ``to_expr``, ``op_name``, ``value_bytes``) are re-exported
 there and should be imported from there.
@@ -555,7 +555,7 @@ def _node_outs(node) -> list[torch.Tensor]:
 
 def op_cost(node: torch.fx.Node, gm: nn.Module | None) -> dict[str, Number]:
     """The ``NodeCost`` fields of ``node``'s operator, all but ``param_bytes`` (parameter
-    ownership is ``fxsplit.cost``'s); ``{}`` for a node that costs nothing (placeholder, output,
+    ownership is ``fxsplit.graph.cost``'s); ``{}`` for a node that costs nothing (placeholder, output,
     get_attr, a non-tensor value, a view, a copy that returns its input). Never raises for an
     unknown op."""
     if node.op in ("placeholder", "output", "get_attr"):

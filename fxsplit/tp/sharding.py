@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch import nn
+from fxsplit.errors import ShardingError
 
 __all__ = [
     "ShardSpec",
@@ -41,10 +42,6 @@ __all__ = [
     "unshard_state_dict",
     "valid_degrees",
 ]
-
-
-class ShardingError(ValueError):
-    """A tensor cannot be split as asked (sizes, degree, or shapes that do not match)."""
 
 
 def valid_degrees(size: int, upto: int = 64) -> list[int]:

@@ -1,6 +1,5 @@
 """Errors agreed on by every rank: a failure on one rank of a ``step()``/``forward()`` reaches all
-of them, named ([Note: failures] in :meth:`fxsplit.parallel_model.ParallelModel._agree`), and input
-checks that run before any communication.
+of them, named ([Note: failures] in :meth:`fxsplit.api.model.ParallelModel._agree`).
 
 Terms as in :mod:`fxsplit.api`.
 """
@@ -8,36 +7,24 @@ Terms as in :mod:`fxsplit.api`.
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from .api import Plan
+from fxsplit.errors import PipelineError, RankFailedError
 
-__all__ = ["RankFailedError"]
-
-
-class RankFailedError(RuntimeError):
-    """Another rank failed a ``step()`` or ``forward()`` call; raised on every rank whose own code
-    did not fail ([Note: failures]). ``failed`` maps each failed global rank to its error text."""
-
-    def __init__(self, message: str, *, failed: Mapping[int, str]):
-        super().__init__(message)
-        self.failed = dict(failed)
+__all__ = ["RankFailedError", "exchange_errors"]
 
 
 # codes of a rank's outcome in the error exchange ([Note: failures]); higher wins
 _OK, _BAD_INPUT, _RAISED, _PEER_FAILED = 0, 1, 2, 3
 
 
-def _exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, timeout: float,
+def exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, timeout: float,
                      coords: Mapping[str, int], what: str) -> tuple[int, Exception] | None:
     """All-reduce this rank's outcome code over ``group``; None when every rank succeeded, else
     (the highest code, the exception this rank must raise). Waits at most ``timeout`` seconds."""
-    from .runtime import PipelineError
-
     if error is None:
         code = _OK
     elif isinstance(error, PipelineError):
@@ -86,33 +73,3 @@ def _exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, t
     if error is not None:
         exc.__cause__ = error
     return (worst, exc)
-
-
-def _check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:
-    """Raise ValueError naming the sizes, on the rank that was given them and before any
-    communication, when the inputs cannot be split into the plan's microbatches: a batch (dim 0
-    of the first tensor input that has one, as fxsplit.runtime.microbatch splits it) smaller than
-    m, or microbatch shapes the traced graph does not accept (a size fixed at trace time)."""
-    from .runtime.microbatch import bind_symbols, split_microbatches
-
-    config = plan_.config
-    m = config.microbatches
-    batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-    if batch is not None and batch < m:
-        fix = (f"parallelize(..., microbatches=k) with {config.pp} <= k <= {batch}" if batch >= config.pp
-               else f"fewer pipeline ranks (microbatches must be >= pp={config.pp})")
-        raise ValueError(
-            f"{what}(): batch size {batch} (dim 0 of the inputs) is smaller than microbatches={m}, so a "
-            f"microbatch would be empty; pass a batch of at least {m} samples, or use {fix}. (A batch "
-            f"size that {m} does not divide is fine: the microbatches then differ by one sample and their "
-            "losses are weighted by their sizes.)"
-        )
-    if len(flat) != len(plan_.stages.input_meta):
-        return  # the runtime names the inputs it expected
-    split = split_microbatches(flat, m)
-    try:  # microbatch sizes differ by at most one: the first and last cover every shape (~20 us)
-        for inputs in (split.inputs[0], split.inputs[-1]) if m > 1 else split.inputs:
-            bind_symbols(plan_.stages.input_meta, inputs)
-    except ValueError as exc:
-        raise ValueError(f"{what}(): a batch of {batch} in microbatches={m} gives microbatches of "
-                         f"{sorted(set(split.sizes))} samples, which the plan does not accept: {exc}") from None

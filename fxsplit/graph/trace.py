@@ -13,7 +13,7 @@ Terms:
 
     gm = fxsplit.trace(model, (idx,))                  # fx, or export when fx cannot trace it
     gm.meta["fxsplit"]                                 # TraceInfo(method=..., reason=..., symbols=...)
-    gm.graph.nodes[...].meta["fxsplit"]                # NodeInfo (see fxsplit.meta)
+    gm.graph.nodes[...].meta["fxsplit"]                # NodeInfo (see fxsplit.graph.meta)
 
 Works on models whose parameters live on the meta device: shapes come from fake tensors, nothing
 is computed.
@@ -30,7 +30,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from .meta import TraceInfo, annotate_graph, to_expr
+from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
+from fxsplit.errors import TraceError
 
 __all__ = ["trace", "TraceError", "flatten_inputs"]
 
@@ -46,10 +47,6 @@ _EXPORT_CHECK_OPS = (
     "aten.sym_constrain_range_for_size.default",
     "aten._assert_async.msg",
 )
-
-
-class TraceError(RuntimeError):
-    """The model could not be traced; the message names where and suggests the fix."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,8 +399,8 @@ def trace(
         leaf_modules: module paths or classes that fx keeps as single ``call_module`` nodes.
         dynamic: trace batch (dim 0) and sequence (dim 1 of integer inputs) as symbols.
 
-    Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.meta.TraceInfo` and whose
-    nodes have ``meta["fxsplit"]`` (:class:`fxsplit.meta.NodeInfo`) and ``meta["val"]``. Calling it
+    Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.graph.meta.TraceInfo` and whose
+    nodes have ``meta["fxsplit"]`` (:class:`fxsplit.graph.meta.NodeInfo`) and ``meta["val"]``. Calling it
     returns the model's output in the model's own structure (dicts, tuples, HF ``ModelOutput``).
     """
     if method not in METHODS:

@@ -13,9 +13,9 @@ Terms:
 
     plan = plan_split(gm, num_stages=8, num_ranks=4)      # pure: no weights, no process group
     print(plan)                                           # one row per stage, balance ratio
-    stages = plan.build(gm)                               # fxsplit.stage.StageGraphs
+    stages = plan.build(gm)                               # fxsplit.pipeline.stage.StageGraphs
 
-The partition is exact (see ``fxsplit.partition``): it minimizes the most loaded stage, counting
+The partition is exact (see ``fxsplit.pipeline.partition``): it minimizes the most loaded stage, counting
 compute from the cost model plus the time to send and receive the stage's boundary bytes.
 """
 
@@ -30,10 +30,10 @@ import sympy
 import torch
 import torch.fx
 
-from .profile import node_time
-from .marker import find_pipe_splits
-from .meta import node_info
-from .partition import (
+from fxsplit.graph.profile import node_time
+from fxsplit.graph.marker import find_pipe_splits
+from fxsplit.graph.meta import node_info
+from fxsplit.pipeline.partition import (
     Partition,
     PartitionError,
     PartitionProblem,
@@ -44,29 +44,13 @@ from .partition import (
     parameter_count_cuts,
     solve,
 )
-from .stage import StageGraphs, build_stages
+from fxsplit.pipeline.stage import StageGraphs, build_stages
+from fxsplit.errors import SplitError
+from fxsplit.graph.hardware import Hardware
 
 __all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "example_bindings", "layer_key"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
-
-
-class SplitError(ValueError):
-    """A split request that cannot be met (bad split point, too many stages, memory cap)."""
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the estimate of a stage's time assumes about one device and its links."""
-
-    flops_per_s: float = 100e12  # sustained matmul throughput
-    bytes_per_s: float = 1.5e12  # memory bandwidth
-    link_bytes_per_s: float = 25e9  # point-to-point bandwidth between pipeline ranks
-
-    @classmethod
-    def cpu(cls, cores: int = 1) -> "Hardware":
-        """A CPU rank (gloo): ~50 GFLOP/s and ~10 GB/s per core, ~5 GB/s between processes."""
-        return cls(flops_per_s=50e9 * cores, bytes_per_s=10e9 * cores, link_bytes_per_s=5e9)
 
 
 @dataclass(frozen=True)
@@ -165,7 +149,7 @@ class SplitPlan:
         return build_stages(gm, dict(self.stage_of), self.num_stages)
 
     def to_dot(self, gm: torch.fx.GraphModule, path: str | None = None) -> str:
-        from .inspection import to_dot
+        from fxsplit.graph.inspection import to_dot
 
         return to_dot(gm, path, color_by="stage", stage_of=dict(self.stage_of))
 
@@ -339,7 +323,7 @@ def plan_split(
     for i, u in enumerate(units):
         cost = node_info(u).cost
         c = cost.evaluate(binds) if cost.is_symbolic else cost
-        # a measured profile (fxsplit.profile.apply_profile) replaces the roofline estimate
+        # a measured profile (fxsplit.graph.profile.apply_profile) replaces the roofline estimate
         compute[i] = node_time(u, flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, bindings=binds)
         params[i] += float(c.param_bytes)
         acts[i] = float(c.saved_bytes)

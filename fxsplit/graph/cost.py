@@ -20,7 +20,7 @@ Terms:
     graph_cost(gm) -> NodeCost               # their sum
 
 The per-op half (number helpers, tensor metadata, op names, op tables, per-kind formulas, leaf
-modules) is the internal module ``fxsplit.cost_ops``; this module owns ``NodeCost``, parameter
+modules) is the internal module ``fxsplit.graph.cost_ops``; this module owns ``NodeCost``, parameter
 ownership and the graph sums, and re-exports ``Number``, ``to_expr``, ``op_name`` and
 ``value_bytes`` from there. Import them from here.
 
@@ -61,7 +61,7 @@ import torch.fx
 from torch import nn
 
 # cost_ops is this module's internal half: its underscore helpers are shared with this module only
-from .cost_ops import (
+from fxsplit.graph.cost_ops import (
     Number,
     _clean,
     _is_symbolic,
@@ -120,7 +120,7 @@ class NodeCost:
             if isinstance(value, bool) or not isinstance(value, (int, float, sympy.Expr)):
                 raise TypeError(
                     f"NodeCost.{name} must be an int, float or sympy expression, got {value!r} "
-                    f"(type {type(value).__name__}); convert SymInts with fxsplit.cost.to_expr"
+                    f"(type {type(value).__name__}); convert SymInts with fxsplit.graph.cost.to_expr"
                 )
             if not _is_symbolic(value) and value < 0:
                 raise ValueError(f"NodeCost.{name} must be >= 0, got {value}")

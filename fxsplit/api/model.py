@@ -3,7 +3,7 @@ gradient synchronization, full state dicts and sharded checkpoints).
 
 Terms as in :mod:`fxsplit.api` (d, t, p; stages; microbatches). Built by :func:`fxsplit.parallelize`;
 its parameters are this rank's local shards, so any torch optimizer works on ``pm.parameters()``.
-Failures are agreed on by every rank ([Note: failures] in :mod:`fxsplit.failures`).
+Failures are agreed on by every rank ([Note: failures] in :mod:`fxsplit.runtime.failures`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from .failures import RankFailedError, _check_batch, _exchange_errors
-from .trace import flatten_inputs
+from fxsplit.errors import RankFailedError
+from fxsplit.runtime.failures import exchange_errors
+from fxsplit.runtime.microbatch import bind_symbols, split_microbatches
+from fxsplit.graph.trace import flatten_inputs
 
 if TYPE_CHECKING:
-    from .api import Plan
+    from fxsplit.api import Plan
 
 __all__ = ["ParallelModel", "load_full_checkpoint"]
 
@@ -65,7 +67,7 @@ class ParallelModel(nn.Module):
 
     # -- running
     def _bound(self):
-        from .collectives import bind_groups
+        from fxsplit.tp.collectives import bind_groups
 
         return bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp")})
 
@@ -96,7 +98,7 @@ class ParallelModel(nn.Module):
         error, loss = None, None
         try:
             flat = self._flat(args, kwargs)
-            _check_batch(flat, self.plan, "step")
+            check_batch(flat, self.plan, "step")
             if target is None and self.plan.config.num_stages - 1 in self.local_stage_graphs():
                 raise ValueError(
                     "step(): this rank holds the last stage, which computes the loss, and needs the "
@@ -135,7 +137,7 @@ class ParallelModel(nn.Module):
         error, out = None, None
         try:
             flat = self._flat(args, kwargs)
-            _check_batch(flat, self.plan, "forward")
+            check_batch(flat, self.plan, "forward")
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
         self._agree(error, False, "forward")
@@ -172,7 +174,7 @@ class ParallelModel(nn.Module):
             if error is not None:
                 raise error
             return
-        failure = _exchange_errors(group, error, in_runtime, timeout=self._runtime.timeout,
+        failure = exchange_errors(group, error, in_runtime, timeout=self._runtime.timeout,
                                    coords=self.coords, what=what)
         if failure is None:
             return
@@ -243,7 +245,7 @@ class ParallelModel(nn.Module):
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The original model's state dict (original names and shapes, CPU tensors), gathered from
         every rank's shards; on every rank, or only on global rank 0 with ``rank0_only``."""
-        from .sharding import unshard_state_dict
+        from fxsplit.tp.sharding import unshard_state_dict
 
         specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
         local = {k: v.detach().cpu() for k, v in self._local_state().items()}
@@ -458,3 +460,31 @@ def _finish_all_reduce(pending: list, *, scale: float) -> None:
 
 def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float) -> None:
     _finish_all_reduce(_launch_all_reduce(grads, group, bucket_bytes), scale=scale)
+
+
+def check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:
+    """Raise ValueError naming the sizes, on the rank that was given them and before any
+    communication, when the inputs cannot be split into the plan's microbatches: a batch (dim 0
+    of the first tensor input that has one, as fxsplit.runtime.microbatch splits it) smaller than
+    m, or microbatch shapes the traced graph does not accept (a size fixed at trace time)."""
+    config = plan_.config
+    m = config.microbatches
+    batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    if batch is not None and batch < m:
+        fix = (f"parallelize(..., microbatches=k) with {config.pp} <= k <= {batch}" if batch >= config.pp
+               else f"fewer pipeline ranks (microbatches must be >= pp={config.pp})")
+        raise ValueError(
+            f"{what}(): batch size {batch} (dim 0 of the inputs) is smaller than microbatches={m}, so a "
+            f"microbatch would be empty; pass a batch of at least {m} samples, or use {fix}. (A batch "
+            f"size that {m} does not divide is fine: the microbatches then differ by one sample and their "
+            "losses are weighted by their sizes.)"
+        )
+    if len(flat) != len(plan_.stages.input_meta):
+        return  # the runtime names the inputs it expected
+    split = split_microbatches(flat, m)
+    try:  # microbatch sizes differ by at most one: the first and last cover every shape (~20 us)
+        for inputs in (split.inputs[0], split.inputs[-1]) if m > 1 else split.inputs:
+            bind_symbols(plan_.stages.input_meta, inputs)
+    except ValueError as exc:
+        raise ValueError(f"{what}(): a batch of {batch} in microbatches={m} gives microbatches of "
+                         f"{sorted(set(split.sizes))} samples, which the plan does not accept: {exc}") from None

@@ -99,7 +99,7 @@ class NodeInfo:
     ``module_path`` is the FQN of the innermost module the node came from ("" at top level);
     ``outputs`` the tensors it produces (flattened; empty for non-tensor values); ``params`` the
     parameter/buffer FQNs it reads directly (a get_attr's own target, a call_module's parameters,
-    or the get_attr nodes among its inputs); ``cost`` its :class:`fxsplit.cost.NodeCost` (None only
+    or the get_attr nodes among its inputs); ``cost`` its :class:`fxsplit.graph.cost.NodeCost` (None only
     while the cost model is not attached).
     """
 
@@ -138,7 +138,7 @@ def node_info(node: torch.fx.Node) -> NodeInfo:
     if info is None:
         raise KeyError(
             f"node {node.name!r} ({node.op} {node.target}) has no fxsplit metadata; trace the model "
-            f"with fxsplit.trace(...) or call fxsplit.meta.annotate_node(node, gm) after adding nodes"
+            f"with fxsplit.trace(...) or call fxsplit.graph.meta.annotate_node(node, gm) after adding nodes"
         )
     return info
 
@@ -215,7 +215,7 @@ def params_read(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[str, ...
 
 def annotate_node(node: torch.fx.Node, gm: torch.fx.GraphModule, *, module_path: str | None = None) -> NodeInfo:
     """(Re)compute ``node.meta["fxsplit"]`` from ``node.meta["val"]`` and the cost model."""
-    from .cost import node_cost  # the cost model is a pure function of this metadata
+    from fxsplit.graph.cost import node_cost  # the cost model is a pure function of this metadata
 
     path, cls = module_path_of(node)
     if module_path is not None:

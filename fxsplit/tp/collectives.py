@@ -85,7 +85,7 @@ _GROUPS: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
 def bind_groups(mapping: Mapping[str, Any]) -> Iterator[None]:
     """Bind axis names to ProcessGroups (or None to unbind) inside the `with` block.
 
-    See [Note: axis binding]. `mapping` is typically `fxsplit.mesh.mesh_groups(mesh)`.
+    See [Note: axis binding]. `mapping` is typically `fxsplit.runtime.mesh.mesh_groups(mesh)`.
     """
     if not isinstance(mapping, Mapping):
         raise TypeError(

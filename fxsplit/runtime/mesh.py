@@ -6,7 +6,7 @@ index along each mesh dimension.
 
     init_from_env()                       # under torchrun: nccl with CUDA, else gloo
     mesh = build_mesh(dp=2, pp=2, tp=2)   # 8 ranks
-    with bind_groups(mesh_groups(mesh)):  # fxsplit.collectives resolves "tp" etc. here
+    with bind_groups(mesh_groups(mesh)):  # fxsplit.tp.collectives resolves "tp" etc. here
         ...
 
 Layout: global rank = dp_i * (p * t) + pp_i * t + tp_i, so tp is innermost (a tensor-parallel
@@ -75,7 +75,7 @@ def build_mesh(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"build_mesh(dp={dp}, pp={pp}, tp={tp}): the default process group is not "
-            "initialized; call fxsplit.mesh.init_from_env() under torchrun, or "
+            "initialized; call fxsplit.runtime.mesh.init_from_env() under torchrun, or "
             "torch.distributed.init_process_group(...) first"
         )
     world = dist.get_world_size()
@@ -102,7 +102,7 @@ def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int) -> None:
         raise ValueError(
             f"check_mesh: the mesh has dims {names or 'without names'} with shape {shape}; "
             f"fxsplit needs dims {MESH_DIMS} with shape ({dp}, {pp}, {tp}) for dp={dp}, "
-            f"pp={pp}, tp={tp}. Build it with fxsplit.mesh.build_mesh(dp={dp}, pp={pp}, "
+            f"pp={pp}, tp={tp}. Build it with fxsplit.runtime.mesh.build_mesh(dp={dp}, pp={pp}, "
             f"tp={tp}), or init_device_mesh(device_type, ({dp}, {pp}, {tp}), "
             f"mesh_dim_names={MESH_DIMS})"
         )
@@ -117,7 +117,7 @@ def mesh_coords(mesh: DeviceMesh) -> dict[str, int]:
 
 
 def mesh_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
-    """Axis name -> this rank's ProcessGroup along it, for fxsplit.collectives.bind_groups."""
+    """Axis name -> this rank's ProcessGroup along it, for fxsplit.tp.collectives.bind_groups."""
     names = mesh.mesh_dim_names
     if not names:
         raise ValueError("mesh_groups: the mesh has no dim names; build it with build_mesh(...)")

@@ -3,8 +3,8 @@
 Terms: **V** -- the real vocabulary size (`vocab_size`); **t** -- the size of the group `axis`
 is bound to; **L** -- the local vocabulary rows/columns per rank (the shard's size), so rank r
 holds the padded vocabulary range [r * L, (r + 1) * L) and L * t >= V (see
-fxsplit.sharding's [Note: vocabulary padding]); **unbound** -- `axis` not bound, bound to None
-or to a group of size 1 (fxsplit.collectives' [Note: axis binding]): every op is then the
+fxsplit.tp.sharding's [Note: vocabulary padding]); **unbound** -- `axis` not bound, bound to None
+or to a group of size 1 (fxsplit.tp.collectives' [Note: axis binding]): every op is then the
 plain one-process op on the whole (possibly padded) tensor.
 
     h = vocab_parallel_embedding(ids, wte_shard, V)            # (B, T, C), full on every rank
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.fx
 import torch.nn.functional as F
 
-from fxsplit.collectives import _active, current_group, gather_from_region, note_collective, reduce_from_region
+from fxsplit.tp.collectives import _active, current_group, gather_from_region, note_collective, reduce_from_region
 
 __all__ = ["column_parallel_linear", "gather_logits", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 

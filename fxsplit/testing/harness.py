@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fxsplit.errors import DistributedRunError
 
 __all__ = ["DistributedRunError", "run_distributed"]
 
@@ -55,27 +56,6 @@ _PG_TIMEOUT_MARGIN_S = 30.0
 _ERROR_GRACE_S = 0.05
 # After every rank has returned, how long each may take to exit before it is killed.
 _EXIT_GRACE_S = 10.0
-
-
-class DistributedRunError(RuntimeError):
-    """A launch failed: a rank raised, died, or the launch ran past its timeout.
-
-    `rank` is the failing rank (None for a timeout), `rank_traceback` its traceback text
-    ("" when it died without one), `stuck_ranks` the ranks still running at a timeout.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: int | None = None,
-        rank_traceback: str = "",
-        stuck_ranks: tuple[int, ...] = (),
-    ):
-        super().__init__(message)
-        self.rank = rank
-        self.rank_traceback = rank_traceback
-        self.stuck_ranks = stuck_ranks
 
 
 def _worker(

@@ -1,0 +1,20 @@
+"""The public entry points: ``plan()``, ``parallelize()``, ``Plan`` and ``ParallelModel``.
+
+Owns the options (``options``: one typed dataclass shared by ``plan``, ``parallelize`` and the
+CLI), planning (``plan``: trace -> user passes -> tensor parallel -> split -> schedule ->
+communication plan, in one process), ``parallelize`` (per-rank materialization and the runtime)
+and ``ParallelModel`` with its checkpoints (``model``, ``checkpoint``).
+
+May import every layer below it: ``fxsplit.runtime``, ``fxsplit.passes``, ``fxsplit.tp``,
+``fxsplit.pipeline``, ``fxsplit.schedule``, ``fxsplit.graph``, ``fxsplit.errors``,
+``fxsplit.config``.
+"""
+
+from fxsplit.api.options import SCHEDULES, ParallelConfig
+from fxsplit.api.plan import Plan, plan
+from fxsplit.api.model import ParallelModel, load_full_checkpoint
+from fxsplit.api.parallelize import parallelize
+from fxsplit.errors import PlanError, RankFailedError
+
+__all__ = ["ParallelConfig", "Plan", "plan", "parallelize", "ParallelModel", "PlanError", "RankFailedError",
+           "load_full_checkpoint", "SCHEDULES"]

@@ -1,0 +1,181 @@
+"""``fxsplit.parallelize``: plan on every rank, keep this rank's stages, materialize its shards, run.
+
+Terms as in :mod:`fxsplit.api.plan`.
+
+[Note: what every rank does]
+Every rank plans the same model the same way (planning is deterministic), keeps only the stages
+of its pipeline rank, copies their structure without copying tensors, and materializes only its
+tensor-parallel shard of each parameter: sliced from the model's real weights, or freshly
+initialized when the model lives on the meta device. The user's model is never modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxsplit.api.model import ParallelModel
+from fxsplit.api.plan import plan
+from fxsplit.graph.hardware import Hardware
+
+__all__ = ["parallelize"]
+
+
+# ------------------------------------------------------------------------------------------------
+# per-rank materialization
+
+
+def _structural_copy(module: nn.Module) -> nn.Module:
+    """Copy ``module``'s structure with every parameter/buffer replaced by a meta tensor of the
+    same shape (tied tensors stay tied); no tensor data is copied."""
+    memo: dict[int, Any] = {}
+    for _, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _materialize(
+    module: nn.Module, *, specs: Mapping[str, Any], tp_rank: int, source: nn.Module, device: torch.device,
+    full_shapes: Mapping[str, Sequence[int]] | None = None,
+) -> nn.Module:
+    from fxsplit.tp.sharding import materialize_module
+
+    local = _structural_copy(module)
+    names = {n for n, _ in local.named_parameters(remove_duplicate=False)} | {n for n, _ in local.named_buffers(remove_duplicate=False)}
+    mine = {k: v for k, v in specs.items() if k in names}
+    on_meta = any(p.is_meta for p in source.parameters())
+    materialize_module(
+        local, mine, tp_rank, source=None if on_meta else source, device=device,
+        full_shapes={k: v for k, v in (full_shapes or {}).items() if k in names},
+    )
+    return local
+
+
+# ------------------------------------------------------------------------------------------------
+# the distributed model
+
+
+def parallelize(
+    model: nn.Module,
+    example_args: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    mesh: Any = None,
+    device: torch.device | str | None = None,
+    timeout: float = 300.0,
+    log_every: int | None = None,
+    **options: Any,
+) -> ParallelModel:
+    """Parallelize ``model`` over dp x tp x pp processes (inside a torchrun launch); returns this
+    rank's :class:`ParallelModel`. Options are those of :func:`plan`. The process group is
+    initialized from torchrun's environment when needed (NCCL with CUDA, else gloo), and the mesh
+    built from it unless ``mesh=`` gives a DeviceMesh with dims ("dp", "pp", "tp") over every rank.
+
+    Bad requests (world size != dp * tp * pp, a mesh of another shape, microbatches < pp) raise
+    on every rank before any collective. ``timeout`` bounds every wait on another rank; a failure
+    on any rank in ``step()`` / ``forward()`` raises on every rank, naming it ([Note: failures]
+    at ``ParallelModel._agree``)."""
+    from fxsplit.runtime.mesh import build_mesh, check_mesh, init_from_env, mesh_coords, mesh_groups
+    from fxsplit.runtime import PipelineRuntime
+
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
+                         f"may take), got {timeout!r}")
+    dp, tp, pp = options.get("dp", 1), options.get("tp", 1), options.get("pp", 1)
+    init_from_env()
+    if mesh is None:
+        mesh = build_mesh(dp=dp, pp=pp, tp=tp)
+    else:
+        check_mesh(mesh, dp, pp, tp)
+    if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
+        raise ValueError(
+            f"the mesh covers {mesh.mesh.numel()} ranks but the default process group has "
+            f"{dist.get_world_size()}; fxsplit runs on every rank of the default group: build the mesh "
+            f"over all of them (fxsplit.runtime.mesh.build_mesh(dp=..., pp=..., tp=...))"
+        )
+    coords = mesh_coords(mesh)
+    groups = mesh_groups(mesh)
+    # [Note: failures]: flag all-reduces over every rank, on the CPU (gloo); the runtime gets a
+    # pipeline group of its own, which it destroys on a failure (the mesh's "pp" group may be the
+    # world group itself, and the mesh stays usable for the next parallelize)
+    pipe_group = None
+    if dist.get_world_size() > 1:
+        # a group of its own: data-parallel gradient all-reduces run asynchronously during the
+        # pipeline and must never interleave with the flags on one group
+        groups["errors"] = dist.new_group(backend="gloo")
+        if pp > 1:  # one group per (dp, tp) coordinate, ordered by pp rank; collective on every rank
+            chains = mesh.mesh.reshape(dp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
+            pipe_group, _ = dist.new_subgroups_by_enumeration(chains)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    device = torch.device(device)
+    if "hardware" not in options and device.type == "cpu":
+        options["hardware"] = Hardware.cpu()  # cost the stages for the machine they will run on
+    the_plan = plan(model, example_args, example_kwargs, **options)
+    c = the_plan.config
+    specs = getattr(the_plan.tp_plan, "param_specs", {}) or {}
+    full_shapes = {k: tuple(v) for k, v in (getattr(the_plan.tp_plan, "full_shapes", {}) or {}).items()}
+    pp_rank = coords["pp"]
+    mine = [s for s in range(c.num_stages) if s % c.pp == pp_rank]
+    stages = {
+        s: _materialize(the_plan.stages.modules[s], specs=specs, tp_rank=coords["tp"], source=model, device=device,
+                        full_shapes=full_shapes)
+        for s in mine
+    }
+    runtime = PipelineRuntime(
+        stages={s: (stages[s], the_plan.stages.io[s]) for s in mine},
+        num_stages=c.num_stages,
+        schedule=the_plan.schedule,
+        pp_group=pipe_group,
+        pp_rank=pp_rank,
+        num_ranks=c.pp,
+        input_meta=the_plan.stages.input_meta,
+        loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None,
+        device=device,
+        stage_io=the_plan.stages.io,
+        shared_params=the_plan.stages.shared_params,
+        output_spec=the_plan.stages.output_spec,
+        timeout=timeout,
+        abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
+    )
+    return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
+                         groups=groups, loss_fn=loss_fn, log_every=log_every)
+
+
+def _checked_loss(loss_fn: Callable) -> Callable:
+    """``loss_fn`` wrapped to check its result: a scalar tensor (the mean over the microbatch,
+    [Note: loss weighting]) that can be differentiated when training."""
+
+    @functools.wraps(loss_fn)
+    def wrapped(output: Any, target: Any) -> torch.Tensor:
+        loss = loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got a {type(loss).__name__} ({loss!r:.40}); return "
+                "the loss tensor itself, not loss.item() or a Python number"
+            )
+        if loss.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor (the mean over the microbatch), got a tensor of shape "
+                f"{tuple(loss.shape)}; reduce it, e.g. return loss.mean() (a sum over samples gives wrong "
+                "gradients when batches are split into microbatches: see fxsplit.runtime.microbatch)"
+            )
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise ValueError(
+                "loss_fn returned a tensor that does not require grad, so no gradient can reach the "
+                "model; compute it from the model output without .detach(), .item() or torch.no_grad()"
+            )
+        return loss
+
+    return wrapped

@@ -1,0 +1,210 @@
+"""The one-line API: ``fxsplit.plan`` (single process, no weights needed) and ``fxsplit.parallelize``.
+
+Terms: d, t, p data-, tensor- and pipeline-parallel degrees (world size d * t * p, mesh dims
+("dp", "pp", "tp"), tp innermost); v stages per pipeline rank (S = p * v stages, rank r holds
+stages r, r + p, ...); m microbatches per step.
+
+    plan = fxsplit.plan(model, (idx,), tp=2, pp=2)        # pure: trace -> passes -> TP -> split -> schedule
+    print(plan); plan.simulate(); plan.to_dot("g.dot"); plan.timeline("pp.png")
+
+    pm = fxsplit.parallelize(model, (idx,), loss_fn=F.cross_entropy, tp=2, pp=2)   # under torchrun
+    opt = torch.optim.AdamW(pm.parameters())
+    loss = pm.step(idx, target=y); opt.step(); opt.zero_grad()
+
+Everything up to the runtime happens here, in one process and without weights; what each rank
+then does is :mod:`fxsplit.api.parallelize` ([Note: what every rank does]).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxsplit import schedule as _schedules
+from fxsplit.api.options import SCHEDULES, ParallelConfig, resolve_config
+from fxsplit.errors import PlanError
+from fxsplit.graph.hardware import Hardware
+from fxsplit.graph.pass_api import PassContext, PassManager
+from fxsplit.graph.trace import trace
+from fxsplit.pipeline.split import SplitPlan
+from fxsplit.pipeline.stage import StageGraphs
+
+__all__ = ["Plan", "plan", "ParallelConfig", "PlanError", "SCHEDULES"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before any process starts: printable, comparable, no weights needed.
+
+    ``graph`` is the traced graph after user passes and tensor parallelism (shared by all tp
+    ranks: shard offsets are read from the tp group at run time); ``stages`` its stage
+    GraphModules; ``split`` the balanced partition; ``schedule`` the per-rank action lists.
+    """
+
+    config: ParallelConfig
+    graph: torch.fx.GraphModule
+    split: SplitPlan
+    stages: StageGraphs
+    schedule: list
+    tp_plan: Any = None
+    pass_report: Mapping[str, Any] = field(default_factory=dict)
+    plan_seconds: float = 0.0
+
+    # -- inspection
+    def stage_graph(self, stage: int, tp_rank: int = 0) -> torch.fx.GraphModule:
+        """The fx GraphModule of ``stage``. Every tp rank runs the same graph on its own shards
+        (its offsets come from the tp group at run time), so ``tp_rank`` only checks the range."""
+        if not 0 <= stage < self.config.num_stages:
+            raise IndexError(f"stage {stage} out of range: the plan has {self.config.num_stages} stages")
+        if not 0 <= tp_rank < self.config.tp:
+            raise IndexError(f"tp_rank {tp_rank} out of range: tp={self.config.tp}")
+        return self.stages.modules[stage]
+
+    def simulate(self, comm: float | None = None):
+        """The schedule simulated with the split's estimated stage times (one rank's share costs
+        v x the bottleneck stage; forward 1/3, backward 2/3 of it)."""
+        per_rank = self.split.bottleneck * self.config.stages_per_rank
+        link = self.split.problem.bandwidth if self.split.problem is not None else float("inf")
+        if comm is None:
+            boundary = max((s.bytes_out for s in self.split.stages), default=0.0)
+            comm = boundary / link if link not in (0.0, float("inf")) else 0.0
+        return _schedules.simulate(self.schedule, forward=per_rank / 3, backward=2 * per_rank / 3, comm=comm)
+
+    def to_dot(self, path: str | None = None) -> str:
+        return self.split.to_dot(self.graph, path)
+
+    def timeline(self, path: str) -> str:
+        _schedules.timeline_png(self.simulate(), path, title=f"{self.config.schedule}: p={self.config.pp} v={self.config.stages_per_rank} m={self.config.microbatches}")
+        return path
+
+    def schedule_grid(self) -> str:
+        return _schedules.format_grid(self.schedule)
+
+    def __str__(self) -> str:
+        c = self.config
+        info = self.graph.meta.get("fxsplit")
+        head = [
+            f"fxsplit plan: dp={c.dp} tp={c.tp} pp={c.pp} (world size {c.world_size}); "
+            f"{c.num_stages} stages (v={c.stages_per_rank}), {c.schedule}, m={c.microbatches}",
+            f"traced with {info.method}: {info.reason}" if info is not None else "",
+        ]
+        if self.tp_plan is not None:
+            head.append(str(self.tp_plan))
+        sim = self.simulate()
+        lines = [h for h in head if h] + [str(self.split)]
+        lines.append(
+            f"simulated step: {sim.makespan * 1e3:.3f} ms; bubble {100 * sim.bubble_fraction:.1f}% of the step "
+            f"(idle/ideal {100 * sim.bubble_ratio:.1f}%); peak in-flight microbatches per rank {list(sim.peak_inflight)}"
+        )
+        lines.append(f"planned in {self.plan_seconds:.2f}s")
+        return "\n".join(lines)
+
+
+def plan(
+    model: nn.Module,
+    example_args: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    microbatches: int | None = None,
+    schedule: str = "interleaved_1f1b",
+    stages_per_rank: int | None = None,
+    passes: Sequence[Callable] = (),
+    split_points: Sequence[str] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
+    memory_limit: float | None = None,
+    sequence_parallel: bool = False,
+    vocab_parallel_loss: bool = False,
+    method: str = "auto",
+    leaf_modules: Sequence[Any] = (),
+    hardware: Hardware = Hardware(),
+    cut_at: str = "any",
+    debug: str | None = None,
+) -> Plan:
+    """Plan ``model`` for dp x tp x pp in this process: trace, user passes, tensor parallelism,
+    balanced pipeline split, schedule. No process group and no weights needed (meta is fine).
+
+    ``microbatches`` defaults to 2 * pp; ``stages_per_rank`` to 2 for interleaved 1F1B;
+    ``passes`` are user passes ``(gm, ctx) -> PassResult`` run first, through a PassManager
+    (``debug`` names a folder for per-pass dumps). ``hardware`` is what stage times are estimated
+    for (``parallelize`` on CPU uses ``Hardware.cpu()``); ``cut_at="modules"`` lets stages start
+    only where a module call begins.
+    """
+    t0 = time.perf_counter()
+    config = resolve_config(
+        tp=tp, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
+        split_points=split_points, tp_plan=tp_plan, memory_limit=memory_limit,
+        sequence_parallel=sequence_parallel, vocab_parallel_loss=vocab_parallel_loss,
+    )
+    gm = trace(model, example_args, example_kwargs, method=method, leaf_modules=leaf_modules)
+    ctx = PassContext(
+        example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
+        example_kwargs=dict(example_kwargs or {}),
+        options={"tp": config.tp, "pp": config.pp, "dp": config.dp},
+    )
+    pipeline = list(passes)
+    tp_result = None
+    if config.tp > 1 or config.tp_plan:
+        from fxsplit.passes.tensor_parallel import tensor_parallel
+
+        pipeline.append(
+            functools.partial(
+                tensor_parallel, tp=config.tp, overrides=config.tp_plan,
+                sequence_parallel=config.sequence_parallel, vocab_parallel_loss=config.vocab_parallel_loss,
+            )
+        )
+    from fxsplit.passes.pipeline_split import pipeline_split
+
+    pipeline.append(
+        functools.partial(
+            pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
+            schedule=config.schedule, num_microbatches=config.microbatches,
+            memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
+            cut_at=cut_at,
+        )
+    )
+    # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
+    # debug dumps (debug=DIR or FXSPLIT_DEBUG_DIR) show each of them
+    gm = PassManager(pipeline, debug=debug)(gm, ctx).graph_module
+    tp_result = ctx.report.get("tensor_parallel")
+    split = ctx.report["pipeline_split"]
+    stages = split.build(gm)
+    sched_name = "1f1b" if config.schedule == "1f1b" else config.schedule
+    sched = _schedules.build(sched_name, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
+    _schedules.validate(sched)
+    return Plan(
+        config=config, graph=gm, split=split, stages=stages, schedule=sched, tp_plan=tp_result,
+        pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0,
+    )
+
+
+def _loss_seconds(gm: torch.fx.GraphModule, hardware: Hardware) -> float:
+    """Estimated forward+backward time of a loss over the model's outputs (a cross-entropy-like
+    loss reads each output element a few times), charged to the last stage by the balancer."""
+    from fxsplit.graph.cost import NodeCost, estimate_time
+    from fxsplit.pipeline.split import example_bindings
+
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    binds = example_bindings(gm)
+    total = 0.0
+    for node in out.all_input_nodes:
+        info = node.meta.get("fxsplit")
+        for t in (info.outputs if info is not None else ()):
+            if t.dtype.is_floating_point:
+                nbytes = t.nbytes.subs(binds) if hasattr(t.nbytes, "subs") else t.nbytes
+                numel = nbytes / t.dtype.itemsize
+                total += estimate_time(
+                    NodeCost(flops=int(8 * numel), bytes_read=int(3 * nbytes), bytes_written=int(2 * nbytes)),
+                    flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, backward=False,
+                )
+    return total
+
+

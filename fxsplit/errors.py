@@ -1,0 +1,124 @@
+"""Every exception fxsplit raises on purpose, under one base class, :class:`FxsplitError`.
+
+Terms: a *request error* is a question that cannot be answered as asked (a degree that does not
+divide, a split point that does not exist, a schedule that breaks a rule); it subclasses
+``ValueError`` as well, and the message names the value, the rule and the fix. A *run error* is a
+failure while running (a model that cannot be traced, a peer rank that failed); it subclasses
+``RuntimeError``.
+
+    try:
+        plan = fxsplit.plan(model, (x,), tp=3)
+    except fxsplit.FxsplitError as exc:        # any of the classes below
+        ...
+
+This module is the bottom layer of the package: it imports nothing from fxsplit and no torch, so
+the torch-free ``fxsplit.schedule`` can raise these too. Each error is re-exported by the module
+that raises it (``fxsplit.pipeline.partition.PartitionError`` is this ``PartitionError``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = [
+    "FxsplitError", "TraceError", "UnknownPassError", "TPPlanError", "ShardingError", "PartitionError",
+    "SplitError", "StageBuildError", "ScheduleError", "PlanError", "PipelineError", "RankFailedError",
+    "DistributedRunError", "UsageError", "REQUEST_ERRORS",
+]
+
+
+class FxsplitError(Exception):
+    """Base of every error fxsplit raises on purpose."""
+
+
+# -- request errors (also ValueError): the message says what to change
+
+
+class PlanError(FxsplitError, ValueError):
+    """A parallelization request that cannot be planned; the message says what to change."""
+
+
+class TPPlanError(FxsplitError, ValueError):
+    """The graph or the user's plan cannot be tensor-parallel as asked; says what and the fix."""
+
+
+class ShardingError(FxsplitError, ValueError):
+    """A tensor cannot be split as asked (sizes, degree, or shapes that do not match)."""
+
+
+class PartitionError(FxsplitError, ValueError):
+    """A partition request that cannot be met; the message names the numbers and the fix."""
+
+
+class SplitError(FxsplitError, ValueError):
+    """A split request that cannot be met (bad split point, too many stages, memory cap)."""
+
+
+class StageBuildError(FxsplitError, ValueError):
+    """A graph or an assignment that cannot be cut into stages; the message names the node."""
+
+
+class ScheduleError(FxsplitError, ValueError):
+    """A schedule breaks a rule; the message names the rule and the action and shows the grid."""
+
+
+class UsageError(FxsplitError, ValueError):
+    """A command-line request that cannot be carried out as given; exit code 2."""
+
+
+class UnknownPassError(FxsplitError, KeyError):
+    """No pass is registered under the requested name (the message lists close names)."""
+
+
+# -- run errors (also RuntimeError)
+
+
+class TraceError(FxsplitError, RuntimeError):
+    """The model could not be traced; the message names where and suggests the fix."""
+
+
+class PipelineError(FxsplitError, RuntimeError):
+    """A pipeline step failed on this rank: a peer failed or never answered, or a stage raised.
+
+    Attributes name the place: ``rank`` (this pipeline rank), ``peer`` (the pipeline rank that was
+    awaited, or None), ``action`` (e.g. "2F3"), ``microbatch``.
+    """
+
+    def __init__(self, message: str, *, rank: int, peer: int | None, action: str | None,
+                 microbatch: int | None):
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+        self.action = action
+        self.microbatch = microbatch
+
+
+class RankFailedError(FxsplitError, RuntimeError):
+    """Another rank failed a ``step()`` or ``forward()`` call; raised on every rank whose own code
+    did not fail ([Note: failures] in :mod:`fxsplit.runtime.failures`). ``failed`` maps each
+    failed global rank to its error text."""
+
+    def __init__(self, message: str, *, failed: Mapping[int, str]):
+        super().__init__(message)
+        self.failed = dict(failed)
+
+
+class DistributedRunError(FxsplitError, RuntimeError):
+    """A launch of :func:`fxsplit.testing.run_distributed` failed: a rank raised, died, or the
+    launch ran past its timeout.
+
+    `rank` is the failing rank (None for a timeout), `rank_traceback` its traceback text
+    ("" when it died without one), `stuck_ranks` the ranks still running at a timeout.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, rank_traceback: str = "",
+                 stuck_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.rank = rank
+        self.rank_traceback = rank_traceback
+        self.stuck_ranks = stuck_ranks
+
+
+REQUEST_ERRORS = (PlanError, TPPlanError, ShardingError, PartitionError, SplitError, StageBuildError,
+                  ScheduleError, UsageError, UnknownPassError)
+"""The errors that mean "this request cannot be answered as given" (the CLI's exit code 2)."""

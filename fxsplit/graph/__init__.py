@@ -1,0 +1,11 @@
+"""The graph layer: a model becomes an fx graph whose nodes carry what every later layer reads.
+
+Owns tracing (``trace``: fx or ``torch.export``, symbolic batch and sequence), node metadata
+(``meta``: ``TensorMeta``, ``NodeInfo``, ``TraceInfo``), the op vocabulary (``ops``: one op name
+per node, the op classes, the dotted-path resolver), the cost model (``cost``, ``cost_ops``,
+``profile``, ``hardware``), the pass manager (``pass_api``, ``debug``), inspection (tables, DOT,
+graph diffs) and the ``pipe_split()`` marker.
+
+May import: ``fxsplit.errors``, ``fxsplit.config`` and torch. Nothing here knows about tensor or
+pipeline parallelism, schedules or processes.
+"""

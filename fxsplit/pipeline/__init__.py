@@ -1,0 +1,11 @@
+"""Pipeline parallelism up to the runtime: the balanced split and the stage graphs.
+
+Owns the exact partitioner (``partition``, ``partition_memory``: minimum-bottleneck contiguous
+stages under a per-rank memory cap), the split plan of a traced graph (``split``), the stage
+GraphModules with their inputs, outputs and tied parameters (``stage``), and the communication
+plan (``comm``: which message goes to which rank in what order, derived from a schedule and the
+stages' boundaries).
+
+May import: ``fxsplit.graph``, ``fxsplit.schedule``, ``fxsplit.errors``, ``fxsplit.config`` and
+torch; not ``fxsplit.tp``, the runtime or the API.
+"""

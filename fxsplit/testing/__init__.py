@@ -1,0 +1,13 @@
+"""What tests need, for fxsplit's own and for users checking their own models.
+
+Owns the multi-process harness (``harness``: ``run_distributed`` runs one function on every rank
+of a fresh gloo group, failing fast and naming the rank), the model zoo (``zoo``: MLP, GPT with
+tied weights, CNN with residuals, long skips, keyword arguments) and Hugging Face models built
+from small configs (``hf_zoo``).
+
+May import every layer (it sits beside the API, at the top); nothing in fxsplit imports it.
+"""
+
+from fxsplit.testing.harness import DistributedRunError, run_distributed
+
+__all__ = ["DistributedRunError", "run_distributed"]

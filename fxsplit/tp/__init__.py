@@ -1,0 +1,11 @@
+"""Tensor parallelism (Megatron-LM style), found from the graph.
+
+Owns the TP plan (``plan``: which parameters are column / row / vocab-parallel or replicated, and
+why), sharding propagation through the graph (``propagate``), shard specs and per-rank
+materialization (``sharding``), the conjugate collectives f / g (``collectives``) and the fused
+parallel autograd functions (``functional``). The pass that applies a TP plan to a graph is
+``fxsplit.passes.tensor_parallel``.
+
+May import: ``fxsplit.graph``, ``fxsplit.errors``, ``fxsplit.config`` and torch; not
+``fxsplit.pipeline`` (the two parallelisms are independent), the runtime or the API.
+"""
