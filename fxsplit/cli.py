@@ -249,20 +249,18 @@ def _load_passes(specs: Sequence[str]) -> list[Callable]:
 
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
-    from fxsplit.api import plan
+    from fxsplit.api import ParallelConfig, plan
     from fxsplit.graph.hardware import Hardware
 
     model, args, kwargs = load_example(ns.factory, meta=ns.meta)
-    passes = _load_passes(ns.passes)
-    options: dict[str, Any] = dict(
+    config = ParallelConfig(
         tp=ns.tp, pp=ns.pp, dp=ns.dp, microbatches=ns.microbatches, schedule=ns.schedule,
         stages_per_rank=ns.stages_per_rank, split_points=ns.split_points, memory_limit=ns.memory_limit,
-        method=ns.method, passes=passes, debug=ns.debug_dir,
+        method=ns.method, passes=tuple(_load_passes(ns.passes)), debug=ns.debug_dir,
         sequence_parallel=ns.sequence_parallel, vocab_parallel_loss=ns.vocab_parallel_loss,
+        hardware=Hardware(link_bytes_per_s=ns.link_bandwidth) if ns.link_bandwidth is not None else None,
     )
-    if ns.link_bandwidth is not None:
-        options["hardware"] = Hardware(link_bytes_per_s=ns.link_bandwidth)
-    the_plan = plan(model, args, kwargs, **options)
+    the_plan = plan(model, args, kwargs, config=config)
     print(the_plan)
     if ns.grid:
         print(the_plan.schedule_grid())

@@ -69,6 +69,9 @@ class UsageError(FxsplitError, ValueError):
 class UnknownPassError(FxsplitError, KeyError):
     """No pass is registered under the requested name (the message lists close names)."""
 
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
 
 # -- run errors (also RuntimeError)
 

@@ -214,3 +214,16 @@ def test_step_logging_reports_loss_time_and_measured_bubble():
         assert len(records) == 2
         for i, msg in enumerate(records, 1):
             assert msg.startswith(f"step {i}: loss ") and "measured bubble" in msg and "s," in msg
+
+
+def _cases_zero_bubble(rank, world):
+    # ZB-H1 (backward split into I and W) through parallelize: one schedule registry for plan,
+    # the CLI and the runtime
+    return _train(rank, world, "gpt", {}, dict(pp=2, schedule="zb_h1", microbatches=4))
+
+
+@pytest.mark.dist
+def test_zero_bubble_schedule_matches_single_process():
+    results = run_distributed(_cases_zero_bubble, 2, timeout=240)
+    ref_losses, ref_state = _reference("gpt", {})
+    _check(results, ref_losses, ref_state)

@@ -24,6 +24,7 @@ from torch import nn
 
 from fxsplit.testing import zoo
 from fxsplit.runtime import PipelineRuntime
+from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.schedule.builders import build
 from fxsplit.pipeline.stage import StageIO, ValueMeta, ValueSource
 
@@ -189,10 +190,9 @@ def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, r
     sched = build(schedule, p, m, v)
     if builder == "hand":
         mods, ios, input_meta, shared = make_stages(pipe, S)
-        rt = PipelineRuntime(
-            stages={s: (mods[s], ios[s]) for s in range(S) if s % p == rank}, num_stages=S,
-            schedule=sched, pp_group=group, pp_rank=rank, num_ranks=p, stage_io=ios,
-            input_meta=input_meta, loss_fn=loss_fn, device=device, shared_params=shared, timeout=60.0)
+        rp = RankPlan.build(ios, sched, rank=rank, num_ranks=p, input_meta=input_meta, shared_params=shared)
+        rt = PipelineRuntime(rp, {s: mods[s] for s in range(S) if s % p == rank}, group=group, loss_fn=loss_fn,
+                             device=device, timeout=60.0)
     else:  # fxsplit.trace + build_stages, even cuts over the compute nodes
         graphs = graph_stages(pipe, model, S)
         mods = graphs.modules
@@ -276,9 +276,8 @@ def test_single_process_matches_model_for_each_schedule():
 
 def test_errors_name_the_problem():
     mods, ios, meta, _ = skip_stages(skip_model(), 2)
-    rt = PipelineRuntime(stages={0: (mods[0], ios[0]), 1: (mods[1], ios[1])}, num_stages=2,
-                         schedule=build("gpipe", 1, 2, 2), pp_group=None, pp_rank=0, num_ranks=1,
-                         input_meta=meta, loss_fn=mse_loss, device="cpu")
+    rp = RankPlan.build(ios, build("gpipe", 1, 2, 2), rank=0, num_ranks=1, input_meta=meta)
+    rt = PipelineRuntime(rp, {0: mods[0], 1: mods[1]}, group=None, loss_fn=mse_loss, device="cpu")
     x, y = make_batch("skip", 4)
     with pytest.raises(ValueError, match=r"stage 0 reads model input 0 \(x\) but this rank was given a meta"):
         rt.step((torch.empty(4, D, device="meta"),), target=y)
@@ -287,9 +286,7 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="traced with size 16"):
         rt.step((torch.randn(4, D + 1),), target=y)
     with pytest.raises(ValueError, match="was given stages \\[0\\] but holds stages \\[0, 1\\]"):
-        PipelineRuntime(stages={0: (mods[0], ios[0])}, num_stages=2, schedule=build("gpipe", 1, 2, 2),
-                        pp_group=None, pp_rank=0, num_ranks=1, stage_io=ios, input_meta=meta,
-                        loss_fn=mse_loss, device="cpu")
+        PipelineRuntime(rp, {0: mods[0]}, group=None, loss_fn=mse_loss, device="cpu")
     # after the errors the runtime still works (no process group to abort here)
     loss = rt.step(x, target=y)
     assert loss.item() == pytest.approx(mse_loss(skip_model()(x[0]), y).item(), rel=1e-5)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxsplit.runtime import PipelineError, PipelineRuntime
+from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.schedule.builders import build
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.testing import run_distributed
@@ -80,10 +81,9 @@ def _pp_subgroup_case(rank: int, world_size: int) -> tuple[list[str], int]:
         row = [Action(s, ActionKind.FORWARD, mb) for mb in range(3) for s in mine]
         row += [Action(s, ActionKind.BACKWARD, mb) for mb in range(3) for s in reversed(mine)]
         sched.append(row)
-    rt = PipelineRuntime(stages={s: (mods[s], ios[s]) for s in range(4) if owner[s] == pp_rank},
-                         num_stages=4, schedule=sched, pp_group=group, pp_rank=pp_rank, num_ranks=2,
-                         stage_io=ios, input_meta=meta, loss_fn=nn.functional.mse_loss,
-                         device="cpu", rank_of_stage=owner.__getitem__, timeout=60.0)
+    rp = RankPlan.build(ios, sched, rank=pp_rank, num_ranks=2, input_meta=meta, stage_ranks=owner)
+    rt = PipelineRuntime(rp, {s: mods[s] for s in range(4) if owner[s] == pp_rank}, group=group,
+                         loss_fn=nn.functional.mse_loss, device="cpu", timeout=60.0)
     g = torch.Generator().manual_seed(rank // 2)  # the two pipelines see different data
     x, y = torch.randn(6, 16, generator=g), torch.randn(6, 16, generator=g)
     loss = rt.step((x,), target=y)
@@ -123,10 +123,9 @@ def _one_failure(rank: int, group, timeout: float, hang: float) -> dict:
     mods, ios, meta, _ = skip_stages(skip_model(), 2)
     if rank == 1:
         mods[1] = _Faulty(mods[1], hang)
-    rt = PipelineRuntime(stages={rank: (mods[rank], ios[rank])}, num_stages=2,
-                         schedule=build("1f1b", 2, 4), pp_group=group, pp_rank=rank, num_ranks=2,
-                         stage_io=ios, input_meta=meta, loss_fn=nn.functional.mse_loss,
-                         device="cpu", timeout=timeout)
+    rp = RankPlan.build(ios, build("1f1b", 2, 4), rank=rank, num_ranks=2, input_meta=meta)
+    rt = PipelineRuntime(rp, {rank: mods[rank]}, group=group, loss_fn=nn.functional.mse_loss, device="cpu",
+                         timeout=timeout)
     t0 = time.monotonic()
     try:
         rt.step((torch.randn(8, 16),), target=torch.randn(8, 16))

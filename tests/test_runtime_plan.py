@@ -18,10 +18,11 @@ from fxsplit.runtime import (
     bind_symbols,
     concrete_shape,
     merge_microbatches,
-    plan_communication,
     split_microbatches,
     split_target,
 )
+from fxsplit.pipeline.comm import plan_communication
+from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.schedule.builders import build
 from fxsplit.schedule.ir import parse_schedule
 from fxsplit.pipeline.stage import ValueMeta
@@ -227,9 +228,8 @@ def test_runtime_on_threads_with_in_order_matching(monkeypatch, name, p, v, m, p
         net.local.rank = r
         try:
             mods, ios, meta, _ = built[r]
-            rt = PipelineRuntime(stages={s: (mods[s], ios[s]) for s in range(S) if s % p == r},
-                                 num_stages=S, schedule=build(name, p, m, v), pp_group=None, pp_rank=r,
-                                 num_ranks=p, stage_io=ios, input_meta=meta,
+            rp = RankPlan.build(ios, build(name, p, m, v), rank=r, num_ranks=p, input_meta=meta)
+            rt = PipelineRuntime(rp, {s: mods[s] for s in range(S) if s % p == r}, group=None,
                                  loss_fn=torch.nn.functional.mse_loss, device="cpu", prefetch=prefetch)
             loss = rt.step((x,), target=y)
             grads = {n: q.grad for s in range(S) if s % p == r for n, q in mods[s].named_parameters()}

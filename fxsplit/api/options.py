@@ -1,80 +1,124 @@
-"""The options of a plan: one typed, validated dataclass that ``plan``, ``parallelize`` and the CLI share.
+"""The options of a plan: :class:`ParallelConfig`, one typed, validated dataclass that
+``plan``, ``parallelize`` and the CLI share.
 
 Terms as in :mod:`fxsplit.api.plan` (d, t, p, v, m).
+
+    config = ParallelConfig(tp=2, pp=4, microbatches=8)       # validated on creation
+    plan = fxsplit.plan(model, (x,), config=config)            # or fxsplit.plan(model, (x,), tp=2, pp=4, ...)
+    plan.config                                                # the resolved config: every default filled in
+
+``microbatches`` and ``stages_per_rank`` may be left ``None`` (their defaults depend on ``pp`` and
+the schedule); :meth:`ParallelConfig.resolved` fills them in, and ``Plan.config`` is always resolved.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any
 
 from fxsplit.errors import PlanError
+from fxsplit.graph.hardware import Hardware
+from fxsplit.schedule import NAMES as SCHEDULES
 
-__all__ = ["ParallelConfig", "SCHEDULES", "resolve_config"]
+__all__ = ["ParallelConfig", "SCHEDULES", "make_config"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+_CUT_AT = ("any", "modules")
+_METHODS = ("auto", "fx", "export")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """The degrees and options of a plan (validated on creation)."""
+    """Every option of a plan (validated on creation; see the module docstring)."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 1
-    schedule: str = "interleaved_1f1b"
-    stages_per_rank: int = 1
-    split_points: tuple[str, ...] | None = None
-    tp_plan: Mapping[str, str] | None = None
-    memory_limit: float | None = None
-    sequence_parallel: bool = False
-    vocab_parallel_loss: bool = False
+    dp: int = 1  # data-parallel replicas
+    tp: int = 1  # tensor-parallel degree
+    pp: int = 1  # pipeline ranks
+    microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
+    schedule: str = "interleaved_1f1b"  # one of fxsplit.schedule.NAMES
+    stages_per_rank: int | None = None  # v; default 2 for interleaved_1f1b with pp > 1, else 1
+    passes: tuple[Callable, ...] = ()  # user passes (gm, ctx) -> PassResult, run first
+    split_points: tuple[str, ...] | None = None  # module paths where stages must start
+    tp_plan: Mapping[str, str] | None = None  # module-path pattern -> style overrides
+    memory_limit: float | None = None  # bytes per rank the split must respect
+    sequence_parallel: bool = False  # Megatron-3 sequence parallelism inside TP regions
+    vocab_parallel_loss: bool = False  # LM head stays vocab-parallel into a parallel cross-entropy
+    method: str = "auto"  # tracing: "fx", "export" or "auto" (fx, then export)
+    leaf_modules: tuple[Any, ...] = ()  # module paths or classes fx keeps as single nodes
+    hardware: Hardware | None = None  # what stage times are estimated for; None: Hardware()
+    cut_at: str = "any"  # "modules": stages start only where a module call begins
+    debug: str | None = None  # folder for per-pass dumps (else FXSPLIT_DEBUG_DIR)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
             value = getattr(self, name)
+            if value is None and name in ("microbatches", "stages_per_rank"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} must be an int >= 1, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.pp > 1 and self.microbatches < self.pp:
+        if self.pp > 1 and self.microbatches is not None and self.microbatches < self.pp:
             raise PlanError(
                 f"microbatches={self.microbatches} < pp={self.pp}: every pipeline rank needs at least "
                 f"one microbatch in flight; use microbatches >= {self.pp} (2 * pp = {2 * self.pp} is a good start)"
             )
+        if self.cut_at not in _CUT_AT:
+            raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
+        if self.method not in _METHODS:
+            raise PlanError(f"method must be one of {_METHODS}, got {self.method!r}")
+        if self.hardware is not None and not isinstance(self.hardware, Hardware):
+            raise PlanError(f"hardware must be a fxsplit.Hardware, got {type(self.hardware).__name__}")
+        for name in ("passes", "leaf_modules", "split_points"):  # sequences are stored as tuples
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                if isinstance(value, str) or not isinstance(value, Sequence):
+                    raise PlanError(f"{name} must be a sequence, got {value!r}")
+                object.__setattr__(self, name, tuple(value))
+        if self.tp_plan is not None:
+            object.__setattr__(self, "tp_plan", dict(self.tp_plan))
 
     @property
     def num_stages(self) -> int:
-        return self.pp * self.stages_per_rank
+        return self.pp * self.resolved().stages_per_rank
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
-
-def _default_microbatches(pp: int) -> int:
-    return 1 if pp == 1 else 2 * pp
-
-
-def resolve_config(
-    *, tp, pp, dp, microbatches, schedule, stages_per_rank, split_points, tp_plan, memory_limit,
-    sequence_parallel, vocab_parallel_loss,
-) -> ParallelConfig:
-    m = _default_microbatches(pp) if microbatches is None else microbatches
-    if stages_per_rank is None:
-        stages_per_rank = 2 if (schedule == "interleaved_1f1b" and pp > 1) else 1
-    if pp == 1 and schedule == "interleaved_1f1b":
-        schedule = "1f1b"  # one pipeline rank: nothing to interleave
-    if schedule == "interleaved_1f1b" and stages_per_rank < 2:
-        raise PlanError(
-            f"interleaved_1f1b needs stages_per_rank >= 2 (got {stages_per_rank}); use schedule='1f1b' for one stage per rank"
-        )
-    return ParallelConfig(
-        dp=dp, tp=tp, pp=pp, microbatches=m, schedule=schedule, stages_per_rank=stages_per_rank,
-        split_points=tuple(split_points) if split_points is not None else None,
-        tp_plan=dict(tp_plan) if tp_plan is not None else None, memory_limit=memory_limit,
-        sequence_parallel=sequence_parallel, vocab_parallel_loss=vocab_parallel_loss,
-    )
+    def resolved(self) -> ParallelConfig:
+        """This config with every default filled in (``microbatches``, ``stages_per_rank``, the
+        schedule for one pipeline rank); raises PlanError for a combination that cannot run."""
+        m = self.microbatches if self.microbatches is not None else (1 if self.pp == 1 else 2 * self.pp)
+        v = self.stages_per_rank
+        if v is None:
+            v = 2 if (self.schedule == "interleaved_1f1b" and self.pp > 1) else 1
+        schedule = self.schedule
+        if self.pp == 1 and schedule == "interleaved_1f1b":
+            schedule = "1f1b"  # one pipeline rank: nothing to interleave
+        if schedule == "interleaved_1f1b" and v < 2:
+            raise PlanError(f"interleaved_1f1b needs stages_per_rank >= 2 (got {v}); use schedule='1f1b' "
+                            "for one stage per rank")
+        if (m, v, schedule) == (self.microbatches, self.stages_per_rank, self.schedule):
+            return self
+        return dataclasses.replace(self, microbatches=m, stages_per_rank=v, schedule=schedule)
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+
+
+def make_config(config: ParallelConfig | None, options: Mapping[str, Any], *, where: str) -> ParallelConfig:
+    """``config`` (default ``ParallelConfig()``) with ``options`` (keyword arguments of ``where``)
+    applied; an unknown keyword raises a TypeError naming the closest option."""
+    unknown = [k for k in options if k not in _FIELDS]
+    if unknown:
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, _FIELDS, 1)) else repr(k)
+                 for k in unknown]
+        raise TypeError(f"{where}() got unknown option(s) {', '.join(hints)}; the options are the fields of "
+                        f"fxsplit.ParallelConfig: {', '.join(_FIELDS)}")
+    if config is not None and not isinstance(config, ParallelConfig):
+        raise TypeError(f"{where}(config=...) must be a fxsplit.ParallelConfig, got {type(config).__name__}")
+    base = config if config is not None else ParallelConfig()
+    return dataclasses.replace(base, **options) if options else base

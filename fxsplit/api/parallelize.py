@@ -12,6 +12,7 @@ initialized when the model lives on the meta device. The user's model is never m
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from typing import Any, Callable, Mapping, Sequence
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxsplit.api.model import ParallelModel
+from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.api.plan import plan
 from fxsplit.graph.hardware import Hardware
 
@@ -73,10 +75,12 @@ def parallelize(
     device: torch.device | str | None = None,
     timeout: float = 300.0,
     log_every: int | None = None,
+    config: ParallelConfig | None = None,
     **options: Any,
 ) -> ParallelModel:
     """Parallelize ``model`` over dp x tp x pp processes (inside a torchrun launch); returns this
-    rank's :class:`ParallelModel`. Options are those of :func:`plan`. The process group is
+    rank's :class:`ParallelModel`. Options are those of :func:`plan` (the fields of
+    :class:`fxsplit.ParallelConfig`, as keywords or ``config=``). The process group is
     initialized from torchrun's environment when needed (NCCL with CUDA, else gloo), and the mesh
     built from it unless ``mesh=`` gives a DeviceMesh with dims ("dp", "pp", "tp") over every rank.
 
@@ -92,7 +96,8 @@ def parallelize(
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
                          f"may take), got {timeout!r}")
-    dp, tp, pp = options.get("dp", 1), options.get("tp", 1), options.get("pp", 1)
+    config = make_config(config, options, where="parallelize")
+    dp, tp, pp = config.dp, config.tp, config.pp
     init_from_env()
     if mesh is None:
         mesh = build_mesh(dp=dp, pp=pp, tp=tp)
@@ -120,9 +125,9 @@ def parallelize(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     device = torch.device(device)
-    if "hardware" not in options and device.type == "cpu":
-        options["hardware"] = Hardware.cpu()  # cost the stages for the machine they will run on
-    the_plan = plan(model, example_args, example_kwargs, **options)
+    if config.hardware is None and device.type == "cpu":
+        config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
+    the_plan = plan(model, example_args, example_kwargs, config=config)
     c = the_plan.config
     specs = getattr(the_plan.tp_plan, "param_specs", {}) or {}
     full_shapes = {k: tuple(v) for k, v in (getattr(the_plan.tp_plan, "full_shapes", {}) or {}).items()}
@@ -134,19 +139,8 @@ def parallelize(
         for s in mine
     }
     runtime = PipelineRuntime(
-        stages={s: (stages[s], the_plan.stages.io[s]) for s in mine},
-        num_stages=c.num_stages,
-        schedule=the_plan.schedule,
-        pp_group=pipe_group,
-        pp_rank=pp_rank,
-        num_ranks=c.pp,
-        input_meta=the_plan.stages.input_meta,
-        loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None,
-        device=device,
-        stage_io=the_plan.stages.io,
-        shared_params=the_plan.stages.shared_params,
-        output_spec=the_plan.stages.output_spec,
-        timeout=timeout,
+        the_plan.rank_plan(pp_rank), stages, group=pipe_group,
+        loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
         abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
     )
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,

@@ -20,18 +20,20 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 import torch.fx
 from torch import nn
 
 from fxsplit import schedule as _schedules
-from fxsplit.api.options import SCHEDULES, ParallelConfig, resolve_config
+from fxsplit.api.options import SCHEDULES, ParallelConfig, make_config
 from fxsplit.errors import PlanError
 from fxsplit.graph.hardware import Hardware
 from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.graph.trace import trace
+from fxsplit.pipeline.comm import CommPlan, plan_all_communication
+from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.pipeline.split import SplitPlan
 from fxsplit.pipeline.stage import StageGraphs
 
@@ -44,7 +46,10 @@ class Plan:
 
     ``graph`` is the traced graph after user passes and tensor parallelism (shared by all tp
     ranks: shard offsets are read from the tp group at run time); ``stages`` its stage
-    GraphModules; ``split`` the balanced partition; ``schedule`` the per-rank action lists.
+    GraphModules; ``split`` the balanced partition; ``schedule`` the per-rank action lists;
+    ``comm`` / ``forward_comm`` every pipeline rank's communication plan for a training step and
+    for inference ([Note: message order] in fxsplit.pipeline.comm). ``rank_plan(r)`` is what the
+    runtime of pipeline rank r runs.
     """
 
     config: ParallelConfig
@@ -55,6 +60,19 @@ class Plan:
     tp_plan: Any = None
     pass_report: Mapping[str, Any] = field(default_factory=dict)
     plan_seconds: float = 0.0
+    comm: tuple[CommPlan, ...] = ()
+    forward_comm: tuple[CommPlan, ...] = ()
+
+    def rank_plan(self, pp_rank: int) -> RankPlan:
+        """Pipeline rank ``pp_rank``'s part of the plan: what its runtime runs."""
+        p = self.config.pp
+        if not 0 <= pp_rank < p:
+            raise IndexError(f"pp_rank {pp_rank} out of range: pp={p}")
+        g = self.stages
+        return RankPlan(rank=pp_rank, num_ranks=p, stage_ranks=tuple(s % p for s in range(g.num_stages)), io=g.io,
+                        input_meta=g.input_meta, shared_params=g.shared_params, output_spec=g.output_spec,
+                        schedule=tuple(tuple(row) for row in self.schedule), train=self.comm[pp_rank],
+                        forward=self.forward_comm[pp_rank])
 
     # -- inspection
     def stage_graph(self, stage: int, tp_rank: int = 0) -> torch.fx.GraphModule:
@@ -102,6 +120,10 @@ class Plan:
             f"simulated step: {sim.makespan * 1e3:.3f} ms; bubble {100 * sim.bubble_fraction:.1f}% of the step "
             f"(idle/ideal {100 * sim.bubble_ratio:.1f}%); peak in-flight microbatches per rank {list(sim.peak_inflight)}"
         )
+        if c.pp > 1:
+            sends = [sum(op.is_send for ops in cp.peer_ops.values() for op in ops) for cp in self.comm]
+            lines.append(f"point-to-point per step: {sum(sends)} messages (sends per rank {sends}); "
+                         f"plan.rank_plan(r) prints rank r's in order")
         lines.append(f"planned in {self.plan_seconds:.2f}s")
         return "\n".join(lines)
 
@@ -111,46 +133,31 @@ def plan(
     example_args: Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    dp: int = 1,
-    microbatches: int | None = None,
-    schedule: str = "interleaved_1f1b",
-    stages_per_rank: int | None = None,
-    passes: Sequence[Callable] = (),
-    split_points: Sequence[str] | None = None,
-    tp_plan: Mapping[str, str] | None = None,
-    memory_limit: float | None = None,
-    sequence_parallel: bool = False,
-    vocab_parallel_loss: bool = False,
-    method: str = "auto",
-    leaf_modules: Sequence[Any] = (),
-    hardware: Hardware = Hardware(),
-    cut_at: str = "any",
-    debug: str | None = None,
+    config: ParallelConfig | None = None,
+    **options: Any,
 ) -> Plan:
     """Plan ``model`` for dp x tp x pp in this process: trace, user passes, tensor parallelism,
-    balanced pipeline split, schedule. No process group and no weights needed (meta is fine).
+    balanced pipeline split, schedule, communication. No process group and no weights needed
+    (meta is fine).
 
+    The options are the fields of :class:`fxsplit.ParallelConfig`, given as keywords
+    (``plan(model, (x,), tp=2, pp=4)``) or as ``config=`` (keywords then override its fields).
     ``microbatches`` defaults to 2 * pp; ``stages_per_rank`` to 2 for interleaved 1F1B;
     ``passes`` are user passes ``(gm, ctx) -> PassResult`` run first, through a PassManager
     (``debug`` names a folder for per-pass dumps). ``hardware`` is what stage times are estimated
-    for (``parallelize`` on CPU uses ``Hardware.cpu()``); ``cut_at="modules"`` lets stages start
-    only where a module call begins.
+    for (default ``Hardware()``; ``parallelize`` on CPU uses ``Hardware.cpu()``);
+    ``cut_at="modules"`` lets stages start only where a module call begins.
     """
     t0 = time.perf_counter()
-    config = resolve_config(
-        tp=tp, pp=pp, dp=dp, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
-        split_points=split_points, tp_plan=tp_plan, memory_limit=memory_limit,
-        sequence_parallel=sequence_parallel, vocab_parallel_loss=vocab_parallel_loss,
-    )
-    gm = trace(model, example_args, example_kwargs, method=method, leaf_modules=leaf_modules)
+    config = make_config(config, options, where="plan").resolved()
+    hardware = config.hardware if config.hardware is not None else Hardware()
+    gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules)
     ctx = PassContext(
         example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
         example_kwargs=dict(example_kwargs or {}),
         options={"tp": config.tp, "pp": config.pp, "dp": config.dp},
     )
-    pipeline = list(passes)
+    pipeline = list(config.passes)
     tp_result = None
     if config.tp > 1 or config.tp_plan:
         from fxsplit.passes.tensor_parallel import tensor_parallel
@@ -168,21 +175,22 @@ def plan(
             pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
             schedule=config.schedule, num_microbatches=config.microbatches,
             memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
-            cut_at=cut_at,
+            cut_at=config.cut_at,
         )
     )
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
     # debug dumps (debug=DIR or FXSPLIT_DEBUG_DIR) show each of them
-    gm = PassManager(pipeline, debug=debug)(gm, ctx).graph_module
+    gm = PassManager(pipeline, debug=config.debug)(gm, ctx).graph_module
     tp_result = ctx.report.get("tensor_parallel")
     split = ctx.report["pipeline_split"]
     stages = split.build(gm)
-    sched_name = "1f1b" if config.schedule == "1f1b" else config.schedule
-    sched = _schedules.build(sched_name, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
+    sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
     _schedules.validate(sched)
+    comm = {fwd: plan_all_communication(sched, stages.io, num_ranks=config.pp, forward_only=fwd) for fwd in (False, True)}
     return Plan(
         config=config, graph=gm, split=split, stages=stages, schedule=sched, tp_plan=tp_result,
-        pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0,
+        pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0, comm=comm[False],
+        forward_comm=comm[True],
     )
 
 

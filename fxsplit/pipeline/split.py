@@ -302,82 +302,20 @@ def plan_split(
     if p < 1 or num_stages % p:
         raise SplitError(f"num_stages ({num_stages}) must be a multiple of num_ranks ({p}): each rank holds v = S / p stages")
     v = num_stages // p
-    binds: dict[Any, int] = dict(example_bindings(gm))
-    info = getattr(gm, "meta", {}).get("fxsplit")
-    for k, val in (bindings or {}).items():
-        if isinstance(k, str):
-            if info is None or k not in info.symbols:
-                raise SplitError(f"bindings: no symbolic dimension named {k!r}; the graph has {sorted(info.symbols) if info else []}")
-            binds[info.symbols[k]] = int(val)
-        else:
-            binds[k] = int(val)
-
-    nodes = list(gm.graph.nodes)
-    units = [n for n in nodes if n.op in _COMPUTE]
+    binds = _bindings(gm, bindings)
+    units = [n for n in gm.graph.nodes if n.op in _COMPUTE]
     if not units:
         raise SplitError("the graph has no compute nodes to split")
-    index = {n: i for i, n in enumerate(units)}
-    n = len(units)
-
-    compute, params, acts, flops = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-    for i, u in enumerate(units):
-        cost = node_info(u).cost
-        c = cost.evaluate(binds) if cost.is_symbolic else cost
-        # a measured profile (fxsplit.graph.profile.apply_profile) replaces the roofline estimate
-        compute[i] = node_time(u, flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, bindings=binds)
-        params[i] += float(c.param_bytes)
-        acts[i] = float(c.saved_bytes)
-        flops[i] = float(c.flops)
-    compute[-1] += loss_seconds  # the loss runs on the last stage, after the graph's last node
-    # parameters read through get_attr belong to the first unit that uses them
-    for node in nodes:
-        if node.op == "get_attr" and node.users:
-            cost = node_info(node).cost
-            if cost is not None and cost.param_bytes:
-                first = min((index[u] for u in node.users if u in index), default=None)
-                if first is not None:
-                    params[first] += _concrete(cost.param_bytes, binds)
-
-    # bytes live across each position (difference array over [producer + 1, last use])
-    diff = [0.0] * (n + 2)
-    for i, u in enumerate(units):
-        b = _value_bytes(u, binds)
-        if not b:
-            continue
-        last = max((index.get(user, n) for user in u.users), default=i)
-        if last > i:
-            diff[i + 1] += b
-            diff[last + 1] -= b
-    cut_bytes, run = [0.0] * (n + 1), 0.0
-    for k in range(n + 1):
-        run += diff[k]
-        cut_bytes[k] = run if 0 < k < n else 0.0
+    costs = _unit_costs(gm, units, binds, hardware, loss_seconds)
+    cut_bytes = _cut_bytes(units, binds)
     keys = [layer_key(node_info(u).module_path) for u in units]
-    penalty = [1.0] + [1.0 if keys[k - 1] != keys[k] else inner_cut_penalty for k in range(1, n)] + [1.0]
-
-    allowed = None
-    if cut_at == "modules":
-        paths = [node_info(u).module_path for u in units]
-        allowed = [True] + [
-            bool(paths[k]) and paths[k] != paths[k - 1] and not (paths[k - 1] + ".").startswith(paths[k] + ".")
-            for k in range(1, n)
-        ] + [True]
-    forced = list(_split_point_positions(units, list(split_points or ())))
-    markers = [index[m] for m in find_pipe_splits(gm) if m in index]
-    forced = sorted(set(forced) | {m for m in markers if m > 0})
-    if len(forced) > num_stages - 1:
-        raise SplitError(
-            f"{len(forced)} split points (user split points and pipe_split markers) make "
-            f"{len(forced) + 1} stages, but num_stages={num_stages}; pass num_stages={len(forced) + 1} or fewer split points"
-        )
-    if schedule in ("gpipe",):
-        inflight = inflight_gpipe(p, num_microbatches or p)
-    else:
-        inflight = inflight_1f1b(p, v)
+    penalty, allowed = _cut_rules(units, keys, cut_at, inner_cut_penalty)
+    forced = _forced_cuts(gm, units, split_points, num_stages)
+    inflight = inflight_gpipe(p, num_microbatches or p) if schedule == "gpipe" else inflight_1f1b(p, v)
     problem = PartitionProblem(
-        compute=tuple(compute),
-        param_bytes=tuple(params),
-        activation_bytes=tuple(acts),
+        compute=tuple(costs.compute),
+        param_bytes=tuple(costs.params),
+        activation_bytes=tuple(costs.acts),
         cut_bytes=tuple(cut_bytes),
         num_stages=num_stages,
         num_ranks=p,
@@ -396,7 +334,127 @@ def plan_split(
     method = "balanced"
     if forced:
         method = "user split points" if len(forced) == num_stages - 1 else "user split points + balanced"
+    stage_of = {u.name: s for s in range(num_stages) for u in units[part.cuts[s]:part.cuts[s + 1]]}
+    return SplitPlan(
+        num_stages=num_stages,
+        num_ranks=p,
+        stage_of=stage_of,
+        starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
+        stages=_summaries(part, p, keys, costs, cut_bytes),
+        partition=part,
+        method=method,
+        problem=problem,
+        bindings={str(k): v for k, v in binds.items()},
+        baselines=_baselines(problem, keys),
+    )
 
+
+# ------------------------------------------------------------------------------------------------
+# the steps of plan_split
+
+
+def _bindings(gm: torch.fx.GraphModule, bindings: Mapping[str | sympy.Symbol, int] | None) -> dict[Any, int]:
+    """Sizes for the graph's symbolic dims: the traced example's, overridden by ``bindings``."""
+    binds: dict[Any, int] = dict(example_bindings(gm))
+    info = getattr(gm, "meta", {}).get("fxsplit")
+    for k, val in (bindings or {}).items():
+        if isinstance(k, str):
+            if info is None or k not in info.symbols:
+                raise SplitError(f"bindings: no symbolic dimension named {k!r}; the graph has {sorted(info.symbols) if info else []}")
+            binds[info.symbols[k]] = int(val)
+        else:
+            binds[k] = int(val)
+    return binds
+
+
+@dataclass(frozen=True)
+class _UnitCosts:
+    compute: list[float]  # seconds (forward + backward)
+    params: list[float]  # parameter bytes (a get_attr's parameter counts on its first user)
+    acts: list[float]  # activation bytes saved for backward
+    flops: list[float]
+
+
+def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Mapping, hardware: Hardware,
+                loss_seconds: float) -> _UnitCosts:
+    """Per-unit time, parameter bytes, saved activations and FLOPs from the cost model (a
+    measured profile, ``fxsplit.graph.profile.apply_profile``, replaces the roofline estimate)."""
+    n = len(units)
+    index = {u: i for i, u in enumerate(units)}
+    out = _UnitCosts([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+    for i, u in enumerate(units):
+        cost = node_info(u).cost
+        c = cost.evaluate(binds) if cost.is_symbolic else cost
+        out.compute[i] = node_time(u, flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, bindings=binds)
+        out.params[i] += float(c.param_bytes)
+        out.acts[i] = float(c.saved_bytes)
+        out.flops[i] = float(c.flops)
+    out.compute[-1] += loss_seconds  # the loss runs on the last stage, after the graph's last node
+    # parameters read through get_attr belong to the first unit that uses them
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            cost = node_info(node).cost
+            if cost is not None and cost.param_bytes:
+                first = min((index[u] for u in node.users if u in index), default=None)
+                if first is not None:
+                    out.params[first] += _concrete(cost.param_bytes, binds)
+    return out
+
+
+def _cut_bytes(units: list[torch.fx.Node], binds: Mapping) -> list[float]:
+    """Bytes live across each position 0..n (produced before it, used at or after it; the ends 0)."""
+    n = len(units)
+    index = {u: i for i, u in enumerate(units)}
+    diff = [0.0] * (n + 2)  # difference array over [producer + 1, last use]
+    for i, u in enumerate(units):
+        b = _value_bytes(u, binds)
+        if not b:
+            continue
+        last = max((index.get(user, n) for user in u.users), default=i)
+        if last > i:
+            diff[i + 1] += b
+            diff[last + 1] -= b
+    cut_bytes, run = [0.0] * (n + 1), 0.0
+    for k in range(n + 1):
+        run += diff[k]
+        cut_bytes[k] = run if 0 < k < n else 0.0
+    return cut_bytes
+
+
+def _cut_rules(units: list[torch.fx.Node], keys: Sequence[str], cut_at: str,
+               inner_cut_penalty: float) -> tuple[list[float], list[bool] | None]:
+    """(penalty per position: ``inner_cut_penalty`` inside a layer, else 1; allowed positions with
+    ``cut_at="modules"``: where a module call begins, else None)."""
+    n = len(units)
+    penalty = [1.0] + [1.0 if keys[k - 1] != keys[k] else inner_cut_penalty for k in range(1, n)] + [1.0]
+    if cut_at != "modules":
+        return penalty, None
+    paths = [node_info(u).module_path for u in units]
+    allowed = [True] + [
+        bool(paths[k]) and paths[k] != paths[k - 1] and not (paths[k - 1] + ".").startswith(paths[k] + ".")
+        for k in range(1, n)
+    ] + [True]
+    return penalty, allowed
+
+
+def _forced_cuts(gm: torch.fx.GraphModule, units: list[torch.fx.Node], split_points: Sequence[str] | None,
+                 num_stages: int) -> list[int]:
+    """Positions of the user's split points and ``pipe_split()`` markers, checked to fit S stages."""
+    index = {u: i for i, u in enumerate(units)}
+    forced = list(_split_point_positions(units, list(split_points or ())))
+    markers = [index[m] for m in find_pipe_splits(gm) if m in index]
+    forced = sorted(set(forced) | {m for m in markers if m > 0})
+    if len(forced) > num_stages - 1:
+        raise SplitError(
+            f"{len(forced)} split points (user split points and pipe_split markers) make "
+            f"{len(forced) + 1} stages, but num_stages={num_stages}; pass num_stages={len(forced) + 1} or fewer split points"
+        )
+    return forced
+
+
+def _baselines(problem: PartitionProblem, keys: Sequence[str]) -> dict[str, float]:
+    """Balance of the splits users write by hand (equal layers; DeepSpeed's parameter count), on
+    the same problem without forced cuts or a memory cap."""
     baselines = {}
     free = PartitionProblem(**{**problem.__dict__, "forced": (), "memory_limit": None})
     try:
@@ -404,42 +462,27 @@ def plan_split(
         baselines["parameter count"] = parameter_count_cuts(free).balance
     except (PartitionError, ValueError):
         pass
+    return baselines
 
-    stage_of: dict[str, int] = {}
-    starts = []
-    summaries = []
-    for s in range(num_stages):
+
+def _summaries(part: Partition, p: int, keys: Sequence[str], costs: _UnitCosts,
+               cut_bytes: Sequence[float]) -> tuple[StageSummary, ...]:
+    out = []
+    for s in range(part.num_stages):
         a, b = part.cuts[s], part.cuts[s + 1]
-        starts.append(units[a].name)
-        for u in units[a:b]:
-            stage_of[u.name] = s
-        paths = list(dict.fromkeys(keys[a:b]))
-        summaries.append(
-            StageSummary(
-                index=s,
-                rank=s % p,
-                module_paths=tuple(paths),
-                num_nodes=b - a,
-                param_bytes=sum(params[a:b]),
-                flops=sum(flops[a:b]),
-                activation_bytes=sum(acts[a:b]),
-                bytes_in=cut_bytes[a],
-                bytes_out=cut_bytes[b],
-                time=part.stage_time[s],
-            )
-        )
-    return SplitPlan(
-        num_stages=num_stages,
-        num_ranks=p,
-        stage_of=stage_of,
-        starts=tuple(starts),
-        stages=tuple(summaries),
-        partition=part,
-        method=method,
-        problem=problem,
-        bindings={str(k): v for k, v in binds.items()},
-        baselines=baselines,
-    )
+        out.append(StageSummary(
+            index=s,
+            rank=s % p,
+            module_paths=tuple(dict.fromkeys(keys[a:b])),
+            num_nodes=b - a,
+            param_bytes=sum(costs.params[a:b]),
+            flops=sum(costs.flops[a:b]),
+            activation_bytes=sum(costs.acts[a:b]),
+            bytes_in=cut_bytes[a],
+            bytes_out=cut_bytes[b],
+            time=part.stage_time[s],
+        ))
+    return tuple(out)
 
 
 def _layer_equal_balance(problem: PartitionProblem, keys: Sequence[str]) -> float:

@@ -1,7 +1,9 @@
 """Pipeline runtime: one pipeline rank executes its action list over torch.distributed.
 
-- `executor.PipelineRuntime`: runs a rank's stages through a schedule (training step, inference).
-- `p2p`: the message plan ([Note: message order]) and the channel that posts sends/receives.
+- `executor.PipelineRuntime`: runs a rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan` with its
+  stage modules (training step, inference).
+- `p2p`: the channel that posts the sends/receives of a rank's communication plan
+  (``fxsplit.pipeline.comm``, [Note: message order]) with a timeout on every wait.
 - `microbatch`: split inputs and targets into microbatches, merge outputs, concrete shapes.
 - `split_backward`: the I / W halves of a backward for zero-bubble schedules ([Note: split backward]).
 - `mesh`: process-group set-up from torchrun's environment and the ("dp", "pp", "tp") DeviceMesh.
@@ -21,11 +23,9 @@ from fxsplit.runtime.microbatch import (
     split_microbatches,
     split_target,
 )
-from fxsplit.runtime.p2p import CommPlan, Message, P2PChannel, PipelineError, plan_communication
+from fxsplit.runtime.p2p import P2PChannel, PipelineError
 
 __all__ = [
-    "CommPlan",
-    "Message",
     "MicrobatchSplit",
     "P2PChannel",
     "PipelineError",
@@ -33,7 +33,6 @@ __all__ = [
     "bind_symbols",
     "concrete_shape",
     "merge_microbatches",
-    "plan_communication",
     "split_microbatches",
     "split_target",
 ]

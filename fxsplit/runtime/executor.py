@@ -1,11 +1,13 @@
 """Pipeline executor: one pipeline rank runs its action list with its stage modules.
 
-Terms (DESIGN.md, fxsplit.pipeline.stage, fxsplit.runtime.p2p): p pipeline ranks, S stages, m
-microbatches; rank r holds the stages with ``rank_of_stage(s) == r`` (default ``s % p``); an
+Terms (DESIGN.md, fxsplit.pipeline.stage, fxsplit.pipeline.comm): p pipeline ranks, S stages, m
+microbatches; rank r holds the stages with ``stage_ranks[s] == r`` (default ``s % p``); an
 action ``sKi`` is kind K (F, B, I, W) of microbatch i on stage s.
 
 Representative signature::
 
+    rt = PipelineRuntime(plan.rank_plan(r), {s: module for s in ...}, group=pp_group,
+                         loss_fn=lambda out, y: F.cross_entropy(...), device=dev)
     rt = PipelineRuntime.from_stage_graphs(graphs, schedule=build("1f1b", p, m), pp_group=None,
                                            loss_fn=lambda out, y: F.cross_entropy(...), device=dev)
     loss = rt.step((idx,), target=y)   # every pp rank gets the full-batch loss; grads in .grad
@@ -13,7 +15,7 @@ Representative signature::
 
 Launch one process per rank with ``torchrun --nproc-per-node=N train.py``; in each, after
 ``dist.init_process_group("nccl" or "gloo")``, take the pipeline group from a DeviceMesh
-(``pp_group=mesh.get_group("pp")``, ``pp_rank=mesh.get_local_rank("pp")``) so the same code
+(``group=mesh.get_group("pp")``, rank ``mesh.get_local_rank("pp")``) so the same code
 composes with TP and DP; the runtime only ever talks to ``pp_group`` (point-to-point, one
 broadcast of the loss), never creates groups, so no collective group creation is needed.
 
@@ -55,10 +57,12 @@ from fxsplit.runtime.microbatch import (
     split_microbatches,
     split_target,
 )
-from fxsplit.runtime.p2p import Message, P2PChannel, PipelineError, plan_communication
+from fxsplit.pipeline.comm import Message
+from fxsplit.pipeline.rank_plan import RankPlan
+from fxsplit.runtime.p2p import P2PChannel, PipelineError
 from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.schedule.ir import Action, ActionKind
-from fxsplit.pipeline.stage import StageGraphs, StageIO, ValueMeta
+from fxsplit.pipeline.stage import StageGraphs, ValueMeta
 
 __all__ = ["PipelineRuntime"]
 
@@ -105,20 +109,12 @@ class PipelineRuntime:
 
     def __init__(
         self,
+        plan: RankPlan,
+        modules: Mapping[int, nn.Module],
         *,
-        stages: Mapping[int, tuple[nn.Module, StageIO]],
-        num_stages: int,
-        schedule: Sequence[Sequence[Action | None]],
-        pp_group: dist.ProcessGroup | None,
-        pp_rank: int,
-        num_ranks: int,
-        input_meta: Sequence[ValueMeta],
+        group: dist.ProcessGroup | None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         device: torch.device | str,
-        stage_io: Sequence[StageIO] | None = None,
-        rank_of_stage: Callable[[int], int] | None = None,
-        shared_params: Sequence[Sequence[tuple[int, str]]] = (),
-        output_spec: Any = None,
         timeout: float = 300.0,
         split_dim: int = 0,
         batched: Sequence[bool] | None = None,
@@ -126,55 +122,40 @@ class PipelineRuntime:
         prefetch: int = 2,
         blocking_waits: bool | None = None,
     ):
-        self.rank_of_stage = rank_of_stage or (lambda s: s % num_ranks)
-        if stage_io is None:
-            if sorted(stages) != list(range(num_stages)):
-                raise ValueError(
-                    f"pipeline rank {pp_rank}: stage_io (the StageIO of all {num_stages} stages, "
-                    "e.g. StageGraphs.io) is required when this rank holds only stages "
-                    f"{sorted(stages)}: every rank derives the message order from all stages"
-                )
-            stage_io = [stages[s][1] for s in range(num_stages)]
-        if len(stage_io) != num_stages:
-            raise ValueError(f"stage_io has {len(stage_io)} entries, expected num_stages={num_stages}")
-        mine = sorted(s for s in range(num_stages) if self.rank_of_stage(s) == pp_rank)
-        if sorted(stages) != mine:
+        """Run ``plan`` (this rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan`) with ``modules``
+        (stage index -> module, exactly the stages ``plan.stages``) over the pipeline ``group``."""
+        if sorted(modules) != list(plan.stages):
             raise ValueError(
-                f"pipeline rank {pp_rank} was given stages {sorted(stages)} but holds stages {mine} "
-                f"(rank_of_stage over {num_stages} stages and {num_ranks} ranks); pass exactly those"
+                f"pipeline rank {plan.rank} was given stages {sorted(modules)} but holds stages "
+                f"{list(plan.stages)} (stage_ranks {list(plan.stage_ranks)}); pass exactly those"
             )
-        for s, (_, sio) in stages.items():
-            if sio != stage_io[s]:
-                raise ValueError(f"stages[{s}] StageIO differs from stage_io[{s}]; pass the same plan")
         if not 0 <= split_dim:
             raise ValueError(f"split_dim must be >= 0, got {split_dim}")
+        self.plan = plan
+        self.rank_of_stage = plan.rank_of_stage
         self.device = torch.device(device)
-        self.modules = {s: mod for s, (mod, _) in stages.items()}
-        self.io = tuple(stage_io)
-        self.num_stages = num_stages
-        self.pp_group = pp_group
-        self.pp_rank = pp_rank
-        self.num_ranks = num_ranks
-        self.input_meta = tuple(input_meta)
+        self.modules = dict(modules)
+        self.io = plan.io
+        self.num_stages = plan.num_stages
+        self.pp_group = group
+        self.pp_rank = plan.rank
+        self.num_ranks = plan.num_ranks
+        self.input_meta = plan.input_meta
         self.loss_fn = loss_fn
-        self.output_spec = output_spec
+        self.output_spec = plan.output_spec
         self.timeout = float(timeout)
         self.split_dim = split_dim
         self.batched = batched
         self.abort_on_error = abort_on_error
         self.prefetch_depth = max(0, int(prefetch))
-        self.last_stage = num_stages - 1
+        self.last_stage = self.num_stages - 1
         self.last_rank = self.rank_of_stage(self.last_stage)
-        backend = dist.get_backend(pp_group) if dist.is_initialized() else "gloo"
+        backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
         self.blocking_waits = (backend != "nccl") if blocking_waits is None else blocking_waits
-        self._schedule = [list(row) for row in schedule]
-        self.train_plan = plan_communication(self._schedule, self.io, rank=pp_rank,
-                                             num_ranks=num_ranks, rank_of_stage=self.rank_of_stage)
-        self.forward_plan = plan_communication(self._schedule, self.io, rank=pp_rank,
-                                               num_ranks=num_ranks, rank_of_stage=self.rank_of_stage,
-                                               forward_only=True)
+        self.train_plan = plan.train
+        self.forward_plan = plan.forward
         self.num_microbatches = self.train_plan.num_microbatches
-        self._tied = self._local_tied_groups(shared_params)
+        self._tied = self._local_tied_groups(plan.shared_params)
         self._shape_cache: dict[tuple, tuple[int, ...]] = {}
         self._binding_cache: dict[tuple, dict] = {}
         self._channels: dict[bool, P2PChannel] = {}
@@ -197,7 +178,7 @@ class PipelineRuntime:
         device: torch.device | str,
         pp_rank: int | None = None,
         num_ranks: int | None = None,
-        rank_of_stage: Callable[[int], int] | None = None,
+        stage_ranks: Sequence[int] | None = None,
         **options: Any,
     ) -> PipelineRuntime:
         """Build this rank's runtime from a full `StageGraphs` (stage modules moved to ``device``)."""
@@ -205,14 +186,10 @@ class PipelineRuntime:
             pp_rank = dist.get_rank(pp_group)
         if num_ranks is None:
             num_ranks = dist.get_world_size(pp_group)
-        owner = rank_of_stage or (lambda s: s % num_ranks)
-        stages = {s: (graphs.modules[s].to(device), graphs.io[s])
-                  for s in range(graphs.num_stages) if owner(s) == pp_rank}
-        return cls(stages=stages, num_stages=graphs.num_stages, schedule=schedule,
-                   pp_group=pp_group, pp_rank=pp_rank, num_ranks=num_ranks,
-                   input_meta=graphs.input_meta, loss_fn=loss_fn, device=device,
-                   stage_io=graphs.io, rank_of_stage=owner, shared_params=graphs.shared_params,
-                   output_spec=graphs.output_spec, **options)
+        plan = RankPlan.from_stage_graphs(graphs, schedule, rank=pp_rank, num_ranks=num_ranks,
+                                          stage_ranks=stage_ranks)
+        return cls(plan, {s: graphs.modules[s].to(device) for s in plan.stages}, group=pp_group,
+                   loss_fn=loss_fn, device=device, **options)
 
     def _local_tied_groups(self, shared: Sequence[Sequence[tuple[int, str]]]) -> list[tuple[int, tuple[int, ...], list[nn.Parameter]]]:
         """(group index, holder ranks, this rank's distinct Parameters) per group this rank holds."""
