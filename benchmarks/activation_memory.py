@@ -21,18 +21,17 @@ the runtime held (weight 1/v each), read from its state after every action.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 import fxsplit
 from fxsplit import schedule as schedules
 from fxsplit.testing import zoo
-from fxsplit.testing import run_distributed
+
+from _common import gpt_note, launch, make_gpt, parse_setup, targets
 
 SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2)}
 
@@ -104,10 +103,8 @@ def formula(schedule: str, p: int, r: int, m: int, v: int) -> float:
 
 
 def _rank_main(rank: int, world: int, setup: Setup) -> dict:
-    model, (x,), _ = zoo.make_gpt(n_layer=setup.layers, n_embd=setup.width, n_head=setup.heads,
-                                  vocab_size=setup.vocab, block_size=setup.seq, seq_len=setup.seq,
-                                  batch_size=setup.batch, tie_weights=False, seed=0)
-    y = torch.randint(0, setup.vocab, (setup.batch, setup.seq), generator=torch.Generator().manual_seed(7))
+    model, (x,), _ = make_gpt(setup)
+    y = targets(setup)
     out = {}
     for label, (name, v) in SCHEDULES.items():
         pm = fxsplit.parallelize(model, (x,), loss_fn=zoo.cross_entropy_loss, pp=world,
@@ -143,8 +140,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
 
 def report(p: int, results: list[dict], setup: Setup) -> list[str]:
     m = setup.microbatches
-    lines = [f"p={p}, m={m}: GPT {setup.layers} layers, width {setup.width}, vocab {setup.vocab}, "
-             f"seq {setup.seq}, batch {setup.batch} (microbatch {setup.batch // m})",
+    lines = [f"p={p}, m={m}: {gpt_note(setup)} (microbatch {setup.batch // m})",
              f"{'schedule':<14} {'rank':>4} {'peak MiB':>9} {'share MiB':>9} {'measured':>8} "
              f"{'held':>6} {'simulated':>9} {'formula':>8}"]
     for label in SCHEDULES:
@@ -159,18 +155,14 @@ def report(p: int, results: list[dict], setup: Setup) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f, val in asdict(Setup()).items():
-        ap.add_argument(f"--{f}", type=type(val), default=val)
-    setup = Setup(**vars(ap.parse_args(argv)))
+    _, setup = parse_setup(Setup, argv, __doc__.split("\n")[0])
     for p in (int(s) for s in setup.ranks.split(",") if s):
         if setup.microbatches % p:
             raise SystemExit(f"--microbatches {setup.microbatches} must be a multiple of p={p} "
                              "(Megatron's interleaving formula assumes m % p == 0)")
-        t0 = time.perf_counter()
-        results = run_distributed(_rank_main, p, setup, timeout=600)
+        results, _, wall = launch(_rank_main, p, setup, timeout=600)
         print("\n".join(report(p, results, setup)))
-        print(f"({time.perf_counter() - t0:.0f}s)")
+        print(f"({wall:.0f}s)")
     return 0
 
 

@@ -28,32 +28,29 @@ then rounds alternating fxsplit / PTD / one process (rank 0; the others wait in 
 flipped every round, every step after a barrier and timed as the slowest rank, forward + backward
 (no optimizer), gradients zeroed outside the timing; step 0's loss and every gradient (shards
 gathered) checked against the single process. Peak memory per rank: resident-memory rise during
-one step (see ``tp_vs_dtensor.PeakRSS``).
+one step (see ``_common.PeakRSS``).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
-import os
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_vs_dtensor import (  # noqa: E402 -- a sibling script, not a package
-    MATCHED_PLAN, PeakRSS, compare_grads, dtensor_tp, full_grads_dtensor, full_grads_fxsplit, mib,
-    release_freed_memory, timed)
+import fxsplit
+from fxsplit.testing import zoo
 
-import fxsplit  # noqa: E402
-from fxsplit.testing import zoo  # noqa: E402
-from fxsplit.testing import run_distributed  # noqa: E402
+from _common import (
+    MATCHED_PLAN, PeakRSS, alternate_rounds, compare_grads, dtensor_tp, full_grads_dtensor, full_grads_fxsplit,
+    gpt_note, grads_of, launch, load_note, make_gpt, med, mib, numerics_exit_code, numerics_lines, param_bytes,
+    parse_setup, per_round_line, ptd_pipe, ptd_schedule, ptd_step, rank_cpus, rank_peaks, release_freed_memory,
+    round_ratio, rounds_note, setup_line, single_step, slash, targets)
 
 SCHEDULES = {"interleaved": ("interleaved_1f1b", 2), "1f1b": ("1f1b", 1)}
 TP, PP = 2, 2
@@ -73,11 +70,6 @@ class Setup:
     tie: bool = True
     warmup: int = 1
     steps: int = 5
-
-
-def build_model(s: Setup):
-    return zoo.make_gpt(n_layer=s.layers, n_embd=s.width, n_head=s.heads, vocab_size=s.vocab,
-                        block_size=s.seq, seq_len=s.seq, batch_size=s.batch, tie_weights=s.tie, seed=0)
 
 
 def split_points(s: Setup) -> tuple[str, ...]:
@@ -137,15 +129,10 @@ def local_attention_shapes(stage_mod: nn.Module, *, heads: int, width: int, tp: 
 
 
 def build_ptd(model, x, s: Setup, rank: int, mesh) -> dict:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B, SplitPoint, pipeline
-
     name, v = SCHEDULES[s.schedule]
     S = PP * v
     notes: list[str] = []
-    pipe = pipeline(model, mb_args=(x[: x.shape[0] // s.microbatches],),
-                    split_spec={p: SplitPoint.BEGINNING for p in split_points(s)})
-    if pipe.num_stages != S:
-        raise RuntimeError(f"PTD made {pipe.num_stages} stages, expected {S}")
+    pipe = ptd_pipe(model, x, split_points(s), s.microbatches, S)
     pp_rank = mesh.get_local_rank("pp")
     mine = list(range(pp_rank, S, PP))
     for st in mine:
@@ -163,12 +150,8 @@ def build_ptd(model, x, s: Setup, rank: int, mesh) -> dict:
                          "then parallelize_module worked")
     pp_group = mesh["pp"].get_group()
     stages = [pipe.build_stage(st, torch.device("cpu"), group=pp_group) for st in mine]
-    if name == "1f1b":
-        sched = Schedule1F1B(stages[0], s.microbatches, loss_fn=zoo.cross_entropy_loss)
-    else:
-        sched = ScheduleInterleaved1F1B(stages, s.microbatches, loss_fn=zoo.cross_entropy_loss)
-    return {"sched": sched, "stages": stages, "first": any(st.is_first for st in stages),
-            "last": any(st.is_last for st in stages), "notes": notes}
+    sched, first, last = ptd_schedule(name, stages, s.microbatches)
+    return {"sched": sched, "stages": stages, "first": first, "last": last, "notes": notes}
 
 
 def ptd_full_grads(stages, tied: dict[str, str]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -208,9 +191,8 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
 
     torch.set_num_threads(1)
     release_freed_memory()
-    model, (x,), _ = build_model(s)
-    g = torch.Generator().manual_seed(7)
-    y = torch.randint(0, s.vocab, (s.batch, s.seq), generator=g)
+    model, (x,), _ = make_gpt(s, tie=s.tie)
+    y = targets(s)
     single = copy.deepcopy(model)
     sched_name, v = SCHEDULES[s.schedule]
     tied = {"lm_head.weight": "wte.weight"} if s.tie else {}
@@ -246,17 +228,10 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
     def fx_step():
         losses["fxsplit"] = float(pm.step(x, target=y))
 
-    def ptd_step():
-        mb_losses: list = []
-        ptd["sched"].step(*((x,) if ptd["first"] else ()), target=y if ptd["last"] else None,
-                          losses=mb_losses if ptd["last"] else None)
-        if ptd["last"]:
-            losses["ptd"] = float(torch.stack(mb_losses).detach().mean())
-
-    def single_step():
-        loss = zoo.cross_entropy_loss(single(x), y)
-        loss.backward()
-        losses["single"] = float(loss.detach())
+    def ptd_run():
+        loss = ptd_step(ptd["sched"], x, y, first=ptd["first"], last=ptd["last"])
+        if loss is not None:
+            losses["ptd"] = loss
 
     def zero():
         pm.zero_grad(set_to_none=True)
@@ -265,41 +240,33 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
             for st in ptd["stages"]:
                 st.submod.zero_grad(set_to_none=True)
 
-    runs = [("fxsplit", fx_step, True)] + ([("ptd", ptd_step, True)] if ptd is not None else []) + \
-        [("single", single_step, rank == 0)]
-    times: dict[str, list[float]] = {k: [] for k, _, _ in runs}
-    cpus: dict[str, list[float]] = {k: [] for k, _, _ in runs}
-    peaks: dict[str, list[int]] = {}
-    peak = PeakRSS()
+    runs = [("fxsplit", fx_step, True)] + ([("ptd", ptd_run, True)] if ptd is not None else []) + \
+        [("single", single_step(single, x, y, losses), rank == 0)]
     check: dict[str, dict] = {}
     step_losses: dict[str, float] = {}
-    for i in range(s.warmup + s.steps):
-        order = runs if i % 2 == 0 else runs[::-1]
-        for name, fn, active in order:
-            peak.start()
-            cpu: list[float] = []
-            dt = timed(fn, active, cpu)
-            if active and i >= s.warmup:
-                peaks.setdefault(name, []).append(peak.stop())
-                cpus[name].extend(cpu)
-            if i == 0:
-                if name == "fxsplit":
-                    check[name] = full_grads_fxsplit(pm)
-                    for alias, kept in tied.items():  # fxsplit: each stage's copy holds the summed gradient
-                        if alias in check[name]:
-                            same = kept in check[name] and torch.equal(check[name].pop(alias), check[name][kept])
-                            fx_notes.append(f"tied {kept} / {alias}: the two stages' copies hold "
-                                            f"{'the same summed gradient' if same else 'DIFFERENT gradients'}")
-                elif name == "ptd":
-                    check[name], tie_notes = ptd_full_grads(ptd["stages"], tied)
-                    ptd["notes"].extend(tie_notes)
-                elif active:
-                    check[name] = {k: p.grad.detach().clone() for k, p in single.named_parameters()}
-            zero()
-            if i >= s.warmup:
-                times[name].append(dt)
+
+    def gather_grads(i, name, active):
+        if i != 0:
+            return
+        if name == "fxsplit":
+            check[name] = full_grads_fxsplit(pm)
+            for alias, kept in tied.items():  # fxsplit: each stage's copy holds the summed gradient
+                if alias in check[name]:
+                    same = kept in check[name] and torch.equal(check[name].pop(alias), check[name][kept])
+                    fx_notes.append(f"tied {kept} / {alias}: the two stages' copies hold "
+                                    f"{'the same summed gradient' if same else 'DIFFERENT gradients'}")
+        elif name == "ptd":
+            check[name], tie_notes = ptd_full_grads(ptd["stages"], tied)
+            ptd["notes"].extend(tie_notes)
+        elif active:
+            check[name] = grads_of(single)
+
+    def first_losses(i):
         if i == 0:
-            step_losses = dict(losses)
+            step_losses.update(losses)
+
+    times, cpus, peaks = alternate_rounds(runs, s.warmup, s.steps, zero, peak=PeakRSS(),
+                                          after_step=gather_grads, after_round=first_losses)
     all_losses: list = [None] * world
     dist.all_gather_object(all_losses, step_losses)
     numerics = {}
@@ -309,13 +276,10 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
             merged.update(d)
         step_losses = merged
         numerics = {k: compare_grads(check["single"], v) for k, v in check.items() if k != "single"}
-    params = {"fxsplit": sum(p.numel() * p.element_size() for p in pm.parameters())}
+    params = {"fxsplit": param_bytes(pm.parameters())}
     if ptd is not None:
-        from tp_vs_dtensor import _local
-
-        params["ptd"] = sum(_local(p).numel() * p.element_size()
-                            for st in ptd["stages"] for p in st.submod.parameters())
-    params["single"] = sum(p.numel() * p.element_size() for p in single.parameters())
+        params["ptd"] = param_bytes(p for st in ptd["stages"] for p in st.submod.parameters())
+    params["single"] = param_bytes(single.parameters())
     return {"times": times, "cpu": cpus, "peaks": peaks, "params": params, "losses": step_losses, "numerics": numerics,
             "setup_s": setup_s, "ptd_error": ptd_error, "notes": ptd["notes"] if ptd else [],
             "fx_plan_s": pm.plan.plan_seconds, "fx_notes": fx_notes}
@@ -324,38 +288,26 @@ def _rank_main(rank: int, world: int, s: Setup) -> dict:
 # ----------------------------------------------------------------------------- report
 
 
-def _med(xs) -> float:
-    return statistics.median(xs)
-
-
 def report(results: list[dict], s: Setup, load: tuple[float, float], wall: float) -> str:
     r0 = results[0]
     w = r0["times"]
     n = len(w["single"])
     name, v = SCHEDULES[s.schedule]
     lines = [
-        f"GPT {s.layers} layers, width {s.width}, {s.heads} heads, vocab {s.vocab}, seq {s.seq}, batch {s.batch}, "
+        f"{gpt_note(s, heads=True)}, "
         f"{'tied' if s.tie else 'untied'} head; tp={TP} x pp={PP} (4 ranks), {name} v={v}, m={s.microbatches}, "
-        f"split at {list(split_points(s))}; gloo, 1 thread per rank; {s.warmup} warmup + {n} timed rounds; "
-        f"1-min load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores; wall {wall:.0f}s",
+        f"split at {list(split_points(s))}; {rounds_note(s.warmup, n)}; {load_note(load)}; wall {wall:.0f}s",
         f"{'step':<8} {'median s':>8} {'x single':>8} {'x PTD':>6} {'peak MiB per rank':>26} "
         f"{'param MiB per rank':>26} {'CPU s per rank':>23} {'CPU x PTD':>9}",
     ]
     for k in w:
-        xs = _med([w[k][i] / w["single"][i] for i in range(n)])
-        xp = _med([w[k][i] / w["ptd"][i] for i in range(n)]) if "ptd" in w else float("nan")
-        pk = "/".join(mib(_med(r["peaks"][k])) for r in results if k in r["peaks"])
+        xp = round_ratio(w[k], w["ptd"]) if "ptd" in w else float("nan")
         pa = "/".join(mib(r["params"][k]) for r in results) if k != "single" else mib(r0["params"][k])
-        cpu = [_med(r["cpu"][k]) for r in results if r["cpu"][k]]
-        cpu_ptd = max(_med(r["cpu"]["ptd"]) for r in results) if "ptd" in w else float("nan")
-        lines.append(f"{k:<8} {_med(w[k]):8.3f} {xs:8.3f} {xp:6.3f} {pk:>26} {pa:>26} "
-                     f"{'/'.join(f'{c:.2f}' for c in cpu):>23} {max(cpu) / cpu_ptd:9.3f}")
-    for k, v_ in r0["numerics"].items():
-        lines.append(f"  step-0 numerics {k} vs single: loss {r0['losses'].get(k, float('nan')):.6f} vs "
-                     f"{r0['losses'].get('single', float('nan')):.6f}; {v_['n']} gradients, max |diff| "
-                     f"{v_['max_abs']:.2e}; " +
-                     (f"NOT allclose(rtol={v_['tol'][0]:g}, atol={v_['tol'][1]:g}): {v_['bad']}" if v_["bad"] else
-                      f"all allclose(rtol={v_['tol'][0]:g}, atol={v_['tol'][1]:g})"))
+        cpu = rank_cpus(results, k)
+        cpu_ptd = max(rank_cpus(results, "ptd")) if "ptd" in w else float("nan")
+        lines.append(f"{k:<8} {med(w[k]):8.3f} {round_ratio(w[k], w['single']):8.3f} {xp:6.3f} "
+                     f"{rank_peaks(results, k):>26} {pa:>26} {slash(cpu):>23} {max(cpu) / cpu_ptd:9.3f}")
+    lines += numerics_lines(r0["numerics"], r0["losses"])
     for r_i, r in enumerate(results):
         if r["ptd_error"]:
             lines.append(f"  rank {r_i}: PTD composition FAILED: {r['ptd_error']}")
@@ -363,9 +315,8 @@ def report(results: list[dict], s: Setup, load: tuple[float, float], wall: float
     notes = sorted({note for r in results for note in r["notes"]})
     lines += [f"  PTD: {note}" for note in notes]
     lines += [f"  fxsplit: {note}" for note in r0["fx_notes"]]
-    lines.append("  setup s on rank 0: " + ", ".join(f"{k} {v_:.1f}" for k, v_ in r0["setup_s"].items()) +
-                 f" (fxsplit plan {r0['fx_plan_s']:.1f})")
-    lines.append("  wall s per round: " + "; ".join(f"{k} " + " ".join(f"{t:.3f}" for t in v_) for k, v_ in w.items()))
+    lines.append(setup_line(r0["setup_s"]) + f" (fxsplit plan {r0['fx_plan_s']:.1f})")
+    lines.append("  " + per_round_line(w))
     lines.append("ratios are medians of per-round ratios; peak = rise of resident memory during one step "
                  "(median; ranks 0/1/2/3); param = this rank's parameter shards; CPU = main-thread CPU seconds per "
                  "step (compute and framework overhead, not waits; gloo's threads not counted), CPU x PTD = "
@@ -374,25 +325,13 @@ def report(results: list[dict], s: Setup, load: tuple[float, float], wall: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f, val in asdict(Setup()).items():
-        if isinstance(val, bool):
-            ap.add_argument(f"--{f}", dest=f, action=argparse.BooleanOptionalAction, default=val)
-        else:
-            ap.add_argument(f"--{f.replace('_', '-')}", dest=f, type=type(val), default=val)
-    s = Setup(**vars(ap.parse_args(argv)))
+    ap, s = parse_setup(Setup, argv, __doc__.split("\n")[0], bools="both")
     if s.schedule not in SCHEDULES:
         ap.error(f"--schedule must be one of {sorted(SCHEDULES)}")
     split_points(s)
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    results = run_distributed(_rank_main, TP * PP, s, timeout=600)
-    print(report(results, s, (load0, os.getloadavg()[0]), time.perf_counter() - t0))
-    bad = [k for k, v in results[0]["numerics"].items() if v["bad"]]
-    if bad:
-        print(f"NUMERICS MISMATCH: {bad}")
-        return 1
-    return 0
+    results, load, wall = launch(_rank_main, TP * PP, s, timeout=600)
+    print(report(results, s, load, wall))
+    return numerics_exit_code(results[0]["numerics"])
 
 
 if __name__ == "__main__":

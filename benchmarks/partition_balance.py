@@ -12,7 +12,6 @@
 """
 
 import argparse
-import resource
 import sys
 import time
 
@@ -22,10 +21,7 @@ import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.pipeline.split import plan_split
 
-
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
+from _common import peak_rss_mb
 
 def balance_table() -> None:
     with torch.device("meta"):
@@ -47,16 +43,16 @@ def llama_70b() -> None:
     from fxsplit.testing import hf_zoo
 
     model, args, kwargs = hf_zoo.meta_llama_70b(seq_len=4096)
-    r0 = rss_mb()
+    r0 = peak_rss_mb()
     t = time.perf_counter()
     gm = fxsplit.trace(model, args, kwargs)
     trace_s = time.perf_counter() - t
-    print(f"Llama-70B: trace {trace_s:.1f}s ({len(gm.graph.nodes)} nodes, method {gm.meta['fxsplit'].method}), peak RSS {rss_mb():.0f} MB (+{rss_mb() - r0:.0f})")
+    print(f"Llama-70B: trace {trace_s:.1f}s ({len(gm.graph.nodes)} nodes, method {gm.meta['fxsplit'].method}), peak RSS {peak_rss_mb():.0f} MB (+{peak_rss_mb() - r0:.0f})")
     for S in (8, 16, 64):
         t = time.perf_counter()
         plan = plan_split(gm, num_stages=S)
         s = time.perf_counter() - t
-        print(f"  split into {S:>2} stages: {s:.2f}s = {100 * s / trace_s:.0f}% of the trace time; balance {plan.balance:.3f}; peak RSS {rss_mb():.0f} MB")
+        print(f"  split into {S:>2} stages: {s:.2f}s = {100 * s / trace_s:.0f}% of the trace time; balance {plan.balance:.3f}; peak RSS {peak_rss_mb():.0f} MB")
 
 
 if __name__ == "__main__":

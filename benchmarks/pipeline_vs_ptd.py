@@ -24,21 +24,20 @@ estimated imbalance included); "pred(bal)" is the perfectly balanced makespan
 
 from __future__ import annotations
 
-import argparse
 import copy
-import os
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 import fxsplit
 from fxsplit import schedule as schedules
 from fxsplit.testing import zoo
-from fxsplit.testing import run_distributed
+
+from _common import (
+    alternate_rounds, gpt_note, launch, load_note, make_gpt, med, parse_setup, per_round_line, ptd_pipe,
+    ptd_schedule, ptd_step, round_ratio, rounds_note, single_step, targets)
 
 SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2)}
 
@@ -66,13 +65,6 @@ class Setup:
         return None
 
 
-def build_model(s: Setup):
-    """The issue-4 GPT (untied LM head: PTD's pipeline() does not handle a weight shared by two
-    stages, and fxsplit's tied-gradient sum would be extra work PTD does not do)."""
-    return zoo.make_gpt(n_layer=s.layers, n_embd=s.width, n_head=s.heads, vocab_size=s.vocab,
-                        block_size=s.seq, seq_len=s.seq, batch_size=s.batch, tie_weights=False, seed=0)
-
-
 def split_paths(plan) -> list[str]:
     """Module path of the first node of every stage after the first (PTD split_spec keys)."""
     nodes = {n.name: n for n in plan.graph.graph.nodes}
@@ -97,22 +89,10 @@ def split_paths(plan) -> list[str]:
 
 
 def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, world: int):
-    from torch.distributed.pipelining import (
-        Schedule1F1B, ScheduleInterleaved1F1B, SplitPoint, pipeline)
-
-    m = setup.microbatches
-    pipe = pipeline(model, mb_args=(x[: x.shape[0] // m],),
-                    split_spec={p: SplitPoint.BEGINNING for p in paths})
     num_stages = world * v
-    if pipe.num_stages != num_stages:
-        raise RuntimeError(f"PTD made {pipe.num_stages} stages from split points {paths}, expected {num_stages}")
+    pipe = ptd_pipe(model, x, paths, setup.microbatches, num_stages)
     stages = [pipe.build_stage(s, torch.device("cpu")) for s in range(rank, num_stages, world)]
-    if sched_name == "1f1b":
-        sched = Schedule1F1B(stages[0], m, loss_fn=zoo.cross_entropy_loss)
-    else:
-        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=zoo.cross_entropy_loss)
-    first = any(st.is_first for st in stages)
-    last = any(st.is_last for st in stages)
+    sched, first, last = ptd_schedule(sched_name, stages, setup.microbatches)
     return sched, stages, first, last
 
 
@@ -192,23 +172,12 @@ def free_machine_makespan(per_rank: list[list[tuple[int, str, int, float]]]) -> 
     return max(free)
 
 
-def _timed(fn, active: bool) -> tuple[float, float]:
-    """(slowest rank's wall seconds, this rank's main-thread CPU seconds) of one step."""
-    dist.barrier()
-    c0, t0 = time.thread_time(), time.perf_counter()
-    if active:
-        fn()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    cpu = time.thread_time() - c0
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt), cpu
-
-
 def _rank_main(rank: int, world: int, setup: Setup) -> dict:
     torch.set_num_threads(1)
-    model, (x,), _ = build_model(setup)
-    g = torch.Generator().manual_seed(7)
-    y = torch.randint(0, setup.vocab, (setup.batch, setup.seq), generator=g)
+    # untied LM head: PTD's pipeline() does not handle a weight shared by two stages, and fxsplit's
+    # tied-gradient sum would be extra work PTD does not do
+    model, (x,), _ = make_gpt(setup)
+    y = targets(setup)
     single = copy.deepcopy(model)
     out: dict = {}
     for label in setup.schedules:
@@ -235,19 +204,12 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             losses["fxsplit"] = float(pm.step(x, target=y))
             actions["fxsplit"].append(clocks["fxsplit"].actions())
 
-        def ptd_step():
+        def ptd_run():
             clocks["ptd"].reset()
-            mb_losses: list = []
-            args = (x,) if first else ()
-            sched.step(*args, target=y if last else None, losses=mb_losses if last else None)
-            if last:
-                losses["ptd"] = float(torch.stack(mb_losses).detach().mean())
+            loss = ptd_step(sched, x, y, first=first, last=last)
+            if loss is not None:
+                losses["ptd"] = loss
             actions["ptd"].append(clocks["ptd"].actions())
-
-        def single_step():
-            loss = zoo.cross_entropy_loss(single(x), y)
-            loss.backward()
-            losses["single"] = float(loss.detach())
 
         def single_mb_step():  # the same m microbatches, one after the other (gradient accumulation)
             total = 0.0
@@ -263,27 +225,24 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             for st in stages:
                 st.submod.zero_grad(set_to_none=True)
 
-        runs = [("fxsplit", fx_step, True), ("ptd", ptd_step, True), ("single", single_step, rank == 0),
-                ("single_mb", single_mb_step, rank == 0)]
-        times: dict[str, list[float]] = {k: [] for k, _, _ in runs}
+        runs = [("fxsplit", fx_step, True), ("ptd", ptd_run, True),
+                ("single", single_step(single, x, y, losses), rank == 0), ("single_mb", single_mb_step, rank == 0)]
         waits: list[float] = []  # fxsplit: seconds this rank blocked in receives (bubble + transfers)
-        cpus: dict[str, list[float]] = {k: [] for k, _, _ in runs}
-        first_losses = None
-        for i in range(setup.warmup + setup.steps):
-            order = runs if i % 2 == 0 else runs[::-1]
-            for name, fn, active in order:
-                dt, cpu = _timed(fn, active)
-                if name == "fxsplit" and i >= setup.warmup:
-                    waits.append(pm._runtime.last_wait_seconds)
-                zero()
-                if i >= setup.warmup:
-                    times[name].append(dt)
-                    cpus[name].append(cpu)
+        first_losses: dict[str, float] = {}
+
+        def read_wait(i, name, active):
+            if name == "fxsplit" and i >= setup.warmup:
+                waits.append(pm._runtime.last_wait_seconds)
+
+        def end_round(i):
             if i == 0:
-                first_losses = dict(losses)
+                first_losses.update(losses)
             if i < setup.warmup:
                 for acts in actions.values():
                     acts.clear()
+
+        times, cpus, _ = alternate_rounds(runs, setup.warmup, setup.steps, zero, after_step=read_wait,
+                                          after_round=end_round)
         sim_plan = pm.plan.simulate()
         est_work = setup.microbatches * sum(s.time for s in pm.plan.split.stages)
         sim_bal = schedules.simulate(pm.plan.schedule, forward=1 / 3, backward=2 / 3)
@@ -305,21 +264,13 @@ def _losses_agree(all_losses: list[dict]) -> float:
     return max(abs(a - b) / abs(b) for a in vals for b in vals)
 
 
-def _med(xs) -> float:
-    return statistics.median(xs)
-
-
-
-
 def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
     """Medians over the timed rounds; every ratio is taken within a round (same machine load)."""
     p = len(results)
     m = setup.microbatches
     ideal = m / (m + p - 1) * p
-    head = (f"GPT {setup.layers} layers, width {setup.width}, vocab {setup.vocab}, seq {setup.seq}, "
-            f"batch {setup.batch}; p={p}, m={m}, gloo, 1 thread per rank; {setup.warmup} warmup + "
-            f"{setup.steps} timed rounds; ideal speedup m/(m+p-1)*p = {ideal:.3f}; 1-min load average "
-            f"{load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores")
+    head = (f"{gpt_note(setup)}; p={p}, m={m}, {rounds_note(setup.warmup, setup.steps)}; "
+            f"ideal speedup m/(m+p-1)*p = {ideal:.3f}; {load_note(load)}")
     wall = [f"{'A. wall clock':<16} {'T1':>6} {'T1 mb':>6} {'fxsplit':>7} {'PTD':>6} {'fx/PTD':>6} "
             f"{'fx/ideal':>8} {'PTD/ideal':>9}"]
     free = [f"{'B. free cores':<16} {'T1 CPU':>6} {'fxsplit':>7} {'PTD':>6} {'fx/PTD':>6} {'fx/ideal':>8} "
@@ -332,29 +283,28 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
         n = len(w["single"])
         rounds = range(n)
         wall.append(
-            f"{name:<16} {_med(w['single']):6.3f} {_med(w['single_mb']):6.3f} {_med(w['fxsplit']):7.3f} "
-            f"{_med(w['ptd']):6.3f} {_med([w['fxsplit'][i] / w['ptd'][i] for i in rounds]):6.3f} "
-            f"{_med([w['single'][i] / w['fxsplit'][i] / ideal for i in rounds]):8.3f} "
-            f"{_med([w['single'][i] / w['ptd'][i] / ideal for i in rounds]):9.3f}")
+            f"{name:<16} {med(w['single']):6.3f} {med(w['single_mb']):6.3f} {med(w['fxsplit']):7.3f} "
+            f"{med(w['ptd']):6.3f} {round_ratio(w['fxsplit'], w['ptd']):6.3f} "
+            f"{round_ratio(w['single'], w['fxsplit'], ideal):8.3f} "
+            f"{round_ratio(w['single'], w['ptd'], ideal):9.3f}")
         t1cpu = r0["cpu"]["single"]
         est = {k: [free_machine_makespan([r[label]["actions"][k][i] for r in results]) for i in rounds]
                for k in ("fxsplit", "ptd")}
-        rank_cpu = {k: [round(_med(r[label]["cpu"][k]), 3) for r in results] for k in est}
+        rank_cpu = {k: [round(med(r[label]["cpu"][k]), 3) for r in results] for k in est}
         free.append(
-            f"{name:<16} {_med(t1cpu):6.3f} {_med(est['fxsplit']):7.3f} {_med(est['ptd']):6.3f} "
-            f"{_med([est['fxsplit'][i] / est['ptd'][i] for i in rounds]):6.3f} "
-            f"{_med([t1cpu[i] / est['fxsplit'][i] / ideal for i in rounds]):8.3f} "
-            f"{_med([t1cpu[i] / est['ptd'][i] / ideal for i in rounds]):9.3f} "
-            f"{r0['sim_plan_ratio'] * _med(t1cpu):8.3f} {r0['sim_bal_ratio'] * _med(t1cpu):7.3f} "
+            f"{name:<16} {med(t1cpu):6.3f} {med(est['fxsplit']):7.3f} {med(est['ptd']):6.3f} "
+            f"{round_ratio(est['fxsplit'], est['ptd']):6.3f} "
+            f"{round_ratio(t1cpu, est['fxsplit'], ideal):8.3f} "
+            f"{round_ratio(t1cpu, est['ptd'], ideal):9.3f} "
+            f"{r0['sim_plan_ratio'] * med(t1cpu):8.3f} {r0['sim_bal_ratio'] * med(t1cpu):7.3f} "
             f"{str(rank_cpu['fxsplit']):>13} {str(rank_cpu['ptd']):>13}")
         rel = _losses_agree([r[label]["losses"] for r in results])
         notes.append(
             f"{name}: split at {r0['paths']}; first-step losses (fxsplit, PTD, single, single over "
             f"microbatches) agree to {rel:.1e}; fxsplit blocked in receives per rank "
-            f"{[round(_med(r[label]['waits']), 3) for r in results]} s; setup s on rank 0 (fxsplit, PTD) "
+            f"{[round(med(r[label]['waits']), 3) for r in results]} s; setup s on rank 0 (fxsplit, PTD) "
             f"{tuple(round(t, 1) for t in r0['setup_s'])}")
-        notes.append("    wall s per round: " + "; ".join(
-            f"{k} " + " ".join(f"{t:.3f}" for t in v) for k, v in w.items()))
+        notes.append("    " + per_round_line(w))
     legend = (
         "A: medians of wall seconds per step (slowest rank); T1 = one process, whole batch; T1 mb = "
         "one process, the m microbatches in turn; ratios are medians of per-round ratios, x/ideal = "
@@ -367,25 +317,14 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    d = Setup()
-    for f, val in asdict(d).items():
-        if f == "schedules":
-            ap.add_argument("--schedules", default=",".join(val), help="comma list of 1f1b, interleaved")
-        else:
-            ap.add_argument(f"--{f.replace('_', '-')}", dest=f, type=type(val), default=val)
-    a = ap.parse_args(argv)
-    kw = vars(a)
-    kw["schedules"] = tuple(s for s in kw["schedules"].split(",") if s)
-    bad = [s for s in kw["schedules"] if s not in SCHEDULES]
+    ap, setup = parse_setup(Setup, argv, __doc__.split("\n")[0],
+                            helps={"schedules": "comma list of 1f1b, interleaved"})
+    bad = [s for s in setup.schedules if s not in SCHEDULES]
     if bad:
         ap.error(f"unknown schedules {bad}; choose from {sorted(SCHEDULES)}")
-    setup = Setup(**kw)
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    results = run_distributed(_rank_main, 2, setup, timeout=900)
-    print(report(results, setup, (load0, os.getloadavg()[0])))
-    print(f"wall {time.perf_counter() - t0:.0f}s")
+    results, load, wall = launch(_rank_main, 2, setup, timeout=900)
+    print(report(results, setup, load))
+    print(f"wall {wall:.0f}s")
     return 0
 
 

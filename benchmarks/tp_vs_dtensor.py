@@ -39,27 +39,25 @@ over 64 KiB to the kernel when freed (mallopt), so the mark follows tensor lifet
 
 from __future__ import annotations
 
-import argparse
 import copy
-import ctypes
 import functools
-import os
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.tp.collectives import record_collectives
-from fxsplit.testing import run_distributed
 from fxsplit.tp.functional import vocab_parallel_cross_entropy
 
-MATCHED_PLAN = {"wte": "replicate", "lm_head": "replicate"}
+from _common import (
+    MATCHED_PLAN, PeakRSS, alternate_rounds, compare_grads, dtensor_tp, full_grads_dtensor, full_grads_fxsplit,
+    gpt_note, grads_of, launch, load_note, make_gpt, med, mib, numerics_exit_code, numerics_lines, param_bytes,
+    parse_setup, per_round_line, rank_cpus, rank_peaks, release_freed_memory, round_ratio, rounds_note,
+    setup_line, single_step, slash, targets)
 
 
 @dataclass(frozen=True)
@@ -75,46 +73,7 @@ class Setup:
     auto: bool = True  # also time fxsplit's automatic (vocabulary-parallel) plan, and with the parallel loss
 
 
-def build_model(s: Setup):
-    """The zoo GPT with separate q/k/v, untied head (DTensor's tutorial plan has no tied weights)."""
-    return zoo.make_gpt(n_layer=s.layers, n_embd=s.width, n_head=s.heads, vocab_size=s.vocab,
-                        block_size=s.seq, seq_len=s.seq, batch_size=s.batch, tie_weights=False, seed=0)
-
-
-def batch_of(s: Setup, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return x, torch.randint(0, s.vocab, (s.batch, s.seq), generator=g)
-
-
 # ----------------------------------------------------------------------------- measuring
-
-
-def release_freed_memory() -> None:
-    """glibc: serve every block over 64 KiB with mmap and unmap it when freed (M_MMAP_THRESHOLD)."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
-    except OSError:  # not glibc: the peak then includes memory the allocator kept
-        pass
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-class PeakRSS:
-    """Bytes by which resident memory rose above its level at ``start()``, up to ``stop()``."""
-
-    def start(self) -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current VmRSS
-        self.base = _status_kb("VmRSS")
-
-    def stop(self) -> int:
-        return (_status_kb("VmHWM") - self.base) * 1024
 
 
 class FunctionalCollectives(TorchDispatchMode):
@@ -136,20 +95,6 @@ class FunctionalCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def timed(fn, active: bool = True, cpu: list | None = None) -> float:
-    """The slowest rank's wall seconds for ``fn()``, started after a barrier; this rank's
-    main-thread CPU seconds are appended to ``cpu`` (gloo's own threads are not counted)."""
-    dist.barrier()
-    c0, t0 = time.thread_time(), time.perf_counter()
-    if active:
-        fn()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    if cpu is not None:
-        cpu.append(time.thread_time() - c0)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt)
-
-
 def summarize_calls(calls: list[tuple[str, int]]) -> dict:
     kinds: dict[str, list[int]] = {}
     for name, nbytes in calls:
@@ -162,84 +107,6 @@ def megatron_bytes(s: Setup, layers: int | None = None) -> int:
     return 4 * (s.layers if layers is None else layers) * s.batch * s.seq * s.width * 4
 
 
-# ----------------------------------------------------------------------------- frameworks
-
-
-def dtensor_tp(model: torch.nn.Module, mesh, tp: int, prefix: str = "blocks") -> None:
-    """Apply the tutorial TP plan to every block of ``model`` in place, with local head counts."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan = {}
-    blocks = model.get_submodule(prefix)
-    for name, _ in blocks.named_children():
-        p = f"{prefix}.{name}"
-        plan.update({f"{p}.attn.q": ColwiseParallel(), f"{p}.attn.k": ColwiseParallel(),
-                     f"{p}.attn.v": ColwiseParallel(), f"{p}.attn.proj": RowwiseParallel(),
-                     f"{p}.mlp.up": ColwiseParallel(), f"{p}.mlp.down": RowwiseParallel()})
-    parallelize_module(model, mesh, plan)
-    for block in blocks.children():
-        attn = block.attn
-        if hasattr(attn, "n_head"):
-            if attn.n_head % tp or attn.n_kv_head % tp:
-                raise ValueError(f"n_head={attn.n_head}, n_kv_head={attn.n_kv_head} must divide by tp={tp}")
-            attn.n_head //= tp
-            attn.n_kv_head //= tp
-
-
-def full_grads_dtensor(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-    return out
-
-
-def full_grads_fxsplit(pm) -> dict[str, torch.Tensor]:
-    """Every gradient of ``pm`` under the original names and shapes (collective over tp and pp)."""
-    from fxsplit.tp.sharding import unshard_state_dict
-
-    specs = getattr(pm.plan.tp_plan, "param_specs", {}) or {}
-    local: dict[str, torch.Tensor] = {}
-    for mod in pm.stage_modules.values():
-        for name, p in mod.named_parameters():
-            if p.grad is not None:
-                local.setdefault(name, p.grad.detach().clone())
-    tp = pm._groups.get("tp")
-    if tp is not None and dist.get_world_size(tp) > 1:
-        per_rank: list = [None] * dist.get_world_size(tp)
-        dist.all_gather_object(per_rank, local, group=tp)
-        local = unshard_state_dict(per_rank, {k: v for k, v in specs.items() if k in local})
-    pp = pm._groups.get("pp")
-    if pp is not None and dist.get_world_size(pp) > 1:
-        parts: list = [None] * dist.get_world_size(pp)
-        dist.all_gather_object(parts, local, group=pp)
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            for k, v in part.items():
-                merged.setdefault(k, v)
-        local = merged
-    return local
-
-
-def compare_grads(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], *, rtol: float = 1e-5,
-                  atol: float = 1e-6) -> dict:
-    """Largest |diff| over every gradient, and the names failing ``allclose(rtol, atol)`` or missing."""
-    bad = sorted(set(ref) ^ set(got))
-    worst = 0.0
-    for k in sorted(set(ref) & set(got)):
-        a, b = got[k], ref[k]
-        if a.shape != b.shape:
-            bad.append(f"{k} shape {tuple(a.shape)} != {tuple(b.shape)}")
-            continue
-        worst = max(worst, float((a - b).abs().max()))
-        if not torch.allclose(a, b, rtol=rtol, atol=atol):
-            bad.append(k)
-    return {"n": len(ref), "max_abs": worst, "bad": bad, "tol": (rtol, atol)}
-
-
 # ----------------------------------------------------------------------------- one rank
 
 
@@ -248,8 +115,8 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
 
     torch.set_num_threads(1)
     release_freed_memory()
-    model, (x,), _ = build_model(setup)
-    x, y = batch_of(setup, x)
+    model, (x,), _ = make_gpt(setup)  # separate q/k/v, untied head (DTensor's tutorial plan has no tied weights)
+    y = targets(setup)
     single = copy.deepcopy(model)
     setup_s = {}
     t0 = time.perf_counter()
@@ -273,8 +140,6 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
 
     losses: dict[str, float] = {}
     comm: dict[str, list] = {}
-    peak = PeakRSS()
-    peaks: dict[str, list[int]] = {}
 
     def fx_step(key):
         def run():
@@ -290,43 +155,29 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         losses["dtensor"] = float(loss.detach())
         comm["dtensor"] = mode.calls
 
-    def single_step():
-        loss = zoo.cross_entropy_loss(single(x), y)
-        loss.backward()
-        losses["single"] = float(loss.detach())
-
     def zero():
         for pm in pms.values():
             pm.zero_grad(set_to_none=True)
         dt_model.zero_grad(set_to_none=True)
         single.zero_grad(set_to_none=True)
 
-    runs = [(k, fx_step(k), True) for k in pms] + [("dtensor", dt_step, True), ("single", single_step, rank == 0)]
-    times: dict[str, list[float]] = {k: [] for k, _, _ in runs}
-    cpus: dict[str, list[float]] = {k: [] for k, _, _ in runs}
     check = {}
-    for i in range(setup.warmup + setup.steps):
-        order = runs if i % 2 == 0 else runs[::-1]
-        for name, fn, active in order:
-            peak.start()
-            cpu: list[float] = []
-            dt = timed(fn, active, cpu)
-            if active and i >= setup.warmup:
-                peaks.setdefault(name, []).append(peak.stop())
-                cpus[name].extend(cpu)
-            if i == 0:  # numerics: every gradient against the single process
-                grads = (full_grads_dtensor(dt_model) if name == "dtensor" else
-                         full_grads_fxsplit(pms[name]) if name in pms else
-                         {k: p.grad.detach().clone() for k, p in single.named_parameters()} if active else {})
-                check[name] = grads
-            zero()
-            if i >= setup.warmup:
-                times[name].append(dt)
+
+    def gather_grads(i, name, active):
+        if i == 0:  # numerics: every gradient against the single process
+            check[name] = (full_grads_dtensor(dt_model) if name == "dtensor" else
+                           full_grads_fxsplit(pms[name]) if name in pms else
+                           grads_of(single) if active else {})
+
+    runs = [(k, fx_step(k), True) for k in pms] + [("dtensor", dt_step, True),
+                                                    ("single", single_step(single, x, y, losses), rank == 0)]
+    times, cpus, peaks = alternate_rounds(runs, setup.warmup, setup.steps, zero, peak=PeakRSS(),
+                                          after_step=gather_grads)
     ref = check.get("single", {})
     numerics = {k: compare_grads(ref, v) for k, v in check.items() if k != "single"} if rank == 0 else {}
-    params = {k: sum(p.numel() * p.element_size() for p in pm.parameters()) for k, pm in pms.items()}
-    params["dtensor"] = sum(_local(p).numel() * p.element_size() for p in dt_model.parameters())
-    params["single"] = sum(p.numel() * p.element_size() for p in single.parameters())
+    params = {k: param_bytes(pm.parameters()) for k, pm in pms.items()}
+    params["dtensor"] = param_bytes(dt_model.parameters())
+    params["single"] = param_bytes(single.parameters())
     return {"times": times, "cpu": cpus, "losses": losses, "comm": {k: summarize_calls(v) for k, v in comm.items()},
             "peaks": peaks, "params": params, "numerics": numerics, "setup_s": setup_s}
 
@@ -338,21 +189,7 @@ def _numel(shape) -> int:
     return n
 
 
-def _local(p):
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local() if isinstance(p, DTensor) else p
-
-
 # ----------------------------------------------------------------------------- report
-
-
-def _med(xs) -> float:
-    return statistics.median(xs)
-
-
-def mib(n: float) -> str:
-    return f"{n / 2**20:.1f}"
 
 
 def report(results: list[dict], setup: Setup, load: tuple[float, float], wall: float) -> str:
@@ -362,26 +199,20 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float], wall: f
     n = len(w["single"])
     names = [k for k in w if k != "single"]
     lines = [
-        f"GPT {setup.layers} layers, width {setup.width}, {setup.heads} heads, vocab {setup.vocab}, "
-        f"seq {setup.seq}, batch {setup.batch}; t={t}, gloo, 1 thread per rank; {setup.warmup} warmup + "
-        f"{n} timed rounds; 1-min load average {load[0]:.1f} -> {load[1]:.1f} on {os.cpu_count()} cores; "
+        f"{gpt_note(setup, heads=True)}; t={t}, {rounds_note(setup.warmup, n)}; {load_note(load)}; "
         f"wall {wall:.0f}s",
         f"{'step':<9} {'median s':>8} {'x single':>8} {'x dtensor':>9} {'colls':>5} {'MiB moved':>9} "
         f"{'x Megatron':>10} {'peak MiB r0/r1':>15} {'param MiB':>9} {'CPU s r0/r1':>11} {'CPU x dt':>8}",
     ]
     mega = megatron_bytes(setup)
     for k in [*names, "single"]:
-        ratio_single = _med([w[k][i] / w["single"][i] for i in range(n)])
-        ratio_dt = _med([w[k][i] / w["dtensor"][i] for i in range(n)])
         c = r0["comm"].get(k)
-        pk = "/".join(mib(_med(r["peaks"][k])) for r in results if k in r["peaks"])
-        cpu = [_med(r["cpu"][k]) for r in results if r["cpu"][k]]
-        dt_cpu = max(_med(r["cpu"]["dtensor"]) for r in results)
+        cpu = rank_cpus(results, k)
         lines.append(
-            f"{k:<9} {_med(w[k]):8.3f} {ratio_single:8.3f} {ratio_dt:9.3f} "
+            f"{k:<9} {med(w[k]):8.3f} {round_ratio(w[k], w['single']):8.3f} {round_ratio(w[k], w['dtensor']):9.3f} "
             f"{(c['count'] if c else 0):5d} {mib(c['bytes']) if c else '0':>9} "
-            f"{(c['bytes'] / mega if c else 0):10.3f} {pk:>15} {mib(r0['params'][k]):>9} "
-            f"{'/'.join(f'{x:.2f}' for x in cpu):>11} {max(cpu) / dt_cpu:8.3f}")
+            f"{(c['bytes'] / mega if c else 0):10.3f} {rank_peaks(results, k):>15} {mib(r0['params'][k]):>9} "
+            f"{slash(cpu):>11} {max(cpu) / max(rank_cpus(results, 'dtensor')):8.3f}")
     lines.append(f"Megatron count: 4 all-reduces x {setup.layers} layers x b*s*h = "
                  f"{4 * setup.layers} x {mib(setup.batch * setup.seq * setup.width * 4)} MiB = "
                  f"{mib(mega)} MiB per step")
@@ -389,14 +220,9 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float], wall: f
         c = r0["comm"][k]
         lines.append(f"  {k}: " + ", ".join(f"{kind} {cnt} x = {mib(b)} MiB"
                                              for kind, (cnt, b) in c["by_kind"].items()))
-    for k, v in r0["numerics"].items():
-        lines.append(f"  step-0 numerics {k} vs single: loss {r0['losses'].get(k, float('nan')):.6f} vs "
-                     f"{r0['losses'].get('single', float('nan')):.6f}; {v['n']} gradients, max |diff| "
-                     f"{v['max_abs']:.2e}; " +
-                     (f"NOT allclose(rtol={v['tol'][0]:g}, atol={v['tol'][1]:g}): {v['bad']}" if v["bad"] else
-                      f"all allclose(rtol={v['tol'][0]:g}, atol={v['tol'][1]:g})"))
-    lines.append("  setup s on rank 0: " + ", ".join(f"{k} {v:.1f}" for k, v in r0["setup_s"].items()))
-    lines.append("  wall s per round: " + "; ".join(f"{k} " + " ".join(f"{x:.3f}" for x in v) for k, v in w.items()))
+    lines += numerics_lines(r0["numerics"], r0["losses"])
+    lines.append(setup_line(r0["setup_s"]))
+    lines.append("  " + per_round_line(w))
     lines.append(
         "ratios are medians of per-round ratios; MiB moved = payload bytes of this rank's collectives "
         "in one step (forward + backward); peak = rise of resident memory during one step (median); CPU = "
@@ -406,22 +232,10 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float], wall: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f, val in asdict(Setup()).items():
-        if isinstance(val, bool):
-            ap.add_argument(f"--no-{f}", dest=f, action="store_false")
-        else:
-            ap.add_argument(f"--{f.replace('_', '-')}", dest=f, type=type(val), default=val)
-    setup = Setup(**vars(ap.parse_args(argv)))
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    results = run_distributed(_rank_main, 2, setup, timeout=600)
-    print(report(results, setup, (load0, os.getloadavg()[0]), time.perf_counter() - t0))
-    bad = [k for k, v in results[0]["numerics"].items() if v["bad"]]
-    if bad:
-        print(f"NUMERICS MISMATCH: {bad}")
-        return 1
-    return 0
+    _, setup = parse_setup(Setup, argv, __doc__.split("\n")[0])
+    results, load, wall = launch(_rank_main, 2, setup, timeout=600)
+    print(report(results, setup, load, wall))
+    return numerics_exit_code(results[0]["numerics"])
 
 
 if __name__ == "__main__":
