@@ -3,7 +3,7 @@
 Internal to :mod:`fxsplit.pipeline.partition` (not a public module; the chain model it searches is :mod:`fxsplit.pipeline.chain`): ``solve`` calls `solve_coupled` when
 a rank holds several stages and memory is capped, and ``solve``/``brute_force`` raise
 `memory_error` when no partition fits. The cost model is [Note: partition cost model] and the
-guarantees are "Guarantees of `solve`", both in ``fxsplit/partition.py``.
+guarantees are "Guarantees of `solve`", both in ``fxsplit/pipeline/partition.py``.
 
 Terms
 -----
