@@ -219,7 +219,7 @@ def test_step_logging_reports_loss_time_and_measured_bubble():
 def _cases_zero_bubble(rank, world):
     # ZB-H1 (backward split into I and W) through parallelize: one schedule registry for plan,
     # the CLI and the runtime
-    return _train(rank, world, "gpt", {}, dict(pp=2, schedule="zb_h1", microbatches=4))
+    return _train(rank, world, "gpt", {}, dict(pp=2, schedule="zb_h1", microbatches=2))
 
 
 @pytest.mark.dist

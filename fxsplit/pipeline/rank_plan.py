@@ -14,7 +14,7 @@ process started: the runtime runs it and never plans ([Note: layer contract] in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +59,15 @@ class RankPlan:
     def build(cls, io: Sequence[StageIO], schedule: Sequence[Sequence[Action | None]], *, rank: int,
               num_ranks: int, input_meta: Sequence[ValueMeta],
               shared_params: Sequence[Sequence[tuple[int, str]]] = (), output_spec: Any = None,
-              stage_ranks: Sequence[int] | None = None) -> RankPlan:
-        """Plan rank ``rank`` from the stages' wiring and the schedule (computes its CommPlans)."""
-        ranks = tuple(stage_ranks) if stage_ranks is not None else tuple(s % num_ranks for s in range(len(io)))
+              stage_ranks: Sequence[int] | Mapping[int, int] | None = None) -> RankPlan:
+        """Plan rank ``rank`` from the stages' wiring and the schedule (computes its CommPlans);
+        ``stage_ranks`` maps stage -> rank (default ``s % num_ranks``)."""
+        if stage_ranks is None:
+            ranks = tuple(s % num_ranks for s in range(len(io)))
+        elif isinstance(stage_ranks, Mapping):  # stage -> rank
+            ranks = tuple(stage_ranks[s] for s in range(len(io)))
+        else:
+            ranks = tuple(stage_ranks)
         comm = {fwd: plan_all_communication(schedule, io, num_ranks=num_ranks, rank_of_stage=ranks.__getitem__,
                                             forward_only=fwd)[rank] for fwd in (False, True)}
         return cls(rank=rank, num_ranks=num_ranks, stage_ranks=ranks, io=tuple(io), input_meta=tuple(input_meta),
