@@ -234,6 +234,45 @@ class ParallelModel(nn.Module):
         self._dp_done.update(id(p) for p in params)
         self._dp_pending += _launch_all_reduce([p.grad for p in params], dp, self._bucket_bytes)
 
+    # -- gradient clipping
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients by the norm of the WHOLE model's gradient; returns that norm.
+
+        The norm is the one ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` returns
+        on the unsplit model: over every parameter of every stage, tp shard and replica, each
+        counted once ([Note: counting each parameter once] in :mod:`fxsplit.api.grad_norm`), as
+        a float32 0-dim tensor equal on every rank. When it exceeds ``max_norm``, every local
+        gradient is multiplied by ``max_norm / (norm + 1e-6)``, exactly as torch does.
+        ``norm_type`` is any p > 0 or ``float("inf")`` (the largest absolute value).
+
+        Call it on every rank (it is one collective: an all-reduce of one number over all ranks),
+        after :meth:`step` and before ``optimizer.step()``. Do NOT use
+        ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)``: it sees one rank's shards and
+        copies only, so every rank would compute a different norm (missing the other stages and
+        shards) and clip by its own factor: wrong for the whole model, and the copies of a
+        tp-replicated or tied parameter would silently drift apart.
+        """
+        from fxsplit.api.grad_norm import check_norm_type, global_norm, norm_parameters, scale_grads
+
+        p = check_norm_type(norm_type)
+        specs = self.plan.tp_plan.param_specs if self.plan.tp_plan is not None else {}
+        counted = norm_parameters(
+            {int(s): m for s, m in self.stage_modules.items()}, shared_params=self.plan.stages.shared_params,
+            sharded=specs, coords=self.coords,
+        )
+        world = dist.group.WORLD if dist.is_initialized() else None
+        total = global_norm([q.grad for q in counted if q.grad is not None], p, group=world,
+                            device=self._runtime.device)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {p} of the gradients is {float(total)}, so "
+                "they cannot be clipped (raised on every rank); pass error_if_nonfinite=False to scale "
+                "them by it anyway"
+            )
+        scale_grads(self.parameters(), max_norm, total)
+        return total
+
     # -- state
     def _local_state(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

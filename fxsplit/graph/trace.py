@@ -9,7 +9,8 @@ Terms:
   caller gave (arguments left at their defaults are baked in).
 - **dynamic dimensions**: dim 0 of every tensor input (the batch) and dim 1 of every integer tensor
   input (the sequence of token ids) are traced as sympy symbols where the model allows, so shapes
-  and costs are expressions and one plan serves several batch sizes.
+  and costs are expressions and one plan serves several batch sizes; an example batch of one
+  sample is traced as two ([Note: batch of one]).
 
     gm = fxsplit.trace(model, (idx,))                  # fx, or export when fx cannot trace it
     gm.meta["fxsplit"]                                 # TraceInfo(method=..., reason=..., symbols=...)
@@ -267,6 +268,37 @@ def _dynamic_dims(t: torch.Tensor) -> list[int]:
     return dims
 
 
+# [Note: batch of one]
+# Tracing specializes a dimension of size 1 (fake tensors and torch.export treat sizes 0 and 1
+# as constants: broadcasting depends on them), so an example of ONE sample would fix the batch
+# size to 1 and every later batch split into microbatches of 2 would be refused. When the batch
+# (dim 0 of the first tensor input with a dim, as fxsplit.runtime.microbatch reads it) is 1,
+# the symbolic trace runs on a copy of the example with every tensor whose dim 0 is 1 repeated
+# to 2 along it (the inputs the runtime would split at that batch size); the graph then holds a
+# batch symbol (valid for sizes >= 1: the traced graph does not depend on the hint) whose example
+# value (hint) is 2. A static fallback traces the example as given.
+_WIDE_BATCH = 2
+
+
+def _batch_of(values: Any) -> int | None:
+    leaves = torch.utils._pytree.tree_leaves(values)
+    return next((int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
+
+
+def _widen_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    """``(args, kwargs, widened)``: the example with a batch of 1 repeated to 2 ([Note: batch of one])."""
+    if _batch_of((args, kwargs)) != 1:
+        return args, kwargs, False
+
+    def widen(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 1:
+            return x.detach().expand(_WIDE_BATCH, *x.shape[1:]).contiguous().requires_grad_(x.requires_grad)
+        return x
+
+    wide_args, wide_kwargs = torch.utils._pytree.tree_map(widen, (args, kwargs))
+    return tuple(wide_args), dict(wide_kwargs), True
+
+
 def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -290,12 +322,14 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool) -> None
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
 
 
-def _propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, on_meta: bool) -> str:
-    """Fill ``meta["val"]``: fake tensors (symbolic if asked); falls back to static shapes, then,
+def _propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, on_meta: bool,
+               wide: list | None = None) -> str:
+    """Fill ``meta["val"]``: fake tensors (symbolic if asked, from ``wide``, the example with a
+    batch of one widened, when given: [Note: batch of one]); falls back to static shapes, then,
     for real-weight models only, to one real forward (a leaf module with data-dependent code)."""
     try:
-        _fake_propagate(gm, flat, dynamic)
-        return ""
+        _fake_propagate(gm, wide if dynamic and wide is not None else flat, dynamic)
+        return _WIDE_NOTE if dynamic and wide is not None else ""
     except Exception as first:
         if dynamic:
             try:
@@ -316,6 +350,9 @@ def _propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, on_meta: boo
     with torch.no_grad():
         _RealProp(gm).run(*flat)
     return " (shapes from one real forward: fake-tensor propagation failed, e.g. data-dependent code in a leaf module)"
+
+
+_WIDE_NOTE = f" (the example batch of 1 traced as {_WIDE_BATCH}, so the batch size stays symbolic)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,7 +434,9 @@ def trace(
             tensors may be on the meta device. Arguments not given are fixed to their defaults.
         method: ``"fx"``, ``"export"`` or ``"auto"`` (fx first, then export).
         leaf_modules: module paths or classes that fx keeps as single ``call_module`` nodes.
-        dynamic: trace batch (dim 0) and sequence (dim 1 of integer inputs) as symbols.
+        dynamic: trace batch (dim 0) and sequence (dim 1 of integer inputs) as symbols; an
+            example batch of one sample is traced as two so that it does not fix the batch size
+            ([Note: batch of one]).
 
     Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.graph.meta.TraceInfo` and whose
     nodes have ``meta["fxsplit"]`` (:class:`fxsplit.graph.meta.NodeInfo`) and ``meta["val"]``. Calling it
@@ -408,6 +447,7 @@ def trace(
     args, kwargs = _normalize_args(model, example_args, example_kwargs)
     leaves = _split_leaves(model, tuple(leaf_modules))
     on_meta = any(p.is_meta for p in model.parameters())
+    wide_args, wide_kwargs, widened = _widen_batch(args, kwargs) if dynamic else (args, kwargs, False)
 
     gm: torch.fx.GraphModule | None = None
     used, reason = method, f'method="{method}" requested'
@@ -416,7 +456,8 @@ def trace(
         try:
             gm, given = _trace_fx(model, args, kwargs, leaves)
             flat = [a for a in args] + [kwargs[k] for k in given[len(args):]]
-            prop_note = _propagate(gm, flat, dynamic, on_meta)
+            wide = [a for a in wide_args] + [wide_kwargs[k] for k in given[len(args):]] if widened else None
+            prop_note = _propagate(gm, flat, dynamic, on_meta, wide)
             input_names = tuple(given)
             used = "fx"
             if method == "auto":
@@ -438,7 +479,8 @@ def trace(
             note = " (with config.use_cache=False: torch.export cannot output a key/value cache)"
         try:
             try:
-                gm = _export(model, args, kwargs, dynamic)
+                gm = _export(model, wide_args, wide_kwargs, dynamic)
+                note += _WIDE_NOTE if widened else ""
             except Exception:
                 if not dynamic:
                     raise

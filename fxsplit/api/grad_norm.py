@@ -1,0 +1,118 @@
+"""The gradient norm of the whole parallelized model, and clipping by it (``ParallelModel.clip_grad_norm_``).
+
+Terms as in :mod:`fxsplit.api` (d, t, p; stages). A **local parameter** is one tensor this rank
+holds (a tp shard, or a whole replicated tensor); a **contribution** is the sum of
+``|g|^p`` (or the max of ``|g|`` for ``p = inf``) over the local gradients a rank counts.
+
+    params = norm_parameters(stage_modules, shared_params=plan.stages.shared_params,
+                             sharded=plan.tp_plan.param_specs, coords={"dp": 0, "pp": 1, "tp": 0})
+    total = global_norm([p.grad for p in params], 2.0, group=dist.group.WORLD)   # same on every rank
+    scale_grads(all_local_params, max_norm, total)
+
+[Note: counting each parameter once]
+The model's gradient norm is that of every original parameter's full gradient, each counted
+once, which is what ``torch.nn.utils.clip_grad_norm_`` computes on the unsplit model. A
+rank's local gradients hold copies (Megatron's clip_grads.py, torchtitan's distributed utils):
+- a parameter the TP plan shards (its FQN in ``TPPlan.param_specs``) is split over the t tp ranks,
+  each holding a disjoint piece: every tp rank counts its shard (vocabulary padding rows have a
+  zero gradient, so they add nothing);
+- a parameter the TP plan leaves replicated is whole, with the same gradient, on every tp rank
+  (with sequence parallelism the graph sums its partial gradients over tp): tp rank 0 counts it;
+- a parameter tied across stages (``StageGraphs.shared_params``: the embedding and the LM head)
+  has one copy per stage holding it, each with the summed gradient after the step: only the
+  first entry of its group (the lowest stage) counts it;
+- data-parallel replicas hold identical gradients after the step's all-reduce: dp rank 0 counts.
+The contributions are summed (max for inf) over every rank in one float32 all-reduce over the
+world group, so every rank gets the same total, bit for bit, and then scales ALL its local
+gradients (copies included) by the same factor. ``torch.nn.utils.clip_grad_norm_(pm.parameters())``
+sees only one rank's gradients: a different norm on every tp and pp rank, so each would clip by
+its own factor, and the copies of a tp-replicated or tied parameter would drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["norm_parameters", "global_norm", "scale_grads", "check_norm_type"]
+
+EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (total_norm + 1e-6)
+
+
+def check_norm_type(norm_type: Any) -> float:
+    """``norm_type`` as a float p > 0 (``inf`` included); ValueError naming the value otherwise."""
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        p = float("nan")
+    if not p > 0:
+        raise ValueError(
+            f"clip_grad_norm_: norm_type={norm_type!r} must be a number p > 0 (2.0 for the Euclidean "
+            "norm, float('inf') for the largest absolute value)"
+        )
+    return p
+
+
+def norm_parameters(
+    stage_modules: Mapping[int, nn.Module],
+    *,
+    shared_params: Sequence[Sequence[tuple[int, str]]],
+    sharded: Collection[str],
+    coords: Mapping[str, int],
+) -> list[nn.Parameter]:
+    """The local parameters whose gradients this rank counts in the model's norm ([Note:
+    counting each parameter once]): distinct Parameters of ``stage_modules`` (stage -> module,
+    this rank's stages), dropping the non-first holders of each ``shared_params`` group, the
+    parameters not in ``sharded`` (FQNs of tp-sharded parameters) unless ``coords["tp"] == 0``,
+    and everything unless ``coords["dp"] == 0``."""
+    if coords.get("dp", 0) != 0:
+        return []
+    later_holders = {tuple(entry) for group in shared_params for entry in list(group)[1:]}
+    first_tp = coords.get("tp", 0) == 0
+    out: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for stage in sorted(stage_modules):
+        for name, param in stage_modules[stage].named_parameters():
+            if (stage, name) in later_holders or (name not in sharded and not first_tp) or id(param) in seen:
+                continue
+            seen.add(id(param))
+            out.append(param)
+    return out
+
+
+def global_norm(grads: Iterable[torch.Tensor], norm_type: float, *, group: Any,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """The p-norm over every rank of ``group`` of the gradients each rank counts (``grads``),
+    as a float32 0-dim tensor on ``device``, equal on every rank. Collective: every rank of
+    ``group`` calls it (with an empty ``grads`` if it counts nothing). ``group=None``: this
+    process alone."""
+    p = check_norm_type(norm_type)
+    grads = list(grads)
+    if p == math.inf:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            if g.numel():
+                local = torch.maximum(local, g.detach().abs().max().to(device, torch.float32))
+        op = dist.ReduceOp.MAX
+    else:
+        norms = [torch.linalg.vector_norm(g.detach(), p, dtype=torch.float32).to(device) for g in grads]
+        local = torch.stack(norms).pow(p).sum() if norms else torch.zeros((), dtype=torch.float32, device=device)
+        op = dist.ReduceOp.SUM
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(local, op=op, group=group)
+    return local if p == math.inf else local.pow(1.0 / p)
+
+
+@torch.no_grad()
+def scale_grads(params: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Multiply every gradient of ``params`` by ``min(max_norm / (total_norm + 1e-6), 1)``, the
+    factor ``torch.nn.utils.clip_grad_norm_`` uses (applied even when it is 1, as torch does)."""
+    coef = torch.clamp(float(max_norm) / (total_norm + EPS), max=1.0)
+    for param in params:
+        if param.grad is not None:
+            param.grad.mul_(coef.to(param.grad.device))
