@@ -1,5 +1,6 @@
 """Checkpoints: save at (tp=2, pp=2), reload at (pp=4) and in one process, continue: same losses as an
-uninterrupted run; full_state_dict equals the single-process model's state dict."""
+uninterrupted run; full_state_dict equals the single-process model's state dict; load_full_checkpoint
+(whole, with the optimizer state, or names=) equals the single process in names, shapes and values."""
 
 import pytest
 import torch
