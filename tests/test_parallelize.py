@@ -194,15 +194,17 @@ def _hf_loss(out, y):
 def _hf_train(rank, world, builder, options, steps=STEPS):
     from fxsplit import hf_zoo
 
-    model, args, kwargs = getattr(hf_zoo, builder)()
+    model, args, kwargs = getattr(hf_zoo, builder)(batch_size=HF_BATCH)
     options = dict(options)
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
     pm = fxsplit.parallelize(model, args, kwargs, loss_fn=_hf_loss, timeout=90, **options)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    # each dp replica trains on its slice of the global batch (and of the attention mask)
+    local_kwargs = {k: _replica_slice(pm, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     losses = []
     for i in range(steps):
         ids, y = _hf_batch(model, args, i)
-        loss = pm.step(ids, target=y, **kwargs)
+        loss = pm.step(_replica_slice(pm, ids), target=_replica_slice(pm, y), **local_kwargs)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
@@ -218,7 +220,7 @@ def _hf_batch(model, args, i):
 def _hf_reference(builder, steps=STEPS):
     from fxsplit import hf_zoo
 
-    model, args, kwargs = getattr(hf_zoo, builder)()
+    model, args, kwargs = getattr(hf_zoo, builder)(batch_size=HF_BATCH)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for i in range(steps):
@@ -231,6 +233,7 @@ def _hf_reference(builder, steps=STEPS):
     return losses
 
 
+HF_BATCH = 4  # the global batch: 2 samples per data-parallel replica
 HF_LAYOUTS = {"dp2-pp2": dict(dp=2, pp=2, microbatches=2), "tp2-pp2": dict(tp=2, pp=2, microbatches=2),
               "dp2-tp2": dict(dp=2, tp=2)}
 
