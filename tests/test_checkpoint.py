@@ -1,5 +1,6 @@
 """Checkpoints: save at (tp=2, pp=2), reload at (pp=4) and in one process, continue: same losses as an
-uninterrupted run; full_state_dict equals the single-process model's state dict."""
+uninterrupted run; full_state_dict equals the single-process model's state dict; load_full_checkpoint
+(whole, with the optimizer state, or names=) equals the single process in names, shapes and values."""
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ def _target(i, like):
 
 
 def _reference(steps):
+    """Losses, state dict and optimizer state ({"optim/<name>/<key>": tensor}, every parameter
+    name, tied ones under both) of the unsplit model after `steps` steps."""
     model, args, _ = zoo.make(NAME, **OVERRIDES)
     opt = _optimizer(model.parameters())
     losses = []
@@ -40,7 +43,9 @@ def _reference(steps):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optim = {f"optim/{n}/{k}": v.detach().clone()
+             for n, p in model.named_parameters(remove_duplicate=False) for k, v in opt.state[p].items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, optim
 
 
 def _run(rank, world, options, start, stop, load_from, save_to):
@@ -64,7 +69,7 @@ def _run(rank, world, options, start, stop, load_from, save_to):
 
 @pytest.mark.dist
 def test_checkpoint_reloads_under_other_layouts(tmp_path):
-    ref_losses, ref_state = _reference(3)
+    ref_losses, ref_state, _ = _reference(3)
     ckpt = str(tmp_path / "ckpt")
     first = run_distributed(_run, 4, dict(tp=2, pp=2, microbatches=2), 0, 2, None, ckpt, timeout=240)
     for losses, _ in first:
@@ -79,7 +84,58 @@ def test_checkpoint_reloads_under_other_layouts(tmp_path):
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)
     # a torch.distributed.checkpoint folder; alone it gives the full state dict (no process group)
     assert (tmp_path / "ckpt" / ".metadata").is_file()
+    _check_full_checkpoint(ckpt, *_reference(2)[1:])
+
+
+def _kind(key):
+    return key.split("/")[2] if key.startswith("optim/") else "param"
+
+
+def _scales(*tensor_dicts):
+    """The largest magnitude of each kind of tensor (parameters, and each optimizer state key)."""
+    out = {}
+    for d in tensor_dicts:
+        for k, v in d.items():
+            out[_kind(k)] = max(out.get(_kind(k), 0.0), float(v.abs().max()))
+    return out
+
+
+def _close(got, want, what, scale):
+    """Same shape and dtype, and values within a tolerance relative to the tensor's own magnitude,
+    floored at 1e-6 of the largest tensor of its kind (Adam's exp_avg_sq is ~1e-7, so a fixed
+    absolute tolerance would accept anything; the key bias is float noise, see _optimizer)."""
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    atol = 1e-5 * float(want.abs().max()) + 1e-6 * scale
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _check_full_checkpoint(ckpt, ref_state, ref_optim):
+    """The checkpoint written after 2 steps at (tp=2, pp=2), read whole in this process: every
+    parameter (tp shards reassembled) and every optimizer state entry equals the single process
+    after 2 steps, in name, shape, dtype and value; ``names=`` reads exactly the named ones."""
+    scale = _scales(ref_state, ref_optim)
     full = fxsplit.load_full_checkpoint(ckpt)
-    assert set(full) == set(ref_state)
+    assert set(full) == set(ref_state), set(full) ^ set(ref_state)
+    for k, v in ref_state.items():
+        _close(full[k], v, k, scale[_kind(k)])
     with_optim = fxsplit.load_full_checkpoint(ckpt, include_optimizer=True)
-    assert {k.split("/")[2] for k in with_optim if k.startswith("optim/")} == {"step", "exp_avg", "exp_avg_sq"}
+    assert set(with_optim) == set(ref_state) | set(ref_optim), set(with_optim) ^ (set(ref_state) | set(ref_optim))
+    assert {k.split("/")[2] for k in ref_optim} == {"step", "exp_avg", "exp_avg_sq"}
+    for k, v in {**ref_state, **ref_optim}.items():
+        _close(with_optim[k], v, k, scale[_kind(k)])
+    # names=: only those tensors; a tp-sharded parameter (reassembled), a replicated one, and
+    # the optimizer state of a sharded parameter by its "optim/<name>" prefix
+    sharded = ["wte.weight", "blocks.0.attn.q.weight"]
+    replicated = "ln_f.weight"
+    optim_of = f"optim/{sharded[1]}"
+    got = fxsplit.load_full_checkpoint(ckpt, names={*sharded, replicated, optim_of})
+    want = {k: v for k, v in {**ref_state, **ref_optim}.items()
+            if k in (*sharded, replicated) or k.startswith(optim_of + "/")}
+    assert len(want) == 3 + 3, sorted(want)
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k, v in want.items():
+        _close(got[k], v, f"names= {k}", scale[_kind(k)])
+        torch.testing.assert_close(got[k], with_optim[k], rtol=0, atol=0)
+    assert fxsplit.load_full_checkpoint(ckpt, names={replicated}).keys() == {replicated}
+    assert fxsplit.load_full_checkpoint(ckpt, names=set()) == {}

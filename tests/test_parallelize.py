@@ -15,19 +15,23 @@ LR = 0.05
 
 
 def _reference(name, overrides, steps=STEPS, batch_seeds=(0, 1, 2)):
+    """Losses, per-step gradients (every name, tied ones under both) and the final state dict of
+    the unsplit model trained on the whole (global) batch of each step."""
     model, args, kwargs = zoo.make(name, **overrides)
     loss_fn = zoo.loss_fn(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
+    params = dict(model.named_parameters(remove_duplicate=False))
+    losses, grads = [], []
     for i in range(steps):
         x = _batch(name, model, args, i)
         y = zoo.make_target(name, model(x), seed=i)
         loss = loss_fn(model(x), y)
         opt.zero_grad()
         loss.backward()
+        grads.append({n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None})
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _batch(name, model, args, i):
@@ -36,6 +40,26 @@ def _batch(name, model, args, i):
     if x.dtype == torch.long:
         return torch.randint(0, int(x.max()) + 1, x.shape, generator=g)
     return torch.randn(x.shape, generator=g)
+
+
+def _replica_slice(pm, t):
+    """This data-parallel replica's share of the global batch `t`: replica d of D gets the d-th
+    of D equal slices, so the replicas see different data and only a correct data-parallel mean
+    of the gradients reproduces the single process on the whole batch."""
+    d, D = pm.coords["dp"], pm.plan.config.dp
+    B = t.shape[0]
+    assert B % D == 0 and B // D >= 1, (B, D)
+    return t[d * B // D:(d + 1) * B // D]
+
+
+def _local_grads(pm):
+    """{stage-local parameter name: gradient} of this rank's shards."""
+    out = {}
+    for mod in pm.stage_modules.values():
+        for n, p in mod.named_parameters(remove_duplicate=False):
+            if p.grad is not None:
+                out.setdefault(n, p.grad.detach().clone())
+    return out
 
 
 def _train(rank, world, name, overrides, options, steps=STEPS):
@@ -54,12 +78,13 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
     # targets are computed from the single-process model's outputs, as in _reference
     ref_model, _, _ = zoo.make(name, **overrides)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
-    losses = []
+    losses, grads = [], []
     for i in range(steps):
-        x = _batch(name, model, args, i)
+        x = _batch(name, model, args, i)  # the global batch; each dp replica trains on its slice
         y = zoo.make_target(name, ref_model(x), seed=i)
-        loss = pm.step(x, target=y)
+        loss = pm.step(_replica_slice(pm, x), target=_replica_slice(pm, y))
         assert 0.0 <= pm.last_bubble < 1.0 and pm.last_step_seconds > 0
+        grads.append(_local_grads(pm))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
@@ -71,14 +96,48 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
         rl.backward()
         ref_opt.step()
     full = pm.full_state_dict()
-    return losses, {k: v.clone() for k, v in full.items()}
+    specs = dict(getattr(pm.plan.tp_plan, "param_specs", {}) or {})
+    return dict(losses=losses, grads=grads, state={k: v.clone() for k, v in full.items()},
+                coords=dict(pm.coords), specs=specs)
 
 
-def _check(results, ref_losses, ref_state):
-    for rank, (losses, state) in enumerate(results):
-        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"rank {rank}"
+def _check(results, ref_losses, ref_grads, ref_state):
+    """Every rank: losses and final full state equal the single process. Every data-parallel
+    replica: each step's gradients (tp shards reassembled, replicated ones on every tp rank)
+    equal the single process's on the global batch, and its ranks together hold a gradient for
+    every parameter name of the model."""
+    for rank, res in enumerate(results):
+        assert res["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"rank {rank}"
+        assert set(res["state"]) == set(ref_state), f"rank {rank}: {set(res['state']) ^ set(ref_state)}"
         for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {k}")
+            torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {k}")
+    specs = results[0]["specs"]
+    cells: dict = {}  # (dp, pp) -> [(tp, rank)]
+    for rank, res in enumerate(results):
+        c = res["coords"]
+        cells.setdefault((c["dp"], c["pp"]), []).append((c["tp"], rank))
+    replicas = sorted({dp for dp, _ in cells})
+    for step, want in enumerate(ref_grads):
+        for dp in replicas:
+            seen = set()
+            for (d, pp), members in sorted(cells.items()):
+                if d != dp:
+                    continue
+                ranks = [r for _, r in sorted(members)]
+                names = set().union(*(results[r]["grads"][step] for r in ranks))
+                for n in sorted(names):
+                    tag = f"step {step} dp {dp} pp {pp} grad {n}"
+                    assert n in want, f"{tag}: not a gradient of the single-process model"
+                    assert all(n in results[r]["grads"][step] for r in ranks), f"{tag}: missing on some tp rank"
+                    shards = [results[r]["grads"][step][n] for r in ranks]
+                    if n in specs:
+                        got = [specs[n].unshard(shards)]
+                    else:
+                        got = shards  # replicated: every tp rank holds the full gradient
+                    for g in got:
+                        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-6, msg=tag)
+                seen |= names
+            assert seen == set(want), f"step {step} dp {dp}: no gradient for {sorted(set(want) - seen)}"
 
 
 def _cases_pp2(rank, world):
@@ -96,30 +155,35 @@ def _cases_pp2(rank, world):
 def test_pipeline_parallel_matches_single_process():
     results = run_distributed(_cases_pp2, 2, timeout=240)
     for label, name, overrides in [("gpt-1f1b", "gpt", {}), ("gpt-interleaved-m3", "gpt", {"batch_size": 6}), ("skip-gpipe", "skip", {})]:
-        ref_losses, ref_state = _reference(name, overrides)
-        _check([r[label] for r in results], ref_losses, ref_state)
+        _check([r[label] for r in results], *_reference(name, overrides))
 
 
 LAYOUTS_4 = {
     "dp2-pp2": dict(dp=2, pp=2, microbatches=2),
     "tp2-pp2": dict(tp=2, pp=2, microbatches=2),
     "dp2-tp2": dict(dp=2, tp=2),
+    "dp4-pp1": dict(dp=4, microbatches=1),
     "tp2-pp2-sp": dict(tp=2, pp=2, microbatches=2, sequence_parallel=True),
 }
+# a global batch of 4: each of 2 (4) data-parallel replicas trains on its own 2 (1) samples
+OVERRIDES_4 = {"batch_size": 4}
 
 
 def _cases_4(rank, world):
-    return {label: _train(rank, world, "gpt", {}, dict(opts)) for label, opts in LAYOUTS_4.items()}
+    return {label: _train(rank, world, "gpt", dict(OVERRIDES_4), dict(opts)) for label, opts in LAYOUTS_4.items()}
 
 
 @pytest.mark.dist
 def test_3d_layouts_match_single_process():
-    # every dp replica sees the same batch here, so the mean over replicas equals one process;
+    # each dp replica trains on its own slice of the global batch (see _replica_slice), so the
+    # loss and gradients equal one process on the whole batch only through a correct
+    # data-parallel mean over the dp group, with a pipeline (dp2-pp2) and without (dp2-tp2,
+    # dp4-pp1, where every gradient goes in one all-reduce after the step);
     # full_state_dict() reassembles tp shards and pp stages into the original names and shapes
     results = run_distributed(_cases_4, 4, timeout=400)
-    ref_losses, ref_state = _reference("gpt", {})
+    ref = _reference("gpt", OVERRIDES_4)
     for label in LAYOUTS_4:
-        _check([r[label] for r in results], ref_losses, ref_state)
+        _check([r[label] for r in results], *ref)
 
 
 def _hf_loss(out, y):
@@ -130,15 +194,17 @@ def _hf_loss(out, y):
 def _hf_train(rank, world, builder, options, steps=STEPS):
     from fxsplit.testing import hf_zoo
 
-    model, args, kwargs = getattr(hf_zoo, builder)()
+    model, args, kwargs = getattr(hf_zoo, builder)(batch_size=HF_BATCH)
     options = dict(options)
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
     pm = fxsplit.parallelize(model, args, kwargs, loss_fn=_hf_loss, timeout=90, **options)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    # each dp replica trains on its slice of the global batch (and of the attention mask)
+    local_kwargs = {k: _replica_slice(pm, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     losses = []
     for i in range(steps):
         ids, y = _hf_batch(model, args, i)
-        loss = pm.step(ids, target=y, **kwargs)
+        loss = pm.step(_replica_slice(pm, ids), target=_replica_slice(pm, y), **local_kwargs)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
@@ -154,7 +220,7 @@ def _hf_batch(model, args, i):
 def _hf_reference(builder, steps=STEPS):
     from fxsplit.testing import hf_zoo
 
-    model, args, kwargs = getattr(hf_zoo, builder)()
+    model, args, kwargs = getattr(hf_zoo, builder)(batch_size=HF_BATCH)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for i in range(steps):
@@ -167,6 +233,7 @@ def _hf_reference(builder, steps=STEPS):
     return losses
 
 
+HF_BATCH = 4  # the global batch: 2 samples per data-parallel replica
 HF_LAYOUTS = {"dp2-pp2": dict(dp=2, pp=2, microbatches=2), "tp2-pp2": dict(tp=2, pp=2, microbatches=2),
               "dp2-tp2": dict(dp=2, tp=2)}
 

@@ -6,7 +6,8 @@ type and text, so one process-group launch checks many errors ([Note: failures] 
 Numerical checks compare with the unsplit model in one process (float32, tight tolerances):
 a batch that the microbatch count does not divide (unequal microbatches weighted by size), other
 batch sizes and sequence lengths than the traced ones, inference output structure, and
-full_state_dict after training with dp=2 x pp=2 on different data per replica.
+full_state_dict after training with dp=2 x pp=2, and loss and gradients with dp=2 x pp=1, on different
+data per replica.
 """
 
 import time
@@ -166,6 +167,17 @@ def _two_ranks(rank, world):
     _, pm = _gpt_pm(dp=2, pp=1, microbatches=1)
     r["dp_bad_target"] = _catch(lambda: pm.step(x, target=y[:, :7] if rank == 1 else y))
     r["dp_after"] = _catch(lambda: float(pm.step(x, target=y)))
+    # -- dp=2, pp=1 training on different data per replica (a fresh model): every gradient goes
+    #    in the one data-parallel all-reduce after the step (no pipeline stage to overlap with)
+    _, pm = _gpt_pm(dp=2, pp=1, microbatches=1)
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    r["dp_train"] = []
+    for step in range(STEPS):
+        x, y = _replica_batch(step, pm.coords["dp"])
+        step_loss = float(pm.step(x, target=y))
+        r["dp_train"].append((step_loss, _local_grads(pm)))
+        opt.step()
+        opt.zero_grad()
 
     # -- a rank that never calls step(): its peer gives up after `timeout`, naming the cause
     _, pm = _gpt_pm(timeout=3)
@@ -316,6 +328,37 @@ def test_absent_peer_times_out_instead_of_hanging(two):
     kind, text, s = two[0]["absent_peer"]
     assert kind == "RankFailedError" and "timed out after 3 s" in text and "did not call step()" in text, text
     assert 2.5 < s < 4.5, s
+
+
+def _global_batch_reference(steps):
+    """Losses and per-step gradients of one process trained with SGD on each step's whole batch."""
+    model, _, _ = zoo.make("gpt", **GPT)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = []
+    for step in range(steps):
+        x, y = _replica_batch(step)
+        loss = zoo.cross_entropy_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        out.append((loss.item(), {n: p.grad.detach().clone() for n, p in params.items()}))
+        opt.step()
+    return out
+
+
+@pytest.mark.dist
+def test_data_parallel_without_pipeline_matches_one_process_on_the_global_batch(two):
+    # replica d trains on samples 4d..4d+3 of each step's 8: only the data-parallel mean of the
+    # gradients over the dp group gives one process's loss and gradients on all 8 samples
+    ref = _global_batch_reference(STEPS)
+    for rank, res in enumerate(two):
+        assert len(res["dp_train"]) == STEPS
+        for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(res["dp_train"], ref)):
+            assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), f"rank {rank} step {step}"
+            assert set(grads) == set(ref_grads), f"rank {rank} step {step}: {set(grads) ^ set(ref_grads)}"
+            for name, g in grads.items():
+                torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {rank} step {step} grad {name}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -181,8 +181,12 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, rank: int = 0,
              group=None, steps: int = 3, lr: float = 0.1, check_forward: bool = False,
-             builder: str = "hand", device: str = "cpu") -> tuple[list[str], int]:
-    """Train ``steps`` steps through the pipeline and compare with the unsplit model."""
+             builder: str = "hand", device: str = "cpu", report: dict | None = None) -> tuple[list[str], int]:
+    """Train ``steps`` steps through the pipeline and compare with the unsplit model.
+
+    ``report``, when given, is filled with ``steps``, ``loss_checks`` and ``grad_checks`` (the
+    number of loss and of gradient comparisons) and ``grad_params`` (the set of the model's parameter
+    names whose gradients this rank compared), so that callers can check coverage."""
     make_model, make_stages, loss_fn = MODELS[model]
     S = p * v
     ref = make_model().to(device)
@@ -205,7 +209,8 @@ def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, r
     ref_params = dict(ref.named_parameters())
     tag = f"{model} {schedule} p={p} v={v} m={m} B={batch} rank={rank} {builder}"
     bad: list[str] = []
-    checks = 0
+    checks = loss_checks = grad_checks = 0
+    compared: set[str] = set()
     for step in range(steps):
         inputs, target = make_batch(model, batch, seed=step + 1, device=device)
         for prm in list(ref.parameters()) + list(pipe.parameters()):
@@ -216,10 +221,13 @@ def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, r
         given = tuple(x if i in reads else torch.empty_like(x, device="meta") for i, x in enumerate(inputs))
         got_loss = rt.step(given, target=target if rank == (S - 1) % p else None)
         checks += 1
+        loss_checks += 1
         if not math.isclose(got_loss.item(), want_loss.item(), rel_tol=RTOL, abs_tol=ATOL):
             bad.append(f"{tag} step {step}: loss {got_loss.item()} != {want_loss.item()}")
         for name, prm in mine.items():
             checks += 1
+            grad_checks += 1
+            compared.add(name)
             want = ref_params[name].grad
             if prm.grad is None or not _close(prm.grad, want):
                 err = "None" if prm.grad is None else f"max err {(prm.grad - want).abs().max().item():.3g}"
@@ -246,6 +254,8 @@ def run_case(*, model: str, schedule: str, p: int, v: int, m: int, batch: int, r
         checks += 1
         if not _close(everywhere, want):
             bad.append(f"{tag}: forward(all_ranks=True) output differs from the model")
+    if report is not None:
+        report.update(steps=steps, loss_checks=loss_checks, grad_checks=grad_checks, grad_params=compared)
     return bad, checks
 
 

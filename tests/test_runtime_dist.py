@@ -19,7 +19,7 @@ from fxsplit.schedule.builders import build
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.testing import run_distributed
 
-from test_runtime_cases import run_case, skip_model, skip_stages
+from test_runtime_cases import gpt_model, run_case, skip_model, skip_stages
 
 pytestmark = pytest.mark.dist
 
@@ -41,31 +41,52 @@ def _cases(p: int) -> list[dict]:
     return cases
 
 
-def _run_cases(rank: int, world_size: int, cases: list[dict], subgroups: bool) -> tuple[list[str], int]:
+def _run_cases(rank: int, world_size: int, cases: list[dict], subgroups: bool) -> tuple[list[str], list[dict], dict | None]:
+    """(mismatches, one run_case report per case, the subgroup case's report or None)."""
     torch.set_num_threads(1)
-    bad, checks = [], 0
+    bad, reports = [], []
     for case in cases:
-        got_bad, n = run_case(rank=rank, group=None, **case)
+        report: dict = {}
+        got_bad, _ = run_case(rank=rank, group=None, report=report, **case)
         bad += got_bad
-        checks += n
+        reports.append(report)
+    sub = None
     if subgroups:
-        got_bad, n = _pp_subgroup_case(rank, world_size)
+        got_bad, sub = _pp_subgroup_case(rank, world_size)
         bad += got_bad
-        checks += n
-    return bad, checks
+    return bad, reports, sub
+
+
+def _model_param_names(model: str) -> set[str]:
+    make_model = {"gpt": gpt_model, "skip": skip_model}[model]
+    return {n for n, _ in make_model().named_parameters()}  # tied: once, as in run_case
 
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_pipeline_matches_unsplit_model(p):
     cases = _cases(p)
     results = run_distributed(_run_cases, p, cases, p == 4, timeout=300.0)
-    bad = [line for rank_bad, _ in results for line in rank_bad]
+    bad = [line for rank_bad, _, _ in results for line in rank_bad]
     assert not bad, "\n".join(bad)
-    # every rank compared its losses and its parameters' gradients in every case
-    assert all(n >= 3 * len(cases) for _, n in results), [n for _, n in results]
+    # every rank compared its loss at every step and the gradients of every parameter its stages
+    # hold (counted apart from the losses), and the ranks together covered every parameter
+    for i, case in enumerate(cases):
+        held = [reports[i]["grad_params"] for _, reports, _ in results]
+        for rank, (_, reports, _) in enumerate(results):
+            rep = reports[i]
+            assert rep["loss_checks"] == rep["steps"] >= 1, (case, rank, rep)
+            assert rep["grad_params"], (case, rank, "compared no gradient")
+            assert rep["grad_checks"] == rep["steps"] * len(rep["grad_params"]), (case, rank, rep)
+        missing = _model_param_names(case["model"]) - set().union(*held)
+        assert not missing, (case, "no rank compared the gradients of", sorted(missing))
+    if p == 4:  # two pipelines of two ranks: each covers the whole model on its own
+        for pipeline in ((0, 1), (2, 3)):
+            subs = [results[r][2] for r in pipeline]
+            assert all(s["grad_checks"] == len(s["grad_params"]) > 0 for s in subs), subs
+            assert set().union(*(s["grad_params"] for s in subs)) == _model_param_names("skip"), pipeline
 
 
-def _pp_subgroup_case(rank: int, world_size: int) -> tuple[list[str], int]:
+def _pp_subgroup_case(rank: int, world_size: int) -> tuple[list[str], dict]:
     """Two independent 2-rank pipelines on subgroups {0, 1} and {2, 3} of a 4-process world
     (as with dp=2, pp=2): group ranks differ from global ranks, and stages are placed by a custom
     rank_of_stage (stages 0, 2 on pipeline rank 1; stages 1, 3 on pipeline rank 0)."""
@@ -90,17 +111,18 @@ def _pp_subgroup_case(rank: int, world_size: int) -> tuple[list[str], int]:
     want = nn.functional.mse_loss(ref(x), y)
     want.backward()
     refp = dict(ref.named_parameters())
-    bad, n = [], 1
+    bad, report = [], {"grad_checks": 0, "grad_params": set()}
     if abs(loss.item() - want.item()) > 1e-6:
         bad.append(f"subgroup rank {rank}: loss {loss.item()} != {want.item()}")
     for s in range(4):
         if owner[s] != pp_rank:
             continue
         for name, prm in mods[s].named_parameters():
-            n += 1
-            if not torch.allclose(prm.grad, refp[name].grad, rtol=1e-5, atol=1e-6):
+            report["grad_checks"] += 1
+            report["grad_params"].add(name)
+            if prm.grad is None or not torch.allclose(prm.grad, refp[name].grad, rtol=1e-5, atol=1e-6):
                 bad.append(f"subgroup rank {rank}: grad {name} differs")
-    return bad, n
+    return bad, report
 
 
 class _Faulty(nn.Module):

@@ -100,7 +100,9 @@ def _run_tp(rank: int, world: int, spec: tuple, options: dict, traced: dict) -> 
             loss = _loss(spec[0], logits, target, plan.vocab_size, options.get("vocab_parallel_loss", False))
             loss.backward()
             losses.append(loss.item())
-            grads.append({n: p.grad.clone() for n, p in gm.named_parameters() if p.grad is not None})
+            # every name (tied parameters under each of theirs, like the reference)
+            grads.append({n: p.grad.clone() for n, p in gm.named_parameters(remove_duplicate=False)
+                          if p.grad is not None})
             opt.step()
     return {"losses": losses, "grads": grads, "specs": dict(plan.param_specs),
             "regions": len(plan.regions), "styles": dict(plan.styles)}
@@ -124,7 +126,12 @@ def _check(spec, options, per_rank: list[dict]) -> None:
                                    msg=lambda m: f"{spec} {options}: losses differ: {m}")
     for step in range(STEPS):
         names = per_rank[0]["grads"][step].keys()
-        assert set(names) <= set(ref_grads[step]), (spec, sorted(set(names) - set(ref_grads[step])))
+        # every rank holds (a shard of) every parameter: a lost gradient must fail, not be skipped
+        for rank, r in enumerate(per_rank):
+            got = set(r["grads"][step])
+            assert got == set(ref_grads[step]), (
+                spec, options, f"rank {rank} step {step}", "missing:", sorted(set(ref_grads[step]) - got),
+                "unexpected:", sorted(got - set(ref_grads[step])))
         assert names and any(n in specs for n in names), (spec, sorted(names))
         for name in names:
             shards = [r["grads"][step][name] for r in per_rank]

@@ -193,17 +193,64 @@ def test_unbound_is_plain_torch_and_padding_is_excluded():
                        torch.zeros(4))
 
 
+def _half_bf16_ulp(ref: torch.Tensor) -> torch.Tensor:
+    """Half a bfloat16 ulp at each value of the float32 tensor `ref` (bf16 keeps 8 significant
+    bits): the largest error of a float32 result rounded once to bf16."""
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(tiny))) - 8)
+
+
+def _rounding_excess(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got - ref| in units of (half a bf16 ulp + float32 noise): <= 1 means `got` is `ref`
+    rounded once to bf16, i.e. computed in float32 and only the result cast."""
+    return (got.detach().float() - ref).abs() / (_half_bf16_ulp(ref) + 1e-6 * ref.abs())
+
+
+def _pure_bf16_cross_entropy(logits: torch.Tensor, target: torch.Tensor):
+    """The same algorithm as vocab_parallel_cross_entropy (max, shift, exp, sum, log) with every
+    op in bf16 (no float32 upcast): per-position losses and the gradient of their sum."""
+    x = logits.detach().clone().requires_grad_()
+    shifted = x - x.max(-1).values.detach().unsqueeze(-1)
+    picked = shifted.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    loss = shifted.exp().sum(-1).log() - picked
+    loss.sum().backward()
+    return loss.detach(), x.grad
+
+
 def test_lower_precision_logits_computed_in_float32():
+    # bf16 logits over a vocabulary of 255 (one padding column): the per-position losses and the
+    # gradient must be the float32 results rounded once to bf16 (within half a bf16 ulp). A
+    # pure-bf16 computation misses that bound (checked below on the same data), which the old
+    # tolerance of 1e-2 could not tell apart.
     torch.manual_seed(0)
-    logits = torch.randn(6, 9).to(torch.bfloat16)
-    target = torch.randint(0, 7, (6,))
-    padded = torch.cat([logits, torch.zeros(6, 1, dtype=torch.bfloat16)], -1).requires_grad_()
-    loss = vocab_parallel_cross_entropy(padded[:, :8], target, 7)  # one padding column
-    ref = F.cross_entropy(logits[:, :7].float(), target)
-    assert loss.dtype == torch.bfloat16
-    torch.testing.assert_close(loss.float(), ref, rtol=1e-2, atol=1e-2)
-    loss.backward()
+    V, N = 255, 32
+    logits = (3 * torch.randn(N, V)).to(torch.bfloat16)
+    target = torch.randint(0, V, (N,))
+    padded = torch.cat([logits, torch.zeros(N, 1, dtype=torch.bfloat16)], -1).requires_grad_()
+    full = logits.float().requires_grad_()
+    ref = F.cross_entropy(full, target, reduction="none")
+    ref.sum().backward()
+    ref = ref.detach()
+
+    per_pos = vocab_parallel_cross_entropy(padded, target, V, reduction="none")
+    assert per_pos.dtype == torch.bfloat16
+    per_pos.sum().backward()
     assert padded.grad.dtype == torch.bfloat16
+    loss_excess = _rounding_excess(per_pos, ref)
+    grad_excess = _rounding_excess(padded.grad[:, :V], full.grad)
+    assert loss_excess.max() <= 1, f"loss not float32-accurate: {loss_excess.max():.3g} half-ulps"
+    assert grad_excess.max() <= 1, f"gradient not float32-accurate: {grad_excess.max():.3g} half-ulps"
+    assert torch.equal(padded.grad[:, V:], torch.zeros(N, 1, dtype=torch.bfloat16))
+
+    # the bound discriminates: the pure-bf16 computation of the same losses fails it
+    bf_loss, bf_grad = _pure_bf16_cross_entropy(logits, target)
+    assert _rounding_excess(bf_loss, ref).max() > 1.5
+    assert _rounding_excess(bf_grad, full.grad).max() > 10
+
+    # the mean: bf16 per-position losses averaged in bf16, so one more rounding (within 1 ulp)
+    mean = vocab_parallel_cross_entropy(padded.detach(), target, V)
+    assert mean.dtype == torch.bfloat16
+    assert _rounding_excess(mean, ref.mean()) <= 2, (mean, ref.mean())
 
 
 def test_single_fx_nodes_and_errors():
