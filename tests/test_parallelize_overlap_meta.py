@@ -208,11 +208,6 @@ def test_meta_model_each_rank_materializes_its_own_shards_and_trains(four):
 
 
 @pytest.mark.dist
-@pytest.mark.xfail(strict=True, reason=(
-    "package bug: on a meta-device model, sharding.materialize_module seeds each fresh tensor by "
-    "the stage-local name, so a tied weight held by two stages under different names (GPT's "
-    "wte.weight on stage 0, lm_head.weight on the last stage) gets two different random "
-    "initializations; nothing syncs them, so the pipeline trains two different tensors"))
 def test_meta_model_tied_weights_agree_across_the_stages_that_hold_them(four):
     cells = _by_cell(four)
     shared = next(iter(cells.values()))["shared"]

@@ -46,7 +46,7 @@ def _structural_copy(module: nn.Module) -> nn.Module:
 
 def _materialize(
     module: nn.Module, *, specs: Mapping[str, Any], tp_rank: int, source: nn.Module, device: torch.device,
-    full_shapes: Mapping[str, Sequence[int]] | None = None,
+    full_shapes: Mapping[str, Sequence[int]] | None = None, seed_names: Mapping[str, str] | None = None,
 ) -> nn.Module:
     from fxsplit.tp.sharding import materialize_module
 
@@ -56,9 +56,15 @@ def _materialize(
     on_meta = any(p.is_meta for p in source.parameters())
     materialize_module(
         local, mine, tp_rank, source=None if on_meta else source, device=device,
-        full_shapes={k: v for k, v in (full_shapes or {}).items() if k in names},
+        full_shapes={k: v for k, v in (full_shapes or {}).items() if k in names}, seed_names=seed_names,
     )
     return local
+
+
+def _tied_seed_names(shared_params: Sequence[Sequence[tuple[int, str]]], stage: int) -> dict[str, str]:
+    """Stage ``stage``'s names of parameters tied across stages -> one name per tied group (its
+    first holder's), so a model on the meta device initializes every copy identically."""
+    return {name: sorted(group)[0][1] for group in shared_params for s, name in group if s == stage}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,7 +141,7 @@ def parallelize(
     mine = [s for s in range(c.num_stages) if s % c.pp == pp_rank]
     stages = {
         s: _materialize(the_plan.stages.modules[s], specs=specs, tp_rank=coords["tp"], source=model, device=device,
-                        full_shapes=full_shapes)
+                        full_shapes=full_shapes, seed_names=_tied_seed_names(the_plan.stages.shared_params, s))
         for s in mine
     }
     runtime = PipelineRuntime(

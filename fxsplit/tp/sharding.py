@@ -417,6 +417,7 @@ def materialize_module(
     init_fn: Callable[[str, torch.Tensor], None] | None = None,
     full_shapes: Mapping[str, Sequence[int]] | None = None,
     seed: int = 0,
+    seed_names: Mapping[str, str] | None = None,
 ) -> None:
     """Replace, in place, every parameter and buffer of `module` by rank `rank`'s real tensor.
 
@@ -430,7 +431,9 @@ def materialize_module(
       3. otherwise a fresh tensor of the LOCAL shape only, filled by `init_fn(fqn, tensor)`
          (default `default_init`) under torch's RNG seeded from (seed, fqn, and rank when the
          tensor is sharded), so replicated tensors are identical on every tp rank and a run is
-         reproducible.
+         reproducible. `seed_names` maps a local fqn to the name it is seeded (and initialized)
+         under: one name per tensor tied across stages (``wte.weight`` on the first stage and
+         ``lm_head.weight`` on the last), so every copy starts from the same values.
     The full shape of a tensor is the source's shape, else `full_shapes[fqn]`, else the module
     tensor's own shape (so pass `full_shapes` -- e.g. {p.fqn: p.full_shape for p in
     sharded_params} -- when a meta module already has local shapes and there is no source);
@@ -460,8 +463,9 @@ def materialize_module(
     for key, names in groups.items():
         old = objects[key]
         spec = _group_spec(names, specs)
+        seed_name = next((seed_names[n] for n in names if seed_names and n in seed_names), names[0])
         new = _materialize_one(
-            names, old, spec, rank, src, device, init_fn, full_shapes, seed
+            names, old, spec, rank, src, device, init_fn, full_shapes, seed, seed_name
         )
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
@@ -525,7 +529,7 @@ def _group_spec(names: list[str], specs: Mapping[str, ShardSpec]) -> ShardSpec |
     return next(iter(found.values()), None)
 
 
-def _materialize_one(names, old, spec, rank, src, device, init_fn, full_shapes, seed):
+def _materialize_one(names, old, spec, rank, src, device, init_fn, full_shapes, seed, seed_name):
     name = names[0]
     cur = tuple(old.shape)
     target = torch.device(device) if device is not None else (
@@ -563,9 +567,9 @@ def _materialize_one(names, old, spec, rank, src, device, init_fn, full_shapes, 
         with torch.random.fork_rng(devices=[index] if cuda else []):
             # seed only the generators this tensor uses (torch.manual_seed would reseed every
             # GPU for good); fork_rng restores them afterwards
-            s = _seed(name, rank if spec is not None else 0, seed)
+            s = _seed(seed_name, rank if spec is not None else 0, seed)
             torch.default_generator.manual_seed(s)
             if cuda:
                 torch.cuda.default_generators[index].manual_seed(s)
-            (init_fn or default_init)(name, out)
+            (init_fn or default_init)(seed_name, out)
         return out
