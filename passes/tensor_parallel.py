@@ -88,7 +88,8 @@ def _own_copy(gm: torch.fx.GraphModule, path: str, memo: dict[str, nn.Module]) -
 
 
 def _shard_params(gm: torch.fx.GraphModule, plan: TPPlan) -> None:
-    """Replace every sharded parameter by a meta parameter of its local shape (tied stay tied)."""
+    """Step 2: replace every sharded parameter by a meta parameter of its local shape (tied stay
+    tied); the metadata of get_attr nodes reading them is refilled with the local shape last."""
     done: dict[int, nn.Parameter] = {}
     memo: dict[str, nn.Module] = {}
     for fqn, spec in plan.param_specs.items():
@@ -110,6 +111,9 @@ def _shard_params(gm: torch.fx.GraphModule, plan: TPPlan) -> None:
         owner._parameters[leaf] = new
         if isinstance(owner, nn.Linear) and leaf == "weight":
             owner.out_features, owner.in_features = new.shape[0], new.shape[1]
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and str(n.target) in plan.param_specs:
+            n.meta["val"] = None  # refilled with the local shape by _finish
 
 
 def _set_arg(node: torch.fx.Node, path: tuple, value: int) -> None:
@@ -143,22 +147,46 @@ def _linear_input(node: torch.fx.Node, plan: TPPlan) -> torch.fx.Node:
 
 
 def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -> torch.fx.GraphModule:
-    """Rewrite ``gm`` in place into the graph every tp rank runs; returns it."""
+    """Rewrite ``gm`` in place into the graph every tp rank runs; returns it.
+
+    Steps, in order: local shapes (:func:`_local_shapes`), local parameters
+    (:func:`_shard_params`), f before each region (:func:`_insert_fs`), row linears and g
+    (:func:`_rewrite_rows`), vocabulary embeddings (:func:`_rewrite_vocab_embeddings`), LM heads
+    (:func:`_rewrite_lm_heads`); then sequence parallelism (:func:`_sequence_parallel`) or the
+    fused column linears (:func:`_fuse_columns`); last the metadata contract (:func:`_finish`).
+    """
+    nodes = _check_applicable(gm, plan)
+    _local_shapes(gm, plan, nodes)
+    _shard_params(gm, plan)
+    region_fs = _insert_fs(gm, plan, nodes, axis)
+    _rewrite_rows(gm, plan, nodes, axis)
+    _rewrite_vocab_embeddings(gm, plan, nodes, axis)
+    _rewrite_lm_heads(gm, plan, nodes, axis)
+    if plan.sequence_parallel:
+        _sequence_parallel(gm, plan, axis)
+    else:
+        for f in region_fs:
+            _fuse_columns(gm, plan, f, axis)
+    _finish(gm, plan, nodes)
+    return gm
+
+
+def _check_applicable(gm: torch.fx.GraphModule, plan: TPPlan) -> dict[str, torch.fx.Node]:
+    """The graph's nodes by name, once the plan is known to fit this graph as traced."""
     if gm.meta.get("fxsplit_tp") is not None:
         raise TPPlanError("apply_tp_plan: this graph is already tensor parallel (gm.meta['fxsplit_tp'] is set); "
                           "apply a plan to the graph as traced")
-    graph = gm.graph
-    nodes = {n.name: n for n in graph.nodes}
+    nodes = {n.name: n for n in gm.graph.nodes}
     missing = [n for n in (*plan.linears, *plan.embeddings) if n not in nodes]
     if missing:
         raise TPPlanError(f"apply_tp_plan: the plan names nodes {missing[:3]} that this graph lacks; find the "
                           "plan on this graph (find_tp_plan(gm, tp))")
-    t = plan.tp
-    aten = torch.ops.aten
-    is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
-    add = aten.add.Tensor if is_export else operator.add
+    return nodes
 
-    # 1. shape arguments and metadata of sharded values
+
+def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
+    """Step 1: shape arguments and metadata of sharded values become local."""
+    t = plan.tp
     for name, path, value in plan.rewrites:
         _set_arg(nodes[name], path, value)
     for name, (dim, size) in plan.sharded_nodes.items():
@@ -169,14 +197,12 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
         elif isinstance(val, (list, tuple)):
             n.meta["val"] = type(val)(_local_val(v, dim, int(v.shape[dim]) // t) for v in val)
 
-    # 2. parameters -> local meta shapes; get_attr metadata follows
-    _shard_params(gm, plan)
-    for n in graph.nodes:
-        if n.op == "get_attr" and str(n.target) in plan.param_specs:
-            n.meta["val"] = None  # refilled with the local shape below
 
-    # 3. f before the column linears of each region, once per source (placed before views of
-    #    the source, so that under sequence parallelism the gather sees [B, T, C])
+def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
+               axis: str) -> list[torch.fx.Node]:
+    """Step 3: f before the column linears of each region, once per source (placed before views
+    of the source, so that under sequence parallelism the gather sees [B, T, C]); the f nodes."""
+    graph = gm.graph
     region_fs: list[torch.fx.Node] = []
     for region in plan.regions:
         fs: dict[str, torch.fx.Node] = {}
@@ -190,8 +216,15 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                                         val=src.meta.get("val"))
                     region_fs.append(fs[src.name])
             consumer.replace_input_with(src, fs[src.name])
+    return region_fs
 
-    # 4. row linears: linear without bias, (views back to [B, T, C]), g, bias
+
+def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:
+    """Step 4: each row linear becomes the linear without bias, (views back to [B, T, C]), g, bias."""
+    graph = gm.graph
+    aten = torch.ops.aten
+    is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
+    add = aten.add.Tensor if is_export else operator.add
     for region in plan.regions:
         for r in region.rows:
             node, info = nodes[r], plan.linears[r]
@@ -222,7 +255,11 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                     out = _new(graph, add, (g, b), like=node, val=end.meta.get("val"))
             end.replace_all_uses_with(out, delete_user_cb=lambda u: u is not g)
 
-    # 5. vocabulary embeddings
+
+def _rewrite_vocab_embeddings(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
+                              axis: str) -> None:
+    """Step 5: each vocabulary embedding becomes ``tp_ops.vocab_parallel_embedding``."""
+    graph = gm.graph
     for name in plan.vocab_embeddings:
         node, e = nodes[name], plan.embeddings[name]
         ids = node.args[0] if e.kind == "module" else node.args[1]
@@ -233,7 +270,10 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
         node.replace_all_uses_with(emb)
         graph.erase_node(node)
 
-    # 6. LM heads: f, column on the vocabulary, gather (unless the loss is vocabulary-parallel)
+
+def _rewrite_lm_heads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node], axis: str) -> None:
+    """Step 6: LM heads: f, column on the vocabulary, gather (unless the loss is vocabulary-parallel)."""
+    graph, t = gm.graph, plan.tp
     for name in plan.lm_heads:
         node = nodes[name]
         info = plan.linears[name]
@@ -251,11 +291,11 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                 gl = _new(graph, gather_logits, (node, plan.vocab_size), {"axis": axis}, like=node, val=val)
             node.replace_all_uses_with(gl, delete_user_cb=lambda u: u is not gl)
 
-    if plan.sequence_parallel:
-        _sequence_parallel(gm, plan, axis)
-    else:
-        for f in region_fs:
-            _fuse_columns(gm, plan, f, axis)
+
+def _finish(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
+    """Last: lint and recompile, every node annotated (the metadata contract, local shapes), the
+    fused column linears costed as their linears, the plan recorded in ``gm.meta["fxsplit_tp"]``."""
+    graph = gm.graph
     graph.lint()
     gm.recompile()
     for n in graph.nodes:  # metadata contract: every node annotated
@@ -268,7 +308,6 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
         if n.target is column_parallel_linear:
             _cost_as_linears(gm, n)
     gm.meta["fxsplit_tp"] = plan
-    return gm
 
 
 def _cost_as_linears(gm: torch.fx.GraphModule, fused: torch.fx.Node) -> None:
