@@ -27,13 +27,15 @@ does not divide raise :class:`TPPlanError` (module, numbers, nearest t).
 
 Vocabulary: an embedding whose indices are a model input is vocabulary-parallel (rows; padded
 to a multiple of t when V is not divisible, see ``fxsplit.tp.sharding``); a linear tied to it, or
-returning vocabulary-sized outputs to the model output, is the LM head. ``sequence_parallel``
-is recorded here and applied by the pass (it needs such a token embedding to start the
-sequence-sharded residual stream).
+returning vocabulary-sized outputs to the model output, is the LM head. With
+``sequence_parallel`` the plan also records where the activations between regions run sharded
+along the sequence (``plan.sequence_plan``, planned by ``fxsplit.tp.sequence``; it needs such a
+token embedding to start the sequence-sharded residual stream); the pass only applies it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 from dataclasses import dataclass, field
@@ -42,6 +44,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
+from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
 from fxsplit.tp.sharding import ShardSpec, padded_size
 from fxsplit.tp.propagate import VIEWS, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape, op_name
 
@@ -51,6 +54,7 @@ __all__ = [
     "EmbeddingInfo",
     "Region",
     "TPPlan",
+    "SequenceParallelPlan",
     "TPPlanError",
     "find_tp_plan",
     "find_linears",
@@ -113,6 +117,7 @@ class TPPlan:
     -> (global dim sharded, global size of that dim) for every value carrying a shard.
     rewrites: (node name, argument path, new int) shape arguments rewritten to local sizes.
     lm_head: node names of vocabulary-parallel LM heads; vocab_size: V (unpadded).
+    sequence_plan: the sequence-parallel decisions (empty unless ``sequence_parallel``).
     """
 
     tp: int
@@ -131,6 +136,7 @@ class TPPlan:
     vocab_parallel_loss: bool = False
     overrides: Mapping[str, str] = field(default_factory=dict)
     full_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
 
     def style_of(self, module_path: str) -> str:
         return self.styles.get(module_path, "replicate")
@@ -147,6 +153,8 @@ class TPPlan:
                  f"{self.sequence_parallel}, vocab_parallel_loss={self.vocab_parallel_loss})"]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + ("  " + r[3] if r[3] else ""))
+        if self.sequence_parallel:
+            lines.append(str(self.sequence_plan))
         return "\n".join(lines)
 
 
@@ -290,7 +298,8 @@ def find_tp_plan(
     Steps: the graph's linears and embeddings (:class:`_Graph`), the vocabulary-parallel
     embeddings and LM heads (:func:`_vocab_parallel`), the regions by propagation
     (:func:`_find_regions`), then styles, specs and the report (:func:`_styles_and_specs`),
-    checked against the overrides and t (:func:`_check_plan`).
+    checked against the overrides and t (:func:`_check_plan`); with ``sequence_parallel``, the
+    sequence-parallel decisions (:func:`fxsplit.tp.sequence.plan_sequence_parallel`).
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise TPPlanError(f"find_tp_plan: tp must be an int >= 1, got {tp!r}")
@@ -302,7 +311,7 @@ def find_tp_plan(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
     _check_plan(g, tp, styles, replicated, sharded_nodes)
-    return TPPlan(
+    plan = TPPlan(
         tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
         sharded_nodes=sharded_nodes, rewrites=tuple(rewrites), linears=g.linears, embeddings=g.embeds,
         vocab_embeddings=tuple(e.node for e in vocab.embeddings), lm_heads=tuple(vocab.lm_heads),
@@ -310,6 +319,9 @@ def find_tp_plan(
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in _param(gm, n).shape) for n in specs},
     )
+    if sequence_parallel:
+        plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
+    return plan
 
 
 @dataclass(frozen=True)
