@@ -120,6 +120,18 @@ def test_hf_bert_reports_the_mlm_transform():
                         "bert.embeddings.position_embeddings"}
 
 
+def test_identity_plan_when_tp_is_one():
+    from fxsplit.tp.plan import TPPlan
+
+    model, args, kwargs = zoo.make("mlp")
+    p = fxsplit.plan(model, args, kwargs)  # tp=1, no overrides: no tensor parallelism runs
+    assert p.tp_plan == TPPlan.identity() and p.tp_plan.is_identity
+    assert p.tp_plan.param_specs == {} and p.tp_plan.full_shapes == {}
+    assert p.tp_plan.style_of("layers.0") == "replicate"
+    assert "TPPlan" not in str(p)  # the identity plan prints no table
+    assert not find_tp_plan(fxsplit.trace(model, args, kwargs), 2).is_identity
+
+
 def test_find_is_pure():
     model, gm = _gpt(fused_qkv=True)
     code = gm.code

@@ -34,6 +34,7 @@ from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.graph.trace import trace
 from fxsplit.pipeline.split import SplitPlan
 from fxsplit.pipeline.stage import StageGraphs
+from fxsplit.tp.plan import TPPlan
 
 __all__ = ["Plan", "plan", "ParallelConfig", "PlanError", "SCHEDULES"]
 
@@ -52,7 +53,7 @@ class Plan:
     split: SplitPlan
     stages: StageGraphs
     schedule: list
-    tp_plan: Any = None
+    tp_plan: TPPlan = field(default_factory=TPPlan.identity)  # the identity plan when tp=1, no overrides
     pass_report: Mapping[str, Any] = field(default_factory=dict)
     plan_seconds: float = 0.0
 
@@ -94,7 +95,7 @@ class Plan:
             f"{c.num_stages} stages (v={c.stages_per_rank}), {c.schedule}, m={c.microbatches}",
             f"traced with {info.method}: {info.reason}" if info is not None else "",
         ]
-        if self.tp_plan is not None:
+        if not self.tp_plan.is_identity:
             head.append(str(self.tp_plan))
         sim = self.simulate()
         lines = [h for h in head if h] + [str(self.split)]
@@ -174,7 +175,7 @@ def plan(
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
     # debug dumps (debug=DIR or FXSPLIT_DEBUG_DIR) show each of them
     gm = PassManager(pipeline, debug=debug)(gm, ctx).graph_module
-    tp_result = ctx.report.get("tensor_parallel")
+    tp_result = ctx.report.get("tensor_parallel", TPPlan.identity())
     split = ctx.report["pipeline_split"]
     stages = split.build(gm)
     sched_name = "1f1b" if config.schedule == "1f1b" else config.schedule

@@ -138,10 +138,22 @@ class TPPlan:
     full_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
 
+    @classmethod
+    def identity(cls) -> TPPlan:
+        """The plan of t=1 with no overrides: every parameter replicated, nothing sharded,
+        nothing rewritten (``fxsplit.plan`` records it when no tensor parallelism runs)."""
+        return cls(tp=1, styles={}, param_specs={}, regions=(), replicated=())
+
+    @property
+    def is_identity(self) -> bool:
+        return self == TPPlan.identity()
+
     def style_of(self, module_path: str) -> str:
         return self.styles.get(module_path, "replicate")
 
     def __str__(self) -> str:
+        if self.is_identity:
+            return "TPPlan(t=1, identity: every parameter replicated)"
         why = dict(self.replicated)
         rows = [("module", "style", "shards", "note")]
         for path, style in self.styles.items():
