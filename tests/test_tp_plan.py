@@ -132,6 +132,13 @@ def test_identity_plan_when_tp_is_one():
     assert not find_tp_plan(fxsplit.trace(model, args, kwargs), 2).is_identity
 
 
+def test_split_sizes_read_at_run_time_leave_the_region_replicated():
+    model, args, kwargs = zoo.make("kwargs")  # q, k, v = qkv.split(C, dim=2) with B, T, C = x.shape
+    plan = find_tp_plan(fxsplit.trace(model, args, kwargs), 2)
+    assert "split sizes are computed at run time" in dict(plan.replicated)["blocks.0.attn.qkv"]
+    assert plan.styles["blocks.0.mlp.0"] == "colwise" and plan.styles["blocks.0.mlp.2"] == "rowwise"
+
+
 def test_find_is_pure():
     model, gm = _gpt(fused_qkv=True)
     code = gm.code

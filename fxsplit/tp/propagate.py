@@ -456,6 +456,11 @@ def _split(p: Propagation, op: Op) -> None:
         return
     if name == "chunk":
         p.fail(node, "chunk on the sharded dim (use split)")
+    arg = node.args[1]
+    dynamic = [a for a in (arg if isinstance(arg, (list, tuple)) else [arg]) if isinstance(a, torch.fx.Node)]
+    if dynamic:
+        p.fail(node, f"the split sizes are computed at run time ({dynamic[0].name}); they must be constants "
+                     "to be rewritten to the local sizes")
     bad = [s for s in sizes if s % p.t]
     if bad:
         raise TPPlanError(divisibility_msg(node, p.t, sizes, "the split of a fused projection"))
@@ -466,7 +471,6 @@ def _split(p: Propagation, op: Op) -> None:
         if prev is not None and prev != tuple(sizes):
             p.fail(node, f"splits {o} into {sizes} and elsewhere into {prev}")
         p.blocks[o] = tuple(sizes)
-    arg = node.args[1]
     if isinstance(arg, int):
         p.rewrites.append((node.name, (1,), arg // p.t))
     else:
