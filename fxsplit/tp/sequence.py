@@ -16,8 +16,9 @@ Terms (see ``fxsplit.tp.plan`` for t, region, f / g, row, vocab):
     plan = find_tp_plan(gm, 2, sequence_parallel=True)     # no process group needed
     sp = plan.sequence_plan
     print(sp)                       # one line per decision kind
-    sp.sharded["ln1"]               # ("layer_norm", 1): runs on the shard, sequence on dim 1
-    sp.reduce_scatters              # ("proj", "down", ...): row linears whose g is a reduce-scatter
+    sp.sharded["blocks_0_ln1"]      # ("layer_norm", 1): runs on the shard, sequence on dim 1
+    sp.reduce_scatters              # ("blocks_0_attn_proj", ...): row linears whose g is a reduce-scatter
+    sp.edges_of("sum")              # [("blocks_0_ln1", "blocks.0.ln1.weight", 0), ...]
 
 [Note: sequence-parallel plan] Nodes are named as in the traced graph (the one ``find_tp_plan``
 read). The walk follows graph order and sees the graph as the tensor-parallel rewrite leaves it:
