@@ -294,7 +294,7 @@ def full_grads_fxsplit(pm) -> dict[str, torch.Tensor]:
     """Every gradient of ``pm`` under the original names and shapes (collective over tp and pp)."""
     from fxsplit.tp.sharding import unshard_state_dict
 
-    specs = getattr(pm.plan.tp_plan, "param_specs", {}) or {}
+    specs = pm.plan.tp_plan.param_specs
     local_grads: dict[str, torch.Tensor] = {}
     for mod in pm.stage_modules.values():
         for name, p in mod.named_parameters():

@@ -25,7 +25,8 @@ counts. Vocabulary embedding: ``tp_ops.vocab_parallel_embedding``. LM head: f, t
 on the vocabulary, then ``tp_ops.gather_logits`` -- or, with ``vocab_parallel_loss=True``, the
 model returns the local logits and the loss must be ``tp_ops.vocab_parallel_cross_entropy``.
 With ``sequence_parallel=True`` (Megatron-3) the activations between regions are sharded along
-the sequence (dim 1 of [B, T, C]; T must divide by t at run time): see ``_sequence_parallel``.
+the sequence (dim 1 of [B, T, C]; T must divide by t at run time), as ``plan.sequence_plan``
+records (``fxsplit.tp.sequence``): see ``_sequence_parallel``.
 Written only against fxsplit's public API.
 """
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -44,6 +46,7 @@ from fxsplit.tp.collectives import (copy_to_region, gather_from_region, gather_t
                                  reduce_scatter_to_region, scatter_to_region)
 from fxsplit.graph.meta import annotate_node
 from fxsplit.graph.pass_api import PassContext, PassResult
+from fxsplit.tp.plan import SequenceParallelPlan
 from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan, op_name
@@ -88,7 +91,8 @@ def _own_copy(gm: torch.fx.GraphModule, path: str, memo: dict[str, nn.Module]) -
 
 
 def _shard_params(gm: torch.fx.GraphModule, plan: TPPlan) -> None:
-    """Replace every sharded parameter by a meta parameter of its local shape (tied stay tied)."""
+    """Step 2: replace every sharded parameter by a meta parameter of its local shape (tied stay
+    tied); the metadata of get_attr nodes reading them is refilled with the local shape last."""
     done: dict[int, nn.Parameter] = {}
     memo: dict[str, nn.Module] = {}
     for fqn, spec in plan.param_specs.items():
@@ -110,6 +114,9 @@ def _shard_params(gm: torch.fx.GraphModule, plan: TPPlan) -> None:
         owner._parameters[leaf] = new
         if isinstance(owner, nn.Linear) and leaf == "weight":
             owner.out_features, owner.in_features = new.shape[0], new.shape[1]
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and str(n.target) in plan.param_specs:
+            n.meta["val"] = None  # refilled with the local shape by _finish
 
 
 def _set_arg(node: torch.fx.Node, path: tuple, value: int) -> None:
@@ -143,22 +150,48 @@ def _linear_input(node: torch.fx.Node, plan: TPPlan) -> torch.fx.Node:
 
 
 def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -> torch.fx.GraphModule:
-    """Rewrite ``gm`` in place into the graph every tp rank runs; returns it."""
+    """Rewrite ``gm`` in place into the graph every tp rank runs; returns it.
+
+    Steps, in order: local shapes (:func:`_local_shapes`), local parameters
+    (:func:`_shard_params`), f before each region (:func:`_insert_fs`), row linears and g
+    (:func:`_rewrite_rows`), vocabulary embeddings (:func:`_rewrite_vocab_embeddings`), LM heads
+    (:func:`_rewrite_lm_heads`); then sequence parallelism (:func:`_sequence_parallel`) or the
+    fused column linears (:func:`_fuse_columns`); last the metadata contract (:func:`_finish`).
+    """
+    nodes = _check_applicable(gm, plan)
+    head_inputs = {h: _linear_input(nodes[h], plan).name for h in plan.lm_heads}  # as traced
+    _local_shapes(gm, plan, nodes)
+    _shard_params(gm, plan)
+    region_fs = _insert_fs(gm, plan, nodes, axis)
+    rows = _rewrite_rows(gm, plan, nodes, axis)
+    embeddings = _rewrite_vocab_embeddings(gm, plan, nodes, axis)
+    heads = _rewrite_lm_heads(gm, plan, nodes, axis)
+    if plan.sequence_parallel:
+        done = _Rewritten(region_fs, rows, embeddings, {h: (head_inputs[h], *fg) for h, fg in heads.items()})
+        _sequence_parallel(gm, plan, axis, done)
+    else:
+        for _, f in region_fs:
+            _fuse_columns(gm, plan, f, axis)
+    _finish(gm, plan, nodes)
+    return gm
+
+
+def _check_applicable(gm: torch.fx.GraphModule, plan: TPPlan) -> dict[str, torch.fx.Node]:
+    """The graph's nodes by name, once the plan is known to fit this graph as traced."""
     if gm.meta.get("fxsplit_tp") is not None:
         raise TPPlanError("apply_tp_plan: this graph is already tensor parallel (gm.meta['fxsplit_tp'] is set); "
                           "apply a plan to the graph as traced")
-    graph = gm.graph
-    nodes = {n.name: n for n in graph.nodes}
+    nodes = {n.name: n for n in gm.graph.nodes}
     missing = [n for n in (*plan.linears, *plan.embeddings) if n not in nodes]
     if missing:
         raise TPPlanError(f"apply_tp_plan: the plan names nodes {missing[:3]} that this graph lacks; find the "
                           "plan on this graph (find_tp_plan(gm, tp))")
-    t = plan.tp
-    aten = torch.ops.aten
-    is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
-    add = aten.add.Tensor if is_export else operator.add
+    return nodes
 
-    # 1. shape arguments and metadata of sharded values
+
+def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
+    """Step 1: shape arguments and metadata of sharded values become local."""
+    t = plan.tp
     for name, path, value in plan.rewrites:
         _set_arg(nodes[name], path, value)
     for name, (dim, size) in plan.sharded_nodes.items():
@@ -169,15 +202,13 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
         elif isinstance(val, (list, tuple)):
             n.meta["val"] = type(val)(_local_val(v, dim, int(v.shape[dim]) // t) for v in val)
 
-    # 2. parameters -> local meta shapes; get_attr metadata follows
-    _shard_params(gm, plan)
-    for n in graph.nodes:
-        if n.op == "get_attr" and str(n.target) in plan.param_specs:
-            n.meta["val"] = None  # refilled with the local shape below
 
-    # 3. f before the column linears of each region, once per source (placed before views of
-    #    the source, so that under sequence parallelism the gather sees [B, T, C])
-    region_fs: list[torch.fx.Node] = []
+def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
+               axis: str) -> list[tuple[str, torch.fx.Node]]:
+    """Step 3: f before the column linears of each region, once per source (placed before views
+    of the source, so that under sequence parallelism the gather sees [B, T, C]); (source, f)."""
+    graph = gm.graph
+    region_fs: list[tuple[str, torch.fx.Node]] = []
     for region in plan.regions:
         fs: dict[str, torch.fx.Node] = {}
         for c in region.columns:
@@ -188,10 +219,20 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                 with graph.inserting_after(src):
                     fs[src.name] = _new(graph, copy_to_region, (src,), {"axis": axis}, like=src,
                                         val=src.meta.get("val"))
-                    region_fs.append(fs[src.name])
+                    region_fs.append((src.name, fs[src.name]))
             consumer.replace_input_with(src, fs[src.name])
+    return region_fs
 
-    # 4. row linears: linear without bias, (views back to [B, T, C]), g, bias
+
+def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node],
+                  axis: str) -> dict[str, tuple[str, torch.fx.Node, torch.fx.Node]]:
+    """Step 4: each row linear becomes the linear without bias, (views back to [B, T, C]), g, bias.
+    Returns row -> (the traced name of the value g reduces, g, the node its readers now read)."""
+    graph = gm.graph
+    done: dict[str, tuple[str, torch.fx.Node, torch.fx.Node]] = {}
+    aten = torch.ops.aten
+    is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
+    add = aten.add.Tensor if is_export else operator.add
     for region in plan.regions:
         for r in region.rows:
             node, info = nodes[r], plan.linears[r]
@@ -221,8 +262,15 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                 with graph.inserting_after(b):
                     out = _new(graph, add, (g, b), like=node, val=end.meta.get("val"))
             end.replace_all_uses_with(out, delete_user_cb=lambda u: u is not g)
+            done[r] = (r if end is y else end.name, g, out)
+    return done
 
-    # 5. vocabulary embeddings
+
+def _rewrite_vocab_embeddings(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
+                              axis: str) -> dict[str, torch.fx.Node]:
+    """Step 5: each vocabulary embedding becomes ``tp_ops.vocab_parallel_embedding`` (returned by name)."""
+    graph = gm.graph
+    done: dict[str, torch.fx.Node] = {}
     for name in plan.vocab_embeddings:
         node, e = nodes[name], plan.embeddings[name]
         ids = node.args[0] if e.kind == "module" else node.args[1]
@@ -232,8 +280,16 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                        {"axis": axis, "padding_idx": e.padding_idx}, like=node, val=node.meta.get("val"))
         node.replace_all_uses_with(emb)
         graph.erase_node(node)
+        done[name] = emb
+    return done
 
-    # 6. LM heads: f, column on the vocabulary, gather (unless the loss is vocabulary-parallel)
+
+def _rewrite_lm_heads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
+                      axis: str) -> dict[str, tuple[torch.fx.Node, torch.fx.Node | None]]:
+    """Step 6: LM heads: f, column on the vocabulary, gather (unless the loss is vocabulary-parallel).
+    Returns head -> (f, the gather or None)."""
+    graph, t = gm.graph, plan.tp
+    done: dict[str, tuple[torch.fx.Node, torch.fx.Node | None]] = {}
     for name in plan.lm_heads:
         node = nodes[name]
         info = plan.linears[name]
@@ -246,16 +302,19 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
         local = (spec.pad_to or info.out_features) // t
         if isinstance(val, torch.Tensor):
             node.meta["val"] = _local_val(val, val.dim() - 1, local)
+        gl = None
         if not plan.vocab_parallel_loss:
             with graph.inserting_after(node):
                 gl = _new(graph, gather_logits, (node, plan.vocab_size), {"axis": axis}, like=node, val=val)
             node.replace_all_uses_with(gl, delete_user_cb=lambda u: u is not gl)
+        done[name] = (f, gl)
+    return done
 
-    if plan.sequence_parallel:
-        _sequence_parallel(gm, plan, axis)
-    else:
-        for f in region_fs:
-            _fuse_columns(gm, plan, f, axis)
+
+def _finish(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
+    """Last: lint and recompile, every node annotated (the metadata contract, local shapes), the
+    fused column linears costed as their linears, the plan recorded in ``gm.meta["fxsplit_tp"]``."""
+    graph = gm.graph
     graph.lint()
     gm.recompile()
     for n in graph.nodes:  # metadata contract: every node annotated
@@ -268,7 +327,6 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
         if n.target is column_parallel_linear:
             _cost_as_linears(gm, n)
     gm.meta["fxsplit_tp"] = plan
-    return gm
 
 
 def _cost_as_linears(gm: torch.fx.GraphModule, fused: torch.fx.Node) -> None:
@@ -341,155 +399,138 @@ def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis
 # ------------------------------------------------------------------------------------------------
 # sequence parallelism (Megatron-3)
 
-_SP_REDUCTIONS = ("mean", "sum", "amax", "var")
+@dataclass(frozen=True)
+class _Rewritten:
+    """The nodes steps 3-6 made, keyed by the traced-graph names the sequence plan uses: (source,
+    f) per region f; row -> (the value g reduces, g, the node its readers now read); vocabulary
+    embedding -> its new node; LM head -> (its input, f, the gather or None)."""
+
+    fs: list[tuple[str, torch.fx.Node]]
+    rows: dict[str, tuple[str, torch.fx.Node, torch.fx.Node]]
+    embeddings: dict[str, torch.fx.Node]
+    heads: dict[str, tuple[str, torch.fx.Node, torch.fx.Node | None]]
 
 
-def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str) -> None:
-    """Shard the activations between regions along the sequence (dim 1 of [B, T, C]).
+def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: _Rewritten) -> None:
+    """Apply ``plan.sequence_plan``: shard the activations between regions along the sequence.
 
     The residual stream after the vocabulary embedding is scattered along the sequence; f before
     a region becomes an all-gather along the sequence (``gather_to_region``: backward
-    reduce-scatter), g after a region a reduce-scatter (``reduce_scatter_to_region``); norms,
-    dropout, pointwise ops, per-token linears and reductions over other dims run on the shard.
-    Parameters read on the shard (norm weights, row biases) go through ``copy_to_region`` so
-    their gradients are summed over the tp ranks; a replicated operand that spans the sequence
-    is scattered too. Any other consumer gets the value all-gathered first (``gather_from_region``),
-    so nothing downstream changes: e.g. the model output.
+    reduce-scatter), g after a region a reduce-scatter (``reduce_scatter_to_region``); then the
+    recorded edges: ``copy_to_region`` on parameters read by the shard (gradients summed over the
+    tp ranks), ``scatter_to_region`` on replicated operands spanning the sequence,
+    ``gather_from_region`` before any other consumer (e.g. the model output). Every decision is
+    the plan's ([Note: sequence-parallel plan] in ``fxsplit.tp.sequence``).
     """
-    graph, t = gm.graph, plan.tp
+    sp = plan.sequence_plan
+    _check_sequence_plan(sp, done)
+    orig = _vals_before(gm)
     seq: dict[torch.fx.Node, int] = {}  # node -> sequence dim of its local shard
-    shape_of: dict[torch.fx.Node, int] = {}  # fx getattr(x, "shape") of a sharded x
-    orig = {n: n.meta.get("val") for n in graph.nodes}
-    for n in graph.nodes:  # parameters read by get_attr nodes added above (no val yet)
-        if n.op == "get_attr" and orig[n] is None:
-            owner, leaf = _owner(gm, str(n.target))
-            orig[n] = getattr(owner, leaf)
-    gathered: list[torch.fx.Node] = []
-    params = {id(p) for p in gm.parameters()}
-
-    def insert(target, args, kwargs, before, like):
-        with graph.inserting_before(before):
-            return _new(graph, target, args, kwargs, like=like)
-
-    def is_grad_param(x) -> bool:
-        if not isinstance(x, torch.fx.Node) or x.op != "get_attr":
-            return False
-        owner, leaf = _owner(gm, str(x.target))
-        return id(getattr(owner, leaf)) in params and getattr(owner, leaf).requires_grad
-
-    def summed(node, x):  # f on a replicated operand read by the shard: gradients summed over tp
-        if not isinstance(x, torch.fx.Node):
-            return
-        if x.op == "get_attr" and not is_grad_param(x):
-            return  # a buffer or constant: no gradient
-        if x.op != "get_attr" and not isinstance(orig.get(x, x.meta.get("val")), torch.Tensor):
-            return
-        c = insert(copy_to_region, (x,), {"axis": axis}, node, x)
-        orig[c] = orig.get(x, x.meta.get("val"))
-        node.replace_input_with(x, c)
-
-    def gather_input(node, x):
-        g = insert(gather_from_region, (x,), {"dim": seq[x], "axis": axis}, node, x)
-        orig[g] = orig.get(x)
-        gathered.append(g)
-        node.replace_input_with(x, g)
-
-    for node in list(graph.nodes):
-        name = op_name(node, gm)
-        if node.op == "call_function" and node.target is vocab_parallel_embedding:
-            with graph.inserting_after(node):
-                sc = _new(graph, scatter_to_region, (node,), {"dim": 1, "axis": axis}, like=node)
-            node.replace_all_uses_with(sc, delete_user_cb=lambda u: u is not sc)
-            orig[sc] = orig[node]
-            seq[sc] = 1
-            continue
-        if node.op == "call_function" and node.target is reduce_from_region:
-            v = orig.get(node.args[0])
-            if isinstance(v, torch.Tensor) and v.dim() >= 3:
-                node.target = reduce_scatter_to_region
-                node.kwargs = {"dim": 1, "axis": axis}
-                seq[node] = 1
-            continue
-        if node in shape_of or any(a in shape_of for a in node.all_input_nodes):
-            src = next(a for a in node.all_input_nodes if a in shape_of)
-            if name == "getitem" and node.args[1] == shape_of[src]:
-                _times_t(graph, node, t)
-            continue
-        ins = [a for a in node.all_input_nodes if a in seq]
-        if not ins:
-            continue
-        x = node.args[0] if node.args else None
-        if node.op == "call_function" and node.target is copy_to_region:
-            node.target, node.kwargs = gather_to_region, {"dim": seq[x], "axis": axis}
-            continue
-        if name == "getattr" and node.args[1] == "shape":
-            shape_of[node] = seq[x]
-            continue
-        if name in ("size", "sym_size") and len(node.args) > 1:
-            if _norm_dim(node.args[1], orig[x].dim()) == seq[x]:
-                _times_t(graph, node, t)
-            continue
-        out = orig.get(node)
-        if not isinstance(out, torch.Tensor):
-            for a in ins:
-                gather_input(node, a)
-            continue
-        n = out.dim()
-        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), (nn.LayerNorm, nn.Linear)):
-            node = _module_to_function(gm, node)
-            name = op_name(node, gm)
-            orig[node] = out
-        ok = False
-        if (_pointwise(node, name)) and all(a in seq for a in ins):
-            dims = {seq[a] + n - orig[a].dim() for a in ins}
-            if len(dims) == 1:
-                (d,) = dims
-                for a in list(node.all_input_nodes):
-                    va = orig.get(a, a.meta.get("val"))
-                    if a in seq or not isinstance(va, torch.Tensor):
-                        continue
-                    pos = d - (n - va.dim())
-                    if pos >= 0 and va.shape[pos] != 1:
-                        sc = insert(scatter_to_region, (a,), {"dim": pos, "axis": axis}, node, a)
-                        orig[sc] = va
-                        node.replace_input_with(a, sc)
-                    else:
-                        summed(node, a)
-                seq[node], ok = d, True
-        elif name in ("layer_norm", "native_layer_norm", "linear") and x in seq and seq[x] < orig[x].dim() - 1:
-            for a in node.args[1:]:
-                if isinstance(a, torch.fx.Node):
-                    summed(node, a)
-            seq[node], ok = seq[x], True
-        elif name in _SP_REDUCTIONS and x in seq and len(node.args) > 1 and isinstance(node.args[1], (list, tuple)):
-            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-            dims = [_norm_dim(d, orig[x].dim()) for d in node.args[1]]
-            if keep and seq[x] not in dims:
-                seq[node], ok = seq[x], True
-        if not ok:
-            for a in ins:
-                gather_input(node, a)
+    value = _sp_collectives(gm, plan, axis, done, orig, seq)
+    _sp_on_shard(gm, sp, value, orig, seq)
+    _sp_edges(gm, sp, axis, value, orig)
+    for name in sp.size_reads:
+        _times_t(gm.graph, value[name], plan.tp)
     for node, d in seq.items():
         v = orig.get(node)
         if isinstance(v, torch.Tensor):
-            node.meta["val"] = _local_val(v, d, v.shape[d] // t)
-    for node in graph.nodes:
-        if node.op != "get_attr" and node.meta.get("val") is None and isinstance(orig.get(node), torch.Tensor):
-            node.meta["val"] = orig[node]
+            node.meta["val"] = _local_val(v, d, v.shape[d] // plan.tp)
 
 
-def _norm_dim(d: int, n: int) -> int:
-    return d % n if n else d
+def _check_sequence_plan(sp: SequenceParallelPlan, done: _Rewritten) -> None:
+    """The sequence plan names what this rewrite made (it was found on this graph)."""
+    if not sp.scatters:
+        raise TPPlanError("apply_tp_plan: plan.sequence_parallel is True but plan.sequence_plan records no "
+                          "decisions; find the plan with find_tp_plan(gm, tp, sequence_parallel=True)")
+    sources = {s for s, _ in done.fs} | {x for x, _, _ in done.heads.values()}
+    unknown = ([e for e in sp.scatters if e not in done.embeddings] + [r for r in sp.reduce_scatters if r not in done.rows]
+               + [s for s in sp.all_gathers if s not in sources])
+    if unknown:
+        raise TPPlanError(f"apply_tp_plan: the sequence plan names {unknown[:3]}, which this rewrite did not make "
+                          "(no such embedding, row linear or f); find the plan on this graph")
 
 
-def _pointwise(node: torch.fx.Node, name: str) -> bool:
-    if node.op == "call_function" and node.target in (copy_to_region, gather_from_region):
-        return False
-    if name in ("dropout", "gelu", "silu", "relu", "tanh", "sigmoid", "alias", "add", "sub", "mul", "div", "neg",
-                "pow", "to", "float", "type_as", "contiguous", "clone", "_to_copy", "rsqrt", "sqrt", "exp"):
-        return True
-    t = node.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+def _vals_before(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
+    """Every node's value before sequence parallelism (parameters read by get_attr nodes added by
+    the rewrite have no metadata yet: the parameter itself)."""
+    orig = {n: n.meta.get("val") for n in gm.graph.nodes}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and orig[n] is None:
+            owner, leaf = _owner(gm, str(n.target))
+            orig[n] = getattr(owner, leaf)
+    return orig
+
+
+def _sp_collectives(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: _Rewritten,
+                    orig: dict, seq: dict) -> dict[str, torch.fx.Node]:
+    """The conjugate collectives: scatter after the token embeddings, reduce-scatter for the
+    recorded g's, all-gather for the recorded f's. Returns traced-graph name -> the node its
+    consumers now read (the scatter, the row's reduced output, the gathered logits)."""
+    graph, sp = gm.graph, plan.sequence_plan
+    value = {n.name: n for n in graph.nodes}
+    for row, (end, g, out) in done.rows.items():
+        value[row] = value[end] = out
+    for name, (_, _, gl) in done.heads.items():
+        if gl is not None:
+            value[name] = gl
+    for e in sp.scatters:
+        emb = done.embeddings[e]
+        with graph.inserting_after(emb):
+            sc = _new(graph, scatter_to_region, (emb,), {"dim": 1, "axis": axis}, like=emb)
+        emb.replace_all_uses_with(sc, delete_user_cb=lambda u: u is not sc)
+        orig[sc] = orig[emb]
+        value[e] = sc
+        seq[sc] = 1
+    for r in sp.reduce_scatters:
+        _, g, out = done.rows[r]
+        g.target, g.kwargs = reduce_scatter_to_region, {"dim": 1, "axis": axis}
+        seq[g] = seq[out] = 1
+    for src, f in [*done.fs, *((x, f) for x, f, _ in done.heads.values())]:
+        if src in sp.all_gathers:
+            f.target, f.kwargs = gather_to_region, {"dim": sp.all_gathers[src], "axis": axis}
+    return value
+
+
+def _sp_on_shard(gm: torch.fx.GraphModule, sp: SequenceParallelPlan, value: dict, orig: dict, seq: dict) -> None:
+    """The nodes recorded as running on the shard; nn.LayerNorm / nn.Linear calls among them
+    become function calls, so that their parameters are get_attr nodes an edge can sum."""
+    for name, (_, d) in sp.sharded.items():
+        node = value[name]
+        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), (nn.LayerNorm, nn.Linear)):
+            new = _module_to_function(gm, node)
+            orig[new] = orig[node]
+            value[name] = node = new
+        seq[node] = d
+
+
+def _sp_edges(gm: torch.fx.GraphModule, sp: SequenceParallelPlan, axis: str, value: dict, orig: dict) -> None:
+    """The recorded edges, in graph order: scatter, sum (copy_to_region) or gather in front of
+    one input of a consumer."""
+    graph = gm.graph
+    for consumer, operand, action, dim in sp.edges:
+        node = value[consumer]
+        x = _operand(node, operand, value)
+        if action == "scatter":
+            target, kwargs, v = scatter_to_region, {"dim": dim, "axis": axis}, orig.get(x, x.meta.get("val"))
+        elif action == "sum":
+            target, kwargs, v = copy_to_region, {"axis": axis}, orig.get(x, x.meta.get("val"))
+        else:
+            target, kwargs, v = gather_from_region, {"dim": dim, "axis": axis}, orig.get(x)
+        with graph.inserting_before(node):
+            new = _new(graph, target, (x,), kwargs, like=x, val=v if isinstance(v, torch.Tensor) else None)
+        node.replace_input_with(x, new)
+
+
+def _operand(node: torch.fx.Node, operand: str, value: Mapping[str, torch.fx.Node]) -> torch.fx.Node:
+    """The input of ``node`` an edge names: a value by its traced-graph name, or a parameter by FQN."""
+    x = value.get(operand)
+    if x is not None and x in node.all_input_nodes:
+        return x
+    for a in node.all_input_nodes:
+        if a.op == "get_attr" and str(a.target) == operand:
+            return a
+    raise TPPlanError(f"apply_tp_plan: the sequence plan puts an edge on input {operand!r} of {node.name!r}, "
+                      "which reads no such value; find the plan on this graph")
 
 
 def _times_t(graph: torch.fx.Graph, node: torch.fx.Node, t: int) -> None:

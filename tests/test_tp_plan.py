@@ -120,6 +120,25 @@ def test_hf_bert_reports_the_mlm_transform():
                         "bert.embeddings.position_embeddings"}
 
 
+def test_identity_plan_when_tp_is_one():
+    from fxsplit.tp.plan import TPPlan
+
+    model, args, kwargs = zoo.make("mlp")
+    p = fxsplit.plan(model, args, kwargs)  # tp=1, no overrides: no tensor parallelism runs
+    assert p.tp_plan == TPPlan.identity() and p.tp_plan.is_identity
+    assert p.tp_plan.param_specs == {} and p.tp_plan.full_shapes == {}
+    assert p.tp_plan.style_of("layers.0") == "replicate"
+    assert "TPPlan" not in str(p)  # the identity plan prints no table
+    assert not find_tp_plan(fxsplit.trace(model, args, kwargs), 2).is_identity
+
+
+def test_split_sizes_read_at_run_time_leave_the_region_replicated():
+    model, args, kwargs = zoo.make("kwargs")  # q, k, v = qkv.split(C, dim=2) with B, T, C = x.shape
+    plan = find_tp_plan(fxsplit.trace(model, args, kwargs), 2)
+    assert "split sizes are computed at run time" in dict(plan.replicated)["blocks.0.attn.qkv"]
+    assert plan.styles["blocks.0.mlp.0"] == "colwise" and plan.styles["blocks.0.mlp.2"] == "rowwise"
+
+
 def test_find_is_pure():
     model, gm = _gpt(fused_qkv=True)
     code = gm.code
@@ -281,6 +300,47 @@ def test_sequence_parallel_collectives_fx():
     ln = [n for n in gm.graph.nodes if n.target is torch.nn.functional.layer_norm][0]
     T = gm.meta["fxsplit"].symbols["seq"]
     assert str(ln.meta["fxsplit"].outputs[0].shape[1]).strip("()") == f"{T}//2"  # local sequence T / t
+
+
+def test_sequence_parallel_decisions_are_in_the_plan():
+    """Which norms and dropouts run sequence-sharded, and where all-gathers / reduce-scatters
+    replace the all-reduces, are plan data: found with no process group, printed, then applied."""
+    from fxsplit.tp.collectives import gather_to_region, reduce_scatter_to_region, scatter_to_region
+    from fxsplit.tp.plan import SequenceParallelPlan
+
+    _, gm = _gpt()
+    code = gm.code
+    plan = find_tp_plan(gm, 2, sequence_parallel=True)
+    assert gm.code == code  # planning is pure
+    sp = plan.sequence_plan
+    n_layer = SMALL["n_layer"]
+    # the stream starts at the token embedding; every g becomes a reduce-scatter, every f (one per
+    # region input and the LM head's) an all-gather along the sequence
+    assert sp.scatters == plan.vocab_embeddings == ("wte",)
+    assert sp.reduce_scatters == tuple(r for region in plan.regions for r in region.rows)
+    assert len(sp.all_gathers) == 2 * n_layer + 1 and set(sp.all_gathers.values()) == {1}
+    # norms and dropouts between the regions run on the sequence shard (sequence on dim 1)
+    ops = {n: op for n, (op, _) in sp.sharded.items()}
+    assert sorted(n for n, op in ops.items() if op == "layer_norm") == sorted(
+        [f"blocks_{i}_ln{j}" for i in range(n_layer) for j in (1, 2)] + ["ln_f"])
+    assert sum(op == "dropout" for op in ops.values()) == 1 + 2 * n_layer  # embedding, attention, MLP
+    assert {d for _, d in sp.sharded.values()} == {1}
+    # norm weights and row biases read on the shard have their gradients summed over tp; the
+    # position embedding [T, C] added to the stream is scattered; nothing needs a gather
+    summed = {a for _, a, _ in sp.edges_of("sum")}
+    assert {"blocks.0.ln1.weight", "blocks.0.ln1.bias", "blocks.1.mlp.down.bias", "ln_f.weight"} <= summed
+    assert sp.edges_of("scatter") == [("add", "wpe", 0)]
+    assert sp.edges_of("gather") == []
+    text = str(plan)
+    assert "g -> reduce-scatter after: blocks_0_attn_proj, blocks_0_mlp_down" in text
+    assert "blocks_0_ln1 (layer_norm)" in text and "wpe -> add (dim 0)" in text
+    assert find_tp_plan(gm, 2).sequence_plan == SequenceParallelPlan()
+    # the pass applies exactly what the plan records
+    apply_tp_plan(gm, plan)
+    assert _count(gm, reduce_scatter_to_region) == len(sp.reduce_scatters)
+    assert _count(gm, gather_to_region) == len(sp.all_gathers)
+    assert _count(gm, scatter_to_region) == len(sp.scatters) + len(sp.edges_of("scatter"))
+    assert _count(gm, copy_to_region) == len(summed)
 
 
 def test_sequence_parallel_needs_a_token_embedding():

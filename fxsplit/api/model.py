@@ -256,7 +256,7 @@ class ParallelModel(nn.Module):
         from fxsplit.api.grad_norm import check_norm_type, global_norm, norm_parameters, scale_grads
 
         p = check_norm_type(norm_type)
-        specs = self.plan.tp_plan.param_specs if self.plan.tp_plan is not None else {}
+        specs = self.plan.tp_plan.param_specs
         counted = norm_parameters(
             {int(s): m for s, m in self.stage_modules.items()}, shared_params=self.plan.stages.shared_params,
             sharded=specs, coords=self.coords,
@@ -286,7 +286,7 @@ class ParallelModel(nn.Module):
         every rank's shards; on every rank, or only on global rank 0 with ``rank0_only``."""
         from fxsplit.tp.sharding import unshard_state_dict
 
-        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        specs = self.plan.tp_plan.param_specs
         local = {k: v.detach().cpu() for k, v in self._local_state().items()}
         tp = self._groups.get("tp")
         if tp is not None and dist.get_world_size(tp) > 1:
@@ -309,7 +309,7 @@ class ParallelModel(nn.Module):
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
         """Load a full (unsharded) state dict with the original names; each rank keeps its shards."""
-        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        specs = self.plan.tp_plan.param_specs
         tp_rank = self.coords.get("tp", 0)
         missing = []
         for mod in self.stage_modules.values():
@@ -340,7 +340,7 @@ class ParallelModel(nn.Module):
         :meth:`load_checkpoint`, or whole in one process with :func:`load_full_checkpoint`."""
         import torch.distributed.checkpoint as dcp
 
-        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        specs = self.plan.tp_plan.param_specs
         t, tp_rank = self.plan.config.tp, self.coords.get("tp", 0)
         tensors: dict[str, torch.Tensor] = dict(self._local_state())
         tensor_specs = dict(specs)
@@ -380,7 +380,7 @@ class ParallelModel(nn.Module):
         self.load_full_state_dict({k: v for k, v in full.items() if not k.startswith(_OPTIM + "/")})
         if optimizer is None:
             return
-        specs = getattr(self.plan.tp_plan, "param_specs", {}) or {}
+        specs = self.plan.tp_plan.param_specs
         tp_rank = self.coords.get("tp", 0)
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for name, param in params.items():

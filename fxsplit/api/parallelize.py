@@ -135,8 +135,8 @@ def parallelize(
         config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
     the_plan = plan(model, example_args, example_kwargs, config=config)
     c = the_plan.config
-    specs = getattr(the_plan.tp_plan, "param_specs", {}) or {}
-    full_shapes = {k: tuple(v) for k, v in (getattr(the_plan.tp_plan, "full_shapes", {}) or {}).items()}
+    specs = the_plan.tp_plan.param_specs
+    full_shapes = {k: tuple(v) for k, v in the_plan.tp_plan.full_shapes.items()}
     pp_rank = coords["pp"]
     mine = [s for s in range(c.num_stages) if s % c.pp == pp_rank]
     stages = {

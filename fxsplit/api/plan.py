@@ -36,6 +36,7 @@ from fxsplit.pipeline.comm import CommPlan, plan_all_communication
 from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.pipeline.split import SplitPlan
 from fxsplit.pipeline.stage import StageGraphs
+from fxsplit.tp.plan import TPPlan
 
 __all__ = ["Plan", "plan", "ParallelConfig", "PlanError", "SCHEDULES"]
 
@@ -57,7 +58,7 @@ class Plan:
     split: SplitPlan
     stages: StageGraphs
     schedule: list
-    tp_plan: Any = None
+    tp_plan: TPPlan = field(default_factory=TPPlan.identity)  # the identity plan when tp=1, no overrides
     pass_report: Mapping[str, Any] = field(default_factory=dict)
     plan_seconds: float = 0.0
     comm: tuple[CommPlan, ...] = ()
@@ -112,7 +113,7 @@ class Plan:
             f"{c.num_stages} stages (v={c.stages_per_rank}), {c.schedule}, m={c.microbatches}",
             f"traced with {info.method}: {info.reason}" if info is not None else "",
         ]
-        if self.tp_plan is not None:
+        if not self.tp_plan.is_identity:
             head.append(str(self.tp_plan))
         sim = self.simulate()
         lines = [h for h in head if h] + [str(self.split)]
@@ -181,7 +182,7 @@ def plan(
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
     # debug dumps (debug=DIR or FXSPLIT_DEBUG_DIR) show each of them
     gm = PassManager(pipeline, debug=config.debug)(gm, ctx).graph_module
-    tp_result = ctx.report.get("tensor_parallel")
+    tp_result = ctx.report.get("tensor_parallel", TPPlan.identity())
     split = ctx.report["pipeline_split"]
     stages = split.build(gm)
     sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)

@@ -1,7 +1,8 @@
 """Tensor parallelism (Megatron-LM style), found from the graph.
 
 Owns the TP plan (``plan``: which parameters are column / row / vocab-parallel or replicated, and
-why), sharding propagation through the graph (``propagate``), shard specs and per-rank
+why), sharding propagation through the graph (``propagate``), the sequence-parallel decisions
+recorded in the plan (``sequence``), shard specs and per-rank
 materialization (``sharding``), the conjugate collectives f / g (``collectives``) and the fused
 parallel autograd functions (``functional``). The pass that applies a TP plan to a graph is
 ``fxsplit.passes.tensor_parallel``.

@@ -27,13 +27,15 @@ does not divide raise :class:`TPPlanError` (module, numbers, nearest t).
 
 Vocabulary: an embedding whose indices are a model input is vocabulary-parallel (rows; padded
 to a multiple of t when V is not divisible, see ``fxsplit.tp.sharding``); a linear tied to it, or
-returning vocabulary-sized outputs to the model output, is the LM head. ``sequence_parallel``
-is recorded here and applied by the pass (it needs such a token embedding to start the
-sequence-sharded residual stream).
+returning vocabulary-sized outputs to the model output, is the LM head. With
+``sequence_parallel`` the plan also records where the activations between regions run sharded
+along the sequence (``plan.sequence_plan``, planned by ``fxsplit.tp.sequence``; it needs such a
+token embedding to start the sequence-sharded residual stream); the pass only applies it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 from dataclasses import dataclass, field
@@ -42,6 +44,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
+from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
 from fxsplit.tp.sharding import ShardSpec, padded_size
 from fxsplit.tp.propagate import VIEWS, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape, op_name
 
@@ -51,6 +54,7 @@ __all__ = [
     "EmbeddingInfo",
     "Region",
     "TPPlan",
+    "SequenceParallelPlan",
     "TPPlanError",
     "find_tp_plan",
     "find_linears",
@@ -113,6 +117,7 @@ class TPPlan:
     -> (global dim sharded, global size of that dim) for every value carrying a shard.
     rewrites: (node name, argument path, new int) shape arguments rewritten to local sizes.
     lm_head: node names of vocabulary-parallel LM heads; vocab_size: V (unpadded).
+    sequence_plan: the sequence-parallel decisions (empty unless ``sequence_parallel``).
     """
 
     tp: int
@@ -131,11 +136,24 @@ class TPPlan:
     vocab_parallel_loss: bool = False
     overrides: Mapping[str, str] = field(default_factory=dict)
     full_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
+
+    @classmethod
+    def identity(cls) -> TPPlan:
+        """The plan of t=1 with no overrides: every parameter replicated, nothing sharded,
+        nothing rewritten (``fxsplit.plan`` records it when no tensor parallelism runs)."""
+        return cls(tp=1, styles={}, param_specs={}, regions=(), replicated=())
+
+    @property
+    def is_identity(self) -> bool:
+        return self == TPPlan.identity()
 
     def style_of(self, module_path: str) -> str:
         return self.styles.get(module_path, "replicate")
 
     def __str__(self) -> str:
+        if self.is_identity:
+            return "TPPlan(t=1, identity: every parameter replicated)"
         why = dict(self.replicated)
         rows = [("module", "style", "shards", "note")]
         for path, style in self.styles.items():
@@ -147,6 +165,8 @@ class TPPlan:
                  f"{self.sequence_parallel}, vocab_parallel_loss={self.vocab_parallel_loss})"]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + ("  " + r[3] if r[3] else ""))
+        if self.sequence_parallel:
+            lines.append(str(self.sequence_plan))
         return "\n".join(lines)
 
 
@@ -286,41 +306,91 @@ def find_tp_plan(
     "replicate"; a pattern matching nothing, or a forced style the graph cannot honour, raises
     :class:`TPPlanError`. vocab_parallel_loss: the LM head's logits stay sharded (the loss must be
     ``fxsplit.tp.functional.vocab_parallel_cross_entropy``); otherwise they are gathered.
+
+    Steps: the graph's linears and embeddings (:class:`_Graph`), the vocabulary-parallel
+    embeddings and LM heads (:func:`_vocab_parallel`), the regions by propagation
+    (:func:`_find_regions`), then styles, specs and the report (:func:`_styles_and_specs`),
+    checked against the overrides and t (:func:`_check_plan`); with ``sequence_parallel``, the
+    sequence-parallel decisions (:func:`fxsplit.tp.sequence.plan_sequence_parallel`).
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise TPPlanError(f"find_tp_plan: tp must be an int >= 1, got {tp!r}")
-    linears = find_linears(gm)
-    embeds = find_embeddings(gm)
-    aliases = _aliases(gm)
-    paths = list(dict.fromkeys([l.module_path for l in linears.values()] + [e.module_path for e in embeds.values()]))
-    forced = _match_overrides(dict(overrides or {}), paths)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    excluded = {n for n, l in linears.items() if forced.get(l.module_path) in ("replicate", "vocab")}
+    g = _Graph.of(gm, overrides)
+    excluded = {n for n, l in g.linears.items() if g.forced.get(l.module_path) in ("replicate", "vocab")}
+    vocab = _vocab_parallel(g, vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
+    excluded |= set(vocab.lm_heads)
+    regions, sharded_nodes, rewrites, blocks_of, failures = _find_regions(
+        gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
+    styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
+    _check_plan(g, tp, styles, replicated, sharded_nodes)
+    plan = TPPlan(
+        tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
+        sharded_nodes=sharded_nodes, rewrites=tuple(rewrites), linears=g.linears, embeddings=g.embeds,
+        vocab_embeddings=tuple(e.node for e in vocab.embeddings), lm_heads=tuple(vocab.lm_heads),
+        vocab_size=vocab.size, sequence_parallel=sequence_parallel,
+        vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
+        full_shapes={n: tuple(int(s) for s in _param(gm, n).shape) for n in specs},
+    )
+    if sequence_parallel:
+        plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
+    return plan
 
-    # ---- embeddings and LM heads (vocabulary parallel)
+
+@dataclass(frozen=True)
+class _Graph:
+    """What :func:`find_tp_plan` reads off the graph before deciding anything: its linears and
+    embeddings, tied-parameter aliases, and the styles the overrides force (module path -> style)."""
+
+    gm: torch.fx.GraphModule
+    nodes: Mapping[str, torch.fx.Node]
+    linears: Mapping[str, LinearInfo]
+    embeds: Mapping[str, EmbeddingInfo]
+    aliases: Mapping[str, tuple[str, ...]]
+    forced: Mapping[str, str]
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, overrides: Mapping[str, str] | None) -> "_Graph":
+        linears = find_linears(gm)
+        embeds = find_embeddings(gm)
+        paths = list(dict.fromkeys([l.module_path for l in linears.values()] + [e.module_path for e in embeds.values()]))
+        forced = _match_overrides(dict(overrides or {}), paths)
+        return cls(gm, {n.name: n for n in gm.graph.nodes}, linears, embeds, _aliases(gm), forced)
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    """The vocabulary-parallel part of a plan: token embeddings, LM head nodes, V (unpadded)."""
+
+    embeddings: list[EmbeddingInfo]
+    lm_heads: list[str]
+    size: int | None
+
+
+def _vocab_parallel(g: _Graph, *, vocab_parallel_loss: bool, sequence_parallel: bool) -> _Vocab:
+    """Embeddings and LM heads (vocabulary parallel): an embedding of model-input ids, and the
+    linears tied to it or returning vocabulary-sized outputs to the model output."""
     vocab_embeds, vocab_weights = [], set()
-    replicated: list[tuple[str, str]] = []
-    for e in embeds.values():
-        style = forced.get(e.module_path)
+    for e in g.embeds.values():
+        style = g.forced.get(e.module_path)
         if style in ("colwise", "rowwise"):
             raise TPPlanError(f"overrides: {e.module_path!r} is an embedding; its styles are 'vocab' or 'replicate', not {style!r}")
         if style == "vocab" or (style is None and e.from_input):
             vocab_embeds.append(e)
-            vocab_weights |= set(aliases.get(e.weight, (e.weight,)))
+            vocab_weights |= set(g.aliases.get(e.weight, (e.weight,)))
     vocab_size = None
     if vocab_embeds:
         vocab_size = vocab_embeds[0].num_embeddings
     lm_heads = []
-    for l in linears.values():
+    for l in g.linears.values():
         tied = l.weight in vocab_weights
-        style = forced.get(l.module_path)
+        style = g.forced.get(l.module_path)
         if style == "replicate":
             if tied:
                 raise TPPlanError(f"overrides: {l.module_path!r} is set to replicate, but its weight is tied to the "
                                   f"vocabulary-parallel embedding; set both to 'replicate' or both to 'vocab'")
             continue
         is_head = tied or style == "vocab" or (vocab_size is not None and l.out_features == vocab_size
-                                                and l.out_dim == 0 and _reaches_output(nodes[l.node]))
+                                                and l.out_dim == 0 and _reaches_output(g.nodes[l.node]))
         if style == "vocab" and l.out_dim != 0:
             raise TPPlanError(f"overrides: {l.module_path!r} stores its weight [in, out]; 'vocab' supports [out, in] weights")
         if is_head and style not in ("colwise", "rowwise"):
@@ -330,7 +400,6 @@ def find_tp_plan(
                 raise TPPlanError(f"LM head {l.module_path!r} has {l.out_features} outputs but the vocabulary-parallel "
                                   f"embedding has {vocab_size} rows; mark one 'replicate' in overrides")
             lm_heads.append(l.node)
-            excluded.add(l.node)
     if vocab_parallel_loss and not lm_heads:
         raise TPPlanError("vocab_parallel_loss=True but no LM head was found (a linear tied to the token embedding "
                           "or with vocabulary-sized outputs that the model returns); mark it with overrides={path: 'vocab'}")
@@ -339,22 +408,25 @@ def find_tp_plan(
         raise TPPlanError("sequence_parallel=True needs a token embedding (a vocabulary-parallel embedding whose "
                           "[B, T, C] output starts the sequence-sharded residual stream); this graph has none. "
                           "Use sequence_parallel=False, or mark the token embedding with overrides={path: 'vocab'}")
+    return _Vocab(vocab_embeds, lm_heads, vocab_size)
 
-    # ---- regions by propagation
-    found = _find_regions(gm, tp, linears, forced, excluded, set(lm_heads))
-    regions, sharded_nodes, rewrites, blocks_of, failures = found
 
-    # ---- styles, specs, report
+def _styles_and_specs(g: _Graph, tp: int, vocab: _Vocab, regions: list[Region], blocks_of: Mapping[str, tuple],
+                      failures: Mapping[str, str], excluded: set[str]):
+    """Styles, specs, report: module path -> style, FQN (every alias) -> ShardSpec, and
+    (module path, why) for every linear and embedding left replicated."""
     styles: dict[str, str] = {}
     specs: dict[str, ShardSpec] = {}
+    replicated: list[tuple[str, str]] = []
 
     def put(fqn: str, spec: ShardSpec) -> None:
-        for a in aliases.get(fqn, (fqn,)):
+        for a in g.aliases.get(fqn, (fqn,)):
             specs[a] = spec
 
     col = {c for r in regions for c in r.columns}
     row = {c for r in regions for c in r.rows}
-    for name, l in linears.items():
+    vocab_size = vocab.size
+    for name, l in g.linears.items():
         if name in col:
             styles[l.module_path] = "colwise"
             put(l.weight, ShardSpec(l.out_dim, tp, blocks_of.get(name)))
@@ -363,7 +435,7 @@ def find_tp_plan(
         elif name in row:
             styles[l.module_path] = "rowwise"
             put(l.weight, ShardSpec(1 - l.out_dim, tp))
-        elif name in lm_heads:
+        elif name in vocab.lm_heads:
             styles[l.module_path] = "vocab"
             pad = padded_size(vocab_size, tp) if vocab_size % tp else None
             put(l.weight, ShardSpec(0, tp, pad_to=pad, size=vocab_size))
@@ -374,31 +446,29 @@ def find_tp_plan(
             if l.module_path not in dict(replicated):
                 replicated.append((l.module_path, failures.get(name, "set to replicate" if name in excluded else
                                                                "consumes a replicated value with no column-parallel partner")))
-    for e in embeds.values():
-        if e in vocab_embeds:
+    for e in g.embeds.values():
+        if e in vocab.embeddings:
             styles[e.module_path] = "vocab"
             pad = padded_size(e.num_embeddings, tp) if e.num_embeddings % tp else None
             put(e.weight, ShardSpec(0, tp, pad_to=pad, size=e.num_embeddings))
         else:
             styles[e.module_path] = "replicate"
-            replicated.append((e.module_path, "set to replicate" if forced.get(e.module_path) == "replicate"
+            replicated.append((e.module_path, "set to replicate" if g.forced.get(e.module_path) == "replicate"
                                else "its indices are not a model input (positions or types)"))
-    for path, style in forced.items():
+    return styles, specs, replicated
+
+
+def _check_plan(g: _Graph, tp: int, styles: Mapping[str, str], replicated: list[tuple[str, str]],
+                sharded_nodes: Mapping[str, tuple[int, int]]) -> None:
+    """Every forced style honoured, and every sharded size divisible by t (else TPPlanError)."""
+    for path, style in g.forced.items():
         if style in ("colwise", "rowwise", "vocab") and styles.get(path) != style:
             why = dict(replicated).get(path, f"found {styles.get(path)}")
             raise TPPlanError(f"overrides: {path!r} is set to {style!r} but the graph does not allow it: {why}")
     if tp > 1:
         for n, (d, size) in sharded_nodes.items():
             if size > 0 and size % tp:
-                raise TPPlanError(divisibility_msg(nodes[n], tp, size, "a sharded value"))
-    return TPPlan(
-        tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
-        sharded_nodes=sharded_nodes, rewrites=tuple(rewrites), linears=linears, embeddings=embeds,
-        vocab_embeddings=tuple(e.node for e in vocab_embeds), lm_heads=tuple(lm_heads),
-        vocab_size=vocab_size, sequence_parallel=sequence_parallel,
-        vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
-        full_shapes={n: tuple(int(s) for s in _param(gm, n).shape) for n in specs},
-    )
+                raise TPPlanError(divisibility_msg(g.nodes[n], tp, size, "a sharded value"))
 
 
 def _linear_x(node: torch.fx.Node, info: LinearInfo) -> Any:
