@@ -19,10 +19,10 @@ Terms:
     graph_costs(gm) -> dict[str, NodeCost]   # every node, parameter ownership resolved in one pass
     graph_cost(gm) -> NodeCost               # their sum
 
-The per-op half (number helpers, tensor metadata, op names, op tables, per-kind formulas, leaf
-modules) is the internal module ``fxsplit.graph.cost_ops``; this module owns ``NodeCost``, parameter
-ownership and the graph sums, and re-exports ``Number``, ``to_expr``, ``op_name`` and
-``value_bytes`` from there. Import them from here.
+The per-op half (number helpers, tensor metadata, cost tables, per-kind formulas, leaf modules)
+is the internal module ``fxsplit.graph.cost_ops``; op names and op classes are
+``fxsplit.graph.ops``'s ([Note: op names]). This module owns ``NodeCost``, parameter ownership
+and the graph sums, and re-exports ``Number``, ``to_expr``, ``op_name`` and ``value_bytes``.
 
 [Note: cost conventions]
   * FLOPs of matmul-like ops are exact for the contraction (2 * output elements * contracted
@@ -66,14 +66,13 @@ from fxsplit.graph.cost_ops import (
     _clean,
     _is_symbolic,
     _mul,
-    _resolve_attr,
     _simplify_number,
     _sum,
     op_cost,
-    op_name,
     to_expr,
     value_bytes,
 )
+from fxsplit.graph.ops import op_name, resolve_path
 
 __all__ = [
     "Number",
@@ -236,10 +235,10 @@ def estimate_time(
 def _owned_params(node: torch.fx.Node, gm: nn.Module | None) -> list[nn.Parameter]:
     """Parameters this node references directly (get_attr of a Parameter, call_module's params)."""
     if node.op == "get_attr":
-        attr = _resolve_attr(gm, str(node.target))
+        attr = resolve_path(gm, str(node.target), default=None)
         return [attr] if isinstance(attr, nn.Parameter) else []
     if node.op == "call_module":
-        module = _resolve_attr(gm, str(node.target))
+        module = resolve_path(gm, str(node.target), default=None)
         return list(module.parameters()) if isinstance(module, nn.Module) else []
     return []
 

@@ -2,25 +2,26 @@
 
 This is the internal half of :mod:`fxsplit.graph.cost` (not a public module): ``fxsplit.graph.cost`` owns
 ``NodeCost``, parameter ownership and the graph sums, and imports what it needs from here; the
-public names defined here (``Number``, ``to_expr``, ``op_name``, ``value_bytes``) are re-exported
-there and should be imported from there.
+public names defined here (``Number``, ``to_expr``, ``value_bytes``) are re-exported there and
+should be imported from there.
 
 Terms:
     Number          ``int | float | sympy.Expr`` (symbolic dims become sympy expressions).
     meta            ``_Meta(shape, dtype, is_param)``: one tensor value as the cost model sees it,
                     read from ``node.meta["val"]`` (or ``"tensor_meta"``).
-    op name         the normalized operator name of a node (``op_name``): module class, function,
-                    method and aten overload of one operator share it.
+    op name         the normalized operator name of a node (``fxsplit.graph.ops.op_name``, [Note:
+                    op names]): module class, function, method and aten overload of one operator
+                    share it; the op classes (``COST_FREE``, ``COPIES``, ...) are that module's too.
     kind            the formula an op name selects (``_kind``): matmul, attention, conv, embedding,
-                    norm, other; a call_module of a class we do not know is a leaf module, counted
-                    with ``FlopCounterMode``.
+                    norm, other; a call_module of a class the op vocabulary does not know
+                    (``"module:ClassName"``) is a leaf module, counted with ``FlopCounterMode``.
     formula         ``(node, name, ins, outs, gm, module) -> (flops, matmul_flops, saved_bytes)``;
                     bytes read and written are computed uniformly by ``op_cost``.
 
     op_cost(node, gm) -> dict[str, Number]   # NodeCost fields but param_bytes; {} when free
 
 The conventions these tables and formulas implement are [Note: cost conventions] in
-``fxsplit/cost.py``.
+``fxsplit/graph/cost.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import sympy
 import torch
 import torch.fx
 from torch import nn
+
+from fxsplit.graph.ops import CASTS, COPIES, COST_FREE, CREATION, MATMULS, NORMS, REDUCTIONS, op_name, resolve_path
 
 Number = Union[int, float, sympy.Expr]
 
@@ -133,17 +136,6 @@ def _metas_of_value(val: Any, is_param: bool = False) -> list[_Meta]:
     return []
 
 
-def _resolve_attr(gm: nn.Module | None, target: str) -> Any:
-    if gm is None:
-        return None
-    obj: Any = gm
-    for part in target.split("."):
-        if not hasattr(obj, part):
-            return None
-        obj = getattr(obj, part)
-    return obj
-
-
 def _node_value(node: torch.fx.Node) -> Any:
     if "val" in node.meta:
         return node.meta["val"]
@@ -156,7 +148,7 @@ def _arg_metas(arg: Any, gm: nn.Module | None) -> list[_Meta]:
         is_param = False
         val = _node_value(arg)
         if arg.op == "get_attr":
-            attr = _resolve_attr(gm, str(arg.target))
+            attr = resolve_path(gm, str(arg.target), default=None)
             is_param = isinstance(attr, nn.Parameter)
             if val is None and isinstance(attr, torch.Tensor):
                 val = attr
@@ -188,102 +180,9 @@ def value_bytes(val: Any) -> Number:
 
 
 # ---------------------------------------------------------------------------------------------
-# Op names
+# Cost tables over the op classes of fxsplit.graph.ops (see [Note: cost conventions] in
+# fxsplit/graph/cost.py)
 
-
-_ALIASES = {
-    "iadd": "add", "radd": "add", "isub": "sub", "rsub": "sub", "imul": "mul", "rmul": "mul",
-    "truediv": "div", "itruediv": "div", "rtruediv": "div", "floordiv": "div", "div_mode": "div",
-    "true_divide": "div", "multiply": "mul", "subtract": "sub", "matmul": "matmul", "rmatmul": "matmul",
-    "native_layer_norm": "layer_norm", "fused_rms_norm": "rms_norm", "safe_softmax": "softmax",
-    "native_dropout": "dropout", "feature_dropout": "dropout", "linalg_vector_norm": "norm",
-    "unsafe_view": "view", "to_copy": "to", "concat": "cat", "concatenate": "cat",
-}
-
-_MODULE_NAMES: tuple[tuple[type, str], ...] = (
-    (nn.Linear, "linear"),
-    (nn.Bilinear, "bilinear"),
-    (nn.modules.conv._ConvNd, "convolution"),
-    (nn.Embedding, "embedding"),
-    (nn.LayerNorm, "layer_norm"),
-    (nn.GroupNorm, "group_norm"),
-    (nn.modules.batchnorm._NormBase, "batch_norm"),
-    (nn.Dropout, "dropout"), (nn.Dropout1d, "dropout"), (nn.Dropout2d, "dropout"),
-    (nn.Dropout3d, "dropout"), (nn.AlphaDropout, "dropout"),
-    (nn.GELU, "gelu"), (nn.ReLU, "relu"), (nn.SiLU, "silu"), (nn.Sigmoid, "sigmoid"),
-    (nn.Tanh, "tanh"), (nn.Softmax, "softmax"), (nn.LogSoftmax, "log_softmax"),
-    (nn.Identity, "identity"), (nn.Flatten, "flatten"), (nn.Unflatten, "unflatten"),
-    (nn.LeakyReLU, "leaky_relu"), (nn.ELU, "elu"), (nn.Mish, "mish"), (nn.Hardtanh, "hardtanh"),
-    (nn.CrossEntropyLoss, "cross_entropy"), (nn.MSELoss, "mse_loss"),
-    (nn.modules.pooling._MaxPoolNd, "max_pool"), (nn.modules.pooling._AvgPoolNd, "avg_pool"),
-    (nn.modules.pooling._AdaptiveAvgPoolNd, "adaptive_avg_pool"),
-)
-if hasattr(nn, "RMSNorm"):
-    _MODULE_NAMES += ((nn.RMSNorm, "rms_norm"),)
-
-
-def _normalize(name: str) -> str:
-    name = name.strip("_")
-    if name.startswith("aten::"):
-        name = name[len("aten::"):].strip("_")
-    return _ALIASES.get(name, name)
-
-
-def op_name(node: torch.fx.Node, gm: nn.Module | None = None) -> str:
-    """A normalized operator name for ``node``: ``"linear"`` for ``nn.Linear``, ``F.linear`` and
-    ``aten.linear``; ``"add"`` for ``operator.add``/``aten.add.Tensor``/``x.add_``; ``""`` for
-    placeholder/get_attr/output; the module class name (lower case) for an unknown leaf module.
-    """
-    if node.op == "call_function":
-        target = node.target
-        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-            return _normalize(target.__name__.split(".")[0])  # "linear.default" -> "linear"
-        return _normalize(getattr(target, "__name__", str(target)))
-    if node.op == "call_method":
-        return _normalize(str(node.target))
-    if node.op == "call_module":
-        gm = gm if gm is not None else node.graph.owning_module
-        module = _resolve_attr(gm, str(node.target))
-        for cls, name in _MODULE_NAMES:
-            if isinstance(module, cls):
-                return name
-        return type(module).__name__.lower()
-    return ""
-
-
-# ---------------------------------------------------------------------------------------------
-# Op tables (see [Note: cost conventions] in fxsplit/cost.py)
-
-_VIEWS = frozenset({
-    "view", "reshape", "transpose", "permute", "expand", "expand_as", "unsqueeze", "squeeze", "t",
-    "select", "slice", "narrow", "split", "split_with_sizes", "chunk", "unbind", "flatten",
-    "unflatten", "as_strided", "alias", "detach", "getitem", "getattr", "view_as", "reshape_as",
-    "movedim", "swapaxes", "swapdims", "tensor_split", "identity", "real", "imag", "diagonal",
-    "view_as_real", "view_as_complex", "size", "dim", "numel", "stride", "requires_grad",
-    "lift_fresh",
-})
-_COPIES = frozenset({
-    "clone", "contiguous", "to", "copy", "type", "type_as", "float", "half", "bfloat16", "double",
-    "int", "long", "bool", "cat", "stack", "index_select", "gather", "pad", "constant_pad_nd",
-    "repeat", "repeat_interleave", "tile", "index", "scatter", "roll", "flip", "masked_select",
-    "index_put", "lift_fresh_copy", "cpu", "cuda", "hstack", "vstack", "take", "index_copy",
-    "embedding_dense", "slice_scatter", "select_scatter", "upsample_nearest2d", "interpolate",
-})
-_CREATION = frozenset({
-    "arange", "zeros", "ones", "full", "empty", "rand", "randn", "randint", "zeros_like",
-    "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "new_zeros", "new_ones",
-    "new_full", "new_empty", "new_tensor", "scalar_tensor", "tensor", "linspace", "eye",
-    "empty_strided", "tril_indices", "triu_indices", "randperm", "bernoulli",
-})
-_REDUCTIONS = frozenset({
-    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "var_mean", "std_mean",
-    "norm", "logsumexp", "argmax", "argmin", "all", "any", "cumsum", "cumprod", "count_nonzero",
-    "cross_entropy", "nll_loss", "nll_loss_forward", "nll_loss2d_forward", "mse_loss", "l1_loss",
-    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "smooth_l1_loss",
-    "huber_loss", "max_pool", "avg_pool", "adaptive_avg_pool", "max_pool1d", "max_pool2d",
-    "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
-    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "max_pool2d_with_indices", "topk", "sort",
-})
 _PER_ELEMENT_FLOPS = {
     "gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "mish": 6, "softplus": 4, "elu": 2, "erf": 4,
     "softmax": 5, "log_softmax": 5, "cross_entropy": 5, "logsumexp": 4, "var": 3, "std": 3,
@@ -293,18 +192,15 @@ _SAVE_NOTHING = frozenset({
     "add", "sub", "neg", "sum", "mean", "cat", "stack", "masked_fill", "where", "eq", "ne", "lt",
     "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "bitwise_and", "bitwise_or",
     "bitwise_not", "tril", "triu", "fill", "zero", "floor", "ceil", "round", "sign", "cumsum",
-}) | _VIEWS | _COPIES | _CREATION
+}) | COST_FREE | COPIES | CREATION
 _SAVE_OUTPUT = frozenset({
     "relu", "sigmoid", "tanh", "exp", "softmax", "log_softmax", "sqrt", "rsqrt", "elu", "hardtanh",
     "relu6", "leaky_relu", "exp2", "reciprocal",
 })
-_MATMULS = frozenset({"linear", "matmul", "mm", "bmm", "dot", "vdot", "mv", "addmm", "baddbmm",
-                      "addbmm", "addmv", "bilinear", "einsum"})
-_NORM_WORDS = ("layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm")
 
 
 def _kind(name: str) -> str:
-    if name in _MATMULS:
+    if name in MATMULS:
         return "matmul"
     if "scaled_dot_product" in name or name in {"flash_attention", "efficient_attention"}:
         return "attention"
@@ -312,7 +208,7 @@ def _kind(name: str) -> str:
         return "conv"
     if name in {"embedding", "embedding_bag"}:
         return "embedding"
-    if any(word in name for word in _NORM_WORDS):
+    if any(word in name for word in NORMS):
         return "norm"
     return "other"
 
@@ -438,9 +334,9 @@ def _norm_cost(node, name, ins, outs, gm, module):
 
 def _other_cost(node, name, ins, outs, gm, module):
     out_numel = _sum(o.numel for o in outs)
-    if name in _REDUCTIONS:
+    if name in REDUCTIONS:
         n = ins[0].numel if ins else out_numel
-    elif name in _COPIES or name in _CREATION:
+    elif name in COPIES or name in CREATION:
         return 0, 0, 0
     else:
         n = out_numel
@@ -469,13 +365,9 @@ _FORMULAS = {
 # Copies that change nothing, embeddings, leaf modules
 
 
-_NOOP_WHEN_UNCHANGED = frozenset({"to", "type", "type_as", "float", "half", "bfloat16", "double",
-                                   "int", "long", "bool", "contiguous", "cpu", "cuda"})
-
-
 def _is_noop_copy(node: torch.fx.Node, name: str) -> bool:
     """``x.to(...)``/``x.float()``/``x.contiguous()`` that returns ``x`` itself (nothing changes)."""
-    if name not in _NOOP_WHEN_UNCHANGED or not node.args or not isinstance(node.args[0], torch.fx.Node):
+    if name not in CASTS or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return False
     src, out = _node_value(node.args[0]), _node_value(node)
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
@@ -563,17 +455,17 @@ def op_cost(node: torch.fx.Node, gm: nn.Module | None) -> dict[str, Number]:
     outs = _metas_of_value(_node_value(node))
     if not outs:  # non-tensor value (shape arithmetic, asserts, None)
         return {}
-    module = _resolve_attr(gm, str(node.target)) if node.op == "call_module" else None
+    module = resolve_path(gm, str(node.target), default=None) if node.op == "call_module" else None
     name = op_name(node, gm)
     ins = _arg_metas(list(node.args) + list(node.kwargs.values()), gm)
-    if name in _VIEWS or _is_noop_copy(node, name):
+    if name in COST_FREE or _is_noop_copy(node, name):
         return {}
     extra_read: Number = 0
     kind = _kind(name)
     if module is not None:
         tensors = list(module.parameters()) + list(module.buffers())
         extra_read = sum(t.numel() * t.element_size() for t in tensors)
-        if kind == "other" and name == type(module).__name__.lower():  # a module class we do not know
+        if name.startswith("module:"):  # a module class the op vocabulary does not know
             kind = "leaf"
     if kind == "embedding":
         index_meta = _embedding_indices(node, ins, module)
