@@ -43,10 +43,11 @@ from torch import nn
 from fxsplit.tp.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
                                  reduce_scatter_to_region, scatter_to_region)
 from fxsplit.graph.meta import annotate_node
+from fxsplit.graph.ops import is_elementwise, op_name
 from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
-from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan, op_name
+from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -134,7 +135,7 @@ def _new(graph: torch.fx.Graph, target, args, kwargs=None, *, like: torch.fx.Nod
 
 
 def _is_view(node: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and op_name(node) in ("view", "reshape", "_unsafe_view")
+    return isinstance(node, torch.fx.Node) and op_name(node) in ("view", "reshape")
 
 
 def _linear_input(node: torch.fx.Node, plan: TPPlan) -> torch.fx.Node:
@@ -456,7 +457,7 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str) -> Non
                     else:
                         summed(node, a)
                 seq[node], ok = d, True
-        elif name in ("layer_norm", "native_layer_norm", "linear") and x in seq and seq[x] < orig[x].dim() - 1:
+        elif name in ("layer_norm", "linear") and x in seq and seq[x] < orig[x].dim() - 1:
             for a in node.args[1:]:
                 if isinstance(a, torch.fx.Node):
                     summed(node, a)
@@ -485,11 +486,7 @@ def _norm_dim(d: int, n: int) -> int:
 def _pointwise(node: torch.fx.Node, name: str) -> bool:
     if node.op == "call_function" and node.target in (copy_to_region, gather_from_region):
         return False
-    if name in ("dropout", "gelu", "silu", "relu", "tanh", "sigmoid", "alias", "add", "sub", "mul", "div", "neg",
-                "pow", "to", "float", "type_as", "contiguous", "clone", "_to_copy", "rsqrt", "sqrt", "exp"):
-        return True
-    t = node.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+    return is_elementwise(node, name)
 
 
 def _times_t(graph: torch.fx.Graph, node: torch.fx.Node, t: int) -> None:

@@ -21,8 +21,8 @@ Terms:
 Detection: every group of linears sharing an input is tried as the column linears of a
 region (then each alone); the "sharded dim" is pushed forward from them until every path ends
 in a row linear, as [Note: sharded-dim propagation] in ``fxsplit.tp.propagate`` describes
-(that module holds the propagation, the view-shape arithmetic and the op-name vocabulary
-:func:`op_name`). A region that fails stays replicated and the plan says why. Sizes that t
+(that module holds the propagation and the view-shape arithmetic; op names and op classes are
+``fxsplit.graph.ops``'s, [Note: op names]). A region that fails stays replicated and the plan says why. Sizes that t
 does not divide raise :class:`TPPlanError` (module, numbers, nearest t).
 
 Vocabulary: an embedding whose indices are a model input is vocabulary-parallel (rows; padded
@@ -42,8 +42,9 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
+from fxsplit.graph.ops import RESHAPES, op_name
 from fxsplit.tp.sharding import ShardSpec, padded_size
-from fxsplit.tp.propagate import VIEWS, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape, op_name
+from fxsplit.tp.propagate import Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
 
 __all__ = [
     "STYLES",
@@ -55,7 +56,6 @@ __all__ = [
     "find_tp_plan",
     "find_linears",
     "find_embeddings",
-    "op_name",
 ]
 
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
@@ -213,7 +213,7 @@ def _from_input(node: Any) -> bool:
     while isinstance(node, torch.fx.Node) and seen < 8:
         if node.op == "placeholder":
             return True
-        if node.op in ("call_function", "call_method") and op_name(node) in (VIEWS | {"to", "_to_copy", "long", "int", "contiguous", "slice", "alias"}):
+        if node.op in ("call_function", "call_method") and op_name(node) in (RESHAPES | {"to", "long", "int", "contiguous", "slice", "alias"}):
             node = node.args[0]
             seen += 1
             continue
@@ -461,7 +461,7 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
 
 def _input_source(x: Any) -> str:
     """The value a linear reads, seen through views (GPT-2's addmm reads view(ln, [-1, C]))."""
-    while isinstance(x, torch.fx.Node) and x.op != "placeholder" and op_name(x) in ("view", "reshape", "_unsafe_view"):
+    while isinstance(x, torch.fx.Node) and x.op != "placeholder" and op_name(x) in ("view", "reshape"):
         x = x.args[0]
     return x.name if isinstance(x, torch.fx.Node) else str(x)
 
@@ -477,6 +477,6 @@ def _reaches_output(node: torch.fx.Node) -> bool:
         for u in n.users:
             if u.op == "output":
                 return True
-            if op_name(u) in VIEWS | {"to", "_to_copy", "contiguous", "float", "slice", "alias", "getitem"}:
+            if op_name(u) in RESHAPES | {"to", "contiguous", "float", "slice", "alias", "getitem"}:
                 frontier.append(u)
     return False

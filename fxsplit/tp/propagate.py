@@ -9,7 +9,8 @@ Terms (see ``fxsplit.tp.plan`` for t, column / row, region, blocks):
   (``_view_groups``); symbolic sizes are compared with sympy.
 - **rewrites**: ``(node name, argument path, local int)``, shape arguments (view sizes, split
   sizes, expand sizes) that become local sizes once the value is sharded.
-- **op name**: one short name per op shared by fx and export graphs (:func:`op_name`).
+- **op name**: one short name per op shared by fx and export graphs
+  (``fxsplit.graph.ops.op_name``, [Note: op names]); the op classes are that module's too.
 
     prop = Propagation(gm, t, linears, seeds=["q", "k", "v"], excluded=set(), forced_rows=set())
     prop.run()           # raises RegionFailed (the region stays replicated) or TPPlanError
@@ -30,79 +31,25 @@ result into the plan; ``fxsplit.passes.tensor_parallel`` applies ``rewrites``.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
 import sympy
 import torch
 import torch.fx
-from torch import nn
 
 from fxsplit.graph.meta import to_expr
+from fxsplit.graph.ops import RESHAPES, is_elementwise, op_name
 from fxsplit.errors import TPPlanError
 
 __all__ = [
     "TPPlanError",
-    "VIEWS",
-    "op_name",
     "node_shape",
     "divisibility_msg",
     "State",
     "RegionFailed",
     "Propagation",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# op names (one vocabulary for fx and export graphs)
-
-_PY_NAMES = {
-    operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.mul: "mul",
-    operator.imul: "mul", operator.truediv: "div", operator.neg: "neg", operator.pow: "pow",
-    operator.getitem: "getitem", operator.matmul: "matmul",
-}
-_MODULE_NAMES = {
-    nn.Linear: "linear", nn.Embedding: "embedding", nn.Dropout: "dropout", nn.GELU: "gelu",
-    nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "alias",
-    nn.LayerNorm: "layer_norm",
-}
-# pointwise ops (beyond aten's pointwise tag), and ops that return their input's shape unchanged
-_POINTWISE = {
-    "add", "sub", "mul", "div", "neg", "pow", "gelu", "silu", "relu", "tanh", "sigmoid", "exp",
-    "dropout", "float", "to", "type_as", "contiguous", "clone", "alias", "detach", "_to_copy",
-    "masked_fill", "where", "rsqrt", "sqrt", "abs", "erf", "native_dropout", "half", "bfloat16",
-    "mul_", "add_", "lift_fresh_copy", "softplus", "leaky_relu", "elu", "gelu_", "rsub",
-}
-VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as"}
-
-
-def op_name(node: torch.fx.Node, gm: torch.fx.GraphModule | None = None) -> str:
-    """A short op name shared by fx and export graphs ("view", "add", "linear", ...)."""
-    t = node.target
-    if node.op == "call_method":
-        return str(t)
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(t)) if gm is not None else None
-        for cls, name in _MODULE_NAMES.items():
-            if type(mod) is cls:
-                return name
-        return f"module:{type(mod).__name__}"
-    if node.op != "call_function":
-        return node.op
-    if isinstance(t, torch._ops.OpOverload):
-        return t.overloadpacket.__name__
-    if t in _PY_NAMES:
-        return _PY_NAMES[t]
-    name = getattr(t, "__name__", str(t))
-    return {"truediv": "div", "_VariableFunctionsClass.cat": "cat"}.get(name, name)
-
-
-def _is_pointwise(node: torch.fx.Node, name: str) -> bool:
-    if name in _POINTWISE:
-        return True
-    t = node.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,7 +225,7 @@ class Propagation:
             if name in ("split", "split_with_sizes", "chunk", "unbind"):
                 return self._split(node, name, st)
             self.fail(node, "a sharded value used by an op that returns no tensor")
-        if name in VIEWS or name == "expand" or name == "expand_as":
+        if name in RESHAPES or name == "expand" or name == "expand_as":
             return self._view(node, name, st, out_shape)
         if name in ("transpose", "swapaxes", "t"):
             n = len(out_shape)
@@ -310,7 +257,7 @@ class Propagation:
             if sd == d:
                 self.fail(node, "concatenates along the sharded dim")
             return self._set(node, sd)
-        if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+        if name in ("softmax", "log_softmax"):
             d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
             if d is None or _norm(d, len(out_shape)) == st.dim:
                 self.fail(node, "softmax over the sharded dim")
@@ -319,7 +266,7 @@ class Propagation:
             return self._sdpa(node, out_shape)
         if name in ("matmul", "bmm"):
             return self._matmul(node, out_shape)
-        if _is_pointwise(node, name) or (node.op == "call_module" and name in _POINTWISE):
+        if is_elementwise(node, name):
             return self._pointwise(node, out_shape)
         if "norm" in name:
             self.fail(node, f"a normalization ({name}) reads the whole sharded feature dim")
@@ -374,7 +321,7 @@ class Propagation:
         origins = st.origins
         if changed:
             self.reshaped |= set(origins)
-        if name in ("view", "reshape", "_unsafe_view"):
+        if name in ("view", "reshape"):
             sizes = _int_args(node, 1)
             lst = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
             if "size" in node.kwargs or "shape" in node.kwargs:
