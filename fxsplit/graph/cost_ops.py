@@ -2,8 +2,9 @@
 
 This is the internal half of :mod:`fxsplit.graph.cost` (not a public module): ``fxsplit.graph.cost`` owns
 ``NodeCost``, parameter ownership and the graph sums, and imports what it needs from here; the
-public names defined here (``Number``, ``to_expr``, ``value_bytes``) are re-exported there and
-should be imported from there.
+public name defined here (``value_bytes``) is re-exported there and should be imported from
+there, with ``Number`` and ``to_expr`` (``fxsplit.graph.shapes``'s, also public in
+``fxsplit.graph.meta``).
 
 Terms:
     Number          ``int | float | sympy.Expr`` (symbolic dims become sympy expressions).
@@ -29,48 +30,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import sympy
 import torch
 import torch.fx
 from torch import nn
 
+from fxsplit.graph.shapes import Number, to_expr
 from fxsplit.graph.ops import CASTS, COPIES, COST_FREE, CREATION, MATMULS, NORMS, REDUCTIONS, op_name, resolve_path
-
-Number = Union[int, float, sympy.Expr]
 
 
 # ---------------------------------------------------------------------------------------------
 # Numbers
-
-
-def to_expr(x: Any) -> Number:
-    """``int``/``SymInt``/``float``/``SymFloat``/sympy -> ``int``, ``float`` or ``sympy.Expr``.
-
-    A symbolic value becomes its sympy expression (``x.node.expr``); a sympy value that is a
-    plain number comes back as ``int`` (integers) or ``float``.
-    """
-    if isinstance(x, bool):
-        return int(x)
-    if isinstance(x, (int, float)):
-        return x
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return _simplify_number(x.node.expr)
-    if isinstance(x, sympy.Basic):
-        return _simplify_number(x)
-    raise TypeError(
-        f"to_expr: cannot turn {x!r} (type {type(x).__name__}) into a number; expected int, float, "
-        "torch.SymInt/SymFloat or a sympy expression"
-    )
-
-
-def _simplify_number(e: sympy.Basic) -> Number:
-    if e.is_Integer:
-        return int(e)
-    if e.is_Number:
-        return float(e)
-    return e
 
 
 def _is_symbolic(x: Number) -> bool:
@@ -88,17 +60,17 @@ def _sum(xs: Iterable[Number]) -> Number:
         (syms if isinstance(x, sympy.Basic) else ints).append(x)
     total: Number = sum(ints)
     if syms:
-        total = _simplify_number(sympy.Add(total, *syms))
+        total = to_expr(sympy.Add(total, *syms))
     return total
 
 
 def _mul(a: Number, b: Number) -> Number:
     value = a * b
-    return _simplify_number(value) if isinstance(value, sympy.Basic) else value
+    return to_expr(value) if isinstance(value, sympy.Basic) else value
 
 
 def _clean(x: Number) -> Number:
-    return _simplify_number(sympy.expand(x)) if isinstance(x, sympy.Basic) else x
+    return to_expr(sympy.expand(x)) if isinstance(x, sympy.Basic) else x
 
 
 # ---------------------------------------------------------------------------------------------
