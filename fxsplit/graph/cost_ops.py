@@ -8,15 +8,17 @@ there, with ``Number`` and ``to_expr`` (``fxsplit.graph.shapes``'s, also public 
 
 Terms:
     Number          ``int | float | sympy.Expr`` (symbolic dims become sympy expressions).
-    meta            ``_Meta(shape, dtype, is_param)``: one tensor value as the cost model sees it,
-                    read from ``node.meta["val"]`` (or ``"tensor_meta"``).
+    meta            a :class:`fxsplit.graph.shapes.TensorMeta`: one tensor value, read from
+                    ``node.meta["val"]`` (or ``"tensor_meta"``) by ``tensor_metas``.
+    ins, acts       the metas of a node's tensor inputs, and of those that are not parameters
+                    (activations: what backward may need saved; norms count the rest as affine).
     op name         the normalized operator name of a node (``fxsplit.graph.ops.op_name``, [Note:
                     op names]): module class, function, method and aten overload of one operator
                     share it; the op classes (``COST_FREE``, ``COPIES``, ...) are that module's too.
     kind            the formula an op name selects (``_kind``): matmul, attention, conv, embedding,
                     norm, other; a call_module of a class the op vocabulary does not know
                     (``"module:ClassName"``) is a leaf module, counted with ``FlopCounterMode``.
-    formula         ``(node, name, ins, outs, gm, module) -> (flops, matmul_flops, saved_bytes)``;
+    formula         ``(node, name, ins, acts, outs, gm, module) -> (flops, matmul_flops, saved_bytes)``;
                     bytes read and written are computed uniformly by ``op_cost``.
 
     op_cost(node, gm) -> dict[str, Number]   # NodeCost fields but param_bytes; {} when free
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -37,7 +38,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxsplit.graph.shapes import Number, to_expr
+from fxsplit.graph.shapes import Number, TensorMeta, tensor_metas, to_expr
 from fxsplit.graph.ops import CASTS, COPIES, COST_FREE, CREATION, MATMULS, NORMS, REDUCTIONS, op_name, resolve_path
 
 
@@ -77,60 +78,31 @@ def _clean(x: Number) -> Number:
 # Tensor metadata
 
 
-@dataclass(frozen=True)
-class _Meta:
-    """One tensor value as the cost model sees it."""
-
-    shape: tuple[Number, ...]
-    dtype: torch.dtype
-    is_param: bool = False
-
-    @property
-    def numel(self) -> Number:
-        return _prod(self.shape)
-
-    @property
-    def nbytes(self) -> Number:
-        return _mul(self.numel, self.dtype.itemsize)
-
-
-def _metas_of_value(val: Any, is_param: bool = False) -> list[_Meta]:
-    from torch.fx.passes.shape_prop import TensorMetadata
-
-    if isinstance(val, torch.Tensor):
-        return [_Meta(tuple(to_expr(d) for d in val.shape), val.dtype, is_param)]
-    if isinstance(val, TensorMetadata):
-        return [_Meta(tuple(to_expr(d) for d in val.shape), val.dtype, is_param)]
-    if isinstance(val, (tuple, list)):
-        return [m for v in val for m in _metas_of_value(v, is_param)]
-    if isinstance(val, dict):
-        return [m for v in val.values() for m in _metas_of_value(v, is_param)]
-    return []
-
-
 def _node_value(node: torch.fx.Node) -> Any:
     if "val" in node.meta:
         return node.meta["val"]
     return node.meta.get("tensor_meta")
 
 
-def _arg_metas(arg: Any, gm: nn.Module | None) -> list[_Meta]:
-    """Tensor metas of one argument (a Node, a tensor, or a nested list/tuple/dict of them)."""
+def _arg_metas(arg: Any, gm: nn.Module | None, *, params: bool = True) -> list[TensorMeta]:
+    """Tensor metas of one argument (a Node, a tensor, or a nested list/tuple/dict of them);
+    ``params=False`` leaves out the parameters (get_attr nodes of an ``nn.Parameter``), which
+    leaves the activations."""
     if isinstance(arg, torch.fx.Node):
-        is_param = False
         val = _node_value(arg)
         if arg.op == "get_attr":
             attr = resolve_path(gm, str(arg.target), default=None)
-            is_param = isinstance(attr, nn.Parameter)
+            if not params and isinstance(attr, nn.Parameter):
+                return []
             if val is None and isinstance(attr, torch.Tensor):
                 val = attr
-        return _metas_of_value(val, is_param)
+        return list(tensor_metas(val))
     if isinstance(arg, torch.Tensor):
-        return _metas_of_value(arg)
+        return list(tensor_metas(arg))
     if isinstance(arg, (tuple, list)):
-        return [m for a in arg for m in _arg_metas(a, gm)]
+        return [m for a in arg for m in _arg_metas(a, gm, params=params)]
     if isinstance(arg, dict):
-        return [m for a in arg.values() for m in _arg_metas(a, gm)]
+        return [m for a in arg.values() for m in _arg_metas(a, gm, params=params)]
     return []
 
 
@@ -140,7 +112,7 @@ def _arg(node: torch.fx.Node, index: int, name: str) -> Any:
     return node.kwargs.get(name)
 
 
-def _first(node: torch.fx.Node, index: int, name: str, gm: nn.Module | None) -> _Meta | None:
+def _first(node: torch.fx.Node, index: int, name: str, gm: nn.Module | None) -> TensorMeta | None:
     metas = _arg_metas(_arg(node, index, name), gm)
     return metas[0] if metas else None
 
@@ -148,7 +120,7 @@ def _first(node: torch.fx.Node, index: int, name: str, gm: nn.Module | None) -> 
 def value_bytes(val: Any) -> Number:
     """Bytes of the tensors in a node value (``node.meta["val"]``: tensor, tuple/list/dict of them,
     or a non-tensor, which is 0); symbolic where the shapes are. Useful for boundary traffic."""
-    return _sum(m.nbytes for m in _metas_of_value(val))
+    return _bytes(tensor_metas(val))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,11 +162,11 @@ def _kind(name: str) -> str:
 # (``ins``) and output metas (``outs``); bytes read/written are computed uniformly.
 
 
-def _activation_bytes(metas: Iterable[_Meta]) -> Number:
-    return _sum(m.nbytes for m in metas if not m.is_param)
+def _bytes(metas: Iterable[TensorMeta]) -> Number:
+    return _sum(m.nbytes for m in metas)
 
 
-def _matmul_cost(node, name, ins, outs, gm, module):
+def _matmul_cost(node, name, ins, acts, outs, gm, module):
     out = outs[0]
     if module is not None:  # nn.Linear / nn.Bilinear leaf
         if name == "linear":
@@ -203,12 +175,12 @@ def _matmul_cost(node, name, ins, outs, gm, module):
             k = module.in1_features * module.in2_features
         mm = 2 * out.numel * k
         has_bias = getattr(module, "bias", None) is not None
-        return mm + (out.numel if has_bias else 0), mm, _activation_bytes(ins)
+        return mm + (out.numel if has_bias else 0), mm, _bytes(acts)
     if name == "einsum":
         mm = _einsum_flops(node, gm)
         if mm is None:
-            return out.numel, 0, _activation_bytes(ins)
-        return mm, mm, _activation_bytes(ins)
+            return out.numel, 0, _bytes(acts)
+        return mm, mm, _bytes(acts)
     if name == "linear":
         a = _first(node, 0, "input", gm)
         has_bias = _arg(node, 2, "bias") is not None
@@ -222,11 +194,11 @@ def _matmul_cost(node, name, ins, outs, gm, module):
         a = _first(node, 0, "input", gm)
         extra = 0
     if a is None or not a.shape:
-        return out.numel, 0, _activation_bytes(ins)
+        return out.numel, 0, _bytes(acts)
     mm = 2 * out.numel * a.shape[-1]
     if name == "addbmm":
         mm = mm * a.shape[0]
-    return _sum((mm, extra)), mm, _activation_bytes(ins)
+    return _sum((mm, extra)), mm, _bytes(acts)
 
 
 def _einsum_flops(node, gm) -> Number | None:
@@ -249,11 +221,11 @@ def _einsum_flops(node, gm) -> Number | None:
     return 2 * (len(operands) - 1) * _prod(sizes.values())
 
 
-def _attention_cost(node, name, ins, outs, gm, module):
+def _attention_cost(node, name, ins, acts, outs, gm, module):
     q, k, v = (_first(node, i, n, gm) for i, n in ((0, "query"), (1, "key"), (2, "value")))
     out = outs[0]
     if q is None or k is None or v is None or len(q.shape) < 2 or len(k.shape) < 2:
-        return out.numel, 0, _activation_bytes(ins)
+        return out.numel, 0, _bytes(acts)
     rows = _prod(q.shape[:-1])  # batch * heads * query length
     scores = rows * k.shape[-2]
     mm = 2 * scores * q.shape[-1] + 2 * scores * v.shape[-1]
@@ -262,7 +234,7 @@ def _attention_cost(node, name, ins, outs, gm, module):
     return flops, mm, saved
 
 
-def _conv_cost(node, name, ins, outs, gm, module):
+def _conv_cost(node, name, ins, acts, outs, gm, module):
     out = outs[0]
     if module is not None:
         w_shape = tuple(module.weight.shape)
@@ -273,7 +245,7 @@ def _conv_cost(node, name, ins, outs, gm, module):
         x = _first(node, 0, "input", gm)
         w = _first(node, 1, "weight", gm)
         if w is None or x is None:
-            return out.numel, 0, _activation_bytes(ins)
+            return out.numel, 0, _bytes(acts)
         w_shape = w.shape
         transposed = "transpose" in name or (
             name in {"convolution", "_convolution"} and bool(_arg(node, 6, "transposed"))
@@ -282,10 +254,10 @@ def _conv_cost(node, name, ins, outs, gm, module):
     per_element = _prod(w_shape[1:])  # in_channels/groups * kernel (out_channels/groups if transposed)
     driver = x.numel if transposed and x is not None else out.numel
     mm = 2 * driver * per_element
-    return _sum((mm, out.numel if has_bias else 0)), mm, _activation_bytes(ins)
+    return _sum((mm, out.numel if has_bias else 0)), mm, _bytes(acts)
 
 
-def _norm_cost(node, name, ins, outs, gm, module):
+def _norm_cost(node, name, ins, acts, outs, gm, module):
     out = outs[0]
     x = ins[0] if ins else out
     base = 4 if "rms_norm" in name else 5
@@ -293,7 +265,7 @@ def _norm_cost(node, name, ins, outs, gm, module):
         affine = sum(p is not None for p in (getattr(module, "weight", None), getattr(module, "bias", None)))
         normalized = getattr(module, "normalized_shape", None)
     else:  # weight and bias are the parameter inputs (running statistics are buffers)
-        affine = min(2, sum(m.is_param for m in ins))
+        affine = min(2, len(ins) - len(acts))
         normalized = _arg(node, 1, "normalized_shape") if name in {"layer_norm", "rms_norm"} else None
     flops = (base + affine) * x.numel
     saved: Number = x.nbytes
@@ -304,7 +276,7 @@ def _norm_cost(node, name, ins, outs, gm, module):
     return flops, 0, saved
 
 
-def _other_cost(node, name, ins, outs, gm, module):
+def _other_cost(node, name, ins, acts, outs, gm, module):
     out_numel = _sum(o.numel for o in outs)
     if name in REDUCTIONS:
         n = ins[0].numel if ins else out_numel
@@ -320,7 +292,7 @@ def _other_cost(node, name, ins, outs, gm, module):
     elif name == "dropout":
         saved = outs[0].numel  # one-byte mask
     else:
-        saved = _activation_bytes(ins)
+        saved = _bytes(acts)
     return flops, 0, saved
 
 
@@ -349,7 +321,7 @@ def _is_noop_copy(node: torch.fx.Node, name: str) -> bool:
     return same and (name != "contiguous" or src.is_contiguous())
 
 
-def _embedding_indices(node, ins, module) -> _Meta | None:
+def _embedding_indices(node, ins, module) -> TensorMeta | None:
     if module is not None or node.op == "call_method":
         return ins[0] if ins else None
     if node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -367,7 +339,7 @@ def _hint(x: Any) -> int:
     return int(x)
 
 
-def _leaf_module_cost(node, module, ins, outs, gm):
+def _leaf_module_cost(node, module, ins, acts, outs, gm):
     """Count an unknown leaf module's FLOPs with FlopCounterMode on fake inputs (hinted shapes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
@@ -395,13 +367,13 @@ def _leaf_module_cost(node, module, ins, outs, gm):
                 module(*args, **kwargs)
         counted = counter.get_total_flops()
     except Exception:  # an estimate must never break costing: fall back to elementwise
-        return out_numel, 0, _activation_bytes(ins)
+        return out_numel, 0, _bytes(acts)
     # Scale the concrete count to the symbolic output size (FLOPs grow with the output).
     hinted_out = sum(math.prod(_hint(d) for d in o.shape) for o in _node_outs(node))
     mm: Number = counted
     if counted and hinted_out and _is_symbolic(out_numel):
         mm = out_numel * sympy.Rational(counted, hinted_out)
-    return _sum((mm, out_numel)), mm, _activation_bytes(ins)
+    return _sum((mm, out_numel)), mm, _bytes(acts)
 
 
 def _node_outs(node) -> list[torch.Tensor]:
@@ -424,12 +396,13 @@ def op_cost(node: torch.fx.Node, gm: nn.Module | None) -> dict[str, Number]:
     unknown op."""
     if node.op in ("placeholder", "output", "get_attr"):
         return {}
-    outs = _metas_of_value(_node_value(node))
+    outs = list(tensor_metas(_node_value(node)))
     if not outs:  # non-tensor value (shape arithmetic, asserts, None)
         return {}
     module = resolve_path(gm, str(node.target), default=None) if node.op == "call_module" else None
     name = op_name(node, gm)
-    ins = _arg_metas(list(node.args) + list(node.kwargs.values()), gm)
+    args = list(node.args) + list(node.kwargs.values())
+    ins = _arg_metas(args, gm)
     if name in COST_FREE or _is_noop_copy(node, name):
         return {}
     extra_read: Number = 0
@@ -445,11 +418,12 @@ def op_cost(node: torch.fx.Node, gm: nn.Module | None) -> dict[str, Number]:
         read = _sum((idx_bytes, _sum(o.nbytes for o in outs)))
         written = _sum(o.nbytes for o in outs)
         return {"bytes_read": read, "bytes_written": written, "saved_bytes": idx_bytes}
+    acts = _arg_metas(args, gm, params=False)
     if kind == "leaf":
-        flops, mm, saved = _leaf_module_cost(node, module, ins, outs, gm)
+        flops, mm, saved = _leaf_module_cost(node, module, ins, acts, outs, gm)
     else:
-        flops, mm, saved = _FORMULAS[kind](node, name, ins, outs, gm, module)
-    read = _sum((_sum(m.nbytes for m in ins), extra_read))
+        flops, mm, saved = _FORMULAS[kind](node, name, ins, acts, outs, gm, module)
+    read = _sum((_bytes(ins), extra_read))
     written = _sum(o.nbytes for o in outs)
     return {
         "flops": _clean(flops), "bytes_read": _clean(read), "bytes_written": _clean(written),

@@ -2,9 +2,11 @@
 
 Terms:
 - **NodeInfo**: ``node.meta["fxsplit"]``, written by :func:`fxsplit.trace` on every node.
-- **TensorMeta**: shape (ints, or sympy expressions in the batch/sequence symbols) and dtype of one
-  tensor a node produces (defined in ``fxsplit.graph.shapes`` with :func:`to_expr`, below the
-  cost model that :func:`annotate_node` runs; import both from here).
+- **TensorMeta**: shape (ints, or sympy expressions in the batch/sequence symbols), dtype and
+  requires_grad of one tensor value: what a node produces (``NodeInfo.outputs``), what the cost
+  model reads, what crosses a pipeline stage boundary (``fxsplit.pipeline.stage.ValueMeta``).
+  Defined with :func:`to_expr` in ``fxsplit.graph.shapes``, below the cost model that
+  :func:`annotate_node` runs; import both from here.
 - **TraceInfo**: ``gm.meta["fxsplit"]``: which tracer ran and why, the symbols of the dynamic
   dimensions, and the names of the model inputs.
 

@@ -13,6 +13,7 @@ Terms:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -56,22 +57,46 @@ def _simplify_number(e: sympy.Basic) -> Number:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Shape and dtype of one tensor a node produces."""
+    """Shape, dtype and requires_grad of one tensor value; the one tensor-metadata type of fxsplit.
+
+    ``shape`` holds ints and sympy expressions (never ``SymInt``: convert with :func:`to_expr`);
+    ``numel`` and ``nbytes`` are symbolic where the shape is. ``requires_grad`` needs a floating
+    or complex dtype.
+    """
 
     shape: tuple[Dim, ...]
     dtype: torch.dtype
     requires_grad: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, tuple):
+            raise TypeError(f"TensorMeta.shape must be a tuple of ints or sympy expressions, got "
+                            f"{self.shape!r} (type {type(self.shape).__name__})")
+        for i, d in enumerate(self.shape):
+            if isinstance(d, bool) or not isinstance(d, (int, sympy.Expr)):
+                raise TypeError(f"TensorMeta.shape[{i}] must be an int or a sympy expression, got {d!r} "
+                                f"(type {type(d).__name__}) in shape {self.shape}; convert sizes with "
+                                "fxsplit.graph.meta.to_expr")
+            if isinstance(d, int) and d < 0:
+                raise ValueError(f"TensorMeta.shape[{i}] must be >= 0, got {d} in shape {self.shape}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"TensorMeta.dtype must be a torch.dtype, got {self.dtype!r} "
+                            f"(type {type(self.dtype).__name__})")
+        if not isinstance(self.requires_grad, bool):
+            raise TypeError(f"TensorMeta.requires_grad must be a bool, got {self.requires_grad!r}")
+        if self.requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise ValueError(f"TensorMeta: requires_grad=True needs a floating or complex dtype, got "
+                             f"dtype={self.dtype} (shape {self.shape})")
+
     @property
     def numel(self) -> Dim:
-        n: Dim = 1
-        for d in self.shape:
-            n = n * d
-        return n
+        n = math.prod(self.shape, start=1)
+        return to_expr(n) if isinstance(n, sympy.Basic) else n
 
     @property
     def nbytes(self) -> Dim:
-        return self.numel * self.dtype.itemsize
+        n = self.numel * self.dtype.itemsize
+        return to_expr(n) if isinstance(n, sympy.Basic) else n
 
     @property
     def is_symbolic(self) -> bool:
@@ -79,11 +104,11 @@ class TensorMeta:
 
     def concrete_shape(self, bindings: Mapping[Any, int]) -> tuple[int, ...]:
         """The shape with symbols substituted (``bindings`` maps sympy symbols or their names to ints)."""
-        subs = {(sympy.Symbol(k) if isinstance(k, str) else k): v for k, v in bindings.items()}
+        by_name = {(k if isinstance(k, str) else k.name): v for k, v in bindings.items()}
         out = []
         for d in self.shape:
             if isinstance(d, sympy.Expr):
-                val = d.subs(subs)
+                val = d.subs({s: by_name[s.name] for s in d.free_symbols if s.name in by_name})
                 if not val.is_Integer:
                     raise ValueError(f"shape {self.shape}: dimension {d} has unbound symbols {sorted(map(str, val.free_symbols))}")
                 out.append(int(val))
@@ -97,18 +122,14 @@ class TensorMeta:
 
 
 def tensor_metas(val: Any) -> tuple[TensorMeta, ...]:
-    """Flatten a node's ``meta["val"]`` into TensorMetas (non-tensors are skipped)."""
-    if isinstance(val, torch.Tensor):
-        return (
-            TensorMeta(
-                tuple(to_expr(s) for s in val.shape),
-                val.dtype,
-                bool(val.requires_grad),
-            ),
-        )
+    """Flatten a node's value into TensorMetas: ``meta["val"]`` (a tensor, or a list, tuple or dict
+    of them) or ShapeProp's ``meta["tensor_meta"]``; non-tensors are skipped."""
+    from torch.fx.passes.shape_prop import TensorMetadata
+
+    if isinstance(val, (torch.Tensor, TensorMetadata)):
+        return (TensorMeta(tuple(to_expr(s) for s in val.shape), val.dtype, bool(val.requires_grad)),)
+    if isinstance(val, dict):
+        val = list(val.values())
     if isinstance(val, (list, tuple)):
-        out: list[TensorMeta] = []
-        for v in val:
-            out.extend(tensor_metas(v))
-        return tuple(out)
+        return tuple(m for v in val for m in tensor_metas(v))
     return ()
