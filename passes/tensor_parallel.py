@@ -43,7 +43,7 @@ from torch import nn
 from fxsplit.tp.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
                                  reduce_scatter_to_region, scatter_to_region)
 from fxsplit.graph.meta import annotate_node
-from fxsplit.graph.ops import is_elementwise, op_name
+from fxsplit.graph.ops import is_elementwise, op_name, resolve_path
 from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
@@ -62,11 +62,6 @@ def _local_val(val: Any, dim: int, size: int) -> Any:
     with mode:
         out = torch.empty(shape, dtype=val.dtype, device=val.device)
     return out.requires_grad_(val.requires_grad) if val.requires_grad and val.is_floating_point() else out
-
-
-def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    path, _, leaf = fqn.rpartition(".")
-    return (root.get_submodule(path) if path else root), leaf
 
 
 def _own_copy(gm: torch.fx.GraphModule, path: str, memo: dict[str, nn.Module]) -> nn.Module:
@@ -363,8 +358,7 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str) -> Non
     orig = {n: n.meta.get("val") for n in graph.nodes}
     for n in graph.nodes:  # parameters read by get_attr nodes added above (no val yet)
         if n.op == "get_attr" and orig[n] is None:
-            owner, leaf = _owner(gm, str(n.target))
-            orig[n] = getattr(owner, leaf)
+            orig[n] = resolve_path(gm, str(n.target))
     gathered: list[torch.fx.Node] = []
     params = {id(p) for p in gm.parameters()}
 
@@ -375,8 +369,8 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str) -> Non
     def is_grad_param(x) -> bool:
         if not isinstance(x, torch.fx.Node) or x.op != "get_attr":
             return False
-        owner, leaf = _owner(gm, str(x.target))
-        return id(getattr(owner, leaf)) in params and getattr(owner, leaf).requires_grad
+        p = resolve_path(gm, str(x.target))
+        return id(p) in params and p.requires_grad
 
     def summed(node, x):  # f on a replicated operand read by the shard: gradients summed over tp
         if not isinstance(x, torch.fx.Node):
@@ -514,8 +508,7 @@ def _module_to_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.
 
 
 def _param_val(gm, n, nodes):
-    owner, leaf = _owner(gm, str(n.target))
-    p = getattr(owner, leaf)
+    p = resolve_path(gm, str(n.target))
     ref = next((m.meta.get("val") for m in nodes.values() if isinstance(m.meta.get("val"), torch.Tensor)
                 and getattr(m.meta["val"], "fake_mode", None) is not None), None)
     mode = getattr(ref, "fake_mode", None)

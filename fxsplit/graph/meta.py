@@ -127,13 +127,6 @@ def module_path_of(node: torch.fx.Node) -> tuple[str, str]:
     return _normalize_path(str(path)), cls_name.rsplit(".", 1)[-1]
 
 
-def _get_attr_obj(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def params_read(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[str, ...]:
     """FQNs of the parameters and buffers ``node`` reads directly."""
     if node.op == "get_attr":

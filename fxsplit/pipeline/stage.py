@@ -48,6 +48,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
 
 from fxsplit.graph.meta import Dim, TensorMeta, tensor_metas
+from fxsplit.graph.ops import owner_and_leaf, resolve_path
 from fxsplit.errors import StageBuildError
 
 __all__ = [
@@ -529,7 +530,7 @@ def _grad_reachable(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> set
     reach: set[torch.fx.Node] = set()
     for n in nodes:
         if n.op == "get_attr":
-            obj = _get_attr(gm, str(n.target))
+            obj = resolve_path(gm, str(n.target))
             if isinstance(obj, torch.Tensor):
                 hit = obj.requires_grad
             elif isinstance(obj, torch.nn.Module):
@@ -568,13 +569,6 @@ def _may_carry_grad(n: torch.fx.Node) -> bool:
         return False
 
     return floating(val)
-
-
-def _get_attr(root: torch.nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 _NO_META = object()
@@ -626,7 +620,7 @@ def _value_meta(
 ) -> ValueMeta:
     val = _node_value(n)
     if val is _NO_META and n.op == "get_attr":
-        val = _get_attr(gm, str(n.target))
+        val = resolve_path(gm, str(n.target))
     if val is _NO_META:
         _is_tensor(n)  # raises, naming the node and the fix
     if not isinstance(val, (torch.Tensor, TensorMetadata)):
@@ -647,13 +641,12 @@ def _copy_buffer_persistence(root: torch.nn.Module, stage: torch.nn.Module) -> N
     """GraphModule registers every copied tensor as a persistent buffer; keep the original's
     non-persistent ones out of the stage's state_dict so stage state dicts map back."""
     for fqn, _ in stage.named_buffers():
-        prefix, _, field = fqn.rpartition(".")
         try:
-            orig_owner = root.get_submodule(prefix)
-        except AttributeError:
+            orig_owner, field = owner_and_leaf(root, fqn)
+        except AttributeError:  # PathError: the stage holds a tensor the root does not
             continue
         if field in getattr(orig_owner, "_non_persistent_buffers_set", ()):
-            stage.get_submodule(prefix)._non_persistent_buffers_set.add(field)
+            owner_and_leaf(stage, fqn)[0]._non_persistent_buffers_set.add(field)
 
 
 def _shared_params(modules: list[torch.fx.GraphModule]) -> tuple[tuple[tuple[int, str], ...], ...]:

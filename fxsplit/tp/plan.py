@@ -42,7 +42,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
-from fxsplit.graph.ops import RESHAPES, op_name
+from fxsplit.graph.ops import RESHAPES, op_name, resolve_path
 from fxsplit.tp.sharding import ShardSpec, padded_size
 from fxsplit.tp.propagate import Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
 
@@ -163,11 +163,6 @@ def _get_attr_fqn(node: Any) -> str | None:
     return str(node.target) if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
 
 
-def _param(gm: torch.fx.GraphModule, fqn: str) -> torch.Tensor:
-    mod_path, _, leaf = fqn.rpartition(".")
-    return getattr(gm.get_submodule(mod_path) if mod_path else gm, leaf)
-
-
 def _module_of(fqn: str, node: torch.fx.Node | None = None) -> str:
     """The module a node came from (export's module stack), else the parameter's owner."""
     info = node.meta.get("fxsplit") if node is not None else None
@@ -191,7 +186,7 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
             w = _get_attr_fqn(args[1] if len(args) > 1 else None)
             b = args[2] if len(args) > 2 else None
             if w is not None and (b is None or _get_attr_fqn(b)):
-                shape = tuple(_param(gm, w).shape)
+                shape = tuple(resolve_path(gm, w).shape)
                 if len(shape) == 2:
                     info = LinearInfo(node.name, _module_of(w, node), w, _get_attr_fqn(b), 0, shape[1], shape[0], 0, "linear")
         elif node.op == "call_function" and name in ("addmm", "mm") and not node.kwargs:
@@ -199,8 +194,8 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
             w = _get_attr_fqn(node.args[off + 1])
             b = _get_attr_fqn(node.args[0]) if name == "addmm" else None
             if w is not None and (name == "mm" or b is not None):
-                shape = tuple(_param(gm, w).shape)
-                if len(shape) == 2 and (b is None or tuple(_param(gm, b).shape) == (shape[1],)):
+                shape = tuple(resolve_path(gm, w).shape)
+                if len(shape) == 2 and (b is None or tuple(resolve_path(gm, b).shape) == (shape[1],)):
                     info = LinearInfo(node.name, _module_of(w, node), w, b, 1, shape[0], shape[1], off, name)
         if info is not None:
             out[node.name] = info
@@ -237,7 +232,7 @@ def find_embeddings(gm: torch.fx.GraphModule) -> dict[str, EmbeddingInfo]:
             if w is None:
                 continue
             pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            out[node.name] = EmbeddingInfo(node.name, _module_of(w, node), w, int(_param(gm, w).shape[0]),
+            out[node.name] = EmbeddingInfo(node.name, _module_of(w, node), w, int(resolve_path(gm, w).shape[0]),
                                            None if pad in (None, -1) else int(pad), "embedding",
                                            _from_input(node.args[1]))
     return out
@@ -397,7 +392,7 @@ def find_tp_plan(
         vocab_embeddings=tuple(e.node for e in vocab_embeds), lm_heads=tuple(lm_heads),
         vocab_size=vocab_size, sequence_parallel=sequence_parallel,
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
-        full_shapes={n: tuple(int(s) for s in _param(gm, n).shape) for n in specs},
+        full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
     )
 
 
