@@ -1,5 +1,6 @@
 """The op vocabulary (fxsplit.graph.ops): one op name for the fx and the export spelling of each
-operator ([Note: op names]), the op classes, and the dotted-path resolver. No process group."""
+operator ([Note: op names]), the op classes, the dotted-path resolver, and one definition of
+each shared name (op_name, to_expr, TensorMeta, the resolver). No process group."""
 
 from __future__ import annotations
 
@@ -197,3 +198,31 @@ def test_path_errors_name_the_path_and_the_missing_component():
         owner_and_leaf(root, "")
     err = PathError("x")
     assert isinstance(err, AttributeError) and isinstance(err, FxsplitError)  # getattr-style callers catch it
+
+
+# ---------------------------------------------------------------------------------------------
+# one definition each
+
+
+def test_one_definition_of_each_vocabulary_name():
+    """op_name, to_expr and the path resolver are defined once; the other modules import them."""
+    import ast
+    from pathlib import Path
+
+    import fxsplit
+    from fxsplit.graph import cost, meta, shapes
+    from fxsplit.pipeline.stage import ValueMeta
+
+    homes = {"op_name": "fxsplit/graph/ops.py", "is_elementwise": "fxsplit/graph/ops.py",
+             "resolve_path": "fxsplit/graph/ops.py", "owner_and_leaf": "fxsplit/graph/ops.py",
+             "to_expr": "fxsplit/graph/shapes.py", "TensorMeta": "fxsplit/graph/shapes.py"}
+    root = Path(fxsplit.__file__).resolve().parents[1]
+    found: dict[str, list[str]] = {}
+    for path in [*(root / "fxsplit").rglob("*.py"), *(root / "passes").glob("*.py")]:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in homes:
+                found.setdefault(node.name, []).append(path.relative_to(root).as_posix())
+    assert found == {name: [home] for name, home in homes.items()}
+    assert cost.op_name is op_name and cost.to_expr is meta.to_expr is shapes.to_expr
+    assert fxsplit.TensorMeta is meta.TensorMeta is shapes.TensorMeta
+    assert ValueMeta("h", True, (2, 3), torch.float32, True).tensor == shapes.TensorMeta((2, 3), torch.float32, True)
