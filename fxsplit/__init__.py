@@ -61,6 +61,7 @@ PUBLIC_MODULES = (
     "fxsplit.errors",
     "fxsplit.graph",
     "fxsplit.graph.meta",
+    "fxsplit.graph.ops",
     "fxsplit.graph.trace",
     "fxsplit.graph.cost",
     "fxsplit.graph.hardware",

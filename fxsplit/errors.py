@@ -23,7 +23,7 @@ from collections.abc import Mapping
 __all__ = [
     "FxsplitError", "TraceError", "UnknownPassError", "TPPlanError", "ShardingError", "PartitionError",
     "SplitError", "StageBuildError", "ScheduleError", "PlanError", "PipelineError", "RankFailedError",
-    "DistributedRunError", "UsageError", "REQUEST_ERRORS",
+    "DistributedRunError", "UsageError", "PathError", "REQUEST_ERRORS",
 ]
 
 
@@ -71,6 +71,11 @@ class UnknownPassError(FxsplitError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message in quotes
         return str(self.args[0]) if self.args else ""
+
+
+class PathError(FxsplitError, AttributeError):
+    """A dotted path (``"blocks.0.attn.q.weight"``) names nothing in the module; the message names
+    the path, the missing component and what its owner has (``fxsplit.graph.ops.resolve_path``)."""
 
 
 # -- run errors (also RuntimeError)
@@ -123,5 +128,5 @@ class DistributedRunError(FxsplitError, RuntimeError):
 
 
 REQUEST_ERRORS = (PlanError, TPPlanError, ShardingError, PartitionError, SplitError, StageBuildError,
-                  ScheduleError, UsageError, UnknownPassError)
+                  ScheduleError, UsageError, UnknownPassError, PathError)
 """The errors that mean "this request cannot be answered as given" (the CLI's exit code 2)."""

@@ -45,11 +45,12 @@ from torch import nn
 from fxsplit.tp.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
                                  reduce_scatter_to_region, scatter_to_region)
 from fxsplit.graph.meta import annotate_node
+from fxsplit.graph.ops import op_name, resolve_path
 from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.plan import SequenceParallelPlan
 from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
-from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan, op_name
+from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -64,11 +65,6 @@ def _local_val(val: Any, dim: int, size: int) -> Any:
     with mode:
         out = torch.empty(shape, dtype=val.dtype, device=val.device)
     return out.requires_grad_(val.requires_grad) if val.requires_grad and val.is_floating_point() else out
-
-
-def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    path, _, leaf = fqn.rpartition(".")
-    return (root.get_submodule(path) if path else root), leaf
 
 
 def _own_copy(gm: torch.fx.GraphModule, path: str, memo: dict[str, nn.Module]) -> nn.Module:
@@ -141,7 +137,7 @@ def _new(graph: torch.fx.Graph, target, args, kwargs=None, *, like: torch.fx.Nod
 
 
 def _is_view(node: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and op_name(node) in ("view", "reshape", "_unsafe_view")
+    return isinstance(node, torch.fx.Node) and op_name(node) in ("view", "reshape")
 
 
 def _linear_input(node: torch.fx.Node, plan: TPPlan) -> torch.fx.Node:
@@ -456,8 +452,7 @@ def _vals_before(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
     orig = {n: n.meta.get("val") for n in gm.graph.nodes}
     for n in gm.graph.nodes:
         if n.op == "get_attr" and orig[n] is None:
-            owner, leaf = _owner(gm, str(n.target))
-            orig[n] = getattr(owner, leaf)
+            orig[n] = resolve_path(gm, str(n.target))
     return orig
 
 
@@ -558,8 +553,7 @@ def _module_to_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.
 
 
 def _param_val(gm, n, nodes):
-    owner, leaf = _owner(gm, str(n.target))
-    p = getattr(owner, leaf)
+    p = resolve_path(gm, str(n.target))
     ref = next((m.meta.get("val") for m in nodes.values() if isinstance(m.meta.get("val"), torch.Tensor)
                 and getattr(m.meta["val"], "fake_mode", None) is not None), None)
     mode = getattr(ref, "fake_mode", None)

@@ -367,6 +367,35 @@ def test_unknown_leaf_modules_counted_with_flop_counter():
     assert sympy.simplify(costs["2"].matmul_flops - 2 * b * b * 5) == 0
 
 
+def test_activation_modules_cost_like_their_functions():
+    """nn.GELU / nn.Dropout / nn.ReLU cost what F.gelu / F.dropout / F.relu and their aten ops cost
+    (the op vocabulary names them alike; they were once mistaken for unknown leaf modules because
+    their op name equals their lower-cased class name), and a user class that shares a name with
+    an op is a leaf module, not that op."""
+    class Functions(nn.Module):
+        def forward(self, x):
+            return F.relu(F.dropout(F.gelu(x), 0.5))
+
+    class Gelu(nn.Module):  # a user module that is not GELU
+        def forward(self, x):
+            return x @ x.transpose(0, 1)
+
+    x = torch.randn(3, 8)
+    modules = fx_graph(nn.Sequential(nn.GELU(), nn.Dropout(0.5), nn.ReLU()), x)
+    functions = fx_graph(Functions(), x)
+    exported = export_graph(Functions(), x)
+    for name in ("gelu", "dropout", "relu"):
+        assert node_cost(only(modules, name)) == node_cost(only(functions, name)) == node_cost(only(exported, name))
+    assert node_cost(only(modules, "gelu")).flops == 8 * 24 and node_cost(only(modules, "dropout")).saved_bytes == 24
+
+    class LeafTracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, Gelu) or super().is_leaf_module(m, qualname)
+
+    gm = fx_graph(nn.Sequential(Gelu()), x, tracer=LeafTracer())
+    assert node_cost(only(gm, "module:Gelu")).matmul_flops == 2 * 3 * 3 * 8  # counted, not costed as gelu
+
+
 def test_module_called_twice_owns_params_once():
     class Twice(nn.Module):
         def __init__(self):

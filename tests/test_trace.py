@@ -8,7 +8,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit.testing import zoo
-from fxsplit.graph.meta import NodeInfo, TraceInfo
+from fxsplit.graph.meta import NodeInfo, TensorMeta, TraceInfo, tensor_metas
 
 
 def _outputs_equal(a, b):
@@ -31,6 +31,31 @@ def _check_metadata(gm):
         assert ni.cost is not None, node
         if isinstance(node.meta.get("val"), torch.Tensor):
             assert len(ni.outputs) == 1 and ni.outputs[0].dtype == node.meta["val"].dtype
+
+
+def test_tensor_meta_validates_and_counts_symbolically():
+    s = sympy.Symbol("s0", positive=True, integer=True)
+    m = TensorMeta((s, 4), torch.float16, True)
+    assert m.numel == 4 * s and m.nbytes == 8 * s and m.is_symbolic and str(m) == "float16[s0, 4]"
+    assert m.concrete_shape({"s0": 3}) == (3, 4)
+    assert TensorMeta((2, 3), torch.int64).nbytes == 48
+    with pytest.raises(ValueError, match=r"requires_grad=True needs a floating or complex dtype, got dtype=torch.int64"):
+        TensorMeta((2,), torch.int64, True)
+    with pytest.raises(TypeError, match=r"shape\[1\] must be an int or a sympy expression, got 2.5"):
+        TensorMeta((2, 2.5), torch.float32)
+    with pytest.raises(TypeError, match="must be a tuple"):
+        TensorMeta([2], torch.float32)
+    with pytest.raises(ValueError, match=r"shape\[0\] must be >= 0, got -1"):
+        TensorMeta((-1,), torch.float32)
+    with pytest.raises(TypeError, match="torch.dtype"):
+        TensorMeta((2,), "float32")
+    # a node value: tensors in lists, tuples and dicts; ShapeProp's TensorMetadata; non-tensors skipped
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(3, 2)))
+    torch.fx.passes.shape_prop.ShapeProp(gm).propagate(torch.randn(4, 3))
+    (out,) = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert tensor_metas(out.meta["tensor_meta"]) == (TensorMeta((4, 2), torch.float32, True),)
+    val = {"a": torch.zeros(2), "b": [torch.zeros(1, dtype=torch.int64), 3], "c": None}
+    assert tensor_metas(val) == (TensorMeta((2,), torch.float32), TensorMeta((1,), torch.int64))
 
 
 @pytest.mark.parametrize("name", zoo.ZOO_NAMES)

@@ -1,7 +1,8 @@
 """The graph layer: a model becomes an fx graph whose nodes carry what every later layer reads.
 
 Owns tracing (``trace``: fx or ``torch.export``, symbolic batch and sequence), node metadata
-(``meta``: ``TensorMeta``, ``NodeInfo``, ``TraceInfo``), the op vocabulary (``ops``: one op name
+(``meta``: ``NodeInfo``, ``TraceInfo``, and ``TensorMeta`` and ``to_expr`` from ``shapes``,
+which sits below the cost model), the op vocabulary (``ops``: one op name
 per node, the op classes, the dotted-path resolver), the cost model (``cost``, ``cost_ops``,
 ``profile``, ``hardware``), the pass manager (``pass_api``, ``debug``), inspection (tables, DOT,
 graph diffs) and the ``pipe_split()`` marker.

@@ -19,10 +19,11 @@ Terms:
     graph_costs(gm) -> dict[str, NodeCost]   # every node, parameter ownership resolved in one pass
     graph_cost(gm) -> NodeCost               # their sum
 
-The per-op half (number helpers, tensor metadata, op names, op tables, per-kind formulas, leaf
-modules) is the internal module ``fxsplit.graph.cost_ops``; this module owns ``NodeCost``, parameter
-ownership and the graph sums, and re-exports ``Number``, ``to_expr``, ``op_name`` and
-``value_bytes`` from there. Import them from here.
+The per-op half (number helpers, tensor metadata, cost tables, per-kind formulas, leaf modules)
+is the internal module ``fxsplit.graph.cost_ops``; op names and op classes are
+``fxsplit.graph.ops``'s ([Note: op names]). This module owns ``NodeCost``, parameter ownership
+and the graph sums, and re-exports ``Number`` and ``to_expr`` (``fxsplit.graph.shapes``), ``op_name``
+(``fxsplit.graph.ops``) and ``value_bytes``.
 
 [Note: cost conventions]
   * FLOPs of matmul-like ops are exact for the contraction (2 * output elements * contracted
@@ -62,18 +63,15 @@ from torch import nn
 
 # cost_ops is this module's internal half: its underscore helpers are shared with this module only
 from fxsplit.graph.cost_ops import (
-    Number,
     _clean,
     _is_symbolic,
     _mul,
-    _resolve_attr,
-    _simplify_number,
     _sum,
     op_cost,
-    op_name,
-    to_expr,
     value_bytes,
 )
+from fxsplit.graph.shapes import Number, to_expr
+from fxsplit.graph.ops import op_name, resolve_path
 
 __all__ = [
     "Number",
@@ -186,7 +184,7 @@ class NodeCost:
             value = getattr(self, name)
             if isinstance(value, sympy.Basic):
                 subs = {s: by_name[s.name] for s in value.free_symbols}
-                value = _simplify_number(sympy.sympify(value.subs(subs)))
+                value = to_expr(sympy.sympify(value.subs(subs)))
                 if _is_symbolic(value):
                     raise ValueError(f"NodeCost.evaluate: {name} = {value} did not reduce to a number")
             values[name] = value
@@ -236,10 +234,10 @@ def estimate_time(
 def _owned_params(node: torch.fx.Node, gm: nn.Module | None) -> list[nn.Parameter]:
     """Parameters this node references directly (get_attr of a Parameter, call_module's params)."""
     if node.op == "get_attr":
-        attr = _resolve_attr(gm, str(node.target))
+        attr = resolve_path(gm, str(node.target), default=None)
         return [attr] if isinstance(attr, nn.Parameter) else []
     if node.op == "call_module":
-        module = _resolve_attr(gm, str(node.target))
+        module = resolve_path(gm, str(node.target), default=None)
         return list(module.parameters()) if isinstance(module, nn.Module) else []
     return []
 

@@ -2,8 +2,11 @@
 
 Terms:
 - **NodeInfo**: ``node.meta["fxsplit"]``, written by :func:`fxsplit.trace` on every node.
-- **TensorMeta**: shape (ints, or sympy expressions in the batch/sequence symbols) and dtype of one
-  tensor a node produces.
+- **TensorMeta**: shape (ints, or sympy expressions in the batch/sequence symbols), dtype and
+  requires_grad of one tensor value: what a node produces (``NodeInfo.outputs``), what the cost
+  model reads, what crosses a pipeline stage boundary (``fxsplit.pipeline.stage.ValueMeta``).
+  Defined with :func:`to_expr` in ``fxsplit.graph.shapes``, below the cost model that
+  :func:`annotate_node` runs; import both from here.
 - **TraceInfo**: ``gm.meta["fxsplit"]``: which tracer ran and why, the symbols of the dynamic
   dimensions, and the names of the model inputs.
 
@@ -23,12 +26,16 @@ import sympy
 import torch
 import torch.fx
 
+from fxsplit.graph.shapes import Dim, Number, TensorMeta, tensor_metas, to_expr
+
 __all__ = [
+    "Dim",
     "TensorMeta",
     "NodeInfo",
     "TraceInfo",
     "node_info",
     "trace_info",
+    "Number",
     "to_expr",
     "tensor_metas",
     "module_path_of",
@@ -36,61 +43,6 @@ __all__ = [
     "annotate_node",
     "annotate_graph",
 ]
-
-Dim = int | sympy.Expr
-
-
-def to_expr(x: Any) -> Dim:
-    """An int for a static size, a sympy expression for a symbolic one (``torch.SymInt``)."""
-    if isinstance(x, torch.SymInt):
-        expr = x.node.expr
-        return int(expr) if expr.is_Integer else expr
-    if isinstance(x, sympy.Expr):
-        return int(x) if x.is_Integer else x
-    return int(x)
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of one tensor a node produces."""
-
-    shape: tuple[Dim, ...]
-    dtype: torch.dtype
-    requires_grad: bool = False
-
-    @property
-    def numel(self) -> Dim:
-        n: Dim = 1
-        for d in self.shape:
-            n = n * d
-        return n
-
-    @property
-    def nbytes(self) -> Dim:
-        return self.numel * self.dtype.itemsize
-
-    @property
-    def is_symbolic(self) -> bool:
-        return any(isinstance(d, sympy.Expr) for d in self.shape)
-
-    def concrete_shape(self, bindings: Mapping[Any, int]) -> tuple[int, ...]:
-        """The shape with symbols substituted (``bindings`` maps sympy symbols or their names to ints)."""
-        subs = {(sympy.Symbol(k) if isinstance(k, str) else k): v for k, v in bindings.items()}
-        out = []
-        for d in self.shape:
-            if isinstance(d, sympy.Expr):
-                val = d.subs(subs)
-                if not val.is_Integer:
-                    raise ValueError(f"shape {self.shape}: dimension {d} has unbound symbols {sorted(map(str, val.free_symbols))}")
-                out.append(int(val))
-            else:
-                out.append(int(d))
-        return tuple(out)
-
-    def __str__(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
-        return f"{dt}[{', '.join(map(str, self.shape))}]"
-
 
 @dataclass(frozen=True)
 class NodeInfo:
@@ -147,24 +99,6 @@ def trace_info(gm: torch.fx.GraphModule) -> TraceInfo | None:
     return getattr(gm, "meta", {}).get("fxsplit")
 
 
-def tensor_metas(val: Any) -> tuple[TensorMeta, ...]:
-    """Flatten a node's ``meta["val"]`` into TensorMetas (non-tensors are skipped)."""
-    if isinstance(val, torch.Tensor):
-        return (
-            TensorMeta(
-                tuple(to_expr(s) for s in val.shape),
-                val.dtype,
-                bool(val.requires_grad),
-            ),
-        )
-    if isinstance(val, (list, tuple)):
-        out: list[TensorMeta] = []
-        for v in val:
-            out.extend(tensor_metas(v))
-        return tuple(out)
-    return ()
-
-
 def _normalize_path(path: str) -> str:
     # export may spell paths as "L['self'].h[0].attn" or "h.0.attn"
     path = path.replace("L['self'].", "").replace("L['self']", "")
@@ -191,13 +125,6 @@ def module_path_of(node: torch.fx.Node) -> tuple[str, str]:
         return "", ""
     cls_name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
     return _normalize_path(str(path)), cls_name.rsplit(".", 1)[-1]
-
-
-def _get_attr_obj(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def params_read(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[str, ...]:

@@ -37,17 +37,18 @@ Representative signature::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 import torch.fx
 from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
 
-from fxsplit.graph.meta import to_expr
+from fxsplit.graph.meta import Dim, TensorMeta, tensor_metas
+from fxsplit.graph.ops import owner_and_leaf, resolve_path
 from fxsplit.errors import StageBuildError
 
 __all__ = [
@@ -83,38 +84,62 @@ class ValueSource:
         return f"in{self.index}" if self.stage is None else f"s{self.stage}.out{self.index}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ValueMeta:
-    """One value passed into or out of a stage. `shape` entries are ints or sympy expressions in
-    the batch / sequence symbols; `requires_grad` is True only for a floating tensor that carries
-    a gradient back (see [Note: values across a cut])."""
+    """One value passed into or out of a stage: its name and, for a tensor, its
+    :class:`~fxsplit.graph.meta.TensorMeta` (``tensor``; None for any other value). Shapes are
+    ints or sympy expressions in the batch / sequence symbols; ``requires_grad`` is True only for
+    a floating tensor that carries a gradient back (see [Note: values across a cut]).
+
+        ValueMeta("h", True, (b, T, C), torch.float32, True)   # name, is_tensor, shape, dtype, requires_grad
+        ValueMeta("n", False)                                   # a non-tensor value
+        ValueMeta.of("h", tensor_meta)                          # from a TensorMeta (or None)
+        meta.shape, meta.dtype; meta.tensor.nbytes, meta.tensor.concrete_shape(bindings)
+    """
 
     name: str
-    is_tensor: bool
-    shape: tuple[int | sympy.Expr, ...] | None
-    dtype: torch.dtype | None
-    requires_grad: bool
+    tensor: TensorMeta | None
 
-    def __post_init__(self) -> None:
-        if not self.is_tensor and (self.shape is not None or self.dtype is not None or self.requires_grad):
+    def __init__(self, name: str, is_tensor: bool, shape: tuple[Dim, ...] | None = None,
+                 dtype: torch.dtype | None = None, requires_grad: bool = False) -> None:
+        if not is_tensor and (shape is not None or dtype is not None or requires_grad):
             raise ValueError(
-                f"ValueMeta {self.name!r}: a non-tensor value has shape=None, dtype=None and "
-                f"requires_grad=False, got shape={self.shape}, dtype={self.dtype}, "
-                f"requires_grad={self.requires_grad}"
+                f"ValueMeta {name!r}: a non-tensor value has shape=None, dtype=None and "
+                f"requires_grad=False, got shape={shape}, dtype={dtype}, requires_grad={requires_grad}"
             )
-        if self.requires_grad and self.dtype is not None and not (
-            self.dtype.is_floating_point or self.dtype.is_complex
-        ):
-            raise ValueError(
-                f"ValueMeta {self.name!r}: requires_grad=True needs a floating dtype, got {self.dtype}"
-            )
+        try:
+            tensor = TensorMeta(shape, dtype, requires_grad) if is_tensor else None
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"ValueMeta {name!r}: {exc}") from None
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "tensor", tensor)
+
+    @classmethod
+    def of(cls, name: str, tensor: TensorMeta | None) -> ValueMeta:
+        if tensor is None:
+            return cls(name, False)
+        return cls(name, True, tensor.shape, tensor.dtype, tensor.requires_grad)
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.tensor is not None
+
+    @property
+    def shape(self) -> tuple[Dim, ...] | None:
+        return None if self.tensor is None else self.tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return None if self.tensor is None else self.tensor.dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.tensor is not None and self.tensor.requires_grad
 
     def __str__(self) -> str:
-        if not self.is_tensor:
+        if self.tensor is None:
             return f"{self.name}:obj"
-        dims = "x".join(str(d) for d in self.shape) if self.shape is not None else "?"
-        dtype = str(self.dtype).replace("torch.", "") if self.dtype is not None else "?"
-        return f"{self.name}:{dtype}[{dims}]{'*' if self.requires_grad else ''}"
+        return f"{self.name}:{self.tensor}{'*' if self.requires_grad else ''}"
 
 
 @dataclass(frozen=True)
@@ -505,7 +530,7 @@ def _grad_reachable(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> set
     reach: set[torch.fx.Node] = set()
     for n in nodes:
         if n.op == "get_attr":
-            obj = _get_attr(gm, str(n.target))
+            obj = resolve_path(gm, str(n.target))
             if isinstance(obj, torch.Tensor):
                 hit = obj.requires_grad
             elif isinstance(obj, torch.nn.Module):
@@ -544,13 +569,6 @@ def _may_carry_grad(n: torch.fx.Node) -> bool:
         return False
 
     return floating(val)
-
-
-def _get_attr(root: torch.nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 _NO_META = object()
@@ -602,34 +620,33 @@ def _value_meta(
 ) -> ValueMeta:
     val = _node_value(n)
     if val is _NO_META and n.op == "get_attr":
-        val = _get_attr(gm, str(n.target))
+        val = resolve_path(gm, str(n.target))
     if val is _NO_META:
         _is_tensor(n)  # raises, naming the node and the fix
     if not isinstance(val, (torch.Tensor, TensorMetadata)):
-        return ValueMeta(n.name, False, None, None, False)
-    shape = tuple(to_expr(d) for d in val.shape)
-    dtype = val.dtype
-    floating = dtype.is_floating_point or dtype.is_complex
-    return ValueMeta(n.name, True, shape, dtype, floating and not model_input and n in grad_nodes)
+        return ValueMeta.of(n.name, None)
+    (tensor,) = tensor_metas(val)
+    floating = tensor.dtype.is_floating_point or tensor.dtype.is_complex
+    grad = floating and not model_input and n in grad_nodes
+    return ValueMeta.of(n.name, dataclasses.replace(tensor, requires_grad=grad))
 
 
 def _constant_meta(name: str, value: Any) -> ValueMeta:
     if isinstance(value, torch.Tensor):
-        return ValueMeta(name, True, tuple(value.shape), value.dtype, False)
-    return ValueMeta(name, False, None, None, False)
+        return ValueMeta.of(name, dataclasses.replace(tensor_metas(value)[0], requires_grad=False))
+    return ValueMeta.of(name, None)
 
 
 def _copy_buffer_persistence(root: torch.nn.Module, stage: torch.nn.Module) -> None:
     """GraphModule registers every copied tensor as a persistent buffer; keep the original's
     non-persistent ones out of the stage's state_dict so stage state dicts map back."""
     for fqn, _ in stage.named_buffers():
-        prefix, _, field = fqn.rpartition(".")
         try:
-            orig_owner = root.get_submodule(prefix)
-        except AttributeError:
+            orig_owner, field = owner_and_leaf(root, fqn)
+        except AttributeError:  # PathError: the stage holds a tensor the root does not
             continue
         if field in getattr(orig_owner, "_non_persistent_buffers_set", ()):
-            stage.get_submodule(prefix)._non_persistent_buffers_set.add(field)
+            owner_and_leaf(stage, fqn)[0]._non_persistent_buffers_set.add(field)
 
 
 def _shared_params(modules: list[torch.fx.GraphModule]) -> tuple[tuple[tuple[int, str], ...], ...]:

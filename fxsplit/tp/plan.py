@@ -21,8 +21,8 @@ Terms:
 Detection: every group of linears sharing an input is tried as the column linears of a
 region (then each alone); the "sharded dim" is pushed forward from them until every path ends
 in a row linear, as [Note: sharded-dim propagation] in ``fxsplit.tp.propagate`` describes
-(that module holds the propagation, the view-shape arithmetic and the op-name vocabulary
-:func:`op_name`). A region that fails stays replicated and the plan says why. Sizes that t
+(that module holds the propagation and the view-shape arithmetic; op names and op classes are
+``fxsplit.graph.ops``'s, [Note: op names]). A region that fails stays replicated and the plan says why. Sizes that t
 does not divide raise :class:`TPPlanError` (module, numbers, nearest t).
 
 Vocabulary: an embedding whose indices are a model input is vocabulary-parallel (rows; padded
@@ -45,8 +45,9 @@ import torch
 import torch.fx
 
 from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
+from fxsplit.graph.ops import RESHAPES, op_name, resolve_path
 from fxsplit.tp.sharding import ShardSpec, padded_size
-from fxsplit.tp.propagate import VIEWS, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape, op_name
+from fxsplit.tp.propagate import Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
 
 __all__ = [
     "STYLES",
@@ -59,7 +60,6 @@ __all__ = [
     "find_tp_plan",
     "find_linears",
     "find_embeddings",
-    "op_name",
 ]
 
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
@@ -183,11 +183,6 @@ def _get_attr_fqn(node: Any) -> str | None:
     return str(node.target) if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
 
 
-def _param(gm: torch.fx.GraphModule, fqn: str) -> torch.Tensor:
-    mod_path, _, leaf = fqn.rpartition(".")
-    return getattr(gm.get_submodule(mod_path) if mod_path else gm, leaf)
-
-
 def _module_of(fqn: str, node: torch.fx.Node | None = None) -> str:
     """The module a node came from (export's module stack), else the parameter's owner."""
     info = node.meta.get("fxsplit") if node is not None else None
@@ -211,7 +206,7 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
             w = _get_attr_fqn(args[1] if len(args) > 1 else None)
             b = args[2] if len(args) > 2 else None
             if w is not None and (b is None or _get_attr_fqn(b)):
-                shape = tuple(_param(gm, w).shape)
+                shape = tuple(resolve_path(gm, w).shape)
                 if len(shape) == 2:
                     info = LinearInfo(node.name, _module_of(w, node), w, _get_attr_fqn(b), 0, shape[1], shape[0], 0, "linear")
         elif node.op == "call_function" and name in ("addmm", "mm") and not node.kwargs:
@@ -219,8 +214,8 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
             w = _get_attr_fqn(node.args[off + 1])
             b = _get_attr_fqn(node.args[0]) if name == "addmm" else None
             if w is not None and (name == "mm" or b is not None):
-                shape = tuple(_param(gm, w).shape)
-                if len(shape) == 2 and (b is None or tuple(_param(gm, b).shape) == (shape[1],)):
+                shape = tuple(resolve_path(gm, w).shape)
+                if len(shape) == 2 and (b is None or tuple(resolve_path(gm, b).shape) == (shape[1],)):
                     info = LinearInfo(node.name, _module_of(w, node), w, b, 1, shape[0], shape[1], off, name)
         if info is not None:
             out[node.name] = info
@@ -233,7 +228,7 @@ def _from_input(node: Any) -> bool:
     while isinstance(node, torch.fx.Node) and seen < 8:
         if node.op == "placeholder":
             return True
-        if node.op in ("call_function", "call_method") and op_name(node) in (VIEWS | {"to", "_to_copy", "long", "int", "contiguous", "slice", "alias"}):
+        if node.op in ("call_function", "call_method") and op_name(node) in (RESHAPES | {"to", "long", "int", "contiguous", "slice", "alias"}):
             node = node.args[0]
             seen += 1
             continue
@@ -257,7 +252,7 @@ def find_embeddings(gm: torch.fx.GraphModule) -> dict[str, EmbeddingInfo]:
             if w is None:
                 continue
             pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            out[node.name] = EmbeddingInfo(node.name, _module_of(w, node), w, int(_param(gm, w).shape[0]),
+            out[node.name] = EmbeddingInfo(node.name, _module_of(w, node), w, int(resolve_path(gm, w).shape[0]),
                                            None if pad in (None, -1) else int(pad), "embedding",
                                            _from_input(node.args[1]))
     return out
@@ -329,7 +324,7 @@ def find_tp_plan(
         vocab_embeddings=tuple(e.node for e in vocab.embeddings), lm_heads=tuple(vocab.lm_heads),
         vocab_size=vocab.size, sequence_parallel=sequence_parallel,
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
-        full_shapes={n: tuple(int(s) for s in _param(gm, n).shape) for n in specs},
+        full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
     )
     if sequence_parallel:
         plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
@@ -531,7 +526,7 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
 
 def _input_source(x: Any) -> str:
     """The value a linear reads, seen through views (GPT-2's addmm reads view(ln, [-1, C]))."""
-    while isinstance(x, torch.fx.Node) and x.op != "placeholder" and op_name(x) in ("view", "reshape", "_unsafe_view"):
+    while isinstance(x, torch.fx.Node) and x.op != "placeholder" and op_name(x) in ("view", "reshape"):
         x = x.args[0]
     return x.name if isinstance(x, torch.fx.Node) else str(x)
 
@@ -547,6 +542,6 @@ def _reaches_output(node: torch.fx.Node) -> bool:
         for u in n.users:
             if u.op == "output":
                 return True
-            if op_name(u) in VIEWS | {"to", "_to_copy", "contiguous", "float", "slice", "alias", "getitem"}:
+            if op_name(u) in RESHAPES | {"to", "contiguous", "float", "slice", "alias", "getitem"}:
                 frontier.append(u)
     return False

@@ -9,7 +9,8 @@ Terms (see ``fxsplit.tp.plan`` for t, column / row, region, blocks):
   (``_view_groups``); symbolic sizes are compared with sympy.
 - **rewrites**: ``(node name, argument path, local int)``, shape arguments (view sizes, split
   sizes, expand sizes) that become local sizes once the value is sharded.
-- **op name**: one short name per op shared by fx and export graphs (:func:`op_name`).
+- **op name**: one short name per op shared by fx and export graphs
+  (``fxsplit.graph.ops.op_name``, [Note: op names]); the op classes are that module's too.
 - **rules**: :data:`RULES`, op name -> :class:`Rule`, one small function per op family (views,
   transposes, splits, pointwise, softmax, attention, ...) registered in one table; an op with
   no rule leaves the region replicated, and the plan names the op (:func:`rule_for`).
@@ -33,22 +34,19 @@ result into the plan; ``fxsplit.passes.tensor_parallel`` applies ``rewrites``.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import sympy
 import torch
 import torch.fx
-from torch import nn
 
 from fxsplit.graph.meta import to_expr
+from fxsplit.graph.ops import ELEMENTWISE, RESHAPES, is_elementwise, op_name
 from fxsplit.errors import TPPlanError
 
 __all__ = [
     "TPPlanError",
-    "VIEWS",
-    "op_name",
     "node_shape",
     "divisibility_msg",
     "State",
@@ -59,57 +57,6 @@ __all__ = [
     "RULES",
     "rule_for",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# op names (one vocabulary for fx and export graphs)
-
-_PY_NAMES = {
-    operator.add: "add", operator.iadd: "add", operator.sub: "sub", operator.mul: "mul",
-    operator.imul: "mul", operator.truediv: "div", operator.neg: "neg", operator.pow: "pow",
-    operator.getitem: "getitem", operator.matmul: "matmul",
-}
-_MODULE_NAMES = {
-    nn.Linear: "linear", nn.Embedding: "embedding", nn.Dropout: "dropout", nn.GELU: "gelu",
-    nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "alias",
-    nn.LayerNorm: "layer_norm",
-}
-# pointwise ops (beyond aten's pointwise tag), and ops that return their input's shape unchanged
-_POINTWISE = {
-    "add", "sub", "mul", "div", "neg", "pow", "gelu", "silu", "relu", "tanh", "sigmoid", "exp",
-    "dropout", "float", "to", "type_as", "contiguous", "clone", "alias", "detach", "_to_copy",
-    "masked_fill", "where", "rsqrt", "sqrt", "abs", "erf", "native_dropout", "half", "bfloat16",
-    "mul_", "add_", "lift_fresh_copy", "softplus", "leaky_relu", "elu", "gelu_", "rsub",
-}
-VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "flatten", "unflatten", "view_as"}
-
-
-def op_name(node: torch.fx.Node, gm: torch.fx.GraphModule | None = None) -> str:
-    """A short op name shared by fx and export graphs ("view", "add", "linear", ...)."""
-    t = node.target
-    if node.op == "call_method":
-        return str(t)
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(t)) if gm is not None else None
-        for cls, name in _MODULE_NAMES.items():
-            if type(mod) is cls:
-                return name
-        return f"module:{type(mod).__name__}"
-    if node.op != "call_function":
-        return node.op
-    if isinstance(t, torch._ops.OpOverload):
-        return t.overloadpacket.__name__
-    if t in _PY_NAMES:
-        return _PY_NAMES[t]
-    name = getattr(t, "__name__", str(t))
-    return {"truediv": "div", "_VariableFunctionsClass.cat": "cat"}.get(name, name)
-
-
-def _is_pointwise(node: torch.fx.Node, name: str) -> bool:
-    if name in _POINTWISE:
-        return True
-    t = node.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +321,7 @@ def _view(p: Propagation, op: Op) -> None:
     origins = st.origins
     if changed:
         p.reshaped |= set(origins)
-    if name in ("view", "reshape", "_unsafe_view"):
+    if name in ("view", "reshape"):
         sizes = _int_args(node, 1)
         lst = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
         if "size" in node.kwargs or "shape" in node.kwargs:
@@ -545,16 +492,16 @@ _RULE_TABLE: tuple[tuple[Iterable[str], Rule], ...] = (
     (("size", "sym_size"), Rule(_size, "any")),
     (("getitem",), Rule(_getitem, "any")),
     (("split", "split_with_sizes", "chunk", "unbind"), Rule(_split, "tuple")),
-    (sorted(VIEWS | {"expand", "expand_as"}), Rule(_view)),
+    (sorted(RESHAPES | {"expand", "expand_as"}), Rule(_view)),
     (("transpose", "swapaxes", "t"), Rule(_transpose)),
     (("permute",), Rule(_permute)),
     (("repeat_interleave",), Rule(_repeat_interleave)),
     (("slice",), Rule(_slice)),
     (("cat",), Rule(_cat)),
-    (("softmax", "_softmax", "log_softmax", "_log_softmax"), Rule(_softmax)),
+    (("softmax", "log_softmax"), Rule(_softmax)),
     (("scaled_dot_product_attention",), Rule(_sdpa)),
     (("matmul", "bmm"), Rule(_matmul)),
-    (sorted(_POINTWISE), _POINTWISE_RULE),
+    (sorted(ELEMENTWISE), _POINTWISE_RULE),
 )
 RULES: dict[str, Rule] = {name: rule for names, rule in _RULE_TABLE for name in names}
 assert len(RULES) == sum(len(list(names)) for names, _ in _RULE_TABLE), "an op name has two propagation rules"
@@ -564,7 +511,7 @@ def rule_for(node: torch.fx.Node, name: str) -> Rule | None:
     """The propagation rule of a node's op: its entry in :data:`RULES`, else the pointwise rule
     for an aten op tagged pointwise, else None (no rule: the region stays replicated)."""
     rule = RULES.get(name)
-    if rule is None and _is_pointwise(node, name):
+    if rule is None and is_elementwise(node, name):
         rule = _POINTWISE_RULE
     return rule
 

@@ -41,18 +41,13 @@ import torch
 import torch.fx
 from torch import nn
 
-from fxsplit.tp.propagate import op_name
+from fxsplit.graph.ops import is_elementwise, op_name, resolve_path
 
 __all__ = ["SequenceParallelPlan", "plan_sequence_parallel", "EDGE_ACTIONS"]
 
 EDGE_ACTIONS = ("scatter", "sum", "gather")
 
-# ops that run on the sequence shard unchanged (beyond aten's pointwise tag)
-_POINTWISE = {
-    "dropout", "gelu", "silu", "relu", "tanh", "sigmoid", "alias", "add", "sub", "mul", "div", "neg", "pow", "to",
-    "float", "type_as", "contiguous", "clone", "_to_copy", "rsqrt", "sqrt", "exp",
-}
-_NORMS_AND_LINEARS = ("layer_norm", "native_layer_norm", "linear")
+_NORMS_AND_LINEARS = ("layer_norm", "linear")
 _REDUCTIONS = ("mean", "sum", "amax", "var")
 
 
@@ -132,7 +127,7 @@ def _norm_dim(d: int, n: int) -> int:
 
 
 def _is_view(node: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and op_name(node) in ("view", "reshape", "_unsafe_view")
+    return isinstance(node, torch.fx.Node) and op_name(node) in ("view", "reshape")
 
 
 class _Walk:
@@ -212,8 +207,7 @@ class _Walk:
         return tuple(shape)
 
     def _attr(self, fqn: str) -> Any:
-        path, _, leaf = fqn.rpartition(".")
-        return getattr(self.gm.get_submodule(path) if path else self.gm, leaf)
+        return resolve_path(self.gm, fqn)
 
     # -- the walk
 
@@ -315,10 +309,7 @@ class _Walk:
 
     @staticmethod
     def _pointwise(node: torch.fx.Node, name: str) -> bool:
-        if name in _POINTWISE:
-            return True
-        t = node.target
-        return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+        return is_elementwise(node, name)
 
     def _key(self, a: torch.fx.Node) -> str:
         return str(a.target) if a.op == "get_attr" else a.name

@@ -30,6 +30,7 @@ import torch
 import torch.fx
 from torch import nn
 from fxsplit.errors import ShardingError
+from fxsplit.graph.ops import owner_and_leaf, resolve_path
 
 __all__ = [
     "ShardSpec",
@@ -402,11 +403,6 @@ def default_init(fqn: str, tensor: torch.Tensor) -> None:
             tensor.zero_()
 
 
-def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    path, _, leaf = fqn.rpartition(".")
-    return (root.get_submodule(path) if path else root), leaf
-
-
 def materialize_module(
     module: nn.Module,
     specs: Mapping[str, ShardSpec],
@@ -470,7 +466,7 @@ def materialize_module(
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         for name in names:
-            owner, leaf = _owner(module, name)
+            owner, leaf = owner_and_leaf(module, name)
             if leaf in owner._parameters:
                 owner._parameters[leaf] = new
             else:
@@ -487,11 +483,7 @@ def _check_constants(module: nn.Module, groups: Mapping[int, list[str]]) -> None
     for node in module.graph.nodes:
         if node.op != "get_attr" or node.target in known:
             continue
-        try:
-            owner, leaf = _owner(module, node.target)
-        except AttributeError:
-            continue  # a dangling get_attr is the graph's problem, not ours
-        value = getattr(owner, leaf, None)
+        value = resolve_path(module, node.target, default=None)  # None: a dangling get_attr is the graph's problem
         if isinstance(value, torch.Tensor) and value.is_meta:
             bad.append(node.target)
     if bad:

@@ -1,0 +1,135 @@
+"""Shapes: sizes as numbers (:func:`to_expr`) and the tensor-metadata type (:class:`TensorMeta`)
+every layer reads from a graph.
+
+This module sits below the cost model (which reads tensor metadata) and ``fxsplit.graph.meta``
+(which annotates nodes with metadata and their cost); import these names from
+``fxsplit.graph.meta``, which re-exports them.
+
+Terms:
+    Number      ``int | float | sympy.Expr``; a symbolic size is a sympy expression in the tracer's
+                symbols (batch ``s0``, sequence ``s1``).
+    Dim         ``int | sympy.Expr``: one entry of a shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import sympy
+import torch
+
+__all__ = ["Dim", "Number", "to_expr", "TensorMeta", "tensor_metas"]
+
+Dim = int | sympy.Expr
+Number = int | float | sympy.Expr
+
+
+def to_expr(x: Any) -> Number:
+    """``int``/``SymInt``/``float``/``SymFloat``/sympy -> ``int``, ``float`` or ``sympy.Expr``.
+
+    A static size stays an ``int``; a symbolic value becomes its sympy expression
+    (``x.node.expr``); a sympy value that is a plain number comes back as ``int`` (integers) or
+    ``float``. Anything else raises ``TypeError``.
+    """
+    if isinstance(x, bool):
+        return int(x)
+    if isinstance(x, (int, float)):
+        return x
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _simplify_number(x.node.expr)
+    if isinstance(x, sympy.Basic):
+        return _simplify_number(x)
+    raise TypeError(
+        f"to_expr: cannot turn {x!r} (type {type(x).__name__}) into a number; expected int, float, "
+        "torch.SymInt/SymFloat or a sympy expression"
+    )
+
+
+def _simplify_number(e: sympy.Basic) -> Number:
+    if e.is_Integer:
+        return int(e)
+    if e.is_Number:
+        return float(e)
+    return e
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and requires_grad of one tensor value; the one tensor-metadata type of fxsplit.
+
+    ``shape`` holds ints and sympy expressions (never ``SymInt``: convert with :func:`to_expr`);
+    ``numel`` and ``nbytes`` are symbolic where the shape is. ``requires_grad`` needs a floating
+    or complex dtype.
+    """
+
+    shape: tuple[Dim, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, tuple):
+            raise TypeError(f"TensorMeta.shape must be a tuple of ints or sympy expressions, got "
+                            f"{self.shape!r} (type {type(self.shape).__name__})")
+        for i, d in enumerate(self.shape):
+            if isinstance(d, bool) or not isinstance(d, (int, sympy.Expr)):
+                raise TypeError(f"TensorMeta.shape[{i}] must be an int or a sympy expression, got {d!r} "
+                                f"(type {type(d).__name__}) in shape {self.shape}; convert sizes with "
+                                "fxsplit.graph.meta.to_expr")
+            if isinstance(d, int) and d < 0:
+                raise ValueError(f"TensorMeta.shape[{i}] must be >= 0, got {d} in shape {self.shape}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"TensorMeta.dtype must be a torch.dtype, got {self.dtype!r} "
+                            f"(type {type(self.dtype).__name__})")
+        if not isinstance(self.requires_grad, bool):
+            raise TypeError(f"TensorMeta.requires_grad must be a bool, got {self.requires_grad!r}")
+        if self.requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise ValueError(f"TensorMeta: requires_grad=True needs a floating or complex dtype, got "
+                             f"dtype={self.dtype} (shape {self.shape})")
+
+    @property
+    def numel(self) -> Dim:
+        n = math.prod(self.shape, start=1)
+        return to_expr(n) if isinstance(n, sympy.Basic) else n
+
+    @property
+    def nbytes(self) -> Dim:
+        n = self.numel * self.dtype.itemsize
+        return to_expr(n) if isinstance(n, sympy.Basic) else n
+
+    @property
+    def is_symbolic(self) -> bool:
+        return any(isinstance(d, sympy.Expr) for d in self.shape)
+
+    def concrete_shape(self, bindings: Mapping[Any, int]) -> tuple[int, ...]:
+        """The shape with symbols substituted (``bindings`` maps sympy symbols or their names to ints)."""
+        by_name = {(k if isinstance(k, str) else k.name): v for k, v in bindings.items()}
+        out = []
+        for d in self.shape:
+            if isinstance(d, sympy.Expr):
+                val = d.subs({s: by_name[s.name] for s in d.free_symbols if s.name in by_name})
+                if not val.is_Integer:
+                    raise ValueError(f"shape {self.shape}: dimension {d} has unbound symbols {sorted(map(str, val.free_symbols))}")
+                out.append(int(val))
+            else:
+                out.append(int(d))
+        return tuple(out)
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{dt}[{', '.join(map(str, self.shape))}]"
+
+
+def tensor_metas(val: Any) -> tuple[TensorMeta, ...]:
+    """Flatten a node's value into TensorMetas: ``meta["val"]`` (a tensor, or a list, tuple or dict
+    of them) or ShapeProp's ``meta["tensor_meta"]``; non-tensors are skipped."""
+    from torch.fx.passes.shape_prop import TensorMetadata
+
+    if isinstance(val, (torch.Tensor, TensorMetadata)):
+        return (TensorMeta(tuple(to_expr(s) for s in val.shape), val.dtype, bool(val.requires_grad)),)
+    if isinstance(val, dict):
+        val = list(val.values())
+    if isinstance(val, (list, tuple)):
+        return tuple(m for v in val for m in tensor_metas(v))
+    return ()
