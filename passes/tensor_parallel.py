@@ -26,6 +26,9 @@ on the vocabulary, then ``tp_ops.gather_logits`` -- or, with ``vocab_parallel_lo
 model returns the local logits and the loss must be ``tp_ops.vocab_parallel_cross_entropy``.
 With ``sequence_parallel=True`` (Megatron-3) the activations between regions are sharded along
 the sequence (dim 1 of [B, T, C]; T must divide by t at run time): see ``_sequence_parallel``.
+Random ops on a shard (dropout on head-sharded attention probabilities, on column-parallel
+outputs, on sequence shards) run under ``fxsplit.tp.random``'s tp stream, so each tp rank draws
+its own mask; random ops on replicated values are untouched ([Note: RNG streams]).
 Written only against fxsplit's public API.
 """
 
@@ -47,6 +50,7 @@ from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan, op_name
+from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -155,6 +159,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
                           "plan on this graph (find_tp_plan(gm, tp))")
     t = plan.tp
     aten = torch.ops.aten
+    sharded_random = [n for n in graph.nodes if n.name in plan.sharded_nodes and is_random(n, gm)]
     is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
     add = aten.add.Tensor if is_export else operator.add
 
@@ -252,14 +257,17 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
             node.replace_all_uses_with(gl, delete_user_cb=lambda u: u is not gl)
 
     if plan.sequence_parallel:
-        _sequence_parallel(gm, plan, axis)
+        on_sequence = _sequence_parallel(gm, plan, axis)
+        sharded_random += [n for n in on_sequence if n not in sharded_random and is_random(n, gm)]
     else:
         for f in region_fs:
             _fuse_columns(gm, plan, f, axis)
+    for n in sharded_random:
+        _to_tp_stream(gm, n, axis)
     graph.lint()
     gm.recompile()
     for n in graph.nodes:  # metadata contract: every node annotated
-        if n.op == "get_attr" and n.meta.get("val") is None:
+        if n.op == "get_attr" and n.meta.get("val") is None and isinstance(_attr(gm, n), torch.Tensor):
             n.meta["val"] = _param_val(gm, n, nodes)
         elif n.target is copy_to_region and n.meta.get("val") is None:
             n.meta["val"] = n.args[0].meta.get("val")
@@ -269,6 +277,31 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
             _cost_as_linears(gm, n)
     gm.meta["fxsplit_tp"] = plan
     return gm
+
+
+def _attr(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Any:
+    owner, leaf = _owner(gm, str(n.target))
+    return getattr(owner, leaf)
+
+
+def _to_tp_stream(gm: torch.fx.GraphModule, node: torch.fx.Node, axis: str) -> None:
+    """[Note: RNG streams] in fxsplit.tp.random: a random op on a tp shard draws from this tp
+    rank's own stream: ``f(x)`` becomes ``in_tp_stream(f)(x, tp_axis=axis)``, a leaf module call
+    ``drop(x)`` becomes ``call_in_tp_stream(drop, x, tp_axis=axis)`` (the module read by get_attr,
+    so it keeps its ``training`` flag)."""
+    graph = gm.graph
+    if node.op == "call_module":
+        with graph.inserting_before(node):
+            mod = graph.get_attr(str(node.target))
+            new = _new(graph, call_in_tp_stream, (mod, *node.args), {**node.kwargs, "tp_axis": axis}, like=node,
+                       val=node.meta.get("val"))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    elif node.op == "call_function":
+        node.target = in_tp_stream(node.target)
+        node.kwargs = {**node.kwargs, "tp_axis": axis}
+    else:  # a random call_method (x.bernoulli_()): left on the stage stream
+        return
 
 
 def _cost_as_linears(gm: torch.fx.GraphModule, fused: torch.fx.Node) -> None:
@@ -344,7 +377,7 @@ def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis
 _SP_REDUCTIONS = ("mean", "sum", "amax", "var")
 
 
-def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str) -> None:
+def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str) -> list[torch.fx.Node]:
     """Shard the activations between regions along the sequence (dim 1 of [B, T, C]).
 
     The residual stream after the vocabulary embedding is scattered along the sequence; f before
@@ -354,7 +387,8 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str) -> Non
     Parameters read on the shard (norm weights, row biases) go through ``copy_to_region`` so
     their gradients are summed over the tp ranks; a replicated operand that spans the sequence
     is scattered too. Any other consumer gets the value all-gathered first (``gather_from_region``),
-    so nothing downstream changes: e.g. the model output.
+    so nothing downstream changes: e.g. the model output. Returns the nodes left on a sequence
+    shard (their random ops then draw from the tp stream).
     """
     graph, t = gm.graph, plan.tp
     seq: dict[torch.fx.Node, int] = {}  # node -> sequence dim of its local shard
@@ -476,6 +510,7 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str) -> Non
     for node in graph.nodes:
         if node.op != "get_attr" and node.meta.get("val") is None and isinstance(orig.get(node), torch.Tensor):
             node.meta["val"] = orig[node]
+    return list(seq)
 
 
 def _norm_dim(d: int, n: int) -> int:
