@@ -74,6 +74,7 @@ PUBLIC_MODULES = (
     "fxsplit.tp.sharding",
     "fxsplit.tp.functional",
     "fxsplit.tp.plan",
+    "fxsplit.tp.random",
     "fxsplit.pipeline",
     "fxsplit.pipeline.stage",
     "fxsplit.pipeline.partition",

@@ -27,6 +27,9 @@ model returns the local logits and the loss must be ``tp_ops.vocab_parallel_cros
 With ``sequence_parallel=True`` (Megatron-3) the activations between regions are sharded along
 the sequence (dim 1 of [B, T, C]; T must divide by t at run time), as ``plan.sequence_plan``
 records (``fxsplit.tp.sequence``): see ``_sequence_parallel``.
+Random ops on a shard (dropout on head-sharded attention probabilities, on column-parallel
+outputs, on sequence shards) run under ``fxsplit.tp.random``'s tp stream, so each tp rank draws
+its own mask; random ops on replicated values are untouched ([Note: RNG streams]).
 Written only against fxsplit's public API.
 """
 
@@ -51,6 +54,7 @@ from fxsplit.tp.plan import SequenceParallelPlan
 from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan
+from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -152,9 +156,11 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     (:func:`_shard_params`), f before each region (:func:`_insert_fs`), row linears and g
     (:func:`_rewrite_rows`), vocabulary embeddings (:func:`_rewrite_vocab_embeddings`), LM heads
     (:func:`_rewrite_lm_heads`); then sequence parallelism (:func:`_sequence_parallel`) or the
-    fused column linears (:func:`_fuse_columns`); last the metadata contract (:func:`_finish`).
+    fused column linears (:func:`_fuse_columns`); random ops on a shard onto the tp stream
+    (:func:`_to_tp_stream`); last the metadata contract (:func:`_finish`).
     """
     nodes = _check_applicable(gm, plan)
+    sharded_random = [n for n in gm.graph.nodes if n.name in plan.sharded_nodes and is_random(n, gm)]
     head_inputs = {h: _linear_input(nodes[h], plan).name for h in plan.lm_heads}  # as traced
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
@@ -164,10 +170,13 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     heads = _rewrite_lm_heads(gm, plan, nodes, axis)
     if plan.sequence_parallel:
         done = _Rewritten(region_fs, rows, embeddings, {h: (head_inputs[h], *fg) for h, fg in heads.items()})
-        _sequence_parallel(gm, plan, axis, done)
+        on_sequence = _sequence_parallel(gm, plan, axis, done)
+        sharded_random += [n for n in on_sequence if n not in sharded_random and is_random(n, gm)]
     else:
         for _, f in region_fs:
             _fuse_columns(gm, plan, f, axis)
+    for n in sharded_random:
+        _to_tp_stream(gm, n, axis)
     _finish(gm, plan, nodes)
     return gm
 
@@ -314,7 +323,8 @@ def _finish(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx
     graph.lint()
     gm.recompile()
     for n in graph.nodes:  # metadata contract: every node annotated
-        if n.op == "get_attr" and n.meta.get("val") is None:
+        if (n.op == "get_attr" and n.meta.get("val") is None
+                and isinstance(resolve_path(gm, str(n.target)), torch.Tensor)):
             n.meta["val"] = _param_val(gm, n, nodes)
         elif n.target is copy_to_region and n.meta.get("val") is None:
             n.meta["val"] = n.args[0].meta.get("val")
@@ -323,6 +333,25 @@ def _finish(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx
         if n.target is column_parallel_linear:
             _cost_as_linears(gm, n)
     gm.meta["fxsplit_tp"] = plan
+
+
+def _to_tp_stream(gm: torch.fx.GraphModule, node: torch.fx.Node, axis: str) -> None:
+    """[Note: RNG streams] in fxsplit.tp.random: a random op on a tp shard draws from this tp
+    rank's own stream: ``f(x)`` becomes ``in_tp_stream(f)(x, tp_axis=axis)``, a leaf module call
+    ``drop(x)`` becomes ``call_in_tp_stream(drop, x, tp_axis=axis)`` (the module read by get_attr,
+    so it keeps its ``training`` flag)."""
+    graph = gm.graph
+    if node.op == "call_module":
+        with graph.inserting_before(node):
+            mod = graph.get_attr(str(node.target))
+            new = _new(graph, call_in_tp_stream, (mod, *node.args), {**node.kwargs, "tp_axis": axis}, like=node,
+                       val=node.meta.get("val"))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    elif node.op == "call_function":
+        node.target = in_tp_stream(node.target)
+        node.kwargs = {**node.kwargs, "tp_axis": axis}
+    # a random call_method (x.bernoulli_()) stays on the stage stream
 
 
 def _cost_as_linears(gm: torch.fx.GraphModule, fused: torch.fx.Node) -> None:
@@ -407,7 +436,7 @@ class _Rewritten:
     heads: dict[str, tuple[str, torch.fx.Node, torch.fx.Node | None]]
 
 
-def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: _Rewritten) -> None:
+def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: _Rewritten) -> list[torch.fx.Node]:
     """Apply ``plan.sequence_plan``: shard the activations between regions along the sequence.
 
     The residual stream after the vocabulary embedding is scattered along the sequence; f before
@@ -416,7 +445,8 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: 
     recorded edges: ``copy_to_region`` on parameters read by the shard (gradients summed over the
     tp ranks), ``scatter_to_region`` on replicated operands spanning the sequence,
     ``gather_from_region`` before any other consumer (e.g. the model output). Every decision is
-    the plan's ([Note: sequence-parallel plan] in ``fxsplit.tp.sequence``).
+    the plan's ([Note: sequence-parallel plan] in ``fxsplit.tp.sequence``). Returns the nodes
+    left on a sequence shard (their random ops then draw from the tp stream).
     """
     sp = plan.sequence_plan
     _check_sequence_plan(sp, done)
@@ -431,6 +461,7 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: 
         v = orig.get(node)
         if isinstance(v, torch.Tensor):
             node.meta["val"] = _local_val(v, d, v.shape[d] // plan.tp)
+    return list(seq)
 
 
 def _check_sequence_plan(sp: SequenceParallelPlan, done: _Rewritten) -> None:

@@ -50,6 +50,7 @@ class ParallelConfig:
     hardware: Hardware | None = None  # what stage times are estimated for; None: Hardware()
     cut_at: str = "any"  # "modules": stages start only where a module call begins
     debug: str | None = None  # folder for per-pass dumps (else FXSPLIT_DEBUG_DIR)
+    seed: int | None = None  # RNG streams ([Note: RNG streams]); None: torch.initial_seed() of global rank 0
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
@@ -65,6 +66,8 @@ class ParallelConfig:
                 f"microbatches={self.microbatches} < pp={self.pp}: every pipeline rank needs at least "
                 f"one microbatch in flight; use microbatches >= {self.pp} (2 * pp = {2 * self.pp} is a good start)"
             )
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise PlanError(f"seed must be an int >= 0 or None (follow torch.manual_seed), got {self.seed!r}")
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.method not in _METHODS:

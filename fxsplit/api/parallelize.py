@@ -148,9 +148,22 @@ def parallelize(
         the_plan.rank_plan(pp_rank), stages, group=pipe_group,
         loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
         abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
+        seed=_agreed_seed(c.seed, groups.get("errors")),
     )
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
                          groups=groups, loss_fn=loss_fn, log_every=log_every)
+
+
+def _agreed_seed(seed: int | None, group: Any) -> int:
+    """The seed of the RNG streams ([Note: RNG streams] in fxsplit.tp.random): ``seed``, or
+    ``torch.initial_seed()`` of global rank 0 (the user's ``torch.manual_seed``) broadcast to every
+    rank, so that ranks seeded differently (or not at all) still draw replicated masks alike."""
+    if seed is not None:
+        return seed
+    box = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64)
+    if group is not None and dist.get_world_size() > 1:
+        dist.broadcast(box, dist.get_global_rank(group, 0), group=group)
+    return int(box.item())
 
 
 def _checked_loss(loss_fn: Callable) -> Callable:

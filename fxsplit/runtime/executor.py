@@ -40,6 +40,7 @@ Gradients ACCUMULATE into ``.grad`` like ``loss.backward()``: zero them between 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from fxsplit.runtime.microbatch import (
     split_target,
 )
 from fxsplit.pipeline.comm import Message
+from fxsplit.tp.random import stage_stream
 from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
 from fxsplit.runtime.split_backward import SplitBackward
@@ -105,6 +107,10 @@ class PipelineRuntime:
       group is unusable afterwards.
     - ``prefetch``: how many actions ahead receives are posted.
     - ``blocking_waits``: see `P2PChannel`; default True on gloo, False on NCCL.
+    - ``seed``: run each forward of microbatch i on stage s on the stage stream of
+      (seed, s, i, k), k counting this runtime's step()/forward() calls from 0 ([Note: RNG
+      streams] in fxsplit.tp.random): random ops draw the same on every tp rank, differently per
+      stage and microbatch, independently of the schedule's order. None: the global RNG as is.
     """
 
     def __init__(
@@ -121,6 +127,7 @@ class PipelineRuntime:
         abort_on_error: bool = True,
         prefetch: int = 2,
         blocking_waits: bool | None = None,
+        seed: int | None = None,
     ):
         """Run ``plan`` (this rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan`) with ``modules``
         (stage index -> module, exactly the stages ``plan.stages``) over the pipeline ``group``."""
@@ -148,6 +155,8 @@ class PipelineRuntime:
         self.batched = batched
         self.abort_on_error = abort_on_error
         self.prefetch_depth = max(0, int(prefetch))
+        self.seed = seed
+        self.rng_step = 0  # k of the stage streams: step()/forward() calls so far
         self.last_stage = self.num_stages - 1
         self.last_rank = self.rank_of_stage(self.last_stage)
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
@@ -281,6 +290,7 @@ class PipelineRuntime:
                                  "target: pass step(inputs, target=...)")
             self._targets = split_target(target, mbs.sizes, dim=self.split_dim)
         self._training = training
+        self._rng_step, self.rng_step = self.rng_step, self.rng_step + 1
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._mailbox: dict[Message, torch.Tensor] = {}
         self._outputs: dict[int, list[Any]] = {}
@@ -381,7 +391,10 @@ class PipelineRuntime:
             if self._training and meta.requires_grad:
                 x.requires_grad_(True)
             args.append(x)
-        out = self.modules[s](*args)
+        stream = (contextlib.nullcontext() if self.seed is None else
+                  stage_stream(self.seed, stage=s, microbatch=mb, step=self._rng_step, device=self.device))
+        with stream:
+            out = self.modules[s](*args)
         if not isinstance(out, (tuple, list)):
             out = (out,)
         if len(out) != len(sio.outputs):

@@ -22,7 +22,7 @@ case a graph splitter must get right:
     ============  ==========================================================================
     mlp           the simplest chain of layers
     gpt           transformer blocks, tied weights (``wte``/``lm_head``), optional fused qkv,
-                  grouped-query attention and SwiGLU
+                  grouped-query attention and SwiGLU; ``dropout`` / ``attn_dropout`` (default 0)
     cnn           convolutions with residual blocks, GroupNorm, global pooling
     unet          skip connections crossing several blocks (encoder -> matching decoder)
     kwargs        keyword arguments, an integer attention mask and integer position ids used
@@ -111,7 +111,8 @@ class GPTConfig:
     fused_qkv: bool = False  # one `qkv` Linear instead of `q`, `k`, `v`
     tie_weights: bool = True  # lm_head.weight IS wte.weight (the same Parameter)
     bias: bool = True  # bias in Linear layers and LayerNorms
-    dropout: float = 0.0  # keep 0.0 to compare split and unsplit models exactly
+    dropout: float = 0.0  # embedding and residual dropout; keep 0.0 to compare split and unsplit models exactly
+    attn_dropout: float = 0.0  # dropout on the attention probabilities (> 0: explicit softmax attention)
     mlp: str = "gelu"  # "gelu": up/down; "swiglu": gate/up/down
 
     def __post_init__(self) -> None:
@@ -160,6 +161,9 @@ class CausalSelfAttention(nn.Module):
             self.v = nn.Linear(cfg.n_embd, kv_dim, bias=cfg.bias)
         self.proj = nn.Linear(q_dim, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.explicit = cfg.attn_dropout > 0
+        if self.explicit:
+            self.attn_drop = nn.Dropout(cfg.attn_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -174,7 +178,15 @@ class CausalSelfAttention(nn.Module):
         if nkv != nh:
             k = k.repeat_interleave(nh // nkv, dim=1)  # (B, nh, T, hs)
             v = v.repeat_interleave(nh // nkv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        if self.explicit:  # the probabilities are materialized for their dropout
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
+            pos = torch.arange(T, device=x.device)
+            causal = pos.unsqueeze(0) <= pos.unsqueeze(1)  # (T, T): key j <= query i
+            att = att.masked_fill(~causal, float("-inf"))
+            att = self.attn_drop(F.softmax(att, dim=-1))
+            y = att @ v  # (B, nh, T, hs)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, nh * hs)  # (B, T, C)
         return self.resid_drop(self.proj(y))
 

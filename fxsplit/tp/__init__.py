@@ -4,7 +4,8 @@ Owns the TP plan (``plan``: which parameters are column / row / vocab-parallel o
 why), sharding propagation through the graph (``propagate``), the sequence-parallel decisions
 recorded in the plan (``sequence``), shard specs and per-rank
 materialization (``sharding``), the conjugate collectives f / g (``collectives``) and the fused
-parallel autograd functions (``functional``). The pass that applies a TP plan to a graph is
+parallel autograd functions (``functional``) and the random-number streams of sharded and
+replicated regions (``random``, [Note: RNG streams]). The pass that applies a TP plan to a graph is
 ``fxsplit.passes.tensor_parallel``.
 
 May import: ``fxsplit.graph``, ``fxsplit.errors``, ``fxsplit.config`` and torch; not

@@ -1,0 +1,204 @@
+"""Random-number streams for model parallelism (Megatron's RNG tracker, on torch generator states).
+
+Terms: **stream**: where a random op's numbers come from (a generator state). **stage stream**:
+the default generators (CPU and the stage's device) seeded for one forward of one microbatch of
+one stage; everything not in a tp-sharded region draws from it. **tp stream**: a tp rank's own
+stream, for random ops in tp-sharded regions. **tp-sharded random op**: a random op (dropout,
+bernoulli, attention with ``dropout_p > 0``, ...) whose output is a shard (heads, hidden width,
+sequence) rather than a replica.
+
+    with stage_stream(seed, stage=s, microbatch=i, step=k, device=dev):   # the runtime, per forward
+        out = stage_module(*args)
+    y = in_tp_stream(F.dropout)(x, 0.1, True)          # what the TP pass writes for a sharded dropout
+    y = call_in_tp_stream(drop_module, x)              # ... and for an nn.Dropout call_module
+
+[Note: RNG streams]
+From one user seed (``ParallelConfig.seed``; default ``torch.initial_seed()`` of global rank 0,
+so it follows the user's ``torch.manual_seed``):
+1. Stage stream: before each forward of microbatch i on stage s in step k the runtime seeds the
+   CPU generator and the stage device's generator with ``derive_seed(seed, s, i, k)`` and
+   restores the caller's states afterwards (the user's global RNG is not consumed). It is the
+   same on every tp rank, so a replicated region (e.g. the residual dropout after a row-parallel
+   all-reduce) draws the same mask on every tp rank and the replicas never diverge. It differs
+   per stage (Megatron adds 100 * pp_rank; a rank here holds v stages, so it is per stage), per
+   microbatch and per step, and depends on nothing else: not on the schedule's order.
+2. tp stream: a tp-sharded random op runs under :func:`tp_stream`: a 62-bit number r is drawn
+   from the CPU stage stream (the same r on every tp rank, which all advance alike), and the op
+   runs with the CPU and its device's generator seeded with ``derive_seed(r, 2718 + tp_rank)``
+   (Megatron's offset: seed + 2718 + tp_rank), the caller's states restored after. Each sharded
+   op gets its own r, so two sharded dropouts never share a mask.
+3. Replay: both streams are functions of the generator states at the start of the forward, so
+   whatever restores those replays every mask: ``torch.utils.checkpoint`` (``preserve_rng_state``,
+   the default) recomputes with the same draws, replicated and sharded. The zero-bubble I/W split
+   never re-runs a forward (W reuses the graph I kept), so it cannot re-draw.
+4. Data-parallel replicas get the same streams, as in Megatron (its default): their different
+   data makes them differ; nothing here depends on the dp rank.
+The same seed gives the same draws run to run, on CPU; on CUDA the draws are deterministic too,
+but a kernel may not be (``torch.use_deterministic_algorithms``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxsplit.tp.collectives import axis_rank
+
+__all__ = [
+    "TP_SEED_OFFSET",
+    "call_in_tp_stream",
+    "derive_seed",
+    "in_tp_stream",
+    "is_random",
+    "stage_stream",
+    "tp_stream",
+]
+
+TP_SEED_OFFSET = 2718  # Megatron-LM's offset of the tp-sharded streams
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed from ``seed`` and ``keys`` (splitmix64 chained over them): a pure function,
+    the same on every process, and unrelated seeds for neighbouring keys."""
+    x = _splitmix64(int(seed) & _MASK64)
+    for k in keys:
+        x = _splitmix64(x ^ (int(k) & _MASK64))
+    return x >> 1
+
+
+def _generators(device: torch.device | str | None) -> list[torch.Generator]:
+    """The CPU default generator and, for an accelerator device, that device's default one."""
+    gens = [torch.default_generator]
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda":
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.init()
+            gens.append(torch.cuda.default_generators[idx])
+    return gens
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device | str | None) -> Iterator[None]:
+    gens = _generators(device)
+    saved = [g.get_state() for g in gens]
+    try:
+        for g in gens:
+            g.manual_seed(seed)
+        yield
+    finally:
+        for g, s in zip(gens, saved):
+            g.set_state(s)
+
+
+@contextlib.contextmanager
+def stage_stream(seed: int, *, stage: int, microbatch: int, step: int,
+                 device: torch.device | str | None = None) -> Iterator[None]:
+    """Run the block on the stage stream of (stage, microbatch, step) ([Note: RNG streams] 1)."""
+    with _seeded(derive_seed(seed, stage, microbatch, step), device):
+        yield
+
+
+@contextlib.contextmanager
+def tp_stream(axis: str = "tp", *, device: torch.device | str | None = None) -> Iterator[None]:
+    """Run the block on this tp rank's own stream ([Note: RNG streams] 2); ``axis`` is the mesh
+    axis whose bound group gives the rank (rank 0 when unbound)."""
+    r = int(torch.randint(0, 1 << 62, (), generator=torch.default_generator))
+    with _seeded(derive_seed(r, TP_SEED_OFFSET + axis_rank(axis)), device):
+        yield
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+_WRAPPED: dict[Any, Callable] = {}  # op -> its tp-stream wrapper: one function per op (fx globals)
+
+
+def in_tp_stream(op: Callable) -> Callable:
+    """``op`` run under :func:`tp_stream` (``tp_axis=`` keyword, default "tp"); the wrapper keeps
+    ``op``'s name (``op_name`` and the cost model see the op) and is one object per op, so an fx
+    graph calling it prints as ``fxsplit_tp_random_<name>(...)``."""
+    if op in _WRAPPED:
+        return _WRAPPED[op]
+
+    def wrapper(*args: Any, tp_axis: str = "tp", **kwargs: Any) -> Any:
+        with tp_stream(tp_axis, device=_device_of(args, kwargs)):
+            return op(*args, **kwargs)
+
+    name = op.__name__ if not isinstance(op, torch._ops.OpOverload) else op.overloadpacket.__name__
+    wrapper.__name__ = name
+    wrapper.__qualname__ = f"in_tp_stream.{name}"
+    wrapper.__module__ = __name__
+    wrapper.__wrapped__ = op  # type: ignore[attr-defined]
+    _WRAPPED[op] = wrapper
+    return wrapper
+
+
+def call_in_tp_stream(module: nn.Module, *args: Any, tp_axis: str = "tp", **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` under :func:`tp_stream` (for a random leaf module, e.g. an
+    ``nn.Dropout`` call_module; the module keeps its ``training`` flag)."""
+    with tp_stream(tp_axis, device=_device_of(args, kwargs)):
+        return module(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# which nodes draw random numbers
+
+_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+_F = torch.nn.functional
+_RANDOM_FUNCTIONS = frozenset(
+    f for f in (
+        _F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout, _F.feature_alpha_dropout,
+        getattr(torch, "dropout", None), getattr(torch, "bernoulli", None), getattr(torch, "rand_like", None),
+        getattr(torch, "randn_like", None), getattr(torch, "rand", None), getattr(torch, "randn", None),
+        getattr(torch, "normal", None), getattr(torch, "multinomial", None),
+    ) if f is not None
+)
+_ATTENTION = frozenset({_F.scaled_dot_product_attention})
+
+
+def _dropout_p(node: torch.fx.Node, position: int) -> Any:
+    return node.kwargs.get("dropout_p", node.args[position] if len(node.args) > position else 0.0)
+
+
+def is_random(node: torch.fx.Node, gm: torch.nn.Module | None = None) -> bool:
+    """Whether ``node`` draws random numbers: a dropout-family ``call_module``, a random torch
+    function (``F.dropout``, ``torch.bernoulli``, ...), ``F.scaled_dot_product_attention`` with
+    ``dropout_p`` not 0, or an aten op tagged ``nondeterministic_seeded`` (``aten.dropout``,
+    ``native_dropout``, ...; attention ops only with ``dropout_p`` not 0)."""
+    if node.op == "call_module":
+        gm = gm if gm is not None else node.graph.owning_module
+        return isinstance(gm.get_submodule(str(node.target)), _RANDOM_MODULES)
+    if node.op == "call_method":
+        return str(node.target) in ("bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_")
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded not in t.tags:
+            return False
+        names = [a.name for a in t._schema.arguments]
+        if "dropout_p" in names:
+            return _dropout_p(node, names.index("dropout_p")) != 0
+        return True
+    if t in _ATTENTION:
+        return _dropout_p(node, 3) != 0
+    return t in _RANDOM_FUNCTIONS

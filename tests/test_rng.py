@@ -1,0 +1,245 @@
+"""RNG streams ([Note: RNG streams] in fxsplit.tp.random): replicated regions draw alike on every
+tp rank, tp-sharded regions and pipeline stages each draw their own, recomputation replays, and
+one seed gives bit-identical losses."""
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit.testing import run_distributed, zoo
+from fxsplit.tp.random import derive_seed, is_random, stage_stream, tp_stream
+
+GPT = dict(n_layer=4, dropout=0.2, attn_dropout=0.2, batch_size=4, seq_len=8)
+V, B, T = 128, 4, 8
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+# ------------------------------------------------------------------------------------------------
+# no process group: the pass marks the sharded random ops
+
+
+def _stage_code(**options):
+    model, args, _ = zoo.make("gpt", **GPT)
+    p = fxsplit.plan(model, args, tp=2, pp=2, **options)
+    return "\n".join(m.code for m in p.stages.modules)
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_tp_pass_puts_sharded_dropout_on_the_tp_stream(method):
+    code = _stage_code(method=method)
+    n = GPT["n_layer"]
+    if method == "fx":  # attention-probability dropout (head-sharded) -> the tp stream
+        assert code.count("fxsplit_tp_random_call_in_tp_stream(") == n, code
+        assert code.count(".attn.attn_drop\n") == n  # the module, read by get_attr
+        # replicated: embedding and residual dropouts stay plain module calls (stage stream)
+        assert code.count(".resid_drop(") == n and code.count(".mlp.drop(") == n and "self.drop(" in code
+    else:
+        assert code.count("fxsplit_tp_random_dropout(") == n, code
+        assert code.count("torch.ops.aten.dropout.default(") == 2 * n + 1  # residuals + embedding
+
+
+def test_sequence_parallel_dropout_is_on_the_tp_stream():
+    # Megatron-3: the embedding and residual dropouts run on sequence shards: all tp streams
+    code = _stage_code(method="fx", sequence_parallel=True)
+    assert code.count("fxsplit_tp_random_call_in_tp_stream(") == 3 * GPT["n_layer"] + 1, code
+    assert ".resid_drop(" not in code
+
+
+def test_is_random():
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Dropout(0.1), nn.ReLU()))
+    assert [is_random(n, gm) for n in gm.graph.nodes] == [False, True, False, False]
+    gm = torch.fx.symbolic_trace(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.0))
+    assert not any(is_random(n, gm) for n in gm.graph.nodes)
+
+
+def test_streams_are_pure_functions_of_their_keys():
+    assert derive_seed(1, 0, 0, 0) == derive_seed(1, 0, 0, 0) != derive_seed(1, 1, 0, 0) != derive_seed(2, 0, 0, 0)
+    before = torch.get_rng_state()
+    with stage_stream(1, stage=0, microbatch=0, step=0):
+        a = torch.rand(4)
+        with tp_stream():
+            s = torch.rand(4)
+        b = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's RNG is not consumed
+    with stage_stream(1, stage=0, microbatch=0, step=0):
+        assert torch.equal(torch.rand(4), a)
+        with tp_stream():
+            assert torch.equal(torch.rand(4), s)
+        assert torch.equal(torch.rand(4), b)  # the stage stream advanced alike
+    with stage_stream(1, stage=1, microbatch=0, step=0):
+        assert not torch.equal(torch.rand(4), a)
+
+
+# ------------------------------------------------------------------------------------------------
+# tp=2 x pp=2 on gloo
+
+
+def _parallel(seed, **options):
+    model, args, _ = zoo.make("gpt", **GPT)
+    options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
+    return fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), tp=2, pp=2, seed=seed, timeout=60,
+                               **options)
+
+
+def _losses(pm, batches=(0, 1)):
+    out = []
+    for i in batches:
+        x, y = _batch(i)
+        out.append(pm.step(x, target=y).item())
+    return out
+
+
+def _record_masks(pm):
+    masks = {}
+    for s, sm in pm.local_stage_graphs().items():
+        for name, mod in sm.named_modules():
+            if isinstance(mod, nn.Dropout):
+                mod.register_forward_hook(
+                    lambda m, i, o, key=(s, name): masks.setdefault(key, []).append((o != 0).clone()))
+    return masks
+
+
+def _grads(pm):
+    return {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
+
+
+def _checkpoint_replays(pm):
+    """Stage 0 under torch.utils.checkpoint: recomputation in backward must draw the same masks
+    (replicated and tp-sharded); with preserve_rng_state=False it does not (the control)."""
+    from torch.utils.checkpoint import checkpoint
+
+    mod = pm.local_stage_graphs()[0]
+    x, _ = _batch(0)
+    grads = []
+    for how in ("plain", "checkpoint", "no-replay"):
+        mod.zero_grad()
+        with pm._bound():
+            with stage_stream(7, stage=0, microbatch=0, step=0):
+                if how == "plain":
+                    out = mod(x)
+                else:
+                    out = checkpoint(mod, x, use_reentrant=False, preserve_rng_state=how == "checkpoint")
+            out[0].float().pow(2).sum().backward()  # outside the stream, as the runtime's B
+        grads.append({n: p.grad.clone() for n, p in mod.named_parameters() if p.grad is not None})
+    same = all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    control = all(torch.equal(grads[0][n], grads[2][n]) for n in grads[0])
+    return same, control
+
+
+def _worker(rank, world):
+    out = {}
+    torch.manual_seed(1)  # the default seed follows torch.manual_seed
+    pm = _parallel(None)
+    masks = _record_masks(pm)
+    out["default"] = _losses(pm)
+    out["masks"] = masks
+    out["grads"] = _grads(pm)
+    out["replicated"] = [n for n, _ in pm.named_parameters() if "ln" in n or "wpe" in n or "proj.bias" in n
+                         or "down.bias" in n]
+    if pm.coords["pp"] == 0:
+        out["checkpoint"] = _checkpoint_replays(pm)
+    pm = _parallel(1)
+    out["seed1"] = _losses(pm)
+    pm._runtime.seed, pm._runtime.rng_step = 2, 0
+    out["seed2"] = _losses(pm)
+    out["steps"] = _losses(pm, batches=(0, 0))
+    out["1f1b"] = _losses(_parallel(1, schedule="1f1b"))
+    out["zb_h1"] = _losses(_parallel(1, schedule="zb_h1"))
+    out["coords"] = pm.coords
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(_worker, 4, timeout=300)
+
+
+def _by(ranks, pp, tp):
+    return next(r for r in ranks if r["coords"]["pp"] == pp and r["coords"]["tp"] == tp)
+
+
+@pytest.mark.dist
+def test_replicated_regions_draw_alike_on_every_tp_rank(ranks):
+    for pp in (0, 1):
+        a, b = _by(ranks, pp, 0), _by(ranks, pp, 1)
+        keys = [k for k in a["masks"] if "attn_drop" not in k[1]]
+        assert keys
+        for k in keys:
+            assert all(torch.equal(x, y) for x, y in zip(a["masks"][k], b["masks"][k], strict=True)), k
+        # the replicas' gradients stay bit-identical: TP-replicated parameters never diverge
+        for n in a["replicated"]:
+            assert torch.equal(a["grads"][n], b["grads"][n]), n
+
+
+@pytest.mark.dist
+def test_sharded_regions_draw_their_own_per_tp_rank(ranks):
+    for pp in (0, 1):
+        a, b = _by(ranks, pp, 0), _by(ranks, pp, 1)
+        keys = [k for k in a["masks"] if "attn_drop" in k[1]]
+        assert keys
+        for k in keys:
+            for x, y in zip(a["masks"][k], b["masks"][k], strict=True):
+                assert x.shape == y.shape and not torch.equal(x, y), k
+                causal = torch.ones(T, T, dtype=torch.bool).tril().expand_as(x)  # probabilities > 0
+                assert 0.7 < x[causal].float().mean() < 0.9 and not x[~causal].any()  # dropout 0.2
+
+
+@pytest.mark.dist
+def test_stages_and_microbatches_draw_differently(ranks):
+    first = {}
+    for pp in (0, 1):
+        for (s, name), ms in _by(ranks, pp, 0)["masks"].items():
+            if "resid_drop" in name:
+                first.setdefault(s, ms)
+                assert not torch.equal(ms[0], ms[1])  # microbatches 0 and 1
+    assert sorted(first) == [0, 1, 2, 3]  # interleaved: v=2 stages per pipeline rank
+    for s in first:
+        for q in first:
+            if s < q:
+                assert not torch.equal(first[s][0], first[q][0]), (s, q)
+
+
+@pytest.mark.dist
+def test_same_seed_same_losses(ranks):
+    r = ranks[0]
+    assert r["default"] == r["seed1"]  # seed=None after torch.manual_seed(1) is seed 1
+    assert r["seed2"] != r["seed1"]
+    assert r["steps"][0] != r["steps"][1]  # the same batch again: a new step draws new masks
+    assert all(q["seed1"] == r["seed1"] for q in ranks)
+    # the streams depend on (stage, microbatch, step), not on the schedule: zero-bubble's I/W
+    # split draws nothing again
+    assert r["1f1b"] == r["zb_h1"]
+
+
+@pytest.mark.dist
+def test_checkpoint_recomputation_replays_the_masks(ranks):
+    for tp in (0, 1):
+        same, control = _by(ranks, 0, tp)["checkpoint"]
+        assert same and not control
+
+
+def _single(rank, world):
+    x, y = _batch(0)
+    loss_fn = zoo.loss_fn("gpt")
+    out = []
+    for dropout in (0.0, 0.2):
+        model, args, _ = zoo.make("gpt", **{**GPT, "dropout": dropout, "attn_dropout": dropout})
+        with stage_stream(5, stage=0, microbatch=0, step=0):
+            ref = loss_fn(model(x), y).item()
+        pm = fxsplit.parallelize(model, args, loss_fn=loss_fn, seed=5, timeout=60)
+        out.append((ref, pm.step(x, target=y).item()))
+    return out
+
+
+@pytest.mark.dist
+def test_one_process_equals_the_model_on_the_stage_stream():
+    """tp=1, pp=1, m=1: the model run on the stage stream of (seed, stage 0, microbatch 0, step 0)
+    is the reference, bit for bit; without dropout, the plain model."""
+    (ref0, got0), (ref, got) = run_distributed(_single, 1, timeout=120)[0]
+    assert got0 == ref0
+    assert got == ref
