@@ -119,6 +119,7 @@ class PipelineRuntime:
       group is unusable afterwards.
     - ``prefetch``: how many actions ahead receives are posted.
     - ``blocking_waits``: see `P2PChannel`; default True on gloo, False on NCCL.
+    - ``reduce_dtype``: the dtype tied parameters' gradients are summed in (mp_policy); None: theirs.
     """
 
     def __init__(
@@ -135,6 +136,7 @@ class PipelineRuntime:
         abort_on_error: bool = True,
         prefetch: int = 2,
         blocking_waits: bool | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ):
         """Run ``plan`` (this rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan`) with ``modules``
         (stage index -> module, exactly the stages ``plan.stages``) over the pipeline ``group``."""
@@ -162,6 +164,7 @@ class PipelineRuntime:
         self.batched = batched
         self.abort_on_error = abort_on_error
         self.prefetch_depth = max(0, int(prefetch))
+        self.reduce_dtype = reduce_dtype
         self.last_stage = self.num_stages - 1
         self.last_rank = self.rank_of_stage(self.last_stage)
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
@@ -521,6 +524,8 @@ class PipelineRuntime:
                     partial = p.grad.clone() if partial is None else partial + p.grad
             if partial is None:
                 partial = torch.zeros_like(params[0])
+            if self.reduce_dtype is not None:
+                partial = partial.to(self.reduce_dtype)
             parts = {self.pp_rank: partial}
             works = []
             for q in holders:
@@ -539,6 +544,7 @@ class PipelineRuntime:
             total = parts[holders[0]]
             for q in holders[1:]:
                 total = total + parts[q]
+            total = total.to(params[0].dtype)
             for p in params:
                 if p.grad is None:
                     p.grad = total.clone()
