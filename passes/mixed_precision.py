@@ -77,7 +77,10 @@ def _fake_mode(gm: torch.fx.GraphModule) -> Any:
 
 def _propagate_dtypes(gm: torch.fx.GraphModule) -> None:
     """Recompute ``meta["val"]`` node by node in the fake mode the trace used, from the values the
-    inputs and parameter reads already have (so their shapes, TP-local and symbolic, are kept)."""
+    inputs and parameter reads already have (so their shapes, TP-local and symbolic, are kept).
+    A node that cannot run on them (a tensor-parallel op, which needs its process group; an op
+    over sequence-parallel stand-ins) keeps its shape and takes the dtype of its first floating
+    input, which is what elementwise and linear ops do."""
     mode = _fake_mode(gm)
     if mode is None:
         raise PlanError("mixed_precision needs fake-tensor values (meta['val']) on the graph's nodes; "
@@ -113,9 +116,9 @@ def _propagate_dtypes(gm: torch.fx.GraphModule) -> None:
                     out = getattr(args[0], n.target)(*args[1:], **kwargs)
                 else:
                     out = gm.get_submodule(str(n.target))(*args, **kwargs)
-            except Exception as exc:
-                exc.add_note(f"mixed_precision: while propagating dtypes through node {n.name!r} ({n.op} {n.target})")
-                raise
+            except Exception:  # noqa: BLE001 -- values the TP pass left as shape-only stand-ins
+                # (sequence-parallel shards): keep the shape, take the dtype of the floating inputs
+                out = _with_dtype(n.meta.get("val"), _floating_dtype((args, kwargs)))
             env[n] = out
             n.meta["val"] = out
 
@@ -157,7 +160,17 @@ def mixed_precision(gm: torch.fx.GraphModule, ctx: PassContext, *, param_dtype: 
         if n.op == "get_attr":
             obj = gm.get_parameter(str(n.target)) if _is_param(gm, str(n.target)) else None
             if obj is not None and obj.is_floating_point() and obj.dtype != param_dtype and n.users:
-                _cast(graph, n, param_dtype)
+                # a replicated parameter read through Megatron's f (sequence parallelism) has its
+                # gradient summed over tp by f's backward: cast after f, so the sum runs in the
+                # parameter's own dtype
+                through_f = [u for u in n.users if getattr(u.target, "__name__", "") == "copy_to_region"]
+                for u in through_f:
+                    _cast(graph, u, param_dtype)
+                if len(through_f) < len(n.users):
+                    keep = {u: u for u in through_f}
+                    cast = _cast(graph, n, param_dtype)
+                    for u in keep:  # f keeps reading the parameter itself
+                        u.replace_input_with(cast, n)
                 casts += 1
         elif n.op == "placeholder" and _floating(n.meta.get("val")) and n.meta["val"].dtype != param_dtype and n.users:
             _cast(graph, n, param_dtype)

@@ -83,12 +83,14 @@ def _autocast_step(rank, world):
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60,
                                  hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
         x, y = _batch(model, args)
+        with torch.autocast(**AUTOCAST):
+            logits = pm.forward(x)  # inference: the same boundary casts, no autograd
         with torch.autocast(**AUTOCAST), _MatmulDtypes() as seen:
             loss = pm.step(x, target=y)
         with torch.no_grad():  # gather the gradients through the state dict: grads in place of weights
             for p in pm.parameters():
                 p.copy_(p.grad)
-        out[label] = (float(loss), pm.full_state_dict(), seen.dtypes)
+        out[label] = (float(loss), pm.full_state_dict(), seen.dtypes, logits)
     return out
 
 
@@ -96,11 +98,16 @@ def _autocast_step(rank, world):
 def test_user_autocast_matches_one_process():
     ref_loss, ref_grads = _reference(autocast=True)
     floor = 1e-3 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
+    torch.manual_seed(0)
+    model, args, _ = zoo.make("gpt")
+    with torch.no_grad(), torch.autocast(**AUTOCAST):
+        ref_logits = model(_batch(model, args)[0])
     results = run_distributed(_autocast_step, 4, timeout=300)
     for label in LAYOUTS:
         for rank, r in enumerate(results):
-            loss, grads, matmul_dtypes = r[label]
+            loss, grads, matmul_dtypes, logits = r[label]
             where = f"{label} rank {rank}"
+            assert _gap(logits, ref_logits) <= WHOLE_RTOL, (where, _gap(logits, ref_logits))
             assert matmul_dtypes == {torch.bfloat16}, f"{where}: matrix products ran in {matmul_dtypes}"
             assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), (where, loss, ref_loss)
             assert set(grads) >= set(ref_grads), where
@@ -156,9 +163,12 @@ def test_mp_policy_plan_casts_and_boundaries():
         fxsplit.ParallelConfig(mp_policy="bf16")
 
 
+MP_LAYOUTS = {**LAYOUTS, "tp2-pp2-sp": dict(tp=2, pp=2, microbatches=2, sequence_parallel=True)}
+
+
 def _mp_step(rank, world):
     out = {}
-    for label, opts in LAYOUTS.items():
+    for label, opts in MP_LAYOUTS.items():
         torch.manual_seed(0)
         model, args, kwargs = zoo.make("gpt")
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60, mp_policy=POLICY,
@@ -182,7 +192,7 @@ def test_mp_policy_matches_the_same_casts_in_one_process():
     ref_loss, ref_grads = mixed_precision_reference(model, (x,), y, zoo.loss_fn("gpt"))
     floor = 1e-3 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
     results = run_distributed(_mp_step, 4, timeout=300)
-    for label in LAYOUTS:
+    for label in MP_LAYOUTS:
         for rank, r in enumerate(results):
             loss, grads, matmul_dtypes, fp32 = r[label]
             where = f"{label} rank {rank}"
