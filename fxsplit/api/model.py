@@ -53,6 +53,8 @@ class ParallelModel(nn.Module):
         self.last_bubble = 0.0  # share of the last step this rank spent blocked on its peers
         self._dp_pending: list = []
         self._dp_done: set[int] = set()
+        policy = plan_.config.mp_policy  # gradient reductions in its reduce_dtype (None: the grads' own)
+        self._reduce_dtype = policy.reduce_dtype if policy is not None else None
         # parameters shared between stages (tied weights): their gradients are final only after
         # the runtime sums them across stages, so their data-parallel all-reduce waits for the end
         self._tied_ids = {
@@ -222,7 +224,7 @@ class ParallelModel(nn.Module):
         done = self._dp_done
         self._dp_done = set()
         rest = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in done]
-        _bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale)
+        _bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype)
 
     def _stage_grads_ready(self, stage: int) -> None:
         dp = self._groups.get("dp")
@@ -232,7 +234,7 @@ class ParallelModel(nn.Module):
         params = [p for p in self.stage_modules[str(stage)].parameters()
                   if p.grad is not None and id(p) not in tied and id(p) not in self._dp_done]
         self._dp_done.update(id(p) for p in params)
-        self._dp_pending += _launch_all_reduce([p.grad for p in params], dp, self._bucket_bytes)
+        self._dp_pending += _launch_all_reduce([p.grad for p in params], dp, self._bucket_bytes, self._reduce_dtype)
 
     # -- gradient clipping
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -464,9 +466,11 @@ def load_full_checkpoint(path: str, *, names: set[str] | None = None,
     return full
 
 
-def _launch_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int) -> list:
-    """Start asynchronous all-reduces of ``grads`` packed into flat buckets (per dtype); returns
-    the pending work for :func:`_finish_all_reduce`."""
+def _launch_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int,
+                       reduce_dtype: torch.dtype | None = None) -> list:
+    """Start asynchronous all-reduces of ``grads`` packed into flat buckets (per dtype, each
+    reduced in ``reduce_dtype`` when given: mp_policy); returns the pending work for
+    :func:`_finish_all_reduce`."""
     buckets: list[list[torch.Tensor]] = [[]]
     size = 0
     for g in grads:
@@ -482,6 +486,8 @@ def _launch_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: 
             by_dtype.setdefault(g.dtype, []).append(g)
         for gs in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in gs])
+            if reduce_dtype is not None and flat.dtype != reduce_dtype:
+                flat = flat.to(reduce_dtype)
             pending.append((flat, gs, dist.all_reduce(flat, group=group, async_op=True)))
     return pending
 
@@ -497,8 +503,9 @@ def _finish_all_reduce(pending: list, *, scale: float) -> None:
             offset += g.numel()
 
 
-def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float) -> None:
-    _finish_all_reduce(_launch_all_reduce(grads, group, bucket_bytes), scale=scale)
+def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float,
+                         reduce_dtype: torch.dtype | None = None) -> None:
+    _finish_all_reduce(_launch_all_reduce(grads, group, bucket_bytes, reduce_dtype), scale=scale)
 
 
 def check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:

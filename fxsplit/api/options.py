@@ -51,6 +51,9 @@ class ParallelConfig:
     cut_at: str = "any"  # "modules": stages start only where a module call begins
     debug: str | None = None  # folder for per-pass dumps (else FXSPLIT_DEBUG_DIR)
     seed: int | None = None  # RNG streams ([Note: RNG streams]); None: torch.initial_seed() of global rank 0
+    # torch.distributed.fsdp.MixedPrecisionPolicy: the graph computes (and stages exchange
+    # activations) in param_dtype, gradients are reduced in reduce_dtype, parameters stay fp32
+    mp_policy: Any = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
@@ -82,6 +85,16 @@ class ParallelConfig:
                 object.__setattr__(self, name, tuple(value))
         if self.tp_plan is not None:
             object.__setattr__(self, "tp_plan", dict(self.tp_plan))
+        if self.mp_policy is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            if not isinstance(self.mp_policy, MixedPrecisionPolicy):
+                raise PlanError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                                f"{type(self.mp_policy).__name__}")
+            for name in ("param_dtype", "reduce_dtype"):
+                dtype = getattr(self.mp_policy, name)
+                if dtype is not None and not dtype.is_floating_point:
+                    raise PlanError(f"mp_policy.{name} must be a floating dtype or None, got {dtype}")
 
     @property
     def num_stages(self) -> int:

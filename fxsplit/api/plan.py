@@ -169,6 +169,10 @@ def plan(
                 sequence_parallel=config.sequence_parallel, vocab_parallel_loss=config.vocab_parallel_loss,
             )
         )
+    if config.mp_policy is not None and config.mp_policy.param_dtype is not None:
+        from fxsplit.passes.mixed_precision import mixed_precision
+
+        pipeline.append(functools.partial(mixed_precision, param_dtype=config.mp_policy.param_dtype))
     from fxsplit.passes.pipeline_split import pipeline_split
 
     pipeline.append(

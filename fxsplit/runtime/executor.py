@@ -36,6 +36,20 @@ broadcast of the loss), never creates groups, so no collective group creation is
 3. After the last action: wait for every send, sum the gradients of tied parameters across the
    ranks (and stages) that hold them, broadcast the loss from the last stage's rank.
 Gradients ACCUMULATE into ``.grad`` like ``loss.backward()``: zero them between steps.
+
+[Note: boundary dtypes]
+Every value crosses between stages in the dtype of its ValueMeta in the plan (``StageIO``), in
+both directions: an activation is cast to it before it is sent (or handed over on this rank), a
+receive buffer is allocated in it, and a gradient is sent back in it (the gradient of a received
+input has its dtype already). Both sides read the dtype from the same plan, so no handshake is
+needed, whatever ran inside the stage. This is what makes a user's own
+``torch.autocast("cpu", dtype=torch.bfloat16)`` around ``step()`` / ``forward()`` work: a stage
+may produce bfloat16 where the plan traced float32, and it is cast back to the planned float32
+on the way out (exact: every bfloat16 is a float32; it costs float32 bytes on the wire, use
+``mp_policy`` for bfloat16 boundaries). The next stage's autocast casts it down again where an
+op wants bfloat16, just as in one process; an op outside autocast's lists (an add) then computes
+in float32 where one process would have added in bfloat16, one rounding fewer. A gradient that
+arrives for a stage output is cast to the dtype that output has before ``backward``.
 """
 
 from __future__ import annotations
@@ -111,6 +125,7 @@ class PipelineRuntime:
       (seed, s, i, k), k counting this runtime's step()/forward() calls from 0 ([Note: RNG
       streams] in fxsplit.tp.random): random ops draw the same on every tp rank, differently per
       stage and microbatch, independently of the schedule's order. None: the global RNG as is.
+    - ``reduce_dtype``: the dtype tied parameters' gradients are summed in (mp_policy); None: theirs.
     """
 
     def __init__(
@@ -128,6 +143,7 @@ class PipelineRuntime:
         prefetch: int = 2,
         blocking_waits: bool | None = None,
         seed: int | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ):
         """Run ``plan`` (this rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan`) with ``modules``
         (stage index -> module, exactly the stages ``plan.stages``) over the pipeline ``group``."""
@@ -157,6 +173,7 @@ class PipelineRuntime:
         self.prefetch_depth = max(0, int(prefetch))
         self.seed = seed
         self.rng_step = 0  # k of the stage streams: step()/forward() calls so far
+        self.reduce_dtype = reduce_dtype
         self.last_stage = self.num_stages - 1
         self.last_rank = self.rank_of_stage(self.last_stage)
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
@@ -354,12 +371,20 @@ class PipelineRuntime:
             shape = self._shape_cache[key] = concrete_shape(meta.shape, self._bindings[msg.microbatch])
         return torch.empty(shape, dtype=meta.dtype, device=self.device)
 
+    def _as_planned(self, msg: Message, value: torch.Tensor) -> torch.Tensor:
+        """``value`` in the dtype the plan gives its message ([Note: boundary dtypes])."""
+        dtype = self._meta(msg).dtype
+        if dtype is not None and value.dtype != dtype and value.is_floating_point():
+            return value.to(dtype)
+        return value
+
     def _take(self, msg: Message, local: bool, action: Action) -> torch.Tensor:
         if local:
             return self._mailbox.pop(msg)
         return self._channel.wait(msg, action)
 
     def _give(self, msg: Message, value: torch.Tensor, local: bool, action: Action) -> None:
+        value = self._as_planned(msg, value)
         if local:
             self._mailbox[msg] = value
         else:
@@ -440,7 +465,10 @@ class PipelineRuntime:
             o = saved.outputs[j]
             if isinstance(o, torch.Tensor) and o.requires_grad:
                 roots.append(o)
-                root_grads.append(grads[j])
+                # the gradient of a value travels in its planned dtype; autograd wants the
+                # dtype the forward produced ([Note: boundary dtypes])
+                g = grads[j]
+                root_grads.append(g if g.dtype == o.dtype else g.to(o.dtype))
         return roots, root_grads
 
     def _send_input_grads(self, ac: Any, saved: _Saved, input_grads: Mapping[int, torch.Tensor | None]) -> None:
@@ -509,6 +537,8 @@ class PipelineRuntime:
                     partial = p.grad.clone() if partial is None else partial + p.grad
             if partial is None:
                 partial = torch.zeros_like(params[0])
+            if self.reduce_dtype is not None:
+                partial = partial.to(self.reduce_dtype)
             parts = {self.pp_rank: partial}
             works = []
             for q in holders:
@@ -527,6 +557,7 @@ class PipelineRuntime:
             total = parts[holders[0]]
             for q in holders[1:]:
                 total = total + parts[q]
+            total = total.to(params[0].dtype)
             for p in params:
                 if p.grad is None:
                     p.grad = total.clone()

@@ -231,6 +231,14 @@ def gather_logits(logits_shard: torch.Tensor, vocab_size: int, axis: str = "tp")
 # ----------------------------------------------------------------------------- column-parallel linears
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a linear over ``x`` in, or None outside autocast."""
+    kind = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return None
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     """f followed by the column linears reading its output, with f's backward all-reduce
     overlapped with the weight gradients (Megatron's async tensor-model-parallel all-reduce).
@@ -242,11 +250,19 @@ class _ColumnParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bound, n, *params):
+        # under autocast, compute (and save for backward) in its dtype, as F.linear would: the
+        # gradients arriving in backward then have the dtype of the saved tensors (autograd casts
+        # the returned gradients back to the dtypes of x and the parameters)
+        dtype = _autocast_dtype(x)
+        if dtype is not None:
+            x = x.to(dtype)
+            params = tuple(p.to(dtype) if p is not None else None for p in params)
         weights, biases = params[:n], params[n:]
         ctx.bound, ctx.n = bound, n
         ctx.has_bias = tuple(b is not None for b in biases)
         ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+        with torch.autocast(x.device.type, enabled=False):
+            return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
