@@ -152,7 +152,8 @@ def plan(
     t0 = time.perf_counter()
     config = make_config(config, options, where="plan").resolved()
     hardware = config.hardware if config.hardware is not None else Hardware()
-    gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules)
+    gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules,
+               param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None)
     ctx = PassContext(
         example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
         example_kwargs=dict(example_kwargs or {}),
