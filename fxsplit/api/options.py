@@ -120,8 +120,8 @@ class ParallelConfig:
         if schedule == "zbv" and v != 2:
             raise PlanError(f"zbv places exactly 2 stages per rank in a V (got stages_per_rank={v}); leave "
                             "stages_per_rank unset")
-        if schedule == "zb_h1" and v != 1:
-            raise PlanError(f"zb_h1 runs one stage per rank (got stages_per_rank={v}); use schedule='zbv' for two")
+        if schedule in ("zb_h1", "zb_auto") and v != 1:
+            raise PlanError(f"{schedule} runs one stage per rank (got stages_per_rank={v}); use schedule='zbv' for two")
         if (m, v, schedule) == (self.microbatches, self.stages_per_rank, self.schedule):
             return self
         return dataclasses.replace(self, microbatches=m, stages_per_rank=v, schedule=schedule)

@@ -108,19 +108,8 @@ class Plan:
     def stage_costs(self) -> dict[str, tuple[float, ...]]:
         """Per-stage seconds per microbatch: ``forward``, ``backward`` (= I + W),
         ``backward_input``, ``backward_weight``, and ``comm`` (sending the stage's output), as the
-        simulator and ``zb_auto`` take them. A stage whose cost model gives no forward time (a
-        stand-in without costs) gets a third of its time for F and for each of I and W."""
-        out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "backward_input", "backward_weight", "comm")}
-        for st in self.split.stages:
-            f, i, w = st.forward_time, st.input_grad_time, st.weight_grad_time
-            if f + i + w <= 0:
-                f = i = w = st.time / 3
-            out["forward"].append(f)
-            out["backward_input"].append(i)
-            out["backward_weight"].append(w)
-            out["backward"].append(i + w)
-            out["comm"].append(st.comm_time)
-        return {k: tuple(v) for k, v in out.items()}
+        simulator and ``zb_auto`` take them (see :func:`stage_costs`)."""
+        return stage_costs(self.split)
 
     def to_dot(self, path: str | None = None) -> str:
         return self.split.to_dot(self.graph, path)
@@ -217,7 +206,8 @@ def plan(
     tp_result = ctx.report.get("tensor_parallel", TPPlan.identity())
     split = ctx.report["pipeline_split"]
     stages = split.build(gm)
-    sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
+    sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank,
+                             **_schedule_options(config, split))
     placed = _schedules.validate(sched).stage_ranks
     if placed != stage_ranks:  # the builder and its placement agree (a bug of fxsplit otherwise)
         raise PlanError(f"schedule {config.schedule!r} runs stages on ranks {placed}, but its placement is {stage_ranks}")
@@ -228,6 +218,44 @@ def plan(
         pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0, comm=comm[False],
         forward_comm=comm[True], stage_ranks=stage_ranks,
     )
+
+
+def stage_costs(split: SplitPlan) -> dict[str, tuple[float, ...]]:
+    """The split's per-stage estimates ([Note: F, I, W estimates] in fxsplit.pipeline.split) as
+    ``{"forward", "backward", "backward_input", "backward_weight", "comm": one value per stage}``.
+    A stage whose cost model gives no forward time (a stand-in without costs) gets a third of its
+    time for each of F, I and W."""
+    out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "backward_input", "backward_weight", "comm")}
+    for st in split.stages:
+        f, i, w = st.forward_time, st.input_grad_time, st.weight_grad_time
+        if f + i + w <= 0:
+            f = i = w = st.time / 3
+        out["forward"].append(f)
+        out["backward_input"].append(i)
+        out["backward_weight"].append(w)
+        out["backward"].append(i + w)
+        out["comm"].append(st.comm_time)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _schedule_options(config: ParallelConfig, split: SplitPlan) -> dict[str, Any]:
+    """What a cost-driven schedule (``zb_auto``) is built from: the split's per-stage F, I, W and
+    comm estimates and, per rank, how many microbatches' activations fit: with ``memory_limit``,
+    ``(limit - training state of the stage's parameters) // activation bytes per microbatch``
+    (the split fitted p of them, so at least p); without it p, 1F1B's peak (ZB-1p)."""
+    if config.schedule != "zb_auto":
+        return {}
+    costs = stage_costs(split)
+    m, p = config.microbatches, config.pp
+    limits = [p] * p
+    if config.memory_limit is not None and split.problem is not None:
+        state = split.problem.state_bytes_per_param_byte
+        for st in split.stages:
+            room = config.memory_limit - state * st.param_bytes
+            fit = int(room // st.activation_bytes) if st.activation_bytes > 0 else m
+            limits[st.rank] = max(p, min(fit, m))
+    return dict(forward=costs["forward"], backward_input=costs["backward_input"],
+                backward_weight=costs["backward_weight"], comm=costs["comm"], max_inflight=tuple(limits))
 
 
 def _loss_seconds(gm: torch.fx.GraphModule, hardware: Hardware) -> float:

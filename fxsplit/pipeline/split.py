@@ -493,6 +493,8 @@ def _inflight(schedule: str, p: int, v: int, m: int | None) -> tuple[float, ...]
     what their own order holds (simulated), else 1F1B's / Megatron's closed form."""
     if schedule == "gpipe":
         return inflight_gpipe(p, m or p)
+    if schedule == "zb_auto":  # built after the split, for at least p in flight (ZB-1p)
+        return tuple(float(min(p, m or p)) for _ in range(p))
     if schedule in ("zb_h1", "zbv"):
         from fxsplit.schedule import build, simulate
 

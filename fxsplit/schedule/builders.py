@@ -19,6 +19,8 @@ Representative use::
 | "zb_h1"            | 1    | any m >= 1 | 1F1B with the backward split into I and W; W's fill the  |
 |                    |      |            | cool-down bubbles (ZB-H1, Qi et al. 2023)                |
 | "zbv"              | 2    | any m >= 1 | ZB-V: two stages per rank in a V, split backward         |
+| "zb_auto"          | 1    | any m >= 1 | greedy zero-bubble order from per-stage F/I/W/comm costs |
+|                    |      |            | and a memory limit (``fxsplit.schedule.auto``)           |
 
 [Note: interleaving for any m >= p] Megatron orders a rank's forwards in groups of microbatches:
 a group runs chunk 0 on its microbatches, then chunk 1 on the same ones, ..., chunk v-1; the
@@ -62,11 +64,12 @@ against the closed form in ``zbv``'s docstring.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from fxsplit.schedule.auto import search
 from fxsplit.schedule.ir import Action, ActionKind, Schedule
 
-__all__ = ["build", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "placement", "v_placement",
+__all__ = ["build", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "zb_auto", "placement", "v_placement",
            "SCHEDULE_BUILDERS"]
 
 F = ActionKind.FORWARD
@@ -206,6 +209,26 @@ def zb_h1(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Sc
     return schedule
 
 
+def zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1, *,
+            forward: float | Sequence[float] = 1.0, backward_input: float | Sequence[float] = 1.0,
+            backward_weight: float | Sequence[float] = 1.0, comm: float | Sequence[float] = 0.0,
+            max_inflight: int | Sequence[int] | None = None) -> Schedule:
+    """A zero-bubble schedule for these per-stage costs ([Note: zb_auto heuristic] in
+    ``fxsplit.schedule.auto``), never slower in ``simulate`` than ZB-H1 or 1F1B on them.
+
+    ``forward`` / ``backward_input`` / ``backward_weight`` / ``comm``: seconds per microbatch of each
+    stage (a number for all; ``comm[s]`` is a message stage s sends). ``max_inflight``:
+    microbatches a rank may hold in flight (a number or one per rank); default p on every rank,
+    1F1B's peak (ZB-1p); 2p is ZB-2p's. Only ``stages_per_rank`` == 1.
+    """
+    _check_sizes("zb_auto", num_ranks, num_microbatches, stages_per_rank)
+    if stages_per_rank != 1:
+        raise ValueError(f"zb_auto supports stages_per_rank=1 only, got {stages_per_rank}; use 'zbv' for two")
+    p, m = num_ranks, num_microbatches
+    return search(p, m, forward=forward, backward_input=backward_input, backward_weight=backward_weight,
+                  comm=comm, max_inflight=max_inflight, baselines=(zb_h1(p, m), one_f_one_b(p, m)))
+
+
 def v_placement(num_ranks: int) -> tuple[int, ...]:
     """ZB-V's stage -> rank map for 2p stages: stage s on rank s for s < p, on rank 2p-1-s after."""
     p = num_ranks
@@ -277,6 +300,7 @@ SCHEDULE_BUILDERS: dict[str, Callable[..., Schedule]] = {
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zb_h1,
     "zbv": zbv,
+    "zb_auto": zb_auto,
 }
 
 def _zbv_placement(num_ranks: int, stages_per_rank: int) -> tuple[int, ...]:
