@@ -67,6 +67,13 @@ def test_zb_auto_plan_uses_the_stage_estimates():
     assert p.schedule == want and p.stage_ranks == (0, 1)
     h1 = fxsplit.plan(model, args, kwargs, pp=2, schedule="zb_h1", microbatches=4, hardware=INF_LINK)
     assert p.simulate().makespan <= h1.simulate().makespan * (1 + 1e-12)
+    # a schedule with full backwards prices each B as its stage's I + W
+    f1 = fxsplit.plan(model, args, kwargs, pp=2, schedule="1f1b", microbatches=4, hardware=INF_LINK)
+    t, c = f1.simulate(), f1.stage_costs()
+    for e in t.events:
+        if e.action.kind is schedules.ActionKind.BACKWARD:
+            assert e.end - e.start == pytest.approx(c["backward"][e.action.stage])
+    assert t.makespan < 4 * sum(st.time for st in f1.split.stages)
     with pytest.raises(PlanError, match="zb_auto runs one stage per rank"):
         fxsplit.plan(model, args, kwargs, pp=2, schedule="zb_auto", stages_per_rank=2)
     with pytest.raises(PlanError, match="zbv places exactly 2 stages per rank"):

@@ -102,7 +102,7 @@ class Plan:
         output over the link (or ``comm`` seconds for every message)."""
         costs = self.stage_costs()
         return _schedules.simulate(
-            self.schedule, forward=costs["forward"], backward_input=costs["backward_input"],
+            self.schedule, forward=costs["forward"], backward=costs["backward"], backward_input=costs["backward_input"],
             backward_weight=costs["backward_weight"], comm=costs["comm"] if comm is None else comm)
 
     def stage_costs(self) -> dict[str, tuple[float, ...]]:
