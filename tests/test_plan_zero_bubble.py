@@ -87,3 +87,38 @@ def test_schedule_command_prints_zbv(capsys):
     assert "3F0" in out and "makespan" in out
     assert main(["schedule", "zb_auto", "--pp", "2", "--microbatches", "4"]) == 0
     assert "backward as I and W" in capsys.readouterr().out
+
+
+def test_partition_sums_memory_by_the_placement():
+    from fxsplit.errors import PartitionError
+    from fxsplit.pipeline.partition import PartitionProblem, brute_force, solve
+
+    n = 12
+    base = dict(compute=[1.0 + (i % 3) for i in range(n)], param_bytes=[10.0 * (i + 1) for i in range(n)],
+                activation_bytes=[5.0] * n, cut_bytes=[0.0] * (n + 1), num_stages=4, num_ranks=2,
+                inflight=(2.0, 2.0))
+    v = PartitionProblem(**base, stage_ranks=(0, 1, 1, 0))
+    free = solve(v)
+    assert free.stage_ranks == (0, 1, 1, 0) and "stage   3 (rank 0)" in str(free)
+    assert free.rank_memory[0] == pytest.approx(free.stage_memory[0] + free.stage_memory[3])
+    assert free.rank_memory[1] == pytest.approx(free.stage_memory[1] + free.stage_memory[2])
+    # a memory cap on the V's ranks: the exact search agrees with brute force over all cuts
+    capped = PartitionProblem(**base, stage_ranks=(0, 1, 1, 0), memory_limit=0.56 * sum(free.rank_memory))
+    got, want = solve(capped), brute_force(capped)
+    assert got.cuts == want.cuts and max(got.rank_memory) <= capped.memory_limit
+    with pytest.raises(PartitionError, match="stage_ranks"):
+        PartitionProblem(**base, stage_ranks=(0, 0, 0, 1))
+
+
+def test_zb_auto_in_flight_limit_from_the_memory_limit():
+    from fxsplit.api.plan import _schedule_options
+
+    model, args, kwargs = zoo.make("gpt")
+    p = fxsplit.plan(model, args, kwargs, pp=2, schedule="zb_auto", microbatches=6, hardware=INF_LINK,
+                     memory_limit=1e9)
+    opts = _schedule_options(p.config, p.split)
+    assert opts["max_inflight"] == (6, 6)  # everything fits: up to m in flight (ZB-2p and beyond)
+    assert all(x <= 6 for x in p.simulate().peak_inflight)
+    tight = fxsplit.plan(model, args, kwargs, pp=2, schedule="zb_auto", microbatches=6, hardware=INF_LINK)
+    assert _schedule_options(tight.config, tight.split)["max_inflight"] == (2, 2)  # ZB-1p: p
+    assert max(tight.simulate().peak_inflight) <= 2
