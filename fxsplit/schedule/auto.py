@@ -31,7 +31,7 @@ off, and the memory limits p and ``max_inflight``); every variant is simulated w
 costs, together with ZB-H1 (when its peak of p in flight fits) and 1F1B with a split backward
 (p - r in flight), and the shortest makespan wins (ties: the earlier candidate). ``zb_auto`` is
 therefore never slower in the simulator than ZB-H1 on the same costs, nor than 1F1B, and a
-larger ``max_inflight`` never makes it slower. It is a heuristic, not the paper's ILP: no claim
+``max_inflight`` above p is never slower than p itself (ZB-2p >= ZB-1p). It is a heuristic, not the paper's ILP: no claim
 of optimality.
 """
 
