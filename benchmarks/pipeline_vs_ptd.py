@@ -10,7 +10,8 @@ interleaving shrinks the bubble, but we quote the same ideal for both schedules,
 
 Schedules: fxsplit's 1f1b / interleaved_1f1b / zb_h1 / zbv against PTD's Schedule1F1B /
 ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (ZB1P, one stage per rank) /
-ScheduleZBVZeroBubble; for zbv both place the stages in a V (rank r holds stages r and 2p-1-r).
+ScheduleZBVZeroBubble; for zbv both place the stages in a V (rank r holds stages r and 2p-1-r);
+fxsplit's zb_auto (built from the plan's per-stage estimates) runs against PTD's ZB1P.
 
 Method: 2 ranks (fxsplit.testing.run_distributed: gloo, one thread per rank). In ONE launch, for
 each schedule, both ranks build the fxsplit ParallelModel and PTD's pipeline over the same weights
@@ -44,7 +45,9 @@ from _common import (
     alternate_rounds, gpt_note, launch, load_note, make_gpt, med, parse_setup, per_round_line, ptd_pipe,
     ptd_schedule, ptd_step, round_ratio, rounds_note, single_step, targets)
 
-SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1": ("zb_h1", 1), "zbv": ("zbv", 2)}
+SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1": ("zb_h1", 1), "zbv": ("zbv", 2),
+             "zb_auto": ("zb_auto", 1)}
+PTD_OF = {"zb_auto": "zb_h1"}  # PTD has no cost-driven schedule: zb_auto runs against its ZB1P
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, worl
     stages = [pipe.build_stage(s, torch.device("cpu")) for s in range(num_stages) if mine[s] == rank]
     for st in stages:  # see [Note: PTD ZBV on gloo]
         _no_self_warmup(st, rank)
-    sched, first, last = ptd_schedule(sched_name, stages, setup.microbatches)
+    sched, first, last = ptd_schedule(PTD_OF.get(sched_name, sched_name), stages, setup.microbatches)
     return sched, stages, first, last
 
 
@@ -353,7 +356,7 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap, setup = parse_setup(Setup, argv, __doc__.split("\n")[0],
-                            helps={"schedules": "comma list of 1f1b, interleaved, zb_h1, zbv"})
+                            helps={"schedules": "comma list of 1f1b, interleaved, zb_h1, zbv, zb_auto"})
     bad = [s for s in setup.schedules if s not in SCHEDULES]
     if bad:
         ap.error(f"unknown schedules {bad}; choose from {sorted(SCHEDULES)}")
