@@ -53,7 +53,7 @@ from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.plan import SequenceParallelPlan
 from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
-from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan
+from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
@@ -198,6 +198,12 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
     """Step 1: shape arguments and metadata of sharded values become local."""
     t = plan.tp
     for name, path, value in plan.rewrites:
+        if isinstance(value, LocalSize):  # a size computed at run time: divide it there
+            node = nodes[name]
+            full = node.args[path[0]] if len(path) == 1 else node.args[path[0]][path[1]]
+            with gm.graph.inserting_before(node):
+                value = _new(gm.graph, operator.floordiv, (full, value.divisor), like=node,
+                             val=full.meta.get("val") // value.divisor)
         _set_arg(nodes[name], path, value)
     for name, (dim, size) in plan.sharded_nodes.items():
         n = nodes[name]

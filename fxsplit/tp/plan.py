@@ -49,7 +49,7 @@ import torch.fx
 from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
 from fxsplit.graph.ops import RESHAPES, op_name, resolve_path
 from fxsplit.tp.sharding import ShardSpec, padded_size
-from fxsplit.tp.propagate import Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
+from fxsplit.tp.propagate import LocalSize, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
 
 __all__ = [
     "STYLES",
@@ -59,6 +59,7 @@ __all__ = [
     "TPPlan",
     "SequenceParallelPlan",
     "TPPlanError",
+    "LocalSize",
     "find_tp_plan",
     "find_linears",
     "find_embeddings",
@@ -117,7 +118,8 @@ class TPPlan:
     (every alias of a tied parameter) -> ShardSpec. regions: the column/row groups.
     replicated: (module path, why) for linears/embeddings left whole. sharded_nodes: node name
     -> (global dim sharded, global size of that dim) for every value carrying a shard.
-    rewrites: (node name, argument path, new int) shape arguments rewritten to local sizes.
+    rewrites: (node name, argument path, new value) shape arguments rewritten to local sizes (an int,
+    a slice for fx indexing, or LocalSize: a size computed at run time, divided by t there).
     lm_head: node names of vocabulary-parallel LM heads; vocab_size: V (unpadded).
     sequence_plan: the sequence-parallel decisions (empty unless ``sequence_parallel``).
     layouts: module path -> how a fused projection's output is cut into the blocks of its

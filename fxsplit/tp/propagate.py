@@ -46,7 +46,7 @@ import torch.fx
 from fxsplit.errors import TPPlanError
 from fxsplit.graph.ops import op_name
 from fxsplit.tp.rules import RULES, no_rule, rule_for
-from fxsplit.tp.shapes import Op, RegionFailed, Rule, State, divisibility_msg, node_shape, norm_dim
+from fxsplit.tp.shapes import LocalSize, Op, RegionFailed, Rule, State, divisibility_msg, node_shape, norm_dim
 
 __all__ = [
     "TPPlanError",
@@ -59,6 +59,7 @@ __all__ = [
     "Rule",
     "RULES",
     "rule_for",
+    "LocalSize",
 ]
 
 _MAX_TRIES = 64
@@ -97,6 +98,7 @@ class Propagation:
         first), at most ``_MAX_TRIES`` runs. All failing: the first run's reason, or the
         TPPlanError of a heads dim that t does not divide."""
         self._indivisible: list[str] = []
+        self._skipped: list[str] = []
         first: RegionFailed | None = None
         choices: list[int] = []
         for _ in range(_MAX_TRIES):
@@ -115,6 +117,8 @@ class Propagation:
                 break
         if self._indivisible:
             raise TPPlanError(self._indivisible[0])
+        if self._skipped:
+            raise RegionFailed(f"{first} (and {self._skipped[0]})")
         raise first
 
     def _next_choices(self) -> list[int] | None:
@@ -131,6 +135,11 @@ class Propagation:
         i = len(self._points)
         self._points.append(n)
         return self._choices[i] if i < len(self._choices) else 0
+
+    def skipped(self, msg: str) -> None:
+        """A layout not tried because t does not divide it (said when every other one fails)."""
+        if msg not in self._skipped:
+            self._skipped.append(msg)
 
     def indivisible(self, msg: str) -> None:
         if msg not in self._indivisible:
@@ -163,8 +172,12 @@ class Propagation:
                 raise TPPlanError(divisibility_msg(node, self.t, value, "a shape argument"))
             self.rewrites.append((node.name, path, value // self.t))
         elif isinstance(value, torch.fx.Node):
-            self.fail(node, f"the sharded size {dim_size} is computed at run time ({value.name}); "
-                            "it must be a constant or -1 to be rewritten to the local size")
+            traced = value.meta.get("val")
+            if isinstance(traced, int) and isinstance(dim_size, int) and traced == dim_size and traced % self.t == 0:
+                self.rewrites.append((node.name, path, LocalSize(self.t)))
+                return
+            self.fail(node, f"the sharded size {dim_size} is computed at run time ({value.name}) and "
+                            "not traced as that constant; it must be a constant or -1 to be rewritten to the local size")
 
     _rewrite = rewrite
 

@@ -167,6 +167,9 @@ def _view(p, op: Op) -> None:
         sizes = [out_shape[j] for j in cands]
         raise TPPlanError(divisibility_msg(node, p.t, sizes[0] if len(sizes) == 1 else sizes,
                                            "a view of the sharded value"))
+    for j in cands:
+        if j not in ok:
+            p.skipped(f"t={p.t} does not divide the factor {out_shape[j]} of the view to {list(out_shape)} at {node.name}")
     if free and len(cands) >= 2 and cands[-2] not in ok:  # the heads of [..., heads, head_dim]
         p.indivisible(divisibility_msg(node, p.t, out_shape[cands[-2]], "a view of the sharded value"))
     d = ok[p.choose(node, len(ok))]

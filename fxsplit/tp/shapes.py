@@ -32,6 +32,7 @@ __all__ = [
     "Op",
     "Rule",
     "divisibility_msg",
+    "LocalSize",
 ]
 
 
@@ -120,6 +121,14 @@ class State:
 
     dim: int
     origins: frozenset  # seeds whose whole output feature dim this sharded dim is (layout still free)
+
+
+@dataclass(frozen=True)
+class LocalSize:
+    """A rewrite value for a shape argument computed at run time (fx ``c`` of ``B, N, c =
+    x.shape`` in ``y.reshape(B, N, c)``): the pass replaces the argument by ``arg // divisor``."""
+
+    divisor: int
 
 
 class RegionFailed(Exception):
