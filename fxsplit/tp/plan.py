@@ -124,7 +124,10 @@ class TPPlan:
     sequence_plan: the sequence-parallel decisions (empty unless ``sequence_parallel``).
     layouts: module path -> how a fused projection's output is cut into the blocks of its
     ShardSpec (``"split [64, 32, 32]"``, ``"view [3, 4, 16], shard on factor 1 (4)"``), printed
-    in the plan's note column.
+    in the plan's note column. grad_sums: (node, FQN) for each replicated parameter a sharded
+    node reads (a per-head norm's weight): each rank's gradient is partial (its heads only), so
+    the pass puts f (``copy_to_region``: backward all-reduce) on that read; a ``call_module``
+    node (fx ``nn.LayerNorm``) is named with FQN ``"<module>"`` and becomes a function call first.
     """
 
     tp: int
@@ -145,6 +148,7 @@ class TPPlan:
     full_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
     layouts: Mapping[str, str] = field(default_factory=dict)
+    grad_sums: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def identity(cls) -> TPPlan:
@@ -325,6 +329,7 @@ def find_tp_plan(
     excluded |= set(vocab.lm_heads)
     regions, sharded_nodes, rewrites, blocks_of, failures, layouts = _find_regions(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
+    grad_sums = _grad_sums(gm, sharded_nodes)
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
     _check_plan(g, tp, styles, replicated, sharded_nodes)
     plan = TPPlan(
@@ -335,6 +340,7 @@ def find_tp_plan(
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
         layouts=layouts,
+        grad_sums=tuple((n, f) for n, f in grad_sums if f == "<module>" or f not in specs),
     )
     if sequence_parallel:
         plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
@@ -531,6 +537,22 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                     sharded[n] = (st.dim, int(shape[st.dim]) if shape is not None else -1)
             break
     return regions, sharded, rewrites, blocks_of, failures, layouts
+
+
+def _grad_sums(gm, sharded_nodes) -> list[tuple[str, str]]:
+    """(node, FQN) of every trainable parameter read by a sharded node (``TPPlan.grad_sums``);
+    linears are left out (their weights are the sharded ones)."""
+    out: list[tuple[str, str]] = []
+    params = {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    for node in gm.graph.nodes:
+        if node.name not in sharded_nodes or op_name(node, gm) == "linear":
+            continue
+        if node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters()):
+            out.append((node.name, "<module>"))
+        for a in node.all_input_nodes:
+            if a.op == "get_attr" and str(a.target) in params:
+                out.append((node.name, str(a.target)))
+    return out
 
 
 def _input_source(x: Any) -> str:

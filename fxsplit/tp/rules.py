@@ -324,7 +324,10 @@ def _layer_norm(p, op: Op) -> None:
     """layer_norm / rms_norm over trailing dims that exclude the sharded one (per-head q/k norms)."""
     node, st = op.node, op.st
     if node.op == "call_module":
-        shape = getattr(p.gm.get_submodule(str(node.target)), "normalized_shape", None)
+        mod = p.gm.get_submodule(str(node.target))
+        if type(mod) not in (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", torch.nn.LayerNorm)):
+            return no_rule(p, op)
+        shape = mod.normalized_shape
     else:
         shape = arg(node, 1, "normalized_shape")
     if not isinstance(shape, (list, tuple, int)):
