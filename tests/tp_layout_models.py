@@ -198,13 +198,13 @@ HF_CONFIGS = {
 }
 
 
-def make_hf_layout(name: str, seed: int = 0):
+def make_hf_layout(name: str, seed: int = 0, **overrides):
     """(model, args, kwargs) for one of ``HF_CONFIGS``: dropout 0, no cache, sdpa attention;
     decoders get token ids (2, 8), the ViT pixel values (2, 3, 16, 16)."""
     import transformers
 
     model_cls, config_cls, cfg = HF_CONFIGS[name]
-    cfg = dict(cfg)
+    cfg = dict(cfg, **overrides)
     cls = getattr(transformers, config_cls)
     known = set(cls().to_dict())
     for k in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
