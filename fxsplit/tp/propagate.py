@@ -181,12 +181,11 @@ class Propagation:
 
     _rewrite = rewrite
 
-    def rewrite_slice(self, node, path, start, stop):
-        """fx ``x[..., a:b]``: the slice object at ``path`` gets local bounds (``(path, "slice")``)."""
-        local = [v // self.t if isinstance(v, int) and v not in (0, -0) else v for v in (start, stop)]
-        if isinstance(stop, int) and stop >= 2**62:
-            local[1] = stop
-        self.rewrites.append((node.name, path, slice(local[0], local[1])))
+    def rewrite_slice(self, node, path, start, stop, size):
+        """fx ``x[..., a:b]`` of a dim of global ``size``: the slice at ``path`` gets local bounds."""
+        lo = None if start in (None, 0) else start // self.t
+        hi = None if stop is None or stop >= size else stop // self.t
+        self.rewrites.append((node.name, path, slice(lo, hi)))
 
     def cut(self, origins, node, ranges, how: str) -> None:
         """A use of the seeds' outputs ``origins`` that reads ``ranges`` (global [a, b) of the
@@ -233,8 +232,7 @@ class Propagation:
         rule = rule_for(node, name)
         if rule is None or not rule.accepts(op.out_shape):
             return no_rule(self, op)
-        if op.st is None and name not in ("getitem", "cat", "stack", "scaled_dot_product_attention", "matmul", "bmm") \
-                and not (rule.fn.__name__ == "_pointwise"):
+        if op.st is None and not rule.any_operand:
             self.fail(node, "a sharded operand other than the first")
         rule.fn(self, op)
 

@@ -70,7 +70,7 @@ def _getitem(p, op: Op) -> None:
     piece = p.state.get(f"{node.args[0].name}[{node.args[1]}]")
     if piece is not None:
         return p.set(node, piece.dim, piece.origins)
-    if node_shape(node.args[0]) is not None and op.out_shape is not None:
+    if op.st is not None and node_shape(node.args[0]) is not None and op.out_shape is not None:
         return _fx_index(p, op)
     p.fail(node, "indexing a sharded tensor")
 
@@ -128,7 +128,7 @@ def _cut_slice(p, op: Op, start, stop, step, path, slice_obj=False) -> None:
         p.fail(node, "an empty slice of the sharded dim")
     p.cut(st.origins, node, [(a, b)], f"slice [{a}:{b}]")
     if slice_obj:
-        p.rewrite_slice(node, path, start, stop)
+        p.rewrite_slice(node, path, start, stop, size)
     else:
         for pos, v in ((2, start), (3, stop)):
             if isinstance(v, int) and -size < v < size and v != 0:
@@ -449,7 +449,7 @@ def _pointwise(p, op: Op) -> None:
     p.set(node, out_dim, origins)
 
 
-_POINTWISE_RULE = Rule(_pointwise)
+_POINTWISE_RULE = Rule(_pointwise, any_operand=True)
 
 # The one registry of propagation rules: op names -> rule. Ops with aten's pointwise tag and no
 # entry here use the pointwise rule (:func:`rule_for`); anything else has no rule (:func:`no_rule`).
@@ -464,13 +464,13 @@ _RULE_TABLE: tuple[tuple[Iterable[str], Rule], ...] = (
     (("repeat_interleave",), Rule(_repeat_interleave)),
     (("slice", "narrow"), Rule(_slice)),
     (("select", "index_select", "index"), Rule(_select)),
-    (("cat",), Rule(_cat)),
-    (("stack",), Rule(_stack)),
+    (("cat",), Rule(_cat, any_operand=True)),
+    (("stack",), Rule(_stack, any_operand=True)),
     (("softmax", "log_softmax"), Rule(_softmax)),
     (REDUCTION_NAMES, Rule(_reduce)),
     (("layer_norm", "rms_norm"), Rule(_layer_norm, "any")),
-    (("scaled_dot_product_attention",), Rule(_sdpa)),
-    (("matmul", "bmm"), Rule(_matmul)),
+    (("scaled_dot_product_attention",), Rule(_sdpa, any_operand=True)),
+    (("matmul", "bmm"), Rule(_matmul, any_operand=True)),
     (sorted(ELEMENTWISE), _POINTWISE_RULE),
 )
 RULES: dict[str, Rule] = {name: rule for names, rule in _RULE_TABLE for name in names}

@@ -153,10 +153,12 @@ class Op:
 class Rule:
     """``fn(prop, op)`` sets the sharded dim of ``op.node`` (``prop.set``), records shape
     rewrites, or fails the region (``prop.fail``). ``output``: the results the rule handles,
-    "tensor" (one tensor), "tuple" (no single tensor: split, chunk) or "any"."""
+    "tensor" (one tensor), "tuple" (no single tensor: split, chunk) or "any". A rule without
+    ``any_operand`` runs only when the first operand is the sharded one."""
 
     fn: Callable[[Any, Op], None]
     output: str = "tensor"
+    any_operand: bool = False  # the rule reads every operand's state, not only the first's
 
     def accepts(self, out_shape: tuple | None) -> bool:
         return self.output == "any" or (out_shape is None) == (self.output == "tuple")
