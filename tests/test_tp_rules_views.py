@@ -185,6 +185,23 @@ def test_blocks_that_disagree_with_a_whole_read_replicate():
     assert "another use splits it at [32]" in dict(plan.replicated)["up"], plan
 
 
+def test_a_value_derived_whole_from_a_cut_projection_replicates():
+    class Bad(nn.Module):  # h is cut in halves for one use, and stacked (layout fixed) for another
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.down2 = nn.Linear(C, 64), nn.Linear(64, C), nn.Linear(32, C)
+
+        def forward(self, x):
+            h = self.up(x)
+            a, b = h.chunk(2, dim=-1)
+            both = torch.stack([h, h], dim=0).sum(0)
+            return self.down(both) + self.down2(a * b)
+
+    plan = find_tp_plan(_gm(Bad()), 2)
+    assert plan.styles["up"] == "replicate"
+    assert "another use splits it at [32]" in dict(plan.replicated)["up"], plan
+
+
 # ------------------------------------------------------------------------------ numerics
 
 

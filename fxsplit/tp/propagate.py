@@ -87,6 +87,7 @@ class Propagation:
         self.cuts: dict[str, set[int]] = {}
         self.pieces: dict[str, list[tuple[int, int, str]]] = {}
         self.notes: dict[str, list[str]] = {}
+        self._cut_by: dict[str, set[str]] = {}  # node -> the seeds it cut
         self._choices = list(choices)
         self._points: list[int] = []  # the number of options at each choice made, in order
         self._first = not choices
@@ -191,6 +192,7 @@ class Propagation:
         """A use of the seeds' outputs ``origins`` that reads ``ranges`` (global [a, b) of the
         feature dim) each as one block: the boundaries become cuts, the insides stay whole."""
         for o in origins:
+            self._cut_by.setdefault(node.name, set()).add(o)
             cuts = self.cuts.setdefault(o, set())
             for a, b in ranges:
                 cuts |= {a, b}
@@ -210,7 +212,7 @@ class Propagation:
             blocks = tuple(b - a for a, b in zip(bounds, bounds[1:]))
             if len(blocks) > 1:
                 self.blocks[o] = blocks
-                self.layouts[o] = "; ".join(dict.fromkeys(self.notes[o]))
+                self.layouts[o] = "; ".join(dict.fromkeys(n for n in self.notes[o] if not n.startswith("read whole")))
 
     # ---------------------------------------------------------------- one node
 
@@ -234,7 +236,14 @@ class Propagation:
             return no_rule(self, op)
         if op.st is None and not rule.any_operand:
             self.fail(node, "a sharded operand other than the first")
+        free = {o for a in node.all_input_nodes if a.name in self.state for o in self.state[a.name].origins}
         rule.fn(self, op)
+        out = self.state.get(node.name)
+        if out is not None:
+            # a free input whose layout this op fixes as one contiguous range (its output is no longer
+            # free and the op made no cut): no later use may cut that seed into blocks
+            for o in sorted(free - out.origins - self._cut_by.get(node.name, set())):
+                self.cut([o], node, [(0, self.linears[o].out_features)], f"read whole by {name}")
 
     def _read_shape(self, node, name):
         src = next(a for a in node.all_input_nodes if a.name in self.shape_of)

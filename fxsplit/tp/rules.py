@@ -19,8 +19,11 @@ hd]`` every rank gets the r-th 1/t of each of the 3 blocks, i.e. the weight is s
 ``blocks=(H*hd,)*3``. Which factor is a choice (``prop.choose``): outermost first, and the
 propagation backtracks to the next when a later op fails (sharding ``3`` at t=3 fails at the
 ``unbind`` of q/k/v; sharding ``hd`` fails at attention's contraction). Splits, chunks and
-slices of a seed's output on its feature dim cut it into blocks the same way (``prop.cut``);
-every rule stays exact for any choice, so whatever propagates is right.
+slices of a seed's output on its feature dim cut it into blocks the same way (``prop.cut``).
+A use that fixes the layout as one contiguous range (a row linear, or any op whose output is no
+longer free: stack, a norm, attention) records the whole range as a piece, and a piece with a
+cut inside fails the region (``Propagation._blocks``): all uses of one weight agree on its
+blocks. Every rule stays exact for any choice, so whatever propagates is right.
 """
 
 from __future__ import annotations
@@ -391,7 +394,7 @@ def _split(p, op: Op) -> None:
                 p.rewrites.append((node.name, (1, i), s // p.t))
     for i in range(len(sizes)):
         p.state[f"{node.name}[{i}]"] = State(d, frozenset())
-    p.state[node.name] = st
+    p.state[node.name] = State(d, frozenset())
 
 
 def _sdpa(p, op: Op) -> None:
