@@ -137,6 +137,10 @@ def test_gqa_split_by_sizes_and_groups_layouts():
     assert plan.layouts["0.attn.qkv"] == "split [32, 16, 16]"
     with pytest.raises(TPPlanError, match=r"in module '0\.attn' has size 2 .*nearest valid t: t=2"):
         find_tp_plan(_traced("gqa_split"), 4)  # 2 key/value heads
+    plan = find_tp_plan(_traced("gqa_sliced"), 2)  # the same cut by slices (Phi-3), bounds made local
+    assert plan.param_specs["0.attn.qkv.weight"] == ShardSpec(0, 2, (32, 16, 16))
+    assert plan.layouts["0.attn.qkv"] == "slice [0:32]; slice [32:48]; slice [48:64]"
+    assert {v for _, _, v in plan.rewrites if isinstance(v, slice)} == {slice(None, 16), slice(16, 24), slice(24, None)}
     plan = find_tp_plan(_traced("gqa_groups"), 2)  # [kv_groups, q_per_kv + 2, hd]: groups outermost
     assert plan.param_specs["0.attn.qkv.weight"] == ShardSpec(0, 2)
     assert plan.styles["0.attn.o"] == "rowwise"
@@ -279,8 +283,10 @@ def _check_tp(model, args, kwargs, gm, t, *, min_sharded: float):
     return plan
 
 
-@pytest.mark.parametrize("name,t", [(n, t) for n in sorted(LAYOUTS) for t in (2, 4)
-                                     if (n, t) != ("gqa_split", 4)])  # 2 kv heads at t=4: TPPlanError
+_KV2_AT_T4 = (("gqa_split", 4), ("gqa_sliced", 4))  # 2 kv heads at t=4: TPPlanError (tested above)
+
+
+@pytest.mark.parametrize("name,t", [(n, t) for n in sorted(LAYOUTS) for t in (2, 4) if (n, t) not in _KV2_AT_T4])
 def test_layouts_match_one_process(name, t):
     model, args, kwargs = make_layout(name)
     share = 0.45 if (name, t) == ("gqa_groups", 4) else 0.99  # gqa_groups t=4: attention replicated

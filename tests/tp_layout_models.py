@@ -71,6 +71,20 @@ class GQASplitAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, n, C))
 
 
+class SlicedQKVAttention(GQASplitAttention):
+    """Phi-3: [q heads | k heads | v heads] cut by slices of the fused output."""
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        qkv = self.qkv(x)
+        kv = self.kv * HD
+        q = qkv[..., :C].view(b, n, H, HD).transpose(1, 2)
+        k = qkv[..., C:C + kv].view(b, n, self.kv, HD).transpose(1, 2).repeat_interleave(H // self.kv, dim=1)
+        v = qkv[..., C + kv:].view(b, n, self.kv, HD).transpose(1, 2).repeat_interleave(H // self.kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, n, C))
+
+
 class GQAGroupsAttention(nn.Module):
     """Falcon's new architecture: the fused output viewed [B, N, kv_groups, q_per_kv + 2, hd]."""
 
@@ -151,6 +165,7 @@ LAYOUTS = {
     "vit": lambda: Block(ViTAttention()),
     "neox": lambda: Block(NeoXAttention()),
     "gqa_split": lambda: Block(GQASplitAttention()),
+    "gqa_sliced": lambda: Block(SlicedQKVAttention()),
     "gqa_groups": lambda: Block(GQAGroupsAttention()),
     "qknorm_rotary": lambda: Block(QKNormRotaryAttention()),
 }
