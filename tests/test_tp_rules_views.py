@@ -140,7 +140,8 @@ def test_gqa_split_by_sizes_and_groups_layouts():
     plan = find_tp_plan(_traced("gqa_sliced"), 2)  # the same cut by slices (Phi-3), bounds made local
     assert plan.param_specs["0.attn.qkv.weight"] == ShardSpec(0, 2, (32, 16, 16))
     assert plan.layouts["0.attn.qkv"] == "slice [0:32]; slice [32:48]; slice [48:64]"
-    assert {v for _, _, v in plan.rewrites if isinstance(v, slice)} == {slice(None, 16), slice(16, 24), slice(24, None)}
+    local = [(v.start, v.stop) for n, _, v in plan.rewrites if isinstance(v, slice) and n.startswith("getitem")]
+    assert local[:3] == [(None, 16), (16, 24), (24, None)], plan.rewrites
     plan = find_tp_plan(_traced("gqa_groups"), 2)  # [kv_groups, q_per_kv + 2, hd]: groups outermost
     assert plan.param_specs["0.attn.qkv.weight"] == ShardSpec(0, 2)
     assert plan.styles["0.attn.o"] == "rowwise"
