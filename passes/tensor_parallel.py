@@ -53,7 +53,7 @@ from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.plan import SequenceParallelPlan
 from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
-from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan
+from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
@@ -164,6 +164,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     head_inputs = {h: _linear_input(nodes[h], plan).name for h in plan.lm_heads}  # as traced
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
+    _sum_grads(gm, plan, nodes, axis)
     region_fs = _insert_fs(gm, plan, nodes, axis)
     rows = _rewrite_rows(gm, plan, nodes, axis)
     embeddings = _rewrite_vocab_embeddings(gm, plan, nodes, axis)
@@ -198,6 +199,12 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
     """Step 1: shape arguments and metadata of sharded values become local."""
     t = plan.tp
     for name, path, value in plan.rewrites:
+        if isinstance(value, LocalSize):  # a size computed at run time: divide it there
+            node = nodes[name]
+            full = node.args[path[0]] if len(path) == 1 else node.args[path[0]][path[1]]
+            with gm.graph.inserting_before(node):
+                value = _new(gm.graph, operator.floordiv, (full, value.divisor), like=node,
+                             val=full.meta.get("val") // value.divisor)
         _set_arg(nodes[name], path, value)
     for name, (dim, size) in plan.sharded_nodes.items():
         n = nodes[name]
@@ -206,6 +213,23 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
             n.meta["val"] = _local_val(val, dim, size // t)
         elif isinstance(val, (list, tuple)):
             n.meta["val"] = type(val)(_local_val(v, dim, int(v.shape[dim]) // t) for v in val)
+
+
+def _sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:
+    """Step 2b: a replicated parameter read by a sharded node (a per-head norm's weight) gets a
+    partial gradient on each rank: f on that read sums it (``plan.grad_sums``)."""
+    graph = gm.graph
+    for name, fqn in plan.grad_sums:
+        node = nodes[name]
+        if fqn == "<module>":
+            node = nodes[name] = _module_to_function(gm, node)
+            reads = [a for a in node.all_input_nodes if a.op == "get_attr"]
+        else:
+            reads = [a for a in node.all_input_nodes if a.op == "get_attr" and str(a.target) == fqn]
+        for a in reads:
+            with graph.inserting_before(node):
+                f = _new(graph, copy_to_region, (a,), {"axis": axis}, like=node, val=a.meta.get("val"))
+            node.replace_input_with(a, f)
 
 
 def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
@@ -575,6 +599,9 @@ def _module_to_function(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.
         b = graph.get_attr(f"{node.target}.bias") if getattr(mod, "bias", None) is not None else None
         if isinstance(mod, nn.LayerNorm):
             new = _new(graph, F.layer_norm, (node.args[0], tuple(mod.normalized_shape), w, b, mod.eps), like=node,
+                       val=node.meta.get("val"))
+        elif isinstance(mod, getattr(nn, "RMSNorm", ())):
+            new = _new(graph, F.rms_norm, (node.args[0], tuple(mod.normalized_shape), w, mod.eps), like=node,
                        val=node.meta.get("val"))
         else:
             new = _new(graph, F.linear, (node.args[0], w, b), like=node, val=node.meta.get("val"))

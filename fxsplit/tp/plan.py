@@ -11,8 +11,10 @@ Terms:
 - **region**: the column linears that share one input (q, k, v; gate, up) and the row linears
   that consume their sharded outputs (o; down), with every node between them carrying one
   sharded dim (heads or hidden width). One forward all-reduce per region.
-- **blocks**: a fused projection (``qkv``) whose output is ``split`` on the sharded dim is
-  sharded block by block (q, k and v each by heads), never as one plain column range.
+- **blocks**: a fused projection (``qkv``, ``gate_up``) whose output is split, chunked, sliced
+  or viewed into parts on the sharded dim (``[3, heads, hd]``, ``[q heads | k heads | v
+  heads]``, ``chunk(2)``) is sharded block by block (q, k and v each by heads), never as one
+  plain column range ([Note: factored views] in ``fxsplit.tp.rules``); ``plan.layouts`` says how.
 
     plan = find_tp_plan(gm, 2)              # pure: inspect, print, compare
     print(plan)                             # one row per module: style, shards, reason
@@ -47,7 +49,7 @@ import torch.fx
 from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
 from fxsplit.graph.ops import RESHAPES, op_name, resolve_path
 from fxsplit.tp.sharding import ShardSpec, padded_size
-from fxsplit.tp.propagate import Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
+from fxsplit.tp.propagate import LocalSize, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
 
 __all__ = [
     "STYLES",
@@ -57,6 +59,7 @@ __all__ = [
     "TPPlan",
     "SequenceParallelPlan",
     "TPPlanError",
+    "LocalSize",
     "find_tp_plan",
     "find_linears",
     "find_embeddings",
@@ -115,9 +118,16 @@ class TPPlan:
     (every alias of a tied parameter) -> ShardSpec. regions: the column/row groups.
     replicated: (module path, why) for linears/embeddings left whole. sharded_nodes: node name
     -> (global dim sharded, global size of that dim) for every value carrying a shard.
-    rewrites: (node name, argument path, new int) shape arguments rewritten to local sizes.
+    rewrites: (node name, argument path, new value) shape arguments rewritten to local sizes (an int,
+    a slice for fx indexing, or LocalSize: a size computed at run time, divided by t there).
     lm_head: node names of vocabulary-parallel LM heads; vocab_size: V (unpadded).
     sequence_plan: the sequence-parallel decisions (empty unless ``sequence_parallel``).
+    layouts: module path -> how a fused projection's output is cut into the blocks of its
+    ShardSpec (``"split [64, 32, 32]"``, ``"view [3, 4, 16], shard on factor 1 (4)"``), printed
+    in the plan's note column. grad_sums: (node, FQN) for each replicated parameter a sharded
+    node reads (a per-head norm's weight): each rank's gradient is partial (its heads only), so
+    the pass puts f (``copy_to_region``: backward all-reduce) on that read; a ``call_module``
+    node (fx ``nn.LayerNorm``) is named with FQN ``"<module>"`` and becomes a function call first.
     """
 
     tp: int
@@ -137,6 +147,8 @@ class TPPlan:
     overrides: Mapping[str, str] = field(default_factory=dict)
     full_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
+    layouts: Mapping[str, str] = field(default_factory=dict)
+    grad_sums: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def identity(cls) -> TPPlan:
@@ -159,7 +171,8 @@ class TPPlan:
         for path, style in self.styles.items():
             specs = [f"{n.rsplit('.', 1)[-1]}: {_spec_str(s)}" for n, s in self.param_specs.items()
                      if n.rpartition(".")[0] == path]
-            rows.append((path, style, "; ".join(specs) or "-", why.get(path, "")))
+            note = why.get(path, "") or (f"blocks from {self.layouts[path]}" if path in self.layouts else "")
+            rows.append((path, style, "; ".join(specs) or "-", note))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [f"TPPlan(t={self.tp}, regions={len(self.regions)}, sequence_parallel="
                  f"{self.sequence_parallel}, vocab_parallel_loss={self.vocab_parallel_loss})"]
@@ -314,8 +327,9 @@ def find_tp_plan(
     excluded = {n for n, l in g.linears.items() if g.forced.get(l.module_path) in ("replicate", "vocab")}
     vocab = _vocab_parallel(g, vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
     excluded |= set(vocab.lm_heads)
-    regions, sharded_nodes, rewrites, blocks_of, failures = _find_regions(
+    regions, sharded_nodes, rewrites, blocks_of, failures, layouts = _find_regions(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
+    grad_sums = _grad_sums(gm, sharded_nodes)
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
     _check_plan(g, tp, styles, replicated, sharded_nodes)
     plan = TPPlan(
@@ -325,6 +339,8 @@ def find_tp_plan(
         vocab_size=vocab.size, sequence_parallel=sequence_parallel,
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
+        layouts=layouts,
+        grad_sums=tuple((n, f) for n, f in grad_sums if f == "<module>" or f not in specs),
     )
     if sequence_parallel:
         plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
@@ -477,6 +493,7 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
     sharded: dict[str, tuple[int, int]] = {}
     rewrites: list = []
     blocks_of: dict[str, tuple[int, ...]] = {}
+    layouts: dict[str, str] = {}
     failures: dict[str, str] = {}
     by_input: dict[str, list[str]] = {}
     for name, info in linears.items():
@@ -497,9 +514,6 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                 if bad:
                     raise RegionFailed(f"{linears[bad[0]].module_path} would be row-parallel after a column-parallel "
                                 "linear, but it is set to colwise (column after column needs a gather between)")
-                if prop.reshaped & set(prop.blocks):
-                    raise RegionFailed(f"the fused output of {sorted(prop.reshaped & set(prop.blocks))} is reshaped "
-                                "before it is split")
             except RegionFailed as exc:
                 failures.update({s: str(exc) for s in seeds})
                 continue
@@ -515,13 +529,30 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                                   "attention" if attn else "mlp"))
             claimed |= set(seeds) | set(prop.rows)
             blocks_of.update(prop.blocks)
+            layouts.update({linears[s].module_path: how for s, how in prop.layouts.items()})
             rewrites.extend(prop.rewrites)
             for n, st in prop.state.items():
                 if n in nodes:  # split outputs (tuples) are marked with size -1
                     shape = node_shape(nodes[n])
                     sharded[n] = (st.dim, int(shape[st.dim]) if shape is not None else -1)
             break
-    return regions, sharded, rewrites, blocks_of, failures
+    return regions, sharded, rewrites, blocks_of, failures, layouts
+
+
+def _grad_sums(gm, sharded_nodes) -> list[tuple[str, str]]:
+    """(node, FQN) of every trainable parameter read by a sharded node (``TPPlan.grad_sums``);
+    linears are left out (their weights are the sharded ones)."""
+    out: list[tuple[str, str]] = []
+    params = {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    for node in gm.graph.nodes:
+        if node.name not in sharded_nodes or op_name(node, gm) == "linear":
+            continue
+        if node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters()):
+            out.append((node.name, "<module>"))
+        for a in node.all_input_nodes:
+            if a.op == "get_attr" and str(a.target) in params:
+                out.append((node.name, str(a.target)))
+    return out
 
 
 def _input_source(x: Any) -> str:
