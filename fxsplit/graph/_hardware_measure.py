@@ -199,6 +199,10 @@ def measure(cls: type, *, cache: bool, budget_s: float) -> Any:
         dist.all_reduce(hit, op=dist.ReduceOp.MIN)
         if int(hit.item()) == 0:
             cached = None
+        else:  # ranks on other hosts read other files: rank 0's copy wins, as on a fresh measure
+            box = [cached]
+            dist.broadcast_object_list(box, src=0)
+            cached = box[0]
     if cached is not None:
         return cls.from_dict(cached)
 
