@@ -188,7 +188,8 @@ def measure(cls: type, *, cache: bool, budget_s: float) -> Any:
 
     on_dist = dist.is_available() and dist.is_initialized()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu:{platform.processor() or platform.machine()}:{os.cpu_count()}"
+    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else f"cpu:{platform.processor() or platform.machine()}:{os.cpu_count()}")
     dist_info = {"backend": str(dist.get_backend()), "world_size": dist.get_world_size()} if on_dist else None
     key = cache_key(device_name, dist_info)
     path = cache_file(key)

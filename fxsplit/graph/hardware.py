@@ -35,7 +35,8 @@ A ring is as slow as its slowest hop, so a ring that spans nodes (``intra_node=F
 the inter-node pair for every step: conservative for hierarchical algorithms, exact for a flat ring.
 ``n == 1`` costs 0. Where ``measure()`` fitted an all-reduce (``ring_latency_s``,
 ``ring_bytes_per_s``), those per-step figures replace the link pair for collectives in the scope
-they were measured in: gloo's collectives do not run at its point-to-point speed. ``bw`` is the per-device, per-direction bandwidth (a datasheet's bidirectional
+they were measured in: gloo's collectives do not run at its point-to-point speed.
+``bw`` is the per-device, per-direction bandwidth (a datasheet's bidirectional
 NVLink figure is halved). Compute: ``matmul_time(f, dtype) = f / (peak[dtype] * matmul_efficiency)``
 and ``memory_time(b) = b / (peak_bytes_per_s * memory_efficiency)``; both are what
 ``flops_per_s`` / ``bytes_per_s`` hold for the default dtype.
@@ -225,7 +226,7 @@ class Hardware:
         return self._ring(nbytes, n, intra_node, passes=2)
 
     def allgather_time(self, nbytes: float, n: int, intra_node: bool = True) -> float:
-        """Ring all-gather producing ``nbytes`` (the full tensor) on each of ``n``: (n-1) alpha + (n-1)/n nbytes / bw."""
+        """Ring all-gather of ``nbytes`` (the full tensor, on each of ``n``): (n-1) alpha + (n-1)/n nbytes / bw."""
         return self._ring(nbytes, n, intra_node, passes=1)
 
     def reduce_scatter_time(self, nbytes: float, n: int, intra_node: bool = True) -> float:
@@ -293,7 +294,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # Same datasheet: 80 GB HBM3 at 3.35 TB/s.
         peak_bytes_per_s=3.35e12,
         memory_bytes=80e9,
-        # Llama 3 Herd of Models (Meta, 2024, arXiv:2407.21783), Table 4: 38-43% BF16 MFU on up to
+        # Llama 3 Herd of Models (Meta, 2024, arXiv:2407.21783): 38-43% BF16 MFU on up to
         # 16K H100s; we take the low end, 0.38 (end to end, so conservative for matmuls).
         matmul_efficiency=0.38,
         # No public H100 figure confirmed here; the same conservative 0.85 as the A100 preset.
