@@ -4,10 +4,12 @@ Terms:
     FXSPLIT_DEBUG_DIR: when set to a non-empty path, every PassManager run without an explicit
         ``debug=`` argument writes per-pass dumps (graph code before and after, op-count diff,
         graph diff, time) under that folder. See ``fxsplit.graph.debug``.
+    FXSPLIT_CACHE_DIR: where ``Hardware.measure()`` caches its JSON (default ``~/.cache/fxsplit``).
 
 Signature::
 
     debug_dir_from_env(environ=None) -> Path | None
+    cache_dir_from_env(environ=None) -> Path
 
 Other modules call these functions instead of reading ``os.environ`` themselves, so a reader finds
 every switch here and tests can pass an explicit mapping instead of patching the process.
@@ -32,3 +34,13 @@ def debug_dir_from_env(environ: Mapping[str, str] | None = None) -> Path | None:
     if not value:
         return None
     return Path(value).expanduser()
+
+
+CACHE_DIR_ENV = "FXSPLIT_CACHE_DIR"
+
+
+def cache_dir_from_env(environ: Mapping[str, str] | None = None) -> Path:
+    """The folder named by ``FXSPLIT_CACHE_DIR``, or ``~/.cache/fxsplit`` when it is unset or blank."""
+    env = os.environ if environ is None else environ
+    value = env.get(CACHE_DIR_ENV, "").strip()
+    return Path(value or "~/.cache/fxsplit").expanduser()

@@ -4,9 +4,10 @@ Owns tracing (``trace``: fx or ``torch.export``, symbolic batch and sequence), n
 (``meta``: ``NodeInfo``, ``TraceInfo``, and ``TensorMeta`` and ``to_expr`` from ``shapes``,
 which sits below the cost model), the op vocabulary (``ops``: one op name
 per node, the op classes, the dotted-path resolver), the cost model (``cost``, ``cost_ops``,
-``profile``, ``hardware``), the pass manager (``pass_api``, ``debug``), inspection (tables, DOT,
+``profile``, ``hardware`` with its profiler ``_hardware_measure``), the pass manager (``pass_api``, ``debug``), inspection (tables, DOT,
 graph diffs) and the ``pipe_split()`` marker.
 
 May import: ``fxsplit.errors``, ``fxsplit.config`` and torch. Nothing here knows about tensor or
-pipeline parallelism, schedules or processes.
+pipeline parallelism, schedules or processes (``Hardware.measure()`` only times torch.distributed
+collectives on a process group the caller already initialized).
 """
