@@ -53,12 +53,24 @@ def _materialize(
     local = _structural_copy(module)
     names = {n for n, _ in local.named_parameters(remove_duplicate=False)} | {n for n, _ in local.named_buffers(remove_duplicate=False)}
     mine = {k: v for k, v in specs.items() if k in names}
-    on_meta = any(p.is_meta for p in source.parameters())
     materialize_module(
-        local, mine, tp_rank, source=None if on_meta else source, device=device,
+        local, mine, tp_rank, source=_value_sources(module, source), device=device,
         full_shapes={k: v for k, v in (full_shapes or {}).items() if k in names}, seed_names=seed_names,
     )
     return local
+
+
+def _value_sources(stage: nn.Module, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Where each tensor of a stage takes its value from ([Note: every buffer keeps its value] in
+    fxsplit.tp.sharding): the user's model where it holds the name on a real device, else the
+    plan's stage module itself, which holds the constants the trace created (``lifted_tensor_*``
+    of torch.export, fx's ``_tensor_constant*``, plain tensor attributes) by reference. Meta
+    tensors are left out: they have no value to give."""
+    out = {n: t for n, t in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]
+           if not t.is_meta}
+    out.update((n, t) for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+               if not t.is_meta)
+    return out
 
 
 def _tied_seed_names(shared_params: Sequence[Sequence[tuple[int, str]]], stage: int) -> dict[str, str]:
