@@ -147,7 +147,9 @@ def plan(
     ``passes`` are user passes ``(gm, ctx) -> PassResult`` run first, through a PassManager
     (``debug`` names a folder for per-pass dumps). ``hardware`` is what stage times are estimated
     for (default ``Hardware()``; ``parallelize`` on CPU uses ``Hardware.cpu()``);
-    ``cut_at="modules"`` lets stages start only where a module call begins.
+    ``cut_at="modules"`` lets stages start only where a module call begins. ``verify=True``
+    checks the plan against the unsplit model in this process (:func:`fxsplit.verify`; needs real
+    weights), raising VerificationError naming the first diverging node.
     """
     t0 = time.perf_counter()
     config = make_config(config, options, where="plan").resolved()
@@ -192,11 +194,16 @@ def plan(
     sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
     _schedules.validate(sched)
     comm = {fwd: plan_all_communication(sched, stages.io, num_ranks=config.pp, forward_only=fwd) for fwd in (False, True)}
-    return Plan(
+    result = Plan(
         config=config, graph=gm, split=split, stages=stages, schedule=sched, tp_plan=tp_result,
         pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0, comm=comm[False],
         forward_comm=comm[True],
     )
+    if config.verify:  # [Note: plan-time verification]; raises VerificationError on a mismatch
+        from fxsplit.api.verify import verify
+
+        verify(model, example_args, result, example_kwargs)
+    return result
 
 
 def _loss_seconds(gm: torch.fx.GraphModule, hardware: Hardware) -> float:
