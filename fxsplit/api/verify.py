@@ -230,8 +230,6 @@ def verify(
     naming the first diverging node, or PlanError when the plan cannot be verified (meta weights,
     random ops). ``stage_modules[s][r]``: rank r's materialized module of stage s to check instead
     of building them from ``model``. ``rtol`` overrides the dtype's tolerance."""
-    from fxsplit.api.plan import plan as make_plan
-
     t0 = time.perf_counter()
     if not isinstance(example_args, (tuple, list)):
         example_args = (example_args,)
@@ -244,23 +242,11 @@ def verify(
                             "which the unsplit run draws differently; verify with the model in eval() mode or p=0")
     c = plan.config
     t, num_stages = c.tp, c.num_stages
-    ref_config = dataclasses.replace(
-        c, dp=1, tp=1, pp=1, microbatches=None, stages_per_rank=None, schedule="1f1b", tp_plan=None,
-        sequence_parallel=False, vocab_parallel_loss=False, split_points=None, memory_limit=None,
-        debug=None, verify=False)
-    ref_plan = make_plan(model, example_args, example_kwargs, config=ref_config)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ref_gm = ref_plan.stages.modules[0]
-    ref_mod = materialize_stage(ref_plan, 0, tp_rank=0, source=model, device=device)
     flat = flatten_inputs(plan.graph, example_args, example_kwargs)
-    ref_flat_in = flatten_inputs(ref_plan.graph, example_args, example_kwargs)
     if stage_modules is None:
         stage_modules = [[materialize_stage(plan, s, tp_rank=r, source=model, device=device) for r in range(t)]
                          for s in range(num_stages)]
-
-    ref_vals: dict[str, list[Any]] = {}
-    ref_out = _run_lockstep(ref_gm, [ref_mod], [ref_flat_in], ref_vals)[0]
-    ref_flat = [ref_out[local] for _, local in sorted(ref_plan.stages.io[-1].model_outputs)]
     vals: list[dict[str, list[Any]]] = []
     outs: list[list[tuple]] = []
     for s, io in enumerate(plan.stages.io):
@@ -269,40 +255,103 @@ def verify(
         vals.append({})
         outs.append(_run_lockstep(plan.stages.modules[s], stage_modules[s], inputs, vals[-1]))
     rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(t)]
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # a train-mode forward updates some
+    try:
+        return _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat,
+                        loss_fn=loss_fn, target=target, rtol=rtol, t0=t0)
+    finally:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if not torch.equal(b, saved[n]):
+                    b.copy_(saved[n])
 
-    def loss_of(flat_out, stages):
+
+def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat, *, loss_fn, target, rtol,
+             t0) -> VerifyReport:
+    t = plan.config.tp
+    reference = _Reference.of(model, example_args, example_kwargs, plan, len(rank_flat[0]))
+
+    def loss_of(flat_out):
         if loss_fn is None:
             return _projection_loss(flat_out)
-        return loss_fn(stages.unflatten_outputs(list(flat_out)), target)
+        return loss_fn(plan.stages.unflatten_outputs(list(flat_out)), target)
 
     problems: list[str] = []
     max_out = 0.0
     for r in range(t):
-        for k, (x, ref) in enumerate(zip(rank_flat[r], ref_flat)):
+        for k, (x, ref) in enumerate(zip(rank_flat[r], reference.flat)):
             if isinstance(ref, torch.Tensor):
                 ok, err = _ok(x, ref, rtol)
                 max_out = max(max_out, err)
                 if not ok:
                     problems.append(f"model output {k} on tp rank {r}: relative error {err:.3g}")
-    ref_loss = loss_of(ref_flat, ref_plan.stages)
-    losses = [loss_of(rank_flat[r], plan.stages) for r in range(t)]
-    if ref_loss.requires_grad:
-        ref_loss.backward()
-        torch.stack([l.double() for l in losses]).sum().backward()
+    ref_loss = loss_of(reference.flat)
+    losses = [loss_of(rank_flat[r]) for r in range(t)]
     max_grad, n_grads = 0.0, 0
     if ref_loss.requires_grad:
-        grad_problems, max_grad, n_grads = _check_grads(plan, stage_modules, ref_mod, rtol)
+        ref_grads = reference.grads(ref_loss)
+        torch.stack([l.double() for l in losses]).sum().backward()
+        grad_problems, max_grad, n_grads = _check_grads(plan, stage_modules, ref_grads, rtol)
         problems += grad_problems
     if problems:
+        ref_gm, ref_vals = reference.node_values(model, example_args, example_kwargs, plan)
         raise _diverged(plan, ref_gm, ref_vals, vals, problems, rtol)
-    return VerifyReport(outputs=len(ref_flat) * t, gradients=n_grads, max_output_error=max_out,
+    return VerifyReport(outputs=len(reference.flat) * t, gradients=n_grads, max_output_error=max_out,
                         max_gradient_error=max_grad, seconds=time.perf_counter() - t0)
 
 
-def _check_grads(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], ref_mod: nn.Module,
+@dataclass
+class _Reference:
+    """The unsplit run: the user's model itself (its buffers restored afterwards, its parameters'
+    ``.grad`` untouched), or the traced graph with the user's passes when there are passes (they
+    may change what is computed) or the outputs do not flatten like the plan's."""
+
+    flat: list[Any]
+    params: dict[str, torch.Tensor]  # name (every alias) -> the tensor the loss was computed with
+
+    @classmethod
+    def of(cls, model: nn.Module, args: Any, kwargs: Any, plan: Any, n_out: int) -> _Reference:
+        if not plan.config.passes:
+            flat, _ = pytree.tree_flatten(model(*args, **dict(kwargs or {})))
+            if len(flat) == n_out:
+                return cls(flat=flat, params=dict(model.named_parameters(remove_duplicate=False)))
+        gm, mod, io = _reference_graph(model, args, kwargs, plan)
+        out = _run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], None)[0]
+        flat = [out[local] for _, local in sorted(io.model_outputs)]
+        return cls(flat=flat, params=dict(mod.named_parameters(remove_duplicate=False)))
+
+    def grads(self, loss: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """d loss / d every parameter, by name, without touching any ``.grad``."""
+        unique = {id(p): p for p in self.params.values() if p.requires_grad}
+        got = torch.autograd.grad(loss, list(unique.values()), allow_unused=True)
+        by_id = dict(zip(unique, got))
+        return {n: by_id.get(id(p)) for n, p in self.params.items()}
+
+    @staticmethod
+    def node_values(model, args, kwargs, plan) -> tuple[torch.fx.GraphModule, dict[str, list[Any]]]:
+        gm, mod, _ = _reference_graph(model, args, kwargs, plan)
+        record: dict[str, list[Any]] = {}
+        _run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], record)
+        return gm, record
+
+
+def _reference_graph(model: nn.Module, args: Any, kwargs: Any, plan: Any) -> tuple[torch.fx.GraphModule, nn.Module, Any]:
+    """The model planned unsplit (t = p = 1, the user's passes), as one stage with real tensors."""
+    from fxsplit.api.plan import plan as make_plan
+
+    ref_config = dataclasses.replace(
+        plan.config, dp=1, tp=1, pp=1, microbatches=None, stages_per_rank=None, schedule="1f1b", tp_plan=None,
+        sequence_parallel=False, vocab_parallel_loss=False, split_points=None, memory_limit=None,
+        debug=None, verify=False)
+    ref_plan = make_plan(model, args, kwargs, config=ref_config)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    mod = materialize_stage(ref_plan, 0, tp_rank=0, source=model, device=device)
+    return ref_plan.stages.modules[0], mod, ref_plan.stages.io[0]
+
+
+def _check_grads(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], ref_grads: Mapping[str, Any],
                  rtol: float | None) -> tuple[list[str], float, int]:
     specs = plan.tp_plan.param_specs
-    ref_params = dict(ref_mod.named_parameters(remove_duplicate=False))
     group_of = {(s, name): k for k, group in enumerate(plan.stages.shared_params) for s, name in group}
     full: dict[Any, tuple[str, torch.Tensor | None]] = {}  # key (a tied group or (stage, name)) -> grad
     problems: list[str] = []
@@ -334,7 +383,7 @@ def _check_grads(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], ref_mo
                 full[key] = (name, g)
     max_err = 0.0
     for key, (name, g) in full.items():
-        ref = ref_params[name].grad if name in ref_params else None
+        ref = ref_grads.get(name)
         if ref is None and g is None:
             continue
         ref = torch.zeros_like(g) if ref is None else ref
