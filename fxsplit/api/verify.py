@@ -34,8 +34,9 @@ partial sums before an all-reduce and values of another shape are skipped), and
 :class:`VerificationError` names the first one that diverges, its stage and module path.
 
 ``parallelize`` verifies by default (``verify=None``: auto) when the model has real weights,
-fewer than 1e8 parameters and no random op drawing numbers (dropout with p > 0, whose masks
-differ from the unsplit run by design); ``verify=True`` forces it (and raises when it cannot
+fewer than 1e8 parameters, no random op drawing numbers (dropout with p > 0, whose masks
+differ from the unsplit run by design), no ``mp_policy`` and no ``vocab_parallel_loss`` (not
+verified yet: its outputs stay sharded); ``verify=True`` forces it (and raises when it cannot
 run), ``verify=False`` turns it off.
 """
 
@@ -207,6 +208,8 @@ def auto_verify_reason(model: nn.Module, the_plan: Any) -> str | None:
         return f"the model has {n:.3g} parameters (auto-verification runs below {AUTO_MAX_PARAMS:.0e})"
     if the_plan.config.mp_policy is not None:
         return "mixed precision (mp_policy) is on"
+    if the_plan.config.vocab_parallel_loss:
+        return "vocab_parallel_loss is on (its outputs stay vocabulary-sharded; not verified yet)"
     for s, gm in enumerate(the_plan.stages.modules):
         if (node := _draws_random(gm)) is not None:
             return f"stage {s} draws random numbers at node {node!r} (dropout with p > 0)"
@@ -236,6 +239,10 @@ def verify(
     if any(p.is_meta for p in [*model.parameters(), *model.buffers()]):
         raise PlanError("verify: the model is on the meta device; verification needs real weights "
                         "(build the model on a real device, or plan without verify=True)")
+    if plan.config.vocab_parallel_loss:
+        raise PlanError("verify: a plan with vocab_parallel_loss=True is not verified yet (the model's outputs "
+                        "stay vocabulary-sharded into the runtime's parallel cross-entropy); verify the same "
+                        "plan with vocab_parallel_loss=False")
     for s, gm in enumerate(plan.stages.modules):
         if (node := _draws_random(gm)) is not None:
             raise PlanError(f"verify: stage {s} draws random numbers at node {node!r} (dropout with p > 0), "
