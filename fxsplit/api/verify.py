@@ -343,17 +343,43 @@ class _Reference:
 
 
 def _reference_graph(model: nn.Module, args: Any, kwargs: Any, plan: Any) -> tuple[torch.fx.GraphModule, nn.Module, Any]:
-    """The model planned unsplit (t = p = 1, the user's passes), as one stage with real tensors."""
-    from fxsplit.api.plan import plan as make_plan
+    """The model traced unsplit with the user's passes (and the mixed-precision pass, as the plan
+    ran them), as one stage GraphModule with real tensors, and its StageIO."""
+    import functools
 
-    ref_config = dataclasses.replace(
-        plan.config, dp=1, tp=1, pp=1, microbatches=None, stages_per_rank=None, schedule="1f1b", tp_plan=None,
-        sequence_parallel=False, vocab_parallel_loss=False, split_points=None, memory_limit=None,
-        debug=None, verify=False)
-    ref_plan = make_plan(model, args, kwargs, config=ref_config)
+    from fxsplit.graph.pass_api import PassContext, PassManager
+    from fxsplit.graph.trace import trace
+    from fxsplit.pipeline.stage import build_stages
+
+    c = plan.config
+    gm = trace(model, args, kwargs, method=c.method, leaf_modules=c.leaf_modules)
+    passes = list(c.passes)
+    if c.mp_policy is not None and c.mp_policy.param_dtype is not None:
+        from fxsplit.passes.mixed_precision import mixed_precision
+
+        passes.append(functools.partial(mixed_precision, param_dtype=c.mp_policy.param_dtype))
+    if passes:
+        ctx = PassContext(example_args=tuple(args), example_kwargs=dict(kwargs or {}),
+                          options={"tp": 1, "pp": 1, "dp": 1})
+        gm = PassManager(passes)(gm, ctx).graph_module
+    compute = {n.name: 0 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+    stages = build_stages(gm, compute, num_stages=1)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    mod = materialize_stage(ref_plan, 0, tp_rank=0, source=model, device=device)
-    return ref_plan.stages.modules[0], mod, ref_plan.stages.io[0]
+    ref = _OneStage(stages)
+    return stages.modules[0], materialize_stage(ref, 0, tp_rank=0, source=model, device=device), stages.io[0]
+
+
+@dataclass(frozen=True)
+class _OneStage:
+    """What :func:`materialize_stage` reads of a plan, for the unsplit reference (t = 1)."""
+
+    stages: Any
+
+    @property
+    def tp_plan(self):
+        from fxsplit.tp.plan import TPPlan
+
+        return TPPlan.identity()
 
 
 def _check_grads(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], ref_grads: Mapping[str, Any],
