@@ -101,7 +101,7 @@ def parallelize(
     _verify(model, example_args, example_kwargs, the_plan, config.verify)
     c = the_plan.config
     pp_rank = coords["pp"]
-    mine = [s for s in range(c.num_stages) if s % c.pp == pp_rank]
+    mine = the_plan.stages_of(pp_rank)
     stages = {
         s: materialize_stage(the_plan, s, tp_rank=coords["tp"], source=model, device=device) for s in mine
     }
