@@ -31,13 +31,13 @@ from fxsplit.graph.trace import TraceError, flatten_inputs, trace
 from fxsplit.graph.marker import pipe_split
 from fxsplit.graph.pass_api import PassContext, PassManager, PassResult, register_pass
 from fxsplit.graph.hardware import Hardware
-from fxsplit.api import ParallelConfig, ParallelModel, Plan, PlanError, RankFailedError, load_full_checkpoint, parallelize, plan
+from fxsplit.api import ParallelConfig, ParallelModel, Plan, PlanError, RankFailedError, VerifyReport, load_full_checkpoint, parallelize, plan, verify
 from fxsplit.schedule import Action, ActionKind, ScheduleError
 from fxsplit.pipeline.stage import StageGraphs, StageIO, ValueMeta, ValueSource, build_stages
 from fxsplit.graph.cost import NodeCost, graph_cost, node_cost
 from fxsplit.runtime import PipelineError, PipelineRuntime
 from fxsplit.testing import run_distributed
-from fxsplit.errors import FxsplitError
+from fxsplit.errors import FxsplitError, VerificationError
 
 LAYERS: dict[str, tuple[str, ...]] = {
     # unit -> the units directly below it ([Note: layer contract]); imports may go down transitively
@@ -119,6 +119,9 @@ __all__ = [
     "load_full_checkpoint",
     "RankFailedError",
     "FxsplitError",
+    "VerificationError",
+    "verify",
+    "VerifyReport",
     "LAYERS",
     "Action",
     "ActionKind",

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 __all__ = [
     "FxsplitError", "TraceError", "UnknownPassError", "TPPlanError", "ShardingError", "PartitionError",
     "SplitError", "StageBuildError", "ScheduleError", "PlanError", "PipelineError", "RankFailedError",
-    "DistributedRunError", "UsageError", "PathError", "REQUEST_ERRORS",
+    "DistributedRunError", "VerificationError", "UsageError", "PathError", "REQUEST_ERRORS",
 ]
 
 
@@ -109,6 +109,21 @@ class RankFailedError(FxsplitError, RuntimeError):
     def __init__(self, message: str, *, failed: Mapping[int, str]):
         super().__init__(message)
         self.failed = dict(failed)
+
+
+class VerificationError(FxsplitError, RuntimeError):
+    """``fxsplit.verify``: the split model's outputs or gradients differ from the unsplit model's.
+
+    `node` is the first node of the split graphs whose value diverges (None when every forward
+    value agrees and only gradients differ), `stage` its stage, `problems` every output and
+    gradient that differs."""
+
+    def __init__(self, message: str, *, node: str | None = None, stage: int | None = None,
+                 problems: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.node = node
+        self.stage = stage
+        self.problems = tuple(problems)
 
 
 class DistributedRunError(FxsplitError, RuntimeError):

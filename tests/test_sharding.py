@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxsplit.tp.sharding import (
+    default_init,
     ShardedParam,
     ShardingError,
     ShardSpec,
@@ -233,11 +234,15 @@ def test_materialize_from_real_model(as_state_dict, traced):
     torch.manual_seed(0)
     model = _TiedLM()
     source = model.state_dict(keep_vars=True) if as_state_dict else model
-    if as_state_dict:  # a state dict has no non-persistent buffers: those are initialized
+    if as_state_dict:  # a state dict has no non-persistent buffers
         assert "tmp" not in source
     t, specs = 2, _specs(2)
     full = dict(model.named_parameters(remove_duplicate=False))
     full.update(model.named_buffers())
+    if as_state_dict:  # ... and a buffer is never zero-filled: it raises ([Note: every buffer keeps its value])
+        with pytest.raises(ShardingError, match=r"buffers/constants \['tmp'\].*no source holds a real value"):
+            materialize_module(_meta_graph(traced), specs, 0, source=source, device="cpu")
+        return
     for rank in range(t):
         gm = _meta_graph(traced)
         sizes = _Sizes()
@@ -265,7 +270,8 @@ def test_materialize_from_meta_allocates_only_local_and_inits():
         gm = _meta_graph()
         sizes = _Sizes()
         with sizes:
-            materialize_module(gm, specs, rank, source=None)
+            # init_fn given: the buffers (meta here, with no source) are filled by it too
+            materialize_module(gm, specs, rank, source=None, init_fn=default_init)
         _check_structure(gm, t)
         full_numels = {V * C, 2 * C * C}
         assert not full_numels & {n for _, n in sizes.numels}, sizes.numels
@@ -280,7 +286,7 @@ def test_materialize_from_meta_allocates_only_local_and_inits():
     assert not torch.equal(outs[0].up.weight, outs[1].up.weight)
     again = _meta_graph()
     rng = torch.get_rng_state()
-    materialize_module(again, specs, 2, source=None)
+    materialize_module(again, specs, 2, source=None, init_fn=default_init)
     assert torch.equal(torch.get_rng_state(), rng), "the caller's RNG state must not change"
     assert torch.equal(again.up.weight, outs[2].up.weight)
     seen = []
@@ -317,7 +323,7 @@ def test_materialize_local_meta_shapes():
         owner, leaf = name.rsplit(".", 1)
         setattr(gm2.get_submodule(owner), leaf, nn.Parameter(torch.empty_like(new)))
     gm2.head.weight = gm2.emb.weight
-    materialize_module(gm2, specs, 0, source=None, full_shapes=full_shapes)
+    materialize_module(gm2, specs, 0, source=None, full_shapes=full_shapes, init_fn=default_init)
     assert gm2.up.weight.shape == (C, C) and gm2.emb.weight.shape == (6, C)
 
 

@@ -15,7 +15,8 @@ from fxsplit.api.options import SCHEDULES, ParallelConfig
 from fxsplit.api.plan import Plan, plan
 from fxsplit.api.model import ParallelModel, load_full_checkpoint
 from fxsplit.api.parallelize import parallelize
+from fxsplit.api.verify import VerifyReport, verify
 from fxsplit.errors import PlanError, RankFailedError
 
 __all__ = ["ParallelConfig", "Plan", "plan", "parallelize", "ParallelModel", "PlanError", "RankFailedError",
-           "load_full_checkpoint", "SCHEDULES"]
+           "load_full_checkpoint", "SCHEDULES", "verify", "VerifyReport"]

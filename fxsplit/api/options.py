@@ -54,6 +54,10 @@ class ParallelConfig:
     # torch.distributed.fsdp.MixedPrecisionPolicy: the graph computes (and stages exchange
     # activations) in param_dtype, gradients are reduced in reduce_dtype, parameters stay fp32
     mp_policy: Any = None
+    # fxsplit.verify ([Note: plan-time verification]): True checks the plan against the unsplit
+    # model in one process (plan() and parallelize()); False never; None (auto) lets parallelize
+    # check a model with real weights under 1e8 parameters and no random ops
+    verify: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
@@ -71,6 +75,8 @@ class ParallelConfig:
             )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise PlanError(f"seed must be an int >= 0 or None (follow torch.manual_seed), got {self.seed!r}")
+        if self.verify is not None and not isinstance(self.verify, bool):
+            raise PlanError(f"verify must be True, False or None (auto), got {self.verify!r}")
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.method not in _METHODS:

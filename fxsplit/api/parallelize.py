@@ -11,15 +11,16 @@ initialized when the model lives on the meta device. The user's model is never m
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, Sequence
+import logging
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxsplit.api.materialize import materialize_stage
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.api.plan import plan
@@ -27,44 +28,7 @@ from fxsplit.graph.hardware import Hardware
 
 __all__ = ["parallelize"]
 
-
-# ------------------------------------------------------------------------------------------------
-# per-rank materialization
-
-
-def _structural_copy(module: nn.Module) -> nn.Module:
-    """Copy ``module``'s structure with every parameter/buffer replaced by a meta tensor of the
-    same shape (tied tensors stay tied); no tensor data is copied."""
-    memo: dict[int, Any] = {}
-    for _, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        if id(t) in memo:
-            continue
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
-
-
-def _materialize(
-    module: nn.Module, *, specs: Mapping[str, Any], tp_rank: int, source: nn.Module, device: torch.device,
-    full_shapes: Mapping[str, Sequence[int]] | None = None, seed_names: Mapping[str, str] | None = None,
-) -> nn.Module:
-    from fxsplit.tp.sharding import materialize_module
-
-    local = _structural_copy(module)
-    names = {n for n, _ in local.named_parameters(remove_duplicate=False)} | {n for n, _ in local.named_buffers(remove_duplicate=False)}
-    mine = {k: v for k, v in specs.items() if k in names}
-    on_meta = any(p.is_meta for p in source.parameters())
-    materialize_module(
-        local, mine, tp_rank, source=None if on_meta else source, device=device,
-        full_shapes={k: v for k, v in (full_shapes or {}).items() if k in names}, seed_names=seed_names,
-    )
-    return local
-
-
-def _tied_seed_names(shared_params: Sequence[Sequence[tuple[int, str]]], stage: int) -> dict[str, str]:
-    """Stage ``stage``'s names of parameters tied across stages -> one name per tied group (its
-    first holder's), so a model on the meta device initializes every copy identically."""
-    return {name: sorted(group)[0][1] for group in shared_params for s, name in group if s == stage}
+_log = logging.getLogger("fxsplit")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,16 +97,13 @@ def parallelize(
     device = torch.device(device)
     if config.hardware is None and device.type == "cpu":
         config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
-    the_plan = plan(model, example_args, example_kwargs, config=config)
+    the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False))
+    _verify(model, example_args, example_kwargs, the_plan, config.verify)
     c = the_plan.config
-    specs = the_plan.tp_plan.param_specs
-    full_shapes = {k: tuple(v) for k, v in the_plan.tp_plan.full_shapes.items()}
     pp_rank = coords["pp"]
     mine = the_plan.stages_of(pp_rank)
     stages = {
-        s: _materialize(the_plan.stages.modules[s], specs=specs, tp_rank=coords["tp"], source=model, device=device,
-                        full_shapes=full_shapes, seed_names=_tied_seed_names(the_plan.stages.shared_params, s))
-        for s in mine
+        s: materialize_stage(the_plan, s, tp_rank=coords["tp"], source=model, device=device) for s in mine
     }
     runtime = PipelineRuntime(
         the_plan.rank_plan(pp_rank), stages, group=pipe_group,
@@ -153,6 +114,22 @@ def parallelize(
     )
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
                          groups=groups, loss_fn=loss_fn, log_every=log_every)
+
+
+def _verify(model: nn.Module, example_args: Any, example_kwargs: Any, the_plan: Any, mode: bool | None) -> None:
+    """[Note: plan-time verification]: every rank checks the plan in its own process (the same
+    deterministic answer everywhere, so a mismatch raises on every rank, before any collective)."""
+    from fxsplit.api.verify import auto_verify_reason, verify
+
+    if mode is False:
+        return
+    if mode is None:
+        why_not = auto_verify_reason(model, the_plan)
+        if why_not is not None:
+            _log.info("fxsplit: not verifying the plan (verify=None): %s", why_not)
+            return
+    report = verify(model, example_args, the_plan, example_kwargs)
+    _log.info("fxsplit: %s", report)
 
 
 def _agreed_seed(seed: int | None, group: Any) -> int:

@@ -163,7 +163,9 @@ def plan(
     ``passes`` are user passes ``(gm, ctx) -> PassResult`` run first, through a PassManager
     (``debug`` names a folder for per-pass dumps). ``hardware`` is what stage times are estimated
     for (default ``Hardware()``; ``parallelize`` on CPU uses ``Hardware.cpu()``);
-    ``cut_at="modules"`` lets stages start only where a module call begins.
+    ``cut_at="modules"`` lets stages start only where a module call begins. ``verify=True``
+    checks the plan against the unsplit model in this process (:func:`fxsplit.verify`; needs real
+    weights), raising VerificationError naming the first diverging node.
     """
     t0 = time.perf_counter()
     config = make_config(config, options, where="plan").resolved()
@@ -214,11 +216,16 @@ def plan(
         raise PlanError(f"schedule {config.schedule!r} runs stages on ranks {placed}, but its placement is {stage_ranks}")
     comm = {fwd: plan_all_communication(sched, stages.io, num_ranks=config.pp, rank_of_stage=stage_ranks.__getitem__,
                                         forward_only=fwd) for fwd in (False, True)}
-    return Plan(
+    result = Plan(
         config=config, graph=gm, split=split, stages=stages, schedule=sched, tp_plan=tp_result,
         pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0, comm=comm[False],
         forward_comm=comm[True], stage_ranks=stage_ranks,
     )
+    if config.verify:  # [Note: plan-time verification]; raises VerificationError on a mismatch
+        from fxsplit.api.verify import verify
+
+        verify(model, example_args, result, example_kwargs)
+    return result
 
 
 def stage_costs(split: SplitPlan) -> dict[str, tuple[float, ...]]:

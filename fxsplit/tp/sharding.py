@@ -11,6 +11,15 @@ piece; **full** -- the unsplit tensor. Everything here is pure tensor code: no p
     w = spec.unshard([w_0, w_1, w_2, w_3])
     materialize_module(gm, specs, rank, source=model, device="cuda:0")
 
+[Note: every buffer keeps its value]
+Parameters of a model on the meta device may be freshly initialized (they are trained), but a
+buffer or constant is part of the function the model computes: rotary `inv_freq`, causal masks,
+norm statistics, and the tensors a trace creates itself (torch.export's `lifted_tensor_*`,
+fx's `_tensor_constant*`, plain tensor attributes), which are in no state dict. Each takes its
+value from a real tensor (the model, else the plan's stage module, which holds the trace's
+constants by reference: `fxsplit.api.parallelize._value_sources`), or materialization raises;
+it is never zero-filled. (Before, every such tensor came out as zeros: a wrong loss with no error.)
+
 [Note: vocabulary padding] When the vocabulary V does not divide by t, the table is padded to
 `pad_to` rows (the next multiple of t, or of t * k for alignment) and rank r holds the padded
 rows [r * L, (r + 1) * L) with L = pad_to / t. The padding rows are zero, are never looked up
@@ -430,6 +439,8 @@ def materialize_module(
          reproducible. `seed_names` maps a local fqn to the name it is seeded (and initialized)
          under: one name per tensor tied across stages (``wte.weight`` on the first stage and
          ``lm_head.weight`` on the last), so every copy starts from the same values.
+    Buffers and graph constants are not initialized: one with no real value (neither in `source`
+    nor in the module) raises, unless `init_fn` is given ([Note: every buffer keeps its value]).
     The full shape of a tensor is the source's shape, else `full_shapes[fqn]`, else the module
     tensor's own shape (so pass `full_shapes` -- e.g. {p.fqn: p.full_shape for p in
     sharded_params} -- when a meta module already has local shapes and there is no source);
@@ -450,6 +461,8 @@ def materialize_module(
         groups.setdefault(id(t), []).append(name)
         objects[id(t)] = t
     _check_constants(module, groups)
+    if init_fn is None:
+        _check_buffers(groups, objects, src)
     unknown = sorted(set(specs) - {n for names in groups.values() for n in names})
     if unknown:
         raise ShardingError(
@@ -491,6 +504,25 @@ def _check_constants(module: nn.Module, groups: Mapping[int, list[str]]) -> None
             f"materialize_module: the graph reads tensor constants {bad[:5]} that are on the "
             "meta device and are neither parameters nor buffers, so nothing can fill them; "
             "register them as buffers in the model, or trace with real (non-meta) constants"
+        )
+
+
+def _check_buffers(groups: Mapping[int, list[str]], objects: Mapping[int, torch.Tensor],
+                   src: Mapping[str, torch.Tensor]) -> None:
+    """[Note: every buffer keeps its value]: a buffer (or graph constant) whose value is nowhere
+    real cannot be initialized like a parameter; fail before anything is replaced."""
+    lost = [names[0] for key, names in groups.items()
+            if not isinstance(objects[key], nn.Parameter) and objects[key].is_meta
+            and not any(n in src and not src[n].is_meta for n in names)]
+    if lost:
+        raise ShardingError(
+            f"materialize_module: buffers/constants {lost[:5]}{' ...' if len(lost) > 5 else ''} are on the meta "
+            "device and no source holds a real value for them, so nothing can give them their value (a "
+            "buffer is not a weight to initialize: an inverse frequency table, a mask, a constant the "
+            "trace lifted). Build the model with real buffers and meta parameters only (e.g. "
+            "accelerate's init_empty_weights(include_buffers=False), or model.to_empty(device='cpu') and "
+            "recompute them), pass the model itself as the source (a state dict has no non-persistent "
+            "buffers), or pass init_fn= to fill them yourself"
         )
 
 
