@@ -30,19 +30,9 @@ from torch import nn
 
 from fxsplit.errors import PlanError
 from fxsplit.graph.pass_api import PassContext, PassResult
-from fxsplit.graph.recompute import MODES, call_module, checkpointed, keep, keeps_output, regions
+from fxsplit.graph.recompute import MODES, call_module, checkpointed, keep, keeps_output, regions, worth_checkpointing
 
 __all__ = ["activation_checkpointing"]
-
-
-def _saves_something(nodes: list[torch.fx.Node]) -> bool:
-    for n in nodes:
-        info = n.meta.get("fxsplit")
-        if info is None or info.cost is None:
-            return True  # no cost known: assume it saves
-        if info.cost.saved_bytes != 0:
-            return True
-    return False
 
 
 def _attr_name(gm: torch.fx.GraphModule, key: str) -> str:
@@ -127,7 +117,7 @@ def activation_checkpointing(gm: torch.fx.GraphModule, ctx: PassContext, *, mode
     done: list[tuple[str, int, int]] = []
     if mode != "none":
         for key, nodes in regions(gm.graph):
-            if len(nodes) > 1 and _saves_something(nodes):  # one node alone: its input is kept anyway
+            if worth_checkpointing(nodes):
                 done.append((key, len(nodes), _outline(gm, key, nodes, mode)))
     ctx.report.setdefault("activation_checkpointing", []).append(tuple(done))
     return PassResult(gm, bool(done))

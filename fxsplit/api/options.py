@@ -27,6 +27,7 @@ __all__ = ["ParallelConfig", "SCHEDULES", "make_config"]
 
 _CUT_AT = ("any", "modules")
 _METHODS = ("auto", "fx", "export")
+_CHECKPOINTING = ("none", "selective", "full", "auto")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,10 @@ class ParallelConfig:
     # torch.distributed.fsdp.MixedPrecisionPolicy: the graph computes (and stages exchange
     # activations) in param_dtype, gradients are reduced in reduce_dtype, parameters stay fp32
     mp_policy: Any = None
+    # recompute activations in backward: "none", "selective" (keep matmul outputs), "full" (keep
+    # each layer's inputs) or "auto" (per stage, the cheapest in time within memory_limit);
+    # fxsplit.pipeline.checkpointing's [Note: checkpointing cost model]
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
@@ -71,6 +76,9 @@ class ParallelConfig:
             )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise PlanError(f"seed must be an int >= 0 or None (follow torch.manual_seed), got {self.seed!r}")
+        if self.activation_checkpointing not in _CHECKPOINTING:
+            raise PlanError(f"activation_checkpointing must be one of {_CHECKPOINTING}, got "
+                            f"{self.activation_checkpointing!r}")
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.method not in _METHODS:

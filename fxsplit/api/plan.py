@@ -87,13 +87,18 @@ class Plan:
 
     def simulate(self, comm: float | None = None):
         """The schedule simulated with the split's estimated stage times (one rank's share costs
-        v x the bottleneck stage; forward 1/3, backward 2/3 of it)."""
-        per_rank = self.split.bottleneck * self.config.stages_per_rank
+        v x the bottleneck stage; forward 1/3, backward 2/3 of it, plus the bottleneck stage's
+        activation recompute, charged to the backward)."""
+        v = self.config.stages_per_rank
+        neck = max(self.split.stages, key=lambda s: s.time)
+        recompute = neck.recompute_time * v
+        per_rank = neck.time * v - recompute
         link = self.split.problem.bandwidth if self.split.problem is not None else float("inf")
         if comm is None:
             boundary = max((s.bytes_out for s in self.split.stages), default=0.0)
             comm = boundary / link if link not in (0.0, float("inf")) else 0.0
-        return _schedules.simulate(self.schedule, forward=per_rank / 3, backward=2 * per_rank / 3, comm=comm)
+        return _schedules.simulate(self.schedule, forward=per_rank / 3, backward=2 * per_rank / 3, comm=comm,
+                                   recompute=recompute)
 
     def to_dot(self, path: str | None = None) -> str:
         return self.split.to_dot(self.graph, path)
@@ -180,7 +185,7 @@ def plan(
             pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
             schedule=config.schedule, num_microbatches=config.microbatches,
             memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
-            cut_at=config.cut_at,
+            cut_at=config.cut_at, activation_checkpointing=config.activation_checkpointing,
         )
     )
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
@@ -189,6 +194,7 @@ def plan(
     tp_result = ctx.report.get("tensor_parallel", TPPlan.identity())
     split = ctx.report["pipeline_split"]
     stages = split.build(gm)
+    _checkpoint_stages(stages, split.checkpointing, config.debug, ctx)
     sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
     _schedules.validate(sched)
     comm = {fwd: plan_all_communication(sched, stages.io, num_ranks=config.pp, forward_only=fwd) for fwd in (False, True)}
@@ -197,6 +203,21 @@ def plan(
         pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0, comm=comm[False],
         forward_comm=comm[True],
     )
+
+
+def _checkpoint_stages(stages: StageGraphs, modes: tuple[str, ...], debug: str | None, ctx: PassContext) -> None:
+    """Run the activation-checkpointing pass on every stage graph with its mode (in place; per
+    stage dumps under ``debug/stage_<s>``)."""
+    if all(m == "none" for m in modes):
+        return
+    from pathlib import Path
+
+    from fxsplit.passes.activation_checkpointing import activation_checkpointing
+
+    for s, (gm, mode) in enumerate(zip(stages.modules, modes)):
+        if mode != "none":
+            PassManager([functools.partial(activation_checkpointing, mode=mode)],
+                        debug=str(Path(debug) / f"stage_{s}") if debug else False)(gm, ctx)
 
 
 def _loss_seconds(gm: torch.fx.GraphModule, hardware: Hardware) -> float:

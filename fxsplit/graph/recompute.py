@@ -55,7 +55,7 @@ from torch import nn
 
 from fxsplit.graph.ops import MATMULS, op_name
 
-__all__ = ["MODES", "layer_key", "regions", "keeps_output", "keep", "call_module", "checkpointed", "policy"]
+__all__ = ["MODES", "layer_key", "node_layer", "regions", "worth_checkpointing", "keeps_output", "keep", "call_module", "checkpointed", "policy"]
 
 MODES = ("none", "selective", "full")
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -99,6 +99,18 @@ def regions(graph: torch.fx.Graph) -> list[tuple[str, list[torch.fx.Node]]]:
         else:
             out.append((key, [node]))
     return [(k, nodes) for k, nodes in out if k and nodes]
+
+
+def worth_checkpointing(nodes: list[torch.fx.Node]) -> bool:
+    """Whether a region is checkpointed at all: more than one node (one node alone saves what the
+    checkpoint would keep, its input) and some node saves activations (per the cost model)."""
+    if len(nodes) < 2:
+        return False
+    for n in nodes:
+        info = n.meta.get("fxsplit")
+        if info is None or info.cost is None or info.cost.saved_bytes != 0:
+            return True  # no cost known: assume it saves
+    return False
 
 
 def _resolve(gm: nn.Module | None, target: str) -> Any:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import sympy
@@ -33,6 +33,7 @@ import torch.fx
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.marker import find_pipe_splits
 from fxsplit.graph.meta import node_info
+from fxsplit.graph.recompute import layer_key
 from fxsplit.pipeline.partition import (
     Partition,
     PartitionError,
@@ -42,8 +43,8 @@ from fxsplit.pipeline.partition import (
     inflight_1f1b,
     inflight_gpipe,
     parameter_count_cuts,
-    solve,
 )
+from fxsplit.pipeline.checkpointing import choose, unit_modes
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
 from fxsplit.graph.hardware import Hardware
@@ -64,7 +65,10 @@ class StageSummary:
     activation_bytes: float  # saved for backward per microbatch
     bytes_in: float
     bytes_out: float
-    time: float  # estimated forward+backward seconds per microbatch, communication included
+    time: float  # estimated forward+backward seconds per microbatch, communication and recompute included
+    checkpointing: str = "none"  # the stage's activation checkpointing mode (fxsplit.graph.recompute)
+    activation_bytes_unchecked: float | None = None  # act/mb without checkpointing (None: same)
+    recompute_time: float = 0.0  # seconds of forward recomputed in backward per microbatch
 
 
 def _fmt_bytes(x: float) -> str:
@@ -130,6 +134,23 @@ class SplitPlan:
     problem: PartitionProblem | None = None  # what the solver was given (for checks and tools)
     bindings: Mapping[str, int] = field(default_factory=dict)
     baselines: Mapping[str, float] = field(default_factory=dict)
+    activation_checkpointing: str = "none"  # what was asked: "none", "selective", "full" or "auto"
+
+    @property
+    def checkpointing(self) -> tuple[str, ...]:
+        """Each stage's activation checkpointing mode."""
+        return tuple(s.checkpointing for s in self.stages)
+
+    def peak_activations(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per rank: the activation bytes held at the peak (in-flight microbatches x the rank's
+        act/mb, the partition's memory model), with this plan's checkpointing and without."""
+        inflight = self.problem.inflight_per_rank() if self.problem is not None else (1.0,) * self.num_ranks
+        with_, without = [0.0] * self.num_ranks, [0.0] * self.num_ranks
+        for s in self.stages:
+            with_[s.rank] += inflight[s.rank] * s.activation_bytes
+            plain = s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
+            without[s.rank] += inflight[s.rank] * plain
+        return tuple(with_), tuple(without)
 
     @property
     def bottleneck(self) -> float:
@@ -154,9 +175,16 @@ class SplitPlan:
         return to_dot(gm, path, color_by="stage", stage_of=dict(self.stage_of))
 
     def __str__(self) -> str:
+        ckpt = self.activation_checkpointing != "none" or any(m != "none" for m in self.checkpointing)
         head = ("stage", "rank", "modules", "nodes", "params", "FLOPs", "act/mb", "in", "out", "time")
+        if ckpt:
+            head = head + ("ckpt", "act/mb no ckpt", "recompute")
         rows = [head]
         for s in self.stages:
+            extra = () if not ckpt else (
+                s.checkpointing,
+                _fmt_bytes(s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked),
+                _fmt_time(s.recompute_time))
             rows.append(
                 (
                     str(s.index),
@@ -169,6 +197,7 @@ class SplitPlan:
                     _fmt_bytes(s.bytes_in),
                     _fmt_bytes(s.bytes_out),
                     _fmt_time(s.time),
+                    *extra,
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -181,17 +210,13 @@ class SplitPlan:
         for r in rows:
             cells = [c if i != 2 or len(c) <= 48 else c[:45] + "..." for i, c in enumerate(r)]
             lines.append("  ".join(c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+        if ckpt:
+            with_, without = self.peak_activations()
+            lines.append(f"activation checkpointing {self.activation_checkpointing!r}: peak activations per rank "
+                         f"{[_fmt_bytes(x) for x in with_]} (without: {[_fmt_bytes(x) for x in without]})")
         if self.baselines:
             lines.append("baselines (balance): " + ", ".join(f"{k} {v:.3f}" for k, v in self.baselines.items()))
         return "\n".join(lines)
-
-
-def layer_key(path: str) -> str:
-    parts = path.split(".") if path else []
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0] if parts else ""
 
 
 def example_bindings(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
@@ -275,6 +300,7 @@ def plan_split(
     state_bytes_per_param_byte: float = 4.0,
     loss_seconds: float = 0.0,
     cut_at: str = "any",
+    activation_checkpointing: str = "none",
 ) -> SplitPlan:
     """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
 
@@ -293,6 +319,9 @@ def plan_split(
         cut_at: "any" (cuts inside a layer cost ``inner_cut_penalty`` x their bytes) or "modules"
             (a stage may only start where a module call begins, as ``pipeline()`` split points
             in torch.distributed.pipelining require).
+        activation_checkpointing: "none", "selective", "full" (every stage) or "auto" (per stage,
+            the cheapest in time within ``memory_limit``); recompute time and saved bytes per
+            [Note: checkpointing cost model] in ``fxsplit.pipeline.checkpointing``.
     """
     if cut_at not in ("any", "modules"):
         raise SplitError(f'cut_at must be "any" or "modules", got {cut_at!r}')
@@ -327,8 +356,14 @@ def plan_split(
         state_bytes_per_param_byte=state_bytes_per_param_byte,
         inflight=inflight,
     )
+    modes = {"none": None}
+    if activation_checkpointing != "none":
+        modes = unit_modes(gm, units, binds, hardware, costs.acts)
+    problems = {m: problem if um is None else replace(
+        problem, compute=tuple(c + r for c, r in zip(costs.compute, um.recompute)), activation_bytes=um.acts)
+        for m, um in modes.items()}
     try:
-        part = solve(problem)
+        part, per_stage = choose(problems, activation_checkpointing)
     except PartitionError as exc:
         raise SplitError(str(exc)) from None
     method = "balanced"
@@ -340,12 +375,13 @@ def plan_split(
         num_ranks=p,
         stage_of=stage_of,
         starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
-        stages=_summaries(part, p, keys, costs, cut_bytes),
+        stages=_summaries(part, p, keys, costs, cut_bytes, per_stage, modes),
         partition=part,
         method=method,
         problem=problem,
         bindings={str(k): v for k, v in binds.items()},
         baselines=_baselines(problem, keys),
+        activation_checkpointing=activation_checkpointing,
     )
 
 
@@ -465,11 +501,12 @@ def _baselines(problem: PartitionProblem, keys: Sequence[str]) -> dict[str, floa
     return baselines
 
 
-def _summaries(part: Partition, p: int, keys: Sequence[str], costs: _UnitCosts,
-               cut_bytes: Sequence[float]) -> tuple[StageSummary, ...]:
+def _summaries(part: Partition, p: int, keys: Sequence[str], costs: _UnitCosts, cut_bytes: Sequence[float],
+               per_stage: Sequence[str], modes: Mapping[str, Any]) -> tuple[StageSummary, ...]:
     out = []
     for s in range(part.num_stages):
         a, b = part.cuts[s], part.cuts[s + 1]
+        um = modes.get(per_stage[s])
         out.append(StageSummary(
             index=s,
             rank=s % p,
@@ -477,10 +514,13 @@ def _summaries(part: Partition, p: int, keys: Sequence[str], costs: _UnitCosts,
             num_nodes=b - a,
             param_bytes=sum(costs.params[a:b]),
             flops=sum(costs.flops[a:b]),
-            activation_bytes=sum(costs.acts[a:b]),
+            activation_bytes=sum(costs.acts[a:b] if um is None else um.acts[a:b]),
             bytes_in=cut_bytes[a],
             bytes_out=cut_bytes[b],
             time=part.stage_time[s],
+            checkpointing=per_stage[s],
+            activation_bytes_unchecked=None if um is None else sum(costs.acts[a:b]),
+            recompute_time=0.0 if um is None else sum(um.recompute[a:b]),
         ))
     return tuple(out)
 

@@ -134,19 +134,29 @@ def _costs(forward: float, backward: float, backward_input: float | None,
 
 
 def simulate(schedule, forward: float = 1.0, backward: float = 2.0, comm: float = 0.0, *,
-             backward_input: float | None = None, backward_weight: float | None = None) -> Timeline:
+             backward_input: float | None = None, backward_weight: float | None = None,
+             recompute: float = 0.0) -> Timeline:
     """Simulate ``schedule`` (validated first) and return its ``Timeline``.
 
     Each rank runs its list in order; an action starts at max(rank free, every dependency's end,
     plus ``comm`` when the dependency ran on another rank) (see [Note: dependencies] in
     ``fxsplit.schedule.validate``). ``None`` entries take no time. ``backward_input`` /
     ``backward_weight`` price I and W actions; by default each is half of ``backward``.
+    ``recompute`` is activation checkpointing's forward recomputation (per microbatch of a rank's
+    share): a backward that starts from the saved activations pays it first, so it is added to
+    B, and to both I and W (two autograd calls, each recomputes: torch.utils.checkpoint keeps
+    recomputed values per call).
     """
     if not comm >= 0:
         raise ValueError(f"simulate: comm must be >= 0, got {comm!r}")
     rows = parse_schedule(schedule)
     info = validate(rows)
     cost = _costs(forward, backward, backward_input, backward_weight)
+    if not recompute >= 0:
+        raise ValueError(f"simulate: recompute must be >= 0, got {recompute!r}")
+    cost[ActionKind.BACKWARD] += recompute
+    cost[ActionKind.BACKWARD_INPUT] += recompute
+    cost[ActionKind.BACKWARD_WEIGHT] += recompute
     p = info.num_ranks
     v = [len(info.stages_of(r)) for r in range(p)]
     events = _run(rows, info, lambda r, a: cost[a.kind] / v[r], comm)
