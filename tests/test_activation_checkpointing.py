@@ -3,21 +3,18 @@ masks replayed, fewer saved bytes), the planner's memory model ("auto" per stage
 memory_limit), the plan table, the simulator's recompute charge and the CLI flag."""
 
 import functools
-import weakref
 
 import pytest
 import torch
 
 import fxsplit
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-
 from fxsplit.cli import main
 from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.graph.recompute import keeps_output, layer_key
 from fxsplit.passes.activation_checkpointing import activation_checkpointing
 from fxsplit.schedule import build, simulate
 from fxsplit.testing import zoo
+from fxsplit.testing.memory import LiveBytes
 
 MODES = ("selective", "full")
 
@@ -28,36 +25,10 @@ def _checkpointed(gm, mode):
     return out.graph_module, ctx.report["activation_checkpointing"][0]
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the storages that ops allocate and that are still alive (a storage's Python
-    object lives as long as the storage: freed storages leave the count); views share their
-    input's storage and are not counted again."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.ptrs = 0, {}
-
-    def _free(self, ptr, n):
-        self.live -= n
-        self.ptrs.pop(ptr, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                ptr, n = st.data_ptr(), st.nbytes()
-                if ptr and n and ptr not in self.ptrs:
-                    self.ptrs[ptr] = n
-                    self.live += n
-                    weakref.finalize(st, self._free, ptr, n)
-        return out
-
-
 def _held_after_forward(gm, args):
     """Bytes a forward leaves alive for backward (and its output): everything autograd,
     checkpoint and the selective cache hold."""
-    with _LiveBytes() as mode:
+    with LiveBytes() as mode:
         out = gm(*args)
         return mode.live
 
@@ -110,8 +81,8 @@ def test_held_bytes_drop_as_the_plan_says():
     predicted = {m: plans[m].split.stages[0].activation_bytes for m in plans}
     assert measured["full"] < measured["selective"] < measured["none"], measured
     assert predicted["full"] < predicted["selective"] < predicted["none"], predicted
-    # without checkpointing the cost model's estimate is within 25% of what the forward holds
-    assert abs(measured["none"] - predicted["none"]) <= 0.25 * measured["none"], (measured, predicted)
+    for m in plans:  # the cost model's estimate within 25% of what the forward holds (logits included)
+        assert abs(measured[m] - predicted[m]) <= 0.25 * measured[m], (m, measured, predicted)
     assert plans["full"].split.stages[0].activation_bytes_unchecked == predicted["none"]
 
 

@@ -27,8 +27,9 @@ seeing only the op and its arguments; a linear layer's matmul and an attention-s
 both ``aten.mm``/``bmm`` there. The decision is made on the fx graph instead, where the module and
 the parameter operand are known: the pass writes each kept node as ``keep(op)(*args)`` (``keep_linear(...)`` in
 the graph code), which runs ``op`` with a thread-local flag set, and the policy returns ``MUST_SAVE`` for every aten op
-run under the flag (the matmul, and the views and dtype casts of the weight it makes, which
-autograd would save anyway) and ``PREFER_RECOMPUTE`` otherwise. The flag is set by the same
+run under the flag except views (the matmul, and a dtype cast of the weight it makes, which
+autograd would save anyway) and ``PREFER_RECOMPUTE`` otherwise: a cached view of the layer's
+input would keep that input alive. The flag is set by the same
 graph code in forward and in recomputation, so the two see the same decisions in the same order.
 Collectives (``c10d``) under the flag are recomputed, not cached (in-place ops are not cached).
 
@@ -210,7 +211,9 @@ def call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> ckpt.CheckpointPolicy:
     """The selective policy ([Note: selective policy])."""
     if getattr(_STATE, "keep", 0) and getattr(op, "namespace", "") not in ("c10d", "_c10d_functional"):
-        if not op._schema.is_mutable:
+        # views (of the input, of the weight) are recomputed: a cached view would keep the
+        # whole input alive, which is what the region means not to keep
+        if not op._schema.is_mutable and not op.is_view:
             return ckpt.CheckpointPolicy.MUST_SAVE
     return ckpt.CheckpointPolicy.PREFER_RECOMPUTE
 
