@@ -148,3 +148,11 @@ def test_cli_flag(tmp_path, capsys):
     assert main(["plan", f"{path}:gpt", "--pp", "2", "--activation-checkpointing", "full"]) == 0
     out = capsys.readouterr().out
     assert "act/mb no ckpt" in out and " full " in out
+
+
+def test_split_backward_schedules_refuse_selective():
+    model, args, _ = zoo.make("gpt", n_layer=2)
+    with pytest.raises(fxsplit.PlanError, match="torch's selective checkpoint allows one"):
+        fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="selective")
+    plan = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="auto", memory_limit=1e12)
+    assert set(plan.split.checkpointing) <= {"none", "full"}

@@ -16,23 +16,36 @@ GPT = dict(n_layer=4, batch_size=4, seq_len=8)
 DROPOUT = dict(GPT, dropout=0.2, attn_dropout=0.2)
 
 
-def _runs(rank, world, layout, mode):
+def _recording(fn):
+    """Run ``fn()`` with fxsplit.parallelize recording each model's stage code (what _train builds)."""
     codes = []
     inner = fxsplit.parallelize
 
-    def recording(*args, **kwargs):  # what _train builds: keep each rank's stage code
+    def recording(*args, **kwargs):
         pm = inner(*args, **kwargs)
         codes.append("".join(m.code for m in pm.stage_modules.values()))
         return pm
 
     fxsplit.parallelize = recording
     try:
+        return fn(), codes
+    finally:
+        fxsplit.parallelize = inner
+
+
+def _has(codes, mode):
+    return [f"checkpointed(ckpt_blocks_" in c and f"'{mode}'" in c for c in codes]
+
+
+def _runs(rank, world, layout, mode):
+    def train():
         out = {"ref": _train(rank, world, "gpt", GPT, dict(layout, activation_checkpointing=mode, seed=7))}
         for label, m in (("plain", "none"), ("ckpt", mode)):
             out[label] = _train(rank, world, "gpt", DROPOUT, dict(layout, activation_checkpointing=m, seed=7))
-    finally:
-        fxsplit.parallelize = inner
-    out["checkpointed"] = [f"checkpointed(ckpt_blocks_" in c and f"'{mode}'" in c for c in codes]
+        return out
+
+    out, codes = _recording(train)
+    out["checkpointed"] = _has(codes, mode)
     return out
 
 
@@ -53,3 +66,20 @@ def test_checkpointed_training_matches(layout, mode):
         assert set(plain["state"]) == set(ckpt["state"])
         for k, v in plain["state"].items():
             assert torch.equal(v, ckpt["state"][k]), f"rank {rank} {k}"
+
+
+def _zb(rank, world):
+    # ZB-H1 splits the backward: each region is recomputed by I and again by W
+    out, codes = _recording(lambda: {m: _train(rank, world, "gpt", GPT, dict(pp=2, schedule="zb_h1",
+                                                                            activation_checkpointing=m))
+                                     for m in ("none", "full")})
+    out["checkpointed"] = _has(codes, "full")
+    return out
+
+
+def test_full_checkpointing_with_split_backward():
+    results = run_distributed(_zb, 2, timeout=600)
+    assert all(r["checkpointed"] == [False, True] for r in results), [r["checkpointed"] for r in results]
+    ref = _reference("gpt", GPT)
+    for mode in ("none", "full"):
+        _check([r[mode] for r in results], *ref)

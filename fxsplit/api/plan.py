@@ -180,12 +180,15 @@ def plan(
         pipeline.append(functools.partial(mixed_precision, param_dtype=config.mp_policy.param_dtype))
     from fxsplit.passes.pipeline_split import pipeline_split
 
+    sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
+    modes = _checkpoint_modes(config, sched)
+
     pipeline.append(
         functools.partial(
             pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
             schedule=config.schedule, num_microbatches=config.microbatches,
             memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
-            cut_at=config.cut_at, activation_checkpointing=config.activation_checkpointing,
+            cut_at=config.cut_at, activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
         )
     )
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
@@ -195,7 +198,6 @@ def plan(
     split = ctx.report["pipeline_split"]
     stages = split.build(gm)
     _checkpoint_stages(stages, split.checkpointing, config.debug, ctx)
-    sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
     _schedules.validate(sched)
     comm = {fwd: plan_all_communication(sched, stages.io, num_ranks=config.pp, forward_only=fwd) for fwd in (False, True)}
     return Plan(
@@ -203,6 +205,21 @@ def plan(
         pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0, comm=comm[False],
         forward_comm=comm[True],
     )
+
+
+def _checkpoint_modes(config: ParallelConfig, sched: list) -> tuple[str, ...]:
+    """The checkpointing modes the schedule can run: torch's selective checkpoint allows one
+    backward per region, and a split backward (I, then W) runs two, so "selective" is refused
+    there ("auto" chooses between "none" and "full")."""
+    split = any(a is not None and a.kind is _schedules.ActionKind.BACKWARD_INPUT for row in sched for a in row)
+    if not split:
+        return ("none", "selective", "full")
+    if config.activation_checkpointing == "selective":
+        raise PlanError(
+            f"activation_checkpointing='selective' cannot run with schedule={config.schedule!r}: its backward is "
+            "split into I and W (two autograd passes over each region) and torch's selective checkpoint allows "
+            "one; use activation_checkpointing='full' (or 'auto'), or a schedule without a split backward")
+    return ("none", "full")
 
 
 def _checkpoint_stages(stages: StageGraphs, modes: tuple[str, ...], debug: str | None, ctx: PassContext) -> None:

@@ -119,8 +119,9 @@ def _assign(chains: Mapping[str, Chain], cuts: Sequence[int]) -> tuple[str, ...]
     modes = ["none"] * S
     for r in range(p):
         stages = list(range(r, S, p))
-        options = (itertools.product(MODES, repeat=len(stages)) if len(stages) <= _MAX_ENUMERATED_V
-                   else ((m,) * len(stages) for m in MODES))
+        allowed = [m for m in MODES if m in chains]
+        options = (itertools.product(allowed, repeat=len(stages)) if len(stages) <= _MAX_ENUMERATED_V
+                   else ((m,) * len(stages) for m in allowed))
         best, best_key = None, None
         for pick in options:
             t = [chains[m].time(cuts[s], cuts[s + 1]) for m, s in zip(pick, stages)]
@@ -139,8 +140,8 @@ def _assign(chains: Mapping[str, Chain], cuts: Sequence[int]) -> tuple[str, ...]
 
 def choose(problems: Mapping[str, PartitionProblem], request: str) -> tuple[Partition, tuple[str, ...]]:
     """The partition and each stage's mode for ``request`` ("none", "selective", "full" or
-    "auto"; [Note: checkpointing cost model]). Raises `PartitionError` when nothing fits (for
-    "auto": the error of "full", the least memory)."""
+    "auto"; [Note: checkpointing cost model]); "auto" chooses among the modes ``problems`` holds.
+    Raises `PartitionError` when nothing fits (for "auto": the error of "full", the least memory)."""
     if request not in REQUESTS:
         raise PartitionError(f"activation_checkpointing must be one of {REQUESTS}, got {request!r}")
     if request != "auto":
@@ -149,7 +150,7 @@ def choose(problems: Mapping[str, PartitionProblem], request: str) -> tuple[Part
     chains = {m: Chain(pb) for m, pb in problems.items()}
     found: dict[tuple[int, ...], Partition] = {}
     error: PartitionError | None = None
-    for m in MODES:
+    for m in problems:
         try:
             part = solve(problems[m])
         except PartitionError as exc:

@@ -301,6 +301,7 @@ def plan_split(
     loss_seconds: float = 0.0,
     cut_at: str = "any",
     activation_checkpointing: str = "none",
+    checkpoint_modes: Sequence[str] = ("none", "selective", "full"),
 ) -> SplitPlan:
     """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
 
@@ -322,6 +323,7 @@ def plan_split(
         activation_checkpointing: "none", "selective", "full" (every stage) or "auto" (per stage,
             the cheapest in time within ``memory_limit``); recompute time and saved bytes per
             [Note: checkpointing cost model] in ``fxsplit.pipeline.checkpointing``.
+            ``checkpoint_modes``: the modes "auto" may choose from.
     """
     if cut_at not in ("any", "modules"):
         raise SplitError(f'cut_at must be "any" or "modules", got {cut_at!r}')
@@ -359,6 +361,8 @@ def plan_split(
     modes = {"none": None}
     if activation_checkpointing != "none":
         modes = unit_modes(gm, units, binds, hardware, costs.acts)
+        if activation_checkpointing == "auto":
+            modes = {m: um for m, um in modes.items() if m in checkpoint_modes}
     problems = {m: problem if um is None else replace(
         problem, compute=tuple(c + r for c, r in zip(costs.compute, um.recompute)), activation_bytes=um.acts)
         for m, um in modes.items()}
