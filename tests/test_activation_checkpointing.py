@@ -156,3 +156,15 @@ def test_split_backward_schedules_refuse_selective():
         fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="selective")
     plan = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="auto", memory_limit=1e12)
     assert set(plan.split.checkpointing) <= {"none", "full"}
+
+
+def test_with_mixed_precision_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model, args, _ = zoo.make("gpt", n_layer=2, dropout=0.1, attn_dropout=0.1)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    target = torch.randint(0, 128, args[0].shape, generator=torch.Generator().manual_seed(1))
+    runs = {m: _run(fxsplit.plan(model, args, mp_policy=mp, activation_checkpointing=m).stage_graph(0), args,
+                    target, zoo.cross_entropy_loss) for m in ("none", *MODES)}
+    for m in MODES:  # the casts run inside the regions: recomputed (or kept) alike
+        _assert_same(runs["none"], runs[m])
