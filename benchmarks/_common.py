@@ -258,13 +258,19 @@ def ptd_pipe(model: torch.nn.Module, x: torch.Tensor, paths, microbatches: int, 
 
 
 def ptd_schedule(schedule: str, stages: list, microbatches: int):
-    """PTD's ``Schedule1F1B`` over this rank's one stage (``schedule == "1f1b"``), else
-    ``ScheduleInterleaved1F1B`` over its stages, with the zoo's cross-entropy loss. Returns
-    ``(schedule, holds the first stage, holds the last stage)``."""
+    """PTD's ``Schedule1F1B`` over this rank's one stage (``schedule == "1f1b"``),
+    ``ScheduleInterleavedZeroBubble`` (``"zb_h1"``: ZB1P) or ``ScheduleZBVZeroBubble`` (``"zbv"``,
+    stages placed in a V), else ``ScheduleInterleaved1F1B`` over its stages, with the zoo's
+    cross-entropy loss. Returns ``(schedule, holds the first stage, holds the last stage)``."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
     if schedule == "1f1b":
         sched = Schedule1F1B(stages[0], microbatches, loss_fn=zoo.cross_entropy_loss)
+    elif schedule == "zb_h1":
+        sched = ScheduleInterleavedZeroBubble(stages, microbatches, loss_fn=zoo.cross_entropy_loss)
+    elif schedule == "zbv":
+        sched = ScheduleZBVZeroBubble(stages, microbatches, loss_fn=zoo.cross_entropy_loss)
     else:
         sched = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=zoo.cross_entropy_loss)
     return sched, any(st.is_first for st in stages), any(st.is_last for st in stages)

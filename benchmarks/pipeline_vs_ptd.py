@@ -6,6 +6,12 @@ interleaving shrinks the bubble, but we quote the same ideal for both schedules,
 
     .venv/bin/python benchmarks/pipeline_vs_ptd.py                      # issue-4 GPT, m=4, 1f1b + interleaved
     .venv/bin/python benchmarks/pipeline_vs_ptd.py --microbatches 8 --steps 4 --schedules 1f1b
+    .venv/bin/python benchmarks/pipeline_vs_ptd.py --schedules zb_h1,zbv     # PTD's ZB1P / ZBV
+
+Schedules: fxsplit's 1f1b / interleaved_1f1b / zb_h1 / zbv against PTD's Schedule1F1B /
+ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (ZB1P, one stage per rank) /
+ScheduleZBVZeroBubble; for zbv both place the stages in a V (rank r holds stages r and 2p-1-r);
+fxsplit's zb_auto (built from the plan's per-stage estimates) runs against PTD's ZB1P.
 
 Method: 2 ranks (fxsplit.testing.run_distributed: gloo, one thread per rank). In ONE launch, for
 each schedule, both ranks build the fxsplit ParallelModel and PTD's pipeline over the same weights
@@ -39,7 +45,9 @@ from _common import (
     alternate_rounds, gpt_note, launch, load_note, make_gpt, med, parse_setup, per_round_line, ptd_pipe,
     ptd_schedule, ptd_step, round_ratio, rounds_note, single_step, targets)
 
-SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2)}
+SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1": ("zb_h1", 1), "zbv": ("zbv", 2),
+             "zb_auto": ("zb_auto", 1)}
+PTD_OF = {"zb_auto": "zb_h1"}  # PTD has no cost-driven schedule: zb_auto runs against its ZB1P
 
 
 @dataclass(frozen=True)
@@ -91,9 +99,23 @@ def split_paths(plan) -> list[str]:
 def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, world: int):
     num_stages = world * v
     pipe = ptd_pipe(model, x, paths, setup.microbatches, num_stages)
-    stages = [pipe.build_stage(s, torch.device("cpu")) for s in range(rank, num_stages, world)]
-    sched, first, last = ptd_schedule(sched_name, stages, setup.microbatches)
+    mine = schedules.placement(SCHEDULES[sched_name][0], world, v)
+    stages = [pipe.build_stage(s, torch.device("cpu")) for s in range(num_stages) if mine[s] == rank]
+    for st in stages:  # see [Note: PTD ZBV on gloo]
+        _no_self_warmup(st, rank)
+    sched, first, last = ptd_schedule(PTD_OF.get(sched_name, sched_name), stages, setup.microbatches)
     return sched, stages, first, last
+
+
+def _no_self_warmup(stage, rank: int) -> None:
+    """[Note: PTD ZBV on gloo] torch 2.13's schedules warm up the p2p links of every stage with a
+    dummy send and receive to its neighbour stages' ranks. In ZBV's V, stages p-1 and p are
+    neighbours on the same rank, so the warm-up sends to itself, which gloo refuses ("Pair is not
+    connected ... <--> [none]"), and ScheduleZBVZeroBubble fails before its first step. The
+    benchmark drops those self-addressed warm-up messages (the schedule's own transfers between
+    stages of one rank are local in PTD); nothing else of PTD is changed."""
+    make = stage._get_init_p2p_neighbors_ops
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in make() if getattr(op, "group_peer", None) != rank]
 
 
 class ActionClock:
@@ -128,28 +150,40 @@ def _clock_fxsplit(rt, clock: ActionClock) -> None:
             clock.mark(ac.action.stage, kind, ac.action.microbatch)
             return method(ac)
         return run
-    rt._forward, rt._backward = wrap(rt._forward, "F"), wrap(rt._backward, "B")
+    def backward(ac):
+        clock.mark(ac.action.stage, ac.action.kind.value, ac.action.microbatch)  # B or I
+        return inner(ac)
+    inner = rt._backward
+    rt._forward, rt._backward = wrap(rt._forward, "F"), backward
+    rt._backward_weight = wrap(rt._backward_weight, "W")
 
 
 def _clock_ptd(stage, clock: ActionClock) -> None:
-    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+    fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
     def forward_one_chunk(chunk, *a, **k):
         clock.mark(stage.stage_index, "F", chunk)
         return fwd(chunk, *a, **k)
 
     def backward_one_chunk(chunk, *a, **k):
-        clock.mark(stage.stage_index, "B", chunk)
+        clock.mark(stage.stage_index, "B" if k.get("full_backward", True) else "I", chunk)
         return bwd(chunk, *a, **k)
 
+    def backward_weight_one_chunk(chunk, *a, **k):
+        clock.mark(stage.stage_index, "W", chunk)
+        return wgt(chunk, *a, **k)
+
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
 def free_machine_makespan(per_rank: list[list[tuple[int, str, int, float]]]) -> float:
     """Step time on idle cores: every rank runs its recorded actions in their recorded order, each
-    as soon as its rank is free and its dependency is done (F(s, i) after F(s-1, i); B(s, i) after
-    B(s+1, i), the last stage's after its own F), taking its measured CPU time; transfers free."""
+    as soon as its rank is free and its dependency is done (F(s, i) after F(s-1, i); B or I (s, i)
+    after B or I (s+1, i), the last stage's after its own F; W(s, i) after I(s, i)), taking its
+    measured CPU time; transfers free."""
     num_stages = 1 + max(s for acts in per_rank for s, *_ in acts)
+    grad = {(s, mb): k for acts in per_rank for s, k, mb, _ in acts if k in ("B", "I")}
     done: dict[tuple[int, str, int], float] = {}
     nxt, free = [0] * len(per_rank), [0.0] * len(per_rank)
     remaining = sum(len(a) for a in per_rank)
@@ -158,8 +192,12 @@ def free_machine_makespan(per_rank: list[list[tuple[int, str, int, float]]]) -> 
         for r, acts in enumerate(per_rank):
             while nxt[r] < len(acts):
                 s, k, mb, d = acts[nxt[r]]
-                dep = ((s - 1, "F", mb) if s > 0 else None) if k == "F" else \
-                    ((s + 1, "B", mb) if s < num_stages - 1 else (s, "F", mb))
+                if k == "F":
+                    dep = (s - 1, "F", mb) if s > 0 else None
+                elif k == "W":
+                    dep = (s, "I", mb)
+                else:
+                    dep = (s + 1, grad[(s + 1, mb)], mb) if s < num_stages - 1 else (s, "F", mb)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], done[dep] if dep is not None else 0.0)
@@ -318,7 +356,7 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap, setup = parse_setup(Setup, argv, __doc__.split("\n")[0],
-                            helps={"schedules": "comma list of 1f1b, interleaved"})
+                            helps={"schedules": "comma list of 1f1b, interleaved, zb_h1, zbv, zb_auto"})
     bad = [s for s in setup.schedules if s not in SCHEDULES]
     if bad:
         ap.error(f"unknown schedules {bad}; choose from {sorted(SCHEDULES)}")

@@ -281,7 +281,8 @@ def _cmd_schedule(ns: argparse.Namespace) -> int:
 
     v = ns.stages_per_rank
     if v is None:
-        v = 2 if ns.name.lower().replace("-", "_") in ("interleaved_1f1b", "interleaved") and ns.pp > 1 else 1
+        key = ns.name.lower().replace("-", "_")
+        v = 2 if (key in ("interleaved_1f1b", "interleaved") and ns.pp > 1) or key in ("zbv", "zb_v") else 1
     try:
         sched = schedules.build(ns.name, ns.pp, ns.microbatches, stages_per_rank=v)
     except (ValueError, TypeError) as exc:  # unknown name, or degrees the builder rejects
@@ -290,7 +291,9 @@ def _cmd_schedule(ns: argparse.Namespace) -> int:
     timeline = schedules.simulate(sched, forward=ns.forward, backward=ns.backward, comm=ns.comm)
     title = f"{ns.name}: p={ns.pp} v={v} m={ns.microbatches}"
     kind = "I and W" if info.split_backward else "B"
-    print(f"{title}; {info.num_stages} stages, backward as {kind}; valid")
+    placed = "" if info.stage_ranks == tuple(st % ns.pp for st in range(info.num_stages)) else \
+        f", stage -> rank {list(info.stage_ranks)}"
+    print(f"{title}; {info.num_stages} stages{placed}, backward as {kind}; valid")
     print(schedules.format_grid(sched))
     print(timeline)
     if ns.timeline:
@@ -351,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pp", type=_positive_int, required=True, help="pipeline ranks p")
     s.add_argument("--microbatches", type=_positive_int, required=True, help="microbatches m")
     s.add_argument("--stages-per-rank", type=_positive_int, default=None,
-                   help="v: stages per rank (default 2 for interleaved_1f1b, else 1)")
+                   help="v: stages per rank (default 2 for interleaved_1f1b and zbv, else 1)")
     s.add_argument("--forward", type=_nonnegative_float, default=1.0, help="cost of one forward (default 1)")
     s.add_argument("--backward", type=_nonnegative_float, default=2.0, help="cost of one backward (default 2)")
     s.add_argument("--comm", type=_nonnegative_float, default=0.0, help="cost of one cross-rank transfer (default 0)")

@@ -139,7 +139,7 @@ def mixed_precision_reference(model, args, target, loss_fn, param_dtype=torch.bf
     cast = {k: p.to(param_dtype) if p.is_floating_point() else p for k, p in params.items()}
     args = tuple(a.to(param_dtype) if a.is_floating_point() else a for a in args)
     out = torch.func.functional_call(model, cast, args, tie_weights=True)
-    loss = loss_fn(out.float(), target)
+    loss = loss_fn(out.float() if isinstance(out, torch.Tensor) else out, target)  # else: loss_fn casts
     grads = torch.autograd.grad(loss, list(params.values()))
     return float(loss.detach()), dict(zip(params, grads))
 
@@ -197,6 +197,69 @@ def test_mp_policy_matches_the_same_casts_in_one_process():
             loss, grads, matmul_dtypes, fp32 = r[label]
             where = f"{label} rank {rank}"
             assert fp32, f"{where}: optimizer-visible parameters or their grads are not float32"
+            assert matmul_dtypes == {torch.bfloat16}, f"{where}: matrix products ran in {matmul_dtypes}"
+            assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), (where, loss, ref_loss)
+            gaps = {k: _gap(grads[k], g, floor) for k, g in ref_grads.items()}
+            worst = max(gaps, key=gaps.get)
+            assert gaps[worst] <= GRAD_RTOL, f"{where}: gradient {worst} off by {gaps[worst]:.3g}"
+            assert _whole_gap(grads, ref_grads) <= WHOLE_RTOL, where
+
+
+# ------------------------------------------------------------------------------------------------
+# mp_policy on a torch.export graph (HF Llama): dtypes the model reads at trace time
+# ([Note: tracing under a parameter dtype] in fxsplit.graph.trace)
+
+
+def _llama():
+    from fxsplit.testing import hf_zoo
+
+    torch.manual_seed(0)
+    model, (x,), _ = hf_zoo.tiny_llama(num_hidden_layers=2, batch_size=4, seq_len=8)
+    y = torch.randint(0, model.config.vocab_size, x.shape, generator=torch.Generator().manual_seed(2))
+    return model, x, y
+
+
+def _lm_loss(out, y):
+    return torch.nn.functional.cross_entropy(out["logits"].flatten(0, 1).float(), y.flatten())
+
+
+def _llama_step(rank, world):
+    out = {}
+    for label, opts in LAYOUTS.items():
+        model, x, y = _llama()
+        pm = fxsplit.parallelize(model, (x,), loss_fn=_lm_loss, timeout=60, mp_policy=POLICY,
+                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
+        with _MatmulDtypes() as seen:
+            loss = pm.step(x, target=y)
+        with torch.no_grad():
+            for p in pm.parameters():
+                p.copy_(p.grad)
+        out[label] = (float(loss), pm.full_state_dict(), seen.dtypes)
+    return out
+
+
+def test_mp_policy_export_graph_computes_in_bf16_like_eager():
+    """One process, no split: the exported Llama under the policy gives the eager model's bf16
+    logits bit for bit (RMSNorm's cast back to the input dtype and the rotary cos/sin are traced
+    for bf16, not baked as float32)."""
+    model, x, _ = _llama()
+    gm = fxsplit.plan(model, (x,), mp_policy=POLICY).stages.modules[0]
+    assert all(p.dtype == torch.float32 for p in gm.parameters())
+    cast = {k: p.to(torch.bfloat16) for k, p in model.named_parameters()}
+    want = torch.func.functional_call(model, cast, (x,)).logits.float()
+    assert torch.equal(gm(x)[0], want)
+
+
+@pytest.mark.dist
+def test_mp_policy_on_hf_llama_matches_one_process():
+    model, x, y = _llama()
+    ref_loss, ref_grads = mixed_precision_reference(model, (x,), y, _lm_loss)
+    floor = 1e-3 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
+    results = run_distributed(_llama_step, 4, timeout=300)
+    for label in LAYOUTS:
+        for rank, r in enumerate(results):
+            loss, grads, matmul_dtypes = r[label]
+            where = f"llama {label} rank {rank}"
             assert matmul_dtypes == {torch.bfloat16}, f"{where}: matrix products ran in {matmul_dtypes}"
             assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), (where, loss, ref_loss)
             gaps = {k: _gap(grads[k], g, floor) for k, g in ref_grads.items()}

@@ -243,3 +243,70 @@ def test_one_process_equals_the_model_on_the_stage_stream():
     (ref0, got0), (ref, got) = run_distributed(_single, 1, timeout=120)[0]
     assert got0 == ref0
     assert got == ref
+
+
+# ------------------------------------------------------------------------------------------------
+# more layouts: HF GPT-2 (export: aten.dropout, sdpa dropout_p), sequence parallelism, dp=2
+
+
+def _hf_gpt2(seed, **options):
+    from fxsplit.testing import hf_zoo
+
+    torch.manual_seed(0)
+    model, args, kwargs = hf_zoo.make_hf("gpt2", resid_pdrop=0.2, attn_pdrop=0.2, embd_pdrop=0.2)
+    model.train()
+    loss_fn = lambda out, y: nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # noqa: E731
+    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, seed=seed, timeout=60,
+                             hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **options)
+    x, mask = args[0], kwargs["attention_mask"]
+    g = torch.Generator().manual_seed(3)
+    y = torch.randint(0, 256, x.shape, generator=g)
+    losses = []
+    for _ in range(2):
+        pm.zero_grad()
+        losses.append(pm.step(x, attention_mask=mask, target=y).item())
+    return pm, losses
+
+
+def _layouts_worker(rank, world):
+    out = {}
+    for label, opts in {"hf-tp2-pp2": dict(tp=2, pp=2, microbatches=2),
+                        "hf-dp2-pp2": dict(dp=2, pp=2, microbatches=2)}.items():
+        pm, a = _hf_gpt2(3, **opts)
+        _, b = _hf_gpt2(3, **opts)
+        c = _hf_gpt2(4, **opts)[1] if opts.get("tp") else None
+        out[label] = dict(losses=(a, b, c), coords=pm.coords, replicated=_replicated_grads(pm))
+    pm = _parallel(1, sequence_parallel=True, microbatches=2)
+    a = _losses(pm)
+    out["sp"] = dict(losses=(a, _losses(_parallel(1, sequence_parallel=True, microbatches=2))), coords=pm.coords,
+                     replicated=_replicated_grads(pm))
+    return out
+
+
+def _replicated_grads(pm):
+    """The gradients of the parameters the TP plan leaves whole (the same on every tp rank if the
+    replicated regions drew alike)."""
+    sharded = set(pm.plan.tp_plan.param_specs)
+    return {(s, n): p.grad.clone() for s, sm in pm.local_stage_graphs().items()
+            for n, p in sm.named_parameters() if p.grad is not None and n not in sharded}
+
+
+@pytest.mark.dist
+def test_streams_on_hf_gpt2_sequence_parallel_and_dp():
+    ranks = run_distributed(_layouts_worker, 4, timeout=420)
+    for label in ("hf-tp2-pp2", "hf-dp2-pp2"):
+        for r in ranks:
+            a, b, c = r[label]["losses"]
+            assert a == b, (label, a, b)  # same seed: bit-identical losses
+            assert c is None or a != c, label  # another seed: other masks
+            assert a[0] != a[1], label  # the same batch at the next step draws new masks
+        assert all(q[label]["losses"] == ranks[0][label]["losses"] for q in ranks), label
+    for label in ("hf-tp2-pp2", "sp"):
+        for pp in (0, 1):
+            ga, gb = [r[label]["replicated"] for r in ranks if r[label]["coords"]["pp"] == pp]
+            assert ga and set(ga) == set(gb), label
+            for k in ga:  # the tp replicas of a replicated parameter never diverge
+                assert torch.equal(ga[k], gb[k]), (label, pp, k)
+    for r in ranks:
+        a, b = r["sp"]["losses"]
+        assert a == b and a[0] != a[1]

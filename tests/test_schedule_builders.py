@@ -89,7 +89,7 @@ def test_1f1b_with_several_stages_is_interleaved_and_gpipe_loops():
 
 def test_build_errors():
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'; valid names: gpipe, 1f1b, "
-                                         "interleaved_1f1b, zb_h1"):
+                                         "interleaved_1f1b, zb_h1, zbv, zb_auto"):
         build("pipedream", 2, 2)
     with pytest.raises(ValueError, match="num_microbatches must be an int >= 1, got 0"):
         build("1f1b", 2, 0)
@@ -100,7 +100,26 @@ def test_build_errors():
     with pytest.raises(ValueError, match="remainder must be one of"):
         build("interleaved_1f1b", 2, 3, 2, remainder="back")
     assert build("Interleaved-1F1B", 2, 2, 2) == build("interleaved_1f1b", 2, 2, 2)
-    assert schedules.NAMES == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+    assert schedules.NAMES == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "zb_auto")
+    with pytest.raises(ValueError, match="zbv places exactly 2 stages per rank in a V, got stages_per_rank=3"):
+        build("zbv", 2, 4, 3)
+    with pytest.raises(ValueError, match="zbv places exactly 2 stages per rank"):
+        schedules.placement("zbv", 2, 1)
+
+
+def test_zbv_validates_with_its_v_placement():
+    for p in range(1, 9):
+        v_shape = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+        assert schedules.placement("zbv", p) == schedules.v_placement(p) == v_shape
+        assert schedules.placement("1f1b", p) == tuple(range(p))
+        assert schedules.placement("interleaved_1f1b", p, 2) == tuple(s % p for s in range(2 * p))
+        for m in range(1, 4 * p + 1):
+            s = build("zbv", p, m)
+            info = validate(s, num_stages=2 * p, num_microbatches=m)
+            assert info.stage_ranks == v_shape and info.split_backward, (p, m)
+            assert all(a.kind is not ActionKind.BACKWARD for row in s for a in row)
+            # the last stage (the loss) is on rank 0, next to the first
+            assert info.stage_ranks[0] == info.stage_ranks[-1] == 0
 
 
 def test_peak_order_properties_of_1f1b():
@@ -131,6 +150,10 @@ GOLDEN = {
 -   1F0 1F1 -   1I0 1F2 1I1 1W0 1I2 1W1 1W2
 -   -   2F0 2I0 2F1 2I1 2F2 2I2 2W0 2W1 2W2
 """,
+    'zbv p=2 m=4': """
+0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3
+-   1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3
+""",
 }
 # END GOLDEN
 
@@ -139,6 +162,7 @@ GOLDEN_CASES = {
     "gpipe p=2 m=3": ("gpipe", 2, 3, 1),
     "interleaved p=2 v=2 m=3": ("interleaved_1f1b", 2, 3, 2),
     "zb_h1 p=3 m=3": ("zb_h1", 3, 3, 1),
+    "zbv p=2 m=4": ("zbv", 2, 4, 2),
 }
 
 

@@ -18,7 +18,7 @@ def test_format_grid_aligned_and_raw():
 
 
 def test_timeline_png_is_written(tmp_path):
-    for name, v in [("interleaved_1f1b", 2), ("zb_h1", 1)]:
+    for name, v in [("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("zb_auto", 1)]:
         t = simulate(build(name, 3, 4, v), comm=0.05)
         path = tmp_path / f"{name}.png"
         assert timeline_png(t, path) == str(path)
@@ -34,3 +34,6 @@ def test_facade():
     assert str(schedules.Action.parse("2F0")) == "2F0"
     assert schedules.build("gpipe", 2, 2) == schedules.gpipe(2, 2)
     assert schedules.stage_to_rank(5, 2) == 1
+    assert schedules.build("zbv", 2, 4) == schedules.zbv(2, 4)
+    grid = format_grid(schedules.zbv(2, 3)).split("\n")
+    assert grid[2].startswith("rank 0 |  0F0   0F1   0F2   3F0   3I0   3W0")

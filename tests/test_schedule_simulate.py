@@ -163,3 +163,45 @@ def test_random_schedules_and_costs(name, p, v, extra, f, i, w, comm):
     if name == "zb_h1":  # splitting the backward never makes ZB-H1 slower than 1F1B
         base = simulate(build("1f1b", p, m), forward=f, backward=i + w, comm=comm)
         assert t.makespan <= base.makespan + 1e-9
+
+
+def test_zbv_closed_form_and_memory():
+    # Qi et al.'s ZB-V with F = I = W: no rank idles inside its active window; the only bubble is
+    # the last rank's start, (p-1) forwards of one stage (half a rank share) -- half of ZB-H1's.
+    for p in range(1, 7):
+        for m in range(2 * p - 1, 3 * p + 2):
+            c = 1.5  # a rank's share (two stages of c/2 each) costs c for each of F, I, W
+            kw = dict(forward=c, backward=2 * c, backward_input=c, backward_weight=c)
+            t = simulate(build("zbv", p, m), **kw)
+            assert t.makespan == approx(m * 3 * c + (p - 1) * c / 2), (p, m)
+            assert t.idle_active == approx((0.0,) * p), (p, m)
+            assert list(t.peak_inflight) == approx([p] * p)  # 1F1B's rank 0, on every rank
+            if p > 1:
+                assert t.makespan < simulate(build("zb_h1", p, m), **kw).makespan
+    # fewer microbatches than the warm-up needs: still valid, never slower than ZB-H1
+    for p in range(2, 6):
+        for m in range(1, 2 * p - 1):
+            kw = dict(forward=1.0, backward=2.0)
+            assert simulate(build("zbv", p, m), **kw).makespan <= simulate(build("zb_h1", p, m), **kw).makespan
+
+
+def test_per_stage_costs():
+    s = build("zbv", 3, 6)
+    scalar = simulate(s, forward=2.0, backward=4.0, comm=0.25, backward_input=1.5)
+    per_stage = simulate(s, forward=[1.0] * 6, backward=[2.0] * 6, comm=[0.25] * 6, backward_input=[0.75] * 6)
+    assert [(e.rank, e.action, e.start, e.end) for e in per_stage.events] == \
+        [(e.rank, e.action, e.start, e.end) for e in scalar.events]
+    assert per_stage.costs == () and "per-stage costs" in str(per_stage)
+    assert dict(scalar.costs) == {"F": 2.0, "I": 1.5, "W": 2.5}
+    assert dict(per_stage.stage_costs[4]) == {"F": 1.0, "I": 0.75, "W": 1.25}
+    # one slow stage: by hand for 1F1B, p = 2, m = 1 (F0 F1 B1 B0 in a chain, two messages)
+    t = simulate(build("1f1b", 2, 1), forward=[1.0, 3.0], backward=[2.0, 5.0], comm=[0.5, 0.25])
+    assert t.makespan == approx(1.0 + 0.5 + 3.0 + 5.0 + 0.25 + 2.0)
+    # I and W per stage, B from them
+    t = simulate(build("zb_h1", 2, 2), forward=[1.0, 1.0], backward=None, backward_input=[1.0, 2.0],
+                 backward_weight=[0.5, 3.0])
+    assert dict(t.stage_costs[1]) == {"F": 1.0, "I": 2.0, "W": 3.0}
+    with pytest.raises(ValueError, match="forward has 3 values for 2 stages"):
+        simulate(build("1f1b", 2, 2), forward=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="comm must be >= 0"):
+        simulate(build("1f1b", 2, 2), comm=[0.0, -1.0])

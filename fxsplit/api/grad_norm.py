@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["norm_parameters", "global_norm", "scale_grads", "check_norm_type"]
+__all__ = ["norm_parameters", "global_norm", "scale_grads", "check_norm_type", "agree_nonfinite"]
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (total_norm + 1e-6)
 
@@ -116,3 +116,36 @@ def scale_grads(params: Iterable[nn.Parameter], max_norm: float, total_norm: tor
     for param in params:
         if param.grad is not None:
             param.grad.mul_(coef.to(param.grad.device))
+
+
+@torch.no_grad()
+def agree_nonfinite(params: Iterable[nn.Parameter], *, group: Any, device: torch.device | str = "cpu") -> bool:
+    """Whether any rank of ``group`` holds a non-finite gradient; if one does, make one of this
+    rank's gradients non-finite too, so that every rank's ``GradScaler`` skips the step.
+
+    [Note: one skip decision for a GradScaler]
+    ``torch.amp.GradScaler.step(optimizer)`` unscales the gradients the optimizer holds, skips the
+    step if any is inf/nan, and ``update()`` then halves the scale; the test sees only this rank's
+    gradients. On a split model an overflow on one stage or shard (a weight gradient overflowing
+    in float16 while the input gradients it sends stay finite, say) would make that rank skip and
+    the others step: the replicas of tp-replicated and tied parameters drift apart, and the
+    ranks' scales differ from then on. Megatron and FSDP's ``ShardedGradScaler`` all-reduce the
+    found-inf flag inside their own scaler; to keep the user's plain ``torch.amp.GradScaler``
+    (and its public API: scale, unscale_, step, update) we agree BEFORE it looks: one MAX
+    all-reduce of a local "some gradient is not finite" flag over all ranks, and a rank that
+    found none but learns that another did sets one element of its first gradient to inf. Its
+    scaler then skips and backs off exactly as the others do; the poisoned gradient is never
+    applied (the step is skipped) and is zeroed with the rest before the next step.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        if g.numel() and not torch.isfinite(g).all():
+            local.fill_(1.0)
+            break
+    found = local.clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    if found.item() and not local.item() and grads:
+        grads[0].view(-1)[0] = math.inf
+    return bool(found.item())

@@ -80,9 +80,17 @@ class ParallelModel(nn.Module):
     # of that rank is destroyed then, so this model cannot run again.
     _failure: str | None = None
 
-    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+    def step(self, *args: Any, target: Any = None, scaler: torch.amp.GradScaler | None = None,
+             **kwargs: Any) -> torch.Tensor:
         """Forward + backward over all microbatches; returns the full-batch loss on every rank
         (averaged over data-parallel replicas). Gradients land in ``self.parameters()``.
+
+        ``scaler``: a ``torch.amp.GradScaler`` (float16 training): backward runs from the loss
+        times the scaler's scale (what ``scaler.scale(loss).backward()`` does in one process;
+        the returned loss is unscaled), and the inf check is agreed over all ranks so that
+        ``scaler.step(optimizer)`` skips on every rank or on none ([Note: one skip decision for a
+        GradScaler] in :mod:`fxsplit.api.grad_norm`). Then, as usual: ``scaler.unscale_(opt)``
+        (before :meth:`clip_grad_norm_`), ``scaler.step(opt)``, ``scaler.update()``.
 
         Any batch size B >= m and any sequence length the model allows run without re-planning
         (batch and sequence are traced as symbols). B need not divide by m: the microbatches
@@ -97,7 +105,7 @@ class ParallelModel(nn.Module):
             )
         self._check_usable("step")
         t0 = time.perf_counter()
-        error, loss = None, None
+        error, loss, loss_scale = None, None, None
         try:
             flat = self._flat(args, kwargs)
             check_batch(flat, self.plan, "step")
@@ -106,16 +114,22 @@ class ParallelModel(nn.Module):
                     "step(): this rank holds the last stage, which computes the loss, and needs the "
                     "target: pass step(inputs, target=...) (on every rank is simplest)"
                 )
+            loss_scale = self._loss_scale(scaler)
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
         self._agree(error, False, "step")  # before the runtime: no rank enters it alone
         try:
             with self._bound():
-                loss = self._runtime.step(flat, target=target)
+                loss = self._runtime.step(flat, target=target, loss_scale=loss_scale)
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
         self._agree(error, True, "step")
         self._sync_grads()
+        if loss_scale is not None:
+            from fxsplit.api.grad_norm import agree_nonfinite
+
+            agree_nonfinite(self.parameters(), group=dist.group.WORLD if dist.is_initialized() else None,
+                            device=self._runtime.device)
         dp = self._groups.get("dp")
         if dp is not None and dist.get_world_size(dp) > 1:
             loss = loss.detach().clone()
@@ -131,6 +145,17 @@ class ParallelModel(nn.Module):
                 self._steps, float(loss), self.last_step_seconds, 100 * self.last_bubble,
             )
         return loss
+
+    def _loss_scale(self, scaler: Any) -> torch.Tensor | None:
+        """The scale backward starts from: ``scaler.scale(1)`` on this rank's device (which also
+        initializes the scaler's state, as ``scaler.scale(loss)`` would), None without a scaler."""
+        if scaler is None:
+            return None
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"step(scaler=...) takes a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if not scaler.is_enabled():
+            return None
+        return scaler.scale(torch.ones((), dtype=torch.float32, device=self._runtime.device))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference through the pipeline; the output in the model's own structure, on every rank.

@@ -39,7 +39,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
     schedule: str = "interleaved_1f1b"  # one of fxsplit.schedule.NAMES
-    stages_per_rank: int | None = None  # v; default 2 for interleaved_1f1b with pp > 1, else 1
+    stages_per_rank: int | None = None  # v; default 2 for interleaved_1f1b with pp > 1 and for zbv, else 1
     passes: tuple[Callable, ...] = ()  # user passes (gm, ctx) -> PassResult, run first
     split_points: tuple[str, ...] | None = None  # module paths where stages must start
     tp_plan: Mapping[str, str] | None = None  # module-path pattern -> style overrides
@@ -118,13 +118,18 @@ class ParallelConfig:
         m = self.microbatches if self.microbatches is not None else (1 if self.pp == 1 else 2 * self.pp)
         v = self.stages_per_rank
         if v is None:
-            v = 2 if (self.schedule == "interleaved_1f1b" and self.pp > 1) else 1
+            v = 2 if (self.schedule == "interleaved_1f1b" and self.pp > 1) or self.schedule == "zbv" else 1
         schedule = self.schedule
         if self.pp == 1 and schedule == "interleaved_1f1b":
             schedule = "1f1b"  # one pipeline rank: nothing to interleave
         if schedule == "interleaved_1f1b" and v < 2:
             raise PlanError(f"interleaved_1f1b needs stages_per_rank >= 2 (got {v}); use schedule='1f1b' "
                             "for one stage per rank")
+        if schedule == "zbv" and v != 2:
+            raise PlanError(f"zbv places exactly 2 stages per rank in a V (got stages_per_rank={v}); leave "
+                            "stages_per_rank unset")
+        if schedule in ("zb_h1", "zb_auto") and v != 1:
+            raise PlanError(f"{schedule} runs one stage per rank (got stages_per_rank={v}); use schedule='zbv' for two")
         if (m, v, schedule) == (self.microbatches, self.stages_per_rank, self.schedule):
             return self
         return dataclasses.replace(self, microbatches=m, stages_per_rank=v, schedule=schedule)

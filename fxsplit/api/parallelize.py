@@ -138,7 +138,7 @@ def parallelize(
     specs = the_plan.tp_plan.param_specs
     full_shapes = {k: tuple(v) for k, v in the_plan.tp_plan.full_shapes.items()}
     pp_rank = coords["pp"]
-    mine = [s for s in range(c.num_stages) if s % c.pp == pp_rank]
+    mine = the_plan.stages_of(pp_rank)
     stages = {
         s: _materialize(the_plan.stages.modules[s], specs=specs, tp_rank=coords["tp"], source=model, device=device,
                         full_shapes=full_shapes, seed_names=_tied_seed_names(the_plan.stages.shared_params, s))

@@ -2,7 +2,8 @@
 
 Terms: d, t, p data-, tensor- and pipeline-parallel degrees (world size d * t * p, mesh dims
 ("dp", "pp", "tp"), tp innermost); v stages per pipeline rank (S = p * v stages, rank r holds
-stages r, r + p, ...); m microbatches per step.
+stages r, r + p, ..., or those the schedule places on it: ``Plan.stage_ranks``, ZB-V's V);
+m microbatches per step.
 
     plan = fxsplit.plan(model, (idx,), tp=2, pp=2)        # pure: trace -> passes -> TP -> split -> schedule
     print(plan); plan.simulate(); plan.to_dot("g.dot"); plan.timeline("pp.png")
@@ -63,6 +64,16 @@ class Plan:
     plan_seconds: float = 0.0
     comm: tuple[CommPlan, ...] = ()
     forward_comm: tuple[CommPlan, ...] = ()
+    stage_ranks: tuple[int, ...] = ()  # rank of every stage, chosen by the schedule (schedule.placement)
+
+    def __post_init__(self) -> None:
+        if not self.stage_ranks:
+            p = self.config.pp
+            object.__setattr__(self, "stage_ranks", tuple(s % p for s in range(self.stages.num_stages)))
+
+    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank ``pp_rank`` holds, in order."""
+        return tuple(s for s, r in enumerate(self.stage_ranks) if r == pp_rank)
 
     def rank_plan(self, pp_rank: int) -> RankPlan:
         """Pipeline rank ``pp_rank``'s part of the plan: what its runtime runs."""
@@ -70,7 +81,7 @@ class Plan:
         if not 0 <= pp_rank < p:
             raise IndexError(f"pp_rank {pp_rank} out of range: pp={p}")
         g = self.stages
-        return RankPlan(rank=pp_rank, num_ranks=p, stage_ranks=tuple(s % p for s in range(g.num_stages)), io=g.io,
+        return RankPlan(rank=pp_rank, num_ranks=p, stage_ranks=self.stage_ranks, io=g.io,
                         input_meta=g.input_meta, shared_params=g.shared_params, output_spec=g.output_spec,
                         schedule=tuple(tuple(row) for row in self.schedule), train=self.comm[pp_rank],
                         forward=self.forward_comm[pp_rank])
@@ -86,19 +97,19 @@ class Plan:
         return self.stages.modules[stage]
 
     def simulate(self, comm: float | None = None):
-        """The schedule simulated with the split's estimated stage times (one rank's share costs
-        v x the bottleneck stage; forward 1/3, backward 2/3 of it, plus the bottleneck stage's
-        activation recompute, charged to the backward)."""
-        v = self.config.stages_per_rank
-        neck = max(self.split.stages, key=lambda s: s.time)
-        recompute = neck.recompute_time * v
-        per_rank = neck.time * v - recompute
-        link = self.split.problem.bandwidth if self.split.problem is not None else float("inf")
-        if comm is None:
-            boundary = max((s.bytes_out for s in self.split.stages), default=0.0)
-            comm = boundary / link if link not in (0.0, float("inf")) else 0.0
-        return _schedules.simulate(self.schedule, forward=per_rank / 3, backward=2 * per_rank / 3, comm=comm,
-                                   recompute=recompute)
+        """The schedule simulated with the split's per-stage estimates: each stage's F, I and W
+        seconds ([Note: F, I, W estimates] in fxsplit.pipeline.split) and the time to send its
+        output over the link (or ``comm`` seconds for every message)."""
+        costs = self.stage_costs()
+        return _schedules.simulate(
+            self.schedule, forward=costs["forward"], backward=costs["backward"], backward_input=costs["backward_input"],
+            backward_weight=costs["backward_weight"], comm=costs["comm"] if comm is None else comm)
+
+    def stage_costs(self) -> dict[str, tuple[float, ...]]:
+        """Per-stage seconds per microbatch: ``forward``, ``backward`` (= I + W),
+        ``backward_input``, ``backward_weight``, and ``comm`` (sending the stage's output), as the
+        simulator and ``zb_auto`` take them (see :func:`stage_costs`)."""
+        return stage_costs(self.split)
 
     def to_dot(self, path: str | None = None) -> str:
         return self.split.to_dot(self.graph, path)
@@ -157,7 +168,8 @@ def plan(
     t0 = time.perf_counter()
     config = make_config(config, options, where="plan").resolved()
     hardware = config.hardware if config.hardware is not None else Hardware()
-    gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules)
+    gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules,
+               param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None)
     ctx = PassContext(
         example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
         example_kwargs=dict(example_kwargs or {}),
@@ -180,15 +192,15 @@ def plan(
         pipeline.append(functools.partial(mixed_precision, param_dtype=config.mp_policy.param_dtype))
     from fxsplit.passes.pipeline_split import pipeline_split
 
-    sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
-    modes = _checkpoint_modes(config, sched)
-
+    stage_ranks = _schedules.placement(config.schedule, config.pp, config.stages_per_rank)
+    modes = _checkpoint_modes(config)
     pipeline.append(
         functools.partial(
             pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
             schedule=config.schedule, num_microbatches=config.microbatches,
             memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
-            cut_at=config.cut_at, activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
+            cut_at=config.cut_at, stage_ranks=stage_ranks,
+            activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
         )
     )
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
@@ -198,20 +210,30 @@ def plan(
     split = ctx.report["pipeline_split"]
     stages = split.build(gm)
     _checkpoint_stages(stages, split.checkpointing, config.debug, ctx)
-    _schedules.validate(sched)
-    comm = {fwd: plan_all_communication(sched, stages.io, num_ranks=config.pp, forward_only=fwd) for fwd in (False, True)}
+    sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank,
+                             **_schedule_options(config, split))
+    placed = _schedules.validate(sched).stage_ranks
+    if placed != stage_ranks:  # the builder and its placement agree (a bug of fxsplit otherwise)
+        raise PlanError(f"schedule {config.schedule!r} runs stages on ranks {placed}, but its placement is {stage_ranks}")
+    comm = {fwd: plan_all_communication(sched, stages.io, num_ranks=config.pp, rank_of_stage=stage_ranks.__getitem__,
+                                        forward_only=fwd) for fwd in (False, True)}
     return Plan(
         config=config, graph=gm, split=split, stages=stages, schedule=sched, tp_plan=tp_result,
         pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0, comm=comm[False],
-        forward_comm=comm[True],
+        forward_comm=comm[True], stage_ranks=stage_ranks,
     )
 
 
-def _checkpoint_modes(config: ParallelConfig, sched: list) -> tuple[str, ...]:
+def _checkpoint_modes(config: ParallelConfig) -> tuple[str, ...]:
     """The checkpointing modes the schedule can run: torch's selective checkpoint allows one
     backward per region, and a split backward (I, then W) runs two, so "selective" is refused
-    there ("auto" chooses between "none" and "full")."""
-    split = any(a is not None and a.kind is _schedules.ActionKind.BACKWARD_INPUT for row in sched for a in row)
+    there ("auto" chooses between "none" and "full"). ``zb_auto`` is built from the split's
+    costs, after it; it splits the backward like the other zero-bubble schedules."""
+    if config.schedule == "zb_auto":
+        split = True
+    else:
+        probe = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
+        split = any(a is not None and a.kind is _schedules.ActionKind.BACKWARD_INPUT for row in probe for a in row)
     if not split:
         return ("none", "selective", "full")
     if config.activation_checkpointing == "selective":
@@ -235,6 +257,44 @@ def _checkpoint_stages(stages: StageGraphs, modes: tuple[str, ...], debug: str |
         if mode != "none":
             PassManager([functools.partial(activation_checkpointing, mode=mode)],
                         debug=str(Path(debug) / f"stage_{s}") if debug else False)(gm, ctx)
+
+
+def stage_costs(split: SplitPlan) -> dict[str, tuple[float, ...]]:
+    """The split's per-stage estimates ([Note: F, I, W estimates] in fxsplit.pipeline.split) as
+    ``{"forward", "backward", "backward_input", "backward_weight", "comm": one value per stage}``.
+    A stage whose cost model gives no forward time (a stand-in without costs) gets a third of its
+    time for each of F, I and W."""
+    out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "backward_input", "backward_weight", "comm")}
+    for st in split.stages:
+        f, i, w = st.forward_time, st.input_grad_time, st.weight_grad_time
+        if f + i + w <= 0:
+            f = i = w = st.time / 3
+        out["forward"].append(f)
+        out["backward_input"].append(i)
+        out["backward_weight"].append(w)
+        out["backward"].append(i + w)
+        out["comm"].append(st.comm_time)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _schedule_options(config: ParallelConfig, split: SplitPlan) -> dict[str, Any]:
+    """What a cost-driven schedule (``zb_auto``) is built from: the split's per-stage F, I, W and
+    comm estimates and, per rank, how many microbatches' activations fit: with ``memory_limit``,
+    ``(limit - training state of the stage's parameters) // activation bytes per microbatch``
+    (the split fitted p of them, so at least p); without it p, 1F1B's peak (ZB-1p)."""
+    if config.schedule != "zb_auto":
+        return {}
+    costs = stage_costs(split)
+    m, p = config.microbatches, config.pp
+    limits = [p] * p
+    if config.memory_limit is not None and split.problem is not None:
+        state = split.problem.state_bytes_per_param_byte
+        for st in split.stages:
+            room = config.memory_limit - state * st.param_bytes
+            fit = int(room // st.activation_bytes) if st.activation_bytes > 0 else m
+            limits[st.rank] = max(p, min(fit, m))
+    return dict(forward=costs["forward"], backward_input=costs["backward_input"],
+                backward_weight=costs["backward_weight"], comm=costs["comm"], max_inflight=tuple(limits))
 
 
 def _loss_seconds(gm: torch.fx.GraphModule, hardware: Hardware) -> float:

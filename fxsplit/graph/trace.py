@@ -22,6 +22,7 @@ is computed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
 import logging
@@ -359,7 +360,78 @@ _WIDE_NOTE = f" (the example batch of 1 traced as {_WIDE_BATCH}, so the batch si
 # export
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torch.fx.GraphModule:
+# [Note: tracing under a parameter dtype]
+# torch.export bakes dtypes into the graph: HF's RMSNorm computes ``w * x.to(input_dtype)`` with
+# ``input_dtype = x.dtype`` read while tracing, rotary embeddings return ``cos.to(x.dtype)``. A
+# graph traced with float32 parameters says ``.to(torch.float32)`` there, so casting its parameter
+# reads to bfloat16 afterwards (mixed precision) mixes dtypes (``weight_bf16 * x_fp32`` is float32,
+# and the next matmul with a bfloat16 weight fails), where the eager model under FSDP's
+# MixedPrecisionPolicy would have computed in bfloat16. So with ``param_dtype`` the model is
+# exported as that policy runs it: every floating parameter cast to ``param_dtype`` (one copy per
+# tensor, so tied weights stay tied; free on the meta device) and every floating input too
+# (``cast_forward_inputs``), so the model's own dtype logic is traced for the compute dtype (its
+# deliberate float32 upcasts in norms and softmax stay). Then the interface is put back: the
+# graph module holds the original float32 parameters and its parameter reads and floating
+# placeholders say so in ``meta["val"]``, where the mixed-precision pass inserts the casts
+# (``passes/mixed_precision.py``). fx graphs read ``x.dtype`` at run time and need none of this.
+
+
+@contextlib.contextmanager
+def _parameters_in(model: nn.Module, dtype: torch.dtype | None):
+    """Within: ``model``'s floating parameters replaced by ``dtype`` copies (the same copy for a
+    tensor reached by several names). Yields {id(copy): original}."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    copies: dict[int, nn.Parameter] = {}
+    originals: dict[int, nn.Parameter] = {}
+    if dtype is not None:
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is None or not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                if id(p) not in copies:
+                    copies[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                    originals[id(copies[id(p)])] = p
+                swapped.append((mod, name, p))
+                mod._parameters[name] = copies[id(p)]
+    try:
+        yield originals
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
+
+
+def _cast_inputs(tree: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return tree
+    return torch.utils._pytree.tree_map(
+        lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, tree)
+
+
+def _restore_parameters(gm: torch.fx.GraphModule, originals: Mapping[int, nn.Parameter]) -> None:
+    """Put the original parameters back into the exported module, and their dtype into the
+    metadata of their reads and of the floating placeholders ([Note: tracing under a parameter dtype])."""
+    if not originals:
+        return
+    for mod in gm.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and id(p) in originals:
+                mod._parameters[name] = originals[id(p)]
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        if node.op == "get_attr":
+            target = gm
+            for part in str(node.target).split("."):
+                target = getattr(target, part)
+            if isinstance(target, torch.Tensor) and target.dtype != val.dtype:
+                node.meta["val"] = val.to(target.dtype)
+        elif node.op == "placeholder":
+            node.meta["val"] = val.to(node.meta.get("fxsplit_input_dtype", val.dtype))
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
+            param_dtype: torch.dtype | None = None) -> torch.fx.GraphModule:
     from torch.export import Dim
 
     dyn_spec = None
@@ -373,11 +445,26 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> torch
             else:
                 spec[name] = None
         dyn_spec = spec
-    ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dyn_spec)
-    try:
-        gm = ep.module(check_guards=False)
-    except TypeError:  # older torch: no check_guards argument
-        gm = ep.module()
+    input_dtypes = [v.dtype if isinstance(v, torch.Tensor) else None
+                    for v in torch.utils._pytree.tree_leaves((args, kwargs))]
+    with _parameters_in(model, param_dtype) as originals:
+        ep = torch.export.export(model, _cast_inputs(args, param_dtype), _cast_inputs(kwargs, param_dtype),
+                                 strict=False, dynamic_shapes=dyn_spec)
+        try:
+            gm = ep.module(check_guards=False)
+        except TypeError:  # older torch: no check_guards argument
+            gm = ep.module()
+    if param_dtype is not None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        floating = {d for d in input_dtypes if d is not None and d.is_floating_point}
+        for i, n in enumerate(placeholders):  # the dtype the caller passes (one, or by position)
+            dtype = next(iter(floating)) if len(floating) == 1 else (
+                input_dtypes[i] if len(placeholders) == len(input_dtypes) else None)
+            if dtype is not None:
+                n.meta["fxsplit_input_dtype"] = dtype
+        _restore_parameters(gm, originals)
+        for n in placeholders:
+            n.meta.pop("fxsplit_input_dtype", None)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn":
             gm.graph.erase_node(node)
@@ -425,6 +512,7 @@ def trace(
     method: str = "auto",
     leaf_modules: Iterable[Any] = (),
     dynamic: bool = True,
+    param_dtype: torch.dtype | None = None,
 ) -> torch.fx.GraphModule:
     """Trace ``model`` into a GraphModule whose every node carries fxsplit metadata.
 
@@ -437,6 +525,9 @@ def trace(
         dynamic: trace batch (dim 0) and sequence (dim 1 of integer inputs) as symbols; an
             example batch of one sample is traced as two so that it does not fix the batch size
             ([Note: batch of one]).
+        param_dtype: the compute dtype of mixed precision (``MixedPrecisionPolicy.param_dtype``):
+            torch.export traces the model with its parameters and floating inputs in it, then
+            puts the originals back ([Note: tracing under a parameter dtype]); fx needs nothing.
 
     Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.graph.meta.TraceInfo` and whose
     nodes have ``meta["fxsplit"]`` (:class:`fxsplit.graph.meta.NodeInfo`) and ``meta["val"]``. Calling it
@@ -479,12 +570,12 @@ def trace(
             note = " (with config.use_cache=False: torch.export cannot output a key/value cache)"
         try:
             try:
-                gm = _export(model, wide_args, wide_kwargs, dynamic)
+                gm = _export(model, wide_args, wide_kwargs, dynamic, param_dtype)
                 note += _WIDE_NOTE if widened else ""
             except Exception:
                 if not dynamic:
                     raise
-                gm = _export(model, args, kwargs, False)  # a model that cannot take symbolic sizes
+                gm = _export(model, args, kwargs, False, param_dtype)  # a model that cannot take symbolic sizes
                 note += " (static shapes: export failed with symbolic batch/sequence)"
         except Exception as exc:
             err = _export_error(exc, model, kwargs)

@@ -62,7 +62,9 @@ class PartitionProblem:
     ``cut_bytes``, ``allowed`` and ``cut_penalty`` are indexed by position (length ``n + 1``);
     ``allowed[0]`` and ``allowed[n]`` are ignored (the ends are always cuts). ``inflight`` is
     per rank: a tuple of length ``num_ranks``, a callable ``r -> float``, or None for
-    `inflight_1f1b`.
+    `inflight_1f1b`. ``stage_ranks`` is the rank of every stage (the schedule's placement,
+    ``fxsplit.schedule.placement``); None is ``s % num_ranks``. Every rank must hold
+    ``num_stages // num_ranks`` stages.
     """
 
     compute: tuple[float, ...]
@@ -79,6 +81,7 @@ class PartitionProblem:
     state_bytes_per_param_byte: float = 4.0
     inflight: Callable[[int], float] | tuple[float, ...] | None = None
     exact_budget: int = 300_000  # search steps of the exact v > 1 memory-capped search (~0.3 s)
+    stage_ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.compute)
@@ -126,6 +129,18 @@ class PartitionProblem:
                 f"it must be finite and >= 0")
         if isinstance(self.inflight, (tuple, list)):
             put("inflight", _floats("inflight", self.inflight, self.num_ranks, "one per rank"))
+        if self.stage_ranks is not None:
+            ranks = tuple(self.stage_ranks)
+            counts = [sum(1 for r in ranks if r == q) for q in range(self.num_ranks)]
+            if len(ranks) != self.num_stages or any(c != self.num_stages // self.num_ranks for c in counts):
+                raise PartitionError(
+                    f"stage_ranks = {ranks} must name a rank in 0..{self.num_ranks - 1} for each of the "
+                    f"{self.num_stages} stages, {self.num_stages // self.num_ranks} stages per rank")
+            put("stage_ranks", ranks)
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that holds ``stage`` (``stage_ranks``, default ``stage % num_ranks``)."""
+        return stage % self.num_ranks if self.stage_ranks is None else self.stage_ranks[stage]
 
     @property
     def n(self) -> int:
@@ -177,12 +192,15 @@ class Partition:
     def num_stages(self) -> int:
         return len(self.cuts) - 1
 
+    stage_ranks: tuple[int, ...] | None = None  # None: stage s on rank s % p
+
     def __str__(self) -> str:
         lines = [f"Partition({self.method}, exact={self.exact}): bottleneck {self.bottleneck:.6g} s, "
                  f"mean {self.mean:.6g} s, balance {self.balance:.4f}, fits memory: {self.fits_memory}"]
         p = len(self.rank_memory)
         for s, (a, b) in enumerate(zip(self.cuts, self.cuts[1:])):
-            lines.append(f"  stage {s:3d} (rank {s % p}): units [{a}, {b})  time {self.stage_time[s]:.6g} s"
+            rank = s % p if self.stage_ranks is None else self.stage_ranks[s]
+            lines.append(f"  stage {s:3d} (rank {rank}): units [{a}, {b})  time {self.stage_time[s]:.6g} s"
                          f"  memory {self.stage_memory[s]:.6g} B")
         return "\n".join(lines)
 
@@ -209,7 +227,8 @@ class Chain:
         self.A = [0.0, *accumulate(pb.activation_bytes)]
         self.state = pb.state_bytes_per_param_byte
         self.inflight = pb.inflight_per_rank()
-        self.factor = [self.inflight[s % p] for s in range(S)]
+        self.rank = [pb.rank_of(s) for s in range(S)]
+        self.factor = [self.inflight[self.rank[s]] for s in range(S)]
         self.ok = pb.cut_ok()
         self.Eok = [e if ok else INF for e, ok in zip(self.E, self.ok)]
         bounds = [0, *pb.forced, n]
@@ -397,12 +416,12 @@ def evaluate_cuts(ch: Chain, cuts: Sequence[int], method: str, exact: bool) -> P
     mems = tuple(ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:])))
     rank = [0.0] * ch.p
     for s, x in enumerate(mems):
-        rank[s % ch.p] += x
+        rank[ch.rank[s]] += x
     bott = max(times)
     mean = sum(times) / len(times)
     fits = pb.memory_limit is None or max(rank) <= pb.memory_limit
     return Partition(tuple(cuts), times, mems, tuple(rank), bott, mean,
-                     bott / mean if mean > 0 else 1.0, fits, exact, method)
+                     bott / mean if mean > 0 else 1.0, fits, exact, method, pb.stage_ranks)
 
 
 def search(check, first: float, top: float):

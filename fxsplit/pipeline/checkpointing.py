@@ -19,7 +19,8 @@ Units outside every region (the model's top-level ops) are "none" in every mode.
 inside a region makes two regions at run time; the model charges the region's inputs once, at its
 first unit. Not modelled: the one region's activations a backward holds while it recomputes it
 (transient, one layer per rank); a split backward (I then W, two autograd calls) recomputes
-twice, which the partition does not charge (the simulator does: B, I and W each pay it).
+twice, and only the first is charged. The recompute is part of the stage's I estimate
+(``StageSummary.input_grad_time``), so the simulator's B = I + W and I both pay it.
 - Stage time and memory per mode are those of the partition cost model over the mode's units;
   the whole chain of a uniform mode is one `PartitionProblem` (``problems[mode]``).
 
@@ -105,7 +106,7 @@ def _evaluate(chains: Mapping[str, Chain], cuts: Sequence[int], modes: Sequence[
     mems = tuple(chains[m].mem(s, a, b) for s, (m, a, b) in enumerate(zip(modes, cuts, cuts[1:])))
     rank = [0.0] * p
     for s, x in enumerate(mems):
-        rank[s % p] += x
+        rank[any_ch.rank[s]] += x
     bott, mean = max(times), sum(times) / len(times)
     return Partition(tuple(cuts), times, mems, tuple(rank), bott, mean, bott / mean if mean > 0 else 1.0,
                      L is None or max(rank) <= L, exact, "solve+checkpointing")
@@ -118,7 +119,7 @@ def _assign(chains: Mapping[str, Chain], cuts: Sequence[int]) -> tuple[str, ...]
     p, S, L = ch.p, ch.S, ch.pb.memory_limit
     modes = ["none"] * S
     for r in range(p):
-        stages = list(range(r, S, p))
+        stages = [s for s in range(S) if ch.rank[s] == r]
         allowed = [m for m in MODES if m in chains]
         options = (itertools.product(allowed, repeat=len(stages)) if len(stages) <= _MAX_ENUMERATED_V
                    else ((m,) * len(stages) for m in allowed))

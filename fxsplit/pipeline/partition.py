@@ -8,7 +8,8 @@ position k  a cut placed before unit ``k``, ``0 <= k <= n``; positions 0 and n a
             ends and always cuts.
 stage s     units ``[cuts[s], cuts[s+1])``; ``S = num_stages`` stages, each non-empty.
 rank r      a pipeline rank; stage ``s`` lives on rank ``s % p`` (``p = num_ranks``), so a rank
-            holds ``v = S // p`` stages (Megatron's interleaving when ``v > 1``).
+            holds ``v = S // p`` stages (Megatron's interleaving when ``v > 1``), or on
+            ``stage_ranks[s]`` when the schedule places stages otherwise (ZB-V's V).
 bottleneck  the largest stage time, ``B``.
 
 Representative call::
@@ -31,7 +32,7 @@ and the baselines.
   ``P`` the prefix sums of ``compute``, ``E[k] = P[k] + c[k]`` and ``K[k] = P[k] - c[k]``. Every
   routine here computes it with that one expression, so the bottleneck `solve` reports is
   bit-identical to the one `brute_force` finds for the same cuts.
-- Stage memory of stage s on rank r = s % p:
+- Stage memory of stage s on rank r = s % p (or ``stage_ranks[s]``):
   ``state_bytes_per_param_byte * sum(param_bytes[a:b]) + inflight[r] * sum(activation_bytes[a:b])``.
   ``state_bytes_per_param_byte`` (default 4: fp32 parameter, gradient, Adam m and v) is the
   training state per parameter byte; bf16 parameters and gradients with an fp32 master copy and

@@ -9,7 +9,7 @@ Terms
 -----
 (unit, position, stage, rank, ``v`` and bottleneck as in ``fxsplit.pipeline.partition``)
 
-rank memory  the sum of the memories of a rank's stages ``r, r + p, ...``; with ``v > 1`` it
+rank memory  the sum of the memories of a rank's stages (``r, r + p, ...`` or the schedule's placement); with ``v > 1`` it
              couples stages that are far apart in the chain, so the per-stage sweep of
              ``partition.forward`` cannot enforce it alone.
 relaxation   the problem with each stage alone capped at ``memory_limit``: its optimum is a lower
@@ -72,7 +72,7 @@ def _dfs_decide(ch: Chain, B: float, budget: list) -> tuple[int, ...] | None:
         key = (s, b, mems)
         if key in failed:
             return False
-        prev, r, a0 = layers[s], s % p, ch.seg_start(b)
+        prev, r, a0 = layers[s], ch.rank[s], ch.seg_start(b)
         budget[0] -= b - a0 + 1
         if budget[0] < 0:
             raise _Exhausted
@@ -155,8 +155,8 @@ def _fallback(ch: Chain, relaxed: tuple[int, ...]) -> tuple[int, ...] | None:
 
     def proportional(cuts: tuple[int, ...], weight: float) -> tuple[float, ...]:
         mem = [ch.mem(s, a, b) for s, (a, b) in enumerate(zip(cuts, cuts[1:]))]
-        total = [sum(mem[r::p]) for r in range(p)]
-        share = [m / total[s % p] if total[s % p] else 1 / ch.v for s, m in enumerate(mem)]
+        total = [sum(x for s, x in enumerate(mem) if ch.rank[s] == r) for r in range(p)]
+        share = [m / total[ch.rank[s]] if total[ch.rank[s]] else 1 / ch.v for s, m in enumerate(mem)]
         return tuple(L * ((1 - weight) / ch.v + weight * x) for x in share)
 
     attempt((L / ch.v,) * S)
@@ -204,7 +204,7 @@ def _needed_memory(ch: Chain) -> tuple[float, bool]:
 def _fits_with_ranks(pb: PartitionProblem, p: int) -> bool:
     """Whether p ranks (same v, default in-flight model) fit pb.memory_limit (sound)."""
     try:
-        q = replace(pb, num_ranks=p, num_stages=p * pb.stages_per_rank, inflight=None)
+        q = replace(pb, num_ranks=p, num_stages=p * pb.stages_per_rank, inflight=None, stage_ranks=None)
         ch = Chain(q)
         check_counts(ch)
     except PartitionError:

@@ -9,7 +9,8 @@ Terms:
 - **layer key**: a unit's module path up to its first numeric component (``blocks.3``,
   ``model.layers.11``), else its first component; a cut between two layer keys is a *module
   boundary*. Cuts inside a layer are allowed but cost ``inner_cut_penalty`` times their bytes.
-- **S** stages on **p** ranks (stage s on rank s % p, v = S / p stages per rank).
+- **S** stages on **p** ranks (stage s on rank s % p, or ``stage_ranks[s]``, the schedule's
+  placement, e.g. ZB-V's V; v = S / p stages per rank).
 
     plan = plan_split(gm, num_stages=8, num_ranks=4)      # pure: no weights, no process group
     print(plan)                                           # one row per stage, balance ratio
@@ -66,6 +67,10 @@ class StageSummary:
     bytes_in: float
     bytes_out: float
     time: float  # estimated forward+backward seconds per microbatch, communication and recompute included
+    forward_time: float = 0.0  # estimated compute seconds per microbatch: forward (F) ...
+    input_grad_time: float = 0.0  # ... input-gradient half of the backward (I, recompute included) ...
+    weight_grad_time: float = 0.0  # ... and weight-gradient half (W); see [Note: F, I, W estimates]
+    comm_time: float = 0.0  # seconds to send this stage's output (bytes_out / link bandwidth)
     checkpointing: str = "none"  # the stage's activation checkpointing mode (fxsplit.graph.recompute)
     activation_bytes_unchecked: float | None = None  # act/mb without checkpointing (None: same)
     recompute_time: float = 0.0  # seconds of forward recomputed in backward per microbatch
@@ -302,6 +307,7 @@ def plan_split(
     cut_at: str = "any",
     activation_checkpointing: str = "none",
     checkpoint_modes: Sequence[str] = ("none", "selective", "full"),
+    stage_ranks: Sequence[int] | None = None,
 ) -> SplitPlan:
     """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
 
@@ -324,6 +330,8 @@ def plan_split(
             the cheapest in time within ``memory_limit``); recompute time and saved bytes per
             [Note: checkpointing cost model] in ``fxsplit.pipeline.checkpointing``.
             ``checkpoint_modes``: the modes "auto" may choose from.
+        stage_ranks: the rank of every stage (``fxsplit.schedule.placement(schedule, p, v)``);
+            default ``s % p``. Rank memory sums the stages placed on a rank.
     """
     if cut_at not in ("any", "modules"):
         raise SplitError(f'cut_at must be "any" or "modules", got {cut_at!r}')
@@ -342,7 +350,7 @@ def plan_split(
     keys = [layer_key(node_info(u).module_path) for u in units]
     penalty, allowed = _cut_rules(units, keys, cut_at, inner_cut_penalty)
     forced = _forced_cuts(gm, units, split_points, num_stages)
-    inflight = inflight_gpipe(p, num_microbatches or p) if schedule == "gpipe" else inflight_1f1b(p, v)
+    inflight = _inflight(schedule, p, v, num_microbatches)
     problem = PartitionProblem(
         compute=tuple(costs.compute),
         param_bytes=tuple(costs.params),
@@ -357,6 +365,7 @@ def plan_split(
         memory_limit=memory_limit,
         state_bytes_per_param_byte=state_bytes_per_param_byte,
         inflight=inflight,
+        stage_ranks=None if stage_ranks is None else tuple(stage_ranks),
     )
     modes = {"none": None}
     if activation_checkpointing != "none":
@@ -379,7 +388,7 @@ def plan_split(
         num_ranks=p,
         stage_of=stage_of,
         starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
-        stages=_summaries(part, p, keys, costs, cut_bytes, per_stage, modes),
+        stages=_summaries(part, problem, keys, costs, cut_bytes, per_stage, modes),
         partition=part,
         method=method,
         problem=problem,
@@ -409,10 +418,19 @@ def _bindings(gm: torch.fx.GraphModule, bindings: Mapping[str | sympy.Symbol, in
 
 @dataclass(frozen=True)
 class _UnitCosts:
+    """[Note: F, I, W estimates] Per unit: ``compute`` is forward + backward seconds, ``forward``
+    the forward alone (the cost model's forward roofline, or the measured profile). The backward's
+    split into input gradient I and weight gradient W is estimated: a unit that reads parameters
+    (a linear, an embedding) spends half of its backward on the weight gradient (dX = dY W^T and
+    dW = X^T dY cost the same), a unit without parameters none; I is the rest. The loss is charged
+    to the last unit's I. These feed the per-stage costs of ``Plan.simulate`` and ``zb_auto``."""
+
     compute: list[float]  # seconds (forward + backward)
     params: list[float]  # parameter bytes (a get_attr's parameter counts on its first user)
     acts: list[float]  # activation bytes saved for backward
     flops: list[float]
+    forward: list[float]  # forward seconds
+    weight: list[float]  # estimated weight-gradient seconds
 
 
 def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Mapping, hardware: Hardware,
@@ -421,11 +439,16 @@ def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Map
     measured profile, ``fxsplit.graph.profile.apply_profile``, replaces the roofline estimate)."""
     n = len(units)
     index = {u: i for i, u in enumerate(units)}
-    out = _UnitCosts([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+    out = _UnitCosts([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+    reads_params = {u for node in gm.graph.nodes if node.op == "get_attr" for u in node.users}
     for i, u in enumerate(units):
         cost = node_info(u).cost
         c = cost.evaluate(binds) if cost.is_symbolic else cost
-        out.compute[i] = node_time(u, flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, bindings=binds)
+        speeds = dict(flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, bindings=binds)
+        out.compute[i] = node_time(u, **speeds)
+        out.forward[i] = min(node_time(u, backward=False, **speeds), out.compute[i])
+        if c.param_bytes or u in reads_params:
+            out.weight[i] = (out.compute[i] - out.forward[i]) / 2
         out.params[i] += float(c.param_bytes)
         out.acts[i] = float(c.saved_bytes)
         out.flops[i] = float(c.flops)
@@ -505,15 +528,33 @@ def _baselines(problem: PartitionProblem, keys: Sequence[str]) -> dict[str, floa
     return baselines
 
 
-def _summaries(part: Partition, p: int, keys: Sequence[str], costs: _UnitCosts, cut_bytes: Sequence[float],
-               per_stage: Sequence[str], modes: Mapping[str, Any]) -> tuple[StageSummary, ...]:
+def _inflight(schedule: str, p: int, v: int, m: int | None) -> tuple[float, ...]:
+    """Peak in-flight microbatches per rank for the memory cap: GPipe m, the zero-bubble schedules
+    what their own order holds (simulated), else 1F1B's / Megatron's closed form."""
+    if schedule == "gpipe":
+        return inflight_gpipe(p, m or p)
+    if schedule == "zb_auto":  # built after the split, for at least p in flight (ZB-1p)
+        return tuple(float(min(p, m or p)) for _ in range(p))
+    if schedule in ("zb_h1", "zbv"):
+        from fxsplit.schedule import build, simulate
+
+        return simulate(build(schedule, p, m or 2 * p, v)).peak_inflight
+    return inflight_1f1b(p, v)
+
+
+def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], costs: _UnitCosts,
+               cut_bytes: Sequence[float], per_stage: Sequence[str],
+               modes: Mapping[str, Any]) -> tuple[StageSummary, ...]:
     out = []
+    link = problem.bandwidth
     for s in range(part.num_stages):
         a, b = part.cuts[s], part.cuts[s + 1]
         um = modes.get(per_stage[s])
+        fwd, wgt = sum(costs.forward[a:b]), sum(costs.weight[a:b])
+        recompute = 0.0 if um is None else sum(um.recompute[a:b])
         out.append(StageSummary(
             index=s,
-            rank=s % p,
+            rank=problem.rank_of(s),
             module_paths=tuple(dict.fromkeys(keys[a:b])),
             num_nodes=b - a,
             param_bytes=sum(costs.params[a:b]),
@@ -522,9 +563,13 @@ def _summaries(part: Partition, p: int, keys: Sequence[str], costs: _UnitCosts, 
             bytes_in=cut_bytes[a],
             bytes_out=cut_bytes[b],
             time=part.stage_time[s],
+            forward_time=fwd,
+            input_grad_time=max(sum(costs.compute[a:b]) + recompute - fwd - wgt, 0.0),
+            weight_grad_time=wgt,
+            comm_time=cut_bytes[b] / link if 0 < link < float("inf") else 0.0,
             checkpointing=per_stage[s],
             activation_bytes_unchecked=None if um is None else sum(costs.acts[a:b]),
-            recompute_time=0.0 if um is None else sum(um.recompute[a:b]),
+            recompute_time=recompute,
         ))
     return tuple(out)
 

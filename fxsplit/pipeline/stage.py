@@ -48,7 +48,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 from torch.utils import _pytree as pytree
 
 from fxsplit.graph.meta import Dim, TensorMeta, tensor_metas
-from fxsplit.graph.ops import owner_and_leaf, resolve_path
+from fxsplit.graph.ops import is_random, owner_and_leaf, resolve_path
 from fxsplit.errors import StageBuildError
 
 __all__ = [
@@ -418,23 +418,8 @@ def _need(m: torch.fx.Node, plan: _StagePlan, stage_of: Mapping[torch.fx.Node, i
             _need(i, plan, stage_of)
 
 
-_RANDOM_FUNCTIONS = frozenset(
-    f
-    for f in (
-        getattr(torch, "rand", None), getattr(torch, "randn", None), getattr(torch, "randint", None),
-        getattr(torch, "randperm", None), getattr(torch, "bernoulli", None),
-        getattr(torch, "multinomial", None), getattr(torch, "normal", None),
-        getattr(torch, "dropout", None), torch.nn.functional.dropout,
-    )
-    if f is not None
-)
-
-
 def _check_recomputable(m: torch.fx.Node, producer: int, consumer: int) -> None:
-    target = m.target
-    random = target in _RANDOM_FUNCTIONS if callable(target) else False
-    if isinstance(target, torch._ops.OpOverload):
-        random = torch.Tag.nondeterministic_seeded in target.tags
+    random = m.op != "call_module" and is_random(m)
     why = None
     if m.op == "call_module":
         why = "it is a module call"

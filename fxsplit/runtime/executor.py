@@ -174,6 +174,7 @@ class PipelineRuntime:
         self.seed = seed
         self.rng_step = 0  # k of the stage streams: step()/forward() calls so far
         self.reduce_dtype = reduce_dtype
+        self._loss_scale: torch.Tensor | None = None  # set for one step() (GradScaler)
         self.last_stage = self.num_stages - 1
         self.last_rank = self.rank_of_stage(self.last_stage)
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
@@ -240,17 +241,24 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ public API
 
-    def step(self, flat_inputs: Sequence[Any], target: Any = None) -> torch.Tensor:
+    def step(self, flat_inputs: Sequence[Any], target: Any = None, *,
+             loss_scale: torch.Tensor | None = None) -> torch.Tensor:
         """One training step over all microbatches ([Note: pipeline step]).
 
         Returns the full-batch loss (float32 scalar) on every pipeline rank; gradients are left
         (accumulated) in the stage parameters' ``.grad``. ``target`` is only read on the rank of
-        the last stage. Raises `PipelineError` naming the peer, action and microbatch when a peer
-        fails or times out.
+        the last stage. ``loss_scale`` (a 0-dim tensor, a GradScaler's scale): backward starts
+        from ``loss * loss_scale``, so every gradient is scaled; the returned loss is not.
+        Raises `PipelineError` naming the peer, action and microbatch when a peer fails or times
+        out.
         """
         if self.loss_fn is None:
             raise ValueError("PipelineRuntime.step needs loss_fn; use forward() for inference")
-        return self._guarded(lambda: self._run(flat_inputs, target, training=True))
+        self._loss_scale = loss_scale
+        try:
+            return self._guarded(lambda: self._run(flat_inputs, target, training=True))
+        finally:
+            self._loss_scale = None
 
     def forward(self, flat_inputs: Sequence[Any], *, all_ranks: bool = False) -> Any:
         """Inference: run only the F actions without autograd; return the merged model outputs
@@ -439,6 +447,8 @@ class PipelineRuntime:
                                      f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
                 saved.loss = loss.reshape(()) * self._mb.weights[mb]
                 self._loss += saved.loss.detach().float()
+                if self._loss_scale is not None:
+                    saved.loss = saved.loss * self._loss_scale.to(saved.loss.dtype)
             else:
                 self._outputs[mb] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat_out]
         if saved is not None:

@@ -2,7 +2,8 @@
 
 No processes and no torch: everything here runs on the host before any process group exists.
 Modules: ``ir`` (Action, Schedule, string form), ``builders`` (gpipe, 1f1b, interleaved_1f1b,
-zb_h1), ``validate`` (rules and deadlock check), ``simulate`` (Timeline, bubbles, memory),
+zb_h1, zbv; ``placement`` the stage -> rank map of each), ``auto`` (zb_auto, from per-stage
+costs and a memory limit), ``validate`` (rules and deadlock check), ``simulate`` (Timeline, bubbles, memory),
 ``render`` (text grid, PNG). The public facade is ``fxsplit.schedule``.
 
 Representative use::
@@ -27,7 +28,11 @@ from fxsplit.schedule.builders import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    placement,
+    v_placement,
+    zb_auto,
     zb_h1,
+    zbv,
 )
 from fxsplit.schedule.ir import (
     Action,
@@ -69,9 +74,13 @@ __all__ = [
     "one_f_one_b",
     "parse",
     "parse_schedule",
+    "placement",
     "simulate",
     "stage_to_rank",
     "timeline_png",
+    "v_placement",
     "validate",
+    "zb_auto",
     "zb_h1",
+    "zbv",
 ]

@@ -1,8 +1,9 @@
-"""Schedule builders: GPipe, 1F1B, interleaved 1F1B and ZB-H1 as per-rank action lists.
+"""Schedule builders: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V as per-rank action lists.
 
 Terms (see DESIGN.md): p = ``num_ranks``, m = ``num_microbatches``, v = ``stages_per_rank``; the
 model is cut into p*v stages and rank r holds stages r, r+p, ..., r+(v-1)p ("chunk" c of rank r is
-stage c*p + r). Every builder returns a ``Schedule`` with no idle entries (each rank's actions in
+stage c*p + r), except where a schedule places its stages otherwise: ``placement(name, p, v)`` is
+the stage -> rank tuple every schedule name implies (ZB-V's V: see [Note: ZB-V]). Every builder returns a ``Schedule`` with no idle entries (each rank's actions in
 execution order); ``fxsplit.schedule.render.format_grid`` aligns them in time for a picture.
 
 Representative use::
@@ -17,6 +18,9 @@ Representative use::
 | "interleaved_1f1b" | any  | any m >= 1 | Megatron's interleaving, extended to m % p != 0 below    |
 | "zb_h1"            | 1    | any m >= 1 | 1F1B with the backward split into I and W; W's fill the  |
 |                    |      |            | cool-down bubbles (ZB-H1, Qi et al. 2023)                |
+| "zbv"              | 2    | any m >= 1 | ZB-V: two stages per rank in a V, split backward         |
+| "zb_auto"          | 1    | any m >= 1 | greedy zero-bubble order from per-stage F/I/W/comm costs |
+|                    |      |            | and a memory limit (``fxsplit.schedule.auto``)           |
 
 [Note: interleaving for any m >= p] Megatron orders a rank's forwards in groups of microbatches:
 a group runs chunk 0 on its microbatches, then chunk 1 on the same ones, ..., chunk v-1; the
@@ -39,15 +43,36 @@ m < p with v >= 2 always uses "pad" (the same argument makes it correct; its bub
 Deadlock-freedom of "front" has no such proof: ``validate`` checks it in the tests for every
 p <= 8, v <= 4, p <= m <= 3p, and hypothesis for random m up to p+12 (once, by hand: every
 p <= 8, v <= 6, p <= m <= 6p).
+
+[Note: ZB-V] Qi et al.'s ZB-V (arXiv 2401.10241, section "memory efficient zero bubble"; the
+order torch's ScheduleZBVZeroBubble also runs) cuts the model into 2p stages placed in a V: rank r
+holds stage r (descending) and stage 2p-1-r (ascending), so a microbatch goes down the ranks
+and back up, and the loss is computed on rank 0. Rank r runs
+    warm-up     2(p-r)-1 forwards of its descending stage, then r pairs (F up, F down), then
+                p-r triples (F up, I up, W up): the ascending stage's backward starts at once;
+    steady      per round: F down (while any are left), I down, W down, F up, I up, W up;
+    cool-down   r pairs (I down, I up), then p-r pairs (I down, W down), then the W's left
+                (ascending stage first).
+The pattern needs m >= 2p-1 microbatches for its warm-up; for fewer it is built for 2p-1 and
+the actions of the extra microbatches deleted (exact, per the "pad" argument above: the
+dependencies only link actions of one microbatch). Why the V: both stages of a rank sit at the
+same depth from the loss, so every rank keeps the same number of activations (p microbatches of
+its share, 1F1B's rank 0) and the gradient turns round on rank 0 without crossing a link.
+``validate`` checks the order for every p <= 8, m <= 4p in the tests; ``simulate`` its makespan
+against the closed form in ``zbv``'s docstring. For m >= 2p-1 the order is action for action the
+one torch 2.13's ScheduleZBVZeroBubble computes (compared by hand for p <= 5; not a test, as that
+method is private).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from fxsplit.schedule.auto import search
 from fxsplit.schedule.ir import Action, ActionKind, Schedule
 
-__all__ = ["build", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "SCHEDULE_BUILDERS"]
+__all__ = ["build", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "zb_auto", "placement", "v_placement",
+           "SCHEDULE_BUILDERS"]
 
 F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
@@ -186,23 +211,140 @@ def zb_h1(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Sc
     return schedule
 
 
+def zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1, *,
+            forward: float | Sequence[float] = 1.0, backward_input: float | Sequence[float] = 1.0,
+            backward_weight: float | Sequence[float] = 1.0, comm: float | Sequence[float] = 0.0,
+            max_inflight: int | Sequence[int] | None = None) -> Schedule:
+    """A zero-bubble schedule for these per-stage costs ([Note: zb_auto heuristic] in
+    ``fxsplit.schedule.auto``), never slower in ``simulate`` than ZB-H1 or 1F1B on them.
+
+    ``forward`` / ``backward_input`` / ``backward_weight`` / ``comm``: seconds per microbatch of each
+    stage (a number for all; ``comm[s]`` is a message stage s sends). ``max_inflight``:
+    microbatches a rank may hold in flight (a number or one per rank); default p on every rank,
+    1F1B's peak (ZB-1p); 2p is ZB-2p's. Only ``stages_per_rank`` == 1.
+    """
+    _check_sizes("zb_auto", num_ranks, num_microbatches, stages_per_rank)
+    if stages_per_rank != 1:
+        raise ValueError(f"zb_auto supports stages_per_rank=1 only, got {stages_per_rank}; use 'zbv' for two")
+    p, m = num_ranks, num_microbatches
+    return search(p, m, forward=forward, backward_input=backward_input, backward_weight=backward_weight,
+                  comm=comm, max_inflight=max_inflight, baselines=(zb_h1(p, m), one_f_one_b(p, m)))
+
+
+def v_placement(num_ranks: int) -> tuple[int, ...]:
+    """ZB-V's stage -> rank map for 2p stages: stage s on rank s for s < p, on rank 2p-1-s after."""
+    p = num_ranks
+    return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+
+
+def zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """ZB-V (Qi et al., arXiv 2401.10241): 2 stages per rank in a V, backward split into I and W.
+
+    See [Note: ZB-V]. Stage s lives on rank ``v_placement(p)[s]``: rank r holds stages r and
+    2p-1-r, so the last stage (the loss) is on rank 0. With m >= 2p-1 and per-stage costs
+    F = I = W = c (a rank's share: 2c each) no rank idles inside its active window, the makespan
+    is ``m(F+I+W) + (p-1)F/2`` in rank-share costs, i.e. ``6mc + (p-1)c`` (ZB-H1:
+    ``6mc + 2(p-1)c`` for the same rank-share costs), and every rank holds at most p microbatches
+    of its share in flight (1F1B's rank 0). Only ``stages_per_rank`` == 2.
+    """
+    _check_sizes("zbv", num_ranks, num_microbatches, stages_per_rank)
+    if stages_per_rank != 2:
+        raise ValueError(f"zbv places exactly 2 stages per rank in a V, got stages_per_rank={stages_per_rank}")
+    p, m = num_ranks, num_microbatches
+    n = max(m, 2 * p - 1)  # the pattern's warm-up needs 2p-1 microbatches; extra ones are dropped
+    schedule: Schedule = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r  # the V's descending and ascending stage on rank r
+        row: list[tuple[int, ActionKind, int]] = []
+        nf = {down: 0, up: 0}  # next forward / input-gradient / weight-gradient microbatch per stage
+        ni = {down: 0, up: 0}
+        nw = {down: 0, up: 0}
+
+        def take(stage: int, kind: ActionKind) -> None:
+            counter = nf if kind is F else ni if kind is BI else nw
+            row.append((stage, kind, counter[stage]))
+            counter[stage] += 1
+
+        for _ in range(2 * (p - r) - 1):  # warm-up: fill the descending half of the V
+            take(down, F)
+        for _ in range(r):
+            take(up, F)
+            take(down, F)
+        for _ in range(p - r):  # the ascending stage's first backwards start the steady state
+            take(up, F)
+            take(up, BI)
+            take(up, BW)
+        while nf[up] < nf[down] or nf[down] < n:  # steady state: F I W on each stage in turn
+            if nf[down] < n:
+                take(down, F)
+            take(down, BI)
+            take(down, BW)
+            take(up, F)
+            take(up, BI)
+            take(up, BW)
+        for _ in range(r):  # cool-down: input gradients first (the critical path), W's fill in
+            take(down, BI)
+            take(up, BI)
+        for _ in range(p - r):
+            take(down, BI)
+            take(down, BW)
+        while nw[up] < ni[up]:
+            take(up, BW)
+        while nw[down] < ni[down]:
+            take(down, BW)
+        schedule.append([Action(s, k, mb) for s, k, mb in row if mb < m])
+    return schedule
+
+
 SCHEDULE_BUILDERS: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zb_h1,
+    "zbv": zbv,
+    "zb_auto": zb_auto,
 }
 
+def _zbv_placement(num_ranks: int, stages_per_rank: int) -> tuple[int, ...]:
+    if stages_per_rank != 2:
+        raise ValueError(f"zbv places exactly 2 stages per rank in a V, got stages_per_rank={stages_per_rank}")
+    return v_placement(num_ranks)
 
-def build(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1,
-          **options) -> Schedule:
-    """Build the named schedule; ``name`` is one of ``SCHEDULE_BUILDERS`` (case-insensitive).
 
-    ``options`` go to the builder, e.g. ``remainder="pad"`` for ``interleaved_1f1b``.
-    """
+_PLACEMENTS: dict[str, Callable[[int, int], tuple[int, ...]]] = {"zbv": _zbv_placement}
+
+
+def placement(name: str, num_ranks: int, stages_per_rank: int | None = None) -> tuple[int, ...]:
+    """The stage -> rank map schedule ``name`` runs with: ``s % p`` (rank r holds r, r+p, ...)
+    for every schedule but ``zbv``, whose V puts stage s on rank s for s < p and on 2p-1-s after.
+    The plan carries it (``Plan.stage_ranks``): the split balances rank memory with it, and the
+    communication plan and the runtime place stages by it."""
+    key = _key(name)
+    if stages_per_rank is None:
+        stages_per_rank = 2 if key == "zbv" else 1
+    _check_sizes(key, num_ranks, 1, stages_per_rank)
+    if key in _PLACEMENTS:
+        return _PLACEMENTS[key](num_ranks, stages_per_rank)
+    return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
+
+
+def _key(name: str) -> str:
     key = name.lower().replace("-", "_") if isinstance(name, str) else name
-    aliases = {"interleaved": "interleaved_1f1b", "zbh1": "zb_h1", "one_f_one_b": "1f1b"}
+    aliases = {"interleaved": "interleaved_1f1b", "zbh1": "zb_h1", "one_f_one_b": "1f1b", "zb_v": "zbv"}
     key = aliases.get(key, key)
     if key not in SCHEDULE_BUILDERS:
         raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULE_BUILDERS)}")
+    return key
+
+
+def build(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None,
+          **options) -> Schedule:
+    """Build the named schedule; ``name`` is one of ``SCHEDULE_BUILDERS`` (case-insensitive).
+
+    ``stages_per_rank`` defaults to 2 for ``zbv`` (its only value), else 1. ``options`` go to the
+    builder, e.g. ``remainder="pad"`` for ``interleaved_1f1b``.
+    """
+    key = _key(name)
+    if stages_per_rank is None:
+        stages_per_rank = 2 if key == "zbv" else 1
     return SCHEDULE_BUILDERS[key](num_ranks, num_microbatches, stages_per_rank, **options)

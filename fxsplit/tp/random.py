@@ -48,6 +48,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxsplit.graph.ops import is_random
 from fxsplit.tp.collectives import axis_rank
 
 __all__ = [
@@ -157,48 +158,3 @@ def call_in_tp_stream(module: nn.Module, *args: Any, tp_axis: str = "tp", **kwar
     ``nn.Dropout`` call_module; the module keeps its ``training`` flag)."""
     with tp_stream(tp_axis, device=_device_of(args, kwargs)):
         return module(*args, **kwargs)
-
-
-# ------------------------------------------------------------------------------------------------
-# which nodes draw random numbers
-
-_RANDOM_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-_F = torch.nn.functional
-_RANDOM_FUNCTIONS = frozenset(
-    f for f in (
-        _F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout, _F.feature_alpha_dropout,
-        getattr(torch, "dropout", None), getattr(torch, "bernoulli", None), getattr(torch, "rand_like", None),
-        getattr(torch, "randn_like", None), getattr(torch, "rand", None), getattr(torch, "randn", None),
-        getattr(torch, "normal", None), getattr(torch, "multinomial", None),
-    ) if f is not None
-)
-_ATTENTION = frozenset({_F.scaled_dot_product_attention})
-
-
-def _dropout_p(node: torch.fx.Node, position: int) -> Any:
-    return node.kwargs.get("dropout_p", node.args[position] if len(node.args) > position else 0.0)
-
-
-def is_random(node: torch.fx.Node, gm: torch.nn.Module | None = None) -> bool:
-    """Whether ``node`` draws random numbers: a dropout-family ``call_module``, a random torch
-    function (``F.dropout``, ``torch.bernoulli``, ...), ``F.scaled_dot_product_attention`` with
-    ``dropout_p`` not 0, or an aten op tagged ``nondeterministic_seeded`` (``aten.dropout``,
-    ``native_dropout``, ...; attention ops only with ``dropout_p`` not 0)."""
-    if node.op == "call_module":
-        gm = gm if gm is not None else node.graph.owning_module
-        return isinstance(gm.get_submodule(str(node.target)), _RANDOM_MODULES)
-    if node.op == "call_method":
-        return str(node.target) in ("bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_")
-    if node.op != "call_function":
-        return False
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded not in t.tags:
-            return False
-        names = [a.name for a in t._schema.arguments]
-        if "dropout_p" in names:
-            return _dropout_p(node, names.index("dropout_p")) != 0
-        return True
-    if t in _ATTENTION:
-        return _dropout_p(node, 3) != 0
-    return t in _RANDOM_FUNCTIONS
