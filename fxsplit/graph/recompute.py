@@ -54,7 +54,7 @@ import torch.fx
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
-from fxsplit.graph.ops import MATMULS, op_name
+from fxsplit.graph.ops import MATMULS, is_random, op_name
 
 __all__ = ["MODES", "layer_key", "node_layer", "regions", "worth_checkpointing", "keeps_output", "keep", "call_module", "checkpointed", "policy"]
 
@@ -134,25 +134,10 @@ def _param_derived(node: Any, gm: nn.Module | None, depth: int = 0) -> bool:
     return False
 
 
-def _is_random(node: torch.fx.Node, gm: nn.Module | None) -> bool:
-    """Conservative: whether ``node`` may draw random numbers (``fxsplit.tp.random.is_random``
-    is the exact answer, one layer up; a false positive here only keeps less)."""
-    if node.op == "call_module":
-        return isinstance(_resolve(gm, str(node.target)), nn.modules.dropout._DropoutNd)
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded in t.tags
-    name = op_name(node, gm)
-    if name in _ATTENTION:
-        p = node.kwargs.get("dropout_p", node.args[3] if len(node.args) > 3 else 0.0)
-        return p != 0
-    return "dropout" in name or "rand" in name or "bernoulli" in name
-
-
 def keeps_output(node: torch.fx.Node, gm: nn.Module | None = None) -> bool:
     """Whether selective checkpointing keeps ``node``'s output (see Terms: kept node)."""
     gm = gm if gm is not None else node.graph.owning_module
-    if node.op not in _COMPUTE or _is_random(node, gm):
+    if node.op not in _COMPUTE or is_random(node, gm):
         return False
     name = op_name(node, gm)
     if name in _ATTENTION:
