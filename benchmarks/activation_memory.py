@@ -6,8 +6,9 @@ Formulas (DESIGN.md), peak in-flight microbatches on rank r in units of its shar
 1F1B p - r, interleaved 1F1B (2(p-r-1) + (v-1)p + 1) / v, which is p + (p-1)/v on rank 0
 (Megatron, m % p == 0).
 
-    .venv/bin/python benchmarks/activation_memory.py              # p=2 and p=4, m=8
+    .venv/bin/python benchmarks/activation_memory.py              # p=2 and p=4, m=8, then checkpointing at p=2
     .venv/bin/python benchmarks/activation_memory.py --ranks 2 --microbatches 6
+    .venv/bin/python benchmarks/activation_memory.py --ranks "" --checkpointing-ranks 2   # checkpointing only
 
 Method: each rank trains one step of fxsplit.parallelize under ``saved_tensors_hooks`` that count
 the bytes of every distinct storage autograd saves (parameter storages excluded: a weight saved by
@@ -17,6 +18,21 @@ growth over each local stage's forward of microbatch 0 (the loss' saved log-soft
 the last stage). Peak / share is the measured in-flight number, printed next to the formula and the
 simulator's ``Timeline.peak_inflight``; "held" is the peak number of (stage, microbatch) forwards
 the runtime held (weight 1/v each), read from its state after every action.
+
+Activation checkpointing (``activation_checkpointing`` none / selective / full, 1F1B, on
+``--checkpointing-ranks`` ranks): saved-tensor hooks cannot see what ``torch.utils.checkpoint``
+keeps (its inputs, the selective cache), so each rank measures with
+``fxsplit.testing.memory.LiveBytes``: every storage an op allocates during the step, counted until
+it is freed (activations, their gradients, temporaries and received messages; not the
+collectives' internal buffers). Parameter gradients exist before the timed step (a first step
+allocates them, kept with ``zero_grad(set_to_none=False)``), so they are not in the count. The
+rank's **peak** of that count is printed next to the plan's prediction of its peak activations
+(in-flight microbatches x the rank's act/mb, ``SplitPlan.peak_activations``; the model is traced
+with an example of one microbatch, so act/mb is evaluated at the microbatch's size), and both
+savings against "none". **held** is the count as each backward starts (its maximum over the step): the
+activations in flight, which is what the plan predicts. The **peak** also holds the working memory
+of a backward and, under checkpointing, the layer being recomputed, which the prediction does
+not count.
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ class Setup:
     batch: int = 16
     microbatches: int = 8
     ranks: str = "2,4"
+    checkpointing_ranks: str = "2"
 
 
 class SavedBytes:
@@ -138,6 +155,56 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
     return out
 
 
+CHECKPOINTING = ("none", "selective", "full")
+
+
+def _rank_checkpointing(rank: int, world: int, setup: Setup) -> dict:
+    from fxsplit.testing.memory import LiveBytes
+
+    model, (x,), _ = make_gpt(setup)
+    y = targets(setup)
+    out = {}
+    mb = x[: setup.batch // setup.microbatches]  # traced at one microbatch: the plan's act/mb is per microbatch
+    for mode in CHECKPOINTING:
+        pm = fxsplit.parallelize(model, (mb,), loss_fn=zoo.cross_entropy_loss, pp=world,
+                                 microbatches=setup.microbatches, schedule="1f1b", activation_checkpointing=mode,
+                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), timeout=120)
+        pm.step(x, target=y)  # allocates the parameter gradients
+        for p in pm.parameters():
+            p.grad.zero_()
+        rt, held = pm._runtime, [0]  # instrumentation only: wrap one method of this instance
+        inner = rt._backward
+
+        def backward(ac, inner=inner):
+            held[0] = max(held[0], mem.live)  # what the rank holds as a backward starts
+            inner(ac)
+
+        rt._backward = backward
+        with LiveBytes() as mem:
+            loss = pm.step(x, target=y)
+        with_, without = pm.plan.split.peak_activations()
+        out[mode] = {"peak": mem.peak, "held": held[0], "predicted": with_[rank], "predicted_none": without[rank],
+                     "loss": float(loss), "stages": [s.checkpointing for s in pm.plan.split.stages if s.rank == rank]}
+    return out
+
+
+def report_checkpointing(p: int, results: list[dict], setup: Setup) -> list[str]:
+    lines = [f"activation checkpointing, 1f1b, p={p}, m={setup.microbatches}: {gpt_note(setup)} "
+             f"(microbatch {setup.batch // setup.microbatches})",
+             f"{'mode':<10} {'rank':>4} {'peak MiB':>9} {'saved':>6} {'held MiB':>9} {'saved':>6} "
+             f"{'plan MiB':>9} {'saved':>6} {'loss':>9}"]
+    for mode in CHECKPOINTING:
+        for r, res in enumerate(results):
+            d, none = res[mode], res["none"]
+            lines.append(f"{mode:<10} {r:>4} {d['peak'] / 2**20:9.2f} {(none['peak'] - d['peak']) / 2**20:6.2f} "
+                         f"{d['held'] / 2**20:9.2f} {(none['held'] - d['held']) / 2**20:6.2f} "
+                         f"{d['predicted'] / 2**20:9.2f} {(d['predicted_none'] - d['predicted']) / 2**20:6.2f} "
+                         f"{d['loss']:9.6f}")
+    losses = {res[m]["loss"] for res in results[-1:] for m in CHECKPOINTING}
+    lines.append(f"last-rank losses equal across modes: {len(losses) == 1}")
+    return lines
+
+
 def report(p: int, results: list[dict], setup: Setup) -> list[str]:
     m = setup.microbatches
     lines = [f"p={p}, m={m}: {gpt_note(setup)} (microbatch {setup.batch // m})",
@@ -162,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(Megatron's interleaving formula assumes m % p == 0)")
         results, _, wall = launch(_rank_main, p, setup, timeout=600)
         print("\n".join(report(p, results, setup)))
+        print(f"({wall:.0f}s)")
+    for p in (int(s) for s in setup.checkpointing_ranks.split(",") if s):
+        results, _, wall = launch(_rank_checkpointing, p, setup, timeout=900)
+        print("\n".join(report_checkpointing(p, results, setup)))
         print(f"({wall:.0f}s)")
     return 0
 

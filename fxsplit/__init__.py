@@ -69,6 +69,7 @@ PUBLIC_MODULES = (
     "fxsplit.graph.inspection",
     "fxsplit.graph.marker",
     "fxsplit.graph.profile",
+    "fxsplit.graph.recompute",
     "fxsplit.tp",
     "fxsplit.tp.collectives",
     "fxsplit.tp.sharding",

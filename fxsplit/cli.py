@@ -258,6 +258,7 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         stages_per_rank=ns.stages_per_rank, split_points=ns.split_points, memory_limit=ns.memory_limit,
         method=ns.method, passes=tuple(_load_passes(ns.passes)), debug=ns.debug_dir,
         sequence_parallel=ns.sequence_parallel, vocab_parallel_loss=ns.vocab_parallel_loss,
+        activation_checkpointing=ns.activation_checkpointing,
         hardware=Hardware(link_bytes_per_s=ns.link_bandwidth) if ns.link_bandwidth is not None else None,
     )
     the_plan = plan(model, args, kwargs, config=config)
@@ -333,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=METHODS, default="auto", help="tracer: fx, export, or auto (fx, then export)")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism with tp")
     p.add_argument("--vocab-parallel-loss", action="store_true", help="keep the LM head's logits sharded")
+    p.add_argument("--activation-checkpointing", choices=("none", "selective", "full", "auto"), default="none",
+                   help="recompute activations in backward: selective (keep matmul outputs), full (keep each "
+                        "layer's inputs), auto (per stage, the cheapest that fits --memory-limit)")
     p.add_argument("--pass", dest="passes", action="append", default=[], metavar="FILE.py:FN",
                    help="a user pass (gm, ctx) -> PassResult, run before the built-in passes; repeatable")
     p.add_argument("--meta", action="store_true", help='build the model under torch.device("meta") (no memory)')

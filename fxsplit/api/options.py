@@ -27,6 +27,7 @@ __all__ = ["ParallelConfig", "SCHEDULES", "make_config"]
 
 _CUT_AT = ("any", "modules")
 _METHODS = ("auto", "fx", "export")
+_CHECKPOINTING = ("none", "selective", "full", "auto")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +59,10 @@ class ParallelConfig:
     # model in one process (plan() and parallelize()); False never; None (auto) lets parallelize
     # check a model with real weights under 1e8 parameters and no random ops
     verify: bool | None = None
+    # recompute activations in backward: "none", "selective" (keep matmul outputs), "full" (keep
+    # each layer's inputs) or "auto" (per stage, the cheapest in time within memory_limit);
+    # fxsplit.pipeline.checkpointing's [Note: checkpointing cost model]
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
@@ -77,6 +82,9 @@ class ParallelConfig:
             raise PlanError(f"seed must be an int >= 0 or None (follow torch.manual_seed), got {self.seed!r}")
         if self.verify is not None and not isinstance(self.verify, bool):
             raise PlanError(f"verify must be True, False or None (auto), got {self.verify!r}")
+        if self.activation_checkpointing not in _CHECKPOINTING:
+            raise PlanError(f"activation_checkpointing must be one of {_CHECKPOINTING}, got "
+                            f"{self.activation_checkpointing!r}")
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.method not in _METHODS:

@@ -195,12 +195,14 @@ def plan(
     from fxsplit.passes.pipeline_split import pipeline_split
 
     stage_ranks = _schedules.placement(config.schedule, config.pp, config.stages_per_rank)
+    modes = _checkpoint_modes(config)
     pipeline.append(
         functools.partial(
             pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
             schedule=config.schedule, num_microbatches=config.microbatches,
             memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
             cut_at=config.cut_at, stage_ranks=stage_ranks,
+            activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
         )
     )
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
@@ -209,6 +211,7 @@ def plan(
     tp_result = ctx.report.get("tensor_parallel", TPPlan.identity())
     split = ctx.report["pipeline_split"]
     stages = split.build(gm)
+    _checkpoint_stages(stages, split.checkpointing, config.debug, ctx)
     sched = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank,
                              **_schedule_options(config, split))
     placed = _schedules.validate(sched).stage_ranks
@@ -226,6 +229,41 @@ def plan(
 
         verify(model, example_args, result, example_kwargs)
     return result
+
+
+def _checkpoint_modes(config: ParallelConfig) -> tuple[str, ...]:
+    """The checkpointing modes the schedule can run: torch's selective checkpoint allows one
+    backward per region, and a split backward (I, then W) runs two, so "selective" is refused
+    there ("auto" chooses between "none" and "full"). ``zb_auto`` is built from the split's
+    costs, after it; it splits the backward like the other zero-bubble schedules."""
+    if config.schedule == "zb_auto":
+        split = True
+    else:
+        probe = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
+        split = any(a is not None and a.kind is _schedules.ActionKind.BACKWARD_INPUT for row in probe for a in row)
+    if not split:
+        return ("none", "selective", "full")
+    if config.activation_checkpointing == "selective":
+        raise PlanError(
+            f"activation_checkpointing='selective' cannot run with schedule={config.schedule!r}: its backward is "
+            "split into I and W (two autograd passes over each region) and torch's selective checkpoint allows "
+            "one; use activation_checkpointing='full' (or 'auto'), or a schedule without a split backward")
+    return ("none", "full")
+
+
+def _checkpoint_stages(stages: StageGraphs, modes: tuple[str, ...], debug: str | None, ctx: PassContext) -> None:
+    """Run the activation-checkpointing pass on every stage graph with its mode (in place; per
+    stage dumps under ``debug/stage_<s>``)."""
+    if all(m == "none" for m in modes):
+        return
+    from pathlib import Path
+
+    from fxsplit.passes.activation_checkpointing import activation_checkpointing
+
+    for s, (gm, mode) in enumerate(zip(stages.modules, modes)):
+        if mode != "none":
+            PassManager([functools.partial(activation_checkpointing, mode=mode)],
+                        debug=str(Path(debug) / f"stage_{s}") if debug else False)(gm, ctx)
 
 
 def stage_costs(split: SplitPlan) -> dict[str, tuple[float, ...]]:

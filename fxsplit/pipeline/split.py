@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import sympy
@@ -34,6 +34,7 @@ import torch.fx
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.marker import find_pipe_splits
 from fxsplit.graph.meta import node_info
+from fxsplit.graph.recompute import layer_key
 from fxsplit.pipeline.partition import (
     Partition,
     PartitionError,
@@ -43,8 +44,8 @@ from fxsplit.pipeline.partition import (
     inflight_1f1b,
     inflight_gpipe,
     parameter_count_cuts,
-    solve,
 )
+from fxsplit.pipeline.checkpointing import choose, unit_modes
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
 from fxsplit.graph.hardware import Hardware
@@ -65,11 +66,14 @@ class StageSummary:
     activation_bytes: float  # saved for backward per microbatch
     bytes_in: float
     bytes_out: float
-    time: float  # estimated forward+backward seconds per microbatch, communication included
+    time: float  # estimated forward+backward seconds per microbatch, communication and recompute included
     forward_time: float = 0.0  # estimated compute seconds per microbatch: forward (F) ...
-    input_grad_time: float = 0.0  # ... input-gradient half of the backward (I) ...
+    input_grad_time: float = 0.0  # ... input-gradient half of the backward (I, recompute included) ...
     weight_grad_time: float = 0.0  # ... and weight-gradient half (W); see [Note: F, I, W estimates]
     comm_time: float = 0.0  # seconds to send this stage's output (bytes_out / link bandwidth)
+    checkpointing: str = "none"  # the stage's activation checkpointing mode (fxsplit.graph.recompute)
+    activation_bytes_unchecked: float | None = None  # act/mb without checkpointing (None: same)
+    recompute_time: float = 0.0  # seconds of forward recomputed in backward per microbatch
 
 
 def _fmt_bytes(x: float) -> str:
@@ -135,6 +139,23 @@ class SplitPlan:
     problem: PartitionProblem | None = None  # what the solver was given (for checks and tools)
     bindings: Mapping[str, int] = field(default_factory=dict)
     baselines: Mapping[str, float] = field(default_factory=dict)
+    activation_checkpointing: str = "none"  # what was asked: "none", "selective", "full" or "auto"
+
+    @property
+    def checkpointing(self) -> tuple[str, ...]:
+        """Each stage's activation checkpointing mode."""
+        return tuple(s.checkpointing for s in self.stages)
+
+    def peak_activations(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per rank: the activation bytes held at the peak (in-flight microbatches x the rank's
+        act/mb, the partition's memory model), with this plan's checkpointing and without."""
+        inflight = self.problem.inflight_per_rank() if self.problem is not None else (1.0,) * self.num_ranks
+        with_, without = [0.0] * self.num_ranks, [0.0] * self.num_ranks
+        for s in self.stages:
+            with_[s.rank] += inflight[s.rank] * s.activation_bytes
+            plain = s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
+            without[s.rank] += inflight[s.rank] * plain
+        return tuple(with_), tuple(without)
 
     @property
     def bottleneck(self) -> float:
@@ -159,9 +180,16 @@ class SplitPlan:
         return to_dot(gm, path, color_by="stage", stage_of=dict(self.stage_of))
 
     def __str__(self) -> str:
+        ckpt = self.activation_checkpointing != "none" or any(m != "none" for m in self.checkpointing)
         head = ("stage", "rank", "modules", "nodes", "params", "FLOPs", "act/mb", "in", "out", "time")
+        if ckpt:
+            head = head + ("ckpt", "act/mb no ckpt", "recompute")
         rows = [head]
         for s in self.stages:
+            extra = () if not ckpt else (
+                s.checkpointing,
+                _fmt_bytes(s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked),
+                _fmt_time(s.recompute_time))
             rows.append(
                 (
                     str(s.index),
@@ -174,6 +202,7 @@ class SplitPlan:
                     _fmt_bytes(s.bytes_in),
                     _fmt_bytes(s.bytes_out),
                     _fmt_time(s.time),
+                    *extra,
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -186,17 +215,13 @@ class SplitPlan:
         for r in rows:
             cells = [c if i != 2 or len(c) <= 48 else c[:45] + "..." for i, c in enumerate(r)]
             lines.append("  ".join(c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+        if ckpt:
+            with_, without = self.peak_activations()
+            lines.append(f"activation checkpointing {self.activation_checkpointing!r}: peak activations per rank "
+                         f"{[_fmt_bytes(x) for x in with_]} (without: {[_fmt_bytes(x) for x in without]})")
         if self.baselines:
             lines.append("baselines (balance): " + ", ".join(f"{k} {v:.3f}" for k, v in self.baselines.items()))
         return "\n".join(lines)
-
-
-def layer_key(path: str) -> str:
-    parts = path.split(".") if path else []
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0] if parts else ""
 
 
 def example_bindings(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
@@ -280,6 +305,8 @@ def plan_split(
     state_bytes_per_param_byte: float = 4.0,
     loss_seconds: float = 0.0,
     cut_at: str = "any",
+    activation_checkpointing: str = "none",
+    checkpoint_modes: Sequence[str] = ("none", "selective", "full"),
     stage_ranks: Sequence[int] | None = None,
 ) -> SplitPlan:
     """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
@@ -299,6 +326,10 @@ def plan_split(
         cut_at: "any" (cuts inside a layer cost ``inner_cut_penalty`` x their bytes) or "modules"
             (a stage may only start where a module call begins, as ``pipeline()`` split points
             in torch.distributed.pipelining require).
+        activation_checkpointing: "none", "selective", "full" (every stage) or "auto" (per stage,
+            the cheapest in time within ``memory_limit``); recompute time and saved bytes per
+            [Note: checkpointing cost model] in ``fxsplit.pipeline.checkpointing``.
+            ``checkpoint_modes``: the modes "auto" may choose from.
         stage_ranks: the rank of every stage (``fxsplit.schedule.placement(schedule, p, v)``);
             default ``s % p``. Rank memory sums the stages placed on a rank.
     """
@@ -336,8 +367,16 @@ def plan_split(
         inflight=inflight,
         stage_ranks=None if stage_ranks is None else tuple(stage_ranks),
     )
+    modes = {"none": None}
+    if activation_checkpointing != "none":
+        modes = unit_modes(gm, units, binds, hardware, costs.acts)
+        if activation_checkpointing == "auto":
+            modes = {m: um for m, um in modes.items() if m in checkpoint_modes}
+    problems = {m: problem if um is None else replace(
+        problem, compute=tuple(c + r for c, r in zip(costs.compute, um.recompute)), activation_bytes=um.acts)
+        for m, um in modes.items()}
     try:
-        part = solve(problem)
+        part, per_stage = choose(problems, activation_checkpointing)
     except PartitionError as exc:
         raise SplitError(str(exc)) from None
     method = "balanced"
@@ -349,12 +388,13 @@ def plan_split(
         num_ranks=p,
         stage_of=stage_of,
         starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
-        stages=_summaries(part, problem, keys, costs, cut_bytes),
+        stages=_summaries(part, problem, keys, costs, cut_bytes, per_stage, modes),
         partition=part,
         method=method,
         problem=problem,
         bindings={str(k): v for k, v in binds.items()},
         baselines=_baselines(problem, keys),
+        activation_checkpointing=activation_checkpointing,
     )
 
 
@@ -503,12 +543,15 @@ def _inflight(schedule: str, p: int, v: int, m: int | None) -> tuple[float, ...]
 
 
 def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], costs: _UnitCosts,
-               cut_bytes: Sequence[float]) -> tuple[StageSummary, ...]:
+               cut_bytes: Sequence[float], per_stage: Sequence[str],
+               modes: Mapping[str, Any]) -> tuple[StageSummary, ...]:
     out = []
     link = problem.bandwidth
     for s in range(part.num_stages):
         a, b = part.cuts[s], part.cuts[s + 1]
+        um = modes.get(per_stage[s])
         fwd, wgt = sum(costs.forward[a:b]), sum(costs.weight[a:b])
+        recompute = 0.0 if um is None else sum(um.recompute[a:b])
         out.append(StageSummary(
             index=s,
             rank=problem.rank_of(s),
@@ -516,14 +559,17 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             num_nodes=b - a,
             param_bytes=sum(costs.params[a:b]),
             flops=sum(costs.flops[a:b]),
-            activation_bytes=sum(costs.acts[a:b]),
+            activation_bytes=sum(costs.acts[a:b] if um is None else um.acts[a:b]),
             bytes_in=cut_bytes[a],
             bytes_out=cut_bytes[b],
             time=part.stage_time[s],
             forward_time=fwd,
-            input_grad_time=max(sum(costs.compute[a:b]) - fwd - wgt, 0.0),
+            input_grad_time=max(sum(costs.compute[a:b]) + recompute - fwd - wgt, 0.0),
             weight_grad_time=wgt,
             comm_time=cut_bytes[b] / link if 0 < link < float("inf") else 0.0,
+            checkpointing=per_stage[s],
+            activation_bytes_unchecked=None if um is None else sum(costs.acts[a:b]),
+            recompute_time=recompute,
         ))
     return tuple(out)
 

@@ -1,0 +1,176 @@
+"""Activation checkpointing in the partition: what each unit saves and recomputes per mode, and
+the per-stage choice of ``activation_checkpointing="auto"``.
+
+Terms: unit, position, stage, rank, v as in :mod:`fxsplit.pipeline.partition`; region, mode and
+kept node as in :mod:`fxsplit.graph.recompute` (the same regions the checkpointing pass outlines).
+
+    modes = unit_modes(gm, units, binds, hardware, base_acts)   # mode -> UnitMode(acts, recompute)
+    part, per_stage = choose(problems, "auto")                  # problems: mode -> PartitionProblem
+
+[Note: checkpointing cost model]
+Per microbatch, per unit, for a region R (its units in the graph):
+- "none": the unit's ``saved_bytes`` (the cost model's estimate of what autograd keeps).
+- "full": R's input bytes (values from outside R that R reads; parameters excluded: they are
+  not activations), charged to R's first unit; nothing else of R. Backward recomputes R's whole
+  forward: each unit's forward time is added to its compute (``recompute``).
+- "selective": R's input bytes plus the output bytes of R's kept nodes; the forward time of
+  R's other units is added as recompute.
+Units outside every region (the model's top-level ops) are "none" in every mode. A stage cut
+inside a region makes two regions at run time; the model charges the region's inputs once, at its
+first unit. Not modelled: the one region's activations a backward holds while it recomputes it
+(transient, one layer per rank); a split backward (I then W, two autograd calls) recomputes
+twice, and only the first is charged. The recompute is part of the stage's I estimate
+(``StageSummary.input_grad_time``), so the simulator's B = I + W and I both pay it.
+- Stage time and memory per mode are those of the partition cost model over the mode's units;
+  the whole chain of a uniform mode is one `PartitionProblem` (``problems[mode]``).
+
+"auto": the cheapest in time that fits ``memory_limit``, per stage. The cuts of each uniform
+mode's optimal partition (none, selective, full: each exact, see ``partition.solve``) are
+candidates; on each candidate's cuts every rank picks the modes of its v stages by enumeration
+(3^v; ranks are independent once the cuts are fixed): the smallest largest stage time, then the
+least total time, within the limit. The best candidate wins (smallest bottleneck, then least
+recompute). Without a limit that is "none" everywhere. Exact per cut tuple, not over all cut
+tuples with mixed modes (``Partition.exact`` is False for a mixed result).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import sympy
+import torch.fx
+
+from fxsplit.errors import PartitionError
+from fxsplit.graph.hardware import Hardware
+from fxsplit.graph.meta import node_info
+from fxsplit.graph.profile import node_time
+from fxsplit.graph.recompute import MODES, keeps_output, regions, worth_checkpointing
+from fxsplit.pipeline.chain import Chain, Partition, PartitionProblem
+from fxsplit.pipeline.partition import solve
+
+__all__ = ["UnitMode", "unit_modes", "choose", "REQUESTS"]
+
+REQUESTS = (*MODES, "auto")
+_MAX_ENUMERATED_V = 6  # 3^6 = 729 assignments per rank; above that a rank's stages share one mode
+
+
+@dataclass(frozen=True)
+class UnitMode:
+    acts: tuple[float, ...]  # activation bytes saved per microbatch, per unit
+    recompute: tuple[float, ...]  # seconds of forward recomputed in backward, per unit
+
+
+def _out_bytes(node: torch.fx.Node, binds: Mapping) -> float:
+    info = node.meta.get("fxsplit")
+    if info is None:
+        return 0.0
+    total = 0.0
+    for t in info.outputs:
+        nb = t.nbytes
+        total += float(nb.subs(binds)) if isinstance(nb, sympy.Basic) else float(nb)
+    return total
+
+
+def unit_modes(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: Mapping, hardware: Hardware,
+               base_acts: Sequence[float]) -> dict[str, UnitMode]:
+    """Per mode, each unit's saved bytes and recompute seconds ([Note: checkpointing cost model])."""
+    index = {u: i for i, u in enumerate(units)}
+    n = len(units)
+    out = {"none": UnitMode(tuple(base_acts), (0.0,) * n)}
+    fwd = [node_time(u, flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, backward=False,
+                     bindings=binds) for u in units]
+    for mode in ("selective", "full"):
+        acts, rec = list(base_acts), [0.0] * n
+        for _, nodes in regions(gm.graph):
+            if not worth_checkpointing(nodes) or any(x not in index for x in nodes):
+                continue
+            inside = set(nodes)
+            inputs = {a for x in nodes for a in x.all_input_nodes if a not in inside and a.op != "get_attr"}
+            first = index[nodes[0]]
+            for x in nodes:
+                i = index[x]
+                kept = mode == "selective" and keeps_output(x, gm)
+                acts[i] = _out_bytes(x, binds) if kept else 0.0
+                rec[i] = 0.0 if kept else fwd[i]
+            acts[first] += sum(_out_bytes(a, binds) for a in inputs)
+        out[mode] = UnitMode(tuple(acts), tuple(rec))
+    return out
+
+
+def _evaluate(chains: Mapping[str, Chain], cuts: Sequence[int], modes: Sequence[str], exact: bool) -> Partition:
+    any_ch = next(iter(chains.values()))
+    p, L = any_ch.p, any_ch.pb.memory_limit
+    times = tuple(chains[m].time(a, b) for m, a, b in zip(modes, cuts, cuts[1:]))
+    mems = tuple(chains[m].mem(s, a, b) for s, (m, a, b) in enumerate(zip(modes, cuts, cuts[1:])))
+    rank = [0.0] * p
+    for s, x in enumerate(mems):
+        rank[any_ch.rank[s]] += x
+    bott, mean = max(times), sum(times) / len(times)
+    return Partition(tuple(cuts), times, mems, tuple(rank), bott, mean, bott / mean if mean > 0 else 1.0,
+                     L is None or max(rank) <= L, exact, "solve+checkpointing")
+
+
+def _assign(chains: Mapping[str, Chain], cuts: Sequence[int]) -> tuple[str, ...] | None:
+    """Per rank, the modes of its stages with the smallest (largest time, total time) within the
+    limit; None when some rank fits in no assignment."""
+    ch = next(iter(chains.values()))
+    p, S, L = ch.p, ch.S, ch.pb.memory_limit
+    modes = ["none"] * S
+    for r in range(p):
+        stages = [s for s in range(S) if ch.rank[s] == r]
+        allowed = [m for m in MODES if m in chains]
+        options = (itertools.product(allowed, repeat=len(stages)) if len(stages) <= _MAX_ENUMERATED_V
+                   else ((m,) * len(stages) for m in allowed))
+        best, best_key = None, None
+        for pick in options:
+            t = [chains[m].time(cuts[s], cuts[s + 1]) for m, s in zip(pick, stages)]
+            mem = sum(chains[m].mem(s, cuts[s], cuts[s + 1]) for m, s in zip(pick, stages))
+            if L is not None and mem > L:
+                continue
+            key = (max(t), sum(t))
+            if best_key is None or key < best_key:
+                best, best_key = pick, key
+        if best is None:
+            return None
+        for s, m in zip(stages, best):
+            modes[s] = m
+    return tuple(modes)
+
+
+def choose(problems: Mapping[str, PartitionProblem], request: str) -> tuple[Partition, tuple[str, ...]]:
+    """The partition and each stage's mode for ``request`` ("none", "selective", "full" or
+    "auto"; [Note: checkpointing cost model]); "auto" chooses among the modes ``problems`` holds.
+    Raises `PartitionError` when nothing fits (for "auto": the error of "full", the least memory)."""
+    if request not in REQUESTS:
+        raise PartitionError(f"activation_checkpointing must be one of {REQUESTS}, got {request!r}")
+    if request != "auto":
+        part = solve(problems[request])
+        return part, (request,) * part.num_stages
+    chains = {m: Chain(pb) for m, pb in problems.items()}
+    found: dict[tuple[int, ...], Partition] = {}
+    error: PartitionError | None = None
+    for m in problems:
+        try:
+            part = solve(problems[m])
+        except PartitionError as exc:
+            error = exc
+            continue
+        found.setdefault(part.cuts, part)
+    if not found:
+        assert error is not None
+        raise error
+    best: tuple[tuple, Partition, tuple[str, ...]] | None = None
+    for cuts, uniform in found.items():
+        modes = _assign(chains, cuts)
+        if modes is None:  # pragma: no cover - the uniform mode of these cuts fits
+            continue
+        exact = uniform.exact and chains["none"].pb.memory_limit is None  # then: "none" everywhere
+        part = _evaluate(chains, cuts, modes, exact)
+        recompute = sum(chains[m].time(a, b) - chains["none"].time(a, b) for m, a, b in zip(modes, cuts, cuts[1:]))
+        key = (part.bottleneck, recompute, cuts[::-1])
+        if best is None or key < best[0]:
+            best = (key, part, modes)
+    assert best is not None
+    return best[1], best[2]

@@ -1,0 +1,56 @@
+"""Measured tensor memory on any device, CPU included: :class:`LiveBytes`.
+
+torch has allocator statistics for CUDA (``torch.cuda.max_memory_allocated``) but none for the
+CPU, and ``saved_tensors_hooks`` see only what autograd saves outside ``torch.utils.checkpoint``
+(a checkpoint keeps its inputs, and a selective checkpoint its cached outputs, out of their
+sight). ``LiveBytes`` is a ``TorchDispatchMode`` that sees every op: it counts the bytes of each
+new storage an op returns until that storage is freed (a storage's Python object lives exactly
+as long as the storage), so ``live`` is what the ops run under it still hold, and ``peak`` its
+maximum. An output on the storage of one of the op's inputs (a view, an in-place result) is not
+a new allocation and is not counted (so a view of a parameter does not count it); memory
+allocated outside the dispatcher (a collective's internal buffers) is not seen.
+
+    with LiveBytes() as mem:
+        loss = pm.step(x, target=y)
+    mem.peak, mem.live          # bytes
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveBytes"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live and peak bytes of the storages ops allocate while the mode is on (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def _free(self, ptr: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._sizes.pop(ptr, None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and not t.is_meta}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                st = t.untyped_storage()
+                ptr, nbytes = st.data_ptr(), st.nbytes()
+                if ptr and nbytes and ptr not in self._sizes and ptr not in inputs:
+                    self._sizes[ptr] = nbytes
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(st, self._free, ptr, nbytes)
+        return out
