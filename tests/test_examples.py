@@ -65,6 +65,40 @@ def test_hf_llama_tp2_pp2():
     assert "LlamaForCausalLM, dp=1 tp=2 pp=2" in out
 
 
+TRAIN_LINE = re.compile(r"^step (\d+) \| loss (\S+) \| lr (\S+) \| grad norm (\S+) \| \d+ tokens/s \| \S+ s \| "
+                        r"bubble \S+%$", re.M)
+
+
+def _train_steps(out):
+    return {int(i): (float(loss), float(lr), float(norm)) for i, loss, lr, norm in TRAIN_LINE.findall(out)}
+
+
+@pytest.mark.dist
+@pytest.mark.hf
+def test_train_llama_saves_and_resumes(tmp_path):
+    """examples/train_llama.py (bf16 policy, AdamW, warmup + cosine, clipping, selective
+    checkpointing) at tp=2 x pp=2: a run saved at step 2 and resumed continues exactly as the
+    uninterrupted run (same losses, learning rates and gradient norms at steps 2 and 3: the
+    state, the optimizer, the schedule and the data are all restored); resumed at dp=2 x pp=2 it
+    continues within bf16 rounding."""
+    pytest.importorskip("transformers", reason="train_llama needs transformers")
+    common = ["--steps", "4", "--warmup", "2", "--layers", "2"]
+    full = _train_steps(_torchrun("train_llama.py", *common, "--save", str(tmp_path), "--save-every", "2",
+                                  timeout=400))
+    assert sorted(full) == [0, 1, 2, 3], full
+    assert full[1][1] > full[0][1] and full[3][1] < full[2][1]  # warmup, then cosine decay
+    assert (tmp_path / "step-2" / "trainer.json").exists() and (tmp_path / "step-4").exists()
+    resumed = _train_steps(_torchrun("train_llama.py", *common, "--resume", str(tmp_path / "step-2"), timeout=400))
+    assert sorted(resumed) == [2, 3], resumed
+    for i in (2, 3):
+        assert resumed[i] == full[i], (i, resumed[i], full[i])
+    other = _train_steps(_torchrun("train_llama.py", *common, "--tp", "1", "--dp", "2", "--resume",
+                                   str(tmp_path / "step-2"), timeout=400))
+    for i in (2, 3):
+        assert other[i][1] == full[i][1]
+        assert other[i][0] == pytest.approx(full[i][0], rel=2e-2), (i, other[i], full[i])
+
+
 @pytest.mark.hf
 def test_inspect_plan_shallow_meta_llama(tmp_path):
     pytest.importorskip("transformers", reason="inspect_plan needs transformers")
