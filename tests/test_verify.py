@@ -107,3 +107,23 @@ def test_tolerance_is_dtype_aware():
 
     assert tolerance(torch.float64) < tolerance(torch.float32) < tolerance(torch.float16) < tolerance(torch.bfloat16)
     assert tolerance(torch.int64) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_verify_sees_into_checkpointed_layers(mode):
+    """Checkpointed layers (their collectives inside region graphs, the selective ``keep_*``
+    wrappers around column-parallel linears) are run in lockstep like the rest: a plan passes,
+    and a corrupted shard read inside a checkpointed layer is caught."""
+    model, args, kwargs = zoo.make("gpt")
+    the_plan = fxsplit.plan(model, args, kwargs, tp=2, pp=2, hardware=_HW, activation_checkpointing=mode)
+    assert "checkpointed(" in the_plan.stages.modules[0].code
+    fxsplit.verify(model, args, the_plan, kwargs)
+    name = next(n for n, s in the_plan.tp_plan.param_specs.items() if "mlp" in n and n.endswith("weight"))
+    mods = [[materialize_stage(the_plan, s, tp_rank=r, source=model) for r in range(2)]
+            for s in range(the_plan.config.num_stages)]
+    stage = next(s for s in range(the_plan.config.num_stages)
+                 if name in dict(mods[s][1].named_parameters()))
+    with torch.no_grad():
+        mods[stage][1].get_parameter(name).mul_(1.5)
+    with pytest.raises(VerificationError):
+        fxsplit.verify(model, args, the_plan, kwargs, stage_modules=mods)

@@ -56,6 +56,7 @@ from torch.utils import _pytree as pytree
 from fxsplit.api.materialize import materialize_stage
 from fxsplit.errors import PlanError, VerificationError
 from fxsplit.graph.ops import resolve_path
+from fxsplit.graph.recompute import checkpointed
 from fxsplit.graph.trace import flatten_inputs
 from fxsplit.tp import collectives as C
 from fxsplit.tp.emulate import as_rank, emulate, is_emulated
@@ -132,6 +133,14 @@ def _eval(node: torch.fx.Node, mod: nn.Module, args: tuple, kwargs: dict) -> Any
     return mod.get_submodule(str(node.target))(*args, **kwargs)
 
 
+def _unwrapped(target: Any) -> Any:
+    """The function a graph wrapper calls (``keep(op)`` of selective checkpointing,
+    ``in_tp_stream(op)``): collectives wrapped so are still emulated."""
+    while hasattr(target, "__wrapped__"):
+        target = target.__wrapped__
+    return target
+
+
 def _run_lockstep(gm: torch.fx.GraphModule, mods: Sequence[nn.Module], inputs: Sequence[Sequence[Any]],
                   record: dict[str, list[Any]] | None) -> list[tuple]:
     """Run ``gm``'s graph for the t ranks (``mods[r]`` holds rank r's tensors, ``inputs[r]`` its
@@ -150,8 +159,16 @@ def _run_lockstep(gm: torch.fx.GraphModule, mods: Sequence[nn.Module], inputs: S
         else:
             args = [torch.fx.node.map_arg(node.args, lambda n, r=r: env[r][n]) for r in range(t)]
             kwargs = [torch.fx.node.map_arg(node.kwargs, lambda n, r=r: env[r][n]) for r in range(t)]
-            if node.op == "call_function" and is_emulated(node.target):
-                vals = emulate(node.target, args, kwargs)
+            base = _unwrapped(node.target) if node.op == "call_function" else None
+            if base is not None and is_emulated(base):
+                vals = emulate(base, args, kwargs)
+            elif base is checkpointed:
+                # an activation-checkpointed layer: its region graph, in lockstep (recomputation
+                # changes no number: the region is run once, without checkpointing)
+                regions = [a[0] for a in args]
+                if not isinstance(regions[0], torch.fx.GraphModule):
+                    raise VerificationError(f"verify: node {node.name!r} checkpoints a region that is not a graph")
+                vals = _run_lockstep(regions[0], regions, [a[2:] for a in args], None)
             else:
                 vals = []
                 for r in range(t):
