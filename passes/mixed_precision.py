@@ -67,6 +67,19 @@ def _cast(graph: torch.fx.Graph, node: torch.fx.Node, dtype: torch.dtype) -> tor
     return cast
 
 
+def _cast_at_each_use(graph: torch.fx.Graph, node: torch.fx.Node, dtype: torch.dtype,
+                      users: list[torch.fx.Node]) -> None:
+    """A cast of parameter ``node`` right before each of ``users``: a parameter read at the top
+    of the graph and cast there would be cut into the first pipeline stage, and its bf16 copy sent
+    to every later stage as an activation (with all parameters left on the first rank); cast at
+    the use, the cast goes where the use goes (tagged with the user's module)."""
+    for u in users:
+        with graph.inserting_before(u):
+            cast = graph.call_method("to", (node, dtype))
+        cast.meta.update({k: v for k, v in u.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        u.replace_input_with(node, cast)
+
+
 def _fake_mode(gm: torch.fx.GraphModule) -> Any:
     for n in gm.graph.nodes:
         mode = getattr(n.meta.get("val"), "fake_mode", None)
@@ -166,11 +179,7 @@ def mixed_precision(gm: torch.fx.GraphModule, ctx: PassContext, *, param_dtype: 
                 through_f = [u for u in n.users if getattr(u.target, "__name__", "") == "copy_to_region"]
                 for u in through_f:
                     _cast(graph, u, param_dtype)
-                if len(through_f) < len(n.users):
-                    keep = {u: u for u in through_f}
-                    cast = _cast(graph, n, param_dtype)
-                    for u in keep:  # f keeps reading the parameter itself
-                        u.replace_input_with(cast, n)
+                _cast_at_each_use(graph, n, param_dtype, [u for u in n.users if u not in through_f])
                 casts += 1
         elif n.op == "placeholder" and _floating(n.meta.get("val")) and n.meta["val"].dtype != param_dtype and n.users:
             _cast(graph, n, param_dtype)

@@ -340,7 +340,9 @@ class ParallelModel(nn.Module):
         tp_rank = self.coords.get("tp", 0)
         missing = []
         for mod in self.stage_modules.values():
-            for name, t in [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]:
+            # what state_dict() holds: parameters and persistent buffers (non-persistent ones,
+            # e.g. rotary inv_freq, are never saved and keep the values the model gave them)
+            for name, t in mod.state_dict(keep_vars=True).items():
                 if name not in state_dict:
                     missing.append(name)
                     continue
@@ -398,7 +400,7 @@ class ParallelModel(nn.Module):
         over ``self.parameters()``), also its per-parameter state, cut to this rank's shards."""
         names = set()
         for mod in self.stage_modules.values():
-            names |= {n for n, _ in [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]}
+            names |= set(mod.state_dict(keep_vars=True))  # parameters and persistent buffers
         params = self._named_local_params()
         wanted = set(names)
         if optimizer is not None:

@@ -203,8 +203,10 @@ def _draws_random(gm: torch.fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
         if not is_random(node, gm):
             continue
-        if node.op == "call_module":
-            mod = gm.get_submodule(str(node.target))
+        mod = (gm.get_submodule(str(node.target)) if node.op == "call_module" else
+               resolve_path(gm, str(node.args[0].target)) if node.op == "call_function" and node.args
+               and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr" else None)
+        if isinstance(mod, nn.Module):  # a dropout module (or one run in the tp stream)
             if getattr(mod, "p", None) == 0 or not mod.training:
                 continue
         elif node.op == "call_function" and len(node.args) > 1 and node.args[1] in (0, 0.0):

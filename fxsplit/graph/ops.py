@@ -270,6 +270,8 @@ def is_random(node: torch.fx.Node, gm: torch.nn.Module | None = None) -> bool:
     if node.op != "call_function":
         return False
     t = node.target
+    if getattr(t, "draws_random", False):  # a random module run in a stream (tp.random.call_in_tp_stream)
+        return True
     while hasattr(t, "__wrapped__"):  # a random function run in a stream (fxsplit.tp.random.in_tp_stream)
         t = t.__wrapped__
     if isinstance(t, torch._ops.OpOverload):

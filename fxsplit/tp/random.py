@@ -158,3 +158,6 @@ def call_in_tp_stream(module: nn.Module, *args: Any, tp_axis: str = "tp", **kwar
     ``nn.Dropout`` call_module; the module keeps its ``training`` flag)."""
     with tp_stream(tp_axis, device=_device_of(args, kwargs)):
         return module(*args, **kwargs)
+
+
+call_in_tp_stream.draws_random = True  # type: ignore[attr-defined]  # graph.ops.is_random reads it
