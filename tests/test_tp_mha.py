@@ -45,14 +45,14 @@ class BareMHA(nn.Module):
     def __init__(self, batch_first=True, need_weights=False, bias=True):
         super().__init__()
         self.batch_first, self.need_weights = batch_first, need_weights
-        self.inp = nn.Linear(E, E)
+        self.norm = nn.LayerNorm(E)  # (a linear here would pair with in_proj as an MLP-like region)
         self.attn = nn.MultiheadAttention(E, HEADS, batch_first=batch_first, bias=bias)
         self.up, self.down = nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
 
     def forward(self, x, pad=None):
         L = x.shape[1]
         mask = torch.ones((L, L), dtype=torch.bool).triu(1)
-        h = self.inp(x)
+        h = self.norm(x)
         if not self.batch_first:
             h = h.transpose(0, 1)
         a = self.attn(h, h, h, key_padding_mask=pad, attn_mask=mask, need_weights=self.need_weights)[0]
