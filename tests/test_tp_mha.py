@@ -236,3 +236,27 @@ def test_encoder_lm_trains_like_one_process_tp2_pp2():
     state = results[0]["state"]
     for name, value in model.state_dict().items():  # every parameter after 3 steps: every gradient
         assert torch.allclose(state[name], value, rtol=1e-5, atol=1e-6), name
+
+
+class _Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(E, HEADS, 2 * E, batch_first=True)  # torch's default dropout=0.1
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.enc(x)
+
+
+def test_attention_dropout_follows_the_mode_at_trace_time():
+    torch.manual_seed(0)
+    model, x = _Wrapped().eval(), torch.randn(B, T, E)
+    gm = fxsplit.trace(model, (x,), method="fx", decompose_attention=True)
+    sdpa = [n for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert len(sdpa) == 1 and sdpa[0].kwargs["dropout_p"] == 0.0
+    torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # torch's eval fast path (fused kernels): the same numbers
+        torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+    gm = fxsplit.trace(model.train(), (x,), method="fx", decompose_attention=True)
+    sdpa = [n for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert sdpa[0].kwargs["dropout_p"] == pytest.approx(0.1)

@@ -32,7 +32,9 @@ then ``out_proj`` (row-parallel). The layer and the encoder are their training p
 last, dropout modules, activation), the encoder's data-dependent causal-mask detection replaced by
 using the mask (the same numbers). The same forwards serve fx and export, so both graphs carry the
 same ops. A call outside what is covered runs torch's module (a leaf call under fx, recorded with
-its reason). Not the eval fast path: in eval with grad off, torch's nested-tensor encoder returns
+its reason). The attention's own dropout (sdpa's ``dropout_p``) is read from ``module.training``
+while tracing, as fx bakes ``F.dropout(x, p, self.training)`` in user code; the layer's dropout
+modules stay modules (their mode is read at run time). Not the eval fast path: in eval with grad off, torch's nested-tensor encoder returns
 zeros at padded positions, where this (its training path) returns the computed values.
 """
 
