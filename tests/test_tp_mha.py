@@ -162,15 +162,60 @@ def test_verify_against_one_process(name, tp, pp, method):
     assert report.gradients > 0 and report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report
 
 
-def test_need_weights_keeps_the_module_and_says_why():
+class CrossOrWeights(nn.Module):
+    """Cross-attention (kept as torch's module), or self-attention whose weights are returned."""
+
+    def __init__(self, cross):
+        super().__init__()
+        self.cross = cross
+        self.norm, self.norm2 = nn.LayerNorm(E), nn.LayerNorm(E)
+        self.attn = nn.MultiheadAttention(E, HEADS, batch_first=True)
+        self.up, self.down = nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+
+    def forward(self, x):
+        h = self.norm(x)
+        kv = self.norm2(x) if self.cross else h
+        a, w = self.attn(h, kv, kv)  # need_weights=True, averaged over the heads
+        return self.down(F.gelu(self.up(a))) + a, w
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_need_weights_true_unread_weights_still_shard(method):
     torch.manual_seed(0)
-    model = BareMHA(need_weights=True)
+    model = BareMHA(need_weights=True)  # attn(h, h, h, ...)[0] with need_weights=True
     args = (torch.randn(B, T, E),)
-    p = fxsplit.plan(model, args, tp=2, pp=1, hardware=_HW)
-    assert "attn: need_weights=True" in p.graph.meta["fxsplit"].reason
-    assert "attn: need_weights=True" in str(p)
+    gm = fxsplit.trace(model, args, method=method, decompose_attention=True)
+    assert not any(str(n.target).endswith("mean") or "mean" == str(n.target) for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(*args), model(*args), rtol=1e-5, atol=1e-5)
+    p = fxsplit.plan(model, args, tp=2, pp=1, method=method, hardware=_HW)
+    assert p.tp_plan.param_specs["attn.in_proj_weight"].blocks == (E, E, E)
+    report = fxsplit.verify(model, args, p)
+    assert report.gradients > 0 and report.max_gradient_error < 1e-4, report
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_returned_weights_replicate_that_attention_with_a_reason(method):
+    torch.manual_seed(0)
+    model, args = CrossOrWeights(cross=False), (torch.randn(B, T, E),)
+    gm = fxsplit.trace(model, args, method=method, decompose_attention=True)
+    for a, b in zip(gm(*args), model(*args)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    p = fxsplit.plan(model, args, tp=2, pp=1, method=method, hardware=_HW)
+    assert "attn.in_proj_weight" not in p.tp_plan.param_specs
+    assert dict(p.tp_plan.replicated).get("attn"), str(p.tp_plan)  # the table says why
+    assert p.tp_plan.style_of("up") == "colwise"  # the MLP is still sharded
+    report = fxsplit.verify(model, args, p)
+    assert report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report
+
+
+def test_cross_attention_keeps_the_module_and_says_why():
+    torch.manual_seed(0)
+    model, args = CrossOrWeights(cross=True), (torch.randn(B, T, E),)
+    p = fxsplit.plan(model, args, tp=2, pp=1, method="fx", hardware=_HW)
+    assert "attn: query, key and value are not one tensor (cross-attention)" in str(p)
+    assert [n.target for n in p.graph.graph.nodes if n.op == "call_module" and n.target == "attn"] == ["attn"]
     assert "attn.in_proj_weight" not in p.tp_plan.param_specs  # replicated, whole
-    assert p.tp_plan.style_of("up") == "colwise"  # the rest is still sharded
+    assert p.tp_plan.style_of("up") == "colwise"
     report = fxsplit.verify(model, args, p)
     assert report.max_gradient_error < 1e-4, report
 

@@ -5,8 +5,8 @@ Terms:
   ``nn.TransformerEncoder`` traced through a forward of ours that computes what torch's own
   training path computes, from the same parameters (``self_attn.in_proj_weight``,
   ``self_attn.out_proj.weight``, ``linear1.weight``: the state dict is unchanged).
-- **kept**: a call the decomposition does not cover (``need_weights=True``, cross-attention,
-  ``bias_k``, ``add_zero_attn``, separate q/k/v weights, an ``is_causal`` computed at run time):
+- **kept**: a call the decomposition does not cover (cross-attention, ``bias_k``,
+  ``add_zero_attn``, separate q/k/v weights, an ``is_causal`` computed at run time):
   torch's module runs as it is (a ``call_module`` leaf under fx), and stays replicated under
   tensor parallelism; :attr:`Decomposition.kept` says where and why.
 
@@ -28,7 +28,12 @@ and v (the planner shards it as blocks [q|k|v], each rank its own heads), heads 
 (H, hd))`` in the batch-first layout, ``F.scaled_dot_product_attention`` with the masks merged as
 ``F.multi_head_attention_forward`` merges them (bool -> additive -inf; ``attn_mask`` [L, S] or
 [B*H, L, S]; ``key_padding_mask`` [B, S]; ``is_causal`` dropping the mask exactly when torch does),
-then ``out_proj`` (row-parallel). The layer and the encoder are their training path (norm first or
+then ``out_proj`` (row-parallel). With ``need_weights=True`` (torch's default) the attention is
+torch's explicit path (``softmax(q k^T / sqrt(hd) + mask)``, dropout, ``@ v``) and the weights
+are returned as torch returns them (averaged over the heads unless ``average_attn_weights=False``);
+an average nothing reads is erased after fx tracing (``Decomposition.prune``; export drops dead code
+itself), and one that is read reduces over the heads, so the planner replicates that attention
+and says why. The layer and the encoder are their training path (norm first or
 last, dropout modules, activation), the encoder's data-dependent causal-mask detection replaced by
 using the mask (the same numbers). The same forwards serve fx and export, so both graphs carry the
 same ops. A call outside what is covered runs torch's module (a leaf call under fx, recorded with
@@ -89,6 +94,27 @@ class Decomposition:
     not_leaves: frozenset[int] = frozenset()
     kept: list[tuple[str, str]] = field(default_factory=list)
     names: dict[int, str] = field(default_factory=dict)
+    droppable: list[list[torch.fx.Node]] = field(default_factory=list)
+    attention_paths: frozenset[str] = frozenset()
+
+    def prune(self, gm: torch.fx.GraphModule) -> None:
+        """Erase the attention-weight averages traced that nothing reads (``attn(x, x, x)[0]``
+        with torch's default ``need_weights=True``): a mean over the heads would stop them being
+        sharded. Only these: the nodes fx recorded for them, and under export the dead pure ATen
+        ops whose innermost module is a decomposed attention; the rest of the graph is the user's."""
+        doomed = {n for nodes in self.droppable for n in nodes}
+        erased = False
+        for n in reversed(list(gm.graph.nodes)):
+            if n.users or n.op not in ("call_function", "call_method"):
+                continue
+            stack = n.meta.get("nn_module_stack") or {}
+            inner = list(stack.values())[-1][0] if stack else None
+            pure_aten = isinstance(n.target, torch._ops.OpOverload) and not n.target._schema.is_mutable
+            if n in doomed or (inner in self.attention_paths and pure_aten):
+                gm.graph.erase_node(n)
+                erased = True
+        if erased:
+            gm.recompile()
 
 
 def _keep(dec: Decomposition, mod: nn.Module, why: str, args: tuple, kwargs: dict) -> Any:
@@ -108,8 +134,8 @@ def _is_tensor_3d(x: Any) -> bool:
 
 
 def _mha_unsupported(mod: nn.MultiheadAttention, query, key, value, need_weights, attn_mask, is_causal) -> str:
-    if need_weights is not False:
-        return "need_weights=True (the attention weights are returned; pass need_weights=False)"
+    if not isinstance(need_weights, bool):
+        return "need_weights computed at run time"
     if not (query is key and key is value):
         return "query, key and value are not one tensor (cross-attention)"
     if not mod._qkv_same_embed_dim or mod.in_proj_weight is None:
@@ -136,14 +162,28 @@ def _mha_forward(dec: Decomposition, mod: nn.MultiheadAttention, query, key, val
     x = query if mod.batch_first else query.transpose(0, 1)  # [B, L, E]
     q, k, v = F.linear(x, mod.in_proj_weight, mod.in_proj_bias).chunk(3, -1)
     q, k, v = (t.unflatten(-1, (heads, embed // heads)).transpose(1, 2) for t in (q, k, v))  # [B, H, L, hd]
-    if is_causal and key_padding_mask is None:  # torch drops the mask: the hint is the mask
-        mask = None
+    dropout_p = mod.dropout if mod.training else 0.0
+    if (is_causal and key_padding_mask is None and not need_weights) or (attn_mask is None and key_padding_mask is None):
+        mask = None  # no mask, or torch drops it: the causal hint is the mask
     else:
         mask, is_causal = _attention_mask(attn_mask, key_padding_mask, heads, query.dtype), False
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=mod.dropout if mod.training else 0.0,
-                                         is_causal=is_causal)
+    weights = None
+    if need_weights:  # torch's explicit path: softmax(q k^T / sqrt(hd) + mask), dropout, @ v
+        scores = (q * (1.0 / (embed // heads)) ** 0.5) @ k.transpose(-2, -1)
+        w = (scores if mask is None else scores + mask).softmax(-1)
+        if dropout_p > 0.0:
+            w = F.dropout(w, p=dropout_p)
+        out = w @ v
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
     out = mod.out_proj(out.transpose(1, 2).flatten(2))  # [B, L, E]
-    return (out if mod.batch_first else out.transpose(0, 1)), None
+    if need_weights:
+        graph = q.tracer.graph if isinstance(q, torch.fx.Proxy) else None
+        before = len(graph.nodes) if graph is not None else 0
+        weights = w.mean(1) if average_attn_weights else w
+        if graph is not None:  # the average over heads, dropped after tracing when nothing reads it
+            dec.droppable.append(list(graph.nodes)[before:])
+    return (out if mod.batch_first else out.transpose(0, 1)), weights
 
 
 def _layer_forward(dec: Decomposition, mod: nn.TransformerEncoderLayer, src, src_mask=None,
@@ -200,6 +240,7 @@ def attention_as_ops(model: nn.Module, leaf: Any = None) -> Iterator[Decompositi
                 patched.append(m)
                 break
     dec.not_leaves = frozenset(id(m) for m in patched)
+    dec.attention_paths = frozenset(dec.names[id(m)] for m in patched if isinstance(m, nn.MultiheadAttention))
     try:
         yield dec
     finally:

@@ -567,6 +567,7 @@ def trace(
         try:
             with decomposing() as dec:
                 gm, given = _trace_fx(model, args, kwargs, leaves, dec.not_leaves)
+                dec.prune(gm)
             kept = dec.kept
             flat = [a for a in args] + [kwargs[k] for k in given[len(args):]]
             wide = [a for a in wide_args] + [wide_kwargs[k] for k in given[len(args):]] if widened else None
@@ -594,6 +595,7 @@ def trace(
             try:
                 with decomposing() as dec:
                     gm = _export(model, wide_args, wide_kwargs, dynamic, param_dtype)
+                    dec.prune(gm)
                 kept = dec.kept
                 note += _WIDE_NOTE if widened else ""
             except Exception:
@@ -601,6 +603,7 @@ def trace(
                     raise
                 with decomposing() as dec:
                     gm = _export(model, args, kwargs, False, param_dtype)  # a model that cannot take symbolic sizes
+                    dec.prune(gm)
                 kept = dec.kept
                 note += " (static shapes: export failed with symbolic batch/sequence)"
         except Exception as exc:
