@@ -170,8 +170,13 @@ def plan(
     t0 = time.perf_counter()
     config = make_config(config, options, where="plan").resolved()
     hardware = config.hardware if config.hardware is not None else Hardware()
+    # [Note: attention modules as ops] (fxsplit.graph.decompose): with tensor parallelism, torch's
+    # nn.MultiheadAttention / TransformerEncoder(Layer) are traced as ops (fused in_proj chunked
+    # into q/k/v, heads, sdpa, out_proj) so the planner shards them by heads: fx would keep each a
+    # leaf with no linear in it, export merges the batch into the heads. Same parameter names.
     gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules,
-               param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None)
+               param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None,
+               decompose_attention=config.tp > 1)
     ctx = PassContext(
         example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
         example_kwargs=dict(example_kwargs or {}),

@@ -32,6 +32,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxsplit.graph.decompose import Decomposition, attention_as_ops
 from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
 from fxsplit.errors import TraceError
 
@@ -195,15 +196,21 @@ def _export_error(exc: BaseException, model: nn.Module, kwargs: dict) -> TraceEr
 
 
 class _LeafTracer(torch.fx.Tracer):
-    def __init__(self, leaf_types: tuple[type, ...], leaf_paths: frozenset[str]):
+    def __init__(self, leaf_types: tuple[type, ...], leaf_paths: frozenset[str], not_leaves: frozenset[int] = frozenset()):
         super().__init__()
         self._leaf_types = leaf_types
         self._leaf_paths = leaf_paths
+        self._not_leaves = not_leaves  # torch modules traced into ([Note: attention modules as ops])
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self._leaf_paths or (self._leaf_types and isinstance(m, self._leaf_types)):
+        if self._is_user_leaf(m, module_qualified_name):
             return True
+        if id(m) in self._not_leaves:
+            return False
         return super().is_leaf_module(m, module_qualified_name)
+
+    def _is_user_leaf(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self._leaf_paths or bool(self._leaf_types and isinstance(m, self._leaf_types))
 
 
 def _split_leaves(model: nn.Module, leaf_modules: Iterable[Any]) -> tuple[tuple[type, ...], frozenset[str]]:
@@ -244,9 +251,10 @@ def _drop_concrete_placeholders(gm: torch.fx.GraphModule, names: Iterable[str]) 
     gm.recompile()
 
 
-def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, leaves: tuple) -> tuple[torch.fx.GraphModule, list[str]]:
+def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, leaves: tuple,
+              not_leaves: frozenset[int] = frozenset()) -> tuple[torch.fx.GraphModule, list[str]]:
     given, concrete = _given_params(model, args, kwargs)
-    tracer = _LeafTracer(*leaves)
+    tracer = _LeafTracer(*leaves, not_leaves)
     graph = tracer.trace(model, concrete_args=concrete or None)
     name = model.__class__.__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
@@ -513,6 +521,7 @@ def trace(
     leaf_modules: Iterable[Any] = (),
     dynamic: bool = True,
     param_dtype: torch.dtype | None = None,
+    decompose_attention: bool = False,
 ) -> torch.fx.GraphModule:
     """Trace ``model`` into a GraphModule whose every node carries fxsplit metadata.
 
@@ -528,6 +537,11 @@ def trace(
         param_dtype: the compute dtype of mixed precision (``MixedPrecisionPolicy.param_dtype``):
             torch.export traces the model with its parameters and floating inputs in it, then
             puts the originals back ([Note: tracing under a parameter dtype]); fx needs nothing.
+        decompose_attention: trace ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` /
+            ``nn.TransformerEncoder`` as plain ops (fused in_proj, chunk into q/k/v, heads, sdpa,
+            out_proj) instead of one leaf or torch's head-merging views, so tensor parallelism can
+            shard them by heads ([Note: attention modules as ops] in ``fxsplit.graph.decompose``);
+            calls it does not cover stay torch's module, and the trace reason names them.
 
     Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.graph.meta.TraceInfo` and whose
     nodes have ``meta["fxsplit"]`` (:class:`fxsplit.graph.meta.NodeInfo`) and ``meta["val"]``. Calling it
@@ -539,13 +553,22 @@ def trace(
     leaves = _split_leaves(model, tuple(leaf_modules))
     on_meta = any(p.is_meta for p in model.parameters())
     wide_args, wide_kwargs, widened = _widen_batch(args, kwargs) if dynamic else (args, kwargs, False)
+    if decompose_attention:
+        tracer = _LeafTracer(*leaves)
+        decomposing = lambda: attention_as_ops(model, leaf=tracer._is_user_leaf)  # noqa: E731
+    else:
+        decomposing = lambda: contextlib.nullcontext(Decomposition())  # noqa: E731
+    kept: list[tuple[str, str]] = []
 
     gm: torch.fx.GraphModule | None = None
     used, reason = method, f'method="{method}" requested'
     fx_error: TraceError | None = None
     if method in ("auto", "fx"):
         try:
-            gm, given = _trace_fx(model, args, kwargs, leaves)
+            with decomposing() as dec:
+                gm, given = _trace_fx(model, args, kwargs, leaves, dec.not_leaves)
+                dec.prune(gm)
+            kept = dec.kept
             flat = [a for a in args] + [kwargs[k] for k in given[len(args):]]
             wide = [a for a in wide_args] + [wide_kwargs[k] for k in given[len(args):]] if widened else None
             prop_note = _propagate(gm, flat, dynamic, on_meta, wide)
@@ -570,12 +593,18 @@ def trace(
             note = " (with config.use_cache=False: torch.export cannot output a key/value cache)"
         try:
             try:
-                gm = _export(model, wide_args, wide_kwargs, dynamic, param_dtype)
+                with decomposing() as dec:
+                    gm = _export(model, wide_args, wide_kwargs, dynamic, param_dtype)
+                    dec.prune(gm)
+                kept = dec.kept
                 note += _WIDE_NOTE if widened else ""
             except Exception:
                 if not dynamic:
                     raise
-                gm = _export(model, args, kwargs, False, param_dtype)  # a model that cannot take symbolic sizes
+                with decomposing() as dec:
+                    gm = _export(model, args, kwargs, False, param_dtype)  # a model that cannot take symbolic sizes
+                    dec.prune(gm)
+                kept = dec.kept
                 note += " (static shapes: export failed with symbolic batch/sequence)"
         except Exception as exc:
             err = _export_error(exc, model, kwargs)
@@ -589,6 +618,9 @@ def trace(
         reason = (f"torch.fx failed ({str(fx_error).split('. Fix:')[0]}); used torch.export" if fx_error else reason) + note
         spec = gm._in_spec
         input_names = tuple(_flat_input_names(spec, model, args))
+    if kept:
+        reason += " (kept as torch modules, left whole: " + "; ".join(f"{p}: {w}" for p, w in kept) + ")"
+        log.warning("fxsplit.trace: attention modules kept whole: %s", kept)
     # name the dynamic dimensions
     symbols = _name_symbols(gm, input_names)
     gm.meta["fxsplit"] = TraceInfo(
