@@ -51,8 +51,10 @@ def _replicated(row: tc.Coverage) -> str:
         counts[_short(why)] = counts.get(_short(why), 0) + 1
     parts = [f"{n}x {why}" for why, n in counts.items()]
     if row.unreported:
-        leaves = sorted({n.rsplit(".", 1)[-1] for n in row.unreported})
+        leaves = sorted({re.split(r"\.\d+\.", n)[-1] for n in row.unreported})
         parts.append(f"not seen as linears ({len(row.unreported)}): {', '.join(leaves[:4])}")
+    if row.dead:
+        parts.append(f"dead collective nodes (no users): {', '.join(row.dead)}")
     return "; ".join(parts) or "-"
 
 
@@ -85,7 +87,9 @@ def main() -> int:
                 print(f"| {arch} | {t} | - | - | - | **{type(e).__name__}**: {str(e)[:200]} |", flush=True)
                 continue
             failures += row.error is not None
-            print(f"| {arch} | {t} | {row.share:.3f} ({row.bound:.3f}) | {row.fwd_per_layer:g} / {row.bwd_per_layer:g} "
+            per_layer = (f"{row.fwd_per_layer:g} / {row.bwd_per_layer:g}" if row.layers
+                         else "- (no layer in the graph: a leaf module)")
+            print(f"| {arch} | {t} | {row.share:.3f} ({row.bound:.3f}) | {per_layer} "
                   f"| {_replicated(row)} | {_verdict(row)} |", flush=True)
             if a.reasons:
                 for path, why in row.replicated:

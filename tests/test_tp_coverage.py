@@ -69,6 +69,7 @@ PARTIAL = {
 UNREPORTED = {
     "falcon": "transformer.h.0.self_attention.query_key_value.weight",  # FalconLinear: x @ W.T
     "mixtral": "model.layers.0.mlp.experts.gate_up_proj",  # experts as one [E, 2I, H] tensor
+    "qwen2_moe": "model.layers.0.mlp.experts.gate_up_proj",
     "torch_encoder": "encoder.layers.0.self_attn.in_proj_weight",  # fx keeps nn.TransformerEncoder a leaf
 }
 
@@ -140,6 +141,12 @@ def test_coverage(arch, t, pp):
         assert why in reasons, f"{arch}: expected a replicated reason with {why!r}; got {reasons!r}"
     if arch in SHARDED and not expected:
         assert not row.replicated, row.replicated
+    if pp > 1 and arch == "llama":
+        # the interleaved 4-stage split leaves a column_parallel_linear with no users in the stage
+        # before the cut inside layer 1's attention (wasted forward compute; no wrong number)
+        assert row.dead, "the dead column_parallel_linear at pp=2 is gone: drop this note"
+    else:
+        assert not row.dead, row.dead
     if arch in UNREPORTED:
         assert UNREPORTED[arch] in row.unreported, row.unreported
     elif arch not in ("vit", "deit"):  # their class token, position table and patch conv are no linears

@@ -18,6 +18,7 @@ Terms:
         ``reduce_from_region``, gathers, reduce-scatters, ``all_reduce_sum``), **backward** ones
         only in the backward (f = ``copy_to_region``, ``column_parallel_linear``). Megatron's
         count is 2 / 2 per transformer layer (one g and one f for attention, one each for the MLP).
+    dead: tp collective nodes of a stage graph that nothing reads (not counted above).
     unreported: matrices (parameters of 2 or more dims) neither sharded nor named in
         ``plan.tp_plan.replicated`` (a projection the planner does not see as a linear: a
         parameter read by ``matmul`` / ``bmm`` / indexing, as fused expert tensors are).
@@ -33,7 +34,7 @@ from __future__ import annotations
 import inspect
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -197,6 +198,7 @@ class Coverage:
     seconds: float = 0.0
     sharded_params: int = 0
     unreported: tuple[str, ...] = ()
+    dead: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -215,8 +217,9 @@ def _module_path(node: torch.fx.Node) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
-def _count_collectives(the_plan) -> tuple[int, int, set[str]]:
+def _count_collectives(the_plan) -> tuple[int, int, set[str], list[str]]:
     fwd = bwd = 0
+    dead: list[str] = []
     layers: set[str] = set()
     for gm in the_plan.stages.modules:
         for node in gm.graph.nodes:
@@ -225,11 +228,14 @@ def _count_collectives(the_plan) -> tuple[int, int, set[str]]:
                 layers.add(m.group(1))
             if node.op != "call_function" or node.target not in EMULATED_OPS or not m:
                 continue
+            if not node.users:  # computed and never read (a stage's leftover): not counted
+                dead.append(f"{node.name} ({_module_path(node)})")
+                continue
             if node.target in _FORWARD:
                 fwd += 1
             else:
                 bwd += 1
-    return fwd, bwd, layers
+    return fwd, bwd, layers, dead
 
 
 def _shares(model: nn.Module, the_plan, vocab: int | None) -> tuple[float, float]:
@@ -270,7 +276,7 @@ def measure(model: nn.Module, args: tuple, kwargs: dict, *, tp: int, pp: int = 1
     named = {path for path, _ in row.replicated}
     row.unreported = tuple(n for n, p in model.named_parameters() if p.dim() >= 2 and n not in specs
                            and n.rsplit(".", 1)[0] not in named)
-    fwd, bwd, layers = _count_collectives(the_plan)
+    fwd, bwd, layers, row.dead = _count_collectives(the_plan)
     row.layers = len(layers)
     if layers:
         row.fwd_per_layer, row.bwd_per_layer = fwd / len(layers), bwd / len(layers)
