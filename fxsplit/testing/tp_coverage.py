@@ -40,8 +40,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import fxsplit
+from fxsplit.api import plan, verify
 from fxsplit.api.materialize import materialize_stage
+from fxsplit.errors import VerificationError
+from fxsplit.graph.hardware import Hardware
 from fxsplit.tp import collectives as C
 from fxsplit.tp import functional as tpf
 from fxsplit.tp.emulate import EMULATED_OPS
@@ -269,7 +271,7 @@ def measure(model: nn.Module, args: tuple, kwargs: dict, *, tp: int, pp: int = 1
     if vocab is None:
         cfg = getattr(model, "config", None)
         vocab = getattr(cfg, "vocab_size", None) if cfg is not None else None
-    the_plan = fxsplit.plan(model, args, kwargs, tp=tp, pp=pp, hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))
+    the_plan = plan(model, args, kwargs, tp=tp, pp=pp, hardware=Hardware(link_bytes_per_s=float("inf")))
     row.replicated = tuple(the_plan.tp_plan.replicated)
     specs = the_plan.tp_plan.param_specs
     row.sharded_params = len(specs)
@@ -283,8 +285,8 @@ def measure(model: nn.Module, args: tuple, kwargs: dict, *, tp: int, pp: int = 1
     row.share, row.bound = _shares(model, the_plan, vocab)
     if run_verify:
         try:
-            row.verified = str(fxsplit.verify(model, args, the_plan, kwargs))
-        except fxsplit.VerificationError as e:
+            row.verified = str(verify(model, args, the_plan, kwargs))
+        except VerificationError as e:
             row.error = e
     row.seconds = time.perf_counter() - t0
     return row
