@@ -2,8 +2,9 @@
 
 Owns the multi-process harness (``harness``: ``run_distributed`` runs one function on every rank
 of a fresh gloo group, failing fast and naming the rank), the model zoo (``zoo``: MLP, GPT with
-tied weights, CNN with residuals, long skips, keyword arguments) and Hugging Face models built
-from small configs (``hf_zoo``).
+tied weights, CNN with residuals, long skips, keyword arguments), Hugging Face models built
+from small configs (``hf_zoo``) and the tensor-parallel coverage matrix (``tp_coverage``: tiny
+transformers architectures and what automatic TP does with each, checked by ``fxsplit.verify``).
 
 May import every layer (it sits beside the API, at the top); nothing in fxsplit imports it.
 """
