@@ -270,8 +270,7 @@ def _hf_gpt2(seed, **options):
 
 def _layouts_worker(rank, world):
     out = {}
-    for label, opts in {"hf-tp2-pp2": dict(tp=2, pp=2, microbatches=2),
-                        "hf-dp2-pp2": dict(dp=2, pp=2, microbatches=2)}.items():
+    for label, opts in {"hf-tp2-pp2": dict(tp=2, pp=2, microbatches=2)}.items():
         pm, a = _hf_gpt2(3, **opts)
         _, b = _hf_gpt2(3, **opts)
         c = _hf_gpt2(4, **opts)[1] if opts.get("tp") else None
@@ -294,7 +293,7 @@ def _replicated_grads(pm):
 @pytest.mark.dist
 def test_streams_on_hf_gpt2_sequence_parallel_and_dp():
     ranks = run_distributed(_layouts_worker, 4, timeout=420)
-    for label in ("hf-tp2-pp2", "hf-dp2-pp2"):
+    for label in ("hf-tp2-pp2",):
         for r in ranks:
             a, b, c = r[label]["losses"]
             assert a == b, (label, a, b)  # same seed: bit-identical losses

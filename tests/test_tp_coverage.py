@@ -53,6 +53,7 @@ SHARDED = {
     "vit": ((2, 2), ["a sharded value is a model output"]),  # the classifier
     "deit": ((2, 2), ["a sharded value is a model output"]),
     "timm_vit": ((2, 2), []),
+    "torch_encoder": ((2, 2), []),  # nn.TransformerEncoder, traced through (fxsplit.graph.decompose)
 }
 
 # arch -> reasons (substrings) the plan must give for the attention / MLP it replicates
@@ -70,7 +71,6 @@ UNREPORTED = {
     "falcon": "transformer.h.0.self_attention.query_key_value.weight",  # FalconLinear: x @ W.T
     "mixtral": "model.layers.0.mlp.experts.gate_up_proj",  # experts as one [E, 2I, H] tensor
     "qwen2_moe": "model.layers.0.mlp.experts.gate_up_proj",
-    "torch_encoder": "encoder.layers.0.self_attn.in_proj_weight",  # fx keeps nn.TransformerEncoder a leaf
 }
 
 XFAIL = {
@@ -85,7 +85,7 @@ XFAIL = {
 
 FAST = ["gpt2", "llama", "qwen3", "phi3", "gemma", "bert", "vit", "timm_vit", "gpt_bigcode", "olmo2", "mixtral",
         "torch_encoder"]
-T4 = ["gpt2", "gpt_neox", "bert", "vit", "timm_vit"]
+T4 = ["gpt2", "gpt_neox", "bert", "vit", "timm_vit", "torch_encoder"]
 PP2 = ["gpt2", "llama"]
 
 
