@@ -291,7 +291,7 @@ def _replicated_grads(pm):
 
 
 @pytest.mark.dist
-def test_streams_on_hf_gpt2_sequence_parallel_and_dp():
+def test_streams_on_hf_gpt2_and_sequence_parallel():
     ranks = run_distributed(_layouts_worker, 4, timeout=420)
     for label in ("hf-tp2-pp2",):
         for r in ranks:
