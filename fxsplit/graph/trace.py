@@ -34,6 +34,7 @@ from torch import nn
 
 from fxsplit.graph.decompose import Decomposition, attention_as_ops
 from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
+from fxsplit.graph.ops import resolve_path
 from fxsplit.errors import TraceError
 
 __all__ = ["trace", "TraceError", "flatten_inputs"]
@@ -429,9 +430,7 @@ def _restore_parameters(gm: torch.fx.GraphModule, originals: Mapping[int, nn.Par
         if not isinstance(val, torch.Tensor) or not val.is_floating_point():
             continue
         if node.op == "get_attr":
-            target = gm
-            for part in str(node.target).split("."):
-                target = getattr(target, part)
+            target = resolve_path(gm, str(node.target))
             if isinstance(target, torch.Tensor) and target.dtype != val.dtype:
                 node.meta["val"] = val.to(target.dtype)
         elif node.op == "placeholder":
