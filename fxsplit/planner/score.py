@@ -26,7 +26,7 @@ devices_per_node to a node, tp innermost, then pp, then dp: ``fxsplit.runtime.me
 Step time = the pipeline's makespan + the data-parallel gradient reduction + the optimizer step:
 - makespan: with p = 1, m x (F + I + W); else the schedule simulated with the per-stage costs
   (``fxsplit.schedule.simulate``; above ``MAX_SIMULATED_ACTIONS`` the schedule is simulated at
-  m' = 2p microbatches and extended by (m - m') x the busiest rank's share, the steady state),
+  m' >= p microbatches and extended by (m - m') x the busiest rank's share, the steady state),
   or, for ranking many candidates fast, the closed form ``m * R_max + bubble`` (R_max the busiest
   rank's share of F + I + W; bubble (p-1)(F+I+W)/v for 1F1B / interleaved, (p-1)(F+I-W) for ZB-H1,
   max((p-1)(F+I-2W), (p-1)F/2) for ZB-V, at the largest stage's F, I, W) plus 2(S-1) messages.
@@ -39,8 +39,9 @@ Step time = the pipeline's makespan + the data-parallel gradient reduction + the
 
 Memory per rank (the largest rank decides the fit): parameters, gradients (the parameter dtype),
 Adam m and v (fp32) plus an fp32 master copy when parameters are 16-bit, each divided by dp_shard;
-activations: in-flight microbatches (the schedule's peak, ``fxsplit.pipeline.chain.inflight_1f1b``
-or the zero-bubble order's simulated peak) times the rank's saved bytes per microbatch under its
+activations: in-flight microbatches (the schedule's peak: ``fxsplit.pipeline.chain.inflight_1f1b``
+for 1F1B and interleaved; p on every rank for ZB-H1 and ZB-V, what their orders hold when simulated
+with m >= 2p) times the rank's saved bytes per microbatch under its
 checkpointing mode; recompute: with checkpointing, one group's full activations live while it
 is recomputed.
 """
@@ -117,7 +118,6 @@ class Scorer:
         self.w, self.hw, self.limit = workload, hardware, memory_limit
         self._units: dict = {}
         self._cuts: dict = {}
-        self._inflight: dict = {}
         G = workload.num_groups
         self.allowed = tuple([True] + [bool(workload.group_paths[g]) for g in range(1, G)] + [True])
 
@@ -189,15 +189,8 @@ class Scorer:
             return (1.0,)
         if c.schedule in ("1f1b", "interleaved_1f1b"):
             return tuple(min(x, m) for x in inflight_1f1b(p, v))
-        key = (c.schedule, p, min(m, 2 * p))
-        if key not in self._inflight:
-            if p <= 16:
-                sched = _schedules.build(c.schedule, p, key[2], stages_per_rank=v)
-                self._inflight[key] = _schedules.simulate(sched).peak_inflight
-            else:  # ZB-H1 holds 1F1B's p - r; ZB-V at most p on every rank (its docstring)
-                self._inflight[key] = tuple(float(min(p - r, m)) if c.schedule == "zb_h1" else float(min(p, m))
-                                            for r in range(p))
-        return self._inflight[key]
+        # ZB-H1 and ZB-V (simulated, m >= 2p): p on every rank (ZB-H1's delayed W holds them)
+        return tuple(float(min(p, m)) for _ in range(p))
 
     # -- the score
     def score(self, c: Candidate, *, simulate: bool = False) -> Score:
@@ -284,7 +277,7 @@ class Scorer:
 
     def _simulate(self, c: Candidate, F, I, W, comm, ranks) -> tuple[float, str]:
         p, v, m = c.pp, c.stages_per_rank, c.microbatches
-        m_sim = m if 3 * p * v * m <= MAX_SIMULATED_ACTIONS else min(m, 2 * p)
+        m_sim = m if 3 * p * v * m <= MAX_SIMULATED_ACTIONS else min(m, max(p, MAX_SIMULATED_ACTIONS // (3 * p * v)))
         sched = _schedules.build(c.schedule, p, m_sim, stages_per_rank=v)
         t = _schedules.simulate(sched, forward=list(F), backward=None, backward_input=list(I),
                                 backward_weight=list(W), comm=list(comm)).makespan

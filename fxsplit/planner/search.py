@@ -64,7 +64,7 @@ def analyze(gm: torch.fx.GraphModule, *, world_size: int, hardware: Hardware) ->
                 sp_plan = None
         except (TPPlanError, PlanError, ValueError):
             sp_plan = None
-    return Workload.build(gm, tp_plan=tp_plan, sp_plan=sp_plan, hardware=hardware)
+    return Workload.build(gm, tp_plan=tp_plan, sp_plan=sp_plan)
 
 
 @dataclass(frozen=True)
@@ -95,18 +95,19 @@ class SearchResult:
         lines.append(f"auto plan for {self.world_size} ranks, global batch {self.global_batch}, {self.hardware}, "
                      f"memory limit {_gb(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
                      f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first")
-        shown = rows
-        rej = list(self.rejected)
-        for desc, why in rej[:rejected_limit]:
-            shown.append(("x", *desc.split("\t"), why) if "\t" in desc else ("x", desc, *[""] * 10, why))
-        widths = [max(len(r[k]) for r in shown) for k in range(len(head) - 1)]
-        for r in shown:
+        widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
+        for r in rows:
             lines.append("  ".join(c.rjust(wd) for c, wd in zip(r[:-1], widths)) + "  " + r[-1])
         if len(self.scores) > (limit or len(self.scores)):
             lines.append(f"... {len(self.scores) - limit} more fitting candidates (SearchResult.table(limit=None))")
+        rej = list(self.rejected)
+        if rej:
+            lines.append(f"rejected ({len(rej)}), closest to fitting first:")
+        for desc, why in rej[:rejected_limit]:
+            lines.append(f"  x {' '.join(x for x in desc.split(chr(9)) if x)}: {why}")
         if len(rej) > (rejected_limit or len(rej)):
             counts = Counter(_reason_kind(w) for _, w in rej)
-            lines.append(f"... {len(rej) - rejected_limit} more rejected: "
+            lines.append(f"  ... {len(rej) - rejected_limit} more: "
                          + ", ".join(f"{n} {k}" for k, n in counts.most_common()))
         return "\n".join(lines)
 
@@ -133,7 +134,7 @@ def _fmt_time(t: float) -> str:
 
 
 def search(workload: Workload, *, world_size: int, global_batch: int, hardware: Hardware,
-           memory_limit: float | None = None, top_k: int = 16, shard: bool = False) -> SearchResult:
+           memory_limit: float | None = None, top_k: int = 8, shard: bool = False) -> SearchResult:
     """Search the space for ``workload`` ([Note: search strategy]); raises PlanError when no
     candidate fits ``memory_limit`` (default ``hardware.memory_bytes``), naming the tightest."""
     t0 = time.perf_counter()
@@ -185,4 +186,4 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
 
 
 def _desc(s: Score) -> str:
-    return "\t".join(_row("", s, "")[1:-1])
+    return s.candidate.short()

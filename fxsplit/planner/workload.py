@@ -23,7 +23,7 @@ read and written, bytes saved for backward (each as const + lin * b), owned para
 get_attr's on its first user, as the split counts them), whether it reads a parameter (its
 backward then has a weight-gradient half, [Note: F, I, W estimates]), the bytes crossing each
 group boundary, the recompute masks and saved bytes of "selective" and "full" checkpointing (from
-``fxsplit.pipeline.checkpointing.unit_modes``), and the tensor-parallel collectives each unit
+``fxsplit.pipeline.checkpointing``'s rules), and the tensor-parallel collectives each unit
 triggers: one forward all-reduce of a region's output at its row linears (g), one backward
 all-reduce of its input gradient at its column linears (f), the vocabulary embedding's forward
 all-reduce and the LM head's logits all-gather (forward) and input all-reduce (backward). The TP
@@ -40,10 +40,8 @@ import numpy as np
 import sympy
 import torch.fx
 
-from fxsplit.graph.hardware import Hardware
 from fxsplit.graph.meta import node_info
-from fxsplit.graph.recompute import layer_key
-from fxsplit.pipeline.checkpointing import unit_modes
+from fxsplit.graph.recompute import keeps_output, layer_key, regions, worth_checkpointing
 from fxsplit.pipeline.split import _cut_bytes as _unit_cut_bytes
 from fxsplit.tp.plan import TPPlan
 
@@ -64,8 +62,8 @@ class Linear:
 
 
 def _num(x, binds) -> float:
-    if isinstance(x, sympy.Basic):
-        return float(x.subs(binds)) if x.free_symbols else float(x)
+    if isinstance(x, sympy.Basic):  # xreplace: a plain substitution, much faster than subs
+        return float(x.xreplace(binds)) if x.free_symbols else float(x)
     return float(x)
 
 
@@ -121,12 +119,11 @@ class Workload:
         return np.add.reduceat(per_unit, np.asarray(self.group_starts))
 
     @classmethod
-    def build(cls, gm: torch.fx.GraphModule, *, tp_plan: TPPlan | None = None, sp_plan: TPPlan | None = None,
-              hardware: Hardware | None = None) -> "Workload":
+    def build(cls, gm: torch.fx.GraphModule, *, tp_plan: TPPlan | None = None,
+              sp_plan: TPPlan | None = None) -> "Workload":
         """The workload of ``gm`` (traced by ``fxsplit.trace``, batch symbolic or not); ``tp_plan``
         the TP plan found at the largest degree tried (None: no tensor parallelism), ``sp_plan``
         the same with sequence parallelism (None: not applicable)."""
-        hardware = hardware if hardware is not None else Hardware()
         info = gm.meta.get("fxsplit")
         units = [n for n in gm.graph.nodes if n.op in _COMPUTE]
         n = len(units)
@@ -187,13 +184,11 @@ class Workload:
         # checkpointing: per mode, saved bytes and the recompute mask
         saved = {"none": linear("saved")}
         recompute = {"none": np.zeros(n, dtype=bool)}
-        modes1 = unit_modes(gm, units, b1, hardware, list(v1["saved"]))
-        modes2 = unit_modes(gm, units, b2, hardware, list(v2["saved"]))
         for mode in ("selective", "full"):
-            a1, a2 = np.array(modes1[mode].acts), np.array(modes2[mode].acts)
+            a1, a2, rec = _checkpoint_acts(gm, units, index, mode, b1, b2, v1["saved"], v2["saved"])
             saved[mode] = Linear(np.maximum(2 * a1 - a2, 0.0), np.maximum(a2 - a1, 0.0)) if batch is not None \
                 else Linear(np.zeros(n), a1 / b0)
-            recompute[mode] = np.array(modes1[mode].recompute) > 0
+            recompute[mode] = rec
         # loss: a cross-entropy-like loss over the float outputs (as fxsplit.api.plan charges it)
         out = next(x for x in reversed(gm.graph.nodes) if x.op == "output")
         lb1 = sum(_out_bytes(x, b1) for x in out.all_input_nodes)
@@ -265,6 +260,28 @@ class Workload:
             tp_fwd_count=fc, tp_bwd_count=bc, max_tp=tp_plan.tp if tp_plan is not None else 1,
             sequence_parallel=sp_plan is not None and bool(sp.any()), batch_size=b0,
         )
+
+
+def _checkpoint_acts(gm, units, index, mode, b1, b2, base1, base2):
+    """Saved bytes per unit at both batch sizes and the recompute mask under ``mode``: the rules
+    of [Note: checkpointing cost model] (``fxsplit.pipeline.checkpointing.unit_modes``), without
+    its per-unit forward times (the planner prices recompute itself)."""
+    a1, a2, rec = np.array(base1, dtype=float), np.array(base2, dtype=float), np.zeros(len(units), dtype=bool)
+    for _, nodes in regions(gm.graph):
+        if not worth_checkpointing(nodes) or any(x not in index for x in nodes):
+            continue
+        inside = set(nodes)
+        inputs = {a for x in nodes for a in x.all_input_nodes if a not in inside and a.op != "get_attr"}
+        for x in nodes:
+            i = index[x]
+            kept = mode == "selective" and keeps_output(x, gm)
+            a1[i] = _out_bytes(x, b1) if kept else 0.0
+            a2[i] = _out_bytes(x, b2) if kept else 0.0
+            rec[i] = not kept
+        first = index[nodes[0]]
+        a1[first] += sum(_out_bytes(a, b1) for a in inputs)
+        a2[first] += sum(_out_bytes(a, b2) for a in inputs)
+    return a1, a2, rec
 
 
 def _example_bindings(gm: torch.fx.GraphModule) -> Mapping:
