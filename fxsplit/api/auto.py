@@ -11,7 +11,8 @@ Terms as in :mod:`fxsplit.api.plan`; B the global batch (samples per optimizer s
 
 [Note: auto plan]
 The model is traced once for the search (every candidate is scored from that one graph), then the
-chosen configuration is planned as any other (``fxsplit.plan`` with its fields), with the
+chosen configuration is planned as any other (``fxsplit.plan`` with its fields: ``choose`` here returns them, and ``plan`` / ``parallelize`` plan
+them), with the
 search's stage boundaries given as ``split_points`` so the built stages are the ones the search
 scored. The fields the search chooses (dp, tp, pp, stages_per_rank, schedule, microbatches,
 activation_checkpointing, sequence_parallel, and dp_shard where ParallelConfig has it) may not be
@@ -34,7 +35,7 @@ from fxsplit.graph.hardware import Hardware
 from fxsplit.graph.trace import trace
 from fxsplit.planner import SearchResult, analyze, search, shard_supported
 
-__all__ = ["choose", "plan_auto", "SEARCHED"]
+__all__ = ["choose", "SEARCHED"]
 
 SEARCHED = ("dp", "tp", "pp", "stages_per_rank", "schedule", "microbatches", "activation_checkpointing",
             "sequence_parallel", "dp_shard", "split_points")
@@ -64,18 +65,3 @@ def choose(model: nn.Module, example_args: Any, example_kwargs: Mapping[str, Any
     chosen = dataclasses.replace(base, **fields, hardware=hardware, memory_limit=None,
                                  split_points=result.split_points() or None)
     return chosen, result
-
-
-def plan_auto(model: nn.Module, example_args: Any = (), example_kwargs: Mapping[str, Any] | None = None, *,
-              config: ParallelConfig | None = None, world_size: int | None = None,
-              global_batch_size: int | None = None, **options: Any):
-    """``fxsplit.plan(..., strategy="auto")``: search, then plan the pick ([Note: auto plan])."""
-    from fxsplit.api.plan import plan
-
-    chosen, result = choose(model, example_args, example_kwargs, config=config, options=options,
-                            world_size=world_size, global_batch_size=global_batch_size)
-    the_plan = plan(model, example_args, example_kwargs, config=chosen)
-    best = result.best
-    return dataclasses.replace(the_plan, predicted_step_time=best.step_time,
-                               predicted_memory=best.memory.as_dict(), search=result,
-                               plan_seconds=the_plan.plan_seconds + result.seconds)

@@ -18,6 +18,7 @@ then does is :mod:`fxsplit.api.parallelize` ([Note: what every rank does]).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -184,13 +185,18 @@ def plan(
     the pick, with ``predicted_step_time``, ``predicted_memory`` and ``search`` (the table).
     """
     if strategy is not None or world_size is not None or global_batch_size is not None:
+        t_auto = time.perf_counter()
         if strategy != "auto":
             raise PlanError(f"strategy must be 'auto' or None, got {strategy!r} (world_size and "
                             "global_batch_size go with strategy='auto')")
-        from fxsplit.api.auto import plan_auto
+        from fxsplit.api.auto import choose
 
-        return plan_auto(model, example_args, example_kwargs, config=config, world_size=world_size,
-                         global_batch_size=global_batch_size, **options)
+        chosen, found = choose(model, example_args, example_kwargs, config=config, options=options,
+                               world_size=world_size, global_batch_size=global_batch_size)
+        picked = plan(model, example_args, example_kwargs, config=chosen)
+        return dataclasses.replace(picked, predicted_step_time=found.best.step_time,
+                                   predicted_memory=found.best.memory.as_dict(), search=found,
+                                   plan_seconds=time.perf_counter() - t_auto)
     t0 = time.perf_counter()
     config = make_config(config, options, where="plan").resolved()
     hardware = config.hardware if config.hardware is not None else Hardware()

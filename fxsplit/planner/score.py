@@ -26,7 +26,7 @@ devices_per_node to a node, tp innermost, then pp, then dp: ``fxsplit.runtime.me
 Step time = the pipeline's makespan + the data-parallel gradient reduction + the optimizer step:
 - makespan: with p = 1, m x (F + I + W); else the schedule simulated with the per-stage costs
   (``fxsplit.schedule.simulate``; above ``MAX_SIMULATED_ACTIONS`` the schedule is simulated at
-  m' >= p microbatches and extended by (m - m') x the busiest rank's share, the steady state),
+  m' >= p and m' + p microbatches and extended linearly: the steady state repeats every p),
   or, for ranking many candidates fast, the closed form ``m * R_max + bubble`` (R_max the busiest
   rank's share of F + I + W; bubble (p-1)(F+I+W)/v for 1F1B / interleaved, (p-1)(F+I-W) for ZB-H1,
   max((p-1)(F+I-2W), (p-1)F/2) for ZB-V, at the largest stage's F, I, W) plus 2(S-1) messages.
@@ -277,16 +277,14 @@ class Scorer:
 
     def _simulate(self, c: Candidate, F, I, W, comm, ranks) -> tuple[float, str]:
         p, v, m = c.pp, c.stages_per_rank, c.microbatches
-        m_sim = m if 3 * p * v * m <= MAX_SIMULATED_ACTIONS else min(m, max(p, MAX_SIMULATED_ACTIONS // (3 * p * v)))
-        sched = _schedules.build(c.schedule, p, m_sim, stages_per_rank=v)
-        t = _schedules.simulate(sched, forward=list(F), backward=None, backward_input=list(I),
-                                backward_weight=list(W), comm=list(comm)).makespan
-        if m_sim == m:
-            return t, "simulated"
-        share = np.zeros(p)
-        for s in range(len(F)):
-            share[ranks[s]] += F[s] + I[s] + W[s]
-        return t + (m - m_sim) * float(share.max()), f"simulated at m={m_sim}, extended"
+        m_a = max(p, MAX_SIMULATED_ACTIONS // (3 * p * v))
+        span = lambda mb: _schedules.simulate(  # noqa: E731
+            _schedules.build(c.schedule, p, mb, stages_per_rank=v), forward=list(F), backward=None,
+            backward_input=list(I), backward_weight=list(W), comm=list(comm)).makespan
+        if m_a + p >= m:
+            return span(m), "simulated"
+        t_a, t_b = span(m_a), span(m_a + p)  # the steady state repeats every p microbatches
+        return t_b + (m - m_a - p) * (t_b - t_a) / p, f"simulated at m={m_a} and {m_a + p}, extended"
 
 
 def _gb(x: float) -> str:
