@@ -16,10 +16,10 @@ May import: ``fxsplit.tp``, ``fxsplit.pipeline``, ``fxsplit.schedule``, ``fxspli
 ``fxsplit.errors`` and numpy; not the runtime, the passes or the API.
 """
 
-from fxsplit.planner.score import MAX_SIMULATED_ACTIONS, Memory, Score, Scorer
+from fxsplit.planner.score import MAX_SIMULATED_ACTIONS, Calibration, Memory, Score, Scorer, calibrate
 from fxsplit.planner.search import SearchResult, analyze, search
 from fxsplit.planner.space import Candidate, candidates, shard_supported
 from fxsplit.planner.workload import Workload
 
-__all__ = ["Candidate", "MAX_SIMULATED_ACTIONS", "Memory", "Score", "Scorer", "SearchResult", "Workload",
+__all__ = ["Calibration", "calibrate", "Candidate", "MAX_SIMULATED_ACTIONS", "Memory", "Score", "Scorer", "SearchResult", "Workload",
            "analyze", "candidates", "search", "shard_supported"]

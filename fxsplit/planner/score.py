@@ -61,9 +61,39 @@ from fxsplit.pipeline.partition import PartitionProblem, solve
 from fxsplit.planner.space import Candidate
 from fxsplit.planner.workload import Workload
 
-__all__ = ["Memory", "Score", "Scorer", "MAX_SIMULATED_ACTIONS"]
+__all__ = ["Calibration", "Memory", "Score", "Scorer", "MAX_SIMULATED_ACTIONS", "SIMULATION_BUDGET", "calibrate"]
 
-MAX_SIMULATED_ACTIONS = 6000
+MAX_SIMULATED_ACTIONS = 6000  # one schedule longer than this is simulated shorter and extended
+SIMULATION_BUDGET = 60000  # actions the search simulates in all ([Note: search strategy])
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """[Note: calibration] The roofline assumes every op runs at the device's matmul rate and
+    bandwidth and costs nothing to launch; small ops on a CPU (or a GPU kernel launch) do not.
+    ``compute_scale`` multiplies every unit's roofline time, ``node_overhead_s`` is added per unit
+    to its forward and to its backward (interpreter / launch cost of one fx node), and
+    ``action_overhead_s`` per pipeline action (F, I, W) of a stage. ``calibrate`` fits the first
+    two from one process's measured forward + backward times of the unsplit model at two batch
+    sizes; the default (1, 0, 0) is the bare roofline."""
+
+    compute_scale: float = 1.0
+    node_overhead_s: float = 0.0
+    action_overhead_s: float = 0.0
+
+
+def calibrate(workload: Workload, hardware: Hardware, measured: dict, *,
+              action_overhead_s: float = 0.0) -> Calibration:
+    """``Calibration`` from ``measured = {batch size: seconds of one forward + backward of the
+    unsplit model}`` (two sizes): the slope fits ``compute_scale``, the intercept the per-node
+    overhead ([Note: calibration])."""
+    (b1, t1), (b2, t2) = sorted(measured.items())[:2]
+    s = Scorer(workload, hardware, math.inf)
+    p1, p2 = (float(u.F.sum() + u.I.sum() + u.W.sum()) for u in (s.units(1, False, b1, "none"),
+                                                                   s.units(1, False, b2, "none")))
+    scale = max((t2 - t1) / (p2 - p1), 1e-3) if p2 > p1 else 1.0
+    overhead = max(t1 - scale * p1, 0.0) / (2 * workload.num_units)
+    return Calibration(scale, overhead, action_overhead_s)
 
 
 @dataclass(frozen=True)
@@ -114,8 +144,10 @@ class _Units:
 class Scorer:
     """Scores candidates for one workload on one hardware ([Note: planner cost model])."""
 
-    def __init__(self, workload: Workload, hardware: Hardware, memory_limit: float):
+    def __init__(self, workload: Workload, hardware: Hardware, memory_limit: float,
+                 calibration: Calibration | None = None):
         self.w, self.hw, self.limit = workload, hardware, memory_limit
+        self.cal = calibration if calibration is not None else Calibration()
         self._units: dict = {}
         self._cuts: dict = {}
         G = workload.num_groups
@@ -135,8 +167,10 @@ class Scorer:
         bb = w.bytes_bwd.const / pdiv + w.bytes_bwd.lin * b / div
         fw = np.maximum(fl / hw.flops_per_s, rw / hw.bytes_per_s)
         bwd = np.maximum((fl + mm) / hw.flops_per_s, bb / hw.bytes_per_s)
+        cal = self.cal
+        fw, bwd = fw * cal.compute_scale + cal.node_overhead_s, bwd * cal.compute_scale
         W = np.where(w.reads_params, bwd / 2, 0.0)
-        I = bwd - W
+        I = bwd - W + cal.node_overhead_s
         if tp > 1:
             a0 = hw.allreduce_time(0.0, tp, True)
             slope = hw.allreduce_time(1.0, tp, True) - a0
@@ -162,24 +196,28 @@ class Scorer:
         return self.hw.same_node(a * c.tp, b * c.tp)
 
     def cuts(self, c: Candidate, u: _Units) -> tuple[int, ...] | None:
+        """The partitioner's cuts over the groups, memoized by the shape of the problem: the group
+        times and boundary-message times as fractions of the total (4 digits), S, p and the
+        placement. Candidates whose costs differ only by a common factor (another t, b or
+        checkpointing mode scaling every layer alike) share one solve."""
         S = c.num_stages
-        key = (c.tp, c.sequence_parallel, c.activation_checkpointing, S, c.pp, c.schedule == "zbv")
+        if S == 1:
+            return (0, self.w.num_groups)
+        ranks = self.stage_ranks(c)
+        intra = all(self._pp_intra(c, x, y) for x, y in zip(ranks, ranks[1:]))
+        bw = self.hw.intra_node_bytes_per_s if intra else self.hw.inter_node_bytes_per_s
+        compute = u.F + u.I + u.W
+        total = float(compute.sum()) or 1.0
+        key = (S, c.pp, ranks, np.round(compute / total, 4).tobytes(), np.round(u.cut / bw / total, 4).tobytes())
         if key in self._cuts:
             return self._cuts[key]
-        if S == 1:
-            cuts = (0, self.w.num_groups)
-        else:
-            ranks = self.stage_ranks(c)
-            intra = all(self._pp_intra(c, x, y) for x, y in zip(ranks, ranks[1:]))
-            bw = self.hw.intra_node_bytes_per_s if intra else self.hw.inter_node_bytes_per_s
-            try:
-                part = solve(PartitionProblem(
-                    compute=tuple(u.F + u.I + u.W), param_bytes=tuple(u.params), activation_bytes=tuple(u.saved),
-                    cut_bytes=tuple(u.cut), num_stages=S, num_ranks=c.pp, allowed=self.allowed, bandwidth=bw,
-                    stage_ranks=ranks))
-                cuts = part.cuts
-            except PartitionError:
-                cuts = None
+        try:
+            cuts = solve(PartitionProblem(
+                compute=tuple(compute), param_bytes=tuple(u.params), activation_bytes=tuple(u.saved),
+                cut_bytes=tuple(u.cut), num_stages=S, num_ranks=c.pp, allowed=self.allowed, bandwidth=bw,
+                stage_ranks=ranks)).cuts
+        except PartitionError:
+            cuts = None
         self._cuts[key] = cuts
         return cuts
 
@@ -195,6 +233,12 @@ class Scorer:
     # -- the score
     def score(self, c: Candidate, *, simulate: bool = False) -> Score:
         w, hw = self.w, self.hw
+        # a lower bound first: the rank's share of the training state alone, evenly split
+        state = w.param_bytes_total * self._state_factor() / (c.tp * c.pp * c.dp_shard)
+        if state > self.limit:
+            return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(params=state), False,
+                         f"memory: the training state alone, {_gb(state)} per rank (params, grads, optimizer "
+                         f"over tp x pp{' x dp_shard' if c.dp_shard > 1 else ''}), > limit {_gb(self.limit)}")
         u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
         cuts = self.cuts(c, u)
         if cuts is None:
@@ -204,7 +248,8 @@ class Scorer:
         csum = lambda x: np.concatenate(([0.0], np.cumsum(x)))  # noqa: E731
         cF, cI, cW, cP, cA = csum(u.F), csum(u.I), csum(u.W), csum(u.params), csum(u.saved)
         idx = np.asarray(cuts)
-        F = np.diff(cF[idx]); I = np.diff(cI[idx]); W = np.diff(cW[idx])  # noqa: E702
+        a = self.cal.action_overhead_s
+        F = np.diff(cF[idx]) + a; I = np.diff(cI[idx]) + a; W = np.diff(cW[idx]) + a  # noqa: E702
         P = np.diff(cP[idx]); A = np.diff(cA[idx])  # noqa: E702
         ranks = self.stage_ranks(c)
         comm = np.zeros(S)
@@ -274,6 +319,15 @@ class Scorer:
         else:
             bubble = (p - 1) * (f + i + wg) / v
         return m * float(share.max()) + bubble + 2 * (len(F) - 1) * float(comm.max(initial=0.0))
+
+    @staticmethod
+    def simulated_actions(c: Candidate) -> int:
+        """Actions ``score(c, simulate=True)`` simulates (0 without a pipeline)."""
+        p, v, m = c.pp, c.stages_per_rank, c.microbatches
+        if p == 1:
+            return 0
+        m_a = max(p, MAX_SIMULATED_ACTIONS // (3 * p * v))
+        return 3 * p * v * (m if m_a + p >= m else 2 * m_a + p)
 
     def _simulate(self, c: Candidate, F, I, W, comm, ranks) -> tuple[float, str]:
         p, v, m = c.pp, c.stages_per_rank, c.microbatches

@@ -12,7 +12,8 @@ Terms as in :mod:`fxsplit.planner.space` and :mod:`fxsplit.planner.score`.
 Every candidate of the space is scored with the closed-form makespan (cheap: per-unit arrays are
 cached per (t, SP, b, checkpointing) and cuts per (t, SP, checkpointing, S, placement)); those
 that do not fit the memory limit are rejected with their numbers. The ``top_k`` fastest fitting
-ones are then re-scored with the schedule simulator, and the fastest simulated one is the pick
+ones are then re-scored with the schedule simulator (within ``SIMULATION_BUDGET`` actions in all:
+a very long pipeline keeps its closed form, and the table says which), and the fastest is the pick
 (ties: fewer ranks per pipeline, then fewer tensor ranks, then less recompute: the simpler
 layout). Candidates are only ever rejected for memory or structure, never for time, so the pick
 is the fastest fitting candidate the simulator saw, and a plan that does not fit is never
@@ -30,7 +31,7 @@ import torch.fx
 
 from fxsplit.errors import PlanError
 from fxsplit.graph.hardware import Hardware
-from fxsplit.planner.score import Score, Scorer, _gb
+from fxsplit.planner.score import SIMULATION_BUDGET, Calibration, Score, Scorer, _gb
 from fxsplit.planner.space import candidates
 from fxsplit.planner.workload import Workload
 from fxsplit.tp.plan import find_tp_plan
@@ -134,7 +135,8 @@ def _fmt_time(t: float) -> str:
 
 
 def search(workload: Workload, *, world_size: int, global_batch: int, hardware: Hardware,
-           memory_limit: float | None = None, top_k: int = 8, shard: bool = False) -> SearchResult:
+           memory_limit: float | None = None, top_k: int = 8, shard: bool = False,
+           calibration: Calibration | None = None) -> SearchResult:
     """Search the space for ``workload`` ([Note: search strategy]); raises PlanError when no
     candidate fits ``memory_limit`` (default ``hardware.memory_bytes``), naming the tightest."""
     t0 = time.perf_counter()
@@ -144,7 +146,7 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
         raise PlanError(f"strategy='auto' needs global_batch_size: an int >= 1 (samples per optimizer step), "
                         f"got {global_batch!r}")
     limit = hardware.memory_bytes if memory_limit is None else float(memory_limit)
-    scorer = Scorer(workload, hardware, limit)
+    scorer = Scorer(workload, hardware, limit, calibration)
     cuttable = sum(scorer.allowed[1:-1])
     structural: list[tuple[str, str]] = []
     fitting: list[Score] = []
@@ -156,12 +158,12 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
                         rejected=structural):
         n += 1
         s = scorer.score(c)
-        if s.fits and math.isfinite(s.step_time):
+        if s.fits:
             fitting.append(s)
-        elif not math.isfinite(s.step_time):
-            structural.append((c.short(), s.reason))
-        else:
+        elif s.reason.startswith("memory"):
             over.append(s)
+        else:
+            structural.append((c.short(), s.reason))
     if not fitting:
         if not over:
             raise PlanError(f"strategy='auto': no candidate layout for world size {world_size} and global batch "
@@ -174,7 +176,13 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
             f"optimizer {_gb(m.optimizer)}, activations {_gb(m.activations)}, recompute {_gb(m.recompute)}); "
             "use more ranks, a smaller global batch, or a larger memory_limit")
     fitting.sort(key=lambda s: s.step_time)
-    simulated = [scorer.score(s.candidate, simulate=True) for s in fitting[:top_k]]
+    simulated, budget = [], SIMULATION_BUDGET
+    for s in fitting[:top_k]:
+        cost = Scorer.simulated_actions(s.candidate)
+        if cost <= budget:
+            budget -= cost
+            s = scorer.score(s.candidate, simulate=True)
+        simulated.append(s)
     simulated.sort(key=lambda s: (round(s.step_time, 12), s.candidate.pp, s.candidate.tp,
                                   _CKPT_ORDER[s.candidate.activation_checkpointing]))
     scores = tuple(simulated) + tuple(fitting[top_k:])
