@@ -3,8 +3,9 @@
 1. here: a small GPT on 4 gloo ranks of this machine, >= 12 layouts (pp in {1, 2, 4}, tp in {1, 2},
    dp, m, 1F1B / interleaved / ZB-H1 / ZB-V, with and without checkpointing) plus the planner's
    own pick. Hardware is ``Hardware.measure()`` (collective over the 4 ranks); the roofline is
-   calibrated from one forward + backward of the unsplit model at two batch sizes, timed on every
-   rank at once ([Note: calibration] in fxsplit.planner.score). Each layout is built with the
+   calibrated from one forward + backward of the unsplit model at two batch sizes, timed by rank 0
+   alone, and the 4 ranks share this host's cores (``host_cores``: a step takes at least the
+   ranks' total compute over the cores; [Note: calibration] in fxsplit.planner.score). Each layout is built with the
    planner's stage boundaries (split_points) and timed for a few optimizer steps (median; the
    slowest rank). Reported: mean absolute error of the predicted step time, Kendall tau of the
    ranking, the pick's measured time vs the best measured.
@@ -18,7 +19,7 @@
 
     .venv/bin/python benchmarks/planner.py here [--steps 3]
     .venv/bin/python benchmarks/planner.py paper [--runs 145.6B,1008B]
-    .venv/bin/python benchmarks/planner.py speed [--skip-70b]
+    .venv/bin/python benchmarks/planner.py speed [--skip-70b] [--skip-1t]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import statistics
 import sys
 import time
@@ -76,8 +78,10 @@ def _here_rank(rank: int, world: int, steps: int):
     hw = dataclasses.replace(hw, devices_per_node=world)  # the 4 ranks share this host
     model, args, _ = zoo.make_gpt(**GPT_HERE, seq_len=SEQ, batch_size=BATCH)
     w = analyze(trace(model, args, decompose_attention=True), world_size=world, hardware=hw)
+    dist.barrier()  # rank 0 alone times the unsplit model (the others wait): an uncontended core
+    cal = calibrate(w, hw, {1: _fwd_bwd_seconds(model, 1), 4: _fwd_bwd_seconds(model, 4)},
+                    host_cores=os.cpu_count() or 1) if rank == 0 else None
     dist.barrier()
-    cal = calibrate(w, hw, {1: _fwd_bwd_seconds(model, 1), 4: _fwd_bwd_seconds(model, 4)})
     box = [cal]
     dist.broadcast_object_list(box, src=0)  # every rank predicts with rank 0's calibration
     cal = box[0]
@@ -200,7 +204,14 @@ def paper(runs) -> None:
         sys.stdout.flush()
 
 
-def speed(skip_70b: bool) -> None:
+def speed(skip_70b: bool, skip_1t: bool) -> None:
+    if not skip_1t:
+        _speed_1t()
+    if not skip_70b:
+        _speed_70b()
+
+
+def _speed_1t() -> None:
     heads, h, l, _, _, n, B, _ = TABLE1["1008B"]
     model, args = _paper_gpt(heads, h, l)
     t0 = time.perf_counter()
@@ -216,11 +227,12 @@ def speed(skip_70b: bool) -> None:
     print(f"1T GPT (128 layers, h 25600) for {n} GPUs: trace {trace_s:.1f}s (once), analysis {analyze_s:.1f}s, "
           f"search {search_s:.1f}s ({r.num_candidates} candidates); searched in {analyze_s + search_s:.1f}s; "
           f"peak RSS {peak_rss_mb():.0f} MB; pick {r.best.candidate.short()}")
-    del gm, w, r, model
-    if skip_70b:
-        return
+
+
+def _speed_70b() -> None:
     from fxsplit.testing import hf_zoo
 
+    hw = fxsplit.Hardware.preset("a100-80gb")
     model, args, kwargs = hf_zoo.meta_llama_70b(seq_len=4096)
     t0 = time.perf_counter()
     torch.export.export(model, args, kwargs, strict=False)
@@ -238,10 +250,11 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--runs", default=",".join(TABLE1))
     ap.add_argument("--skip-70b", action="store_true")
+    ap.add_argument("--skip-1t", action="store_true")
     ns = ap.parse_args()
     if ns.what == "here":
         here(ns.steps)
     elif ns.what == "paper":
         paper([r for r in ns.runs.split(",") if r])
     else:
-        speed(ns.skip_70b)
+        speed(ns.skip_70b, ns.skip_1t)

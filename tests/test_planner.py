@@ -142,3 +142,15 @@ def test_parallelize_auto_matches_single_process():
 
     results = run_distributed(_auto_case, 2, timeout=240)
     _check(results, *_reference("gpt", {"batch_size": 4}))
+
+
+def test_ranks_sharing_a_host_are_bound_by_its_cores(workload):
+    from fxsplit.planner import Calibration
+
+    c = Candidate(dp=4, tp=1, pp=1, stages_per_rank=1, schedule="1f1b", microbatches=1, microbatch_size=2,
+                  activation_checkpointing="none", sequence_parallel=False)
+    free = Scorer(workload, toy(), math.inf).score(c)
+    shared = Scorer(workload, toy(), math.inf, Calibration(host_cores=2)).score(c)
+    assert shared.method.endswith("host-bound")
+    # 4 ranks' compute (and optimizer steps) on 2 cores: twice one rank's
+    assert shared.step_time == pytest.approx(2 * (free.pipeline_time + free.optimizer_time))

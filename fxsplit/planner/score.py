@@ -75,15 +75,19 @@ class Calibration:
     to its forward and to its backward (interpreter / launch cost of one fx node), and
     ``action_overhead_s`` per pipeline action (F, I, W) of a stage. ``calibrate`` fits the first
     two from one process's measured forward + backward times of the unsplit model at two batch
-    sizes; the default (1, 0, 0) is the bare roofline."""
+    sizes; the default (1, 0, 0) is the bare roofline. ``host_cores``: when every rank runs on
+    one host with that many cores (gloo ranks on a CPU machine), the step takes at least the
+    ranks' total compute (all stages' F + I + W over all microbatches, and every rank's optimizer
+    step) divided by the cores: processor sharing. inf (default): each rank has its own device."""
 
     compute_scale: float = 1.0
     node_overhead_s: float = 0.0
     action_overhead_s: float = 0.0
+    host_cores: float = math.inf
 
 
 def calibrate(workload: Workload, hardware: Hardware, measured: dict, *,
-              action_overhead_s: float = 0.0) -> Calibration:
+              action_overhead_s: float = 0.0, host_cores: float = math.inf) -> Calibration:
     """``Calibration`` from ``measured = {batch size: seconds of one forward + backward of the
     unsplit model}`` (two sizes): the slope fits ``compute_scale``, the intercept the per-node
     overhead ([Note: calibration])."""
@@ -93,7 +97,7 @@ def calibrate(workload: Workload, hardware: Hardware, measured: dict, *,
                                                                    s.units(1, False, b2, "none")))
     scale = max((t2 - t1) / (p2 - p1), 1e-3) if p2 > p1 else 1.0
     overhead = max(t1 - scale * p1, 0.0) / (2 * workload.num_units)
-    return Calibration(scale, overhead, action_overhead_s)
+    return Calibration(scale, overhead, action_overhead_s, host_cores)
 
 
 @dataclass(frozen=True)
@@ -284,7 +288,13 @@ class Scorer:
                                   f"grads {_gb(mem.grads)}, optimizer {_gb(mem.optimizer)}, activations "
                                   f"{_gb(mem.activations)}, recompute {_gb(mem.recompute)})")
         costs = dict(forward=tuple(F), backward_input=tuple(I), backward_weight=tuple(W), comm=tuple(comm))
-        return Score(c, pipe + dp_time + opt_time, pipe, dp_time, opt_time, mem, fits, reason, method,
+        step = pipe + dp_time + opt_time
+        cores = self.cal.host_cores
+        if math.isfinite(cores):  # [Note: calibration]: ranks sharing one host's cores
+            work = c.dp * c.tp * c.microbatches * float(F.sum() + I.sum() + W.sum()) + c.world_size * opt_time
+            if work / cores > step:
+                step, method = work / cores, method + ", host-bound"
+        return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
                      tuple(cuts), costs)
 
     def _state_factor(self) -> float:
