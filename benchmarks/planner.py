@@ -5,7 +5,9 @@
    own pick. Hardware is ``Hardware.measure()`` (collective over the 4 ranks); the roofline is
    calibrated from one forward + backward of the unsplit model at two batch sizes, timed by rank 0
    alone, and the 4 ranks share this host's cores (``host_cores``: a step takes at least the
-   ranks' total compute over the cores; [Note: calibration] in fxsplit.planner.score). Each layout is built with the
+   ranks' total compute over the cores; [Note: calibration] in fxsplit.planner.score); the
+   per-action overhead is fitted on one more layout (dp=2 x pp=2, m=2, not among the evaluated ones).
+   Each layout: the fastest of ``--steps`` timed steps after one warmup (the machine is shared). Each layout is built with the
    planner's stage boundaries (split_points) and timed for a few optimizer steps (median; the
    slowest rank). Reported: mean absolute error of the predicted step time, Kendall tau of the
    ranking, the pick's measured time vs the best measured.
@@ -85,13 +87,10 @@ def _here_rank(rank: int, world: int, steps: int):
     box = [cal]
     dist.broadcast_object_list(box, src=0)  # every rank predicts with rank 0's calibration
     cal = box[0]
-    scorer = Scorer(w, hw, math.inf, cal)
-    pick = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=cal).best.candidate
-    layouts = list(LAYOUTS) + ([pick] if pick not in LAYOUTS else [])
     x = torch.randint(0, GPT_HERE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, GPT_HERE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
-    rows = []
-    for c in layouts:
+
+    def measure(c, scorer):
         s = scorer.score(c, simulate=True)
         split = tuple(w.group_paths[k] for k in s.cuts[1:-1]) or None
         pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, timeout=120, verify=False,
@@ -110,9 +109,20 @@ def _here_rank(rank: int, world: int, steps: int):
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if i:  # the first step warms up
                 times.append(float(dt))
-        rows.append(dict(layout=c.short(), predicted=s.step_time, measured=statistics.median(times),
-                         pick=c == pick, method=s.method))
-        del pm, opt
+        return s, min(times)  # the least disturbed step: the machine is shared
+
+    # the per-action overhead (runtime, p2p) from one pipeline layout outside the evaluated set
+    probe = _c(2, 1, 2, 1, "1f1b", 2)
+    s0, t0 = measure(probe, Scorer(w, hw, math.inf, cal))
+    a = max(t0 - s0.step_time, 0.0) / (3 * (probe.microbatches + probe.pp - 1))
+    cal = dataclasses.replace(cal, action_overhead_s=a)
+    scorer = Scorer(w, hw, math.inf, cal)
+    pick = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=cal).best.candidate
+    layouts = list(LAYOUTS) + ([pick] if pick not in LAYOUTS else [])
+    rows = []
+    for c in layouts:
+        s, t = measure(c, scorer)
+        rows.append(dict(layout=c.short(), predicted=s.step_time, measured=t, pick=c == pick, method=s.method))
     return dict(rows=rows, hardware=hw.source, calibration=cal)
 
 
