@@ -9,6 +9,7 @@ Data flows one way, through subpackages named after their layer::
           -> passes/    the built-in passes (tensor_parallel, pipeline_split), on the public API only
           -> schedule/  pipeline schedules as data: IR, builders, validation, simulation (torch-free)
           -> runtime/   one rank: executor, p2p channel, microbatching, mesh, failures
+             planner/   the auto-planner: workload (traced once), candidate space, scoring, search
           -> api/       options, Plan, plan(), parallelize(), ParallelModel, checkpoints
     beside the API: testing/ (run_distributed, model zoos), cli
 
@@ -49,7 +50,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fxsplit.pipeline": ("fxsplit.graph", "fxsplit.schedule"),
     "fxsplit.passes": ("fxsplit.tp", "fxsplit.pipeline"),
     "fxsplit.runtime": ("fxsplit.tp", "fxsplit.pipeline"),
-    "fxsplit.api": ("fxsplit.runtime", "fxsplit.passes"),
+    "fxsplit.planner": ("fxsplit.tp", "fxsplit.pipeline"),
+    "fxsplit.api": ("fxsplit.runtime", "fxsplit.passes", "fxsplit.planner"),
     "fxsplit.testing": ("fxsplit.api",),
     "fxsplit.cli": ("fxsplit.api",),
     "fxsplit.__main__": ("fxsplit.cli",),

@@ -253,6 +253,8 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     from fxsplit.graph.hardware import Hardware
 
     model, args, kwargs = load_example(ns.factory, meta=ns.meta)
+    if ns.auto:
+        return _cmd_plan_auto(ns, model, args, kwargs)
     config = ParallelConfig(
         tp=ns.tp, pp=ns.pp, dp=ns.dp, microbatches=ns.microbatches, schedule=ns.schedule,
         stages_per_rank=ns.stages_per_rank, split_points=ns.split_points, memory_limit=ns.memory_limit,
@@ -273,6 +275,26 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         print(f"wrote the simulated schedule to {ns.timeline}")
     if ns.debug_dir and Path(ns.debug_dir).is_dir():
         print(f"wrote per-pass dumps to {ns.debug_dir} (summary.txt lists the passes)")
+    return EXIT_OK
+
+
+def _cmd_plan_auto(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict) -> int:
+    """``fxsplit plan FILE:FACTORY --auto --world-size N --global-batch B --hardware NAME``."""
+    from fxsplit.api import plan
+    from fxsplit.errors import PlanError
+    from fxsplit.graph.hardware import Hardware
+
+    if ns.world_size is None or ns.global_batch is None:
+        raise PlanError("--auto needs --world-size N and --global-batch B (samples per optimizer step)")
+    hardware = Hardware.preset(ns.hardware) if ns.hardware else None
+    the_plan = plan(model, args, kwargs, strategy="auto", world_size=ns.world_size, global_batch_size=ns.global_batch,
+                    hardware=hardware, memory_limit=ns.memory_limit, method=ns.method,
+                    passes=tuple(_load_passes(ns.passes)), debug=ns.debug_dir)
+    print(the_plan.search)
+    print()
+    print(the_plan)
+    if ns.grid:
+        print(the_plan.schedule_grid())
     return EXIT_OK
 
 
@@ -339,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer's inputs), auto (per stage, the cheapest that fits --memory-limit)")
     p.add_argument("--pass", dest="passes", action="append", default=[], metavar="FILE.py:FN",
                    help="a user pass (gm, ctx) -> PassResult, run before the built-in passes; repeatable")
+    p.add_argument("--auto", action="store_true",
+                   help="search dp, tp, pp, v, schedule, microbatches, checkpointing, sp (needs --world-size, --global-batch)")
+    p.add_argument("--world-size", type=_positive_int, default=None, help="ranks to plan for, with --auto")
+    p.add_argument("--global-batch", type=_positive_int, default=None,
+                   help="samples per optimizer step over all replicas, with --auto")
+    p.add_argument("--hardware", default=None, metavar="NAME",
+                   help="a Hardware preset for --auto (a100-80gb, h100-sxm; default a100-80gb)")
     p.add_argument("--meta", action="store_true", help='build the model under torch.device("meta") (no memory)')
     p.add_argument("--grid", action="store_true", help="also print the schedule grid (rank x step)")
     p.add_argument("--dot", metavar="PATH", help="write the graph colored by stage as Graphviz DOT")

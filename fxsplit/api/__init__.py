@@ -3,10 +3,11 @@
 Owns the options (``options``: one typed dataclass shared by ``plan``, ``parallelize`` and the
 CLI), planning (``plan``: trace -> user passes -> tensor parallel -> split -> schedule ->
 communication plan, in one process), ``parallelize`` (per-rank materialization and the runtime)
-and ``ParallelModel`` with its checkpoints (``model``), and the whole model's gradient norm
-for ``ParallelModel.clip_grad_norm_`` (``grad_norm``).
+and ``ParallelModel`` with its checkpoints (``model``), the whole model's gradient norm
+for ``ParallelModel.clip_grad_norm_`` (``grad_norm``), and ``strategy="auto"``: the planner's
+search turned into a config (``auto``).
 
-May import every layer below it: ``fxsplit.runtime``, ``fxsplit.passes``, ``fxsplit.tp``,
+May import every layer below it: ``fxsplit.runtime``, ``fxsplit.passes``, ``fxsplit.planner``, ``fxsplit.tp``,
 ``fxsplit.pipeline``, ``fxsplit.schedule``, ``fxsplit.graph``, ``fxsplit.errors``,
 ``fxsplit.config``.
 """

@@ -46,6 +46,8 @@ def parallelize(
     timeout: float = 300.0,
     log_every: int | None = None,
     config: ParallelConfig | None = None,
+    strategy: str | None = None,
+    global_batch_size: int | None = None,
     **options: Any,
 ) -> ParallelModel:
     """Parallelize ``model`` over dp x tp x pp processes (inside a torchrun launch); returns this
@@ -57,9 +59,29 @@ def parallelize(
     Bad requests (world size != dp * tp * pp, a mesh of another shape, microbatches < pp) raise
     on every rank before any collective. ``timeout`` bounds every wait on another rank; a failure
     on any rank in ``step()`` / ``forward()`` raises on every rank, naming it ([Note: failures]
-    at ``ParallelModel._agree``)."""
+    at ``ParallelModel._agree``).
+
+    ``strategy="auto"`` searches the layout for the launched world size and ``global_batch_size``
+    ([Note: auto plan] in :mod:`fxsplit.api.auto`), on ``hardware`` or, by default, this
+    machine's ``Hardware.measure()`` (collective: every rank gets rank 0's figures, so every rank
+    picks the same plan); ``ParallelModel.plan`` then carries the prediction and the search."""
     from fxsplit.runtime.mesh import build_mesh, check_mesh, init_from_env, mesh_coords, mesh_groups
     from fxsplit.runtime import PipelineRuntime
+
+    searched = None
+    if strategy is not None or global_batch_size is not None:
+        from fxsplit.api.auto import choose
+        from fxsplit.errors import PlanError
+
+        if strategy != "auto":
+            raise PlanError(f"strategy must be 'auto' or None, got {strategy!r}")
+        init_from_env()
+        if "hardware" not in options and (config is None or config.hardware is None):
+            options = {**options, "hardware": Hardware.measure()}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        config, searched = choose(model, example_args, example_kwargs, config=config, options=options,
+                                  world_size=world, global_batch_size=global_batch_size, where="parallelize")
+        options = {}
 
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
@@ -112,6 +134,9 @@ def parallelize(
         seed=_agreed_seed(c.seed, groups.get("errors")),
         reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None,
     )
+    if searched is not None:
+        the_plan = dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,
+                                       predicted_memory=searched.best.memory.as_dict(), search=searched)
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
                          groups=groups, loss_fn=loss_fn, log_every=log_every)
 

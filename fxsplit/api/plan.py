@@ -18,6 +18,7 @@ then does is :mod:`fxsplit.api.parallelize` ([Note: what every rank does]).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,11 @@ class Plan:
     comm: tuple[CommPlan, ...] = ()
     forward_comm: tuple[CommPlan, ...] = ()
     stage_ranks: tuple[int, ...] = ()  # rank of every stage, chosen by the schedule (schedule.placement)
+    # strategy="auto" ([Note: auto plan] in fxsplit.api.auto): seconds per optimizer step and bytes
+    # per rank the search predicted for this config, and the search (its candidate table); else None
+    predicted_step_time: float | None = None
+    predicted_memory: Mapping[str, float] | None = None
+    search: Any = None
 
     def __post_init__(self) -> None:
         if not self.stage_ranks:
@@ -141,6 +147,10 @@ class Plan:
             sends = [sum(op.is_send for ops in cp.peer_ops.values() for op in ops) for cp in self.comm]
             lines.append(f"point-to-point per step: {sum(sends)} messages (sends per rank {sends}); "
                          f"plan.rank_plan(r) prints rank r's in order")
+        if self.predicted_step_time is not None:
+            mem = self.predicted_memory or {}
+            lines.append(f"auto: predicted step {self.predicted_step_time * 1e3:.3f} ms, memory per rank "
+                         f"{mem.get('total', 0) / 1e6:.1f} MB; plan.search has the candidate table")
         lines.append(f"planned in {self.plan_seconds:.2f}s")
         return "\n".join(lines)
 
@@ -151,6 +161,9 @@ def plan(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     config: ParallelConfig | None = None,
+    strategy: str | None = None,
+    world_size: int | None = None,
+    global_batch_size: int | None = None,
     **options: Any,
 ) -> Plan:
     """Plan ``model`` for dp x tp x pp in this process: trace, user passes, tensor parallelism,
@@ -166,7 +179,24 @@ def plan(
     ``cut_at="modules"`` lets stages start only where a module call begins. ``verify=True``
     checks the plan against the unsplit model in this process (:func:`fxsplit.verify`; needs real
     weights), raising VerificationError naming the first diverging node.
+
+    ``strategy="auto"`` searches the layout for ``world_size`` ranks and ``global_batch_size``
+    samples per step instead ([Note: auto plan] in :mod:`fxsplit.api.auto`): ``Plan.config`` is
+    the pick, with ``predicted_step_time``, ``predicted_memory`` and ``search`` (the table).
     """
+    if strategy is not None or world_size is not None or global_batch_size is not None:
+        t_auto = time.perf_counter()
+        if strategy != "auto":
+            raise PlanError(f"strategy must be 'auto' or None, got {strategy!r} (world_size and "
+                            "global_batch_size go with strategy='auto')")
+        from fxsplit.api.auto import choose
+
+        chosen, found = choose(model, example_args, example_kwargs, config=config, options=options,
+                               world_size=world_size, global_batch_size=global_batch_size)
+        picked = plan(model, example_args, example_kwargs, config=chosen)
+        return dataclasses.replace(picked, predicted_step_time=found.best.step_time,
+                                   predicted_memory=found.best.memory.as_dict(), search=found,
+                                   plan_seconds=time.perf_counter() - t_auto)
     t0 = time.perf_counter()
     config = make_config(config, options, where="plan").resolved()
     hardware = config.hardware if config.hardware is not None else Hardware()

@@ -1,0 +1,67 @@
+"""``strategy="auto"``: the planner's search (``fxsplit.planner``) turned into a ParallelConfig and a Plan.
+
+Terms as in :mod:`fxsplit.api.plan`; B the global batch (samples per optimizer step, all replicas).
+
+    plan = fxsplit.plan(model, (idx,), strategy="auto", world_size=64, global_batch_size=512,
+                        hardware=fxsplit.Hardware.preset("a100-80gb"))
+    plan.config                 # the chosen dp, tp, pp, v, schedule, m, checkpointing, sp
+    plan.predicted_step_time    # seconds per optimizer step
+    plan.predicted_memory       # bytes on the most loaded rank: params, grads, optimizer, activations, ...
+    print(plan.search)          # the candidate table, best first, and why each rejected one was
+
+[Note: auto plan]
+The model is traced once for the search (every candidate is scored from that one graph), then the
+chosen configuration is planned as any other (``fxsplit.plan`` with its fields: ``choose`` here returns them, and ``plan`` / ``parallelize`` plan
+them), with the
+search's stage boundaries given as ``split_points`` so the built stages are the ones the search
+scored. The fields the search chooses (dp, tp, pp, stages_per_rank, schedule, microbatches,
+activation_checkpointing, sequence_parallel, and dp_shard where ParallelConfig has it) may not be
+given with strategy="auto"; every other option (passes, method, hardware, memory_limit, ...)
+is kept. ``hardware`` defaults to ``Hardware.preset("a100-80gb")`` and ``memory_limit`` to its
+memory. The example inputs only need the model's shapes (any batch size): the search scales every
+cost by the microbatch size B / (dp * m).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from torch import nn
+
+from fxsplit.api.options import ParallelConfig, make_config
+from fxsplit.errors import PlanError
+from fxsplit.graph.hardware import Hardware
+from fxsplit.graph.trace import trace
+from fxsplit.planner import SearchResult, analyze, search, shard_supported
+
+__all__ = ["choose", "SEARCHED"]
+
+SEARCHED = ("dp", "tp", "pp", "stages_per_rank", "schedule", "microbatches", "activation_checkpointing",
+            "sequence_parallel", "dp_shard", "split_points")
+
+
+def choose(model: nn.Module, example_args: Any, example_kwargs: Mapping[str, Any] | None, *,
+           config: ParallelConfig | None, options: Mapping[str, Any], world_size: int | None,
+           global_batch_size: int | None, where: str = "plan") -> tuple[ParallelConfig, SearchResult]:
+    """The config the search picks for ``world_size`` ranks and ``global_batch_size`` (and the
+    search itself); see [Note: auto plan]."""
+    fixed = [k for k in options if k in SEARCHED]
+    if fixed:
+        raise PlanError(f"{where}(strategy='auto') chooses {', '.join(fixed)} itself; leave them out (or plan "
+                        f"without strategy='auto')")
+    if world_size is None or global_batch_size is None:
+        raise PlanError(f"{where}(strategy='auto') needs world_size=N and global_batch_size=B (samples per "
+                        "optimizer step over all replicas)")
+    base = make_config(config, options, where=where)
+    hardware = base.hardware if base.hardware is not None else Hardware.preset("a100-80gb")
+    gm = trace(model, example_args, example_kwargs, method=base.method, leaf_modules=base.leaf_modules,
+               param_dtype=base.mp_policy.param_dtype if base.mp_policy is not None else None,
+               decompose_attention=world_size > 1)
+    workload = analyze(gm, world_size=world_size, hardware=hardware)
+    result = search(workload, world_size=world_size, global_batch=global_batch_size, hardware=hardware,
+                    memory_limit=base.memory_limit, shard=shard_supported(ParallelConfig))
+    fields = result.best.candidate.config_fields()
+    chosen = dataclasses.replace(base, **fields, hardware=hardware, memory_limit=None,
+                                 split_points=result.split_points() or None)
+    return chosen, result

@@ -1,0 +1,359 @@
+"""Scoring one candidate: per-stage F / I / W and link times, memory per rank, step time.
+
+Terms as in :mod:`fxsplit.planner.space` and :mod:`fxsplit.planner.workload`; a rank's *share*
+is the sum over the stages it holds.
+
+    scorer = Scorer(workload, hardware, memory_limit)
+    s = scorer.score(candidate)             # Score: step_time, memory, stage costs, cuts
+    s = scorer.score(candidate, simulate=True)
+
+[Note: planner cost model]
+Per unit, at microbatch size b, tensor degree t (the unit's work divided by t when TP shards it,
+and by t under sequence parallelism when SP runs it on a sequence shard; a sharded linear's
+parameter reads divided by t): forward ``F = max(flops / FLOP/s, bytes / B/s)``, backward
+``max((flops + matmul flops) / FLOP/s, backward bytes / B/s)``, split into W (half, for a unit
+reading parameters) and I (the rest): the cost model's roofline and [Note: F, I, W estimates].
+TP collectives are ring all-reduces over the tp group on the intra-node link ([Note: collective
+time formulas]): the forward's g added to F, the backward's f to I. Recompute (checkpointing) adds
+the recomputed units' F, their collectives included, to I. The loss is charged to the last
+stage's I. Units are summed per group; the stages' cuts are those of the exact partitioner
+(``fxsplit.pipeline.partition.solve``) over the groups, solved once per (t, SP, checkpointing, S,
+placement) at the first microbatch size seen and reused for the others (cut positions barely
+move with b). A stage's message (activations forward, gradients back) costs one ``p2p_time`` of
+its boundary bytes, intra- or inter-node by where the two pipeline ranks sit (ranks packed
+devices_per_node to a node, tp innermost, then pp, then dp: ``fxsplit.runtime.mesh``'s order).
+
+Step time = the pipeline's makespan + the data-parallel gradient reduction + the optimizer step:
+- makespan: with p = 1, m x (F + I + W); else the schedule simulated with the per-stage costs
+  (``fxsplit.schedule.simulate``; above ``MAX_SIMULATED_ACTIONS`` the schedule is simulated at
+  m' >= p and m' + p microbatches and extended linearly: the steady state repeats every p),
+  or, for ranking many candidates fast, the closed form ``m * R_max + bubble`` (R_max the busiest
+  rank's share of F + I + W; bubble (p-1)(F+I+W)/v for 1F1B / interleaved, (p-1)(F+I-W) for ZB-H1,
+  max((p-1)(F+I-2W), (p-1)F/2) for ZB-V, at the largest stage's F, I, W) plus 2(S-1) messages.
+- gradient reduction: a ring all-reduce of the rank's gradient bytes over d (intra-node when the
+  dp group fits in one node), not overlapped with the pipeline (conservative); with dp_shard s a
+  reduce-scatter plus two all-gathers (forward and backward re-gather) over s, and an all-reduce
+  of the 1/s shard over the d / s replicas.
+- optimizer: Adam reads parameter, gradient, m and v and writes parameter, m and v: 7 x 4 bytes
+  per parameter element through memory (1/s of them with dp_shard).
+
+Memory per rank (the largest rank decides the fit): parameters, gradients (the parameter dtype),
+Adam m and v (fp32) plus an fp32 master copy when parameters are 16-bit, each divided by dp_shard;
+activations: in-flight microbatches (the schedule's peak: ``fxsplit.pipeline.chain.inflight_1f1b``
+for 1F1B and interleaved; p on every rank for ZB-H1 and ZB-V, what their orders hold when simulated
+with m >= 2p) times the rank's saved bytes per microbatch under its
+checkpointing mode; recompute: with checkpointing, one group's full activations live while it
+is recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fxsplit import schedule as _schedules
+from fxsplit.errors import PartitionError
+from fxsplit.graph.hardware import Hardware
+from fxsplit.pipeline.chain import inflight_1f1b
+from fxsplit.pipeline.partition import PartitionProblem, solve
+from fxsplit.planner.space import Candidate
+from fxsplit.planner.workload import Workload
+
+__all__ = ["Calibration", "Memory", "Score", "Scorer", "MAX_SIMULATED_ACTIONS", "SIMULATION_BUDGET", "calibrate"]
+
+MAX_SIMULATED_ACTIONS = 6000  # one schedule longer than this is simulated shorter and extended
+SIMULATION_BUDGET = 60000  # actions the search simulates in all ([Note: search strategy])
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """[Note: calibration] The roofline assumes every op runs at the device's matmul rate and
+    bandwidth and costs nothing to launch; small ops on a CPU (or a GPU kernel launch) do not.
+    ``compute_scale`` multiplies every unit's roofline time, ``node_overhead_s`` is added per unit
+    to its forward and to its backward (interpreter / launch cost of one fx node), and
+    ``action_overhead_s`` per pipeline action (F, I, W) of a stage. ``calibrate`` fits the first
+    two from one process's measured forward + backward times of the unsplit model at two batch
+    sizes; the default (1, 0, 0) is the bare roofline. ``host_cores``: when every rank runs on
+    one host with that many cores (gloo ranks on a CPU machine), the step takes at least the
+    ranks' total compute (all stages' F + I + W over all microbatches, and every rank's optimizer
+    step) divided by the cores: processor sharing. inf (default): each rank has its own device."""
+
+    compute_scale: float = 1.0
+    node_overhead_s: float = 0.0
+    action_overhead_s: float = 0.0
+    host_cores: float = math.inf
+
+
+def calibrate(workload: Workload, hardware: Hardware, measured: dict, *,
+              action_overhead_s: float = 0.0, host_cores: float = math.inf) -> Calibration:
+    """``Calibration`` from ``measured = {batch size: seconds of one forward + backward of the
+    unsplit model}`` (two sizes): the slope fits ``compute_scale``, the intercept the per-node
+    overhead ([Note: calibration])."""
+    (b1, t1), (b2, t2) = sorted(measured.items())[:2]
+    s = Scorer(workload, hardware, math.inf)
+    p1, p2 = (float(u.F.sum() + u.I.sum() + u.W.sum()) for u in (s.units(1, False, b1, "none"),
+                                                                   s.units(1, False, b2, "none")))
+    scale = max((t2 - t1) / (p2 - p1), 1e-3) if p2 > p1 else 1.0
+    overhead = max(t1 - scale * p1, 0.0) / (2 * workload.num_units)
+    return Calibration(scale, overhead, action_overhead_s, host_cores)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the most loaded rank."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0  # Adam m, v (+ fp32 master copy of 16-bit parameters)
+    activations: float = 0.0  # in flight by the schedule
+    recompute: float = 0.0  # one group's activations while it is recomputed
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.recompute
+
+    def as_dict(self) -> dict:
+        return dict(params=self.params, grads=self.grads, optimizer=self.optimizer,
+                    activations=self.activations, recompute=self.recompute, total=self.total)
+
+
+@dataclass(frozen=True)
+class Score:
+    candidate: Candidate
+    step_time: float  # seconds per optimizer step
+    pipeline_time: float
+    dp_time: float
+    optimizer_time: float
+    memory: Memory
+    fits: bool
+    reason: str = ""  # why it was rejected ("" if it fits)
+    method: str = "closed form"  # "closed form", "simulated", "simulated at m'=..., extended"
+    cuts: tuple[int, ...] = ()  # group positions of the stage boundaries
+    stage_costs: dict = field(default_factory=dict)  # forward / backward_input / backward_weight / comm
+
+
+@dataclass
+class _Units:
+    F: np.ndarray  # per group seconds
+    I: np.ndarray
+    W: np.ndarray
+    params: np.ndarray  # per group bytes (this tp rank's shard)
+    saved: np.ndarray  # per group bytes per microbatch
+    transient: float  # largest group's un-checkpointed activations (recompute peak)
+    cut: np.ndarray  # bytes crossing each group position
+
+
+class Scorer:
+    """Scores candidates for one workload on one hardware ([Note: planner cost model])."""
+
+    def __init__(self, workload: Workload, hardware: Hardware, memory_limit: float,
+                 calibration: Calibration | None = None):
+        self.w, self.hw, self.limit = workload, hardware, memory_limit
+        self.cal = calibration if calibration is not None else Calibration()
+        self._units: dict = {}
+        self._cuts: dict = {}
+        G = workload.num_groups
+        self.allowed = tuple([True] + [bool(workload.group_paths[g]) for g in range(1, G)] + [True])
+
+    # -- per-unit times, summed per group
+    def units(self, tp: int, sp: bool, b: int, ckpt: str) -> _Units:
+        key = (tp, sp, b, ckpt)
+        if key in self._units:
+            return self._units[key]
+        w, hw = self.w, self.hw
+        div = np.where(w.tp_sharded | (sp & w.sp_sharded), tp, 1).astype(float)
+        pdiv = np.where(w.tp_params_sharded, tp, 1).astype(float)
+        fl = w.flops.at(b) / div
+        mm = w.matmul_flops.at(b) / div
+        rw = w.bytes_rw.const / pdiv + w.bytes_rw.lin * b / div
+        bb = w.bytes_bwd.const / pdiv + w.bytes_bwd.lin * b / div
+        fw = np.maximum(fl / hw.flops_per_s, rw / hw.bytes_per_s)
+        bwd = np.maximum((fl + mm) / hw.flops_per_s, bb / hw.bytes_per_s)
+        cal = self.cal
+        fw, bwd = fw * cal.compute_scale + cal.node_overhead_s, bwd * cal.compute_scale
+        W = np.where(w.reads_params, bwd / 2, 0.0)
+        I = bwd - W + cal.node_overhead_s
+        if tp > 1:
+            a0 = hw.allreduce_time(0.0, tp, True)
+            slope = hw.allreduce_time(1.0, tp, True) - a0
+            fw = fw + w.tp_fwd_count * a0 + slope * w.tp_fwd_bytes.at(b)
+            I = I + w.tp_bwd_count * a0 + slope * w.tp_bwd_bytes.at(b)
+        I = I + np.where(w.recompute[ckpt], fw, 0.0)
+        saved = w.saved[ckpt].at(b) / div
+        gs = w.group_sum
+        F_g, I_g, W_g = gs(fw), gs(I), gs(W)
+        loss = max(w.loss_flops_per_sample * b / hw.flops_per_s, w.loss_bytes_per_sample * b / hw.bytes_per_s)
+        I_g[-1] += loss
+        transient = float(gs(w.saved["none"].at(b) / div).max()) if ckpt != "none" else 0.0
+        cut = w.cut.at(b) / (tp if sp else 1)
+        out = _Units(F_g, I_g, W_g, gs(w.params / pdiv), gs(saved), transient, cut)
+        self._units[key] = out
+        return out
+
+    # -- placement and links
+    def stage_ranks(self, c: Candidate) -> tuple[int, ...]:
+        return _schedules.placement(c.schedule, c.pp, c.stages_per_rank)
+
+    def _pp_intra(self, c: Candidate, a: int, b: int) -> bool:
+        return self.hw.same_node(a * c.tp, b * c.tp)
+
+    def cuts(self, c: Candidate, u: _Units) -> tuple[int, ...] | None:
+        """The partitioner's cuts over the groups, memoized by the shape of the problem: the group
+        times and boundary-message times as fractions of the total (4 digits), S, p and the
+        placement. Candidates whose costs differ only by a common factor (another t, b or
+        checkpointing mode scaling every layer alike) share one solve."""
+        S = c.num_stages
+        if S == 1:
+            return (0, self.w.num_groups)
+        ranks = self.stage_ranks(c)
+        intra = all(self._pp_intra(c, x, y) for x, y in zip(ranks, ranks[1:]))
+        bw = self.hw.intra_node_bytes_per_s if intra else self.hw.inter_node_bytes_per_s
+        compute = u.F + u.I + u.W
+        total = float(compute.sum()) or 1.0
+        key = (S, c.pp, ranks, np.round(compute / total, 4).tobytes(), np.round(u.cut / bw / total, 4).tobytes())
+        if key in self._cuts:
+            return self._cuts[key]
+        try:
+            cuts = solve(PartitionProblem(
+                compute=tuple(compute), param_bytes=tuple(u.params), activation_bytes=tuple(u.saved),
+                cut_bytes=tuple(u.cut), num_stages=S, num_ranks=c.pp, allowed=self.allowed, bandwidth=bw,
+                stage_ranks=ranks)).cuts
+        except PartitionError:
+            cuts = None
+        self._cuts[key] = cuts
+        return cuts
+
+    def inflight(self, c: Candidate) -> tuple[float, ...]:
+        p, v, m = c.pp, c.stages_per_rank, c.microbatches
+        if p == 1:
+            return (1.0,)
+        if c.schedule in ("1f1b", "interleaved_1f1b"):
+            return tuple(min(x, m) for x in inflight_1f1b(p, v))
+        # ZB-H1 and ZB-V (simulated, m >= 2p): p on every rank (ZB-H1's delayed W holds them)
+        return tuple(float(min(p, m)) for _ in range(p))
+
+    # -- the score
+    def score(self, c: Candidate, *, simulate: bool = False) -> Score:
+        w, hw = self.w, self.hw
+        # a lower bound first: the rank's share of the training state alone, evenly split
+        state = w.param_bytes_total * self._state_factor() / (c.tp * c.pp * c.dp_shard)
+        if state > self.limit:
+            return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(params=state), False,
+                         f"memory: the training state alone, {_gb(state)} per rank (params, grads, optimizer "
+                         f"over tp x pp{' x dp_shard' if c.dp_shard > 1 else ''}), > limit {_gb(self.limit)}")
+        u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
+        cuts = self.cuts(c, u)
+        if cuts is None:
+            return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(), False,
+                         f"no partition of {w.num_groups} layer groups into {c.num_stages} stages")
+        S, p = c.num_stages, c.pp
+        csum = lambda x: np.concatenate(([0.0], np.cumsum(x)))  # noqa: E731
+        cF, cI, cW, cP, cA = csum(u.F), csum(u.I), csum(u.W), csum(u.params), csum(u.saved)
+        idx = np.asarray(cuts)
+        a = self.cal.action_overhead_s
+        F = np.diff(cF[idx]) + a; I = np.diff(cI[idx]) + a; W = np.diff(cW[idx]) + a  # noqa: E702
+        P = np.diff(cP[idx]); A = np.diff(cA[idx])  # noqa: E702
+        ranks = self.stage_ranks(c)
+        comm = np.zeros(S)
+        for s in range(S - 1):
+            intra = self._pp_intra(c, ranks[s], ranks[s + 1])
+            comm[s] = hw.p2p_time(float(u.cut[cuts[s + 1]]), intra)
+        # memory per rank
+        inflight = self.inflight(c)
+        rank_P, rank_A = np.zeros(p), np.zeros(p)
+        for s in range(S):
+            rank_P[ranks[s]] += P[s]
+            rank_A[ranks[s]] += A[s]
+        acts = np.asarray(inflight) * rank_A
+        r = int(np.argmax(rank_P * self._state_factor() / c.dp_shard + acts))
+        numel = rank_P[r] / w.param_itemsize
+        sh = c.dp_shard
+        opt = numel * (8.0 + (4.0 if w.param_itemsize < 4 else 0.0))
+        mem = Memory(params=rank_P[r] / sh + (float(u.params.max()) if sh > 1 else 0.0), grads=rank_P[r] / sh,
+                     optimizer=opt / sh, activations=float(acts[r]), recompute=u.transient)
+        fits = mem.total <= self.limit
+        # time
+        method = "closed form"
+        if p == 1:
+            pipe = c.microbatches * float(F.sum() + I.sum() + W.sum())
+        elif simulate:
+            pipe, method = self._simulate(c, F, I, W, comm, ranks)
+        else:
+            pipe = self._closed_form(c, F, I, W, comm, ranks)
+        dp_time = self._dp_time(c, float(rank_P.max()))
+        opt_time = hw.memory_time(28.0 * float(rank_P.max()) / w.param_itemsize / sh)
+        reason = "" if fits else (f"memory {_gb(mem.total)} > limit {_gb(self.limit)} (params {_gb(mem.params)}, "
+                                  f"grads {_gb(mem.grads)}, optimizer {_gb(mem.optimizer)}, activations "
+                                  f"{_gb(mem.activations)}, recompute {_gb(mem.recompute)})")
+        costs = dict(forward=tuple(F), backward_input=tuple(I), backward_weight=tuple(W), comm=tuple(comm))
+        step = pipe + dp_time + opt_time
+        cores = self.cal.host_cores
+        if math.isfinite(cores):  # [Note: calibration]: ranks sharing one host's cores
+            work = c.dp * c.tp * c.microbatches * float(F.sum() + I.sum() + W.sum()) + c.world_size * opt_time
+            if work / cores > step:
+                step, method = work / cores, method + ", host-bound"
+        return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
+                     tuple(cuts), costs)
+
+    def _state_factor(self) -> float:
+        """Bytes of params + grads + optimizer state per parameter byte."""
+        it = self.w.param_itemsize
+        return 2.0 + (8.0 + (4.0 if it < 4 else 0.0)) / it
+
+    def _dp_time(self, c: Candidate, grad_bytes: float) -> float:
+        if c.dp == 1:
+            return 0.0
+        hw, step = self.hw, c.pp * c.tp
+        if c.dp_shard > 1:
+            s = c.dp_shard
+            intra_s = hw.same_node(0, (s - 1) * step)
+            t = hw.reduce_scatter_time(grad_bytes, s, intra_s) + 2 * hw.allgather_time(grad_bytes, s, intra_s)
+            rep = c.dp // s
+            if rep > 1:
+                t += hw.allreduce_time(grad_bytes / s, rep, hw.same_node(0, (rep - 1) * s * step))
+            return t
+        return hw.allreduce_time(grad_bytes, c.dp, hw.same_node(0, (c.dp - 1) * step))
+
+    def _closed_form(self, c: Candidate, F, I, W, comm, ranks) -> float:
+        p, v, m = c.pp, c.stages_per_rank, c.microbatches
+        share = np.zeros(p)
+        for s in range(len(F)):
+            share[ranks[s]] += F[s] + I[s] + W[s]
+        f, i, wg = float(F.max()) * v, float(I.max()) * v, float(W.max()) * v  # a rank's share, largest stage
+        if c.schedule == "zb_h1":
+            bubble = (p - 1) * max(f + i - wg, 0.0)
+        elif c.schedule == "zbv":
+            bubble = max((p - 1) * (f + i - 2 * wg), (p - 1) * f / 2)
+        else:
+            bubble = (p - 1) * (f + i + wg) / v
+        return m * float(share.max()) + bubble + 2 * (len(F) - 1) * float(comm.max(initial=0.0))
+
+    @staticmethod
+    def simulated_actions(c: Candidate) -> int:
+        """Actions ``score(c, simulate=True)`` simulates (0 without a pipeline)."""
+        p, v, m = c.pp, c.stages_per_rank, c.microbatches
+        if p == 1:
+            return 0
+        m_a = max(p, MAX_SIMULATED_ACTIONS // (3 * p * v))
+        return 3 * p * v * (m if m_a + p >= m else 2 * m_a + p)
+
+    def _simulate(self, c: Candidate, F, I, W, comm, ranks) -> tuple[float, str]:
+        p, v, m = c.pp, c.stages_per_rank, c.microbatches
+        m_a = max(p, MAX_SIMULATED_ACTIONS // (3 * p * v))
+        span = lambda mb: _schedules.simulate(  # noqa: E731
+            _schedules.build(c.schedule, p, mb, stages_per_rank=v), forward=list(F), backward=None,
+            backward_input=list(I), backward_weight=list(W), comm=list(comm)).makespan
+        if m_a + p >= m:
+            return span(m), "simulated"
+        t_a, t_b = span(m_a), span(m_a + p)  # the steady state repeats every p microbatches
+        return t_b + (m - m_a - p) * (t_b - t_a) / p, f"simulated at m={m_a} and {m_a + p}, extended"
+
+
+def _gb(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    if x >= 1e9:
+        return f"{x / 1e9:.1f}GB"
+    return f"{x / 1e6:.1f}MB"

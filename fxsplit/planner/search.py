@@ -1,0 +1,197 @@
+"""The search: score every candidate of the space, simulate the best, pick the fastest that fits.
+
+Terms as in :mod:`fxsplit.planner.space` and :mod:`fxsplit.planner.score`.
+
+    w = analyze(gm, world_size=64, hardware=hw)           # the workload, traced once (gm given)
+    result = search(w, world_size=64, global_batch=512, hardware=hw)
+    print(result)                                          # the candidate table, best first
+    result.best.candidate.config_fields()                  # the ParallelConfig keywords
+    result.split_points(w)                                 # where the chosen stages start
+
+[Note: search strategy]
+Every candidate of the space is scored with the closed-form makespan (cheap: per-unit arrays are
+cached per (t, SP, b, checkpointing) and cuts per (t, SP, checkpointing, S, placement)); those
+that do not fit the memory limit are rejected with their numbers. The ``top_k`` fastest fitting
+ones are then re-scored with the schedule simulator (within ``SIMULATION_BUDGET`` actions in all:
+a very long pipeline keeps its closed form, and the table says which), and the fastest is the pick
+(ties: fewer ranks per pipeline, then fewer tensor ranks, then less recompute: the simpler
+layout). Candidates are only ever rejected for memory or structure, never for time, so the pick
+is the fastest fitting candidate the simulator saw, and a plan that does not fit is never
+returned: when nothing fits, PlanError names the tightest candidate and what it needs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from fxsplit.errors import PlanError
+from fxsplit.graph.hardware import Hardware
+from fxsplit.planner.score import SIMULATION_BUDGET, Calibration, Score, Scorer, _gb
+from fxsplit.planner.space import candidates
+from fxsplit.planner.workload import Workload
+from fxsplit.tp.plan import find_tp_plan
+from fxsplit.tp.propagate import TPPlanError
+
+__all__ = ["SearchResult", "analyze", "search"]
+
+_CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def analyze(gm: torch.fx.GraphModule, *, world_size: int, hardware: Hardware) -> Workload:
+    """The workload of a traced graph: its TP structure at the largest degree <= the node size
+    that divides the world size and the model's sizes (tried downwards), with sequence
+    parallelism when the plan can start a sequence-sharded stream."""
+    tp_plan, sp_plan = None, None
+    t = 1
+    while 2 * t <= min(hardware.devices_per_node, world_size) and world_size % (2 * t) == 0:
+        t *= 2
+    while t > 1 and tp_plan is None:
+        try:
+            found = find_tp_plan(gm, t)
+            tp_plan = found if found.regions else None
+        except TPPlanError:
+            pass
+        if tp_plan is None:
+            t //= 2
+    if tp_plan is not None:
+        try:
+            sp_plan = find_tp_plan(gm, tp_plan.tp, sequence_parallel=True)
+            if not sp_plan.sequence_plan.sharded:
+                sp_plan = None
+        except (TPPlanError, PlanError, ValueError):
+            sp_plan = None
+    return Workload.build(gm, tp_plan=tp_plan, sp_plan=sp_plan)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The searched candidates: ``scores`` fitting ones best first, ``rejected`` the rest with why."""
+
+    best: Score
+    scores: tuple[Score, ...]
+    rejected: tuple[tuple[str, str], ...]  # (candidate or group of candidates, reason)
+    world_size: int
+    global_batch: int
+    hardware: str
+    memory_limit: float
+    seconds: float
+    num_candidates: int
+    group_paths: tuple[str, ...] = field(default=(), repr=False)
+
+    def split_points(self) -> tuple[str, ...]:
+        """Module paths where the chosen plan's stages 2..S start (``ParallelConfig.split_points``)."""
+        return tuple(self.group_paths[k] for k in self.best.cuts[1:-1])
+
+    def table(self, limit: int | None = 20, rejected_limit: int | None = 10) -> str:
+        head = ("#", "dp", "tp", "sp", "pp", "v", "schedule", "m", "b", "ckpt", "step", "memory/rank", "how / why not")
+        rows = [head]
+        for i, s in enumerate(self.scores[:limit]):
+            rows.append(_row(str(i + 1), s, s.method))
+        lines = []
+        lines.append(f"auto plan for {self.world_size} ranks, global batch {self.global_batch}, {self.hardware}, "
+                     f"memory limit {_gb(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
+                     f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first")
+        widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
+        for r in rows:
+            lines.append("  ".join(c.rjust(wd) for c, wd in zip(r[:-1], widths)) + "  " + r[-1])
+        if len(self.scores) > (limit or len(self.scores)):
+            lines.append(f"... {len(self.scores) - limit} more fitting candidates (SearchResult.table(limit=None))")
+        rej = list(self.rejected)
+        if rej:
+            lines.append(f"rejected ({len(rej)}), closest to fitting first:")
+        for desc, why in rej[:rejected_limit]:
+            lines.append(f"  x {' '.join(x for x in desc.split(chr(9)) if x)}: {why}")
+        if len(rej) > (rejected_limit or len(rej)):
+            counts = Counter(_reason_kind(w) for _, w in rej)
+            lines.append(f"  ... {len(rej) - rejected_limit} more: "
+                         + ", ".join(f"{n} {k}" for k, n in counts.most_common()))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _reason_kind(why: str) -> str:
+    return why.split(" ")[0] if why.startswith("memory") else why.split(":")[0][:40]
+
+
+def _row(tag: str, s: Score, how: str) -> tuple[str, ...]:
+    c = s.candidate
+    ckpt = c.activation_checkpointing
+    return (tag, str(c.dp) + (f"/{c.dp_shard}" if c.dp_shard != 1 else ""), str(c.tp),
+            "y" if c.sequence_parallel else "", str(c.pp), str(c.stages_per_rank), c.schedule, str(c.microbatches),
+            str(c.microbatch_size), ckpt, _fmt_time(s.step_time), _gb(s.memory.total), how)
+
+
+def _fmt_time(t: float) -> str:
+    if math.isinf(t):
+        return "-"
+    return f"{t:.3f}s" if t >= 1 else f"{t * 1e3:.2f}ms"
+
+
+def search(workload: Workload, *, world_size: int, global_batch: int, hardware: Hardware,
+           memory_limit: float | None = None, top_k: int = 8, shard: bool = False,
+           calibration: Calibration | None = None) -> SearchResult:
+    """Search the space for ``workload`` ([Note: search strategy]); raises PlanError when no
+    candidate fits ``memory_limit`` (default ``hardware.memory_bytes``), naming the tightest."""
+    t0 = time.perf_counter()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"strategy='auto' needs world_size: an int >= 1, got {world_size!r}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"strategy='auto' needs global_batch_size: an int >= 1 (samples per optimizer step), "
+                        f"got {global_batch!r}")
+    limit = hardware.memory_bytes if memory_limit is None else float(memory_limit)
+    scorer = Scorer(workload, hardware, limit, calibration)
+    cuttable = sum(scorer.allowed[1:-1])
+    structural: list[tuple[str, str]] = []
+    fitting: list[Score] = []
+    over: list[Score] = []
+    n = 0
+    for c in candidates(world_size=world_size, global_batch=global_batch, hardware=hardware,
+                        num_groups=workload.num_groups, max_tp=workload.max_tp,
+                        sequence_parallel=workload.sequence_parallel, cuttable=cuttable, shard=shard,
+                        rejected=structural):
+        n += 1
+        s = scorer.score(c)
+        if s.fits:
+            fitting.append(s)
+        elif s.reason.startswith("memory"):
+            over.append(s)
+        else:
+            structural.append((c.short(), s.reason))
+    if not fitting:
+        if not over:
+            raise PlanError(f"strategy='auto': no candidate layout for world size {world_size} and global batch "
+                            f"{global_batch}: " + "; ".join(f"{d}: {r}" for d, r in structural[:6]))
+        tight = min(over, key=lambda s: s.memory.total)
+        m = tight.memory
+        raise PlanError(
+            f"strategy='auto': no layout of {world_size} ranks fits {_gb(limit)} per rank; the tightest, "
+            f"{tight.candidate.short()}, needs {_gb(m.total)} (params {_gb(m.params)}, grads {_gb(m.grads)}, "
+            f"optimizer {_gb(m.optimizer)}, activations {_gb(m.activations)}, recompute {_gb(m.recompute)}); "
+            "use more ranks, a smaller global batch, or a larger memory_limit")
+    fitting.sort(key=lambda s: s.step_time)
+    simulated, budget = [], SIMULATION_BUDGET
+    for s in fitting[:top_k]:
+        cost = Scorer.simulated_actions(s.candidate)
+        if cost <= budget:
+            budget -= cost
+            s = scorer.score(s.candidate, simulate=True)
+        simulated.append(s)
+    simulated.sort(key=lambda s: (round(s.step_time, 12), s.candidate.pp, s.candidate.tp,
+                                  _CKPT_ORDER[s.candidate.activation_checkpointing]))
+    scores = tuple(simulated) + tuple(fitting[top_k:])
+    over.sort(key=lambda s: s.memory.total)
+    rejected = tuple((_desc(s), s.reason) for s in over) + tuple(structural)
+    return SearchResult(best=scores[0], scores=scores, rejected=rejected, world_size=world_size,
+                        global_batch=global_batch, hardware=hardware.name, memory_limit=limit,
+                        seconds=time.perf_counter() - t0, num_candidates=n, group_paths=workload.group_paths)
+
+
+def _desc(s: Score) -> str:
+    return s.candidate.short()

@@ -1,0 +1,301 @@
+"""The model as the planner sees it: per-unit costs of the traced graph, traced once, as arrays.
+
+Terms:
+    unit      a compute node of the traced graph (``fxsplit.pipeline.split``'s unit).
+    group     a maximal run of consecutive units with the same layer key (``blocks.3``): the
+              planner cuts pipeline stages between groups only (Megatron's layer boundaries), and a
+              group's first module path is the ``split_points`` entry that makes the real split cut
+              there too.
+    per-sample, constant   every cost is ``const + lin * b`` in the microbatch size ``b``: the
+              graph's cost expressions are evaluated at batch 1 and batch 2 (exact for costs linear
+              in the batch, which is every op's but a batch-independent parameter read's).
+    sharded   a unit whose work tensor parallelism divides by t (the TP plan's sharded values,
+              linears of a region, the vocabulary embedding and LM head); ``sp`` additionally a
+              unit that sequence parallelism runs on a sequence shard.
+
+    w = Workload.build(gm, tp_plans={2: plan2, 4: plan4}, sp_plan=plan_sp)
+    w.num_groups, w.group_paths, w.param_bytes_total
+
+[Note: planner workload]
+Everything a candidate's score needs is here, computed once per model: the planner never
+re-traces or re-costs a graph per candidate. Per unit: forward FLOPs and their matmul part, bytes
+read and written, bytes saved for backward (each as const + lin * b), owned parameter bytes (a
+get_attr's on its first user, as the split counts them), whether it reads a parameter (its
+backward then has a weight-gradient half, [Note: F, I, W estimates]), the bytes crossing each
+group boundary, the recompute masks and saved bytes of "selective" and "full" checkpointing (from
+``fxsplit.pipeline.checkpointing``'s rules), and the tensor-parallel collectives each unit
+triggers: one forward all-reduce of a region's output at its row linears (g), one backward
+all-reduce of its input gradient at its column linears (f), the vocabulary embedding's forward
+all-reduce and the LM head's logits all-gather (forward) and input all-reduce (backward). The TP
+structure is taken from ``find_tp_plan`` at one degree and reused for the degrees dividing it
+(sharding a region by t or by t' | t divides the same dims).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import sympy
+import torch.fx
+
+from fxsplit.graph.meta import node_info
+from fxsplit.graph.recompute import keeps_output, layer_key, regions, worth_checkpointing
+from fxsplit.pipeline.split import _cut_bytes as _unit_cut_bytes
+from fxsplit.tp.plan import TPPlan
+
+__all__ = ["Workload", "Linear"]
+
+_COMPUTE = ("call_function", "call_method", "call_module")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A cost ``const + lin * b`` per unit (numpy arrays of one value per unit)."""
+
+    const: np.ndarray
+    lin: np.ndarray
+
+    def at(self, b: float) -> np.ndarray:
+        return self.const + self.lin * b
+
+
+def _num(x, binds) -> float:
+    if isinstance(x, sympy.Basic):  # xreplace: a plain substitution, much faster than subs
+        return float(x.xreplace(binds)) if x.free_symbols else float(x)
+    return float(x)
+
+
+def _out_bytes(node: torch.fx.Node, binds) -> float:
+    info = node.meta.get("fxsplit")
+    if info is None:
+        return 0.0
+    return sum(_num(t.nbytes, binds) for t in info.outputs)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Per-unit and per-group arrays of one traced model ([Note: planner workload])."""
+
+    num_units: int
+    group_of: np.ndarray  # unit -> group index
+    group_starts: tuple[int, ...]  # first unit of each group
+    group_paths: tuple[str, ...]  # the layer key of each group ("" for top-level ops)
+    flops: Linear
+    matmul_flops: Linear
+    bytes_rw: Linear  # forward bytes read + written
+    bytes_bwd: Linear  # backward bytes (written + saved + read)
+    saved: dict  # mode -> Linear: bytes saved for backward per unit ("none", "selective", "full")
+    recompute: dict  # mode -> bool mask of units recomputed in backward
+    params: np.ndarray  # owned parameter bytes per unit
+    param_numel: float  # parameters of the model (elements)
+    param_itemsize: float  # bytes per parameter element (the largest parameter dtype)
+    reads_params: np.ndarray  # bool: the unit has a weight-gradient half
+    cut: Linear  # bytes crossing each group boundary position 0..G (ends 0)
+    loss_flops_per_sample: float  # the loss (not in the graph): FLOPs and bytes per sample
+    loss_bytes_per_sample: float
+    tp_sharded: np.ndarray  # bool: tensor parallelism divides the unit's work
+    tp_params_sharded: np.ndarray  # bool: ... and its parameters
+    sp_sharded: np.ndarray  # bool: sequence parallelism divides it (replicated units on a shard)
+    tp_fwd_bytes: Linear  # bytes the unit's forward all-reduces over tp
+    tp_bwd_bytes: Linear  # bytes the unit's backward all-reduces over tp
+    tp_fwd_count: np.ndarray
+    tp_bwd_count: np.ndarray
+    max_tp: int  # the degree the TP structure was found at (1: no tensor parallelism)
+    sequence_parallel: bool  # whether sequence parallelism applies (a token embedding starts it)
+    batch_size: int  # the example's batch size
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_starts)
+
+    @property
+    def param_bytes_total(self) -> float:
+        return float(self.params.sum())
+
+    def group_sum(self, per_unit: np.ndarray) -> np.ndarray:
+        """Per-unit values summed per group."""
+        return np.add.reduceat(per_unit, np.asarray(self.group_starts))
+
+    @classmethod
+    def build(cls, gm: torch.fx.GraphModule, *, tp_plan: TPPlan | None = None,
+              sp_plan: TPPlan | None = None) -> "Workload":
+        """The workload of ``gm`` (traced by ``fxsplit.trace``, batch symbolic or not); ``tp_plan``
+        the TP plan found at the largest degree tried (None: no tensor parallelism), ``sp_plan``
+        the same with sequence parallelism (None: not applicable)."""
+        info = gm.meta.get("fxsplit")
+        units = [n for n in gm.graph.nodes if n.op in _COMPUTE]
+        n = len(units)
+        index = {u: i for i, u in enumerate(units)}
+        batch = info.symbols.get("batch") if info is not None else None
+        b0 = _example_batch(gm)
+        base = {s: v for s, v in _example_bindings(gm).items()}
+
+        def binds(b: int) -> dict:
+            out = dict(base)
+            if batch is not None:
+                out[batch] = b
+            return out
+
+        b1, b2 = binds(1), binds(2)
+        fields = ("flops", "matmul_flops", "rw", "bwd", "saved")
+        v1 = {f: np.zeros(n) for f in fields}
+        v2 = {f: np.zeros(n) for f in fields}
+        params = np.zeros(n)
+        for i, u in enumerate(units):
+            c = node_info(u).cost
+            if c is None:
+                continue
+            for vals, bb in ((v1, b1), (v2, b2)):
+                vals["flops"][i] = _num(c.flops, bb)
+                vals["matmul_flops"][i] = _num(c.matmul_flops, bb)
+                vals["rw"][i] = _num(c.bytes_read, bb) + _num(c.bytes_written, bb)
+                vals["bwd"][i] = _num(c.backward_bytes, bb)
+                vals["saved"][i] = _num(c.saved_bytes, bb)
+            params[i] += _num(c.param_bytes, b1)
+        reads = np.zeros(n, dtype=bool)
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and node.users:
+                users = [index[x] for x in node.users if x in index]
+                for j in users:
+                    reads[j] = True
+                c = node_info(node).cost
+                if c is not None and c.param_bytes and users:
+                    params[min(users)] += _num(c.param_bytes, b1)
+        reads |= params > 0
+
+        def linear(name: str) -> Linear:
+            if batch is None:  # static shapes: everything scales with the example batch
+                return Linear(np.zeros(n), v1[name] / b0)
+            return Linear(np.maximum(2 * v1[name] - v2[name], 0.0), np.maximum(v2[name] - v1[name], 0.0))
+
+        # groups: runs of one layer key
+        keys = [layer_key(node_info(u).module_path) for u in units]
+        starts = [0] + [k for k in range(1, n) if keys[k] != keys[k - 1]]
+        group_of = np.zeros(n, dtype=np.int64)
+        for g, s in enumerate(starts):
+            group_of[s:] = g
+        ucut1, ucut2 = _unit_cut_bytes(units, b1), _unit_cut_bytes(units, b2)
+        gpos = starts + [n]
+        cut1 = np.array([ucut1[k] for k in gpos]) if batch is not None else np.array([ucut1[k] for k in gpos]) / b0
+        cut2 = np.array([ucut2[k] for k in gpos]) if batch is not None else 2 * cut1
+        cut = Linear(np.maximum(2 * cut1 - cut2, 0.0), np.maximum(cut2 - cut1, 0.0))
+        # checkpointing: per mode, saved bytes and the recompute mask
+        saved = {"none": linear("saved")}
+        recompute = {"none": np.zeros(n, dtype=bool)}
+        for mode in ("selective", "full"):
+            a1, a2, rec = _checkpoint_acts(gm, units, index, mode, b1, b2, v1["saved"], v2["saved"])
+            saved[mode] = Linear(np.maximum(2 * a1 - a2, 0.0), np.maximum(a2 - a1, 0.0)) if batch is not None \
+                else Linear(np.zeros(n), a1 / b0)
+            recompute[mode] = rec
+        # loss: a cross-entropy-like loss over the float outputs (as fxsplit.api.plan charges it)
+        out = next(x for x in reversed(gm.graph.nodes) if x.op == "output")
+        lb1 = sum(_out_bytes(x, b1) for x in out.all_input_nodes)
+        lb2 = sum(_out_bytes(x, b2) for x in out.all_input_nodes)
+        per_sample_out = (lb2 - lb1) if batch is not None else lb1 / b0
+        plist = list(gm.parameters())  # deduplicated (tied weights once)
+        numel = float(sum(p.numel() for p in plist))
+        itemsize = float(max((p.element_size() for p in plist), default=4))
+        # tensor parallelism
+        z = lambda: np.zeros(n)  # noqa: E731
+        sharded, psharded, sp = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
+        fb1, fb2, bb1, bb2, fc, bc = z(), z(), z(), z(), z(), z()
+        by_name = {u.name: i for i, u in enumerate(units)}
+        if tp_plan is not None and not tp_plan.is_identity:
+            for name in tp_plan.sharded_nodes:
+                if name in by_name:
+                    sharded[by_name[name]] = True
+            for region in tp_plan.regions:
+                for name in region.columns + region.rows:
+                    if name in by_name:
+                        sharded[by_name[name]] = psharded[by_name[name]] = True
+                for name in region.rows:  # g: forward all-reduce of the row output
+                    if name in by_name:
+                        i = by_name[name]
+                        fb1[i] += _out_bytes(units[i], b1)
+                        fb2[i] += _out_bytes(units[i], b2)
+                        fc[i] += 1
+                first = next((by_name[c] for c in region.columns if c in by_name), None)
+                if first is not None:  # f: backward all-reduce of the input gradient
+                    for name in region.inputs:
+                        x = next((u for u in units if u.name == name), None) if name not in by_name else units[by_name[name]]
+                        if x is not None:
+                            bb1[first] += _out_bytes(x, b1)
+                            bb2[first] += _out_bytes(x, b2)
+                    bc[first] += 1
+            for name in tp_plan.vocab_embeddings:
+                if name in by_name:
+                    i = by_name[name]
+                    sharded[i] = psharded[i] = True
+                    fb1[i] += _out_bytes(units[i], b1)
+                    fb2[i] += _out_bytes(units[i], b2)
+                    fc[i] += 1
+            for name in tp_plan.lm_heads:
+                if name in by_name:
+                    i = by_name[name]
+                    sharded[i] = psharded[i] = True
+                    fb1[i] += _out_bytes(units[i], b1)  # logits all-gathered (bytes of the full output)
+                    fb2[i] += _out_bytes(units[i], b2)
+                    fc[i] += 0.5  # an all-gather is half a ring all-reduce
+                    x = units[i].all_input_nodes[0] if units[i].all_input_nodes else None
+                    if x is not None:
+                        bb1[i] += _out_bytes(x, b1)
+                        bb2[i] += _out_bytes(x, b2)
+                        bc[i] += 1
+        if sp_plan is not None:
+            for name in sp_plan.sequence_plan.sharded:
+                if name in by_name:
+                    sp[by_name[name]] = True
+        lin2 = lambda a1, a2: Linear(np.maximum(2 * a1 - a2, 0.0), np.maximum(a2 - a1, 0.0)) if batch is not None \
+            else Linear(np.zeros(n), a1 / b0)  # noqa: E731
+        return cls(
+            num_units=n, group_of=group_of, group_starts=tuple(starts), group_paths=tuple(keys[s] for s in starts),
+            flops=linear("flops"), matmul_flops=linear("matmul_flops"), bytes_rw=linear("rw"),
+            bytes_bwd=linear("bwd"), saved=saved, recompute=recompute, params=params, param_numel=numel,
+            param_itemsize=itemsize, reads_params=reads, cut=cut,
+            loss_flops_per_sample=8.0 * per_sample_out / max(itemsize, 1.0),
+            loss_bytes_per_sample=5.0 * per_sample_out, tp_sharded=sharded, tp_params_sharded=psharded,
+            sp_sharded=sp & ~sharded, tp_fwd_bytes=lin2(fb1, fb2), tp_bwd_bytes=lin2(bb1, bb2),
+            tp_fwd_count=fc, tp_bwd_count=bc, max_tp=tp_plan.tp if tp_plan is not None else 1,
+            sequence_parallel=sp_plan is not None and bool(sp.any()), batch_size=b0,
+        )
+
+
+def _checkpoint_acts(gm, units, index, mode, b1, b2, base1, base2):
+    """Saved bytes per unit at both batch sizes and the recompute mask under ``mode``: the rules
+    of [Note: checkpointing cost model] (``fxsplit.pipeline.checkpointing.unit_modes``), without
+    its per-unit forward times (the planner prices recompute itself)."""
+    a1, a2, rec = np.array(base1, dtype=float), np.array(base2, dtype=float), np.zeros(len(units), dtype=bool)
+    for _, nodes in regions(gm.graph):
+        if not worth_checkpointing(nodes) or any(x not in index for x in nodes):
+            continue
+        inside = set(nodes)
+        inputs = {a for x in nodes for a in x.all_input_nodes if a not in inside and a.op != "get_attr"}
+        for x in nodes:
+            i = index[x]
+            kept = mode == "selective" and keeps_output(x, gm)
+            a1[i] = _out_bytes(x, b1) if kept else 0.0
+            a2[i] = _out_bytes(x, b2) if kept else 0.0
+            rec[i] = not kept
+        first = index[nodes[0]]
+        a1[first] += sum(_out_bytes(a, b1) for a in inputs)
+        a2[first] += sum(_out_bytes(a, b2) for a in inputs)
+    return a1, a2, rec
+
+
+def _example_bindings(gm: torch.fx.GraphModule) -> Mapping:
+    from fxsplit.pipeline.split import example_bindings
+
+    return example_bindings(gm)
+
+
+def _example_batch(gm: torch.fx.GraphModule) -> int:
+    """The example's batch size: the first tensor input's first dimension (1 without one)."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if hasattr(val, "shape") and len(val.shape) > 0:
+                s = val.shape[0]
+                return int(s.node.hint) if hasattr(s, "node") and s.node.hint is not None else int(s)
+    return 1
