@@ -149,12 +149,19 @@ def test_cli_flag(tmp_path, capsys):
     assert "act/mb no ckpt" in out and " full " in out
 
 
-def test_split_backward_schedules_refuse_selective():
+def test_split_backward_on_autograd_refuses_selective():
+    """Selective checkpointing with I and W: refused on the autograd split (two backward passes per
+    region), planned on the graph split (one traced backward, split afterwards: the default)."""
     model, args, _ = zoo.make("gpt", n_layer=2)
     with pytest.raises(fxsplit.PlanError, match="torch's selective checkpoint allows one"):
-        fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="selective")
-    plan = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="auto", memory_limit=1e12)
+        fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="selective", split_backward="autograd")
+    plan = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="auto", memory_limit=1e12,
+                        split_backward="autograd")
     assert set(plan.split.checkpointing) <= {"none", "full"}
+    plan = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="selective")
+    assert set(plan.split.checkpointing) == {"selective"}
+    with pytest.raises(fxsplit.PlanError, match="split_backward must be"):
+        fxsplit.ParallelConfig(split_backward="hooks")
 
 
 def test_with_mixed_precision_policy():

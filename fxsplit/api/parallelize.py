@@ -111,6 +111,7 @@ def parallelize(
         abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
         seed=_agreed_seed(c.seed, groups.get("errors")),
         reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None,
+        split_backward=c.split_backward,
     )
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
                          groups=groups, loss_fn=loss_fn, log_every=log_every)

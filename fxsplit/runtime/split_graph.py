@@ -232,9 +232,20 @@ class GraphSplit:
         fwd = [n for n in compute if index[n] < joint.boundary]
         bwd = [n for n in compute if index[n] >= joint.boundary]
         bwd_set = set(bwd)
-        for n in bwd:
-            if is_random(n):
-                raise UnsupportedStage(f"the backward recomputes a random op ({n.target}); replaying "
+        for n in compute:
+            t = n.target
+            if not isinstance(t, torch._ops.OpOverload):
+                continue
+            if t.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+                # the tp collectives call dist.all_reduce & co.,
+                # which trace as in-place c10d ops whose Work is waited on outside the graph: data
+                # flow does not order their readers and the graph would not wait for them
+                raise UnsupportedStage(f"the stage runs a collective ({t}); in-place c10d collectives "
+                                       "are not data flow in a traced graph")
+            if n in bwd_set and t._schema.is_mutable:
+                raise UnsupportedStage(f"the backward mutates a tensor in place ({t})")
+            if n in bwd_set and is_random(n):
+                raise UnsupportedStage(f"the backward recomputes a random op ({t}); replaying "
                                        "its forward draw inside a graph is not implemented")
         for o in fw_outs:
             if o in bwd_set:
