@@ -53,6 +53,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fxsplit.graph.ops import is_random
 
@@ -146,6 +147,56 @@ def _externals(nodes: list[fx.Node], outputs: list[fx.Node | None], local: set[f
     return list(seen)
 
 
+_RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _recompute_tagged(gm: fx.GraphModule, fwd: list[fx.Node], bwd: list[fx.Node]) -> list[fx.Node]:
+    """Selective checkpointing under tracing: torch's selective checkpoint does not recompute
+    when a proxy mode is active; it tags each forward op ``meta["recompute"]`` with the policy's
+    answer and leaves the recomputation to the partitioner (aot_autograd's do it the same way).
+    Here every forward value the backward reads that is tagged recompute (or is the detached
+    copy the checkpoint caches of one, or a getitem of one) is copied into the backward, before its first node,
+    with its own recomputable inputs, recursively; the backward reads the copies. Returns the
+    backward nodes, copies included, in graph order."""
+    if not bwd:
+        return bwd
+    fwd_set = set(fwd)
+    memo: dict[fx.Node, bool] = {}
+
+    def recomputable(n: fx.Node) -> bool:
+        if n not in memo:
+            pol = n.meta.get("recompute")
+            if n not in fwd_set or n.op != "call_function":
+                memo[n] = False
+            elif pol is not None:
+                memo[n] = pol in _RECOMPUTE
+            else:
+                memo[n] = ((n.target in _ALIASES or n.target is operator.getitem)
+                           and isinstance(n.args[0], fx.Node) and recomputable(n.args[0]))
+        return memo[n]
+
+    clones: dict[fx.Node, fx.Node] = {}
+
+    def clone(n: fx.Node) -> fx.Node:
+        if n not in clones:
+            if is_random(n):
+                raise UnsupportedStage(f"the backward recomputes a random op ({n.target}); replaying "
+                                       "its forward draw inside a graph is not implemented")
+            args = {a: clone(a) for a in n.all_input_nodes if recomputable(a)}
+            with gm.graph.inserting_before(bwd[0]):
+                clones[n] = gm.graph.node_copy(n, lambda a: args.get(a, a))
+            clones[n].meta.pop("recompute", None)
+        return clones[n]
+
+    for b in bwd:
+        for a in list(b.all_input_nodes):
+            if recomputable(a):
+                b.replace_input_with(a, clone(a))
+    keep = set(bwd) | set(clones.values())
+    return [n for n in gm.graph.nodes if n in keep]
+
+
 @dataclass
 class GraphSplit:
     """The three graphs of one stage for one input signature ([Note: graph split backward]).
@@ -231,6 +282,8 @@ class GraphSplit:
         compute = [n for n in nodes if n.op not in ("placeholder", "output")]
         fwd = [n for n in compute if index[n] < joint.boundary]
         bwd = [n for n in compute if index[n] >= joint.boundary]
+        bwd = _recompute_tagged(gm, fwd, bwd)
+        compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
         bwd_set = set(bwd)
         for n in compute:
             t = n.target
@@ -242,11 +295,11 @@ class GraphSplit:
                 # flow does not order their readers and the graph would not wait for them
                 raise UnsupportedStage(f"the stage runs a collective ({t}); in-place c10d collectives "
                                        "are not data flow in a traced graph")
-            if n in bwd_set and t._schema.is_mutable:
-                raise UnsupportedStage(f"the backward mutates a tensor in place ({t})")
             if n in bwd_set and is_random(n):
                 raise UnsupportedStage(f"the backward recomputes a random op ({t}); replaying "
                                        "its forward draw inside a graph is not implemented")
+            if n in bwd_set and t._schema.is_mutable:
+                raise UnsupportedStage(f"the backward mutates a tensor in place ({t})")
         for o in fw_outs:
             if o in bwd_set:
                 raise UnsupportedStage("a stage output is computed in the traced backward")
