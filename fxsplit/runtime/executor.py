@@ -77,7 +77,7 @@ from fxsplit.tp.random import stage_stream
 from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
 from fxsplit.runtime.split_backward import SplitBackward
-from fxsplit.runtime.split_graph import GraphSplit, SplitState, UnsupportedStage, signature
+from fxsplit.runtime.split_graph import GraphSplit, SplitState, UnsupportedStage, has_selective_region, signature
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.pipeline.stage import StageGraphs, ValueMeta
 
@@ -558,6 +558,10 @@ class PipelineRuntime:
             try:
                 self._graph_splits[key] = GraphSplit.trace(self.modules[s], args)
             except UnsupportedStage as exc:
+                if has_selective_region(self.modules[s]):  # autograd would run each region's backward twice
+                    raise ValueError(f"stage {s} has selective checkpointing, which runs with a split backward only "
+                                     f"as graphs, and its graphs cannot be split: {exc}; use "
+                                     "activation_checkpointing='full' or a schedule without a split backward") from exc
                 self.split_fallbacks[s] = str(exc)
                 self._graph_splits[key] = None
         return self._graph_splits[key]

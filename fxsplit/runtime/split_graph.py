@@ -56,12 +56,20 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxsplit.graph.ops import is_random
+from fxsplit.graph.recompute import checkpointed
 
-__all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "signature"]
+__all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "has_selective_region", "signature"]
 
 
 class UnsupportedStage(Exception):
     """The stage cannot be split at the graph level exactly; the message says why."""
+
+
+def has_selective_region(module: nn.Module) -> bool:
+    """Whether ``module``'s graph runs a selectively checkpointed region (fxsplit.graph.recompute)."""
+    graph = getattr(module, "graph", None)
+    return isinstance(graph, fx.Graph) and any(
+        n.op == "call_function" and n.target is checkpointed and "selective" in n.args for n in graph.nodes)
 
 
 def signature(inputs: Sequence[Any]) -> tuple:
