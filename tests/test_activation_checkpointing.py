@@ -174,3 +174,16 @@ def test_with_mixed_precision_policy():
                     target, zoo.cross_entropy_loss) for m in ("none", *MODES)}
     for m in MODES:  # the casts run inside the regions: recomputed (or kept) alike
         _assert_same(runs["none"], runs[m])
+
+
+def test_split_backward_recompute_charged_as_the_runtime_runs_it():
+    """[Note: checkpointing cost model]: the graph split recomputes a region once (charged in I),
+    the autograd split twice (W pays it again); the cuts are the same."""
+    model, args, _ = zoo.make("gpt", n_layer=2)
+    graph = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="full")
+    auto = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="full", split_backward="autograd")
+    assert graph.split.starts == auto.split.starts
+    for g, a in zip(graph.split.stages, auto.split.stages):
+        assert g.recompute_time > 0
+        assert a.input_grad_time == pytest.approx(g.input_grad_time)
+        assert a.weight_grad_time == pytest.approx(g.weight_grad_time + g.recompute_time)

@@ -208,6 +208,7 @@ def plan(
             memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
             cut_at=config.cut_at, stage_ranks=stage_ranks,
             activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
+            split_backward=config.split_backward,
         )
     )
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the

@@ -30,9 +30,13 @@ broadcast of the loss), never creates groups, so no collective group creation is
    stage, skip connections included), and on the last stage compute ``w_i * loss_fn(out, y_i)``
    ([Note: loss weighting]). Received inputs are leaves with ``requires_grad`` from the plan.
    B: sum the gradients received for each output, ``autograd.backward`` from the outputs (or the
-   weighted loss), send each input's ``.grad`` back, free what F saved. I: the input gradients
-   only (``autograd.grad``, graph kept); W: the weight gradients from what I captured
-   ([Note: split backward] in fxsplit.runtime.split_backward).
+   weighted loss), send each input's ``.grad`` back, free what F saved. On a stage whose
+   backward the schedule splits (I, W), F runs the stage's traced forward graph instead (no
+   autograd graph; the last stage's loss differentiates from leaves standing for its outputs),
+   I runs the input-gradient graph and W the weight-gradient graph ([Note: graph split
+   backward] in fxsplit.runtime.split_graph); with ``split_backward="autograd"`` (or a stage the
+   graph split refuses) F runs the module, I the input gradients only (``autograd.grad``, graph
+   kept) and W the weight gradients from what I captured ([Note: split backward]).
 3. After the last action: wait for every send, sum the gradients of tied parameters across the
    ranks (and stages) that hold them, broadcast the loss from the last stage's rank.
 Gradients ACCUMULATE into ``.grad`` like ``loss.backward()``: zero them between steps.

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -240,18 +241,16 @@ class GraphSplit:
         pnames = [n for n, p in joint.named_parameters() if p.requires_grad]
         frozen = {n: p for n, p in joint.named_parameters() if not p.requires_grad}
         bnames = [n for n, _ in joint.named_buffers()]
-        with torch.no_grad():  # output shapes for the tangents: one run on meta-free fake tensors
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                fake_in = [mode.from_tensor(x) for x in inputs if isinstance(x, torch.Tensor)]
+        try:  # the output shapes, for the tangents: one forward on fake tensors
+            with torch.enable_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fake_in = [mode.from_tensor(x).requires_grad_(x.requires_grad) for x in tensors]
                 it = iter(fake_in)
-                with torch.enable_grad():
-                    for x, y in zip(tensors, fake_in):
-                        y.requires_grad_(x.requires_grad)
-                    outs = module(*[consts[k] if k in consts else next(it) for k in range(len(inputs))])
+                outs = module(*[consts[k] if k in consts else next(it) for k in range(len(inputs))])
                 outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
                 tan_meta = [(o.shape, o.dtype) for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        except Exception as exc:  # noqa: BLE001 - any failure means: not this way
+            raise UnsupportedStage(f"the stage does not run on fake tensors ({type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
         tangents = [torch.zeros(s, dtype=d, device=tensors[0].device if tensors else "cpu") for s, d in tan_meta]
 
         def fn(params, buffers, xs, tans):
@@ -262,7 +261,8 @@ class GraphSplit:
         b_in = [joint.get_buffer(n) for n in bnames]
         x_in = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
         try:
-            gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(p_in, b_in, x_in, tangents)
+            with torch.enable_grad():
+                gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(p_in, b_in, x_in, tangents)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means: not this way
             raise UnsupportedStage(f"make_fx could not trace the stage's forward and backward "
                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
@@ -273,8 +273,9 @@ class GraphSplit:
                    grad_inputs: list[int]) -> GraphSplit:
         nodes = list(gm.graph.nodes)
         phs = [n for n in nodes if n.op == "placeholder"]
-        if len(phs) != n_p + n_b + n_x + n_t:
-            raise UnsupportedStage(f"joint graph has {len(phs)} inputs, expected {n_p + n_b + n_x + n_t}")
+        if len(phs) != n_p + n_b + n_x + n_t or len(joint.diff_outputs) != n_t:
+            raise UnsupportedStage(f"the joint graph has {len(phs)} inputs and {len(joint.diff_outputs)} differentiable "
+                                   f"outputs, expected {n_p + n_b + n_x + n_t} and {n_t}")
         source = {}
         for k, n in enumerate(phs):
             kind = "p" if k < n_p else "b" if k < n_p + n_b else "x" if k < n_p + n_b + n_x else "t"
