@@ -1,13 +1,15 @@
 """The graph split backward (fxsplit.runtime.split_graph) in one process: a stage's forward, I and
 W graphs give exactly the outputs and gradients of the stage run with autograd (bit for bit), with
-activation checkpointing (full, selective: the recomputation runs once, in I), with a weight used
-twice on one path, and the I and W graphs are plain GraphModules torch.compile accepts."""
+activation checkpointing (full, selective: the recomputation runs once), with a weight used twice
+on one path, with dropout (the same masks); a random recomputation is refused; and the graphs
+are plain GraphModules torch.compile accepts."""
 
 import pytest
 import torch
 from torch import nn
 
 import fxsplit
+from fxsplit.graph.ops import is_random
 from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage
 from fxsplit.testing import zoo
 
@@ -36,12 +38,15 @@ def _plan(mode, **overrides):
     return plan, _stage_inputs(plan, args)
 
 
-def _split_vs_autograd(gm, inputs):
-    """Outputs, input and parameter gradients of the graph split and of autograd; the split."""
+def _split_vs_autograd(gm, inputs, seed=0):
+    """Outputs, input and parameter gradients of the graph split and of autograd (each forward
+    from RNG state ``seed``); the split."""
     split = GraphSplit.trace(gm, inputs)
     params = [p for p in gm.parameters() if p.requires_grad]
     buffers = [b for _, b in gm.named_buffers()]
+    torch.manual_seed(seed)
     outs, state = split.forward(params, buffers, [x for x in inputs if isinstance(x, torch.Tensor)])
+    torch.manual_seed(seed)
     ref = gm(*inputs)
     ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
     g = torch.Generator().manual_seed(7)
@@ -133,3 +138,14 @@ def test_forward_i_and_w_graphs_compile():
             eager = got
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_graph_draws_the_modules_dropout_masks():
+    """Without checkpointing, dropout runs in the forward graph only (its mask is saved): from one
+    RNG state the graph draws what the module draws, so the stage streams replay alike."""
+    plan, inputs = _plan("none", dropout=0.2, attn_dropout=0.2)
+    for s, gm in enumerate(plan.stages.modules):
+        outs, ref, got, want, split = _split_vs_autograd(gm, inputs[s], seed=5)
+        assert any(is_random(n) for n in split.forward_graph.graph.nodes)
+        _assert_equal(outs, ref)
+        _assert_equal(got, want)
