@@ -47,7 +47,10 @@ from _common import (
 
 SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1": ("zb_h1", 1), "zbv": ("zbv", 2),
              "zb_auto": ("zb_auto", 1)}
-PTD_OF = {"zb_auto": "zb_h1"}  # PTD has no cost-driven schedule: zb_auto runs against its ZB1P
+# "<schedule>_autograd": the same schedule with split_backward="autograd" (the default is "graph")
+SCHEDULES.update({f"{k}_autograd": SCHEDULES[k] for k in ("zb_h1", "zbv", "zb_auto")})
+PTD_OF = {"zb_auto": "zb_h1", "zb_auto_autograd": "zb_h1", "zb_h1_autograd": "zb_h1", "zbv_autograd": "zbv"}
+# PTD has no cost-driven schedule: zb_auto runs against its ZB1P
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,8 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         pm = fxsplit.parallelize(model, (x,), loss_fn=zoo.cross_entropy_loss, pp=world,
                                  microbatches=setup.microbatches, schedule=sched_name,
                                  stages_per_rank=v, split_points=setup.split_points_of(label), timeout=120,
-                                 cut_at="modules")  # cuts PTD's split_spec can reproduce
+                                 cut_at="modules",  # cuts PTD's split_spec can reproduce
+                                 split_backward="autograd" if label.endswith("_autograd") else "graph")
         t_fx = time.perf_counter() - t0
         paths = split_paths(pm.plan)
         t0 = time.perf_counter()
@@ -356,7 +360,7 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap, setup = parse_setup(Setup, argv, __doc__.split("\n")[0],
-                            helps={"schedules": "comma list of 1f1b, interleaved, zb_h1, zbv, zb_auto"})
+                            helps={"schedules": "comma list of 1f1b, interleaved, zb_h1, zbv, zb_auto (+ _autograd: that split backward)"})
     bad = [s for s in setup.schedules if s not in SCHEDULES]
     if bad:
         ap.error(f"unknown schedules {bad}; choose from {sorted(SCHEDULES)}")

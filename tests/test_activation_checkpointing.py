@@ -149,12 +149,19 @@ def test_cli_flag(tmp_path, capsys):
     assert "act/mb no ckpt" in out and " full " in out
 
 
-def test_split_backward_schedules_refuse_selective():
+def test_split_backward_on_autograd_refuses_selective():
+    """Selective checkpointing with I and W: refused on the autograd split (two backward passes per
+    region), planned on the graph split (one traced backward, split afterwards: the default)."""
     model, args, _ = zoo.make("gpt", n_layer=2)
     with pytest.raises(fxsplit.PlanError, match="torch's selective checkpoint allows one"):
-        fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="selective")
-    plan = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="auto", memory_limit=1e12)
+        fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="selective", split_backward="autograd")
+    plan = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="auto", memory_limit=1e12,
+                        split_backward="autograd")
     assert set(plan.split.checkpointing) <= {"none", "full"}
+    plan = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="selective")
+    assert set(plan.split.checkpointing) == {"selective"}
+    with pytest.raises(fxsplit.PlanError, match="split_backward must be"):
+        fxsplit.ParallelConfig(split_backward="hooks")
 
 
 def test_with_mixed_precision_policy():
@@ -167,3 +174,16 @@ def test_with_mixed_precision_policy():
                     target, zoo.cross_entropy_loss) for m in ("none", *MODES)}
     for m in MODES:  # the casts run inside the regions: recomputed (or kept) alike
         _assert_same(runs["none"], runs[m])
+
+
+def test_split_backward_recompute_charged_as_the_runtime_runs_it():
+    """[Note: checkpointing cost model]: the graph split recomputes a region once (charged in I),
+    the autograd split twice (W pays it again); the cuts are the same."""
+    model, args, _ = zoo.make("gpt", n_layer=2)
+    graph = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="full")
+    auto = fxsplit.plan(model, args, pp=2, schedule="zb_h1", activation_checkpointing="full", split_backward="autograd")
+    assert graph.split.starts == auto.split.starts
+    for g, a in zip(graph.split.stages, auto.split.stages):
+        assert g.recompute_time > 0
+        assert a.input_grad_time == pytest.approx(g.input_grad_time)
+        assert a.weight_grad_time == pytest.approx(g.weight_grad_time + g.recompute_time)

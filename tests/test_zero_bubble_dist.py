@@ -1,5 +1,9 @@
-"""Zero-bubble schedules end to end on gloo (ZB-V, zb_auto): the loss and every gradient after
-each of a few AdamW steps equal the unsplit model's in one process, with a tied-weight GPT."""
+"""Zero-bubble schedules end to end on gloo (ZB-H1, ZB-V, zb_auto): the loss and every gradient
+after each of a few AdamW steps equal the unsplit model's in one process, with a tied-weight GPT,
+a long skip, checkpointing and an HF model. The backward is split into I and W as graphs
+(split_backward="graph", the default: [Note: graph split backward]); every case checks that no
+stage fell back to the autograd split, except under tp (its collectives are not traceable as
+data flow: those stages run on autograd, and the runtime says so)."""
 
 import pytest
 import torch
@@ -60,7 +64,7 @@ def _train(overrides, options):
         rl.backward()
         ref_opt.step()
     return dict(steps=steps, stages=sorted(int(s) for s in pm.stage_modules), stage_ranks=pm.plan.stage_ranks,
-                full_state=pm.full_state_dict())
+                full_state=pm.full_state_dict(), fallbacks=dict(pm._runtime.split_fallbacks))
 
 
 def _check(results, want):
@@ -77,8 +81,10 @@ def _check(results, want):
 
 CASES = {
     2: [("zbv", {"batch_size": 4}, dict(pp=2, schedule="zbv", microbatches=4)),
+        ("zb_h1", {"batch_size": 4}, dict(pp=2, schedule="zb_h1", microbatches=4)),
         ("zb_auto", {"batch_size": 4}, dict(pp=2, schedule="zb_auto", microbatches=4))],
-    4: [("zbv", {"batch_size": 8, "n_layer": 4}, dict(pp=4, schedule="zbv", microbatches=8))],
+    4: [("zbv", {"batch_size": 8, "n_layer": 4}, dict(pp=4, schedule="zbv", microbatches=8)),
+        ("zb_auto", {"batch_size": 8, "n_layer": 4}, dict(pp=4, schedule="zb_auto", microbatches=8))],
 }
 
 
@@ -96,6 +102,7 @@ def test_zero_bubble_schedules_match_single_process(world):
             p = options["pp"]
             assert [r["stages"] for r in res] == [[q, 2 * p - 1 - q] for q in range(p)]
         _check(res, _reference(overrides))
+        assert all(r["fallbacks"] == {} for r in res), [r["fallbacks"] for r in res]
 
 
 # ZB-V composed with tensor and data parallelism (4 ranks): the loss of every step and the full
@@ -130,7 +137,7 @@ def _composed(rank, world):
     out = {}
     for label, options in COMPOSED.items():
         res = _train(COMPOSED_GPT, options)
-        out[label] = ([loss for loss, _ in res["steps"]], res["full_state"])
+        out[label] = ([loss for loss, _ in res["steps"]], res["full_state"], res["fallbacks"])
     return out
 
 
@@ -141,7 +148,11 @@ def test_zbv_with_tp_and_dp_matches_single_process():
     results = run_distributed(_composed, 4, timeout=400)
     for label in COMPOSED:
         for rank, r in enumerate(results):
-            losses, state = r[label]
+            losses, state, fallbacks = r[label]
+            if "tp" in label:  # tp collectives: the autograd split, said per stage
+                assert fallbacks and all("collective" in why for why in fallbacks.values()), fallbacks
+            else:
+                assert fallbacks == {}, fallbacks
             assert losses == pytest.approx(ref_losses, rel=1e-5), (label, rank, losses, ref_losses)
             for k, v in ref_state.items():
                 if k in noise:
@@ -150,3 +161,40 @@ def test_zbv_with_tp_and_dp_matches_single_process():
                 # so a wrong gradient shows as ~1e-2; rounding on tiny gradients as up to ~1e-4
                 torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-3,
                                            msg=lambda m, k=k: f"{label} rank {rank} {k}: {m}")
+
+
+# The graph split with what the autograd split gets wrong or cannot run: a skip across every layer
+# (zbv), full checkpointing (zbv), an HF model (zbv). Checkpointing with zb_h1 (full, selective):
+# tests/test_activation_checkpointing_dist.py.
+OTHER = {"skip-zbv": ("skip", {}, dict(pp=2, schedule="zbv", microbatches=4)),
+         "gpt-zbv-full": ("gpt", dict(n_layer=4, batch_size=4, seq_len=8),
+                          dict(pp=2, schedule="zbv", microbatches=4, activation_checkpointing="full"))}
+
+
+def _other(rank, world):
+    from test_parallelize import _hf_train, _train as _train_named
+
+    made = []
+    inner = fxsplit.parallelize
+    fxsplit.parallelize = lambda *a, **k: made.append(inner(*a, **k)) or made[-1]
+    try:
+        out = {label: _train_named(rank, world, name, ov, dict(opts)) for label, (name, ov, opts) in OTHER.items()}
+        out["hf"] = _hf_train(rank, world, "tiny_gpt2", dict(pp=2, schedule="zbv", microbatches=2))
+    finally:
+        fxsplit.parallelize = inner
+    out["fallbacks"] = [dict(pm._runtime.split_fallbacks) for pm in made]
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.hf
+def test_graph_split_with_skips_checkpointing_and_hf():
+    from test_parallelize import _check as _check_named, _hf_reference, _reference as _reference_named
+
+    results = run_distributed(_other, 2, timeout=600)
+    assert all(r["fallbacks"] == [{}] * 3 for r in results), [r["fallbacks"] for r in results]
+    for label, (name, ov, _) in OTHER.items():
+        _check_named([r[label] for r in results], *_reference_named(name, ov))
+    ref = _hf_reference("tiny_gpt2")
+    for rank, r in enumerate(results):
+        assert r["hf"] == pytest.approx(ref, rel=1e-5, abs=1e-6), f"rank {rank}"

@@ -63,6 +63,8 @@ class ParallelConfig:
     # each layer's inputs) or "auto" (per stage, the cheapest in time within memory_limit);
     # fxsplit.pipeline.checkpointing's [Note: checkpointing cost model]
     activation_checkpointing: str = "none"
+    # how a split backward (I, W) runs: "graph" (three fx graphs; fxsplit.runtime.split_graph) or "autograd"
+    split_backward: str = "graph"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
@@ -85,6 +87,8 @@ class ParallelConfig:
         if self.activation_checkpointing not in _CHECKPOINTING:
             raise PlanError(f"activation_checkpointing must be one of {_CHECKPOINTING}, got "
                             f"{self.activation_checkpointing!r}")
+        if self.split_backward not in ("graph", "autograd"):
+            raise PlanError(f"split_backward must be 'graph' or 'autograd', got {self.split_backward!r}")
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.method not in _METHODS:

@@ -133,6 +133,7 @@ def parallelize(
         abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
         seed=_agreed_seed(c.seed, groups.get("errors")),
         reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None,
+        split_backward=c.split_backward,
     )
     if searched is not None:
         the_plan = dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,

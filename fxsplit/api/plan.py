@@ -238,6 +238,7 @@ def plan(
             memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
             cut_at=config.cut_at, stage_ranks=stage_ranks,
             activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
+            split_backward=config.split_backward,
         )
     )
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
@@ -268,15 +269,16 @@ def plan(
 
 def _checkpoint_modes(config: ParallelConfig) -> tuple[str, ...]:
     """The checkpointing modes the schedule can run: torch's selective checkpoint allows one
-    backward per region, and a split backward (I, then W) runs two, so "selective" is refused
-    there ("auto" chooses between "none" and "full"). ``zb_auto`` is built from the split's
+    backward per region, and a split backward on autograd (I, then W) runs two, so "selective" is
+    refused there ("auto" chooses between "none" and "full"); ``split_backward="graph"`` traces
+    one backward, split afterwards, so every mode runs. ``zb_auto`` is built from the split's
     costs, after it; it splits the backward like the other zero-bubble schedules."""
     if config.schedule == "zb_auto":
         split = True
     else:
         probe = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
         split = any(a is not None and a.kind is _schedules.ActionKind.BACKWARD_INPUT for row in probe for a in row)
-    if not split:
+    if not split or config.split_backward == "graph":  # one traced backward per region: any mode
         return ("none", "selective", "full")
     if config.activation_checkpointing == "selective":
         raise PlanError(

@@ -18,9 +18,12 @@ Per microbatch, per unit, for a region R (its units in the graph):
 Units outside every region (the model's top-level ops) are "none" in every mode. A stage cut
 inside a region makes two regions at run time; the model charges the region's inputs once, at its
 first unit. Not modelled: the one region's activations a backward holds while it recomputes it
-(transient, one layer per rank); a split backward (I then W, two autograd calls) recomputes
-twice, and only the first is charged. The recompute is part of the stage's I estimate
-(``StageSummary.input_grad_time``), so the simulator's B = I + W and I both pay it.
+(transient, one layer per rank). The recompute is part of the stage's I estimate
+(``StageSummary.input_grad_time``), so the simulator's B = I + W and I both pay it. A split
+backward on graphs (``split_backward="graph"``, fxsplit.runtime.split_graph) recomputes a region
+once (what W needs of it is carried from I, or recomputed by W alone), so it is charged once, in I;
+on autograd (two autograd calls) it recomputes twice, so W is charged the recompute again
+(``StageSummary.weight_grad_time``). The balancer's stage time charges it once either way.
 - Stage time and memory per mode are those of the partition cost model over the mode's units;
   the whole chain of a uniform mode is one `PartitionProblem` (``problems[mode]``).
 

@@ -308,6 +308,7 @@ def plan_split(
     activation_checkpointing: str = "none",
     checkpoint_modes: Sequence[str] = ("none", "selective", "full"),
     stage_ranks: Sequence[int] | None = None,
+    split_backward: str = "graph",
 ) -> SplitPlan:
     """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
 
@@ -332,6 +333,9 @@ def plan_split(
             ``checkpoint_modes``: the modes "auto" may choose from.
         stage_ranks: the rank of every stage (``fxsplit.schedule.placement(schedule, p, v)``);
             default ``s % p``. Rank memory sums the stages placed on a rank.
+        split_backward: how the runtime splits a backward into I and W on a zero-bubble schedule
+            ("graph": a checkpointed region is recomputed once; "autograd": by I and again by W,
+            so W is charged the recompute too: [Note: checkpointing cost model]).
     """
     if cut_at not in ("any", "modules"):
         raise SplitError(f'cut_at must be "any" or "modules", got {cut_at!r}')
@@ -388,7 +392,8 @@ def plan_split(
         num_ranks=p,
         stage_of=stage_of,
         starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
-        stages=_summaries(part, problem, keys, costs, cut_bytes, per_stage, modes),
+        stages=_summaries(part, problem, keys, costs, cut_bytes, per_stage, modes,
+                          twice=split_backward == "autograd" and schedule in _SPLIT_SCHEDULES),
         partition=part,
         method=method,
         problem=problem,
@@ -542,9 +547,12 @@ def _inflight(schedule: str, p: int, v: int, m: int | None) -> tuple[float, ...]
     return inflight_1f1b(p, v)
 
 
+_SPLIT_SCHEDULES = ("zb_h1", "zbv", "zb_auto")  # backward as I and W (fxsplit.schedule)
+
+
 def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], costs: _UnitCosts,
                cut_bytes: Sequence[float], per_stage: Sequence[str],
-               modes: Mapping[str, Any]) -> tuple[StageSummary, ...]:
+               modes: Mapping[str, Any], twice: bool = False) -> tuple[StageSummary, ...]:
     out = []
     link = problem.bandwidth
     for s in range(part.num_stages):
@@ -565,7 +573,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             time=part.stage_time[s],
             forward_time=fwd,
             input_grad_time=max(sum(costs.compute[a:b]) + recompute - fwd - wgt, 0.0),
-            weight_grad_time=wgt,
+            weight_grad_time=wgt + (recompute if twice else 0.0),  # the autograd split's W recomputes again
             comm_time=cut_bytes[b] / link if 0 < link < float("inf") else 0.0,
             checkpointing=per_stage[s],
             activation_bytes_unchecked=None if um is None else sum(costs.acts[a:b]),

@@ -5,7 +5,9 @@
 - `p2p`: the channel that posts the sends/receives of a rank's communication plan
   (``fxsplit.pipeline.comm``, [Note: message order]) with a timeout on every wait.
 - `microbatch`: split inputs and targets into microbatches, merge outputs, concrete shapes.
-- `split_backward`: the I / W halves of a backward for zero-bubble schedules ([Note: split backward]).
+- `split_graph`: the I / W halves of a backward for zero-bubble schedules as fx graphs (the
+  default, [Note: graph split backward]); `split_backward`: the same on autograd's graph
+  ([Note: split backward]), for stages the graph split refuses and ``split_backward="autograd"``.
 - `mesh`: process-group set-up from torchrun's environment and the ("dp", "pp", "tp") DeviceMesh.
 - `failures`: the end-of-call error exchange that makes every rank fail together ([Note: failures]).
 

@@ -30,9 +30,13 @@ broadcast of the loss), never creates groups, so no collective group creation is
    stage, skip connections included), and on the last stage compute ``w_i * loss_fn(out, y_i)``
    ([Note: loss weighting]). Received inputs are leaves with ``requires_grad`` from the plan.
    B: sum the gradients received for each output, ``autograd.backward`` from the outputs (or the
-   weighted loss), send each input's ``.grad`` back, free what F saved. I: the input gradients
-   only (``autograd.grad``, graph kept); W: the weight gradients from what I captured
-   ([Note: split backward] in fxsplit.runtime.split_backward).
+   weighted loss), send each input's ``.grad`` back, free what F saved. On a stage whose
+   backward the schedule splits (I, W), F runs the stage's traced forward graph instead (no
+   autograd graph; the last stage's loss differentiates from leaves standing for its outputs),
+   I runs the input-gradient graph and W the weight-gradient graph ([Note: graph split
+   backward] in fxsplit.runtime.split_graph); with ``split_backward="autograd"`` (or a stage the
+   graph split refuses) F runs the module, I the input gradients only (``autograd.grad``, graph
+   kept) and W the weight gradients from what I captured ([Note: split backward]).
 3. After the last action: wait for every send, sum the gradients of tied parameters across the
    ranks (and stages) that hold them, broadcast the loss from the last stage's rank.
 Gradients ACCUMULATE into ``.grad`` like ``loss.backward()``: zero them between steps.
@@ -77,6 +81,7 @@ from fxsplit.tp.random import stage_stream
 from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
 from fxsplit.runtime.split_backward import SplitBackward
+from fxsplit.runtime.split_graph import GraphSplit, SplitState, UnsupportedStage, has_selective_region, signature
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.pipeline.stage import StageGraphs, ValueMeta
 
@@ -97,6 +102,7 @@ class _Saved:
     outputs: tuple[Any, ...]
     loss: torch.Tensor | None = None  # weighted loss (last stage)
     split: SplitBackward | None = None  # set by I for W
+    graph: SplitState | None = None  # the forward ran as a graph ([Note: graph split backward])
 
 
 class PipelineRuntime:
@@ -126,6 +132,10 @@ class PipelineRuntime:
       streams] in fxsplit.tp.random): random ops draw the same on every tp rank, differently per
       stage and microbatch, independently of the schedule's order. None: the global RNG as is.
     - ``reduce_dtype``: the dtype tied parameters' gradients are summed in (mp_policy); None: theirs.
+    - ``split_backward``: how a stage whose backward the schedule splits into I and W runs:
+      "graph" (forward, I and W as three fx graphs, [Note: graph split backward]; a stage that
+      cannot be traced that way falls back to "autograd" and ``split_fallbacks[stage]`` says
+      why) or "autograd" ([Note: split backward]).
     """
 
     def __init__(
@@ -144,6 +154,7 @@ class PipelineRuntime:
         blocking_waits: bool | None = None,
         seed: int | None = None,
         reduce_dtype: torch.dtype | None = None,
+        split_backward: str = "graph",
     ):
         """Run ``plan`` (this rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan`) with ``modules``
         (stage index -> module, exactly the stages ``plan.stages``) over the pipeline ``group``."""
@@ -174,6 +185,11 @@ class PipelineRuntime:
         self.seed = seed
         self.rng_step = 0  # k of the stage streams: step()/forward() calls so far
         self.reduce_dtype = reduce_dtype
+        if split_backward not in ("graph", "autograd"):
+            raise ValueError(f"split_backward must be 'graph' or 'autograd', got {split_backward!r}")
+        self.split_backward = split_backward
+        self._graph_splits: dict[tuple, GraphSplit | None] = {}
+        self.split_fallbacks: dict[int, str] = {}  # stage -> why its split backward runs on autograd
         self._loss_scale: torch.Tensor | None = None  # set for one step() (GradScaler)
         self.last_stage = self.num_stages - 1
         self.last_rank = self.rank_of_stage(self.last_stage)
@@ -182,6 +198,7 @@ class PipelineRuntime:
         self.train_plan = plan.train
         self.forward_plan = plan.forward
         self.num_microbatches = self.train_plan.num_microbatches
+        self._split_stages = {ac.action.stage for ac in self.train_plan.actions if ac.action.kind is BI}
         self._tied = self._local_tied_groups(plan.shared_params)
         self._shape_cache: dict[tuple, tuple[int, ...]] = {}
         self._binding_cache: dict[tuple, dict] = {}
@@ -426,8 +443,14 @@ class PipelineRuntime:
             args.append(x)
         stream = (contextlib.nullcontext() if self.seed is None else
                   stage_stream(self.seed, stage=s, microbatch=mb, step=self._rng_step, device=self.device))
+        split = self._graph_split(s, args) if self._training and s in self._split_stages else None
         with stream:
-            out = self.modules[s](*args)
+            if split is not None:
+                out, state = split.forward(*self._state(s), [x for x in args if isinstance(x, torch.Tensor)])
+                if s == self.last_stage:  # the loss differentiates from leaves standing for the outputs
+                    out = [o.detach().requires_grad_() if j in split.diff_outputs else o for j, o in enumerate(out)]
+            else:
+                out = self.modules[s](*args)
         if not isinstance(out, (tuple, list)):
             out = (out,)
         if len(out) != len(sio.outputs):
@@ -436,6 +459,8 @@ class PipelineRuntime:
         # the last stage differentiates from its loss: do not keep its outputs (logits) alive
         keep = tuple(out) if any(sio.consumers) else ()
         saved = _Saved(args, keep) if self._training else None
+        if split is not None:
+            saved.graph, saved.outputs = state, tuple(out) if s == self.last_stage else keep
         if s == self.last_stage:
             flat_out = [out[local] for _, local in sorted(sio.model_outputs)]
             if self._training:
@@ -494,6 +519,8 @@ class PipelineRuntime:
         a = ac.action
         key = (a.stage, a.microbatch)
         saved = self._saved[key] if a.kind is BI else self._saved.pop(key)
+        if saved.graph is not None:
+            return self._graph_backward(ac, saved)
         roots, root_grads = self._roots(ac, saved)
         wanted = sorted({m.input for m in ac.sends + ac.local_sends})
         if a.kind is B:
@@ -514,8 +541,70 @@ class PipelineRuntime:
     def _backward_weight(self, ac: Any) -> None:
         a = ac.action
         saved = self._saved.pop((a.stage, a.microbatch))
-        if saved.split is not None:
+        if saved.graph is not None:
+            self._accumulate(a.stage, saved.graph.weight_grads(*self._state(a.stage)))
+        elif saved.split is not None:
             saved.split.weight_grads()
+
+    # ------------------------------------------------------------------ graph split backward
+
+    def _state(self, s: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The trainable parameters and the buffers of stage ``s``, in the order the graphs take them."""
+        mod = self.modules[s]
+        return [p for p in mod.parameters() if p.requires_grad], [b for _, b in mod.named_buffers()]
+
+    def _graph_split(self, s: int, args: list[Any]) -> GraphSplit | None:
+        """The traced graphs of stage ``s`` for inputs like ``args`` (cached), or None: autograd."""
+        if self.split_backward != "graph" or s in self.split_fallbacks:
+            return None
+        key = (s, signature(args))
+        if key not in self._graph_splits:
+            try:
+                self._graph_splits[key] = GraphSplit.trace(self.modules[s], args)
+            except UnsupportedStage as exc:
+                if has_selective_region(self.modules[s]):  # autograd would run each region's backward twice
+                    raise ValueError(f"stage {s} has selective checkpointing, which runs with a split backward only "
+                                     f"as graphs, and its graphs cannot be split: {exc}; use "
+                                     "activation_checkpointing='full' or a schedule without a split backward") from exc
+                self.split_fallbacks[s] = str(exc)
+                self._graph_splits[key] = None
+        return self._graph_splits[key]
+
+    def _graph_backward(self, ac: Any, saved: _Saved) -> None:
+        """I (or B: I then W) of a microbatch whose forward ran as a graph."""
+        a = ac.action
+        state = saved.graph
+        split = state.split
+        grads: dict[int, torch.Tensor] = {}
+        for msg, local in [(m, False) for m in ac.recvs] + [(m, True) for m in ac.local_recvs]:
+            g = self._take(msg, local, a)
+            j = self.io[msg.stage].inputs[msg.input].index
+            grads[j] = g if j not in grads else grads[j] + g
+        outs = [saved.outputs[j] for j in split.diff_outputs]
+        if saved.loss is not None:
+            got = torch.autograd.grad(saved.loss, outs, allow_unused=True)
+            for j, g in zip(split.diff_outputs, got):
+                if g is not None:
+                    grads[j] = g if j not in grads else grads[j] + g
+        tangents = []
+        for j, o in zip(split.diff_outputs, outs):
+            g = grads.get(j)
+            tangents.append(torch.zeros_like(o) if g is None else g if g.dtype == o.dtype else g.to(o.dtype))
+        saved.outputs, saved.loss = (), None
+        params, buffers = self._state(a.stage)
+        got = state.input_grads(params, buffers, tangents)
+        self._send_input_grads(ac, saved, dict(zip(split.grad_inputs, got)))
+        if a.kind is B:
+            self._accumulate(a.stage, state.weight_grads(params, buffers))
+
+    def _accumulate(self, s: int, grads: Sequence[torch.Tensor | None]) -> None:
+        for p, g in zip(self._state(s)[0], grads):
+            if g is None:
+                continue
+            if p.grad is None:  # a graph output may alias another (or a tangent): own it, like AccumulateGrad
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g)
 
     # ------------------------------------------------------------------ end of step
 

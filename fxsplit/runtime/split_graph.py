@@ -1,0 +1,399 @@
+"""Split backward at the graph level: a stage's forward, input-gradient (I) and weight-gradient
+(W) halves as three plain fx graphs of aten ops.
+
+Terms (fxsplit.runtime.split_backward, fxsplit.schedule.ir): **joint graph** -- one aten graph of
+a stage's forward and its backward, traced with ``make_fx`` (fake tensors) from
+``(params, buffers, inputs, tangents)`` to ``(outputs, input grads, param grads)``;
+**tangents** -- the gradients of the stage's differentiable outputs; **saved** -- forward values
+the backward reads (what autograd would save); **carry** -- values I computes that W reads
+(e.g. the gradient reaching a linear layer's output, a recomputed activation).
+
+Representative use (the executor's F, I and W actions on a zero-bubble schedule)::
+
+    split = GraphSplit.trace(module, inputs)          # once per input signature (cached)
+    outs, state = split.forward(params, buffers, inputs)        # F: no autograd graph
+    input_grads = state.input_grads(params, buffers, tangents)  # I: frees what only I read
+    param_grads = state.weight_grads(params, buffers)           # W
+
+[Note: graph split backward]
+The autograd method (fxsplit.runtime.split_backward) walks autograd's graph and re-enters it
+from captured gradients; it cannot tell which saved values W still needs, it runs torch's
+selective checkpoint twice over a region (refused by torch), and its walk mis-assigns a weight
+used twice on one path (pytorch#180952). Here the split is made on data flow instead, as
+aot_autograd's partitioners do for forward/backward (``torch._functorch.partitioners``: the
+joint graph is traced once, "forward" is what was traced before the backward started, as in
+``default_partition``'s "respect the original placement", and the forward's outputs are the
+stage outputs plus every forward value the backward reads). torch has no partitioner that
+splits a backward into input and weight gradients, so that step is ours: **I** is the set of
+backward nodes some input gradient depends on, **W** every other backward node some parameter
+gradient depends on. I outputs the input gradients plus the carry; W reads only the saved
+values W uses, the carry and the tangents it needs; everything only I read is freed after I.
+Every node runs exactly once, in the order it was traced, so the gradients are those of the
+full backward bit for bit (the ops and their order are autograd's own); a weight used twice is
+one placeholder whose gradient autograd sums into one output, counted once.
+
+Activation checkpointing composes: ``torch.utils.checkpoint`` (non-reentrant) runs inside the
+trace, so the recomputation shows up in the backward part of the joint graph (full: the whole
+region; selective: all but the kept nodes, whose forward outputs become saved values). A
+recomputed value both halves need is computed once, in I, and carried to W: the region is
+recomputed once per backward, not once per half. A recomputation that draws random numbers
+would need the forward's RNG state replayed inside a graph (aot_autograd's
+``functionalize_rng_ops``); that is not done here: such a stage is refused
+(`UnsupportedStage`) and the executor falls back to the autograd method for it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from fxsplit.graph.ops import is_random
+from fxsplit.graph.recompute import checkpointed
+
+__all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "has_selective_region", "signature"]
+
+
+class UnsupportedStage(Exception):
+    """The stage cannot be split at the graph level exactly; the message says why."""
+
+
+def has_selective_region(module: nn.Module) -> bool:
+    """Whether ``module``'s graph runs a selectively checkpointed region (fxsplit.graph.recompute)."""
+    graph = getattr(module, "graph", None)
+    return isinstance(graph, fx.Graph) and any(
+        n.op == "call_function" and n.target is checkpointed and "selective" in n.args for n in graph.nodes)
+
+
+def signature(inputs: Sequence[Any]) -> tuple:
+    """Cache key of a stage call: tensor shapes, dtypes, requires_grad; other values as is; autocast."""
+    key = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+        else:
+            key.append(("const", repr(x)))
+    key.append(("autocast", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+    if torch.cuda.is_available():
+        key.append(("autocast_cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
+    return tuple(key)
+
+
+class _Joint(nn.Module):
+    """The stage's forward then ``autograd.grad``, as one module for ``functional_call`` (so the
+    parameters stay swapped in while checkpoint regions recompute inside the backward)."""
+
+    def __init__(self, stage: nn.Module, consts: dict[int, Any], n_inputs: int):
+        super().__init__()
+        self.stage = stage
+        self.consts, self.n_inputs = consts, n_inputs
+        self.boundary = -1
+        self.diff_outputs: list[int] = []
+        self.n_outputs = 0
+
+    def forward(self, tensor_inputs: list[torch.Tensor], tangents: list[torch.Tensor], grad_inputs: list[int]):
+        it = iter(tensor_inputs)
+        args = [self.consts[k] if k in self.consts else next(it) for k in range(self.n_inputs)]
+        outs = self.stage(*args)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        self.n_outputs = len(outs)
+        self.boundary = len(get_proxy_mode().tracer.graph.nodes)  # everything so far is the forward
+        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        self.diff_outputs = [j for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        wrt = [args[k] for k in grad_inputs] + params
+        grads = (torch.autograd.grad(diff, wrt, tangents[:len(diff)], allow_unused=True)
+                 if diff and wrt else [None] * len(wrt))
+        return outs, list(grads)
+
+
+def _subgraph(joint: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node],
+              outputs: list[fx.Node | None]) -> fx.GraphModule:
+    """A graph of ``nodes`` (in joint order) reading ``inputs`` as placeholders, returning ``outputs``."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, n in enumerate(inputs):
+        env[n] = g.placeholder(f"in_{i}_{n.name}")
+        env[n].meta = dict(n.meta)
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[o] if o is not None else None for o in outputs))
+    gm = fx.GraphModule(joint, g)
+    gm.graph.lint()
+    return gm
+
+
+def _ancestors(roots: list[fx.Node | None], within: set[fx.Node]) -> set[fx.Node]:
+    out: set[fx.Node] = set()
+    stack = [r for r in roots if r is not None and r in within]
+    while stack:
+        n = stack.pop()
+        if n in out:
+            continue
+        out.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in within and a not in out)
+    return out
+
+
+def _externals(nodes: list[fx.Node], outputs: list[fx.Node | None], local: set[fx.Node]) -> list[fx.Node]:
+    """Nodes outside ``local`` that ``nodes`` read or ``outputs`` name, in first-use order."""
+    seen: dict[fx.Node, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in local:
+                seen.setdefault(a)
+    for o in outputs:
+        if o is not None and o not in local:
+            seen.setdefault(o)
+    return list(seen)
+
+
+_RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _recompute_tagged(gm: fx.GraphModule, fwd: list[fx.Node], bwd: list[fx.Node]) -> list[fx.Node]:
+    """Selective checkpointing under tracing: torch's selective checkpoint does not recompute
+    when a proxy mode is active; it tags each forward op ``meta["recompute"]`` with the policy's
+    answer and leaves the recomputation to the partitioner (aot_autograd's do it the same way).
+    Here every forward value the backward reads that is tagged recompute (or is the detached
+    copy the checkpoint caches of one, or a getitem of one) is copied into the backward, before its first node,
+    with its own recomputable inputs, recursively; the backward reads the copies. Returns the
+    backward nodes, copies included, in graph order."""
+    if not bwd:
+        return bwd
+    fwd_set = set(fwd)
+    memo: dict[fx.Node, bool] = {}
+
+    def recomputable(n: fx.Node) -> bool:
+        if n not in memo:
+            pol = n.meta.get("recompute")
+            if n not in fwd_set or n.op != "call_function":
+                memo[n] = False
+            elif pol is not None:
+                memo[n] = pol in _RECOMPUTE
+            else:
+                memo[n] = ((n.target in _ALIASES or n.target is operator.getitem)
+                           and isinstance(n.args[0], fx.Node) and recomputable(n.args[0]))
+        return memo[n]
+
+    clones: dict[fx.Node, fx.Node] = {}
+
+    def clone(n: fx.Node) -> fx.Node:
+        if n not in clones:
+            if is_random(n):
+                raise UnsupportedStage(f"the backward recomputes a random op ({n.target}); replaying "
+                                       "its forward draw inside a graph is not implemented")
+            args = {a: clone(a) for a in n.all_input_nodes if recomputable(a)}
+            with gm.graph.inserting_before(bwd[0]):
+                clones[n] = gm.graph.node_copy(n, lambda a: args.get(a, a))
+            clones[n].meta.pop("recompute", None)
+        return clones[n]
+
+    for b in bwd:
+        for a in list(b.all_input_nodes):
+            if recomputable(a):
+                b.replace_input_with(a, clone(a))
+    keep = set(bwd) | set(clones.values())
+    return [n for n in gm.graph.nodes if n in keep]
+
+
+@dataclass
+class GraphSplit:
+    """The three graphs of one stage for one input signature ([Note: graph split backward]).
+
+    ``forward(params, buffers, tensor_inputs) -> (outputs..., saved...)``;
+    ``input_grad(*[saved or tangent for each of i_inputs]) -> (input grads..., carry...)``;
+    ``weight_grad(*[saved, tangent or carry for each of w_inputs]) -> param grads``.
+    Sources are ("p", k) parameter, ("b", k) buffer, ("x", k) tensor input, ("t", k) tangent,
+    ("s", k) forward output k (saved), ("c", k) carry k.
+    """
+
+    forward_graph: fx.GraphModule
+    input_graph: fx.GraphModule
+    weight_graph: fx.GraphModule
+    n_outputs: int
+    diff_outputs: list[int]  # stage outputs that take a gradient (tangent k is for diff_outputs[k])
+    grad_inputs: list[int]  # stage inputs whose gradient I computes
+    param_ids: list[int]  # indices into [p for p in module.parameters() if p.requires_grad] with a gradient
+    i_inputs: list[tuple[str, int]]
+    w_inputs: list[tuple[str, int]]
+    n_saved: int
+    n_carry: int
+    w_saved: list[int] = field(default_factory=list)  # saved outputs W still reads
+
+    @classmethod
+    def trace(cls, module: nn.Module, inputs: Sequence[Any]) -> GraphSplit:
+        """Trace and partition ``module`` for ``inputs`` (tensors with the requires_grad I must
+        differentiate; only shapes, dtypes and flags are read). Raises `UnsupportedStage`."""
+        consts = {k: x for k, x in enumerate(inputs) if not isinstance(x, torch.Tensor)}
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        grad_inputs = [k for k, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+        joint = _Joint(module, consts, len(inputs))
+        pnames = [n for n, p in joint.named_parameters() if p.requires_grad]
+        frozen = {n: p for n, p in joint.named_parameters() if not p.requires_grad}
+        bnames = [n for n, _ in joint.named_buffers()]
+        try:  # the output shapes, for the tangents: one forward on fake tensors
+            with torch.enable_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fake_in = [mode.from_tensor(x).requires_grad_(x.requires_grad) for x in tensors]
+                it = iter(fake_in)
+                outs = module(*[consts[k] if k in consts else next(it) for k in range(len(inputs))])
+                outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+                tan_meta = [(o.shape, o.dtype) for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        except Exception as exc:  # noqa: BLE001 - any failure means: not this way
+            raise UnsupportedStage(f"the stage does not run on fake tensors ({type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        tangents = [torch.zeros(s, dtype=d, device=tensors[0].device if tensors else "cpu") for s, d in tan_meta]
+
+        def fn(params, buffers, xs, tans):
+            state = dict(zip(pnames, params)) | dict(zip(bnames, buffers)) | frozen
+            return torch.func.functional_call(joint, state, (xs, tans, grad_inputs), tie_weights=True)
+
+        p_in = [joint.get_parameter(n).detach().requires_grad_() for n in pnames]
+        b_in = [joint.get_buffer(n) for n in bnames]
+        x_in = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
+        try:
+            with torch.enable_grad():
+                gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(p_in, b_in, x_in, tangents)
+        except Exception as exc:  # noqa: BLE001 - any tracing failure means: not this way
+            raise UnsupportedStage(f"make_fx could not trace the stage's forward and backward "
+                                   f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        return cls._partition(gm, joint, len(p_in), len(b_in), len(x_in), len(tangents), grad_inputs)
+
+    @classmethod
+    def _partition(cls, gm: fx.GraphModule, joint: _Joint, n_p: int, n_b: int, n_x: int, n_t: int,
+                   grad_inputs: list[int]) -> GraphSplit:
+        nodes = list(gm.graph.nodes)
+        phs = [n for n in nodes if n.op == "placeholder"]
+        if len(phs) != n_p + n_b + n_x + n_t or len(joint.diff_outputs) != n_t:
+            raise UnsupportedStage(f"the joint graph has {len(phs)} inputs and {len(joint.diff_outputs)} differentiable "
+                                   f"outputs, expected {n_p + n_b + n_x + n_t} and {n_t}")
+        source = {}
+        for k, n in enumerate(phs):
+            kind = "p" if k < n_p else "b" if k < n_p + n_b else "x" if k < n_p + n_b + n_x else "t"
+            source[n] = (kind, k - {"p": 0, "b": n_p, "x": n_p + n_b, "t": n_p + n_b + n_x}[kind])
+        out_node = nodes[-1]
+        flat = list(out_node.args[0])
+        k_out = joint.n_outputs
+        fw_outs, igrads, pgrads = flat[:k_out], flat[k_out:k_out + len(grad_inputs)], flat[k_out + len(grad_inputs):]
+        for v in flat:
+            if v is not None and not isinstance(v, fx.Node):
+                raise UnsupportedStage(f"joint graph returns a constant {v!r}")
+        index = {n: i for i, n in enumerate(nodes)}
+        compute = [n for n in nodes if n.op not in ("placeholder", "output")]
+        fwd = [n for n in compute if index[n] < joint.boundary]
+        bwd = [n for n in compute if index[n] >= joint.boundary]
+        bwd = _recompute_tagged(gm, fwd, bwd)
+        compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        bwd_set = set(bwd)
+        for n in compute:
+            t = n.target
+            if not isinstance(t, torch._ops.OpOverload):
+                continue
+            if t.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+                # the tp collectives call dist.all_reduce & co.,
+                # which trace as in-place c10d ops whose Work is waited on outside the graph: data
+                # flow does not order their readers and the graph would not wait for them
+                raise UnsupportedStage(f"the stage runs a collective ({t}); in-place c10d collectives "
+                                       "are not data flow in a traced graph")
+            if n in bwd_set and is_random(n):
+                raise UnsupportedStage(f"the backward recomputes a random op ({t}); replaying "
+                                       "its forward draw inside a graph is not implemented")
+            if n in bwd_set and t._schema.is_mutable:
+                raise UnsupportedStage(f"the backward mutates a tensor in place ({t})")
+        for o in fw_outs:
+            if o in bwd_set:
+                raise UnsupportedStage("a stage output is computed in the traced backward")
+        i_set = _ancestors(igrads, bwd_set)
+        w_set = _ancestors(pgrads, bwd_set) - i_set
+        i_nodes = [n for n in bwd if n in i_set]
+        w_nodes = [n for n in bwd if n in w_set]
+        i_ext = _externals(i_nodes, igrads, i_set)
+        w_ext = _externals(w_nodes, pgrads, w_set)
+        carry = [n for n in w_ext if n in i_set]
+        saved: list[fx.Node] = []
+        for n in i_ext + w_ext:
+            if n not in source and n not in i_set and n not in saved:
+                saved.append(n)
+        fwd_gm = _subgraph(gm, fwd, phs[:n_p + n_b + n_x], fw_outs + saved)
+        fwd_gm.graph.eliminate_dead_code()
+        fwd_gm.recompile()
+
+        def src(n: fx.Node) -> tuple[str, int]:
+            if n in source:
+                return source[n]
+            if n in i_set:
+                return ("c", carry.index(n))
+            return ("s", saved.index(n))
+
+        i_gm = _subgraph(gm, i_nodes, i_ext, igrads + carry)
+        w_gm = _subgraph(gm, w_nodes, w_ext, pgrads)
+        w_in = [src(n) for n in w_ext]
+        return cls(
+            forward_graph=fwd_gm, input_graph=i_gm, weight_graph=w_gm, n_outputs=k_out,
+            diff_outputs=list(joint.diff_outputs), grad_inputs=grad_inputs,
+            param_ids=[k for k, g in enumerate(pgrads) if g is not None],
+            i_inputs=[src(n) for n in i_ext], w_inputs=w_in, n_saved=len(saved), n_carry=len(carry),
+            w_saved=sorted({k for kind, k in w_in if kind == "s"}),
+        )
+
+    def forward(self, params: list[torch.Tensor], buffers: list[torch.Tensor],
+                tensor_inputs: list[torch.Tensor]) -> tuple[list[Any], SplitState]:
+        """Run the forward graph (no autograd graph is recorded); the outputs and the saved state."""
+        with torch.no_grad():
+            res = self.forward_graph(*params, *buffers, *tensor_inputs)
+        outs = list(res[:self.n_outputs])
+        return outs, SplitState(self, list(res[self.n_outputs:]), tensor_inputs)
+
+
+@dataclass
+class SplitState:
+    """What one forward saved for its I and W ([Note: graph split backward])."""
+
+    split: GraphSplit
+    saved: list[Any]
+    inputs: list[torch.Tensor]
+    tangents: list[torch.Tensor] | None = None
+    carry: list[Any] | None = None
+
+    def _value(self, src: tuple[str, int], params: list, buffers: list) -> Any:
+        kind, k = src
+        if kind == "p":
+            return params[k]
+        if kind == "b":
+            return buffers[k]
+        if kind == "x":
+            return self.inputs[k]
+        if kind == "t":
+            return self.tangents[k]
+        if kind == "s":
+            return self.saved[k]
+        return self.carry[k]
+
+    def input_grads(self, params: list, buffers: list, tangents: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The I action: gradients of ``split.grad_inputs`` (None: no path); keeps what W needs."""
+        sp = self.split
+        self.tangents = tangents
+        with torch.no_grad():
+            res = sp.input_graph(*[self._value(s, params, buffers) for s in sp.i_inputs])
+        n = len(sp.grad_inputs)
+        self.carry = list(res[n:])
+        keep = set(sp.w_saved)
+        self.saved = [v if k in keep else None for k, v in enumerate(self.saved)]  # free what only I read
+        return list(res[:n])
+
+    def weight_grads(self, params: list, buffers: list) -> list[torch.Tensor | None]:
+        """The W action: one gradient per trainable parameter (None: unused); frees everything."""
+        sp = self.split
+        with torch.no_grad():
+            res = sp.weight_graph(*[self._value(s, params, buffers) for s in sp.w_inputs])
+        self.saved, self.carry, self.tangents, self.inputs = [], [], [], []
+        return list(res)
