@@ -225,3 +225,133 @@ def test_dp_shard_layouts_match_single_process():
     results = run_distributed(_cases_4, 4, timeout=400)
     for label, (name, ov, opts) in LAYOUTS_4.items():
         _check([r[label] for r in results], *_reference(name, ov), dp_shard=opts["dp_shard"])
+
+
+# ------------------------------------------------------------------------------------------------
+# clip_grad_norm_, checkpoints across layouts, failures: one launch of 4 ranks
+
+MAX_NORM = 0.1  # below the measured gradient norm (~1.3), so clipping scales every gradient
+
+
+def _clip_reference():
+    """The single process: one step on the global batch, clipped, one AdamW step."""
+    model, args, kwargs, loss_fn = _make("gpt", GPT4)
+    opt = _opt(model.parameters())
+    x = _batch("gpt", model, args, 0)
+    y = _target("gpt", model, x, 0)
+    loss_fn(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    opt.step()
+    optim = {f"optim/{n}/{k}": v.clone() for n, p in model.named_parameters(remove_duplicate=False)
+             for k, v in opt.state[p].items()}
+    return float(norm), grads, {k: v.clone() for k, v in model.state_dict().items()}, optim
+
+
+def _full_optim(pm, opt):
+    """{"optim/<name>/<key>": this rank's tp shard of the state, FSDP shards gathered}."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for mod in pm.stage_modules.values():
+        for n, p in mod.named_parameters(remove_duplicate=False):
+            for k, v in opt.state.get(p, {}).items():
+                out.setdefault(f"optim/{n}/{k}", (v.full_tensor() if isinstance(v, DTensor) else v).clone())
+    return out
+
+
+class _FailOn:
+    """A loss that raises on one global rank when armed."""
+
+    def __init__(self, rank):
+        self.rank, self.armed = rank, False
+
+    def __call__(self, out, y):
+        import torch.distributed as dist
+
+        if self.armed and dist.get_rank() == self.rank:
+            raise ValueError("boom in the loss")
+        return zoo.cross_entropy_loss(out, y)
+
+
+def _state_cases(rank, world, path):
+    import time
+
+    from fxsplit.api import RankFailedError
+
+    model, args, kwargs, _ = _make("gpt", GPT4)
+    loss = _FailOn(3)
+    common = dict(loss_fn=loss, timeout=20, verify=False, hardware=HW)
+    pm = fxsplit.parallelize(model, args, kwargs, dp_shard=2, pp=2, microbatches=2, **common)
+    opt = _opt(pm.parameters())
+    x = _batch("gpt", model, args, 0)
+    y = _target("gpt", model, x, 0)
+    pm.step(_data_slice(pm, x), target=_data_slice(pm, y))
+    out = dict(norm=float(pm.clip_grad_norm_(MAX_NORM)), grads=_whole_grads(pm), coords=dict(pm.coords))
+    opt.step()
+    pm.save_checkpoint(path, optimizer=opt)
+    out["saved"] = pm.full_state_dict()
+    # a failure on one rank (global rank 3, a last-stage rank) is raised on every rank, naming it
+    loss.armed = True
+    t0 = time.perf_counter()
+    try:
+        pm.step(_data_slice(pm, x), target=_data_slice(pm, y))
+        out["failure"] = ("none", "", 0.0)
+    except Exception as exc:  # noqa: BLE001
+        out["failure"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+    out["unusable"] = pm._failure is not None
+    loss.armed = False
+    # reload at other layouts: (dp_shard=4) and (tp=2, dp_shard=2)
+    for label, opts in (("ds4", dict(dp_shard=4)), ("tp2-ds2", dict(tp=2, dp_shard=2))):
+        pm2 = fxsplit.parallelize(model, args, kwargs, **opts, **common)
+        opt2 = _opt(pm2.parameters())
+        pm2.load_checkpoint(path, optimizer=opt2)
+        out[label] = dict(state=pm2.full_state_dict(), optim=_full_optim(pm2, opt2), coords=dict(pm2.coords),
+                          specs=dict(pm2.plan.tp_plan.param_specs))
+    return out
+
+
+@pytest.mark.dist
+def test_dp_shard_clip_checkpoint_and_failures(tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = run_distributed(_state_cases, 4, path, timeout=400)
+    norm, grads, state, optim = _clip_reference()
+    for rank, res in enumerate(results):
+        assert res["norm"] == pytest.approx(norm, rel=1e-5), f"rank {rank}"
+        for n, g in res["grads"].items():  # pp=2: each rank holds its stages' (clipped) gradients
+            torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-7, msg=f"rank {rank} {n}")
+        for k, v in res["saved"].items():
+            torch.testing.assert_close(v, state[k], rtol=1e-4, atol=STATE_ATOL, msg=f"rank {rank} {k}")
+        kind, text, seconds = res["failure"]
+        if res["coords"]["pp"] == 1 and rank == 3:
+            assert kind == "ValueError" and "boom in the loss" in text, text
+        else:
+            assert kind == "RankFailedError" and "global rank 3" in text and "boom" in text, (rank, text)
+        assert seconds < 15, f"rank {rank}: the failure took {seconds:.1f}s to surface"
+        assert res["unusable"], f"rank {rank}"
+        # reloaded at another layout: the same full state and (tp shards reassembled) optimizer state
+        for label in ("ds4", "tp2-ds2"):
+            got = res[label]
+            for k, v in res["saved"].items():
+                torch.testing.assert_close(got["state"][k], v, rtol=0, atol=0, msg=f"{label} rank {rank} {k}")
+            specs = got["specs"]
+            for k, v in got["optim"].items():
+                name = k.split("/")[1]
+                if got["coords"]["tp"] == 0 and name not in specs:
+                    torch.testing.assert_close(v, optim[k], rtol=1e-5, atol=1e-7, msg=f"{label} rank {rank} {k}")
+    # tp shards of the optimizer state, reassembled over the two tp ranks of (tp=2, dp_shard=2)
+    by_tp = {r["tp2-ds2"]["coords"]["tp"]: r["tp2-ds2"] for r in results if r["tp2-ds2"]["coords"]["dp_shard"] == 0}
+    specs = by_tp[0]["specs"]
+    for k, v in by_tp[0]["optim"].items():
+        name = k.split("/")[1]
+        if name in specs and v.dim() > 0:
+            full = specs[name].unshard([by_tp[0]["optim"][k], by_tp[1]["optim"][k]])
+            torch.testing.assert_close(full, optim[k], rtol=1e-5, atol=1e-7, msg=k)
+    # the checkpoint whole, in this one process
+    whole = fxsplit.load_full_checkpoint(path, include_optimizer=True)
+    for k, v in results[0]["saved"].items():
+        torch.testing.assert_close(whole[k], v, rtol=0, atol=0, msg=k)
+    for k, v in optim.items():
+        if k in whole:
+            torch.testing.assert_close(whole[k], v, rtol=1e-5, atol=1e-7, msg=k)
+    assert {k for k in whole if k.startswith("optim/")} >= {k for k in optim if "wte" not in k}
