@@ -301,6 +301,7 @@ def _state_cases(rank, world, path):
         out["failure"] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
     out["unusable"] = pm._failure is not None
     loss.armed = False
+    out["meta"] = _meta_model(common)
     # reload at other layouts: (dp_shard=4) and (tp=2, dp_shard=2)
     for label, opts in (("ds4", dict(dp_shard=4)), ("tp2-ds2", dict(tp=2, dp_shard=2))):
         pm2 = fxsplit.parallelize(model, args, kwargs, **opts, **common)
@@ -309,6 +310,34 @@ def _state_cases(rank, world, path):
         out[label] = dict(state=pm2.full_state_dict(), optim=_full_optim(pm2, opt2), coords=dict(pm2.coords),
                           specs=dict(pm2.plan.tp_plan.param_specs))
     return out
+
+
+def _meta_model(common):
+    """A GPT built on the meta device at (tp=2, dp_shard=2): every rank holds real FSDP shards of
+    its tp shards, with the values materialize_stage gives that tp rank (independent of
+    dp_shard), and materializing a stage never holds much more than its FSDP shards."""
+    from torch.distributed.tensor import DTensor
+
+    from fxsplit.api.materialize import materialize_sharded_stage, materialize_stage
+    from fxsplit.testing.memory import LiveBytes
+
+    with torch.device("meta"):
+        model, args, kwargs = zoo.make("gpt", batch_size=4, n_embd=64)
+    pm = fxsplit.parallelize(model, args, kwargs, tp=2, dp_shard=2, **common)
+    tp_rank = pm.coords["tp"]
+    params = list(pm.parameters())
+    ok = all(isinstance(p, DTensor) and not p.to_local().is_meta for p in params)
+    want = materialize_stage(pm.plan, 0, tp_rank=tp_rank, source=model).state_dict()
+    got = {k: v.cpu() for k, v in pm._local_state(gather=True).items()}
+    same = set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    mesh = params[0].device_mesh
+    with LiveBytes() as mem:
+        stage = materialize_sharded_stage(pm.plan, 0, tp_rank=tp_rank, source=model, mesh=mesh)
+    shards = sum(p.to_local().nbytes for p in stage.parameters())
+    largest = max(v.nbytes for v in want.values())
+    buffers = sum(b.nbytes for b in stage.buffers())
+    tp_local = sum(v.nbytes for v in want.values())
+    return dict(ok=ok, same=same, peak=mem.peak, shards=shards, largest=largest, buffers=buffers, tp_local=tp_local)
 
 
 @pytest.mark.dist
@@ -339,6 +368,11 @@ def test_dp_shard_clip_checkpoint_and_failures(tmp_path):
                 name = k.split("/")[1]
                 if got["coords"]["tp"] == 0 and name not in specs:
                     torch.testing.assert_close(v, optim[k], rtol=1e-5, atol=1e-7, msg=f"{label} rank {rank} {k}")
+        meta = res["meta"]
+        assert meta["ok"] and meta["same"], f"rank {rank}: {meta}"
+        # the stage's FSDP shards and one tp-local tensor at a time, never the whole tp shard
+        assert meta["peak"] <= meta["shards"] + meta["buffers"] + 2 * meta["largest"], meta
+        assert meta["peak"] < 0.75 * meta["tp_local"], meta
     # tp shards of the optimizer state, reassembled over the two tp ranks of (tp=2, dp_shard=2)
     by_tp = {r["tp2-ds2"]["coords"]["tp"]: r["tp2-ds2"] for r in results if r["tp2-ds2"]["coords"]["dp_shard"] == 0}
     specs = by_tp[0]["specs"]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxsplit.api.materialize import materialize_stage
+from fxsplit.api.materialize import materialize_sharded_stage, materialize_stage
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.api.plan import plan
@@ -108,15 +108,18 @@ def parallelize(
     c = the_plan.config
     pp_rank = coords["pp"]
     mine = the_plan.stages_of(pp_rank)
-    stages = {
-        s: materialize_stage(the_plan, s, tp_rank=coords["tp"], source=model, device=device) for s in mine
-    }
     units = None
-    if ds > 1:  # [Note: FSDP units and reshard_after_forward] in fxsplit.runtime.fsdp
-        from fxsplit.runtime.fsdp import shard_stages
-
+    if ds > 1:  # FSDP units ([Note: FSDP units and reshard_after_forward] in fxsplit.runtime.fsdp),
+        # each rank materializing only its shards ([Note: materializing FSDP shards])
         fsdp_mesh = mesh["dp", "dp_shard"] if dp > 1 else mesh["dp_shard"]
-        units = stages = shard_stages(stages, fsdp_mesh, mp_policy=c.mp_policy)
+        units = stages = {
+            s: materialize_sharded_stage(the_plan, s, tp_rank=coords["tp"], source=model, mesh=fsdp_mesh,
+                                         device=device, mp_policy=c.mp_policy) for s in mine
+        }
+    else:
+        stages = {
+            s: materialize_stage(the_plan, s, tp_rank=coords["tp"], source=model, device=device) for s in mine
+        }
     runtime = PipelineRuntime(
         the_plan.rank_plan(pp_rank), stages, group=pipe_group,
         loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
