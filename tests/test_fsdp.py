@@ -389,3 +389,20 @@ def test_dp_shard_clip_checkpoint_and_failures(tmp_path):
         if k in whole:
             torch.testing.assert_close(whole[k], v, rtol=1e-5, atol=1e-7, msg=k)
     assert {k for k in whole if k.startswith("optim/")} >= {k for k in optim if "wte" not in k}
+
+
+def test_plan_prints_expected_memory_per_rank_with_dp_shard():
+    model, args, kwargs = zoo.make("gpt", **GPT4)
+    plain = fxsplit.plan(model, args, kwargs, dp=2, hardware=HW, verify=False)
+    sharded = fxsplit.plan(model, args, kwargs, dp_shard=4, hardware=HW, verify=False)
+    (p,), (s,) = plain.memory(), sharded.memory()
+    total = 4 * sum(t.numel() for t in model.parameters())  # float32
+    assert p.params == p.grads == total and p.optimizer == 2 * total and p.gathered == 0
+    assert p.buckets == p.whole_grads == total  # fxsplit's all-reduce copies the gradients
+    # dim 0 in 4 chunks (ceil): at most a few rows over a quarter
+    assert total / 4 <= s.params <= total / 4 * 1.05 and s.optimizer == 2 * s.params
+    assert s.gathered == s.whole_grads == total and s.buckets == 0
+    assert s.peak == s.params + s.optimizer + total + max(s.activations, total)
+    assert s.activations == p.activations > 0
+    text = str(sharded)
+    assert "dp_shard=4" in text and "expected memory per rank" in text and "gathered during the step" in text
