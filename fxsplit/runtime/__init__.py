@@ -6,7 +6,10 @@
   (``fxsplit.pipeline.comm``, [Note: message order]) with a timeout on every wait.
 - `microbatch`: split inputs and targets into microbatches, merge outputs, concrete shapes.
 - `split_backward`: the I / W halves of a backward for zero-bubble schedules ([Note: split backward]).
-- `mesh`: process-group set-up from torchrun's environment and the ("dp", "pp", "tp") DeviceMesh.
+- `mesh`: process-group set-up from torchrun's environment and the ("dp", "pp", "tp") DeviceMesh
+  (("dp", "dp_shard", "pp", "tp") with sharded data parallelism).
+- `fsdp`: sharded data parallelism on one rank: FSDP2 ``fully_shard`` over its stages and the
+  once-per-step gather / reduce-scatter around the pipeline.
 - `failures`: the end-of-call error exchange that makes every rank fail together ([Note: failures]).
 
 May import: ``fxsplit.pipeline``, ``fxsplit.tp``, ``fxsplit.schedule``, ``fxsplit.graph``,
