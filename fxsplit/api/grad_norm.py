@@ -21,7 +21,9 @@ rank's local gradients hold copies (Megatron's clip_grads.py, torchtitan's distr
 - a parameter tied across stages (``StageGraphs.shared_params``: the embedding and the LM head)
   has one copy per stage holding it, each with the summed gradient after the step: only the
   first entry of its group (the lowest stage) counts it;
-- data-parallel replicas hold identical gradients after the step's all-reduce: dp rank 0 counts.
+- data-parallel replicas hold identical gradients after the step's all-reduce: dp rank 0 counts;
+- sharded data parallelism (dp_shard, FSDP) splits each local parameter's gradient into disjoint
+  shards over the dp_shard ranks: every dp_shard rank counts its shard (DTensor's local part).
 The contributions are summed (max for inf) over every rank in one float32 all-reduce over the
 world group, so every rank gets the same total, bit for bit, and then scales ALL its local
 gradients (copies included) by the same factor. ``torch.nn.utils.clip_grad_norm_(pm.parameters())``
@@ -38,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fxsplit.runtime.fsdp import local_tensor
 
 __all__ = ["norm_parameters", "global_norm", "scale_grads", "check_norm_type", "agree_nonfinite"]
 
@@ -114,8 +118,9 @@ def scale_grads(params: Iterable[nn.Parameter], max_norm: float, total_norm: tor
     factor ``torch.nn.utils.clip_grad_norm_`` uses (applied even when it is 1, as torch does)."""
     coef = torch.clamp(float(max_norm) / (total_norm + EPS), max=1.0)
     for param in params:
-        if param.grad is not None:
-            param.grad.mul_(coef.to(param.grad.device))
+        if param.grad is not None:  # an FSDP shard (DTensor) scales its local part
+            grad = local_tensor(param.grad)
+            grad.mul_(coef.to(grad.device))
 
 
 @torch.no_grad()
@@ -137,7 +142,7 @@ def agree_nonfinite(params: Iterable[nn.Parameter], *, group: Any, device: torch
     scaler then skips and backs off exactly as the others do; the poisoned gradient is never
     applied (the step is skipped) and is zeroed with the rest before the next step.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     local = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         if g.numel() and not torch.isfinite(g).all():
@@ -146,6 +151,7 @@ def agree_nonfinite(params: Iterable[nn.Parameter], *, group: Any, device: torch
     found = local.clone()
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    grads = [g for g in grads if g.numel()]  # (an FSDP shard may be empty)
     if found.item() and not local.item() and grads:
         grads[0].view(-1)[0] = math.inf
     return bool(found.item())

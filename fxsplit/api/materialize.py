@@ -17,9 +17,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from fxsplit.tp.sharding import materialize_module
+from fxsplit.tp.sharding import materialize_module, materialize_tensor
 
-__all__ = ["materialize_stage", "structural_copy"]
+__all__ = ["materialize_sharded_stage", "materialize_stage", "structural_copy"]
 
 
 def materialize_stage(plan: Any, stage: int, *, tp_rank: int, source: nn.Module,
@@ -78,3 +78,71 @@ def _tied_seed_names(shared_params: Sequence[Sequence[tuple[int, str]]], stage: 
     """Stage ``stage``'s names of parameters tied across stages -> one name per tied group (its
     first holder's), so a model on the meta device initializes every copy identically."""
     return {name: sorted(group)[0][1] for group in shared_params for s, name in group if s == stage}
+
+
+def materialize_sharded_stage(plan: Any, stage: int, *, tp_rank: int, source: nn.Module, mesh: Any,
+                              device: torch.device | str = "cpu", mp_policy: Any = None) -> nn.Module:
+    """Stage ``stage`` as :func:`materialize_stage` makes it, wrapped with FSDP over ``mesh``
+    (:func:`fxsplit.runtime.fsdp.shard_stages`), holding only this rank's FSDP shard of its tp
+    shard of each parameter.
+
+    [Note: materializing FSDP shards]
+    The stage is copied on the meta device with each parameter at its tp-local shape, sharded
+    there by ``fully_shard`` (no memory), and given storage for its FSDP shards only
+    (``to_empty``). Then one tensor at a time: the tp-local tensor is made exactly as
+    :func:`materialize_stage` would make it (sliced from the model's real weights, or freshly
+    initialized under the same per-name seeds for a meta model, so values do not depend on
+    dp_shard), this rank's FSDP slice is copied out, and the tensor is dropped. Peak memory is
+    the stage's FSDP shards plus one tp-local tensor. Buffers are materialized whole (FSDP does
+    not shard buffers)."""
+    from fxsplit.graph.ops import owner_and_leaf
+    from fxsplit.runtime.fsdp import local_tensor, shard_stages
+    from torch.distributed.tensor import distribute_tensor
+
+    tp = plan.tp_plan
+    module = plan.stages.modules[stage]
+    device = torch.device(device)
+    local = structural_copy(module)
+    specs = tp.param_specs
+    full_shapes = {k: tuple(v) for k, v in tp.full_shapes.items()}
+    seeds = _tied_seed_names(plan.stages.shared_params, stage)
+    src = _value_sources(module, source)
+    opts = dict(source=src, device=device, full_shapes=full_shapes, seed_names=seeds)
+    params: dict[int, list[str]] = {}
+    objects: dict[int, torch.Tensor] = {}
+    for name, t in local.named_parameters(remove_duplicate=False):
+        params.setdefault(id(t), []).append(name)
+        objects[id(t)] = t
+    buffers: dict[int, list[str]] = {}
+    for name, t in local.named_buffers(remove_duplicate=False):
+        if t is not None:
+            buffers.setdefault(id(t), []).append(name)
+            objects[id(t)] = t
+    originals = {key: objects[key] for key in (*params, *buffers)}
+    # 1. parameters at their tp-local shape, still on the meta device (tied names: one object)
+    for key, names in params.items():
+        old = objects[key]
+        spec = next((specs[n] for n in names if n in specs), None)
+        full = next((tuple(full_shapes[n]) for n in names if n in full_shapes), tuple(old.shape))
+        shape = tuple(old.shape) if spec is None or tuple(old.shape) != full else spec.local_shape(full)
+        new = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"), requires_grad=old.requires_grad)
+        for n in names:
+            owner, leaf = owner_and_leaf(local, n)
+            owner._parameters[leaf] = new
+    # 2. FSDP shards on the meta device, then storage for them only
+    local = shard_stages({stage: local}, mesh, mp_policy=mp_policy)[stage]
+    local.to_empty(device=device)
+    with torch.no_grad():
+        for key, names in buffers.items():
+            value = materialize_tensor(names, originals[key], specs, tp_rank, **opts)
+            for n in names:
+                owner, leaf = owner_and_leaf(local, n)
+                owner._buffers[leaf] = value
+        # 3. one tensor at a time: the tp-local value, of which this rank keeps its FSDP slice
+        for key, names in params.items():
+            value = materialize_tensor(names, originals[key], specs, tp_rank, **opts)
+            param = local.get_parameter(names[0])
+            piece = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+            local_tensor(param).copy_(local_tensor(piece))
+            del value, piece
+    return local

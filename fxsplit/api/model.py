@@ -37,7 +37,8 @@ class ParallelModel(nn.Module):
 
     def __init__(self, *, plan_: Plan, stages: Mapping[int, nn.Module], runtime: Any, mesh: Any,
                  coords: Mapping[str, int], groups: Mapping[str, Any], loss_fn: Callable | None,
-                 bucket_bytes: int = 25 * 2**20, log_every: int | None = None):
+                 bucket_bytes: int = 25 * 2**20, log_every: int | None = None,
+                 fsdp_units: Mapping[int, nn.Module] | None = None):
         super().__init__()
         self.plan = plan_
         self.stage_modules = nn.ModuleDict({str(s): m for s, m in stages.items()})
@@ -62,6 +63,14 @@ class ParallelModel(nn.Module):
             for p in [self.stage_modules[str(s)].get_parameter(name)]
         }
         runtime.on_stage_grads_ready = self._stage_grads_ready
+        # dp_shard > 1: FSDP2 units, gathered before and reduced after the pipeline ([Note: FSDP
+        # collectives outside the pipeline] in fxsplit.runtime.fsdp); it also does the dp mean
+        self._fsdp = None
+        if fsdp_units:
+            from fxsplit.runtime.fsdp import ShardedGradSync
+
+            self._fsdp = ShardedGradSync(fsdp_units)
+            runtime.defer_tied_grads = True  # summed once FSDP has reduced them
 
     # -- inspection
     def local_stage_graphs(self) -> dict[int, torch.fx.GraphModule]:
@@ -119,18 +128,26 @@ class ParallelModel(nn.Module):
             error = exc
         self._agree(error, False, "step")  # before the runtime: no rank enters it alone
         try:
+            if self._fsdp is not None:
+                self._fsdp.begin()
             with self._bound():
                 loss = self._runtime.step(flat, target=target, loss_scale=loss_scale)
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
         self._agree(error, True, "step")
         self._sync_grads()
+        if self._fsdp is not None and self._runtime._tied:
+            try:  # tied copies: summed over their pipeline ranks once FSDP reduced each
+                self._runtime.sum_tied_grads()
+            except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
+                error = exc
+            self._agree(error, True, "step")
         if loss_scale is not None:
             from fxsplit.api.grad_norm import agree_nonfinite
 
             agree_nonfinite(self.parameters(), group=dist.group.WORLD if dist.is_initialized() else None,
                             device=self._runtime.device)
-        dp = self._groups.get("dp")
+        dp = self._groups.get("data" if self._fsdp is not None else "dp")
         if dp is not None and dist.get_world_size(dp) > 1:
             loss = loss.detach().clone()
             dist.all_reduce(loss, group=dp)
@@ -169,10 +186,14 @@ class ParallelModel(nn.Module):
             error = exc
         self._agree(error, False, "forward")
         try:
+            if self._fsdp is not None:
+                self._fsdp.gather()
             with self._bound(), torch.no_grad():
                 out = self._runtime.forward(flat, all_ranks=True)
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
+        if self._fsdp is not None:
+            self._fsdp.reshard()
         self._agree(error, True, "forward")
         return out
 
@@ -206,6 +227,9 @@ class ParallelModel(nn.Module):
         if failure is None:
             return
         worst, exc = failure
+        if self._fsdp is not None and in_runtime and self._failure is None:
+            # the FSDP units hold gathered parameters and unreduced gradients of the failed step
+            self._failure = f"an earlier {what}() failed while its sharded (FSDP) stages were gathered"
         if self._dp_pending:
             # all-reduces this rank started during the failed step have no partner on a rank that
             # failed before starting its own: drop the data-parallel group so they end, and refuse
@@ -240,6 +264,9 @@ class ParallelModel(nn.Module):
         across stages after the last action, go at the end. With sequence parallelism the
         replicated parameters' partial gradients are already summed over tp by the graph itself
         (the tensor-parallel pass reads them through Megatron's f)."""
+        if self._fsdp is not None:
+            self._fsdp.reduce()  # the dp_shard (and dp) mean: reduce-scatter, FSDP's own
+            return
         pending, self._dp_pending = self._dp_pending, []
         dp = self._groups.get("dp")
         if dp is None or dist.get_world_size(dp) == 1:
@@ -253,7 +280,7 @@ class ParallelModel(nn.Module):
 
     def _stage_grads_ready(self, stage: int) -> None:
         dp = self._groups.get("dp")
-        if dp is None or dist.get_world_size(dp) == 1 or self.plan.config.num_stages == 1:
+        if self._fsdp is not None or dp is None or dist.get_world_size(dp) == 1 or self.plan.config.num_stages == 1:
             return  # (one stage: nothing computes after its backward; all-reduce at the end)
         tied = self._tied_ids
         params = [p for p in self.stage_modules[str(stage)].parameters()
@@ -281,6 +308,7 @@ class ParallelModel(nn.Module):
         tp-replicated or tied parameter would silently drift apart.
         """
         from fxsplit.api.grad_norm import check_norm_type, global_norm, norm_parameters, scale_grads
+        from fxsplit.runtime.fsdp import local_tensor
 
         p = check_norm_type(norm_type)
         specs = self.plan.tp_plan.param_specs
@@ -289,7 +317,7 @@ class ParallelModel(nn.Module):
             sharded=specs, coords=self.coords,
         )
         world = dist.group.WORLD if dist.is_initialized() else None
-        total = global_norm([q.grad for q in counted if q.grad is not None], p, group=world,
+        total = global_norm([local_tensor(q.grad) for q in counted if q.grad is not None], p, group=world,
                             device=self._runtime.device)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
@@ -301,11 +329,16 @@ class ParallelModel(nn.Module):
         return total
 
     # -- state
-    def _local_state(self) -> dict[str, torch.Tensor]:
+    def _local_state(self, *, gather: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's tensors by name; FSDP-sharded ones as DTensors, or with ``gather`` whole
+        (this rank's tp shard; an all-gather over the FSDP mesh, every rank in the same order)."""
+        from torch.distributed.tensor import DTensor
+
         out: dict[str, torch.Tensor] = {}
         for mod in self.stage_modules.values():
             for k, v in mod.state_dict(keep_vars=False).items():
-                out.setdefault(k, v)
+                if k not in out:
+                    out[k] = v.full_tensor() if gather and isinstance(v, DTensor) else v
         return out
 
     def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
@@ -314,7 +347,7 @@ class ParallelModel(nn.Module):
         from fxsplit.tp.sharding import unshard_state_dict
 
         specs = self.plan.tp_plan.param_specs
-        local = {k: v.detach().cpu() for k, v in self._local_state().items()}
+        local = {k: v.detach().cpu() for k, v in self._local_state(gather=True).items()}
         tp = self._groups.get("tp")
         if tp is not None and dist.get_world_size(tp) > 1:
             per_rank: list = [None] * dist.get_world_size(tp)
@@ -351,7 +384,7 @@ class ParallelModel(nn.Module):
                     src = specs[name].shard(src, tp_rank)
                 if tuple(src.shape) != tuple(t.shape):
                     raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(src.shape)}, expected {tuple(t.shape)} (after sharding)")
-                t.copy_(src)
+                _copy_into(t, src)
         if strict and missing:
             raise KeyError(f"load_full_state_dict: missing {sorted(set(missing))[:10]}")
 
@@ -409,6 +442,8 @@ class ParallelModel(nn.Module):
         self.load_full_state_dict({k: v for k, v in full.items() if not k.startswith(_OPTIM + "/")})
         if optimizer is None:
             return
+        from fxsplit.runtime.fsdp import local_tensor
+
         specs = self.plan.tp_plan.param_specs
         tp_rank = self.coords.get("tp", 0)
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -421,7 +456,9 @@ class ParallelModel(nn.Module):
                 if key.startswith(prefix):
                     if name in specs and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
                         value = specs[name].shard(value, tp_rank)
-                    entry[key[len(prefix):]] = value.to(param.device) if value.dim() > 0 else value
+                    if value.dim() > 0:
+                        value = _like(param, value.to(local_tensor(param).device))
+                    entry[key[len(prefix):]] = value
             if entry:
                 optimizer.state[param] = entry
 
@@ -441,6 +478,22 @@ class _ShardRecord:
 
     tp: int
     specs: Mapping[str, Any]
+
+
+def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (whole: this rank's tp shard) laid out as ``param``: cut to this rank's FSDP
+    shard when ``param`` is a DTensor (locally, no communication), else as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor) and not isinstance(value, DTensor):
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value
+
+
+def _copy_into(t: torch.Tensor, src: torch.Tensor) -> None:
+    from fxsplit.runtime.fsdp import local_tensor
+
+    local_tensor(t).copy_(local_tensor(_like(t, src.to(local_tensor(t).device))))
 
 
 def _shard_key(name: str, rank: int, t: int) -> str:

@@ -35,6 +35,9 @@ class ParallelConfig:
     """Every option of a plan (validated on creation; see the module docstring)."""
 
     dp: int = 1  # data-parallel replicas
+    # data-parallel ranks that shard parameters, gradients and optimizer state among themselves
+    # (torch FSDP2's fully_shard over the "dp_shard" mesh axis; HSDP with dp > 1)
+    dp_shard: int = 1
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
@@ -67,7 +70,7 @@ class ParallelConfig:
     split_backward: str = "graph"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "microbatches", "stages_per_rank"):
+        for name in ("dp", "dp_shard", "tp", "pp", "microbatches", "stages_per_rank"):
             value = getattr(self, name)
             if value is None and name in ("microbatches", "stages_per_rank"):
                 continue
@@ -120,7 +123,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.dp_shard * self.tp * self.pp
 
     def resolved(self) -> ParallelConfig:
         """This config with every default filled in (``microbatches``, ``stages_per_rank``, the

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxsplit.api.materialize import materialize_stage
+from fxsplit.api.materialize import materialize_sharded_stage, materialize_stage
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.api.plan import plan
@@ -50,11 +50,13 @@ def parallelize(
     global_batch_size: int | None = None,
     **options: Any,
 ) -> ParallelModel:
-    """Parallelize ``model`` over dp x tp x pp processes (inside a torchrun launch); returns this
+    """Parallelize ``model`` over dp x dp_shard x tp x pp processes (inside a torchrun launch); returns this
     rank's :class:`ParallelModel`. Options are those of :func:`plan` (the fields of
     :class:`fxsplit.ParallelConfig`, as keywords or ``config=``). The process group is
     initialized from torchrun's environment when needed (NCCL with CUDA, else gloo), and the mesh
-    built from it unless ``mesh=`` gives a DeviceMesh with dims ("dp", "pp", "tp") over every rank.
+    built from it unless ``mesh=`` gives a DeviceMesh with dims ("dp", "pp", "tp") over every rank
+    (("dp", "dp_shard", "pp", "tp") with ``dp_shard`` > 1: each rank's stages are then sharded
+    with torch FSDP2 over dp_shard, :mod:`fxsplit.runtime.fsdp`).
 
     Bad requests (world size != dp * tp * pp, a mesh of another shape, microbatches < pp) raise
     on every rank before any collective. ``timeout`` bounds every wait on another rank; a failure
@@ -89,12 +91,12 @@ def parallelize(
         raise ValueError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
                          f"may take), got {timeout!r}")
     config = make_config(config, options, where="parallelize")
-    dp, tp, pp = config.dp, config.tp, config.pp
+    dp, tp, pp, ds = config.dp, config.tp, config.pp, config.dp_shard
     init_from_env()
     if mesh is None:
-        mesh = build_mesh(dp=dp, pp=pp, tp=tp)
+        mesh = build_mesh(dp=dp, pp=pp, tp=tp, dp_shard=ds)
     else:
-        check_mesh(mesh, dp, pp, tp)
+        check_mesh(mesh, dp, pp, tp, dp_shard=ds)
     if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
         raise ValueError(
             f"the mesh covers {mesh.mesh.numel()} ranks but the default process group has "
@@ -102,6 +104,7 @@ def parallelize(
             f"over all of them (fxsplit.runtime.mesh.build_mesh(dp=..., pp=..., tp=...))"
         )
     coords = mesh_coords(mesh)
+    coords.setdefault("dp_shard", 0)
     groups = mesh_groups(mesh)
     # [Note: failures]: flag all-reduces over every rank, on the CPU (gloo); the runtime gets a
     # pipeline group of its own, which it destroys on a failure (the mesh's "pp" group may be the
@@ -111,9 +114,12 @@ def parallelize(
         # a group of its own: data-parallel gradient all-reduces run asynchronously during the
         # pipeline and must never interleave with the flags on one group
         groups["errors"] = dist.new_group(backend="gloo")
-        if pp > 1:  # one group per (dp, tp) coordinate, ordered by pp rank; collective on every rank
-            chains = mesh.mesh.reshape(dp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
+        if pp > 1:  # one group per (dp, dp_shard, tp) coordinate, ordered by pp rank; collective on every rank
+            chains = mesh.mesh.reshape(dp * ds, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
             pipe_group, _ = dist.new_subgroups_by_enumeration(chains)
+        if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
+            replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
+            groups["data"], _ = dist.new_subgroups_by_enumeration(replicas)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     device = torch.device(device)
@@ -124,9 +130,18 @@ def parallelize(
     c = the_plan.config
     pp_rank = coords["pp"]
     mine = the_plan.stages_of(pp_rank)
-    stages = {
-        s: materialize_stage(the_plan, s, tp_rank=coords["tp"], source=model, device=device) for s in mine
-    }
+    units = None
+    if ds > 1:  # FSDP units ([Note: FSDP units and reshard_after_forward] in fxsplit.runtime.fsdp),
+        # each rank materializing only its shards ([Note: materializing FSDP shards])
+        fsdp_mesh = mesh["dp", "dp_shard"] if dp > 1 else mesh["dp_shard"]
+        units = stages = {
+            s: materialize_sharded_stage(the_plan, s, tp_rank=coords["tp"], source=model, mesh=fsdp_mesh,
+                                         device=device, mp_policy=c.mp_policy) for s in mine
+        }
+    else:
+        stages = {
+            s: materialize_stage(the_plan, s, tp_rank=coords["tp"], source=model, device=device) for s in mine
+        }
     runtime = PipelineRuntime(
         the_plan.rank_plan(pp_rank), stages, group=pipe_group,
         loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
@@ -139,7 +154,7 @@ def parallelize(
         the_plan = dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,
                                        predicted_memory=searched.best.memory.as_dict(), search=searched)
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
-                         groups=groups, loss_fn=loss_fn, log_every=log_every)
+                         groups=groups, loss_fn=loss_fn, log_every=log_every, fsdp_units=units)
 
 
 def _verify(model: nn.Module, example_args: Any, example_kwargs: Any, the_plan: Any, mode: bool | None) -> None:

@@ -117,6 +117,13 @@ class Plan:
         simulator and ``zb_auto`` take them (see :func:`stage_costs`)."""
         return stage_costs(self.split)
 
+    def memory(self, *, optimizer_bytes_per_param: float = 8.0) -> list:
+        """Per pipeline rank, the bytes one rank expects: parameters, gradients, optimizer state
+        (Adam: 2 x float32), activations, FSDP's gathered stages (fxsplit.api.memory.RankMemory)."""
+        from fxsplit.api.memory import rank_memory
+
+        return rank_memory(self, optimizer_bytes_per_param=optimizer_bytes_per_param)
+
     def to_dot(self, path: str | None = None) -> str:
         return self.split.to_dot(self.graph, path)
 
@@ -131,7 +138,8 @@ class Plan:
         c = self.config
         info = self.graph.meta.get("fxsplit")
         head = [
-            f"fxsplit plan: dp={c.dp} tp={c.tp} pp={c.pp} (world size {c.world_size}); "
+            f"fxsplit plan: dp={c.dp}{f' dp_shard={c.dp_shard}' if c.dp_shard > 1 else ''} tp={c.tp} pp={c.pp} "
+            f"(world size {c.world_size}); "
             f"{c.num_stages} stages (v={c.stages_per_rank}), {c.schedule}, m={c.microbatches}",
             f"traced with {info.method}: {info.reason}" if info is not None else "",
         ]
@@ -147,6 +155,9 @@ class Plan:
             sends = [sum(op.is_send for ops in cp.peer_ops.values() for op in ops) for cp in self.comm]
             lines.append(f"point-to-point per step: {sum(sends)} messages (sends per rank {sends}); "
                          f"plan.rank_plan(r) prints rank r's in order")
+        from fxsplit.api.memory import format_memory
+
+        lines.append(format_memory(self.memory(), c.dp_shard))
         if self.predicted_step_time is not None:
             mem = self.predicted_memory or {}
             lines.append(f"auto: predicted step {self.predicted_step_time * 1e3:.3f} ms, memory per rank "

@@ -8,7 +8,10 @@
 - `split_graph`: the I / W halves of a backward for zero-bubble schedules as fx graphs (the
   default, [Note: graph split backward]); `split_backward`: the same on autograd's graph
   ([Note: split backward]), for stages the graph split refuses and ``split_backward="autograd"``.
-- `mesh`: process-group set-up from torchrun's environment and the ("dp", "pp", "tp") DeviceMesh.
+- `mesh`: process-group set-up from torchrun's environment and the ("dp", "pp", "tp") DeviceMesh
+  (("dp", "dp_shard", "pp", "tp") with sharded data parallelism).
+- `fsdp`: sharded data parallelism on one rank: FSDP2 ``fully_shard`` over its stages and the
+  once-per-step gather / reduce-scatter around the pipeline.
 - `failures`: the end-of-call error exchange that makes every rank fail together ([Note: failures]).
 
 May import: ``fxsplit.pipeline``, ``fxsplit.tp``, ``fxsplit.schedule``, ``fxsplit.graph``,

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from fxsplit.runtime.microbatch import (
@@ -80,6 +81,7 @@ from fxsplit.pipeline.comm import Message
 from fxsplit.tp.random import stage_stream
 from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
+from fxsplit.runtime.fsdp import local_tensor
 from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.runtime.split_graph import GraphSplit, SplitState, UnsupportedStage, has_selective_region, signature
 from fxsplit.schedule.ir import Action, ActionKind
@@ -208,6 +210,10 @@ class PipelineRuntime:
         # gradients are complete, except tied parameters, summed after all actions); lets
         # data-parallel all-reduces start while later stages still compute
         self.on_stage_grads_ready: Callable[[int], None] | None = None
+        # True: step() leaves tied parameters' gradients unsummed, for the caller to sum with
+        # sum_tied_grads() once they are final (FSDP reduces them after the step: [Note: FSDP
+        # collectives outside the pipeline] in fxsplit.runtime.fsdp)
+        self.defer_tied_grads = False
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -282,6 +288,12 @@ class PipelineRuntime:
         (flat list, or rebuilt with ``output_spec``) on the last stage's rank, None elsewhere,
         or on every rank with ``all_ranks`` (pickled broadcast, for convenience not speed)."""
         return self._guarded(lambda: self._run(flat_inputs, None, training=False, all_ranks=all_ranks))
+
+    def sum_tied_grads(self) -> None:
+        """Sum the tied parameters' gradients across the stages and ranks holding them (what
+        step() does after its last action unless ``defer_tied_grads``); collective over the
+        pipeline ranks holding each tied group. Raises `PipelineError` naming a peer that fails."""
+        self._guarded(self._sum_tied_grads)
 
     # ------------------------------------------------------------------ execution
 
@@ -373,7 +385,8 @@ class PipelineRuntime:
                 left = ", ".join(f"{s}F{mb}" for s, mb in sorted(self._saved))
                 raise ValueError(f"pipeline rank {self.pp_rank}: forwards {left} never had their "
                                  "backward (B, or I then W) in the schedule")
-            self._sum_tied_grads()
+            if not self.defer_tied_grads:
+                self._sum_tied_grads()
             return self._broadcast_loss()
         return self._gather_outputs(all_ranks)
 
@@ -630,12 +643,21 @@ class PipelineRuntime:
         adds the per-rank partial sums in rank order, so all copies get bit-identical gradients."""
         tag_base = 2 * self.num_microbatches * self.num_stages * max(len(s.inputs) for s in self.io) + 1
         for g, holders, params in self._tied:
+            # an FSDP-sharded parameter ([Note: FSDP collectives outside the pipeline] in
+            # fxsplit.runtime.fsdp) is summed shard by shard: its copies on the holders are
+            # sharded alike (the same shape over the same dp_shard degree)
+            for p in params:
+                if p.grad is None and isinstance(p, DTensor):
+                    p.grad = torch.zeros_like(p)
             partial = None
             for p in params:
                 if p.grad is not None:
-                    partial = p.grad.clone() if partial is None else partial + p.grad
+                    pg = local_tensor(p.grad)
+                    partial = pg.clone() if partial is None else partial + pg
             if partial is None:
-                partial = torch.zeros_like(params[0])
+                partial = torch.zeros_like(local_tensor(params[0]))
+            if partial.numel() == 0:
+                continue  # an empty FSDP shard (fewer rows than dp_shard ranks): empty on every holder
             if self.reduce_dtype is not None:
                 partial = partial.to(self.reduce_dtype)
             parts = {self.pp_rank: partial}
@@ -661,7 +683,7 @@ class PipelineRuntime:
                 if p.grad is None:
                     p.grad = total.clone()
                 else:
-                    p.grad.copy_(total)
+                    local_tensor(p.grad).copy_(total)
 
     def _broadcast_loss(self) -> torch.Tensor:
         loss = self._loss

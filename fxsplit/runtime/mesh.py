@@ -1,17 +1,20 @@
-"""The ("dp", "pp", "tp") device mesh fxsplit runs on, and process-group start-up.
+"""The ("dp", "pp", "tp") device mesh fxsplit runs on (("dp", "dp_shard", "pp", "tp") with
+sharded data parallelism), and process-group start-up.
 
-Terms: **d, p, t** -- data-, pipeline- and tensor-parallel degrees; **world size** -- the number
-of ranks in the default process group, which must equal d * p * t; **coords** -- this rank's
-index along each mesh dimension.
+Terms: **d, p, t** -- data-, pipeline- and tensor-parallel degrees; **s** -- the sharded
+data-parallel degree (``dp_shard``: FSDP2 shards parameters over those ranks); **world size** --
+the number of ranks in the default process group, which must equal d * s * p * t; **coords** --
+this rank's index along each mesh dimension.
 
     init_from_env()                       # under torchrun: nccl with CUDA, else gloo
     mesh = build_mesh(dp=2, pp=2, tp=2)   # 8 ranks
     with bind_groups(mesh_groups(mesh)):  # fxsplit.tp.collectives resolves "tp" etc. here
         ...
 
-Layout: global rank = dp_i * (p * t) + pp_i * t + tp_i, so tp is innermost (a tensor-parallel
-group is t consecutive ranks, which keeps it inside one host for t <= GPUs per host) and dp is
-outermost. Every check below runs before any collective, so a wrong request raises the same
+Layout: global rank = ((dp_i * s + dp_shard_i) * p + pp_i) * t + tp_i, so tp is innermost (a
+tensor-parallel group is t consecutive ranks, which keeps it inside one host for t <= GPUs per
+host) and dp is outermost. With s == 1 the mesh keeps its three dims ("dp", "pp", "tp"), exactly
+as without sharding; with s > 1 it has the four of :data:`MESH_DIMS_SHARDED`. Every check below runs before any collective, so a wrong request raises the same
 error on every rank instead of hanging the job.
 """
 
@@ -26,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "MESH_DIMS",
+    "MESH_DIMS_SHARDED",
     "build_mesh",
     "check_mesh",
     "init_from_env",
@@ -34,6 +38,7 @@ __all__ = [
 ]
 
 MESH_DIMS: tuple[str, str, str] = ("dp", "pp", "tp")
+MESH_DIMS_SHARDED: tuple[str, str, str, str] = ("dp", "dp_shard", "pp", "tp")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -64,14 +69,16 @@ def _suggest(world: int, dp: int, pp: int, tp: int) -> str:
 
 
 def build_mesh(
-    *, dp: int = 1, pp: int = 1, tp: int = 1, device_type: str | None = None
+    *, dp: int = 1, pp: int = 1, tp: int = 1, dp_shard: int = 1, device_type: str | None = None
 ) -> DeviceMesh:
-    """A DeviceMesh of shape (dp, pp, tp) with dims ("dp", "pp", "tp") over the default group.
+    """A DeviceMesh of shape (dp, pp, tp) with dims ("dp", "pp", "tp") over the default group;
+    with ``dp_shard`` > 1, of shape (dp, dp_shard, pp, tp) with dims :data:`MESH_DIMS_SHARDED`.
 
     Collective on every rank (it creates the sub-groups). `device_type` defaults to "cuda"
     when CUDA is available and the default group runs NCCL, else "cpu".
     """
     _check_degrees("build_mesh", dp, pp, tp)
+    _check_shard("build_mesh", dp_shard)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             f"build_mesh(dp={dp}, pp={pp}, tp={tp}): the default process group is not "
@@ -79,7 +86,13 @@ def build_mesh(
             "torch.distributed.init_process_group(...) first"
         )
     world = dist.get_world_size()
-    if world != dp * pp * tp:
+    if dp_shard > 1 and world != dp * dp_shard * pp * tp:
+        raise ValueError(
+            f"build_mesh: dp*dp_shard*pp*tp = {dp}*{dp_shard}*{pp}*{tp} = {dp * dp_shard * pp * tp}, but "
+            f"the default process group has world size {world}; the degrees must multiply to the world "
+            f"size: launch {dp * dp_shard * pp * tp} processes, or change the degrees"
+        )
+    if dp_shard == 1 and world != dp * pp * tp:
         raise ValueError(
             f"build_mesh: dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp}, but the default process "
             f"group has world size {world}; the degrees must multiply to the world size. "
@@ -88,16 +101,34 @@ def build_mesh(
     if device_type is None:
         nccl = "nccl" in str(dist.get_backend()).lower()
         device_type = "cuda" if torch.cuda.is_available() and nccl else "cpu"
+    if dp_shard > 1:
+        return init_device_mesh(device_type, (dp, dp_shard, pp, tp), mesh_dim_names=MESH_DIMS_SHARDED)
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
 
 
-def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int) -> None:
-    """Raise ValueError unless `mesh` has dims ("dp", "pp", "tp") and shape (dp, pp, tp)."""
+def _check_shard(fn: str, dp_shard: int) -> None:
+    if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1:
+        raise ValueError(f"{fn}: dp_shard={dp_shard!r} must be an int >= 1 (1 means no sharded data parallelism)")
+
+
+def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int, dp_shard: int = 1) -> None:
+    """Raise ValueError unless `mesh` has dims ("dp", "pp", "tp") and shape (dp, pp, tp), or (any
+    ``dp_shard``) dims :data:`MESH_DIMS_SHARDED` and shape (dp, dp_shard, pp, tp)."""
     _check_degrees("check_mesh", dp, pp, tp)
+    _check_shard("check_mesh", dp_shard)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"check_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
     shape = tuple(mesh.shape)
+    if names == MESH_DIMS_SHARDED or dp_shard > 1:
+        if names != MESH_DIMS_SHARDED or shape != (dp, dp_shard, pp, tp):
+            raise ValueError(
+                f"check_mesh: the mesh has dims {names or 'without names'} with shape {shape}; fxsplit "
+                f"needs dims {MESH_DIMS_SHARDED} with shape ({dp}, {dp_shard}, {pp}, {tp}) for dp={dp}, "
+                f"dp_shard={dp_shard}, pp={pp}, tp={tp}. Build it with fxsplit.runtime.mesh.build_mesh("
+                f"dp={dp}, dp_shard={dp_shard}, pp={pp}, tp={tp})"
+            )
+        return
     if names != MESH_DIMS or shape != (dp, pp, tp):
         raise ValueError(
             f"check_mesh: the mesh has dims {names or 'without names'} with shape {shape}; "
@@ -109,7 +140,8 @@ def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int) -> None:
 
 
 def mesh_coords(mesh: DeviceMesh) -> dict[str, int]:
-    """This rank's index along each mesh dim, e.g. {"dp": 1, "pp": 0, "tp": 1}."""
+    """This rank's index along each mesh dim, e.g. {"dp": 1, "pp": 0, "tp": 1} (and "dp_shard"
+    for a sharded mesh)."""
     names = mesh.mesh_dim_names
     if not names:
         raise ValueError("mesh_coords: the mesh has no dim names; build it with build_mesh(...)")

@@ -42,10 +42,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+        inputs = {_ptr(t) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and not t.is_meta}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
+            if isinstance(t, torch.Tensor) and not t.is_meta and _ptr(t):
                 st = t.untyped_storage()
                 ptr, nbytes = st.data_ptr(), st.nbytes()
                 if ptr and nbytes and ptr not in self._sizes and ptr not in inputs:
@@ -54,3 +54,12 @@ class LiveBytes(TorchDispatchMode):
                     self.peak = max(self.peak, self.live)
                     weakref.finalize(st, self._free, ptr, nbytes)
         return out
+
+
+def _ptr(t: torch.Tensor) -> int:
+    """The data pointer of ``t``'s storage; 0 for one without readable data (a storage FSDP
+    freed to size 0, an empty tensor's)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return 0

@@ -47,6 +47,7 @@ __all__ = [
     "ShardingError",
     "default_init",
     "materialize_module",
+    "materialize_tensor",
     "padded_size",
     "shard_state_dict",
     "unshard_state_dict",
@@ -484,6 +485,28 @@ def materialize_module(
                 owner._parameters[leaf] = new
             else:
                 owner._buffers[leaf] = new
+
+
+def materialize_tensor(
+    names: Sequence[str],
+    old: torch.Tensor,
+    specs: Mapping[str, ShardSpec],
+    rank: int,
+    *,
+    source: nn.Module | Mapping[str, torch.Tensor] | None,
+    device: torch.device | str | None = None,
+    full_shapes: Mapping[str, Sequence[int]] | None = None,
+    seed: int = 0,
+    seed_names: Mapping[str, str] | None = None,
+) -> torch.Tensor:
+    """Rank `rank`'s real tensor for ONE tensor of a module, known by all its (tied) `names`,
+    exactly as :func:`materialize_module` would make it (same sources, shapes and seeded
+    initialization), returned instead of installed: lets a caller materialize a module one
+    tensor at a time (sharded data parallelism keeps only a slice of each)."""
+    names = list(names)
+    seed_name = next((seed_names[n] for n in names if seed_names and n in seed_names), names[0])
+    return _materialize_one(names, old, _group_spec(names, specs), rank, _source_tensors(source), device,
+                            None, dict(full_shapes or {}), seed, seed_name)
 
 
 def _check_constants(module: nn.Module, groups: Mapping[int, list[str]]) -> None:
