@@ -83,7 +83,8 @@ from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
 from fxsplit.runtime.fsdp import local_tensor
 from fxsplit.runtime.split_backward import SplitBackward
-from fxsplit.runtime.split_graph import GraphSplit, SplitState, UnsupportedStage, has_selective_region, signature
+from fxsplit.runtime.split_graph import (
+    GraphSplit, SplitState, UnsupportedStage, accumulate_grads, has_selective_region, signature)
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.pipeline.stage import StageGraphs, ValueMeta
 
@@ -210,9 +211,8 @@ class PipelineRuntime:
         # gradients are complete, except tied parameters, summed after all actions); lets
         # data-parallel all-reduces start while later stages still compute
         self.on_stage_grads_ready: Callable[[int], None] | None = None
-        # True: step() leaves tied parameters' gradients unsummed, for the caller to sum with
-        # sum_tied_grads() once they are final (FSDP reduces them after the step: [Note: FSDP
-        # collectives outside the pipeline] in fxsplit.runtime.fsdp)
+        # True: step() leaves tied gradients unsummed for sum_tied_grads() once final (FSDP
+        # reduces after the step: [Note: FSDP collectives outside the pipeline] in runtime.fsdp)
         self.defer_tied_grads = False
 
     # ------------------------------------------------------------------ construction helpers
@@ -290,9 +290,8 @@ class PipelineRuntime:
         return self._guarded(lambda: self._run(flat_inputs, None, training=False, all_ranks=all_ranks))
 
     def sum_tied_grads(self) -> None:
-        """Sum the tied parameters' gradients across the stages and ranks holding them (what
-        step() does after its last action unless ``defer_tied_grads``); collective over the
-        pipeline ranks holding each tied group. Raises `PipelineError` naming a peer that fails."""
+        """Sum tied gradients across the stages and ranks holding them (what step() does last
+        unless ``defer_tied_grads``); raises `PipelineError` naming a peer that fails."""
         self._guarded(self._sum_tied_grads)
 
     # ------------------------------------------------------------------ execution
@@ -611,13 +610,7 @@ class PipelineRuntime:
             self._accumulate(a.stage, state.weight_grads(params, buffers))
 
     def _accumulate(self, s: int, grads: Sequence[torch.Tensor | None]) -> None:
-        for p, g in zip(self._state(s)[0], grads):
-            if g is None:
-                continue
-            if p.grad is None:  # a graph output may alias another (or a tangent): own it, like AccumulateGrad
-                p.grad = g.clone()
-            else:
-                p.grad.add_(g)
+        accumulate_grads(self._state(s)[0], grads)
 
     # ------------------------------------------------------------------ end of step
 

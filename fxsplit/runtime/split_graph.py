@@ -397,3 +397,14 @@ class SplitState:
             res = sp.weight_graph(*[self._value(s, params, buffers) for s in sp.w_inputs])
         self.saved, self.carry, self.tangents, self.inputs = [], [], [], []
         return list(res)
+
+
+def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add the W graph's ``grads`` into ``params``' ``.grad``, like ``AccumulateGrad``."""
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:  # a graph output may alias another (or a tangent): own it
+            p.grad = g.clone()
+        else:
+            p.grad.add_(g)
