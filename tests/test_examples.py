@@ -1,8 +1,17 @@
-"""The examples run as documented: quickstart and hf_llama under torchrun (4 gloo processes,
-their own check against one process decides the exit status), inspect_plan on a shallow meta
-Llama, and examples/custom_pass.py's pass given to ``fxsplit.parallelize(passes=...)``."""
+"""The examples run as documented: quickstart, hf_llama and train_llama on 4 gloo processes
+(their own check against one process decides the exit status), inspect_plan on a shallow meta
+Llama, and examples/custom_pass.py's pass given to ``fxsplit.parallelize(passes=...)``.
 
+Launching: the documented command, ``torchrun --nproc-per-node=4 examples/X.py``, runs for the
+quickstart (the process group from torchrun's environment, ``fxsplit.runtime.mesh.init_from_env``)
+and for train_llama's first run. The other runs call the same script's ``main(argv)`` on the
+ranks of ``fxsplit.testing.run_distributed`` (the group already set up; its ranks fork from a
+server that imported torch, fxsplit and transformers once): four fresh interpreters per torchrun
+launch cost about 20 s of start-up on 2 cores, which is what these runs would add, not coverage."""
+
+import contextlib
 import importlib.util
+import io
 import os
 import re
 import subprocess
@@ -34,6 +43,32 @@ def _torchrun(script, *args, nproc=4, timeout=240):
     return done.stdout
 
 
+def _example_module(script):
+    """examples/``script``, imported once per process under its own name (``main`` not run)."""
+    name = "fxsplit_example_" + Path(script).stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _main_on_rank(rank, world, script, argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = _example_module(script).main(argv)
+    return code, out.getvalue()
+
+
+def _launched(script, *args, nproc=4, timeout=240):
+    """``script``'s ``main(args)`` on ``nproc`` gloo ranks (see the module docstring); every rank
+    must return 0; returns rank 0's printed output (the examples print on rank 0)."""
+    results = run_distributed(_main_on_rank, nproc, script, list(args), timeout=timeout)
+    assert [code for code, _ in results] == [0] * nproc, results
+    return results[0][1]
+
+
 def _check_steps(out, steps):
     found = STEP_LINE.findall(out)
     assert [int(i) for i, _, _ in found] == list(range(steps)), out
@@ -51,7 +86,7 @@ def test_quickstart_tp2_pp2_interleaved():
 
 @pytest.mark.dist
 def test_quickstart_dp2_pp2_each_replica_its_rows():
-    out = _torchrun("quickstart.py", "--tp", "1", "--dp", "2", "--steps", "2")
+    out = _launched("quickstart.py", "--tp", "1", "--dp", "2", "--steps", "2")
     _check_steps(out, 2)
     assert "fxsplit plan: dp=2 tp=1 pp=2 (world size 4)" in out  # the plan is printed without --quiet
 
@@ -60,7 +95,7 @@ def test_quickstart_dp2_pp2_each_replica_its_rows():
 @pytest.mark.hf
 def test_hf_llama_tp2_pp2():
     pytest.importorskip("transformers", reason="hf_llama needs transformers")
-    out = _torchrun("hf_llama.py", "--steps", "2", "--quiet")
+    out = _launched("hf_llama.py", "--steps", "2", "--quiet")
     _check_steps(out, 2)
     assert "LlamaForCausalLM, dp=1 tp=2 pp=2" in out
 
@@ -88,11 +123,11 @@ def test_train_llama_saves_and_resumes(tmp_path):
     assert sorted(full) == [0, 1, 2, 3], full
     assert full[1][1] > full[0][1] and full[3][1] < full[2][1]  # warmup, then cosine decay
     assert (tmp_path / "step-2" / "trainer.json").exists() and (tmp_path / "step-4").exists()
-    resumed = _train_steps(_torchrun("train_llama.py", *common, "--resume", str(tmp_path / "step-2"), timeout=400))
+    resumed = _train_steps(_launched("train_llama.py", *common, "--resume", str(tmp_path / "step-2"), timeout=400))
     assert sorted(resumed) == [2, 3], resumed
     for i in (2, 3):
         assert resumed[i] == full[i], (i, resumed[i], full[i])
-    other = _train_steps(_torchrun("train_llama.py", *common, "--tp", "1", "--dp", "2", "--resume",
+    other = _train_steps(_launched("train_llama.py", *common, "--tp", "1", "--dp", "2", "--resume",
                                    str(tmp_path / "step-2"), timeout=400))
     for i in (2, 3):
         assert other[i][1] == full[i][1]

@@ -16,6 +16,7 @@ worst: see PARAM_RTOL.
 import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
@@ -145,3 +146,93 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     for rank, (unchanged, scale) in enumerate(run_distributed(_one_rank_overflows, 4, timeout=240)):
         assert unchanged, f"rank {rank} applied the step although another rank's gradients overflowed"
         assert scale == 2.0**7, f"rank {rank}: scale {scale}, not backed off to 2**7 with the others"
+
+
+# ------------------------------------------------------------------------------------------------
+# float16 through the user's own torch.autocast around pm.step (no mp_policy)
+
+AUTOCAST_SCALER = dict(init_scale=2.0**10)
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """The dtypes every matrix product ran in on this rank (forward and backward)."""
+
+    OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.OPS:
+            self.dtypes.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def _autocast_reference():
+    """The unsplit GPT in one process under ``torch.autocast("cpu", dtype=torch.float16)`` with
+    the same GradScaler + SGD: losses, scales, initial and final parameters."""
+    torch.manual_seed(0)
+    model, args, _ = zoo.make("gpt")
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batches = _batches(model, args)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", **AUTOCAST_SCALER)
+    losses, scales = [], []
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = zoo.loss_fn("gpt")(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(float(loss))
+        scales.append(scaler.get_scale())
+    return losses, scales, init, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _autocast_train(rank, world):
+    out = {}
+    for label, opts in LAYOUTS.items():
+        torch.manual_seed(0)
+        model, args, kwargs = zoo.make("gpt")
+        batches = _batches(model, args)
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60,
+                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", **AUTOCAST_SCALER)
+        losses, scales = [], []
+        for x, y in batches:
+            with torch.autocast("cpu", dtype=torch.float16), _MatmulDtypes() as seen:
+                loss = pm.step(x, target=y, scaler=scaler)
+            assert seen.dtypes == {torch.float16}, (label, seen.dtypes)  # autocast reached every stage
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+            scales.append(scaler.get_scale())
+        out[label] = (losses, scales, pm.full_state_dict())
+    return out
+
+
+@pytest.mark.dist
+def test_fp16_user_autocast_with_grad_scaler_matches_one_process():
+    """The user's own ``torch.autocast(dtype=torch.float16)`` around ``pm.step(..., scaler=...)``
+    at tp2-pp2 and dp2-pp2: the same scales, losses within LOSS_RTOL and parameter updates within
+    PARAM_RTOL of one process under the same autocast and scaler (values cross stages in float32,
+    [Note: boundary dtypes] in fxsplit.runtime.executor, one rounding fewer than one process)."""
+    ref_losses, ref_scales, init, ref_params = _autocast_reference()
+    assert ref_scales[0] == AUTOCAST_SCALER["init_scale"], "overflowed in one process"
+    ref_updates = {k: v - init[k] for k, v in ref_params.items()}
+    floor = 1e-3 * float(torch.cat([u.flatten() for u in ref_updates.values()]).norm())
+    results = run_distributed(_autocast_train, 4, timeout=300)
+    for label in LAYOUTS:
+        for rank, r in enumerate(results):
+            losses, scales, params = r[label]
+            where = f"{label} rank {rank}"
+            assert scales == ref_scales, (where, scales, ref_scales)
+            for got, want in zip(losses, ref_losses):
+                assert abs(got - want) <= LOSS_RTOL * abs(want), (where, losses, ref_losses)
+            gaps = {k: _gap(params[k] - init[k], u, floor) for k, u in ref_updates.items()}
+            worst = max(gaps, key=gaps.get)
+            assert gaps[worst] <= PARAM_RTOL, f"{where}: parameter {worst} off by {gaps[worst]:.3g}"
