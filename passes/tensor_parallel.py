@@ -216,20 +216,23 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
 
 
 def _sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:
-    """Step 2b: a replicated parameter read by a sharded node (a per-head norm's weight) gets a
-    partial gradient on each rank: f on that read sums it (``plan.grad_sums``)."""
+    """Step 2b: a replicated operand of a sharded node whose gradient reaches a replicated
+    parameter (a per-head norm's weight, or ``1 + w``) gets a partial gradient on each rank: one
+    f on that operand, before its first sharded reader, sums it (``plan.grad_sums``)."""
     graph = gm.graph
-    for name, fqn in plan.grad_sums:
+    fs: dict[torch.fx.Node, torch.fx.Node] = {}
+    for name, operand in plan.grad_sums:
         node = nodes[name]
-        if fqn == "<module>":
+        if operand == "<module>":
             node = nodes[name] = _module_to_function(gm, node)
             reads = [a for a in node.all_input_nodes if a.op == "get_attr"]
         else:
-            reads = [a for a in node.all_input_nodes if a.op == "get_attr" and str(a.target) == fqn]
+            reads = [nodes[operand]]
         for a in reads:
-            with graph.inserting_before(node):
-                f = _new(graph, copy_to_region, (a,), {"axis": axis}, like=node, val=a.meta.get("val"))
-            node.replace_input_with(a, f)
+            if a not in fs:
+                with graph.inserting_before(node):
+                    fs[a] = _new(graph, copy_to_region, (a,), {"axis": axis}, like=node, val=a.meta.get("val"))
+            node.replace_input_with(a, fs[a])
 
 
 def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],

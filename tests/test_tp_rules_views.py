@@ -155,7 +155,8 @@ def test_gqa_split_by_sizes_and_groups_layouts():
 def test_per_head_qk_norm_weights_sum_their_gradients():
     plan = find_tp_plan(_traced("qknorm_rotary"), 2)
     assert plan.styles["0.attn.q"] == plan.styles["0.attn.k"] == "colwise" and plan.replicated == ()
-    summed = {f for _, f in plan.grad_sums}
+    nodes = {n.name: n for n in _traced("qknorm_rotary").graph.nodes}
+    summed = {str(nodes[o].target) for _, o in plan.grad_sums}
     assert {"0.attn.q_norm", "0.attn.k_norm", "1.attn.q_norm"} <= summed
     assert not summed & set(plan.param_specs)
 

@@ -47,7 +47,7 @@ import torch
 import torch.fx
 
 from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
-from fxsplit.graph.ops import RESHAPES, op_name, resolve_path
+from fxsplit.graph.ops import CREATION, METADATA, RESHAPES, op_name, resolve_path
 from fxsplit.tp.sharding import ShardSpec, padded_size
 from fxsplit.tp.propagate import LocalSize, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
 
@@ -124,10 +124,12 @@ class TPPlan:
     sequence_plan: the sequence-parallel decisions (empty unless ``sequence_parallel``).
     layouts: module path -> how a fused projection's output is cut into the blocks of its
     ShardSpec (``"split [64, 32, 32]"``, ``"view [3, 4, 16], shard on factor 1 (4)"``), printed
-    in the plan's note column. grad_sums: (node, FQN) for each replicated parameter a sharded
-    node reads (a per-head norm's weight): each rank's gradient is partial (its heads only), so
-    the pass puts f (``copy_to_region``: backward all-reduce) on that read; a ``call_module``
-    node (fx ``nn.LayerNorm``) is named with FQN ``"<module>"`` and becomes a function call first.
+    in the plan's note column. grad_sums: (sharded node, replicated operand node) for each
+    operand whose gradient reaches a replicated trainable parameter (a per-head norm's weight,
+    read directly or as ``1 + w``): each rank's gradient is partial (its heads only), so the pass
+    puts one f (``copy_to_region``: backward all-reduce) on that operand for its sharded readers
+    ([Note: partial gradients of replicated operands]); a ``call_module`` node (fx
+    ``nn.LayerNorm``) is named with operand ``"<module>"`` and becomes a function call first.
     """
 
     tp: int
@@ -329,8 +331,8 @@ def find_tp_plan(
     excluded |= set(vocab.lm_heads)
     regions, sharded_nodes, rewrites, blocks_of, failures, layouts = _find_regions(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
-    grad_sums = _grad_sums(gm, sharded_nodes)
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
+    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs)
     _check_plan(g, tp, styles, replicated, sharded_nodes)
     plan = TPPlan(
         tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
@@ -340,7 +342,7 @@ def find_tp_plan(
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
         layouts=layouts,
-        grad_sums=tuple((n, f) for n, f in grad_sums if f == "<module>" or f not in specs),
+        grad_sums=tuple(grad_sums),
     )
     if sequence_parallel:
         plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
@@ -539,19 +541,64 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
     return regions, sharded, rewrites, blocks_of, failures, layouts
 
 
-def _grad_sums(gm, sharded_nodes) -> list[tuple[str, str]]:
-    """(node, FQN) of every trainable parameter read by a sharded node (``TPPlan.grad_sums``);
-    linears are left out (their weights are the sharded ones)."""
+def _grad_sums(gm, sharded_nodes, linears, specs) -> list[tuple[str, str]]:
+    """``TPPlan.grad_sums``: (sharded node, replicated operand) for every operand of a sharded
+    node (linears aside: their weights are the sharded ones, their input gets the region's f)
+    whose value carries a gradient to a replicated trainable parameter ([Note: partial
+    gradients of replicated operands]); ``(node, "<module>")`` for a sharded call_module with
+    trainable parameters of its own."""
     out: list[tuple[str, str]] = []
-    params = {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    grads = _carries_grad(gm, set(specs))
     for node in gm.graph.nodes:
-        if node.name not in sharded_nodes or op_name(node, gm) == "linear":
+        if node.name not in sharded_nodes or node.name in linears:
             continue
         if node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters()):
             out.append((node.name, "<module>"))
-        for a in node.all_input_nodes:
-            if a.op == "get_attr" and str(a.target) in params:
-                out.append((node.name, str(a.target)))
+        for a in dict.fromkeys(node.all_input_nodes):
+            if a.name not in sharded_nodes and a.name in grads:
+                out.append((node.name, a.name))
+    return out
+
+
+# [Note: partial gradients of replicated operands] A sharded node (rank r computes the r-th 1/t
+# of its output) that reads a replicated operand (a per-head norm's weight broadcast over the
+# heads, a rotary table, a mask broadcast over heads) gets, on rank r, only rank r's part of
+# that operand's gradient: the rules admit a replicated operand only where it is broadcast over
+# the sharded dim, so the full gradient is the sum over ranks. Megatron's f (identity forward,
+# all-reduce backward) on the operand makes it so. The operand need not be a parameter read:
+# Gemma 3 reads its q/k norm weight as ``1 + w.float()``, and a replicated activation (a learned
+# gate, a bias computed from a table) needs the sum as much as a weight does. So f goes on every
+# replicated operand whose value carries a gradient back to a replicated trainable parameter
+# (:func:`_carries_grad`), one f per operand shared by its sharded readers; operands that carry
+# none (the rotary tables of a buffer, masks, sizes) get none, as they need none.
+
+
+_NO_GRAD = CREATION | METADATA | {"detach", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "sign"}
+
+
+def _carries_grad(gm, sharded_params: set[str]) -> set[str]:
+    """Names of the nodes whose value has a gradient path to a trainable, replicated parameter
+    (through any differentiable op; integer and boolean values, creation ops, metadata reads
+    and ``detach`` carry none)."""
+    trainable = {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            if str(node.target) in trainable and str(node.target) not in sharded_params:
+                out.add(node.name)
+            continue
+        if node.op in ("placeholder", "output"):
+            continue
+        val = node.meta.get("val")
+        tensors = [v for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.Tensor)]
+        if val is not None and (not tensors or not any(v.is_floating_point() or v.is_complex() for v in tensors)):
+            continue
+        if op_name(node, gm) in _NO_GRAD:
+            continue
+        own = node.op == "call_module" and any(
+            p.requires_grad for p in gm.get_submodule(str(node.target)).parameters())
+        if own or any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
     return out
 
 
