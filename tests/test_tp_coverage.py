@@ -65,6 +65,9 @@ PARTIAL = {
     "bart": ["is not sharded by heads"],  # cross-attention (q and k/v from different inputs)
     "mixtral": ["softmax over the sharded dim"],  # the router; the experts are fused 3-D tensors
     "qwen2_moe": ["softmax over the sharded dim", "combines the sharded value with replicated"],
+    # [heads, 3, hd] fused qkv shards by heads up to q.reshape(B * heads, T, hd) (heads merged as
+    # the inner factor) and the ALiBi bias [B * heads, 1, T] added by baddbmm: attention replicated
+    "bloom": ["is merged into an outer dim"],
 }
 
 # arch -> parameters neither sharded nor named in plan.tp_plan.replicated (silently whole)
@@ -74,12 +77,7 @@ UNREPORTED = {
     "qwen2_moe": "model.layers.0.mlp.experts.gate_up_proj",
 }
 
-XFAIL = {
-    "bloom": ("bug: TPPlanError 'a view of the sharded value at node view ... has size 3 (the number of "
-              "attention heads ...), which t=2 does not divide' on BLOOM's fused qkv viewed "
-              "[B, T, heads, 3, hd] (4 heads): a wrong diagnosis, and an error where replication "
-              "with a reason was owed"),
-}
+XFAIL: dict[str, str] = {}  # arch -> the known bug (strict xfail); none known now
 
 FAST = ["gpt2", "llama", "qwen3", "phi3", "gemma", "bert", "vit", "timm_vit", "gpt_bigcode", "olmo2", "mixtral",
         "torch_encoder"]

@@ -173,7 +173,9 @@ def _view(p, op: Op) -> None:
     for j in cands:
         if j not in ok:
             p.skipped(f"t={p.t} does not divide the factor {out_shape[j]} of the view to {list(out_shape)} at {node.name}")
-    if free and len(cands) >= 2 and cands[-2] not in ok:  # the heads of [..., heads, head_dim]
+    # the heads of [..., heads, head_dim]: t divides no factor but head_dim (with another factor
+    # divisible, as [heads, 3, hd] or [3, heads, hd], the search tries it and replicates with a reason)
+    if free and len(cands) >= 2 and not any(j in ok for j in cands[:-1]):
         p.indivisible(divisibility_msg(node, p.t, out_shape[cands[-2]], "a view of the sharded value"))
     d = ok[p.choose(node, len(ok))]
     origins = st.origins
