@@ -162,6 +162,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     nodes = _check_applicable(gm, plan)
     sharded_random = [n for n in gm.graph.nodes if n.name in plan.sharded_nodes and is_random(n, gm)]
     head_inputs = {h: _linear_input(nodes[h], plan).name for h in plan.lm_heads}  # as traced
+    _matmuls_as_linears(gm, plan, nodes)
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
     _sum_grads(gm, plan, nodes, axis)
@@ -193,6 +194,22 @@ def _check_applicable(gm: torch.fx.GraphModule, plan: TPPlan) -> dict[str, torch
         raise TPPlanError(f"apply_tp_plan: the plan names nodes {missing[:3]} that this graph lacks; find the "
                           "plan on this graph (find_tp_plan(gm, tp))")
     return nodes
+
+
+def _matmuls_as_linears(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
+    """Step 0: each ``x @ W.T`` linear of the plan (kind ``"matmul"``) becomes ``linear(x, W)``
+    (the same value; node name kept), so the steps below treat it as any linear."""
+    graph = gm.graph
+    is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
+    for name, info in plan.linears.items():
+        if info.kind != "matmul" or name not in nodes:
+            continue
+        node = nodes[name]
+        x, wt = node.args
+        node.target = torch.ops.aten.linear.default if is_export else F.linear
+        node.args = (x, wt.args[0])
+        if not wt.users:
+            graph.erase_node(wt)
 
 
 def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
@@ -275,7 +292,7 @@ def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch
                 w.meta["val"] = None
                 if info.kind == "module":
                     y = _new(graph, F.linear, (x, w), like=node, val=val)
-                elif info.kind == "linear":
+                elif info.kind in ("linear", "matmul"):  # matmul: made a linear in step 0
                     y = _new(graph, aten.linear.default, (x, w), like=node, val=val)
                 else:
                     y = _new(graph, aten.mm.default, (x, w), like=node, val=val)
@@ -411,7 +428,7 @@ def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis
         return
     for u in users:
         info = plan.linears.get(u.name)
-        if info is None or info.out_dim != 0 or info.kind not in ("module", "linear") or u.kwargs:
+        if info is None or info.out_dim != 0 or info.kind not in ("module", "linear", "matmul") or u.kwargs:
             return
         if info.kind == "module":
             mod = gm.get_submodule(str(u.target))

@@ -43,6 +43,7 @@ SHARDED = {
     "gemma2": ((2, 2), []),
     "gemma3": ((2, 4), []),        # as qwen3: its q/k norms read the weight as (1 + w), f on that value
     "olmo": ((2, 2), []),
+    "falcon": ((2, 2), []),        # FalconLinear (x @ W.T) found as a linear; kv groups broadcast_to
     "starcoder2": ((2, 2), []),
     "opt": ((2, 2), [POSITIONS]),
     "cohere": ((2, 1), []),
@@ -72,7 +73,6 @@ PARTIAL = {
 
 # arch -> parameters neither sharded nor named in plan.tp_plan.replicated (silently whole)
 UNREPORTED = {
-    "falcon": "transformer.h.0.self_attention.query_key_value.weight",  # FalconLinear: x @ W.T
     "mixtral": "model.layers.0.mlp.experts.gate_up_proj",  # experts as one [E, 2I, H] tensor
     "qwen2_moe": "model.layers.0.mlp.experts.gate_up_proj",
 }

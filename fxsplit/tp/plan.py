@@ -3,7 +3,8 @@
 Terms:
 - **t**: the tensor-parallel degree. **linear**: a node computing ``x @ W (+ b)`` with ``W`` a
   parameter, whatever its spelling (``nn.Linear`` call_module, ``F.linear``/``aten.linear``,
-  ``aten.addmm``/``aten.mm`` with ``W`` stored ``[in, out]`` as HF GPT-2's ``Conv1D``).
+  ``aten.addmm``/``aten.mm`` with ``W`` stored ``[in, out]`` as HF GPT-2's ``Conv1D``, ``x @ W.T``
+  as Falcon's ``FalconLinear``).
 - **column** (``"colwise"``): W split on its output dim, input copied (Megatron's f), output
   sharded on the feature dim. **row** (``"rowwise"``): W split on its input dim, input sharded,
   partial outputs summed (g), bias added once after the sum. **vocab**: an embedding table split
@@ -86,7 +87,7 @@ class LinearInfo:
     in_features: int
     out_features: int
     x_index: int
-    kind: str  # "module", "linear", "addmm", "mm"
+    kind: str  # "module", "linear", "addmm", "mm", "matmul" (x @ W.T, no bias)
 
 
 @dataclass(frozen=True)
@@ -232,9 +233,31 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
                 shape = tuple(resolve_path(gm, w).shape)
                 if len(shape) == 2 and (b is None or tuple(resolve_path(gm, b).shape) == (shape[1],)):
                     info = LinearInfo(node.name, _module_of(w, node), w, b, 1, shape[0], shape[1], off, name)
+        elif node.op == "call_function" and name == "matmul" and len(node.args) == 2 and not node.kwargs:
+            w = _transposed_param(node.args[1])
+            if w is not None and isinstance(node.args[0], torch.fx.Node):
+                shape = tuple(resolve_path(gm, w).shape)
+                info = LinearInfo(node.name, _module_of(w, node), w, None, 0, shape[1], shape[0], 0, "matmul")
         if info is not None:
             out[node.name] = info
     return out
+
+
+def _transposed_param(node: Any) -> str | None:
+    """The FQN of a 2-D parameter read transposed (``W.T``, ``W.t()``, ``W.transpose(0, 1)``,
+    ``W.permute(1, 0)``; export's ``numpy_T``), else None: ``x @ W.T`` is a linear (Falcon's
+    ``FalconLinear``)."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
+        return None
+    w = _get_attr_fqn(node.args[0])
+    val = getattr(node.args[0], "meta", {}).get("val")
+    if w is None or not isinstance(val, torch.Tensor) or val.dim() != 2 or node.kwargs:
+        return None
+    name, rest = op_name(node), tuple(node.args[1:])
+    ok = (name in ("numpy_T", "t") and not rest) or (name == "getattr" and rest in (("T",), ("mT",))) \
+        or (name == "transpose" and sorted(d % 2 for d in rest) == [0, 1]) \
+        or (name == "permute" and [d % 2 for d in (rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest)] == [1, 0])
+    return w if ok else None
 
 
 def _from_input(node: Any) -> bool:

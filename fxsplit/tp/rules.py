@@ -139,12 +139,12 @@ def _cut_slice(p, op: Op, start, stop, step, path, slice_obj=False) -> None:
 
 
 def _view(p, op: Op) -> None:
-    """Views and reshapes ([Note: factored views]); expand."""
+    """Views and reshapes ([Note: factored views]); expand / broadcast_to."""
     node, name, st, out_shape = op.node, op.name, op.st, op.out_shape
     in_shape = node_shape(node.args[0])
-    if name in ("expand", "expand_as"):
+    if name in ("expand", "expand_as", "broadcast_to"):
         d = st.dim + len(out_shape) - len(in_shape)
-        if name == "expand":
+        if name in ("expand", "broadcast_to"):
             sizes = int_args(node, 1)
             lst = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
             p.rewrite(node, (1, d) if lst else (1 + d,), sizes[d], out_shape[d])
@@ -463,7 +463,7 @@ _RULE_TABLE: tuple[tuple[Iterable[str], Rule], ...] = (
     (("size", "sym_size"), Rule(_size, "any")),
     (("getitem",), Rule(_getitem, "any")),
     (("split", "split_with_sizes", "chunk", "unbind"), Rule(_split, "tuple")),
-    (sorted(RESHAPES | {"expand", "expand_as"}), Rule(_view)),
+    (sorted(RESHAPES | {"expand", "expand_as", "broadcast_to"}), Rule(_view)),
     (("transpose", "swapaxes", "t"), Rule(_transpose)),
     (("permute",), Rule(_permute)),
     (("repeat_interleave",), Rule(_repeat_interleave)),
