@@ -166,6 +166,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
     _sum_grads(gm, plan, nodes, axis)
+    _scatter_operands(gm, plan, nodes, axis)
     region_fs = _insert_fs(gm, plan, nodes, axis)
     rows = _rewrite_rows(gm, plan, nodes, axis)
     embeddings = _rewrite_vocab_embeddings(gm, plan, nodes, axis)
@@ -250,6 +251,24 @@ def _sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx
                 with graph.inserting_before(node):
                     fs[a] = _new(graph, copy_to_region, (a,), {"axis": axis}, like=node, val=a.meta.get("val"))
             node.replace_input_with(a, fs[a])
+
+
+def _scatter_operands(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:
+    """Step 2c: a replicated operand with the sharded dim's full size (a per-head score bias) is
+    read through ``scatter_to_region`` on that dim, one per (operand, dim), before its first
+    sharded reader (``plan.scatters``)."""
+    graph, t = gm.graph, plan.tp
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done: dict[tuple[str, int], torch.fx.Node] = {}
+    for name, operand, dim in sorted(plan.scatters, key=lambda s: order[nodes[s[0]]]):
+        node, a = nodes[name], nodes[operand]
+        if (operand, dim) not in done:
+            val = a.meta.get("val")
+            local = _local_val(val, dim, int(val.shape[dim]) // t) if isinstance(val, torch.Tensor) else None
+            with graph.inserting_before(node):
+                done[(operand, dim)] = _new(graph, scatter_to_region, (a,), {"dim": dim, "axis": axis},
+                                            like=node, val=local)
+        node.replace_input_with(a, done[(operand, dim)])
 
 
 def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],

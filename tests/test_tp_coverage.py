@@ -62,7 +62,7 @@ SHARDED = {
 PARTIAL = {
     "gpt_bigcode": ["scaled_dot_product_attention", "is not sharded by heads"],  # multi-query: one k/v head
     "olmo2": ["mean over the sharded dim"],  # q/k RMSNorm over the whole projection, not per head
-    "t5": ["is not sharded by heads", POSITIONS],  # the relative position bias is not sharded with the heads
+    "t5": ["is not sharded by heads", POSITIONS],  # cross-attention (self-attention shards, the bias scattered)
     "bart": ["is not sharded by heads"],  # cross-attention (q and k/v from different inputs)
     "mixtral": ["softmax over the sharded dim"],  # the router; the experts are fused 3-D tensors
     "qwen2_moe": ["softmax over the sharded dim", "combines the sharded value with replicated"],

@@ -131,6 +131,9 @@ class TPPlan:
     puts one f (``copy_to_region``: backward all-reduce) on that operand for its sharded readers
     ([Note: partial gradients of replicated operands]); a ``call_module`` node (fx
     ``nn.LayerNorm``) is named with operand ``"<module>"`` and becomes a function call first.
+    scatters: (sharded node, replicated operand, dim) for a replicated operand with the sharded
+    dim's full size on ``dim`` (a per-head score bias): the pass reads it through
+    ``scatter_to_region`` (each rank its range; [Note: scattered operands] in ``fxsplit.tp.rules``).
     """
 
     tp: int
@@ -152,6 +155,7 @@ class TPPlan:
     sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
     layouts: Mapping[str, str] = field(default_factory=dict)
     grad_sums: tuple[tuple[str, str], ...] = ()
+    scatters: tuple[tuple[str, str, int], ...] = ()
 
     @classmethod
     def identity(cls) -> TPPlan:
@@ -352,10 +356,10 @@ def find_tp_plan(
     excluded = {n for n, l in g.linears.items() if g.forced.get(l.module_path) in ("replicate", "vocab")}
     vocab = _vocab_parallel(g, vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
     excluded |= set(vocab.lm_heads)
-    regions, sharded_nodes, rewrites, blocks_of, failures, layouts = _find_regions(
+    regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters = _find_regions(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
-    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs)
+    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(n, a) for n, a, _ in scatters})
     _check_plan(g, tp, styles, replicated, sharded_nodes)
     plan = TPPlan(
         tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
@@ -365,7 +369,7 @@ def find_tp_plan(
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
         layouts=layouts,
-        grad_sums=tuple(grad_sums),
+        grad_sums=tuple(grad_sums), scatters=tuple(scatters),
     )
     if sequence_parallel:
         plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
@@ -520,6 +524,7 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
     blocks_of: dict[str, tuple[int, ...]] = {}
     layouts: dict[str, str] = {}
     failures: dict[str, str] = {}
+    scatters: list[tuple[str, str, int]] = []
     by_input: dict[str, list[str]] = {}
     for name, info in linears.items():
         by_input.setdefault(_input_source(_linear_x(nodes[name], info)), []).append(name)
@@ -539,8 +544,9 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                 if bad:
                     raise RegionFailed(f"{linears[bad[0]].module_path} would be row-parallel after a column-parallel "
                                 "linear, but it is set to colwise (column after column needs a gather between)")
-            except RegionFailed as exc:
-                failures.update({s: str(exc) for s in seeds})
+            except RegionFailed as exc:  # the group's reason is kept: alone, a seed fails for lack of its siblings
+                for s in seeds:
+                    failures.setdefault(s, str(exc))
                 continue
             for s in seeds:
                 per = prop.blocks.get(s, (linears[s].out_features,))
@@ -556,15 +562,16 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
             blocks_of.update(prop.blocks)
             layouts.update({linears[s].module_path: how for s, how in prop.layouts.items()})
             rewrites.extend(prop.rewrites)
+            scatters.extend(prop.scatters)
             for n, st in prop.state.items():
                 if n in nodes:  # split outputs (tuples) are marked with size -1
                     shape = node_shape(nodes[n])
                     sharded[n] = (st.dim, int(shape[st.dim]) if shape is not None else -1)
             break
-    return regions, sharded, rewrites, blocks_of, failures, layouts
+    return regions, sharded, rewrites, blocks_of, failures, layouts, scatters
 
 
-def _grad_sums(gm, sharded_nodes, linears, specs) -> list[tuple[str, str]]:
+def _grad_sums(gm, sharded_nodes, linears, specs, scattered) -> list[tuple[str, str]]:
     """``TPPlan.grad_sums``: (sharded node, replicated operand) for every operand of a sharded
     node (linears aside: their weights are the sharded ones, their input gets the region's f)
     whose value carries a gradient to a replicated trainable parameter ([Note: partial
@@ -578,7 +585,7 @@ def _grad_sums(gm, sharded_nodes, linears, specs) -> list[tuple[str, str]]:
         if node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters()):
             out.append((node.name, "<module>"))
         for a in dict.fromkeys(node.all_input_nodes):
-            if a.name not in sharded_nodes and a.name in grads:
+            if a.name not in sharded_nodes and a.name in grads and (node.name, a.name) not in scattered:
                 out.append((node.name, a.name))
     return out
 

@@ -83,6 +83,7 @@ class Propagation:
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.layouts: dict[str, str] = {}
         self.rewrites: list[tuple[str, tuple, int]] = []
+        self.scatters: list[tuple[str, str, int]] = []  # (node, replicated operand, its dim)
         self.shape_of: dict[str, int] = {}  # fx getattr(x, "shape") of a sharded x -> its dim
         self.cuts: dict[str, set[int]] = {}
         self.pieces: dict[str, list[tuple[int, int, str]]] = {}
@@ -181,6 +182,12 @@ class Propagation:
                             "not traced as that constant; it must be a constant or -1 to be rewritten to the local size")
 
     _rewrite = rewrite
+
+    def scatter(self, node, operand, dim) -> None:
+        """A replicated operand of ``node`` with the sharded dim's full size on ``dim`` (a
+        per-head score bias): each rank reads its own range of it ([Note: scattered operands]
+        in ``fxsplit.tp.rules``); the pass puts ``scatter_to_region`` on that read."""
+        self.scatters.append((node.name, operand.name, dim))
 
     def rewrite_slice(self, node, path, start, stop, size):
         """fx ``x[..., a:b]`` of a dim of global ``size``: the slice at ``path`` gets local bounds."""

@@ -414,6 +414,8 @@ def _sdpa(p, op: Op) -> None:
         if mask.name in p.state:
             if p.state[mask.name].dim != pos:
                 p.fail(node, "mask sharded on another dim")
+        elif pos >= 0 and eq(ms[pos], out_shape[len(out_shape) - 3]):
+            p.scatter(node, mask, pos)  # a per-head bias (T5's relative positions): each rank its heads
         elif pos >= 0 and not eq(ms[pos], 1):
             p.fail(node, f"attention mask {mask.name} has {ms[pos]} heads; a per-head mask is not sharded")
     p.set(node, len(out_shape) - 3)
@@ -449,9 +451,25 @@ def _pointwise(p, op: Op) -> None:
             continue
         s = node_shape(a)
         pos = out_dim - (n - len(s))
-        if pos >= 0 and not eq(s[pos], 1):
-            p.fail(node, f"combines the sharded value with replicated {a.name} of full size {s[pos]} on the sharded dim")
+        if pos < 0 or eq(s[pos], 1):
+            continue
+        if out_dim < n - 1 and eq(s[pos], op.out_shape[out_dim]):  # [Note: scattered operands]
+            p.scatter(node, a, pos)
+            origins = frozenset()
+            continue
+        p.fail(node, f"combines the sharded value with replicated {a.name} of full size {s[pos]} on the sharded dim")
     p.set(node, out_dim, origins)
+
+
+# [Note: scattered operands] A replicated operand that has the sharded dim's full size (not 1)
+# is combined element for element with the sharded value: a per-head score bias (T5's relative
+# position bias [1, heads, T, T] added to the scores or given to sdpa as its mask, ALiBi). Rank r
+# holds the r-th contiguous range of the sharded dim, so it reads the r-th range of the operand:
+# ``scatter_to_region`` (forward: own range; backward: all-gather, so the replicated operand gets
+# its whole gradient on every rank, and no f is put on it, ``TPPlan.grad_sums``). The sharded
+# value's layout is then fixed as one contiguous range (its origins dropped). Only where the
+# sharded dim is not the last one (heads, not features): a replicated residual added to a
+# feature-sharded value is the end of a region, not a bias to scatter.
 
 
 _POINTWISE_RULE = Rule(_pointwise, any_operand=True)
