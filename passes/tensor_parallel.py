@@ -55,6 +55,7 @@ from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
+from fxsplit.passes.tp_operands import matmuls_as_linears, partial_sums, scatter_operands, sum_grads
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -162,11 +163,12 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     nodes = _check_applicable(gm, plan)
     sharded_random = [n for n in gm.graph.nodes if n.name in plan.sharded_nodes and is_random(n, gm)]
     head_inputs = {h: _linear_input(nodes[h], plan).name for h in plan.lm_heads}  # as traced
-    _matmuls_as_linears(gm, plan, nodes)
+    matmuls_as_linears(gm, plan, nodes)
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
-    _sum_grads(gm, plan, nodes, axis)
-    _scatter_operands(gm, plan, nodes, axis)
+    sum_grads(gm, plan, nodes, axis, _module_to_function)
+    scatter_operands(gm, plan, nodes, axis, _local_val)
+    partial_sums(gm, plan, nodes, axis)
     region_fs = _insert_fs(gm, plan, nodes, axis)
     rows = _rewrite_rows(gm, plan, nodes, axis)
     embeddings = _rewrite_vocab_embeddings(gm, plan, nodes, axis)
@@ -197,22 +199,6 @@ def _check_applicable(gm: torch.fx.GraphModule, plan: TPPlan) -> dict[str, torch
     return nodes
 
 
-def _matmuls_as_linears(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
-    """Step 0: each ``x @ W.T`` linear of the plan (kind ``"matmul"``) becomes ``linear(x, W)``
-    (the same value; node name kept), so the steps below treat it as any linear."""
-    graph = gm.graph
-    is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
-    for name, info in plan.linears.items():
-        if info.kind != "matmul" or name not in nodes:
-            continue
-        node = nodes[name]
-        x, wt = node.args
-        node.target = torch.ops.aten.linear.default if is_export else F.linear
-        node.args = (x, wt.args[0])
-        if not wt.users:
-            graph.erase_node(wt)
-
-
 def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
     """Step 1: shape arguments and metadata of sharded values become local."""
     t = plan.tp
@@ -231,44 +217,6 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
             n.meta["val"] = _local_val(val, dim, size // t)
         elif isinstance(val, (list, tuple)):
             n.meta["val"] = type(val)(_local_val(v, dim, int(v.shape[dim]) // t) for v in val)
-
-
-def _sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:
-    """Step 2b: a replicated operand of a sharded node whose gradient reaches a replicated
-    parameter (a per-head norm's weight, or ``1 + w``) gets a partial gradient on each rank: one
-    f on that operand, before its first sharded reader, sums it (``plan.grad_sums``)."""
-    graph = gm.graph
-    fs: dict[torch.fx.Node, torch.fx.Node] = {}
-    for name, operand in plan.grad_sums:
-        node = nodes[name]
-        if operand == "<module>":
-            node = nodes[name] = _module_to_function(gm, node)
-            reads = [a for a in node.all_input_nodes if a.op == "get_attr"]
-        else:
-            reads = [nodes[operand]]
-        for a in reads:
-            if a not in fs:
-                with graph.inserting_before(node):
-                    fs[a] = _new(graph, copy_to_region, (a,), {"axis": axis}, like=node, val=a.meta.get("val"))
-            node.replace_input_with(a, fs[a])
-
-
-def _scatter_operands(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:
-    """Step 2c: a replicated operand with the sharded dim's full size (a per-head score bias) is
-    read through ``scatter_to_region`` on that dim, one per (operand, dim), before its first
-    sharded reader (``plan.scatters``)."""
-    graph, t = gm.graph, plan.tp
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    done: dict[tuple[str, int], torch.fx.Node] = {}
-    for name, operand, dim in sorted(plan.scatters, key=lambda s: order[nodes[s[0]]]):
-        node, a = nodes[name], nodes[operand]
-        if (operand, dim) not in done:
-            val = a.meta.get("val")
-            local = _local_val(val, dim, int(val.shape[dim]) // t) if isinstance(val, torch.Tensor) else None
-            with graph.inserting_before(node):
-                done[(operand, dim)] = _new(graph, scatter_to_region, (a,), {"dim": dim, "axis": axis},
-                                            like=node, val=local)
-        node.replace_input_with(a, done[(operand, dim)])
 
 
 def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],

@@ -43,6 +43,8 @@ SHARDED = {
     "gemma2": ((2, 2), []),
     "gemma3": ((2, 4), []),        # as qwen3: its q/k norms read the weight as (1 + w), f on that value
     "olmo": ((2, 2), []),
+    "olmo2": ((4, 6), []),         # q/k RMSNorm over the whole projection: + g and f per norm statistic,
+                                   # + a scatter per norm weight ([Note: reductions over the sharded dim])
     "falcon": ((2, 2), []),        # FalconLinear (x @ W.T) found as a linear; kv groups broadcast_to
     "starcoder2": ((2, 2), []),
     "opt": ((2, 2), [POSITIONS]),
@@ -61,7 +63,6 @@ SHARDED = {
 # arch -> reasons (substrings) the plan must give for the attention / MLP it replicates
 PARTIAL = {
     "gpt_bigcode": ["scaled_dot_product_attention", "is not sharded by heads"],  # multi-query: one k/v head
-    "olmo2": ["mean over the sharded dim"],  # q/k RMSNorm over the whole projection, not per head
     "t5": ["is not sharded by heads", POSITIONS],  # cross-attention (self-attention shards, the bias scattered)
     "bart": ["is not sharded by heads"],  # cross-attention (q and k/v from different inputs)
     "mixtral": ["softmax over the sharded dim"],  # the router; the experts are fused 3-D tensors

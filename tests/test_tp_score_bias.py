@@ -57,17 +57,16 @@ def test_per_head_score_bias_is_sharded_with_the_heads(how, method):
 
 
 def test_a_replicated_residual_on_the_features_is_not_scattered():
-    """A full-size replicated value added to a feature-sharded value ends the region (the
-    scatter is for heads dims only): q alone is not a region here."""
+    """A full-size replicated activation added to a feature-sharded value ends the region (the
+    scatter is for heads dims, and for parameters on the features): no region here."""
 
     class _Residual(nn.Module):
         def __init__(self):
             super().__init__()
             self.up, self.down = nn.Linear(C, 64), nn.Linear(64, C)
-            self.r = nn.Parameter(torch.randn(64))
 
         def forward(self, x):
-            return self.down(self.up(x) + self.r)
+            return self.down(self.up(x) + torch.cat([x, x], -1))
 
     gm = fxsplit.trace(_Residual(), (torch.randn(B, T, C),))
     plan = find_tp_plan(gm, 2)

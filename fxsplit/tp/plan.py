@@ -134,6 +134,8 @@ class TPPlan:
     scatters: (sharded node, replicated operand, dim) for a replicated operand with the sharded
     dim's full size on ``dim`` (a per-head score bias): the pass reads it through
     ``scatter_to_region`` (each rank its range; [Note: scattered operands] in ``fxsplit.tp.rules``).
+    partial_sums: (node, "sum" | "mean") reductions over the sharded dim, made whole by g after
+    them ([Note: reductions over the sharded dim] in ``fxsplit.tp.rules``).
     """
 
     tp: int
@@ -156,6 +158,7 @@ class TPPlan:
     layouts: Mapping[str, str] = field(default_factory=dict)
     grad_sums: tuple[tuple[str, str], ...] = ()
     scatters: tuple[tuple[str, str, int], ...] = ()
+    partial_sums: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def identity(cls) -> TPPlan:
@@ -356,7 +359,7 @@ def find_tp_plan(
     excluded = {n for n, l in g.linears.items() if g.forced.get(l.module_path) in ("replicate", "vocab")}
     vocab = _vocab_parallel(g, vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
     excluded |= set(vocab.lm_heads)
-    regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters = _find_regions(
+    regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters, partials = _find_regions(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
     grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(n, a) for n, a, _ in scatters})
@@ -369,7 +372,7 @@ def find_tp_plan(
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
         layouts=layouts,
-        grad_sums=tuple(grad_sums), scatters=tuple(scatters),
+        grad_sums=tuple(grad_sums), scatters=tuple(scatters), partial_sums=tuple(partials),
     )
     if sequence_parallel:
         plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
@@ -525,16 +528,19 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
     layouts: dict[str, str] = {}
     failures: dict[str, str] = {}
     scatters: list[tuple[str, str, int]] = []
+    partials: list[tuple[str, str]] = []
     by_input: dict[str, list[str]] = {}
     for name, info in linears.items():
         by_input.setdefault(_input_source(_linear_x(nodes[name], info)), []).append(name)
     forced_rows = {n for n, l in linears.items() if forced.get(l.module_path) == "rowwise"}
     for group in by_input.values():
         cands = [n for n in group if n not in claimed and n not in excluded and n not in forced_rows]
-        for seeds in [cands] + ([[c] for c in cands] if len(cands) > 1 else []):
-            seeds = [s for s in seeds if s not in claimed]
-            if not seeds:
+        tries, tried = [cands] + ([[c] for c in cands] if len(cands) > 1 else []), set()
+        while tries:
+            seeds = [s for s in tries.pop(0) if s not in claimed]
+            if not seeds or tuple(seeds) in tried:
                 continue
+            tried.add(tuple(seeds))
             prop = Propagation(gm, tp, linears, seeds, excluded, forced_rows)
             try:
                 prop.run()
@@ -544,9 +550,16 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                 if bad:
                     raise RegionFailed(f"{linears[bad[0]].module_path} would be row-parallel after a column-parallel "
                                 "linear, but it is set to colwise (column after column needs a gather between)")
-            except RegionFailed as exc:  # the group's reason is kept: alone, a seed fails for lack of its siblings
-                for s in seeds:
-                    failures.setdefault(s, str(exc))
+            except RegionFailed as exc:
+                culprits = getattr(exc, "seeds", frozenset())
+                for s in seeds:  # a seed's own failure, else its group's (alone it lacks its siblings)
+                    if s not in failures or (s in culprits and len(seeds) > 1):
+                        failures[s] = str(exc)
+                # next: the group without the seeds whose values reached the failure (a router
+                # among the MLP's gate/up), before each seed alone
+                rest = [s for s in seeds if s not in culprits]
+                if 0 < len(rest) < len(seeds):
+                    tries.insert(0, rest)
                 continue
             for s in seeds:
                 per = prop.blocks.get(s, (linears[s].out_features,))
@@ -563,61 +576,70 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
             layouts.update({linears[s].module_path: how for s, how in prop.layouts.items()})
             rewrites.extend(prop.rewrites)
             scatters.extend(prop.scatters)
+            partials.extend(prop.partial_sums)
             for n, st in prop.state.items():
                 if n in nodes:  # split outputs (tuples) are marked with size -1
                     shape = node_shape(nodes[n])
                     sharded[n] = (st.dim, int(shape[st.dim]) if shape is not None else -1)
             break
-    return regions, sharded, rewrites, blocks_of, failures, layouts, scatters
+    return regions, sharded, rewrites, blocks_of, failures, layouts, scatters, partials
 
 
 def _grad_sums(gm, sharded_nodes, linears, specs, scattered) -> list[tuple[str, str]]:
     """``TPPlan.grad_sums``: (sharded node, replicated operand) for every operand of a sharded
     node (linears aside: their weights are the sharded ones, their input gets the region's f)
-    whose value carries a gradient to a replicated trainable parameter ([Note: partial
+    whose value carries a gradient (to a parameter or back into the shards) ([Note: partial
     gradients of replicated operands]); ``(node, "<module>")`` for a sharded call_module with
     trainable parameters of its own."""
     out: list[tuple[str, str]] = []
-    grads = _carries_grad(gm, set(specs))
+    grads = _carries_grad(gm)
     for node in gm.graph.nodes:
         if node.name not in sharded_nodes or node.name in linears:
             continue
         if node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters()):
             out.append((node.name, "<module>"))
         for a in dict.fromkeys(node.all_input_nodes):
-            if a.name not in sharded_nodes and a.name in grads and (node.name, a.name) not in scattered:
+            if (a.name not in sharded_nodes and a.name in grads and (node.name, a.name) not in scattered
+                    and not (a.op == "get_attr" and str(a.target) in specs)):
                 out.append((node.name, a.name))
     return out
 
 
 # [Note: partial gradients of replicated operands] A sharded node (rank r computes the r-th 1/t
 # of its output) that reads a replicated operand (a per-head norm's weight broadcast over the
-# heads, a rotary table, a mask broadcast over heads) gets, on rank r, only rank r's part of
-# that operand's gradient: the rules admit a replicated operand only where it is broadcast over
-# the sharded dim, so the full gradient is the sum over ranks. Megatron's f (identity forward,
-# all-reduce backward) on the operand makes it so. The operand need not be a parameter read:
-# Gemma 3 reads its q/k norm weight as ``1 + w.float()``, and a replicated activation (a learned
-# gate, a bias computed from a table) needs the sum as much as a weight does. So f goes on every
-# replicated operand whose value carries a gradient back to a replicated trainable parameter
-# (:func:`_carries_grad`), one f per operand shared by its sharded readers; operands that carry
-# none (the rotary tables of a buffer, masks, sizes) get none, as they need none.
+# heads, a mask broadcast over heads, a statistic summed over the shards) gets, on rank r, only
+# rank r's part of that operand's gradient: the rules admit a replicated operand only where it
+# is broadcast over the sharded dim, so the full gradient is the sum over ranks. Megatron's f
+# (identity forward, all-reduce backward) on the operand makes it so. The operand need not be a
+# parameter read: Gemma 3 reads its q/k norm weight as ``1 + w.float()``, and a replicated
+# activation (a learned gate, a statistic) needs the sum as much as a weight does. So f goes on
+# every replicated operand whose value carries a gradient (:func:`_carries_grad`), one f per
+# operand shared by its sharded readers; operands that carry none (rotary tables of a buffer,
+# masks, sizes) get none. Operands read through ``scatter_to_region`` ([Note: scattered
+# operands]) are left out: its backward all-gathers, the gradient is whole already.
 
 
 _NO_GRAD = CREATION | METADATA | {"detach", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "sign"}
 
 
-def _carries_grad(gm, sharded_params: set[str]) -> set[str]:
-    """Names of the nodes whose value has a gradient path to a trainable, replicated parameter
-    (through any differentiable op; integer and boolean values, creation ops, metadata reads
-    and ``detach`` carry none)."""
+def _carries_grad(gm) -> set[str]:
+    """Names of the nodes whose value has a gradient path to a trainable parameter, sharded or
+    not, or to an input that requires grad (through any differentiable op; integer and boolean
+    values, creation ops, metadata reads and ``detach`` carry none). A replicated value whose
+    gradient flows back into sharded values (a statistic summed over the shards) needs the sum
+    as much as one reaching a replicated weight."""
     trainable = {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     out: set[str] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            if str(node.target) in trainable and str(node.target) not in sharded_params:
+            if str(node.target) in trainable:
                 out.add(node.name)
             continue
-        if node.op in ("placeholder", "output"):
+        if node.op == "placeholder":
+            if getattr(node.meta.get("val"), "requires_grad", False):
+                out.add(node.name)
+            continue
+        if node.op == "output":
             continue
         val = node.meta.get("val")
         tensors = [v for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.Tensor)]

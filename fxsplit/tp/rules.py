@@ -49,7 +49,11 @@ def no_rule(p, op: Op) -> None:
         p.fail(op.node, "a sharded value used by an op that returns no tensor")
     if "norm" in op.name:
         p.fail(op.node, f"a normalization ({op.name}) reads the whole sharded feature dim")
-    p.fail(op.node, "an op the pass does not know how to shard (left replicated)")
+    seeds = {p.linears[s].module_path: "replicate" for s in sorted(p.seeds)}
+    p.fail(op.node, f"an op the pass does not know how to shard (left replicated): no propagation rule for "
+                    f"'{op.name}' (fxsplit.tp.rules.RULES), and no tp_plan style shards through it (tp_plan="
+                    f"{seeds} says so and skips the attempt; the other linears sharing their input are "
+                    f"tried without them)")
 
 
 def _shape_attr(p, op: Op) -> None:
@@ -320,9 +324,21 @@ def _reduce(p, op: Op) -> None:
     if any(not isinstance(d, int) for d in dims):
         p.fail(node, f"{op.name} over dims given as {dims}")
     dims = [norm_dim(d, n_in) for d in dims]
+    if st.dim in dims and op.name in ("sum", "mean") and len(dims) == 1 and not node.kwargs.get("dtype"):
+        return p.partial_sum(node, op.name)  # [Note: reductions over the sharded dim]
     if st.dim in dims:
         p.fail(node, f"{op.name} over the sharded dim")
     p.set(node, st.dim if keep else st.dim - sum(1 for d in dims if d < st.dim), st.origins)
+
+
+# [Note: reductions over the sharded dim] A sum (or mean) over the sharded dim alone is a
+# partial sum on each rank: the pass adds g (``reduce_from_region``: forward all-reduce) after
+# it (and divides a mean of local means by t), and its value is replicated from there on. Its
+# readers are sharded nodes (OLMo 2's q/k RMSNorm over the whole projection: x * rsqrt(mean(x^2)
+# + eps)), so the statistic's gradient is partial on each rank and the f of [Note: partial
+# gradients of replicated operands] (``fxsplit.tp.plan``) sums it before g's identity backward:
+# forward and backward each one all-reduce, as Megatron's distributed norms do. Other reductions
+# (amax, var over the shards, a reduction over several dims) have no rule.
 
 
 def _layer_norm(p, op: Op) -> None:
@@ -453,7 +469,7 @@ def _pointwise(p, op: Op) -> None:
         pos = out_dim - (n - len(s))
         if pos < 0 or eq(s[pos], 1):
             continue
-        if out_dim < n - 1 and eq(s[pos], op.out_shape[out_dim]):  # [Note: scattered operands]
+        if (out_dim < n - 1 or _param_read(a)) and eq(s[pos], op.out_shape[out_dim]):  # [Note: scattered operands]
             p.scatter(node, a, pos)
             origins = frozenset()
             continue
@@ -468,8 +484,24 @@ def _pointwise(p, op: Op) -> None:
 # ``scatter_to_region`` (forward: own range; backward: all-gather, so the replicated operand gets
 # its whole gradient on every rank, and no f is put on it, ``TPPlan.grad_sums``). The sharded
 # value's layout is then fixed as one contiguous range (its origins dropped). Only where the
-# sharded dim is not the last one (heads, not features): a replicated residual added to a
+# sharded dim is not the last one (heads, not features), or where the operand is a parameter
+# read (OLMo 2's q/k norm weight over the whole projection): a replicated residual added to a
 # feature-sharded value is the end of a region, not a bias to scatter.
+
+
+def _param_read(a: torch.fx.Node) -> bool:
+    """A parameter or buffer read, through casts and views (a norm's weight on the features)."""
+    for _ in range(8):
+        if a.op == "get_attr":
+            return True
+        name = op_name(a)
+        if a.op not in ("call_function", "call_method") or not (name in RESHAPES or name in
+                                                                  ("to", "type_as", "float", "half", "bfloat16", "contiguous")):
+            return False
+        a = a.args[0]
+        if not isinstance(a, torch.fx.Node):
+            return False
+    return False
 
 
 _POINTWISE_RULE = Rule(_pointwise, any_operand=True)
