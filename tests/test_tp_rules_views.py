@@ -56,9 +56,10 @@ def test_rule_table_covers_reductions_views_and_indexing():
 
 
 class _PerHeadMean(nn.Module):
-    """A reduction over head_dim keeps the heads sharded; one over the heads does not."""
+    """A reduction over head_dim keeps the heads sharded; a mean over the heads is a partial sum
+    (all-reduced); a var over the heads has no rule."""
 
-    def __init__(self, over_heads: bool):
+    def __init__(self, over_heads: str):
         super().__init__()
         self.q, self.o = nn.Linear(C, C), nn.Linear(C, C)
         self.over_heads = over_heads
@@ -66,7 +67,12 @@ class _PerHeadMean(nn.Module):
     def forward(self, x):
         b, n, _ = x.shape
         q = self.q(x).view(b, n, 4, 8)
-        s = q.mean(dim=2, keepdim=True) if self.over_heads else q.var(dim=-1, keepdim=True)
+        if self.over_heads == "mean":
+            s = q.mean(dim=2, keepdim=True)
+        elif self.over_heads == "var":
+            s = q.var(dim=2, keepdim=True)
+        else:
+            s = q.var(dim=-1, keepdim=True)
         return self.o((q - s).reshape(b, n, C))
 
 
@@ -76,11 +82,13 @@ def _gm(model, method="fx"):
 
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_reduction_over_head_dim_shards_and_over_heads_replicates(method):
-    plan = find_tp_plan(_gm(_PerHeadMean(False), method), 2)
-    assert plan.styles["q"] == "colwise" and plan.styles["o"] == "rowwise"
-    plan = find_tp_plan(_gm(_PerHeadMean(True), method), 2)
+    plan = find_tp_plan(_gm(_PerHeadMean(""), method), 2)
+    assert plan.styles["q"] == "colwise" and plan.styles["o"] == "rowwise" and not plan.partial_sums
+    plan = find_tp_plan(_gm(_PerHeadMean("mean"), method), 2)  # [Note: reductions over the sharded dim]
+    assert plan.styles["q"] == "colwise" and len(plan.partial_sums) == 1, plan
+    plan = find_tp_plan(_gm(_PerHeadMean("var"), method), 2)
     assert plan.styles["q"] == "replicate"
-    assert "mean over the sharded dim" in dict(plan.replicated)["q"]
+    assert "var over the sharded dim" in dict(plan.replicated)["q"]
 
 
 class _ViewGateUp(nn.Module):
