@@ -55,6 +55,7 @@ from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
+from fxsplit.passes.tp_operands import matmuls_as_linears, partial_sums, scatter_operands, sum_grads
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -162,9 +163,12 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     nodes = _check_applicable(gm, plan)
     sharded_random = [n for n in gm.graph.nodes if n.name in plan.sharded_nodes and is_random(n, gm)]
     head_inputs = {h: _linear_input(nodes[h], plan).name for h in plan.lm_heads}  # as traced
+    matmuls_as_linears(gm, plan, nodes)
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
-    _sum_grads(gm, plan, nodes, axis)
+    sum_grads(gm, plan, nodes, axis, _module_to_function)
+    scatter_operands(gm, plan, nodes, axis, _local_val)
+    partial_sums(gm, plan, nodes, axis)
     region_fs = _insert_fs(gm, plan, nodes, axis)
     rows = _rewrite_rows(gm, plan, nodes, axis)
     embeddings = _rewrite_vocab_embeddings(gm, plan, nodes, axis)
@@ -215,23 +219,6 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
             n.meta["val"] = type(val)(_local_val(v, dim, int(v.shape[dim]) // t) for v in val)
 
 
-def _sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:
-    """Step 2b: a replicated parameter read by a sharded node (a per-head norm's weight) gets a
-    partial gradient on each rank: f on that read sums it (``plan.grad_sums``)."""
-    graph = gm.graph
-    for name, fqn in plan.grad_sums:
-        node = nodes[name]
-        if fqn == "<module>":
-            node = nodes[name] = _module_to_function(gm, node)
-            reads = [a for a in node.all_input_nodes if a.op == "get_attr"]
-        else:
-            reads = [a for a in node.all_input_nodes if a.op == "get_attr" and str(a.target) == fqn]
-        for a in reads:
-            with graph.inserting_before(node):
-                f = _new(graph, copy_to_region, (a,), {"axis": axis}, like=node, val=a.meta.get("val"))
-            node.replace_input_with(a, f)
-
-
 def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
                axis: str) -> list[tuple[str, torch.fx.Node]]:
     """Step 3: f before the column linears of each region, once per source (placed before views
@@ -272,7 +259,7 @@ def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch
                 w.meta["val"] = None
                 if info.kind == "module":
                     y = _new(graph, F.linear, (x, w), like=node, val=val)
-                elif info.kind == "linear":
+                elif info.kind in ("linear", "matmul"):  # matmul: made a linear in step 0
                     y = _new(graph, aten.linear.default, (x, w), like=node, val=val)
                 else:
                     y = _new(graph, aten.mm.default, (x, w), like=node, val=val)
@@ -408,7 +395,7 @@ def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis
         return
     for u in users:
         info = plan.linears.get(u.name)
-        if info is None or info.out_dim != 0 or info.kind not in ("module", "linear") or u.kwargs:
+        if info is None or info.out_dim != 0 or info.kind not in ("module", "linear", "matmul") or u.kwargs:
             return
         if info.kind == "module":
             mod = gm.get_submodule(str(u.target))

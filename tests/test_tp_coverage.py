@@ -41,7 +41,11 @@ SHARDED = {
     "phi3": ((2, 2), []),
     "gemma": ((2, 2), []),
     "gemma2": ((2, 2), []),
+    "gemma3": ((2, 4), []),        # as qwen3: its q/k norms read the weight as (1 + w), f on that value
     "olmo": ((2, 2), []),
+    "olmo2": ((4, 6), []),         # q/k RMSNorm over the whole projection: + g and f per norm statistic,
+                                   # + a scatter per norm weight ([Note: reductions over the sharded dim])
+    "falcon": ((2, 2), []),        # FalconLinear (x @ W.T) found as a linear; kv groups broadcast_to
     "starcoder2": ((2, 2), []),
     "opt": ((2, 2), [POSITIONS]),
     "cohere": ((2, 1), []),
@@ -59,29 +63,22 @@ SHARDED = {
 # arch -> reasons (substrings) the plan must give for the attention / MLP it replicates
 PARTIAL = {
     "gpt_bigcode": ["scaled_dot_product_attention", "is not sharded by heads"],  # multi-query: one k/v head
-    "olmo2": ["mean over the sharded dim"],  # q/k RMSNorm over the whole projection, not per head
-    "t5": ["is not sharded by heads", POSITIONS],  # the relative position bias is not sharded with the heads
+    "t5": ["is not sharded by heads", POSITIONS],  # cross-attention (self-attention shards, the bias scattered)
     "bart": ["is not sharded by heads"],  # cross-attention (q and k/v from different inputs)
     "mixtral": ["softmax over the sharded dim"],  # the router; the experts are fused 3-D tensors
     "qwen2_moe": ["softmax over the sharded dim", "combines the sharded value with replicated"],
+    # [heads, 3, hd] fused qkv shards by heads up to q.reshape(B * heads, T, hd) (heads merged as
+    # the inner factor) and the ALiBi bias [B * heads, 1, T] added by baddbmm: attention replicated
+    "bloom": ["is merged into an outer dim"],
 }
 
 # arch -> parameters neither sharded nor named in plan.tp_plan.replicated (silently whole)
 UNREPORTED = {
-    "falcon": "transformer.h.0.self_attention.query_key_value.weight",  # FalconLinear: x @ W.T
     "mixtral": "model.layers.0.mlp.experts.gate_up_proj",  # experts as one [E, 2I, H] tensor
     "qwen2_moe": "model.layers.0.mlp.experts.gate_up_proj",
 }
 
-XFAIL = {
-    "gemma3": ("bug: Gemma3's per-head q/k RMSNorm reads its weight as (1 + w): plan.tp_plan.grad_sums "
-               "misses that read, so each rank keeps a partial gradient of q_norm/k_norm.weight "
-               "(VerificationError: gradient of replicated ... differs between tp ranks)"),
-    "bloom": ("bug: TPPlanError 'a view of the sharded value at node view ... has size 3 (the number of "
-              "attention heads ...), which t=2 does not divide' on BLOOM's fused qkv viewed "
-              "[B, T, heads, 3, hd] (4 heads): a wrong diagnosis, and an error where replication "
-              "with a reason was owed"),
-}
+XFAIL: dict[str, str] = {}  # arch -> the known bug (strict xfail); none known now
 
 FAST = ["gpt2", "llama", "qwen3", "phi3", "gemma", "bert", "vit", "timm_vit", "gpt_bigcode", "olmo2", "mixtral",
         "torch_encoder"]

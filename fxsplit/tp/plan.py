@@ -3,7 +3,8 @@
 Terms:
 - **t**: the tensor-parallel degree. **linear**: a node computing ``x @ W (+ b)`` with ``W`` a
   parameter, whatever its spelling (``nn.Linear`` call_module, ``F.linear``/``aten.linear``,
-  ``aten.addmm``/``aten.mm`` with ``W`` stored ``[in, out]`` as HF GPT-2's ``Conv1D``).
+  ``aten.addmm``/``aten.mm`` with ``W`` stored ``[in, out]`` as HF GPT-2's ``Conv1D``, ``x @ W.T``
+  as Falcon's ``FalconLinear``).
 - **column** (``"colwise"``): W split on its output dim, input copied (Megatron's f), output
   sharded on the feature dim. **row** (``"rowwise"``): W split on its input dim, input sharded,
   partial outputs summed (g), bias added once after the sum. **vocab**: an embedding table split
@@ -47,7 +48,7 @@ import torch
 import torch.fx
 
 from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
-from fxsplit.graph.ops import RESHAPES, op_name, resolve_path
+from fxsplit.graph.ops import CREATION, METADATA, RESHAPES, op_name, resolve_path
 from fxsplit.tp.sharding import ShardSpec, padded_size
 from fxsplit.tp.propagate import LocalSize, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
 
@@ -86,7 +87,7 @@ class LinearInfo:
     in_features: int
     out_features: int
     x_index: int
-    kind: str  # "module", "linear", "addmm", "mm"
+    kind: str  # "module", "linear", "addmm", "mm", "matmul" (x @ W.T, no bias)
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,17 @@ class TPPlan:
     sequence_plan: the sequence-parallel decisions (empty unless ``sequence_parallel``).
     layouts: module path -> how a fused projection's output is cut into the blocks of its
     ShardSpec (``"split [64, 32, 32]"``, ``"view [3, 4, 16], shard on factor 1 (4)"``), printed
-    in the plan's note column. grad_sums: (node, FQN) for each replicated parameter a sharded
-    node reads (a per-head norm's weight): each rank's gradient is partial (its heads only), so
-    the pass puts f (``copy_to_region``: backward all-reduce) on that read; a ``call_module``
-    node (fx ``nn.LayerNorm``) is named with FQN ``"<module>"`` and becomes a function call first.
+    in the plan's note column. grad_sums: (sharded node, replicated operand node) for each
+    operand whose gradient reaches a replicated trainable parameter (a per-head norm's weight,
+    read directly or as ``1 + w``): each rank's gradient is partial (its heads only), so the pass
+    puts one f (``copy_to_region``: backward all-reduce) on that operand for its sharded readers
+    ([Note: partial gradients of replicated operands]); a ``call_module`` node (fx
+    ``nn.LayerNorm``) is named with operand ``"<module>"`` and becomes a function call first.
+    scatters: (sharded node, replicated operand, dim) for a replicated operand with the sharded
+    dim's full size on ``dim`` (a per-head score bias): the pass reads it through
+    ``scatter_to_region`` (each rank its range; [Note: scattered operands] in ``fxsplit.tp.rules``).
+    partial_sums: (node, "sum" | "mean") reductions over the sharded dim, made whole by g after
+    them ([Note: reductions over the sharded dim] in ``fxsplit.tp.rules``).
     """
 
     tp: int
@@ -149,6 +157,8 @@ class TPPlan:
     sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
     layouts: Mapping[str, str] = field(default_factory=dict)
     grad_sums: tuple[tuple[str, str], ...] = ()
+    scatters: tuple[tuple[str, str, int], ...] = ()
+    partial_sums: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def identity(cls) -> TPPlan:
@@ -230,9 +240,31 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
                 shape = tuple(resolve_path(gm, w).shape)
                 if len(shape) == 2 and (b is None or tuple(resolve_path(gm, b).shape) == (shape[1],)):
                     info = LinearInfo(node.name, _module_of(w, node), w, b, 1, shape[0], shape[1], off, name)
+        elif node.op == "call_function" and name == "matmul" and len(node.args) == 2 and not node.kwargs:
+            w = _transposed_param(node.args[1])
+            if w is not None and isinstance(node.args[0], torch.fx.Node):
+                shape = tuple(resolve_path(gm, w).shape)
+                info = LinearInfo(node.name, _module_of(w, node), w, None, 0, shape[1], shape[0], 0, "matmul")
         if info is not None:
             out[node.name] = info
     return out
+
+
+def _transposed_param(node: Any) -> str | None:
+    """The FQN of a 2-D parameter read transposed (``W.T``, ``W.t()``, ``W.transpose(0, 1)``,
+    ``W.permute(1, 0)``; export's ``numpy_T``), else None: ``x @ W.T`` is a linear (Falcon's
+    ``FalconLinear``)."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
+        return None
+    w = _get_attr_fqn(node.args[0])
+    val = getattr(node.args[0], "meta", {}).get("val")
+    if w is None or not isinstance(val, torch.Tensor) or val.dim() != 2 or node.kwargs:
+        return None
+    name, rest = op_name(node), tuple(node.args[1:])
+    ok = (name in ("numpy_T", "t") and not rest) or (name == "getattr" and rest in (("T",), ("mT",))) \
+        or (name == "transpose" and sorted(d % 2 for d in rest) == [0, 1]) \
+        or (name == "permute" and [d % 2 for d in (rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest)] == [1, 0])
+    return w if ok else None
 
 
 def _from_input(node: Any) -> bool:
@@ -327,10 +359,10 @@ def find_tp_plan(
     excluded = {n for n, l in g.linears.items() if g.forced.get(l.module_path) in ("replicate", "vocab")}
     vocab = _vocab_parallel(g, vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
     excluded |= set(vocab.lm_heads)
-    regions, sharded_nodes, rewrites, blocks_of, failures, layouts = _find_regions(
+    regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters, partials = _find_regions(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
-    grad_sums = _grad_sums(gm, sharded_nodes)
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
+    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(n, a) for n, a, _ in scatters})
     _check_plan(g, tp, styles, replicated, sharded_nodes)
     plan = TPPlan(
         tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
@@ -340,7 +372,7 @@ def find_tp_plan(
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
         layouts=layouts,
-        grad_sums=tuple((n, f) for n, f in grad_sums if f == "<module>" or f not in specs),
+        grad_sums=tuple(grad_sums), scatters=tuple(scatters), partial_sums=tuple(partials),
     )
     if sequence_parallel:
         plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
@@ -495,16 +527,20 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
     blocks_of: dict[str, tuple[int, ...]] = {}
     layouts: dict[str, str] = {}
     failures: dict[str, str] = {}
+    scatters: list[tuple[str, str, int]] = []
+    partials: list[tuple[str, str]] = []
     by_input: dict[str, list[str]] = {}
     for name, info in linears.items():
         by_input.setdefault(_input_source(_linear_x(nodes[name], info)), []).append(name)
     forced_rows = {n for n, l in linears.items() if forced.get(l.module_path) == "rowwise"}
     for group in by_input.values():
         cands = [n for n in group if n not in claimed and n not in excluded and n not in forced_rows]
-        for seeds in [cands] + ([[c] for c in cands] if len(cands) > 1 else []):
-            seeds = [s for s in seeds if s not in claimed]
-            if not seeds:
+        tries, tried = [cands] + ([[c] for c in cands] if len(cands) > 1 else []), set()
+        while tries:
+            seeds = [s for s in tries.pop(0) if s not in claimed]
+            if not seeds or tuple(seeds) in tried:
                 continue
+            tried.add(tuple(seeds))
             prop = Propagation(gm, tp, linears, seeds, excluded, forced_rows)
             try:
                 prop.run()
@@ -515,7 +551,15 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                     raise RegionFailed(f"{linears[bad[0]].module_path} would be row-parallel after a column-parallel "
                                 "linear, but it is set to colwise (column after column needs a gather between)")
             except RegionFailed as exc:
-                failures.update({s: str(exc) for s in seeds})
+                culprits = getattr(exc, "seeds", frozenset())
+                for s in seeds:  # a seed's own failure, else its group's (alone it lacks its siblings)
+                    if s not in failures or (s in culprits and len(seeds) > 1):
+                        failures[s] = str(exc)
+                # next: the group without the seeds whose values reached the failure (a router
+                # among the MLP's gate/up), before each seed alone
+                rest = [s for s in seeds if s not in culprits]
+                if 0 < len(rest) < len(seeds):
+                    tries.insert(0, rest)
                 continue
             for s in seeds:
                 per = prop.blocks.get(s, (linears[s].out_features,))
@@ -531,27 +575,82 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
             blocks_of.update(prop.blocks)
             layouts.update({linears[s].module_path: how for s, how in prop.layouts.items()})
             rewrites.extend(prop.rewrites)
+            scatters.extend(prop.scatters)
+            partials.extend(prop.partial_sums)
             for n, st in prop.state.items():
                 if n in nodes:  # split outputs (tuples) are marked with size -1
                     shape = node_shape(nodes[n])
                     sharded[n] = (st.dim, int(shape[st.dim]) if shape is not None else -1)
             break
-    return regions, sharded, rewrites, blocks_of, failures, layouts
+    return regions, sharded, rewrites, blocks_of, failures, layouts, scatters, partials
 
 
-def _grad_sums(gm, sharded_nodes) -> list[tuple[str, str]]:
-    """(node, FQN) of every trainable parameter read by a sharded node (``TPPlan.grad_sums``);
-    linears are left out (their weights are the sharded ones)."""
+def _grad_sums(gm, sharded_nodes, linears, specs, scattered) -> list[tuple[str, str]]:
+    """``TPPlan.grad_sums``: (sharded node, replicated operand) for every operand of a sharded
+    node (linears aside: their weights are the sharded ones, their input gets the region's f)
+    whose value carries a gradient (to a parameter or back into the shards) ([Note: partial
+    gradients of replicated operands]); ``(node, "<module>")`` for a sharded call_module with
+    trainable parameters of its own."""
     out: list[tuple[str, str]] = []
-    params = {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    grads = _carries_grad(gm)
     for node in gm.graph.nodes:
-        if node.name not in sharded_nodes or op_name(node, gm) == "linear":
+        if node.name not in sharded_nodes or node.name in linears:
             continue
         if node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters()):
             out.append((node.name, "<module>"))
-        for a in node.all_input_nodes:
-            if a.op == "get_attr" and str(a.target) in params:
-                out.append((node.name, str(a.target)))
+        for a in dict.fromkeys(node.all_input_nodes):
+            if (a.name not in sharded_nodes and a.name in grads and (node.name, a.name) not in scattered
+                    and not (a.op == "get_attr" and str(a.target) in specs)):
+                out.append((node.name, a.name))
+    return out
+
+
+# [Note: partial gradients of replicated operands] A sharded node (rank r computes the r-th 1/t
+# of its output) that reads a replicated operand (a per-head norm's weight broadcast over the
+# heads, a mask broadcast over heads, a statistic summed over the shards) gets, on rank r, only
+# rank r's part of that operand's gradient: the rules admit a replicated operand only where it
+# is broadcast over the sharded dim, so the full gradient is the sum over ranks. Megatron's f
+# (identity forward, all-reduce backward) on the operand makes it so. The operand need not be a
+# parameter read: Gemma 3 reads its q/k norm weight as ``1 + w.float()``, and a replicated
+# activation (a learned gate, a statistic) needs the sum as much as a weight does. So f goes on
+# every replicated operand whose value carries a gradient (:func:`_carries_grad`), one f per
+# operand shared by its sharded readers; operands that carry none (rotary tables of a buffer,
+# masks, sizes) get none. Operands read through ``scatter_to_region`` ([Note: scattered
+# operands]) are left out: its backward all-gathers, the gradient is whole already.
+
+
+_NO_GRAD = CREATION | METADATA | {"detach", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge", "sign"}
+
+
+def _carries_grad(gm) -> set[str]:
+    """Names of the nodes whose value has a gradient path to a trainable parameter, sharded or
+    not, or to an input that requires grad (through any differentiable op; integer and boolean
+    values, creation ops, metadata reads and ``detach`` carry none). A replicated value whose
+    gradient flows back into sharded values (a statistic summed over the shards) needs the sum
+    as much as one reaching a replicated weight."""
+    trainable = {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            if str(node.target) in trainable:
+                out.add(node.name)
+            continue
+        if node.op == "placeholder":
+            if getattr(node.meta.get("val"), "requires_grad", False):
+                out.add(node.name)
+            continue
+        if node.op == "output":
+            continue
+        val = node.meta.get("val")
+        tensors = [v for v in (val if isinstance(val, (list, tuple)) else [val]) if isinstance(v, torch.Tensor)]
+        if val is not None and (not tensors or not any(v.is_floating_point() or v.is_complex() for v in tensors)):
+            continue
+        if op_name(node, gm) in _NO_GRAD:
+            continue
+        own = node.op == "call_module" and any(
+            p.requires_grad for p in gm.get_submodule(str(node.target)).parameters())
+        if own or any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
     return out
 
 

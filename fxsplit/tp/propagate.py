@@ -83,6 +83,8 @@ class Propagation:
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.layouts: dict[str, str] = {}
         self.rewrites: list[tuple[str, tuple, int]] = []
+        self.scatters: list[tuple[str, str, int]] = []  # (node, replicated operand, its dim)
+        self.partial_sums: list[tuple[str, str]] = []  # (node, "sum" | "mean") over the sharded dim
         self.shape_of: dict[str, int] = {}  # fx getattr(x, "shape") of a sharded x -> its dim
         self.cuts: dict[str, set[int]] = {}
         self.pieces: dict[str, list[tuple[int, int, str]]] = {}
@@ -119,7 +121,9 @@ class Propagation:
         if self._indivisible:
             raise TPPlanError(self._indivisible[0])
         if self._skipped:
-            raise RegionFailed(f"{first} (and {self._skipped[0]})")
+            exc = RegionFailed(f"{first} (and {self._skipped[0]})")
+            exc.seeds = getattr(first, "seeds", frozenset())
+            raise exc
         raise first
 
     def _next_choices(self) -> list[int] | None:
@@ -160,7 +164,25 @@ class Propagation:
     # ---------------------------------------------------------------- what rules call
 
     def fail(self, node: torch.fx.Node, why: str) -> None:
-        raise RegionFailed(f"{node.name} ({op_name(node, self.gm)}): {why}")
+        exc = RegionFailed(f"{node.name} ({op_name(node, self.gm)}): {why}")
+        exc.seeds = self._reaching(node)
+        raise exc
+
+    def _reaching(self, node: torch.fx.Node) -> frozenset[str]:
+        """The seeds whose sharded values reach ``node`` (through sharded values only): without
+        them the rest of the group may still form a region (``fxsplit.tp.plan._find_regions``)."""
+        out, seen, stack = set(), set(), [node]
+        while stack:
+            n = stack.pop()
+            for a in n.all_input_nodes:
+                if a.name in seen or (a.name not in self.state and a.name not in self.shape_of):
+                    continue
+                seen.add(a.name)
+                if a.name in self.seeds:
+                    out.add(a.name)
+                else:
+                    stack.append(a)
+        return frozenset(out)
 
     def set(self, node, dim, origins=frozenset()):
         self.state[node.name] = State(dim, origins)
@@ -181,6 +203,17 @@ class Propagation:
                             "not traced as that constant; it must be a constant or -1 to be rewritten to the local size")
 
     _rewrite = rewrite
+
+    def scatter(self, node, operand, dim) -> None:
+        """A replicated operand of ``node`` with the sharded dim's full size on ``dim`` (a
+        per-head score bias): each rank reads its own range of it ([Note: scattered operands]
+        in ``fxsplit.tp.rules``); the pass puts ``scatter_to_region`` on that read."""
+        self.scatters.append((node.name, operand.name, dim))
+
+    def partial_sum(self, node, kind: str) -> None:
+        """A sum / mean over the sharded dim: replicated after the pass's g ([Note: reductions
+        over the sharded dim] in ``fxsplit.tp.rules``); its value has no sharded dim."""
+        self.partial_sums.append((node.name, kind))
 
     def rewrite_slice(self, node, path, start, stop, size):
         """fx ``x[..., a:b]`` of a dim of global ``size``: the slice at ``path`` gets local bounds."""

@@ -49,7 +49,11 @@ def no_rule(p, op: Op) -> None:
         p.fail(op.node, "a sharded value used by an op that returns no tensor")
     if "norm" in op.name:
         p.fail(op.node, f"a normalization ({op.name}) reads the whole sharded feature dim")
-    p.fail(op.node, "an op the pass does not know how to shard (left replicated)")
+    seeds = {p.linears[s].module_path: "replicate" for s in sorted(p.seeds)}
+    p.fail(op.node, f"an op the pass does not know how to shard (left replicated): no propagation rule for "
+                    f"'{op.name}' (fxsplit.tp.rules.RULES), and no tp_plan style shards through it (tp_plan="
+                    f"{seeds} says so and skips the attempt; the other linears sharing their input are "
+                    f"tried without them)")
 
 
 def _shape_attr(p, op: Op) -> None:
@@ -139,12 +143,12 @@ def _cut_slice(p, op: Op, start, stop, step, path, slice_obj=False) -> None:
 
 
 def _view(p, op: Op) -> None:
-    """Views and reshapes ([Note: factored views]); expand."""
+    """Views and reshapes ([Note: factored views]); expand / broadcast_to."""
     node, name, st, out_shape = op.node, op.name, op.st, op.out_shape
     in_shape = node_shape(node.args[0])
-    if name in ("expand", "expand_as"):
+    if name in ("expand", "expand_as", "broadcast_to"):
         d = st.dim + len(out_shape) - len(in_shape)
-        if name == "expand":
+        if name in ("expand", "broadcast_to"):
             sizes = int_args(node, 1)
             lst = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
             p.rewrite(node, (1, d) if lst else (1 + d,), sizes[d], out_shape[d])
@@ -173,7 +177,9 @@ def _view(p, op: Op) -> None:
     for j in cands:
         if j not in ok:
             p.skipped(f"t={p.t} does not divide the factor {out_shape[j]} of the view to {list(out_shape)} at {node.name}")
-    if free and len(cands) >= 2 and cands[-2] not in ok:  # the heads of [..., heads, head_dim]
+    # the heads of [..., heads, head_dim]: t divides no factor but head_dim (with another factor
+    # divisible, as [heads, 3, hd] or [3, heads, hd], the search tries it and replicates with a reason)
+    if free and len(cands) >= 2 and not any(j in ok for j in cands[:-1]):
         p.indivisible(divisibility_msg(node, p.t, out_shape[cands[-2]], "a view of the sharded value"))
     d = ok[p.choose(node, len(ok))]
     origins = st.origins
@@ -318,9 +324,21 @@ def _reduce(p, op: Op) -> None:
     if any(not isinstance(d, int) for d in dims):
         p.fail(node, f"{op.name} over dims given as {dims}")
     dims = [norm_dim(d, n_in) for d in dims]
+    if st.dim in dims and op.name in ("sum", "mean") and len(dims) == 1 and not node.kwargs.get("dtype"):
+        return p.partial_sum(node, op.name)  # [Note: reductions over the sharded dim]
     if st.dim in dims:
         p.fail(node, f"{op.name} over the sharded dim")
     p.set(node, st.dim if keep else st.dim - sum(1 for d in dims if d < st.dim), st.origins)
+
+
+# [Note: reductions over the sharded dim] A sum (or mean) over the sharded dim alone is a
+# partial sum on each rank: the pass adds g (``reduce_from_region``: forward all-reduce) after
+# it (and divides a mean of local means by t), and its value is replicated from there on. Its
+# readers are sharded nodes (OLMo 2's q/k RMSNorm over the whole projection: x * rsqrt(mean(x^2)
+# + eps)), so the statistic's gradient is partial on each rank and the f of [Note: partial
+# gradients of replicated operands] (``fxsplit.tp.plan``) sums it before g's identity backward:
+# forward and backward each one all-reduce, as Megatron's distributed norms do. Other reductions
+# (amax, var over the shards, a reduction over several dims) have no rule.
 
 
 def _layer_norm(p, op: Op) -> None:
@@ -412,6 +430,8 @@ def _sdpa(p, op: Op) -> None:
         if mask.name in p.state:
             if p.state[mask.name].dim != pos:
                 p.fail(node, "mask sharded on another dim")
+        elif pos >= 0 and eq(ms[pos], out_shape[len(out_shape) - 3]):
+            p.scatter(node, mask, pos)  # a per-head bias (T5's relative positions): each rank its heads
         elif pos >= 0 and not eq(ms[pos], 1):
             p.fail(node, f"attention mask {mask.name} has {ms[pos]} heads; a per-head mask is not sharded")
     p.set(node, len(out_shape) - 3)
@@ -447,9 +467,41 @@ def _pointwise(p, op: Op) -> None:
             continue
         s = node_shape(a)
         pos = out_dim - (n - len(s))
-        if pos >= 0 and not eq(s[pos], 1):
-            p.fail(node, f"combines the sharded value with replicated {a.name} of full size {s[pos]} on the sharded dim")
+        if pos < 0 or eq(s[pos], 1):
+            continue
+        if (out_dim < n - 1 or _param_read(a)) and eq(s[pos], op.out_shape[out_dim]):  # [Note: scattered operands]
+            p.scatter(node, a, pos)
+            origins = frozenset()
+            continue
+        p.fail(node, f"combines the sharded value with replicated {a.name} of full size {s[pos]} on the sharded dim")
     p.set(node, out_dim, origins)
+
+
+# [Note: scattered operands] A replicated operand that has the sharded dim's full size (not 1)
+# is combined element for element with the sharded value: a per-head score bias (T5's relative
+# position bias [1, heads, T, T] added to the scores or given to sdpa as its mask, ALiBi). Rank r
+# holds the r-th contiguous range of the sharded dim, so it reads the r-th range of the operand:
+# ``scatter_to_region`` (forward: own range; backward: all-gather, so the replicated operand gets
+# its whole gradient on every rank, and no f is put on it, ``TPPlan.grad_sums``). The sharded
+# value's layout is then fixed as one contiguous range (its origins dropped). Only where the
+# sharded dim is not the last one (heads, not features), or where the operand is a parameter
+# read (OLMo 2's q/k norm weight over the whole projection): a replicated residual added to a
+# feature-sharded value is the end of a region, not a bias to scatter.
+
+
+def _param_read(a: torch.fx.Node) -> bool:
+    """A parameter or buffer read, through casts and views (a norm's weight on the features)."""
+    for _ in range(8):
+        if a.op == "get_attr":
+            return True
+        name = op_name(a)
+        if a.op not in ("call_function", "call_method") or not (name in RESHAPES or name in
+                                                                  ("to", "type_as", "float", "half", "bfloat16", "contiguous")):
+            return False
+        a = a.args[0]
+        if not isinstance(a, torch.fx.Node):
+            return False
+    return False
 
 
 _POINTWISE_RULE = Rule(_pointwise, any_operand=True)
@@ -461,7 +513,7 @@ _RULE_TABLE: tuple[tuple[Iterable[str], Rule], ...] = (
     (("size", "sym_size"), Rule(_size, "any")),
     (("getitem",), Rule(_getitem, "any")),
     (("split", "split_with_sizes", "chunk", "unbind"), Rule(_split, "tuple")),
-    (sorted(RESHAPES | {"expand", "expand_as"}), Rule(_view)),
+    (sorted(RESHAPES | {"expand", "expand_as", "broadcast_to"}), Rule(_view)),
     (("transpose", "swapaxes", "t"), Rule(_transpose)),
     (("permute",), Rule(_permute)),
     (("repeat_interleave",), Rule(_repeat_interleave)),

@@ -1,0 +1,106 @@
+"""The tensor-parallel pass's steps on operands of sharded nodes (``passes/tensor_parallel.py``
+runs them, in this order, after the local shapes and parameters): ``x @ W.T`` linears made
+linears, f on replicated operands whose gradient is partial (``plan.grad_sums``),
+``scatter_to_region`` on per-head biases (``plan.scatters``), g after sums over the sharded dim
+(``plan.partial_sums``). The notes are in ``fxsplit.tp.plan`` ([Note: partial gradients of
+replicated operands]) and ``fxsplit.tp.rules`` ([Note: scattered operands], [Note: reductions
+over the sharded dim]). Written only against fxsplit's public API.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from fxsplit.tp.collectives import copy_to_region, reduce_from_region, scatter_to_region
+from fxsplit.tp.plan import TPPlan
+
+__all__ = ["matmuls_as_linears", "sum_grads", "scatter_operands", "partial_sums"]
+
+
+def _new(graph: torch.fx.Graph, target, args, kwargs=None, *, like: torch.fx.Node, val=None) -> torch.fx.Node:
+    n = graph.call_function(target, tuple(args), dict(kwargs or {}))
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in like.meta:
+            n.meta[key] = like.meta[key]
+    if val is not None:
+        n.meta["val"] = val
+    return n
+
+
+def matmuls_as_linears(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
+    """Step 0: each ``x @ W.T`` linear of the plan (kind ``"matmul"``) becomes ``linear(x, W)``
+    (the same value; node name kept), so the steps below treat it as any linear."""
+    graph = gm.graph
+    is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
+    for name, info in plan.linears.items():
+        if info.kind != "matmul" or name not in nodes:
+            continue
+        node = nodes[name]
+        x, wt = node.args
+        node.target = torch.ops.aten.linear.default if is_export else F.linear
+        node.args = (x, wt.args[0])
+        if not wt.users:
+            graph.erase_node(wt)
+
+
+def sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str,
+              module_to_function: Callable[[torch.fx.GraphModule, torch.fx.Node], torch.fx.Node]) -> None:
+    """Step 2b: a replicated operand of a sharded node that carries a gradient (a per-head norm's
+    weight, ``1 + w``, a statistic) gets a partial gradient on each rank: one f on that operand,
+    before its first sharded reader, sums it (``plan.grad_sums``)."""
+    graph = gm.graph
+    fs: dict[torch.fx.Node, torch.fx.Node] = {}
+    for name, operand in plan.grad_sums:
+        node = nodes[name]
+        if operand == "<module>":
+            node = nodes[name] = module_to_function(gm, node)
+            reads = [a for a in node.all_input_nodes if a.op == "get_attr"]
+        else:
+            reads = [nodes[operand]]
+        for a in reads:
+            if a not in fs:
+                with graph.inserting_before(node):
+                    fs[a] = _new(graph, copy_to_region, (a,), {"axis": axis}, like=node, val=a.meta.get("val"))
+            node.replace_input_with(a, fs[a])
+
+
+def scatter_operands(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str,
+                     local_val: Callable[[Any, int, int], Any]) -> None:
+    """Step 2c: a replicated operand with the sharded dim's full size (a per-head score bias) is
+    read through ``scatter_to_region`` on that dim, one per (operand, dim), before its first
+    sharded reader (``plan.scatters``)."""
+    graph, t = gm.graph, plan.tp
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done: dict[tuple[str, int], torch.fx.Node] = {}
+    for name, operand, dim in sorted(plan.scatters, key=lambda s: order[nodes[s[0]]]):
+        node, a = nodes[name], nodes[operand]
+        if (operand, dim) not in done:
+            val = a.meta.get("val")
+            local = local_val(val, dim, int(val.shape[dim]) // t) if isinstance(val, torch.Tensor) else None
+            with graph.inserting_before(node):
+                done[(operand, dim)] = _new(graph, scatter_to_region, (a,), {"dim": dim, "axis": axis},
+                                            like=node, val=local)
+        node.replace_input_with(a, done[(operand, dim)])
+
+
+def partial_sums(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:
+    """Step 2d (after the f's of step 2b): a sum / mean over the sharded dim gets g after it (a
+    mean of local means divided by t), read by all its readers (``plan.partial_sums``)."""
+    graph = gm.graph
+    is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
+    for name, kind in plan.partial_sums:
+        node = nodes[name]
+        val = node.meta.get("val")
+        with graph.inserting_after(node):
+            g = _new(graph, reduce_from_region, (node,), {"axis": axis}, like=node, val=val)
+        out = g
+        if kind == "mean":
+            with graph.inserting_after(g):
+                div = torch.ops.aten.div.Tensor if is_export else operator.truediv
+                out = _new(graph, div, (g, plan.tp), like=node, val=val)
+        node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not g)
