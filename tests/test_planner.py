@@ -104,9 +104,10 @@ def test_plan_auto_builds_the_scored_plan():
                      memory_limit=1.6e6)
     best = p.search.best
     c = p.config
-    assert (c.dp, c.tp, c.pp, c.schedule, c.microbatches) == (
+    assert c.world_size == 4, c
+    assert (c.dp * c.dp_shard, c.tp, c.pp, c.schedule, c.microbatches) == (
         best.candidate.dp, best.candidate.tp, best.candidate.pp, best.candidate.schedule, best.candidate.microbatches)
-    assert c.split_points == p.search.split_points() and c.num_stages == len(best.cuts) - 1
+    assert c.split_points == (p.search.split_points() or None) and c.num_stages == len(best.cuts) - 1
     assert p.predicted_step_time == best.step_time and p.predicted_memory["total"] <= 1.6e6
     assert "predicted step" in str(p)
     with pytest.raises(PlanError, match="chooses tp itself"):

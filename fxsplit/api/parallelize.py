@@ -104,7 +104,6 @@ def parallelize(
             f"over all of them (fxsplit.runtime.mesh.build_mesh(dp=..., pp=..., tp=...))"
         )
     coords = mesh_coords(mesh)
-    coords.setdefault("dp_shard", 0)
     groups = mesh_groups(mesh)
     # [Note: failures]: flag all-reduces over every rank, on the CPU (gloo); the runtime gets a
     # pipeline group of its own, which it destroys on a failure (the mesh's "pp" group may be the

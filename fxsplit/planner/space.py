@@ -61,8 +61,8 @@ class Candidate:
                    schedule=self.schedule, microbatches=self.microbatches,
                    activation_checkpointing=self.activation_checkpointing,
                    sequence_parallel=self.sequence_parallel)
-        if self.dp_shard != 1:
-            out["dp_shard"] = self.dp_shard
+        if self.dp_shard != 1:  # ``dp`` here is the whole data-parallel degree, ParallelConfig's the replicas
+            out["dp"], out["dp_shard"] = self.dp // self.dp_shard, self.dp_shard
         return out
 
     def short(self) -> str:
