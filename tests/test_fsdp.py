@@ -89,7 +89,7 @@ def _data_slice(pm, t):
     """Data-parallel rank r of D = dp * dp_shard takes the r-th of D equal slices."""
     c = pm.plan.config
     D = c.dp * c.dp_shard
-    r = pm.coords["dp"] * c.dp_shard + pm.coords["dp_shard"]
+    r = pm.coords["dp"] * c.dp_shard + pm.coords.get("dp_shard", 0)
     B = t.shape[0]
     assert B % D == 0, (B, D)
     return t[r * B // D:(r + 1) * B // D]
