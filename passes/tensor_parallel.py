@@ -55,7 +55,7 @@ from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
-from fxsplit.passes.tp_operands import matmuls_as_linears, partial_sums, scatter_operands, sum_grads
+from fxsplit.passes.tp_operands import matmuls_as_linears, new_node as _new, partial_sums, scatter_operands, sum_grads
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -129,16 +129,6 @@ def _set_arg(node: torch.fx.Node, path: tuple, value: int) -> None:
         inner[path[1]] = value
         args[path[0]] = type(node.args[path[0]])(inner) if isinstance(node.args[path[0]], tuple) else inner
     node.args = tuple(args)
-
-
-def _new(graph: torch.fx.Graph, target, args, kwargs=None, *, like: torch.fx.Node, val=None) -> torch.fx.Node:
-    n = graph.call_function(target, tuple(args), dict(kwargs or {}))
-    for key in ("nn_module_stack", "stack_trace"):
-        if key in like.meta:
-            n.meta[key] = like.meta[key]
-    if val is not None:
-        n.meta["val"] = val
-    return n
 
 
 def _is_view(node: Any) -> bool:

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from fxsplit.tp.collectives import copy_to_region, reduce_from_region, scatter_to_region
 from fxsplit.tp.plan import TPPlan
 
-__all__ = ["matmuls_as_linears", "sum_grads", "scatter_operands", "partial_sums"]
+__all__ = ["new_node", "matmuls_as_linears", "sum_grads", "scatter_operands", "partial_sums"]
 
 
-def _new(graph: torch.fx.Graph, target, args, kwargs=None, *, like: torch.fx.Node, val=None) -> torch.fx.Node:
+def new_node(graph: torch.fx.Graph, target, args, kwargs=None, *, like: torch.fx.Node, val=None) -> torch.fx.Node:
     n = graph.call_function(target, tuple(args), dict(kwargs or {}))
     for key in ("nn_module_stack", "stack_trace"):
         if key in like.meta:
@@ -65,7 +65,7 @@ def sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.
         for a in reads:
             if a not in fs:
                 with graph.inserting_before(node):
-                    fs[a] = _new(graph, copy_to_region, (a,), {"axis": axis}, like=node, val=a.meta.get("val"))
+                    fs[a] = new_node(graph, copy_to_region, (a,), {"axis": axis}, like=node, val=a.meta.get("val"))
             node.replace_input_with(a, fs[a])
 
 
@@ -83,7 +83,7 @@ def scatter_operands(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, to
             val = a.meta.get("val")
             local = local_val(val, dim, int(val.shape[dim]) // t) if isinstance(val, torch.Tensor) else None
             with graph.inserting_before(node):
-                done[(operand, dim)] = _new(graph, scatter_to_region, (a,), {"dim": dim, "axis": axis},
+                done[(operand, dim)] = new_node(graph, scatter_to_region, (a,), {"dim": dim, "axis": axis},
                                             like=node, val=local)
         node.replace_input_with(a, done[(operand, dim)])
 
@@ -97,10 +97,10 @@ def partial_sums(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.
         node = nodes[name]
         val = node.meta.get("val")
         with graph.inserting_after(node):
-            g = _new(graph, reduce_from_region, (node,), {"axis": axis}, like=node, val=val)
+            g = new_node(graph, reduce_from_region, (node,), {"axis": axis}, like=node, val=val)
         out = g
         if kind == "mean":
             with graph.inserting_after(g):
                 div = torch.ops.aten.div.Tensor if is_export else operator.truediv
-                out = _new(graph, div, (g, plan.tp), like=node, val=val)
+                out = new_node(graph, div, (g, plan.tp), like=node, val=val)
         node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not g)
