@@ -170,13 +170,12 @@ def _ref_model(name, overrides, step):
 def _check(results, ref_losses, ref_grads, ref_state, aliases, *, dp_shard, rtol=1e-5, atol=1e-6):
     for rank, res in enumerate(results):
         assert res["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"rank {rank}"
-        # (full_state_dict names a tied HF weight once, e.g. GPT-2's lm_head.weight and not
-        # transformer.wte.weight, with or without FSDP: the alias is the same tensor)
-        missing = set(ref_state) - set(res["state"])
-        assert set(res["state"]) <= set(ref_state) and missing <= aliases, f"rank {rank}: {missing}"
+        # every name of a tied weight, as model.state_dict() gives them (HF GPT-2's lm_head.weight
+        # and transformer.wte.weight), with or without FSDP
+        assert set(res["state"]) == set(ref_state), (
+            f"rank {rank}: missing {sorted(set(ref_state) - set(res['state']))}, "
+            f"extra {sorted(set(res['state']) - set(ref_state))}")
         for k, v in ref_state.items():
-            if k in missing:
-                continue
             torch.testing.assert_close(res["state"][k], v, rtol=1e-4, atol=STATE_ATOL, msg=f"rank {rank} {k}")
         local, whole, all_sharded = res["held"]
         assert dp_shard == 1 or all_sharded, f"rank {rank}: a parameter is not FSDP-sharded"
@@ -349,6 +348,7 @@ def test_dp_shard_clip_checkpoint_and_failures(tmp_path):
         assert res["norm"] == pytest.approx(norm, rel=1e-5), f"rank {rank}"
         for n, g in res["grads"].items():  # pp=2: each rank holds its stages' (clipped) gradients
             torch.testing.assert_close(g, grads[n], rtol=1e-5, atol=1e-7, msg=f"rank {rank} {n}")
+        assert set(res["saved"]) == set(state), set(res["saved"]) ^ set(state)  # both names of wte / lm_head
         for k, v in res["saved"].items():
             torch.testing.assert_close(v, state[k], rtol=1e-4, atol=STATE_ATOL, msg=f"rank {rank} {k}")
         kind, text, seconds = res["failure"]
@@ -361,6 +361,7 @@ def test_dp_shard_clip_checkpoint_and_failures(tmp_path):
         # reloaded at another layout: the same full state and (tp shards reassembled) optimizer state
         for label in ("ds4", "tp2-ds2"):
             got = res[label]
+            assert set(got["state"]) == set(state), (label, set(got["state"]) ^ set(state))
             for k, v in res["saved"].items():
                 torch.testing.assert_close(got["state"][k], v, rtol=0, atol=0, msg=f"{label} rank {rank} {k}")
             specs = got["specs"]
@@ -383,6 +384,7 @@ def test_dp_shard_clip_checkpoint_and_failures(tmp_path):
             torch.testing.assert_close(full, optim[k], rtol=1e-5, atol=1e-7, msg=k)
     # the checkpoint whole, in this one process
     whole = fxsplit.load_full_checkpoint(path, include_optimizer=True)
+    assert {k for k in whole if not k.startswith("optim/")} == set(state), set(whole) ^ set(state)
     for k, v in results[0]["saved"].items():
         torch.testing.assert_close(whole[k], v, rtol=0, atol=0, msg=k)
     for k, v in optim.items():

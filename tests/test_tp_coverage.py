@@ -12,13 +12,18 @@ row here and the table in benchmarks/README.md (``python benchmarks/tp_coverage.
 Known bugs are ``xfail(strict=True)`` naming the bug.
 """
 
+import collections
+import dataclasses
 import functools
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 
+from fxsplit.testing import run_distributed
 from fxsplit.testing import tp_coverage as tc
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tp_layout_models import make_layout  # noqa: E402
@@ -95,10 +100,88 @@ def _build(arch):
     return tc.build(arch)
 
 
+# [Note: how the matrix is computed]
+# One model per arch, traced once and planned from copies of that trace at each (t, pp)
+# ([Note: sharing a trace between plans] in fxsplit.testing.trace_cache): the plans, measures and
+# verify are exactly those of a fresh trace; the trace (torch.export, seconds per model) was most
+# of a t=4 or pp=2 case. The rows are independent, so WORKERS processes (run_distributed: its
+# forkserver has transformers imported; a worker that dies fails the launch with its traceback)
+# compute the rows the selected tests need, every layout of an arch in the same worker; each
+# test then asserts on its own row, and a row whose measure raised re-raises there (by name).
+WORKERS = 2  # the CI and development machines have 2 cores
+_TRACES = SharedTraces()
+
+
 @functools.lru_cache(maxsize=None)
+def _model(arch):
+    return _build(arch)
+
+
 def _row(arch, t, pp=1):
-    model, args, kwargs = _build(arch)
-    return tc.measure(model, args, kwargs, tp=t, pp=pp, arch=arch)
+    model, args, kwargs = _model(arch)
+    with shared_traces(_TRACES):
+        return tc.measure(model, args, kwargs, tp=t, pp=pp, arch=arch)
+
+
+@dataclasses.dataclass
+class _Raised:
+    """A row whose measure raised (in a worker): the exception's text, or a skip's reason."""
+
+    text: str
+    skip: bool = False
+
+
+def _deal(keys, world):
+    """The archs of ``keys`` dealt to ``world`` workers, most layouts first to the least loaded."""
+    layouts = collections.Counter(arch for arch, _, _ in keys)
+    load, owner = [0] * world, {}
+    for arch in sorted(layouts, key=lambda a: (-layouts[a], a)):
+        w = load.index(min(load))
+        owner[arch], load[w] = w, load[w] + layouts[arch]
+    return owner
+
+
+def _rows_of(rank, world, keys):
+    owner = _deal(keys, world)
+    out = {}
+    for key in keys:
+        if owner[key[0]] != rank:
+            continue
+        try:
+            out[key] = _row(*key)
+        except pytest.skip.Exception as exc:
+            out[key] = _Raised(str(exc), skip=True)
+        except Exception:  # noqa: BLE001 -- reported by the test of this row
+            out[key] = _Raised(traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows(request):
+    """(arch, t, pp) -> Coverage for every row this module's selected tests read."""
+    mine = [item for item in request.session.items if item.module is sys.modules[__name__]]
+    keys = {tuple(item.callspec.params[k] for k in ("arch", "t", "pp")) for item in mine if hasattr(item, "callspec")}
+    if any(item.name == "test_layer_collectives_are_counted_per_layer" for item in mine):
+        keys.add(("llama", 2, 1))
+    if "transformers" not in sys.modules:
+        try:
+            import transformers  # noqa: F401 -- imported here, the workers' forkserver preloads it
+        except ImportError:
+            pass
+    world = min(WORKERS, len({k[0] for k in keys}))
+    out = {}
+    for part in run_distributed(_rows_of, world, sorted(keys), timeout=3000):
+        out.update(part)
+    return out
+
+
+def _get(rows, arch, t, pp):
+    row = rows[(arch, t, pp)]
+    if isinstance(row, _Raised):
+        if row.skip:
+            pytest.skip(row.text)
+        raise AssertionError(f"{arch} t={t} pp={pp}: measuring raised\n{row.text}")
+    return row
 
 
 ALL = sorted({*SHARDED, *PARTIAL, *UNREPORTED, *XFAIL})
@@ -117,8 +200,8 @@ CASES = [_case(a, 2) for a in ALL] + [_case(a, 4) for a in T4] + [_case(a, 2, 2)
 
 
 @pytest.mark.parametrize("arch,t,pp", CASES)
-def test_coverage(arch, t, pp):
-    row = _row(arch, t, pp)
+def test_coverage(rows, arch, t, pp):
+    row = _get(rows, arch, t, pp)
     assert row.ok, f"{arch} t={t} pp={pp}: {row.error}"
     assert row.verified.startswith("verified"), row.verified
     reasons = " | ".join(why for _, why in row.replicated)
@@ -151,9 +234,9 @@ def test_coverage(arch, t, pp):
 
 
 @pytest.mark.hf
-def test_layer_collectives_are_counted_per_layer():
+def test_layer_collectives_are_counted_per_layer(rows):
     """The measure itself: Llama at t=2 has one g per attention and per MLP in each of its 2 layers,
     and the largest rank's share is about 1/2 (so the bound is not vacuous)."""
-    row = _row("llama", 2)
+    row = _get(rows, "llama", 2, 1)
     assert row.layers == 2 and row.fwd_per_layer == 2 and row.bwd_per_layer == 2
     assert 0.5 <= row.share <= 0.51 and row.bound < 0.51

@@ -364,7 +364,7 @@ class ParallelModel(nn.Module):
                     merged.setdefault(k, v)
         if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
             return None
-        return merged
+        return _with_aliases(merged, self.plan.graph)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
@@ -423,7 +423,7 @@ class ParallelModel(nn.Module):
             else:
                 state[name] = tensor.detach()
         # each (pp, tp) position records the specs of the shards it wrote (replicas write the same)
-        state[f"{_META}/pp{self.coords.get('pp', 0)}-tp{tp_rank}"] = _ShardRecord(t, mine)
+        state[f"{_META}/pp{self.coords.get('pp', 0)}-tp{tp_rank}"] = _ShardRecord(t, mine, _alias_groups(self.plan.graph))
         dcp.save(state, checkpoint_id=path, process_group=self._groups.get("world"),
                  no_dist=not (dist.is_available() and dist.is_initialized()))
 
@@ -463,6 +463,30 @@ class ParallelModel(nn.Module):
                 optimizer.state[param] = entry
 
 
+def _with_aliases(state: dict[str, torch.Tensor], graph: nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` with every name of a tied tensor, as ``model.state_dict()`` gives them.
+
+    A stage graph reads a tied tensor through one name (torch.export keeps one ``get_attr`` per
+    tensor: HF GPT-2's ``lm_head.weight`` and not ``transformer.wte.weight``), so the stages'
+    state dicts name it once; the traced graph (``plan.graph``) still holds the model's modules
+    at every name, and the names that resolve to one tensor there are its aliases."""
+    out = dict(state)
+    for group in _alias_groups(graph):
+        have = next((n for n in group if n in state), None)
+        if have is not None:
+            for n in group:
+                out.setdefault(n, state[have])
+    return out
+
+
+def _alias_groups(graph: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The names of each tensor of ``graph`` held under more than one name."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*graph.named_parameters(remove_duplicate=False), *graph.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return tuple(tuple(g) for g in names.values() if len(g) > 1)
+
+
 # [Note: checkpoint layout]
 # A checkpoint is a torch.distributed.checkpoint folder. A replicated tensor is stored under its
 # original name (written once, DCP deduplicates replicas); a tensor-parallel shard under
@@ -478,6 +502,7 @@ class _ShardRecord:
 
     tp: int
     specs: Mapping[str, Any]
+    aliases: tuple[tuple[str, ...], ...] = ()  # every name of a tied tensor (absent in older checkpoints)
 
 
 def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -515,6 +540,7 @@ def load_full_checkpoint(path: str, *, names: set[str] | None = None,
     except FileNotFoundError:
         raise FileNotFoundError(f"{path!r} is not an fxsplit checkpoint (no torch.distributed.checkpoint metadata)") from None
     specs: dict[str, Any] = {}
+    aliases: set[tuple[str, ...]] = set()
     meta_keys = [k for k in meta if k.startswith(_META + "/")]
     objs: dict[str, Any] = {k: None for k in meta_keys}
     import warnings
@@ -523,6 +549,11 @@ def load_full_checkpoint(path: str, *, names: set[str] | None = None,
     dcp.load(objs, checkpoint_id=path, no_dist=True)
     for obj in objs.values():
         specs.update(obj.specs)
+        aliases.update(obj.aliases)  # a checkpoint from before the field: the class default, ()
+    extra: set[str] = set()  # a tied tensor's name reads it under whichever name it was saved
+    if names is not None:
+        extra = {n for group in aliases if names.intersection(group) for n in group} - set(names)
+        names = set(names) | extra
     wanted: dict[str, Any] = {}
     for key, m in meta.items():
         if not isinstance(m, TensorStorageMetadata):
@@ -543,6 +574,12 @@ def load_full_checkpoint(path: str, *, names: set[str] | None = None,
             full[key] = tensor
     for base, parts in shards.items():
         full[base] = specs[base].unshard([parts[r] for r in sorted(parts)])
+    for group in aliases:  # a tied tensor is saved once; its other names as the model has them
+        have = next((n for n in group if n in full), None)
+        if have is not None:
+            full.update((n, full[have]) for n in group if n not in full and (names is None or n in names))
+    for n in extra:
+        full.pop(n, None)
     return full
 
 

@@ -1,0 +1,130 @@
+"""Plan one model several times from one trace (tests): ``with shared_traces(): ...`` makes
+:func:`fxsplit.plan` trace each (model object, example inputs, trace options) once and plan every
+later call from a copy of that trace.
+
+Terms:
+    trace key: the model object (held, so its id is not reused), a fingerprint of it (every
+        module's class, identity and training flag; every parameter's and buffer's name, identity,
+        shape, dtype, device and requires_grad), the example inputs (tensors by identity, shape,
+        dtype and device; other values by ``repr``) and ``trace``'s keyword options.
+    copy: a new GraphModule over a deep copy of the graph (nodes new, each node's ``meta`` a new
+        dict of the same values, as ``torch.fx`` copies nodes), with the module tree copied
+        container by container and the tensors shared (the model's own parameters, as a fresh
+        trace holds them).
+
+    with shared_traces() as cache:
+        p2 = fxsplit.plan(model, args, tp=2)          # traces
+        p4 = fxsplit.plan(model, args, tp=4)          # plans from a copy of the same trace
+    cache.hits, cache.misses
+
+[Note: sharing a trace between plans]
+``torch.export`` of a tiny transformers model takes seconds (symbolic shapes), most of a test that
+plans it at t=2, t=4 and pp=2; the graph it produces depends only on the model's code, structure,
+configuration and the inputs' shapes and trace options, not on the weights' values. ``plan``'s
+passes rewrite the graph they are given in place (tensor parallelism shards, the split cuts), so
+each plan gets its own copy and the cached trace is never handed out; the copy keeps every module
+and tensor attribute at its path (an alias name of a tied weight that no node reads included,
+which ``GraphModule.__deepcopy__`` would drop) and shares the tensors (the plan materializes and
+verifies from the model's parameters by reference). A model changed between the calls (a module,
+parameter or buffer replaced or reshaped, ``train()``/``eval()``) has another key and is traced
+again; a change the fingerprint cannot see (a plain Python attribute read by ``forward``, a
+replaced ``forward``) is not: this is for tests that build a model once and plan it several ways,
+not a cache for users. Each reuse also checks that the cached graph's code is still what it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+_plan_module = importlib.import_module("fxsplit.api.plan")  # the module (fxsplit.api.plan is also the function)
+
+__all__ = ["SharedTraces", "copy_graph_module", "shared_traces"]
+
+
+def _tree_copy(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    """``mod`` and its submodules as new containers (the same module at two paths stays one),
+    holding the same parameter, buffer and attribute objects."""
+    if id(mod) in memo:
+        return memo[id(mod)]
+    new = mod.__class__.__new__(mod.__class__)
+    new.__dict__ = dict(mod.__dict__)
+    memo[id(mod)] = new
+    new._parameters = dict(mod._parameters)
+    new._buffers = dict(mod._buffers)
+    new._non_persistent_buffers_set = set(mod._non_persistent_buffers_set)
+    new._modules = {k: None if v is None else _tree_copy(v, memo) for k, v in mod._modules.items()}
+    return new
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that passes may rewrite without touching ``gm`` ([Note: sharing a trace
+    between plans]): new graph and nodes, new module containers, the same tensors."""
+    new = _tree_copy(gm, {})
+    new.meta = dict(getattr(gm, "meta", {}))
+    new.graph = copy.deepcopy(gm.graph)  # the setter takes ownership and recompiles
+    return new
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    mods = tuple((name, type(m).__qualname__, id(m), m.training) for name, m in model.named_modules(remove_duplicate=False))
+    tensors = tuple((name, id(t), tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
+                    for name, t in [*model.named_parameters(remove_duplicate=False),
+                                    *model.named_buffers(remove_duplicate=False)])
+    return mods, tensors
+
+
+def _input_key(value: Any) -> tuple:
+    leaves, spec = pytree.tree_flatten(value)
+    return str(spec), tuple((id(x), tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) else repr(x)
+                            for x in leaves)
+
+
+@dataclass
+class SharedTraces:
+    """The traces of one ``shared_traces()`` block; ``hits`` / ``misses`` count the plans."""
+
+    entries: dict[Any, tuple[nn.Module, torch.fx.GraphModule, str]] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+
+    def trace(self, model: nn.Module, example_args: Any = (), example_kwargs: Any = None, **options: Any):
+        key = (id(model), _fingerprint(model), _input_key((example_args, example_kwargs)),
+               tuple(sorted((k, repr(v)) for k, v in options.items())))
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            gm = _TRACE(model, example_args, example_kwargs, **options)
+            entry = self.entries[key] = (model, gm, gm.code)
+        else:
+            self.hits += 1
+        _, gm, code = entry
+        if gm.code != code:
+            raise AssertionError("shared_traces: the cached trace was modified (a pass rewrote the graph it was handed)")
+        return copy_graph_module(gm)
+
+
+_TRACE = _plan_module.trace
+
+
+@contextlib.contextmanager
+def shared_traces(cache: SharedTraces | None = None) -> Iterator[SharedTraces]:
+    """Inside the block, :func:`fxsplit.plan` plans from copies of one trace per trace key
+    ([Note: sharing a trace between plans]); ``cache`` carries the traces over from an earlier
+    block (a module of tests that plans each model in several tests)."""
+    cache = SharedTraces() if cache is None else cache
+    previous = _plan_module.trace
+    _plan_module.trace = cache.trace
+    try:
+        yield cache
+    finally:
+        _plan_module.trace = previous
