@@ -9,6 +9,7 @@ import torch
 import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 STEPS = 3
 LR = 0.05
@@ -62,14 +63,38 @@ def _local_grads(pm):
     return out
 
 
+# [Note: one model and trace per launch]
+# A rank trains several layouts of the same model in one launch. parallelize never changes the
+# model it is given (each rank trains materialized copies; builders are seeded without touching
+# the global RNG), so a rank builds each (model, overrides) once and every layout plans it from
+# one trace (fxsplit.testing.trace_cache: tracing was most of a layout's planning). Every rank
+# computes the same plan, so rank 0 verifies it (verify=None, parallelize's default: the plan
+# against the unsplit model in one process) and the others do not repeat that check.
+_MODELS: dict = {}
+_TRACES = SharedTraces()
+
+
+def _model(make, name, overrides):
+    key = (name, tuple(sorted(overrides.items())))
+    if key not in _MODELS:
+        _MODELS[key] = make(name, **overrides)
+    return _MODELS[key]
+
+
+def _parallelize(rank, model, args, kwargs, **options):
+    options.setdefault("verify", None if rank == 0 else False)
+    with shared_traces(_TRACES):
+        return fxsplit.parallelize(model, args, kwargs, **options)
+
+
 def _train(rank, world, name, overrides, options, steps=STEPS):
     torch.manual_seed(0)
-    model, args, kwargs = zoo.make(name, **overrides)
+    model, args, kwargs = _model(zoo.make, name, overrides)
     loss_fn = zoo.loss_fn(name)
     # tiny models: score stages by compute alone (at a real link bandwidth, sending a boundary
     # costs more than these layers compute, and the balancer rightly keeps them on one stage)
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
-    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, timeout=60, **options)
+    pm = _parallelize(rank, model, args, kwargs, loss_fn=loss_fn, timeout=60, **options)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     # data-parallel all-reduces start per stage as soon as its last backward ran (overlap)
     ready = []
@@ -194,10 +219,10 @@ def _hf_loss(out, y):
 def _hf_train(rank, world, builder, options, steps=STEPS):
     from fxsplit.testing import hf_zoo
 
-    model, args, kwargs = getattr(hf_zoo, builder)(batch_size=HF_BATCH)
+    model, args, kwargs = _model(lambda b, **ov: getattr(hf_zoo, b)(**ov), builder, {"batch_size": HF_BATCH})
     options = dict(options)
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
-    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=_hf_loss, timeout=90, **options)
+    pm = _parallelize(rank, model, args, kwargs, loss_fn=_hf_loss, timeout=90, **options)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     # each dp replica trains on its slice of the global batch (and of the attention mask)
     local_kwargs = {k: _replica_slice(pm, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
