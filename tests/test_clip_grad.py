@@ -10,6 +10,7 @@ import torch
 import fxsplit
 from fxsplit.api.grad_norm import check_norm_type, global_norm, norm_parameters, scale_grads
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 INF = float("inf")
 STEPS = 3
@@ -112,11 +113,20 @@ def _clip_steps(step, clip, optimizer):
     return out
 
 
+# one model per rank, every layout planned from one trace; rank 0 verifies the plan every rank
+# computes ([Note: one model and trace per launch] in test_parallelize.py)
+_MODEL: list = []
+_TRACES = SharedTraces()
+
+
 def _train(rank, world, options, kind):
     torch.manual_seed(0)
-    model, args, _ = zoo.make("gpt", batch_size=BATCH)
-    pm = fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), timeout=60,
-                             hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **options)
+    if not _MODEL:
+        _MODEL.append(zoo.make("gpt", batch_size=BATCH))
+    model, args, _ = _MODEL[0]
+    with shared_traces(_TRACES):
+        pm = fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), timeout=60, verify=None if rank == 0 else False,
+                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **options)
     assert pm.plan.stages.shared_params or options.get("pp", 1) == 1
     d, dp = options.get("dp", 1), pm.coords["dp"]
     per = BATCH // d

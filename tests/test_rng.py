@@ -8,6 +8,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 from fxsplit.tp.random import derive_seed, is_random, stage_stream, tp_stream
 
 GPT = dict(n_layer=4, dropout=0.2, attn_dropout=0.2, batch_size=4, seq_len=8)
@@ -79,11 +80,25 @@ def test_streams_are_pure_functions_of_their_keys():
 # tp=2 x pp=2 on gloo
 
 
+# a rank builds each model once and plans every parallelize of it from one trace
+# ([Note: one model and trace per launch] in test_parallelize.py: parallelize never changes the
+# model; the masks come from the seed given to parallelize, not from the trace)
+_MODELS: dict = {}
+_TRACES = SharedTraces()
+
+
+def _model(key, build):
+    if key not in _MODELS:
+        _MODELS[key] = build()
+    return _MODELS[key]
+
+
 def _parallel(seed, **options):
-    model, args, _ = zoo.make("gpt", **GPT)
+    model, args, _ = _model("gpt", lambda: zoo.make("gpt", **GPT))
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
-    return fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), tp=2, pp=2, seed=seed, timeout=60,
-                               **options)
+    with shared_traces(_TRACES):
+        return fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), tp=2, pp=2, seed=seed, timeout=60,
+                                   **options)
 
 
 def _losses(pm, batches=(0, 1)):
@@ -253,11 +268,12 @@ def _hf_gpt2(seed, **options):
     from fxsplit.testing import hf_zoo
 
     torch.manual_seed(0)
-    model, args, kwargs = hf_zoo.make_hf("gpt2", resid_pdrop=0.2, attn_pdrop=0.2, embd_pdrop=0.2)
+    model, args, kwargs = _model("hf-gpt2", lambda: hf_zoo.make_hf("gpt2", resid_pdrop=0.2, attn_pdrop=0.2, embd_pdrop=0.2))
     model.train()
     loss_fn = lambda out, y: nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # noqa: E731
-    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, seed=seed, timeout=60,
-                             hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **options)
+    with shared_traces(_TRACES):
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, seed=seed, timeout=60,
+                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **options)
     x, mask = args[0], kwargs["attention_mask"]
     g = torch.Generator().manual_seed(3)
     y = torch.randint(0, 256, x.shape, generator=g)

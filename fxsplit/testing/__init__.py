@@ -4,7 +4,8 @@ Owns the multi-process harness (``harness``: ``run_distributed`` runs one functi
 of a fresh gloo group, failing fast and naming the rank), the model zoo (``zoo``: MLP, GPT with
 tied weights, CNN with residuals, long skips, keyword arguments), Hugging Face models built
 from small configs (``hf_zoo``) and the tensor-parallel coverage matrix (``tp_coverage``: tiny
-transformers architectures and what automatic TP does with each, checked by ``fxsplit.verify``).
+transformers architectures and what automatic TP does with each, checked by ``fxsplit.verify``)
+and ``trace_cache`` (``shared_traces``: plan one model several ways from one trace).
 
 May import every layer (it sits beside the API, at the top); nothing in fxsplit imports it.
 """

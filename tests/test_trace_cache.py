@@ -1,0 +1,67 @@
+"""fxsplit.testing.trace_cache: plans from a shared trace are the plans of a fresh trace (stage
+code, node metadata, shardings, schedule, every name of a tied weight), the cached trace is
+never handed out, and a model changed between the plans is traced again."""
+
+import torch
+
+import fxsplit
+from fxsplit.testing import zoo
+from fxsplit.testing.trace_cache import copy_graph_module, shared_traces
+
+HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
+LAYOUTS = [dict(tp=2, pp=2, microbatches=2), dict(pp=2, microbatches=2, activation_checkpointing="selective"),
+           dict(tp=2, sequence_parallel=True)]
+
+
+def _summary(p):
+    return ([gm.code for gm in p.stages.modules],
+            [[(n.name, str(n.meta.get("fxsplit")), str(n.meta.get("val"))) for n in gm.graph.nodes] for gm in p.stages.modules],
+            sorted(n for n, _ in p.graph.named_parameters(remove_duplicate=False)),
+            repr(p.tp_plan.param_specs), str(p.schedule), str(p.stages.shared_params))
+
+
+def test_plans_from_a_shared_trace_equal_fresh_plans():
+    fresh = []
+    for options in LAYOUTS:
+        model, args, kwargs = zoo.make("gpt", batch_size=4)
+        fresh.append(_summary(fxsplit.plan(model, args, kwargs, hardware=HW, **options)))
+    model, args, kwargs = zoo.make("gpt", batch_size=4)
+    with shared_traces() as cache:
+        shared = [_summary(fxsplit.plan(model, args, kwargs, hardware=HW, **options)) for options in LAYOUTS]
+    # tp > 1 traces with attention decomposed, tp = 1 without: two traces for three plans
+    assert (cache.hits, cache.misses) == (1, 2)
+    for options, a, b in zip(LAYOUTS, fresh, shared):
+        assert a == b, options
+    assert {"wte.weight", "lm_head.weight"} <= set(shared[0][2])
+
+
+def test_a_changed_model_is_traced_again_and_the_trace_is_never_handed_out():
+    model, args, kwargs = zoo.make("gpt", batch_size=4)
+    with shared_traces() as cache:
+        first = fxsplit.plan(model, args, kwargs, hardware=HW, pp=2, microbatches=2)
+        (key, (_, cached, code)), = cache.entries.items()
+        assert first.graph is not cached and code == cached.code
+        model.eval()
+        fxsplit.plan(model, args, kwargs, hardware=HW, pp=2, microbatches=2)
+        model.train()
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied
+        untied = fxsplit.plan(model, args, kwargs, hardware=HW, pp=2, microbatches=2)
+    assert (cache.hits, cache.misses) == (0, 3)
+    assert untied.stages.shared_params == () and first.stages.shared_params
+
+
+def test_the_copy_shares_tensors_and_keeps_every_module():
+    model, args, kwargs = zoo.make("gpt", batch_size=4)
+    gm = fxsplit.trace(model, args, kwargs)
+    dup = copy_graph_module(gm)
+    assert dup.graph is not gm.graph and dup.code == gm.code
+    names = dict(gm.named_parameters(remove_duplicate=False))
+    got = dict(dup.named_parameters(remove_duplicate=False))
+    assert set(got) == set(names) and all(got[n] is names[n] for n in names)
+    torch.testing.assert_close(dup(*args, **kwargs), gm(*args, **kwargs), rtol=0, atol=0)
+    # what a pass rewrites in the copy (node metadata, a module's attributes) stays in the copy
+    next(iter(dup.graph.nodes)).meta["seen"] = True
+    path = next(n for n, m in dup.named_modules() if n and list(m.parameters(recurse=False)))
+    dup.get_submodule(path).weight = torch.nn.Parameter(torch.zeros(1))
+    assert "seen" not in next(iter(gm.graph.nodes)).meta
+    assert gm.get_submodule(path).weight is names[f"{path}.weight"]
