@@ -35,6 +35,7 @@ from fxsplit.graph.profile import node_time
 from fxsplit.graph.marker import find_pipe_splits
 from fxsplit.graph.meta import node_info
 from fxsplit.graph.recompute import layer_key
+from fxsplit.graph.saved import base, first_saver_bytes, union_bytes, unit_saved
 from fxsplit.pipeline.partition import (
     Partition,
     PartitionError,
@@ -53,6 +54,18 @@ from fxsplit.graph.hardware import Hardware
 __all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "example_bindings", "layer_key"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
+
+# [Note: message buffers]
+# Besides its in-flight microbatches a pipeline rank holds messages: the receive buffers the
+# runtime posts ahead (``prefetch``: the next two actions' receives, fxsplit.runtime.executor), the
+# gradient a backward is consuming, and a sent message until the peer's next message releases
+# it ([Note: releasing sends] in fxsplit.runtime.p2p). Measured at a backward's start with
+# benchmarks/activation_memory.py (p=2, 1F1B, every checkpointing mode): two messages per
+# direction the rank receives in (rank 0: two gradient messages; the last rank: the next
+# forward's activations and the gradient it sent back). So each rank is charged
+# ``_MESSAGES_IN_FLIGHT`` of its largest gradient message (when a stage of it has a successor) and
+# of its largest activation message (when one has a predecessor).
+_MESSAGES_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -148,14 +161,29 @@ class SplitPlan:
 
     def peak_activations(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per rank: the activation bytes held at the peak (in-flight microbatches x the rank's
-        act/mb, the partition's memory model), with this plan's checkpointing and without."""
+        act/mb, the partition's memory model, plus its message buffers: ``message_buffers``), with
+        this plan's checkpointing and without ([Note: what a stage holds])."""
         inflight = self.problem.inflight_per_rank() if self.problem is not None else (1.0,) * self.num_ranks
-        with_, without = [0.0] * self.num_ranks, [0.0] * self.num_ranks
+        buffers = self.message_buffers()
+        with_, without = list(buffers), list(buffers)
         for s in self.stages:
             with_[s.rank] += inflight[s.rank] * s.activation_bytes
             plain = s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
             without[s.rank] += inflight[s.rank] * plain
         return tuple(with_), tuple(without)
+
+    def message_buffers(self) -> tuple[float, ...]:
+        """Per rank: the bytes of the pipeline messages it holds besides its in-flight
+        microbatches, at a backward's start ([Note: message buffers])."""
+        out = [0.0] * self.num_ranks
+        if self.num_stages == 1:
+            return tuple(out)
+        for r in range(self.num_ranks):
+            mine = [s for s in self.stages if s.rank == r]
+            grads = max((s.bytes_out for s in mine if s.index < self.num_stages - 1), default=0.0)
+            acts = max((s.bytes_in for s in mine if s.index > 0), default=0.0)
+            out[r] = _MESSAGES_IN_FLIGHT * (grads + acts)
+        return tuple(out)
 
     @property
     def bottleneck(self) -> float:
@@ -350,6 +378,9 @@ def plan_split(
     if not units:
         raise SplitError("the graph has no compute nodes to split")
     costs = _unit_costs(gm, units, binds, hardware, loss_seconds)
+    held = unit_saved(gm, units, binds)
+    loss_key = _loss_key(gm, binds)
+    costs.acts[:] = _with_loss(first_saver_bytes(held), loss_key)
     cut_bytes = _cut_bytes(units, binds)
     keys = [layer_key(node_info(u).module_path) for u in units]
     penalty, allowed = _cut_rules(units, keys, cut_at, inner_cut_penalty)
@@ -373,11 +404,12 @@ def plan_split(
     )
     modes = {"none": None}
     if activation_checkpointing != "none":
-        modes = unit_modes(gm, units, binds, hardware, costs.acts)
+        modes = unit_modes(gm, units, binds, hardware, held)
         if activation_checkpointing == "auto":
             modes = {m: um for m, um in modes.items() if m in checkpoint_modes}
     problems = {m: problem if um is None else replace(
-        problem, compute=tuple(c + r for c, r in zip(costs.compute, um.recompute)), activation_bytes=um.acts)
+        problem, compute=tuple(c + r for c, r in zip(costs.compute, um.recompute)),
+        activation_bytes=_with_loss(um.acts, loss_key))
         for m, um in modes.items()}
     try:
         part, per_stage = choose(problems, activation_checkpointing)
@@ -393,7 +425,8 @@ def plan_split(
         stage_of=stage_of,
         starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
         stages=_summaries(part, problem, keys, costs, cut_bytes, per_stage, modes,
-                          twice=split_backward == "autograd" and schedule in _SPLIT_SCHEDULES),
+                          twice=split_backward == "autograd" and schedule in _SPLIT_SCHEDULES,
+                          held=_StageHeld(gm, units, binds, held, loss_key)),
         partition=part,
         method=method,
         problem=problem,
@@ -552,7 +585,8 @@ _SPLIT_SCHEDULES = ("zb_h1", "zbv", "zb_auto")  # backward as I and W (fxsplit.s
 
 def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], costs: _UnitCosts,
                cut_bytes: Sequence[float], per_stage: Sequence[str],
-               modes: Mapping[str, Any], twice: bool = False) -> tuple[StageSummary, ...]:
+               modes: Mapping[str, Any], twice: bool = False, held: "_StageHeld | None" = None
+               ) -> tuple[StageSummary, ...]:
     out = []
     link = problem.bandwidth
     for s in range(part.num_stages):
@@ -560,6 +594,12 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
         um = modes.get(per_stage[s])
         fwd, wgt = sum(costs.forward[a:b]), sum(costs.weight[a:b])
         recompute = 0.0 if um is None else sum(um.recompute[a:b])
+        acts = sum(costs.acts[a:b] if um is None else um.acts[a:b])
+        plain = sum(costs.acts[a:b])
+        if held is not None:
+            last = s == part.num_stages - 1
+            plain = held.stage(None, a, b, last)
+            acts = plain if um is None else held.stage(um.held, a, b, last)
         out.append(StageSummary(
             index=s,
             rank=problem.rank_of(s),
@@ -567,7 +607,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             num_nodes=b - a,
             param_bytes=sum(costs.params[a:b]),
             flops=sum(costs.flops[a:b]),
-            activation_bytes=sum(costs.acts[a:b] if um is None else um.acts[a:b]),
+            activation_bytes=acts,
             bytes_in=cut_bytes[a],
             bytes_out=cut_bytes[b],
             time=part.stage_time[s],
@@ -576,10 +616,69 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             weight_grad_time=wgt + (recompute if twice else 0.0),  # the autograd split's W recomputes again
             comm_time=cut_bytes[b] / link if 0 < link < float("inf") else 0.0,
             checkpointing=per_stage[s],
-            activation_bytes_unchecked=None if um is None else sum(costs.acts[a:b]),
+            activation_bytes_unchecked=None if um is None else plain,
             recompute_time=recompute,
         ))
     return tuple(out)
+
+
+def _loss_key(gm: torch.fx.GraphModule, binds: Mapping) -> dict[Any, float]:
+    """What the loss keeps for backward, keyed by the graph's output node: the size of the model's
+    outputs (cross-entropy keeps the log-softmax of the logits, MSE the difference), held by the
+    last stage ([Note: what a stage holds])."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    nodes = _flat_nodes(out.args)
+    total = sum(_value_bytes(n, binds) for n in nodes)
+    return {out: total} if total else {}
+
+
+def _flat_nodes(x: Any) -> list[torch.fx.Node]:
+    if isinstance(x, torch.fx.Node):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [n for a in x for n in _flat_nodes(a)]
+    if isinstance(x, dict):
+        return [n for a in x.values() for n in _flat_nodes(a)]
+    return []
+
+
+def _with_loss(acts: Sequence[float], loss_key: Mapping) -> tuple[float, ...]:
+    out = list(acts)
+    out[-1] += sum(loss_key.values())
+    return tuple(out)
+
+
+class _StageHeld:
+    """[Note: what a stage holds] Per microbatch in flight, a stage holds (each storage once,
+    ``fxsplit.graph.saved.union_bytes``): what its units save for backward under its checkpointing
+    mode; the values it received (the executor keeps them as the leaves of the backward) and the
+    values it sent on (kept as the backward's roots until the gradient comes back); on the last
+    stage, what the loss keeps (the model outputs' size: ``_loss_key``)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Mapping,
+                 held: Sequence, loss_key: Mapping) -> None:
+        self.gm, self.units, self.binds, self.held, self.loss = gm, units, binds, held, loss_key
+        self.index = {u: i for i, u in enumerate(units)}
+
+    def boundary(self, a: int, b: int) -> dict[Any, float]:
+        """Bases of the values stage [a, b) receives and sends on, with their bytes."""
+        out: dict[Any, float] = {}
+        n = len(self.units)
+        for i in range(a, b):
+            u = self.units[i]
+            ins = [x for x in u.all_input_nodes if self.index.get(x, n) < a]
+            sends = [u] if any(a <= i < b <= self.index.get(x, -1) for x in u.users) else []
+            for x in ins + sends:
+                key = base(x, self.gm)
+                if key is not None:
+                    out[key] = max(out.get(key, 0.0), _value_bytes(x, self.binds))
+        return out
+
+    def stage(self, held: Sequence | None, a: int, b: int, last: bool) -> float:
+        extra = self.boundary(a, b)
+        if last:
+            extra.update(self.loss)
+        return union_bytes((self.held if held is None else held)[a:b], extra)
 
 
 def _layer_equal_balance(problem: PartitionProblem, keys: Sequence[str]) -> float:

@@ -1,0 +1,87 @@
+"""The per-rank memory model: what one rank holds at rest and at the peak of a training step.
+One function for both consumers: ``Plan.memory()`` (fxsplit.api.memory, from a built plan's
+parameters) and the auto-planner's score (fxsplit.planner.score, from its per-group arrays).
+
+    m = rank_memory(shard_bytes=..., numel=..., shard_numel=..., grad_itemsize=4,
+                    gather_itemsize=4, optimizer_bytes_per_param=8, dp=2, dp_shard=1, activations=a)
+    m.peak, m.at_rest, m.as_dict()
+
+[Note: memory model]
+Terms: d = dp (replicas), s = dp_shard (FSDP shards); a rank's parameters are those of its
+pipeline rank's stages at their tp-local shapes (``numel`` elements), of which
+FSDP leaves it ``shard_numel`` elements, ``shard_bytes`` (the whole with s = 1).
+- at rest (between steps): the parameter shards, their gradients (same bytes) and the optimizer
+  state, ``optimizer_bytes_per_param`` per shard element (Adam/AdamW: two float32 tensors, 8;
+  plus a float32 master copy, 12, when the parameters themselves are 16-bit);
+- during a step with s > 1, FSDP also holds each stage whole (one unit per stage,
+  ``reshard_after_forward=False``: [Note: FSDP units and reshard_after_forward] in
+  fxsplit.runtime.fsdp): the gathered parameters in the mixed-precision param dtype
+  (``gather_itemsize``), and the unsharded gradients accumulated over the microbatches in the
+  reduce dtype (``grad_itemsize``), freed by the reduce-scatter at the end of the step;
+- activations: the pipeline's in-flight microbatches times what each stage holds per
+  microbatch, plus the rank's posted receive buffers (``SplitPlan.peak_activations``, [Note:
+  what a stage holds] in fxsplit.pipeline.split); ``recompute``: under checkpointing, the one
+  region's activations a backward holds while it recomputes it (the planner's estimate; 0 when
+  not estimated);
+- the peak of a step: parameters + optimizer state at rest, FSDP's gathered parameters, and the
+  larger of (activations + recompute) and the whole (tp-local) gradients: backward frees the one
+  while it fills the other (gradients set to None before the step, as ``zero_grad`` does by
+  default); plain data parallelism (d > 1, s = 1) adds one more copy of the gradients, the flat
+  buckets of fxsplit's all-reduce. With s > 1 the sharded gradients are written by the
+  reduce-scatter after the whole ones are freed, so they are not in the peak.
+Measured with ``benchmarks/fsdp_memory.py`` (peak / predicted per rank in its README section).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RankMemory", "rank_memory"]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank of pipeline rank ``pp_rank`` expects ([Note: memory model])."""
+
+    pp_rank: int = 0
+    params: float = 0.0  # at rest: this rank's shards
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0  # peak during a step
+    gathered: float = 0.0  # during a step with dp_shard > 1: the whole (gathered) stage parameters
+    whole_grads: float = 0.0  # during a step: the tp-local gradients before any reduction
+    buckets: float = 0.0  # during a step with plain dp: the all-reduce's flat copies of the gradients
+    recompute: float = 0.0  # during a checkpointed backward: one region's activations being recomputed
+
+    @property
+    def at_rest(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        """Bytes held at the peak of a step ([Note: memory model])."""
+        return (self.params + self.optimizer + self.gathered
+                + max(self.activations + self.recompute, self.whole_grads) + self.buckets)
+
+    @property
+    def total(self) -> float:
+        """The peak (the figure a memory limit is checked against)."""
+        return self.peak
+
+    def as_dict(self) -> dict:
+        return dict(params=self.params, grads=self.grads, optimizer=self.optimizer, activations=self.activations,
+                    gathered=self.gathered, whole_grads=self.whole_grads, buckets=self.buckets,
+                    recompute=self.recompute, peak=self.peak, total=self.total)
+
+
+def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
+                grad_itemsize: float, gather_itemsize: float, optimizer_bytes_per_param: float,
+                dp: int, dp_shard: int, activations: float, recompute: float = 0.0,
+                pp_rank: int = 0) -> RankMemory:
+    """One rank's :class:`RankMemory` ([Note: memory model]); ``numel``: the
+    rank's tp-local parameter elements, ``shard_bytes`` / ``shard_numel``: its FSDP shard of them."""
+    whole_grads = numel * grad_itemsize
+    return RankMemory(
+        pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
+        activations=activations, gathered=numel * gather_itemsize if dp_shard > 1 else 0.0,
+        whole_grads=whole_grads, buckets=whole_grads if dp > 1 and dp_shard == 1 else 0.0, recompute=recompute)
