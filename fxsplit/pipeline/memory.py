@@ -35,8 +35,9 @@ Measured with ``benchmarks/fsdp_memory.py`` (peak / predicted per rank in its RE
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-__all__ = ["RankMemory", "rank_memory"]
+__all__ = ["RankMemory", "rank_memory", "message_buffers"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,32 @@ def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
         pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
         activations=activations, gathered=numel * gather_itemsize if dp_shard > 1 else 0.0,
         whole_grads=whole_grads, buckets=whole_grads if dp > 1 and dp_shard == 1 else 0.0, recompute=recompute)
+
+
+# [Note: message buffers]
+# Besides its in-flight microbatches a pipeline rank holds messages: the receive buffers the
+# runtime posts ahead (``prefetch``: the next two actions' receives, fxsplit.runtime.executor), the
+# gradient a backward is consuming, and a sent message until the peer's next message releases
+# it ([Note: releasing sends] in fxsplit.runtime.p2p). Measured at a backward's start with
+# benchmarks/activation_memory.py (p=2, 1F1B, every checkpointing mode): two messages per
+# direction the rank receives in (rank 0: two gradient messages; the last rank: the next
+# forward's activations and the gradient it sent back). So each rank is charged
+# ``_MESSAGES_IN_FLIGHT`` of its largest gradient message (when a stage of it has a successor) and
+# of its largest activation message (when one has a predecessor).
+_MESSAGES_IN_FLIGHT = 2
+
+
+def message_buffers(stage_ranks: Sequence[int], bytes_in: Sequence[float], bytes_out: Sequence[float],
+                    num_ranks: int) -> tuple[float, ...]:
+    """Per rank: the message bytes it holds at a backward's start besides its in-flight
+    microbatches ([Note: message buffers]); per stage its rank and the bytes it receives and sends."""
+    S = len(stage_ranks)
+    out = [0.0] * num_ranks
+    if S <= 1:
+        return tuple(out)
+    for r in range(num_ranks):
+        mine = [s for s in range(S) if stage_ranks[s] == r]
+        grads = max((bytes_out[s] for s in mine if s < S - 1), default=0.0)
+        acts = max((bytes_in[s] for s in mine if s > 0), default=0.0)
+        out[r] = _MESSAGES_IN_FLIGHT * (grads + acts)
+    return tuple(out)

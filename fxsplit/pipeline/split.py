@@ -47,6 +47,7 @@ from fxsplit.pipeline.partition import (
     parameter_count_cuts,
 )
 from fxsplit.pipeline.checkpointing import choose, unit_modes
+from fxsplit.pipeline.memory import message_buffers
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
 from fxsplit.graph.hardware import Hardware
@@ -55,17 +56,6 @@ __all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", 
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
-# [Note: message buffers]
-# Besides its in-flight microbatches a pipeline rank holds messages: the receive buffers the
-# runtime posts ahead (``prefetch``: the next two actions' receives, fxsplit.runtime.executor), the
-# gradient a backward is consuming, and a sent message until the peer's next message releases
-# it ([Note: releasing sends] in fxsplit.runtime.p2p). Measured at a backward's start with
-# benchmarks/activation_memory.py (p=2, 1F1B, every checkpointing mode): two messages per
-# direction the rank receives in (rank 0: two gradient messages; the last rank: the next
-# forward's activations and the gradient it sent back). So each rank is charged
-# ``_MESSAGES_IN_FLIGHT`` of its largest gradient message (when a stage of it has a successor) and
-# of its largest activation message (when one has a predecessor).
-_MESSAGES_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -174,16 +164,9 @@ class SplitPlan:
 
     def message_buffers(self) -> tuple[float, ...]:
         """Per rank: the bytes of the pipeline messages it holds besides its in-flight
-        microbatches, at a backward's start ([Note: message buffers])."""
-        out = [0.0] * self.num_ranks
-        if self.num_stages == 1:
-            return tuple(out)
-        for r in range(self.num_ranks):
-            mine = [s for s in self.stages if s.rank == r]
-            grads = max((s.bytes_out for s in mine if s.index < self.num_stages - 1), default=0.0)
-            acts = max((s.bytes_in for s in mine if s.index > 0), default=0.0)
-            out[r] = _MESSAGES_IN_FLIGHT * (grads + acts)
-        return tuple(out)
+        microbatches ([Note: message buffers] in fxsplit.pipeline.memory)."""
+        return message_buffers([s.rank for s in self.stages], [s.bytes_in for s in self.stages],
+                               [s.bytes_out for s in self.stages], self.num_ranks)
 
     @property
     def bottleneck(self) -> float:
