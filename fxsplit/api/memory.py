@@ -6,7 +6,9 @@ pipeline rank, each parameter at its tp-local shape, split by FSDP into s dim-0 
 (``ceil(rows / s)`` rows for the first ranks: the figure is the largest rank's). The model
 itself is [Note: memory model] in :mod:`fxsplit.pipeline.memory` (``rank_memory``), the one the
 auto-planner scores candidates with; this module counts a built plan's parameters for it and
-takes the activations from the split (``SplitPlan.peak_activations``).
+takes the activations from the split (``SplitPlan.peak_activations``: per microbatch at the
+traced example's sizes, so trace with an example of one microbatch, or pass the batch you step
+with and ``microbatches=1``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
     policy = c.mp_policy
     try:
         acts = plan.split.peak_activations()[0]
+        inflight = plan.split.problem.inflight_per_rank()
     except Exception:  # noqa: BLE001 -- a plan without a partition model: no estimate
-        acts = ()
+        acts, inflight = (), (1.0,) * c.pp
+    loss = getattr(plan.split, "loss_bytes", 0.0)
+    last = plan.split.stages[-1].rank if plan.split.stages else c.pp - 1
     out = []
     for r in range(c.pp):
         shard = whole = shard_numel = gathered = grads = 0.0
@@ -64,7 +69,9 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 gathered += numel * _size(pdt)
         out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel, grad_itemsize=grads / max(whole, 1),
                                       gather_itemsize=gathered / max(whole, 1), optimizer_bytes_per_param=optimizer_bytes_per_param,
-                                      dp=c.dp, dp_shard=s, activations=float(acts[r]) if r < len(acts) else 0.0, pp_rank=r))
+                                      dp=c.dp, dp_shard=s, activations=float(acts[r]) if r < len(acts) else 0.0,
+                                      microbatches=c.microbatches, inflight=min(inflight[r], c.microbatches),
+                                      loss_bytes=loss if last == r else 0.0, pp_rank=r))
     return out
 
 

@@ -18,17 +18,26 @@ FSDP leaves it ``shard_numel`` elements, ``shard_bytes`` (the whole with s = 1).
   fxsplit.runtime.fsdp): the gathered parameters in the mixed-precision param dtype
   (``gather_itemsize``), and the unsharded gradients accumulated over the microbatches in the
   reduce dtype (``grad_itemsize``), freed by the reduce-scatter at the end of the step;
+- a backward's working memory (``backward``): on the rank of the last stage, the loss's
+  gradients, ``_LOSS_GRADIENTS`` = 2 tensors the size of its input at once (cross-entropy's
+  gradient of the log-probabilities and of the logits, while the saved log-softmax is still
+  held: measured, tests/test_memory_model.py); other working memory (one op's gradients) is not
+  modelled;
 - activations: the pipeline's in-flight microbatches times what each stage holds per
   microbatch, plus the rank's posted receive buffers (``SplitPlan.peak_activations``, [Note:
   what a stage holds] in fxsplit.pipeline.split); ``recompute``: under checkpointing, the one
   region's activations a backward holds while it recomputes it (the planner's estimate; 0 when
   not estimated);
 - the peak of a step: parameters + optimizer state at rest, FSDP's gathered parameters, and the
-  larger of (activations + recompute) and the whole (tp-local) gradients: backward frees the one
-  while it fills the other (gradients set to None before the step, as ``zero_grad`` does by
-  default); plain data parallelism (d > 1, s = 1) adds one more copy of the gradients, the flat
-  buckets of fxsplit's all-reduce. With s > 1 the sharded gradients are written by the
-  reduce-scatter after the whole ones are freed, so they are not in the peak.
+  larger of two moments. During the pipeline: the activations (+ recompute), plus the whole
+  (tp-local) gradients once a backward has filled them while later forwards still run
+  (``grads_during_forwards``: the rank runs more microbatches than it holds in flight; with one
+  microbatch in flight at a time backward frees the activations while it fills the gradients, so
+  they are not summed). After the pipeline: the whole gradients plus, with plain data parallelism
+  (d > 1, s = 1), the flat buckets of fxsplit's all-reduce (a copy of the gradients), allocated
+  when the activations are gone. Gradients are None before the step (``zero_grad``'s default).
+  With s > 1 the sharded gradients are written by the reduce-scatter after the whole ones are
+  freed, so they are not in the peak.
 Measured with ``benchmarks/fsdp_memory.py`` (peak / predicted per rank in its README section).
 """
 
@@ -38,6 +47,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["RankMemory", "rank_memory", "message_buffers"]
+
+_LOSS_GRADIENTS = 2  # tensors the size of the loss's input live at the start of the last stage's backward
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,8 @@ class RankMemory:
     whole_grads: float = 0.0  # during a step: the tp-local gradients before any reduction
     buckets: float = 0.0  # during a step with plain dp: the all-reduce's flat copies of the gradients
     recompute: float = 0.0  # during a checkpointed backward: one region's activations being recomputed
+    grads_during_forwards: bool = False  # whole gradients live beside the activations (more microbatches than in flight)
+    backward: float = 0.0  # a backward's working memory on top of the activations (the loss's gradients)
 
     @property
     def at_rest(self) -> float:
@@ -61,8 +74,9 @@ class RankMemory:
     @property
     def peak(self) -> float:
         """Bytes held at the peak of a step ([Note: memory model])."""
-        return (self.params + self.optimizer + self.gathered
-                + max(self.activations + self.recompute, self.whole_grads) + self.buckets)
+        pipeline = (self.activations + self.recompute + self.backward
+                    + (self.whole_grads if self.grads_during_forwards else 0.0))
+        return self.params + self.optimizer + self.gathered + max(pipeline, self.whole_grads + self.buckets)
 
     @property
     def total(self) -> float:
@@ -72,20 +86,24 @@ class RankMemory:
     def as_dict(self) -> dict:
         return dict(params=self.params, grads=self.grads, optimizer=self.optimizer, activations=self.activations,
                     gathered=self.gathered, whole_grads=self.whole_grads, buckets=self.buckets,
-                    recompute=self.recompute, peak=self.peak, total=self.total)
+                    recompute=self.recompute, backward=self.backward, peak=self.peak, total=self.total)
 
 
 def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
                 grad_itemsize: float, gather_itemsize: float, optimizer_bytes_per_param: float,
                 dp: int, dp_shard: int, activations: float, recompute: float = 0.0,
+                microbatches: int = 1, inflight: float = 1.0, loss_bytes: float = 0.0,
                 pp_rank: int = 0) -> RankMemory:
     """One rank's :class:`RankMemory` ([Note: memory model]); ``numel``: the
-    rank's tp-local parameter elements, ``shard_bytes`` / ``shard_numel``: its FSDP shard of them."""
+    rank's tp-local parameter elements, ``shard_bytes`` / ``shard_numel``: its FSDP shard of them;
+    ``microbatches`` the rank runs per step, ``inflight`` the most it holds at once; ``loss_bytes``
+    the loss's input (the model outputs of one microbatch) when the rank holds the last stage."""
     whole_grads = numel * grad_itemsize
     return RankMemory(
         pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
         activations=activations, gathered=numel * gather_itemsize if dp_shard > 1 else 0.0,
-        whole_grads=whole_grads, buckets=whole_grads if dp > 1 and dp_shard == 1 else 0.0, recompute=recompute)
+        whole_grads=whole_grads, buckets=whole_grads if dp > 1 and dp_shard == 1 else 0.0, recompute=recompute,
+        grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes)
 
 
 # [Note: message buffers]

@@ -143,6 +143,7 @@ class SplitPlan:
     bindings: Mapping[str, int] = field(default_factory=dict)
     baselines: Mapping[str, float] = field(default_factory=dict)
     activation_checkpointing: str = "none"  # what was asked: "none", "selective", "full" or "auto"
+    loss_bytes: float = 0.0  # the loss's input per microbatch (the model outputs), on the last stage
 
     @property
     def checkpointing(self) -> tuple[str, ...]:
@@ -416,6 +417,7 @@ def plan_split(
         bindings={str(k): v for k, v in binds.items()},
         baselines=_baselines(problem, keys),
         activation_checkpointing=activation_checkpointing,
+        loss_bytes=sum(loss_key.values()),
     )
 
 

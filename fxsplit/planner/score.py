@@ -255,12 +255,14 @@ class Scorer:
         cut_in = np.array([float(u.cut[cuts[s]]) for s in range(S)])
         cut_out = np.array([float(u.cut[cuts[s + 1]]) for s in range(S)])
         A = A + cut_in + cut_out  # what a stage holds: its received and sent values ([Note: what a stage holds])
-        A[-1] += w.loss_saved_per_sample * c.microbatch_size
+        A[-1] += w.loss_saved_per_sample * c.microbatch_size  # what the loss keeps
         for s in range(S):
             rank_P[ranks[s]] += P[s]
             rank_A[ranks[s]] += A[s]
         acts = np.asarray(inflight) * rank_A + np.asarray(message_buffers(ranks, cut_in, cut_out, p))
-        mems = [self._rank_memory(c, rank_P[r], float(acts[r]), u.transient, r) for r in range(p)]
+        loss = w.loss_saved_per_sample * c.microbatch_size
+        mems = [self._rank_memory(c, rank_P[r], float(acts[r]), u.transient, inflight[r], r,
+                                  loss if r == ranks[-1] else 0.0) for r in range(p)]
         mem = max(mems, key=lambda m: m.total)
         fits = mem.total <= self.limit
         # time
@@ -286,13 +288,15 @@ class Scorer:
         return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
                      tuple(cuts), costs)
 
-    def _rank_memory(self, c: Candidate, param_bytes: float, acts: float, recompute: float, r: int) -> Memory:
+    def _rank_memory(self, c: Candidate, param_bytes: float, acts: float, recompute: float, inflight: float,
+                     r: int, loss: float) -> Memory:
         """One pipeline rank's memory by the shared model (``fxsplit.pipeline.memory.rank_memory``)."""
         it, sh = self.w.param_itemsize, c.dp_shard
         numel = param_bytes / it
         return rank_memory(shard_bytes=param_bytes / sh, numel=numel, shard_numel=numel / sh, grad_itemsize=it,
                            gather_itemsize=it, optimizer_bytes_per_param=8.0 + (4.0 if it < 4 else 0.0),
-                           dp=max(c.dp // sh, 1), dp_shard=sh, activations=acts, recompute=recompute, pp_rank=r)
+                           dp=max(c.dp // sh, 1), dp_shard=sh, activations=acts, recompute=recompute,
+                           microbatches=c.microbatches, inflight=inflight, loss_bytes=loss, pp_rank=r)
 
     def _state_factor(self) -> float:
         """Bytes of params + grads + optimizer state per parameter byte."""
