@@ -126,3 +126,21 @@ def test_the_planner_scores_with_the_same_model():
     assert abs(predicted["params"] - mine.params) <= 0.02 * mine.params
     assert abs(predicted["optimizer"] - mine.optimizer) <= 0.02 * mine.optimizer
     assert abs(predicted["total"] - mine.peak) <= 0.25 * mine.peak, (predicted, mine)
+
+
+def test_split_backward_memory_walks_the_schedule():
+    from fxsplit.pipeline.memory import schedule_peaks
+    from fxsplit.schedule.ir import parse_schedule
+
+    # one rank, one stage: a microbatch saves 10 bytes, 4 of which its W still needs after I
+    rows = parse_schedule("0F0 0F1 0I0 0F2 0W0 0I1 0I2 0W1 0W2")
+    assert schedule_peaks(rows, 1, [10.0], [4.0]) == (10 + 10 + 4 + 10,)
+    assert schedule_peaks(parse_schedule("0F0 0F1 0B0 0F2 0B1 0B2"), 1, [10.0], [4.0]) == (20.0,)
+    model, (x,), _ = zoo.make_gpt(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=32, seq_len=32,
+                                  batch_size=2, seed=0)
+    zb = fxsplit.plan(model, (x,), pp=2, microbatches=4, schedule="zb_h1").split
+    one = fxsplit.plan(model, (x,), pp=2, microbatches=4, schedule="1f1b").split
+    assert all(0 < s.weight_bytes <= s.activation_bytes for s in zb.stages)
+    # ZB-H1 delays W: the last rank holds more than 1F1B's one microbatch, never more than p
+    (z0, z1), (o0, o1) = zb.peak_activations()[0], one.peak_activations()[0]
+    assert o1 < z1 <= 2 * zb.stages[1].activation_bytes + zb.message_buffers()[1]

@@ -33,11 +33,12 @@ FSDP leaves it ``shard_numel`` elements, ``shard_bytes`` (the whole with s = 1).
   (tp-local) gradients once a backward has filled them while later forwards still run
   (``grads_during_forwards``: the rank runs more microbatches than it holds in flight; with one
   microbatch in flight at a time backward frees the activations while it fills the gradients, so
-  they are not summed). After the pipeline: the whole gradients plus, with plain data parallelism
-  (d > 1, s = 1), the flat buckets of fxsplit's all-reduce (a copy of the gradients), allocated
-  when the activations are gone. Gradients are None before the step (``zero_grad``'s default).
-  With s > 1 the sharded gradients are written by the reduce-scatter after the whole ones are
-  freed, so they are not in the peak.
+  they are not summed). After the pipeline: the whole gradients plus their flat copy for the reduction (``buckets``):
+  with plain data parallelism (d > 1, s = 1) the flat buckets of fxsplit's all-reduce, with
+  s > 1 FSDP's reduce-scatter input (it copies the unsharded gradients into one flat tensor),
+  allocated when the activations are gone (measured: benchmarks/fsdp_memory.py at 2x64 tokens,
+  where this moment is the peak). Gradients are None before the step (``zero_grad``'s
+  default). The sharded gradients FSDP writes are a 1/s part, not modelled.
 Measured with ``benchmarks/fsdp_memory.py`` (peak / predicted per rank in its README section).
 """
 
@@ -46,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["RankMemory", "rank_memory", "message_buffers"]
+__all__ = ["RankMemory", "rank_memory", "message_buffers", "schedule_peaks"]
 
 _LOSS_GRADIENTS = 2  # tensors the size of the loss's input live at the start of the last stage's backward
 
@@ -62,7 +63,7 @@ class RankMemory:
     activations: float = 0.0  # peak during a step
     gathered: float = 0.0  # during a step with dp_shard > 1: the whole (gathered) stage parameters
     whole_grads: float = 0.0  # during a step: the tp-local gradients before any reduction
-    buckets: float = 0.0  # during a step with plain dp: the all-reduce's flat copies of the gradients
+    buckets: float = 0.0  # after the pipeline: the flat copy of the gradients a reduction makes (dp or dp_shard)
     recompute: float = 0.0  # during a checkpointed backward: one region's activations being recomputed
     grads_during_forwards: bool = False  # whole gradients live beside the activations (more microbatches than in flight)
     backward: float = 0.0  # a backward's working memory on top of the activations (the loss's gradients)
@@ -102,7 +103,7 @@ def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
     return RankMemory(
         pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
         activations=activations, gathered=numel * gather_itemsize if dp_shard > 1 else 0.0,
-        whole_grads=whole_grads, buckets=whole_grads if dp > 1 and dp_shard == 1 else 0.0, recompute=recompute,
+        whole_grads=whole_grads, buckets=whole_grads if dp > 1 or dp_shard > 1 else 0.0, recompute=recompute,
         grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes)
 
 
@@ -133,3 +134,30 @@ def message_buffers(stage_ranks: Sequence[int], bytes_in: Sequence[float], bytes
         acts = max((bytes_in[s] for s in mine if s > 0), default=0.0)
         out[r] = _MESSAGES_IN_FLIGHT * (grads + acts)
     return tuple(out)
+
+
+def schedule_peaks(schedule: Sequence[Sequence], num_ranks: int, full: Sequence[float],
+                   after_input_grad: Sequence[float]) -> tuple[float, ...]:
+    """[Note: split backward memory] Per rank: the most activation bytes it holds, walking its
+    actions in the schedule's order. A forward of stage s adds ``full[s]``; a full backward (B)
+    frees it; a split backward's I frees all but ``after_input_grad[s]`` (what W still needs: the
+    inputs of the weight-gradient matmuls and their output gradients) and its W frees the rest.
+    So a zero-bubble schedule, whose W runs late, is charged for the W halves it keeps, not for
+    whole microbatches (``Timeline.peak_inflight`` counts a microbatch whole until its W ends)."""
+    peaks = [0.0] * num_ranks
+    for r, row in enumerate(schedule[:num_ranks]):
+        live = 0.0
+        for a in row:
+            if a is None:
+                continue
+            kind, s = str(a.kind), a.stage
+            if kind == "F":
+                live += full[s]
+                peaks[r] = max(peaks[r], live)
+            elif kind == "B":
+                live -= full[s]
+            elif kind == "I":
+                live -= full[s] - min(after_input_grad[s], full[s])
+            elif kind == "W":
+                live -= min(after_input_grad[s], full[s])
+    return tuple(peaks)

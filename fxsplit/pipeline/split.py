@@ -47,7 +47,7 @@ from fxsplit.pipeline.partition import (
     parameter_count_cuts,
 )
 from fxsplit.pipeline.checkpointing import choose, unit_modes
-from fxsplit.pipeline.memory import message_buffers
+from fxsplit.pipeline.memory import message_buffers, schedule_peaks
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
 from fxsplit.graph.hardware import Hardware
@@ -77,6 +77,7 @@ class StageSummary:
     checkpointing: str = "none"  # the stage's activation checkpointing mode (fxsplit.graph.recompute)
     activation_bytes_unchecked: float | None = None  # act/mb without checkpointing (None: same)
     recompute_time: float = 0.0  # seconds of forward recomputed in backward per microbatch
+    weight_bytes: float = 0.0  # of activation_bytes, what a split backward's W still needs after I
 
 
 def _fmt_bytes(x: float) -> str:
@@ -144,6 +145,8 @@ class SplitPlan:
     baselines: Mapping[str, float] = field(default_factory=dict)
     activation_checkpointing: str = "none"  # what was asked: "none", "selective", "full" or "auto"
     loss_bytes: float = 0.0  # the loss's input per microbatch (the model outputs), on the last stage
+    schedule: str = "1f1b"  # the schedule the memory model walks ([Note: split backward memory])
+    num_microbatches: int | None = None
 
     @property
     def checkpointing(self) -> tuple[str, ...]:
@@ -152,15 +155,26 @@ class SplitPlan:
 
     def peak_activations(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per rank: the activation bytes held at the peak (in-flight microbatches x the rank's
-        act/mb, the partition's memory model, plus its message buffers: ``message_buffers``), with
-        this plan's checkpointing and without ([Note: what a stage holds])."""
-        inflight = self.problem.inflight_per_rank() if self.problem is not None else (1.0,) * self.num_ranks
+        act/mb, the partition's memory model; on a zero-bubble schedule the schedule's order walked
+        with each W's share: [Note: split backward memory] in fxsplit.pipeline.memory), plus its
+        message buffers, with this plan's checkpointing and without ([Note: what a stage holds])."""
         buffers = self.message_buffers()
+        plain = [s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
+                 for s in self.stages]
+        if self.schedule in ("zb_h1", "zbv") and self.num_ranks > 1:
+            from fxsplit.schedule import build
+
+            p, v = self.num_ranks, self.num_stages // self.num_ranks
+            rows = build(self.schedule, p, self.num_microbatches or 2 * p, v)
+            w = [s.weight_bytes for s in self.stages]
+            with_ = schedule_peaks(rows, p, [s.activation_bytes for s in self.stages], w)
+            without = schedule_peaks(rows, p, plain, w)
+            return (tuple(x + b for x, b in zip(with_, buffers)), tuple(x + b for x, b in zip(without, buffers)))
+        inflight = self.problem.inflight_per_rank() if self.problem is not None else (1.0,) * self.num_ranks
         with_, without = list(buffers), list(buffers)
-        for s in self.stages:
+        for s, x in zip(self.stages, plain):
             with_[s.rank] += inflight[s.rank] * s.activation_bytes
-            plain = s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
-            without[s.rank] += inflight[s.rank] * plain
+            without[s.rank] += inflight[s.rank] * x
         return tuple(with_), tuple(without)
 
     def message_buffers(self) -> tuple[float, ...]:
@@ -418,6 +432,8 @@ def plan_split(
         baselines=_baselines(problem, keys),
         activation_checkpointing=activation_checkpointing,
         loss_bytes=sum(loss_key.values()),
+        schedule=schedule,
+        num_microbatches=num_microbatches,
     )
 
 
@@ -581,10 +597,12 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
         recompute = 0.0 if um is None else sum(um.recompute[a:b])
         acts = sum(costs.acts[a:b] if um is None else um.acts[a:b])
         plain = sum(costs.acts[a:b])
+        wbytes = 0.0
         if held is not None:
             last = s == part.num_stages - 1
             plain = held.stage(None, a, b, last)
             acts = plain if um is None else held.stage(um.held, a, b, last)
+            wbytes = min(held.weight(a, b, costs.weight), acts)
         out.append(StageSummary(
             index=s,
             rank=problem.rank_of(s),
@@ -603,6 +621,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             checkpointing=per_stage[s],
             activation_bytes_unchecked=None if um is None else plain,
             recompute_time=recompute,
+            weight_bytes=wbytes,
         ))
     return tuple(out)
 
@@ -658,6 +677,13 @@ class _StageHeld:
                 if key is not None:
                     out[key] = max(out.get(key, 0.0), _value_bytes(x, self.binds))
         return out
+
+    def weight(self, a: int, b: int, weight_time: Sequence[float]) -> float:
+        """What a split backward's W needs of stage [a, b) after I: for every unit with a weight
+        gradient, its saved inputs and its output's gradient ([Note: split backward memory])."""
+        units = [i for i in range(a, b) if weight_time[i] > 0]
+        grads = {("grad", self.units[i]): _value_bytes(self.units[i], self.binds) for i in units}
+        return union_bytes([(self.held[i][0], 0.0) for i in units], grads)
 
     def stage(self, held: Sequence | None, a: int, b: int, last: bool) -> float:
         extra = self.boundary(a, b)
