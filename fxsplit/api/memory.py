@@ -67,9 +67,9 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 grads += numel * _size(gdt)
                 pdt = policy.param_dtype if policy is not None and policy.param_dtype is not None else p.dtype
                 gathered += numel * _size(pdt)
-        out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel, grad_itemsize=grads / max(whole, 1),
-                                      gather_itemsize=gathered / max(whole, 1), optimizer_bytes_per_param=optimizer_bytes_per_param,
-                                      dp=c.dp, dp_shard=s, activations=float(acts[r]) if r < len(acts) else 0.0,
+        out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel,
+                                      grad_itemsize=grads / max(whole, 1), gather_itemsize=gathered / max(whole, 1),
+                                      optimizer_bytes_per_param=optimizer_bytes_per_param, dp=c.dp, dp_shard=s, activations=float(acts[r]) if r < len(acts) else 0.0,
                                       microbatches=c.microbatches, inflight=min(inflight[r], c.microbatches),
                                       loss_bytes=loss if last == r else 0.0, pp_rank=r))
     return out

@@ -25,7 +25,7 @@ FSDP leaves it ``shard_numel`` elements, ``shard_bytes`` (the whole with s = 1).
   modelled;
 - activations: the pipeline's in-flight microbatches times what each stage holds per
   microbatch, plus the rank's posted receive buffers (``SplitPlan.peak_activations``, [Note:
-  what a stage holds] in fxsplit.pipeline.split); ``recompute``: under checkpointing, the one
+  what a stage holds] in fxsplit.pipeline.held); ``recompute``: under checkpointing, the one
   region's activations a backward holds while it recomputes it (the planner's estimate; 0 when
   not estimated);
 - the peak of a step: parameters + optimizer state at rest, FSDP's gathered parameters, and the

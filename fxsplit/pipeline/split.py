@@ -35,7 +35,8 @@ from fxsplit.graph.profile import node_time
 from fxsplit.graph.marker import find_pipe_splits
 from fxsplit.graph.meta import node_info
 from fxsplit.graph.recompute import layer_key
-from fxsplit.graph.saved import base, first_saver_bytes, union_bytes, unit_saved
+from fxsplit.graph.saved import first_saver_bytes, unit_saved
+from fxsplit.pipeline.held import StageHeld, loss_key as _loss_key, with_loss as _with_loss
 from fxsplit.pipeline.partition import (
     Partition,
     PartitionError,
@@ -157,7 +158,8 @@ class SplitPlan:
         """Per rank: the activation bytes held at the peak (in-flight microbatches x the rank's
         act/mb, the partition's memory model; on a zero-bubble schedule the schedule's order walked
         with each W's share: [Note: split backward memory] in fxsplit.pipeline.memory), plus its
-        message buffers, with this plan's checkpointing and without ([Note: what a stage holds])."""
+        message buffers, with this plan's checkpointing and without ([Note: what a stage holds] in
+        fxsplit.pipeline.held)."""
         buffers = self.message_buffers()
         plain = [s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
                  for s in self.stages]
@@ -424,7 +426,7 @@ def plan_split(
         starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
         stages=_summaries(part, problem, keys, costs, cut_bytes, per_stage, modes,
                           twice=split_backward == "autograd" and schedule in _SPLIT_SCHEDULES,
-                          held=_StageHeld(gm, units, binds, held, loss_key)),
+                          held=StageHeld(gm, units, binds, held, loss_key)),
         partition=part,
         method=method,
         problem=problem,
@@ -586,7 +588,7 @@ _SPLIT_SCHEDULES = ("zb_h1", "zbv", "zb_auto")  # backward as I and W (fxsplit.s
 
 def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], costs: _UnitCosts,
                cut_bytes: Sequence[float], per_stage: Sequence[str],
-               modes: Mapping[str, Any], twice: bool = False, held: "_StageHeld | None" = None
+               modes: Mapping[str, Any], twice: bool = False, held: StageHeld | None = None
                ) -> tuple[StageSummary, ...]:
     out = []
     link = problem.bandwidth
@@ -624,72 +626,6 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             weight_bytes=wbytes,
         ))
     return tuple(out)
-
-
-def _loss_key(gm: torch.fx.GraphModule, binds: Mapping) -> dict[Any, float]:
-    """What the loss keeps for backward, keyed by the graph's output node: the size of the model's
-    outputs (cross-entropy keeps the log-softmax of the logits, MSE the difference), held by the
-    last stage ([Note: what a stage holds])."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    nodes = _flat_nodes(out.args)
-    total = sum(_value_bytes(n, binds) for n in nodes)
-    return {out: total} if total else {}
-
-
-def _flat_nodes(x: Any) -> list[torch.fx.Node]:
-    if isinstance(x, torch.fx.Node):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [n for a in x for n in _flat_nodes(a)]
-    if isinstance(x, dict):
-        return [n for a in x.values() for n in _flat_nodes(a)]
-    return []
-
-
-def _with_loss(acts: Sequence[float], loss_key: Mapping) -> tuple[float, ...]:
-    out = list(acts)
-    out[-1] += sum(loss_key.values())
-    return tuple(out)
-
-
-class _StageHeld:
-    """[Note: what a stage holds] Per microbatch in flight, a stage holds (each storage once,
-    ``fxsplit.graph.saved.union_bytes``): what its units save for backward under its checkpointing
-    mode; the values it received (the executor keeps them as the leaves of the backward) and the
-    values it sent on (kept as the backward's roots until the gradient comes back); on the last
-    stage, what the loss keeps (the model outputs' size: ``_loss_key``)."""
-
-    def __init__(self, gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Mapping,
-                 held: Sequence, loss_key: Mapping) -> None:
-        self.gm, self.units, self.binds, self.held, self.loss = gm, units, binds, held, loss_key
-        self.index = {u: i for i, u in enumerate(units)}
-
-    def boundary(self, a: int, b: int) -> dict[Any, float]:
-        """Bases of the values stage [a, b) receives and sends on, with their bytes."""
-        out: dict[Any, float] = {}
-        n = len(self.units)
-        for i in range(a, b):
-            u = self.units[i]
-            ins = [x for x in u.all_input_nodes if self.index.get(x, n) < a]
-            sends = [u] if any(a <= i < b <= self.index.get(x, -1) for x in u.users) else []
-            for x in ins + sends:
-                key = base(x, self.gm)
-                if key is not None:
-                    out[key] = max(out.get(key, 0.0), _value_bytes(x, self.binds))
-        return out
-
-    def weight(self, a: int, b: int, weight_time: Sequence[float]) -> float:
-        """What a split backward's W needs of stage [a, b) after I: for every unit with a weight
-        gradient, its saved inputs and its output's gradient ([Note: split backward memory])."""
-        units = [i for i in range(a, b) if weight_time[i] > 0]
-        grads = {("grad", self.units[i]): _value_bytes(self.units[i], self.binds) for i in units}
-        return union_bytes([(self.held[i][0], 0.0) for i in units], grads)
-
-    def stage(self, held: Sequence | None, a: int, b: int, last: bool) -> float:
-        extra = self.boundary(a, b)
-        if last:
-            extra.update(self.loss)
-        return union_bytes((self.held if held is None else held)[a:b], extra)
 
 
 def _layer_equal_balance(problem: PartitionProblem, keys: Sequence[str]) -> float:
