@@ -12,7 +12,11 @@ training step (forward, loss, backward, gradient reduction; no optimizer step) o
   backward finishes);
 - **replicate**: ``replicate(model)`` (torch's composable DDP) on an eager copy of the model:
   ``loss_fn(model(x), y).backward()``, DDP all-reducing its buckets during the backward;
-- **local**: the same eager step without any reduction (the compute floor of the two).
+- **local**: the same eager step without any reduction (replicate's compute floor);
+- **fxsplit_local**: fxsplit's step with its gradient reduction skipped (fxsplit's floor).
+The two frameworks run different forwards (the traced graph under fxsplit's runtime, the eager
+module), so besides the step times the script prints each reduction's own cost: the median of
+per-round differences step - floor.
 Every rank gets its own batch (seeded by rank); the reduced gradients of fxsplit and replicate
 are compared (largest difference over all parameters, relative to the largest gradient) so the
 two are known to compute the same step. The time is the slowest rank's wall time of the step
@@ -32,6 +36,8 @@ import torch.distributed as dist
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
+
+from _common import full_grads_fxsplit
 
 
 def _timed(fn) -> float:
@@ -64,29 +70,42 @@ def _rank(rank, world, args):
             zoo.cross_entropy_loss(out[0] if isinstance(out, (tuple, list)) else out, y).backward()
         return run
 
-    variants = {"fxsplit": lambda: pm.step(x, target=y), "replicate": eager_step(eager), "local": eager_step(local)}
-    params = {"fxsplit": list(pm.parameters()), "replicate": list(eager.parameters()), "local": list(local.parameters())}
+    def fxsplit_local():  # instrumentation: the same step with the gradient reduction skipped
+        sync, pm._sync_grads = pm._sync_grads, lambda: None
+        try:
+            pm.step(x, target=y)
+        finally:
+            pm._sync_grads = sync
+
+    variants = {"fxsplit": lambda: pm.step(x, target=y), "replicate": eager_step(eager), "local": eager_step(local),
+                "fxsplit_local": fxsplit_local}
+    params = {"fxsplit": list(pm.parameters()), "replicate": list(eager.parameters()), "local": list(local.parameters()),
+              "fxsplit_local": list(pm.parameters())}
 
     def zero(label):
         for p in params[label]:
             p.grad = None
 
-    for label, fn in variants.items():  # warm-up (also allocates the buckets)
+    for label in ("fxsplit_local", "local", "replicate", "fxsplit"):  # warm-up; fxsplit last: its grads are compared
         zero(label)
-        fn()
-    # the reduced gradients agree: fxsplit's named like the model's (tied weights once)
-    fx = {n: p.grad for n, p in pm.named_parameters() if p.grad is not None}
-    rp = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+        variants[label]()
+    # the reduced gradients agree, under the model's names (tied weights once)
+    fx = full_grads_fxsplit(pm)
+    rp = {n.removeprefix("module."): p.grad for n, p in eager.named_parameters() if p.grad is not None}
     common = sorted(set(fx) & set(rp))
+    if not common:
+        raise RuntimeError(f"no parameter names in common: fxsplit {sorted(fx)[:4]}, replicate {sorted(rp)[:4]}")
     scale = max(float(rp[n].abs().max()) for n in common)
     diff = max(float((fx[n] - rp[n]).abs().max()) for n in common) / scale
+    lp = {n: p.grad for n, p in local.named_parameters() if p.grad is not None}  # this rank's own, unreduced
+    unreduced = max(float((lp[n] - rp[n]).abs().max()) for n in common if n in lp) / scale
     times = {label: [] for label in variants}
     order = list(variants)
     for r in range(args.rounds):
         for label in (order if r % 2 == 0 else list(reversed(order))):
             zero(label)
             times[label].append(_timed(variants[label]))
-    return dict(times=times, diff=diff, compared=len(common), of=len(rp))
+    return dict(times=times, diff=diff, unreduced=unreduced, compared=len(common), of=len(rp))
 
 
 def main() -> None:
@@ -108,10 +127,15 @@ def main() -> None:
         t = res["times"]
         ratio = statistics.median(b / a for a, b in zip(t["fxsplit"], t["replicate"]))
         med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
-        print(f"dp={dp}: step median fxsplit {med['fxsplit']:.1f} ms, replicate {med['replicate']:.1f} ms, "
-              f"local (no reduction) {med['local']:.1f} ms; replicate / fxsplit median of per-round ratios "
+        cost_fx = statistics.median(a - b for a, b in zip(t["fxsplit"], t["fxsplit_local"])) * 1e3
+        cost_rep = statistics.median(a - b for a, b in zip(t["replicate"], t["local"])) * 1e3
+        print(f"dp={dp}: step median fxsplit {med['fxsplit']:.1f} ms (without its reduction "
+              f"{med['fxsplit_local']:.1f} ms), replicate {med['replicate']:.1f} ms (eager without DDP "
+              f"{med['local']:.1f} ms); the reduction's cost, median of per-round differences: fxsplit "
+              f"{cost_fx:.1f} ms, replicate {cost_rep:.1f} ms; replicate / fxsplit median of per-round ratios "
               f"{ratio:.3f}; gradients agree to {res['diff']:.1e} (relative, {res['compared']} of {res['of']} "
-              f"parameters compared) ({time.perf_counter() - t0:.0f}s)")
+              f"parameters compared; the rank's unreduced gradients differ by {res['unreduced']:.1e}) "
+              f"({time.perf_counter() - t0:.0f}s)")
         for k, v in t.items():
             print(f"    {k:10s} ms per round: " + " ".join(f"{x * 1e3:.0f}" for x in v))
 
