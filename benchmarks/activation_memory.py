@@ -30,7 +30,9 @@ rank's **peak** of that count is printed next to the plan's prediction of its pe
 (in-flight microbatches x the rank's act/mb, ``SplitPlan.peak_activations``; the model is traced
 with an example of one microbatch, so act/mb is evaluated at the microbatch's size), and both
 savings against "none". **held** is the count as each backward starts (its maximum over the step): the
-activations in flight, which is what the plan predicts. The **peak** also holds the working memory
+activations in flight with the stage inputs and outputs the runtime keeps and its message
+buffers, which is what the plan predicts ([Note: what a stage holds] in fxsplit.pipeline.held,
+[Note: message buffers] in fxsplit.pipeline.memory). The **peak** also holds the working memory
 of a backward and, under checkpointing, the layer being recomputed, which the prediction does
 not count.
 """

@@ -10,7 +10,9 @@ Both models are built in the same 4 processes and timed in alternating rounds (A
 per-round ratios. Memory is counted, not sampled: parameter and Adam bytes are the local tensors'
 sizes (DTensor shards for dp_shard), the step's peak is ``fxsplit.testing.memory.LiveBytes`` over
 ``step()`` + ``optimizer.step()`` (every storage an op allocates, gradients included: they are
-set to None before the step) plus the parameters and optimizer state held before it.
+set to None before the step) plus the parameters and optimizer state held before it, plus (with
+dp_shard) FSDP's gathered parameters, read off FSDP's own records as each backward starts:
+FSDP2 allocates them by resizing a storage in place, which LiveBytes cannot see.
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ def _local_bytes(tensors) -> int:
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
 
+def _gathered_bytes(pm) -> int:
+    """Bytes of FSDP's unsharded parameter storages now: FSDP2 allocates and frees them by resizing
+    the storage in place (``untyped_storage().resize_``), which no dispatcher mode sees, so
+    ``LiveBytes`` misses them; read them off FSDP's own parameter records."""
+    total = 0
+    for m in pm._runtime.modules.values():  # instrumentation only
+        state = getattr(m, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        for fp in (group.fsdp_params if group is not None else ()):
+            t = getattr(fp, "_unsharded_param", None)
+            total += t.untyped_storage().nbytes() if t is not None else 0
+    return total
+
+
 def _rank(rank, world, args):
     from fxsplit.testing.memory import LiveBytes
 
@@ -51,7 +67,14 @@ def _rank(rank, world, args):
         pm.step(x, target=y)  # warm-up; creates the Adam state
         opt.step()
         opt.zero_grad(set_to_none=True)
-        runs[label] = dict(pm=pm, opt=opt, times=[], peaks=[])
+        runs[label] = dict(pm=pm, opt=opt, times=[], peaks=[], gathered=[0])
+        rt, inner, seen = pm._runtime, pm._runtime._backward, runs[label]["gathered"]
+
+        def backward(ac, inner=inner, pm=pm, seen=seen):  # instrumentation only: what FSDP holds gathered
+            seen[0] = max(seen[0], _gathered_bytes(pm))
+            inner(ac)
+
+        rt._backward = backward
     for r in range(args.rounds):
         order = list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))
         for label in order:
@@ -68,7 +91,7 @@ def _rank(rank, world, args):
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             opt.zero_grad(set_to_none=True)
             run["times"].append(float(dt))
-            run["peaks"].append(held + mem.peak)
+            run["peaks"].append(held + mem.peak + run["gathered"][0])
     out = {}
     for label, run in runs.items():
         pm, opt = run["pm"], run["opt"]

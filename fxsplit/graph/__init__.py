@@ -4,7 +4,7 @@ Owns tracing (``trace``: fx or ``torch.export``, symbolic batch and sequence; ``
 torch's attention modules traced as plain ops when asked), node metadata
 (``meta``: ``NodeInfo``, ``TraceInfo``, and ``TensorMeta`` and ``to_expr`` from ``shapes``,
 which sits below the cost model), the op vocabulary (``ops``: one op name
-per node, the op classes, the dotted-path resolver), the cost model (``cost``, ``cost_ops``,
+per node, the op classes, the dotted-path resolver), the cost model (``cost``, ``cost_ops``, ``saved``: what backward keeps, each storage once,
 ``profile``, ``hardware`` with its profiler ``_hardware_measure``), the pass manager (``pass_api``, ``debug``), inspection (tables, DOT,
 graph diffs) and the ``pipe_split()`` marker.
 

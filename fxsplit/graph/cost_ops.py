@@ -429,3 +429,43 @@ def op_cost(node: torch.fx.Node, gm: nn.Module | None) -> dict[str, Number]:
         "flops": _clean(flops), "bytes_read": _clean(read), "bytes_written": _clean(written),
         "saved_bytes": _clean(saved), "matmul_flops": _clean(mm),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Which operands an op's saved bytes are (fxsplit.graph.saved counts each storage once)
+
+
+def _act_nodes(arg: Any, gm: nn.Module | None) -> list[torch.fx.Node]:
+    """The tensor Nodes in ``arg`` that are not parameters (what ``_arg_metas(params=False)`` counts)."""
+    if isinstance(arg, torch.fx.Node):
+        return [arg] if _arg_metas(arg, gm, params=False) else []
+    if isinstance(arg, (tuple, list)):
+        return [n for a in arg for n in _act_nodes(a, gm)]
+    if isinstance(arg, dict):
+        return [n for a in arg.values() for n in _act_nodes(a, gm)]
+    return []
+
+
+def saved_operands(node: torch.fx.Node, gm: nn.Module | None) -> tuple[list[torch.fx.Node], bool]:
+    """(the input Nodes whose values the op's ``saved_bytes`` counts, whether it counts its own
+    output): the same per-kind rules as the formulas above. The rest of ``saved_bytes`` (norm
+    statistics, a dropout mask, attention's log-sum-exp) is the op's own."""
+    if node.op in ("placeholder", "output", "get_attr") or not list(tensor_metas(_node_value(node))):
+        return [], False
+    name = op_name(node, gm)
+    if name in COST_FREE or _is_noop_copy(node, name):
+        return [], False
+    module = resolve_path(gm, str(node.target), default=None) if node.op == "call_module" else None
+    args = list(node.args) + list(node.kwargs.values())
+    kind = "leaf" if module is not None and name.startswith("module:") else _kind(name)
+    if kind == "attention":
+        qkv = [_arg(node, i, n) for i, n in ((0, "query"), (1, "key"), (2, "value"))]
+        return [n for a in qkv for n in _act_nodes(a, gm)], True
+    if kind == "norm":
+        first = _act_nodes(_arg(node, 0, "input"), gm)
+        return first[:1], False
+    if kind == "other" and (name in _SAVE_NOTHING or name in CREATION or name == "dropout"):
+        return [], False
+    if kind == "other" and name in _SAVE_OUTPUT:
+        return [], True
+    return list(dict.fromkeys(_act_nodes(args, gm))), False

@@ -4,12 +4,13 @@ the per-stage choice of ``activation_checkpointing="auto"``.
 Terms: unit, position, stage, rank, v as in :mod:`fxsplit.pipeline.partition`; region, mode and
 kept node as in :mod:`fxsplit.graph.recompute` (the same regions the checkpointing pass outlines).
 
-    modes = unit_modes(gm, units, binds, hardware, base_acts)   # mode -> UnitMode(acts, recompute)
+    modes = unit_modes(gm, units, binds, hardware, base_held)   # mode -> UnitMode(acts, recompute, held)
     part, per_stage = choose(problems, "auto")                  # problems: mode -> PartitionProblem
 
 [Note: checkpointing cost model]
 Per microbatch, per unit, for a region R (its units in the graph):
-- "none": the unit's ``saved_bytes`` (the cost model's estimate of what autograd keeps).
+- "none": the unit's ``saved_bytes`` (the cost model's estimate of what autograd keeps), each
+  storage counted once ([Note: saved tensors by storage] in fxsplit.graph.saved).
 - "full": R's input bytes (values from outside R that R reads; parameters excluded: they are
   not activations), charged to R's first unit; nothing else of R. Backward recomputes R's whole
   forward: each unit's forward time is added to its compute (``recompute``).
@@ -49,11 +50,12 @@ from fxsplit.errors import PartitionError
 from fxsplit.graph.hardware import Hardware
 from fxsplit.graph.meta import node_info
 from fxsplit.graph.profile import node_time
+from fxsplit.graph.saved import base, first_saver_bytes
 from fxsplit.graph.recompute import MODES, keeps_output, regions, worth_checkpointing
 from fxsplit.pipeline.chain import Chain, Partition, PartitionProblem
 from fxsplit.pipeline.partition import solve
 
-__all__ = ["UnitMode", "unit_modes", "choose", "REQUESTS"]
+__all__ = ["UnitMode", "unit_modes", "mode_held", "choose", "REQUESTS"]
 
 REQUESTS = (*MODES, "auto")
 _MAX_ENUMERATED_V = 6  # 3^6 = 729 assignments per rank; above that a rank's stages share one mode
@@ -61,8 +63,9 @@ _MAX_ENUMERATED_V = 6  # 3^6 = 729 assignments per rank; above that a rank's sta
 
 @dataclass(frozen=True)
 class UnitMode:
-    acts: tuple[float, ...]  # activation bytes saved per microbatch, per unit
+    acts: tuple[float, ...]  # activation bytes saved per microbatch, per unit (each storage at its first saver)
     recompute: tuple[float, ...]  # seconds of forward recomputed in backward, per unit
+    held: tuple = ()  # per unit: ({base node: bytes}, own bytes), fxsplit.graph.saved ([Note: saved tensors by storage])
 
 
 def _out_bytes(node: torch.fx.Node, binds: Mapping) -> float:
@@ -76,29 +79,46 @@ def _out_bytes(node: torch.fx.Node, binds: Mapping) -> float:
     return total
 
 
-def unit_modes(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: Mapping, hardware: Hardware,
-               base_acts: Sequence[float]) -> dict[str, UnitMode]:
-    """Per mode, each unit's saved bytes and recompute seconds ([Note: checkpointing cost model])."""
+def mode_held(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: Mapping, base_held: Sequence,
+              mode: str) -> tuple[list, list[bool]]:
+    """Per unit under ``mode``: what it saves (``({base node: bytes}, own bytes)``, as
+    ``fxsplit.graph.saved.unit_saved``; ``base_held`` is mode "none") and whether backward
+    recomputes it ([Note: checkpointing cost model]). The planner's workload uses it too."""
     index = {u: i for i, u in enumerate(units)}
-    n = len(units)
-    out = {"none": UnitMode(tuple(base_acts), (0.0,) * n)}
+    held, rec = list(base_held), [False] * len(units)
+    if mode == "none":
+        return held, rec
+    for _, nodes in regions(gm.graph):
+        if not worth_checkpointing(nodes) or any(x not in index for x in nodes):
+            continue
+        inside = set(nodes)
+        inputs = {a for x in nodes for a in x.all_input_nodes if a not in inside and a.op != "get_attr"}
+        for x in nodes:
+            i = index[x]
+            kept = mode == "selective" and keeps_output(x, gm)
+            held[i] = ({x: _out_bytes(x, binds)}, 0.0) if kept else ({}, 0.0)
+            rec[i] = not kept
+        first = index[nodes[0]]
+        keys = dict(held[first][0])
+        for a in inputs:
+            b = base(a, gm)
+            if b is not None:
+                keys[b] = max(keys.get(b, 0.0), _out_bytes(a, binds))
+        held[first] = (keys, held[first][1])
+    return held, rec
+
+
+def unit_modes(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: Mapping, hardware: Hardware,
+               base_held: Sequence) -> dict[str, UnitMode]:
+    """Per mode, each unit's saved storages, saved bytes and recompute seconds ([Note: checkpointing
+    cost model]); ``base_held`` is ``fxsplit.graph.saved.unit_saved`` of the units (mode "none")."""
     fwd = [node_time(u, flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, backward=False,
                      bindings=binds) for u in units]
-    for mode in ("selective", "full"):
-        acts, rec = list(base_acts), [0.0] * n
-        for _, nodes in regions(gm.graph):
-            if not worth_checkpointing(nodes) or any(x not in index for x in nodes):
-                continue
-            inside = set(nodes)
-            inputs = {a for x in nodes for a in x.all_input_nodes if a not in inside and a.op != "get_attr"}
-            first = index[nodes[0]]
-            for x in nodes:
-                i = index[x]
-                kept = mode == "selective" and keeps_output(x, gm)
-                acts[i] = _out_bytes(x, binds) if kept else 0.0
-                rec[i] = 0.0 if kept else fwd[i]
-            acts[first] += sum(_out_bytes(a, binds) for a in inputs)
-        out[mode] = UnitMode(tuple(acts), tuple(rec))
+    out = {}
+    for mode in MODES:
+        held, rec = mode_held(gm, units, binds, base_held, mode)
+        out[mode] = UnitMode(tuple(first_saver_bytes(held)), tuple(f if r else 0.0 for f, r in zip(fwd, rec)),
+                             tuple(held))
     return out
 
 

@@ -35,6 +35,8 @@ from fxsplit.graph.profile import node_time
 from fxsplit.graph.marker import find_pipe_splits
 from fxsplit.graph.meta import node_info
 from fxsplit.graph.recompute import layer_key
+from fxsplit.graph.saved import first_saver_bytes, unit_saved
+from fxsplit.pipeline.held import StageHeld, loss_key as _loss_key, with_loss as _with_loss
 from fxsplit.pipeline.partition import (
     Partition,
     PartitionError,
@@ -46,6 +48,7 @@ from fxsplit.pipeline.partition import (
     parameter_count_cuts,
 )
 from fxsplit.pipeline.checkpointing import choose, unit_modes
+from fxsplit.pipeline.memory import message_buffers, schedule_peaks
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
 from fxsplit.graph.hardware import Hardware
@@ -53,6 +56,7 @@ from fxsplit.graph.hardware import Hardware
 __all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "example_bindings", "layer_key"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
+
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class StageSummary:
     checkpointing: str = "none"  # the stage's activation checkpointing mode (fxsplit.graph.recompute)
     activation_bytes_unchecked: float | None = None  # act/mb without checkpointing (None: same)
     recompute_time: float = 0.0  # seconds of forward recomputed in backward per microbatch
+    weight_bytes: float = 0.0  # of activation_bytes, what a split backward's W still needs after I
 
 
 def _fmt_bytes(x: float) -> str:
@@ -140,6 +145,9 @@ class SplitPlan:
     bindings: Mapping[str, int] = field(default_factory=dict)
     baselines: Mapping[str, float] = field(default_factory=dict)
     activation_checkpointing: str = "none"  # what was asked: "none", "selective", "full" or "auto"
+    loss_bytes: float = 0.0  # the loss's input per microbatch (the model outputs), on the last stage
+    schedule: str = "1f1b"  # the schedule the memory model walks ([Note: split backward memory])
+    num_microbatches: int | None = None
 
     @property
     def checkpointing(self) -> tuple[str, ...]:
@@ -148,14 +156,34 @@ class SplitPlan:
 
     def peak_activations(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per rank: the activation bytes held at the peak (in-flight microbatches x the rank's
-        act/mb, the partition's memory model), with this plan's checkpointing and without."""
+        act/mb, the partition's memory model; on a zero-bubble schedule the schedule's order walked
+        with each W's share: [Note: split backward memory] in fxsplit.pipeline.memory), plus its
+        message buffers, with this plan's checkpointing and without ([Note: what a stage holds] in
+        fxsplit.pipeline.held)."""
+        buffers = self.message_buffers()
+        plain = [s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
+                 for s in self.stages]
+        if self.schedule in ("zb_h1", "zbv") and self.num_ranks > 1:
+            from fxsplit.schedule import build
+
+            p, v = self.num_ranks, self.num_stages // self.num_ranks
+            rows = build(self.schedule, p, self.num_microbatches or 2 * p, v)
+            w = [s.weight_bytes for s in self.stages]
+            with_ = schedule_peaks(rows, p, [s.activation_bytes for s in self.stages], w)
+            without = schedule_peaks(rows, p, plain, w)
+            return (tuple(x + b for x, b in zip(with_, buffers)), tuple(x + b for x, b in zip(without, buffers)))
         inflight = self.problem.inflight_per_rank() if self.problem is not None else (1.0,) * self.num_ranks
-        with_, without = [0.0] * self.num_ranks, [0.0] * self.num_ranks
-        for s in self.stages:
+        with_, without = list(buffers), list(buffers)
+        for s, x in zip(self.stages, plain):
             with_[s.rank] += inflight[s.rank] * s.activation_bytes
-            plain = s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
-            without[s.rank] += inflight[s.rank] * plain
+            without[s.rank] += inflight[s.rank] * x
         return tuple(with_), tuple(without)
+
+    def message_buffers(self) -> tuple[float, ...]:
+        """Per rank: the bytes of the pipeline messages it holds besides its in-flight
+        microbatches ([Note: message buffers] in fxsplit.pipeline.memory)."""
+        return message_buffers([s.rank for s in self.stages], [s.bytes_in for s in self.stages],
+                               [s.bytes_out for s in self.stages], self.num_ranks)
 
     @property
     def bottleneck(self) -> float:
@@ -350,6 +378,9 @@ def plan_split(
     if not units:
         raise SplitError("the graph has no compute nodes to split")
     costs = _unit_costs(gm, units, binds, hardware, loss_seconds)
+    held = unit_saved(gm, units, binds)
+    loss_key = _loss_key(gm, binds)
+    costs.acts[:] = _with_loss(first_saver_bytes(held), loss_key)
     cut_bytes = _cut_bytes(units, binds)
     keys = [layer_key(node_info(u).module_path) for u in units]
     penalty, allowed = _cut_rules(units, keys, cut_at, inner_cut_penalty)
@@ -373,11 +404,12 @@ def plan_split(
     )
     modes = {"none": None}
     if activation_checkpointing != "none":
-        modes = unit_modes(gm, units, binds, hardware, costs.acts)
+        modes = unit_modes(gm, units, binds, hardware, held)
         if activation_checkpointing == "auto":
             modes = {m: um for m, um in modes.items() if m in checkpoint_modes}
     problems = {m: problem if um is None else replace(
-        problem, compute=tuple(c + r for c, r in zip(costs.compute, um.recompute)), activation_bytes=um.acts)
+        problem, compute=tuple(c + r for c, r in zip(costs.compute, um.recompute)),
+        activation_bytes=_with_loss(um.acts, loss_key))
         for m, um in modes.items()}
     try:
         part, per_stage = choose(problems, activation_checkpointing)
@@ -393,13 +425,17 @@ def plan_split(
         stage_of=stage_of,
         starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
         stages=_summaries(part, problem, keys, costs, cut_bytes, per_stage, modes,
-                          twice=split_backward == "autograd" and schedule in _SPLIT_SCHEDULES),
+                          twice=split_backward == "autograd" and schedule in _SPLIT_SCHEDULES,
+                          held=StageHeld(gm, units, binds, held, loss_key)),
         partition=part,
         method=method,
         problem=problem,
         bindings={str(k): v for k, v in binds.items()},
         baselines=_baselines(problem, keys),
         activation_checkpointing=activation_checkpointing,
+        loss_bytes=sum(loss_key.values()),
+        schedule=schedule,
+        num_microbatches=num_microbatches,
     )
 
 
@@ -552,7 +588,8 @@ _SPLIT_SCHEDULES = ("zb_h1", "zbv", "zb_auto")  # backward as I and W (fxsplit.s
 
 def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], costs: _UnitCosts,
                cut_bytes: Sequence[float], per_stage: Sequence[str],
-               modes: Mapping[str, Any], twice: bool = False) -> tuple[StageSummary, ...]:
+               modes: Mapping[str, Any], twice: bool = False, held: StageHeld | None = None
+               ) -> tuple[StageSummary, ...]:
     out = []
     link = problem.bandwidth
     for s in range(part.num_stages):
@@ -560,6 +597,14 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
         um = modes.get(per_stage[s])
         fwd, wgt = sum(costs.forward[a:b]), sum(costs.weight[a:b])
         recompute = 0.0 if um is None else sum(um.recompute[a:b])
+        acts = sum(costs.acts[a:b] if um is None else um.acts[a:b])
+        plain = sum(costs.acts[a:b])
+        wbytes = 0.0
+        if held is not None:
+            last = s == part.num_stages - 1
+            plain = held.stage(None, a, b, last)
+            acts = plain if um is None else held.stage(um.held, a, b, last)
+            wbytes = min(held.weight(a, b, costs.weight), acts)
         out.append(StageSummary(
             index=s,
             rank=problem.rank_of(s),
@@ -567,7 +612,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             num_nodes=b - a,
             param_bytes=sum(costs.params[a:b]),
             flops=sum(costs.flops[a:b]),
-            activation_bytes=sum(costs.acts[a:b] if um is None else um.acts[a:b]),
+            activation_bytes=acts,
             bytes_in=cut_bytes[a],
             bytes_out=cut_bytes[b],
             time=part.stage_time[s],
@@ -576,8 +621,9 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             weight_grad_time=wgt + (recompute if twice else 0.0),  # the autograd split's W recomputes again
             comm_time=cut_bytes[b] / link if 0 < link < float("inf") else 0.0,
             checkpointing=per_stage[s],
-            activation_bytes_unchecked=None if um is None else sum(costs.acts[a:b]),
+            activation_bytes_unchecked=None if um is None else plain,
             recompute_time=recompute,
+            weight_bytes=wbytes,
         ))
     return tuple(out)
 

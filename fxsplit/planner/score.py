@@ -37,13 +37,17 @@ Step time = the pipeline's makespan + the data-parallel gradient reduction + the
 - optimizer: Adam reads parameter, gradient, m and v and writes parameter, m and v: 7 x 4 bytes
   per parameter element through memory (1/s of them with dp_shard).
 
-Memory per rank (the largest rank decides the fit): parameters, gradients (the parameter dtype),
-Adam m and v (fp32) plus an fp32 master copy when parameters are 16-bit, each divided by dp_shard;
-activations: in-flight microbatches (the schedule's peak: ``fxsplit.pipeline.chain.inflight_1f1b``
-for 1F1B and interleaved; p on every rank for ZB-H1 and ZB-V, what their orders hold when simulated
-with m >= 2p) times the rank's saved bytes per microbatch under its
-checkpointing mode; recompute: with checkpointing, one group's full activations live while it
-is recomputed.
+Memory per rank (the largest peak decides the fit) is the split's model, one function for both
+(``fxsplit.pipeline.memory.rank_memory``, [Note: memory model]): parameters, gradients (the
+parameter dtype), Adam m and v (fp32) plus an fp32 master copy when parameters are 16-bit, each
+divided by dp_shard, FSDP's gathered stage, the all-reduce buckets of plain dp, and the larger of
+activations and whole gradients at the peak. Activations: in-flight microbatches (the schedule's
+peak: ``fxsplit.pipeline.chain.inflight_1f1b`` for 1F1B and interleaved; p on every rank for ZB-H1
+and ZB-V, what their orders hold when simulated with m >= 2p) times what the rank's stages hold per
+microbatch under its checkpointing mode (each saved storage once, [Note: saved tensors by
+storage]; the stage's received and sent values; the loss's saved tensor on the last stage), plus
+its message buffers ([Note: message buffers]); recompute: with checkpointing, one group's full
+activations live while it is recomputed.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from fxsplit import schedule as _schedules
 from fxsplit.errors import PartitionError
 from fxsplit.graph.hardware import Hardware
 from fxsplit.pipeline.chain import inflight_1f1b
+from fxsplit.pipeline.memory import RankMemory, message_buffers, rank_memory
 from fxsplit.pipeline.partition import PartitionProblem, solve
 from fxsplit.planner.space import Candidate
 from fxsplit.planner.workload import Workload
@@ -100,23 +105,7 @@ def calibrate(workload: Workload, hardware: Hardware, measured: dict, *,
     return Calibration(scale, overhead, action_overhead_s, host_cores)
 
 
-@dataclass(frozen=True)
-class Memory:
-    """Bytes on the most loaded rank."""
-
-    params: float = 0.0
-    grads: float = 0.0
-    optimizer: float = 0.0  # Adam m, v (+ fp32 master copy of 16-bit parameters)
-    activations: float = 0.0  # in flight by the schedule
-    recompute: float = 0.0  # one group's activations while it is recomputed
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.recompute
-
-    def as_dict(self) -> dict:
-        return dict(params=self.params, grads=self.grads, optimizer=self.optimizer,
-                    activations=self.activations, recompute=self.recompute, total=self.total)
+Memory = RankMemory  # bytes on the most loaded rank ([Note: memory model] in fxsplit.pipeline.memory)
 
 
 @dataclass(frozen=True)
@@ -260,19 +249,21 @@ class Scorer:
         for s in range(S - 1):
             intra = self._pp_intra(c, ranks[s], ranks[s + 1])
             comm[s] = hw.p2p_time(float(u.cut[cuts[s + 1]]), intra)
-        # memory per rank
-        inflight = self.inflight(c)
+        # memory per rank: the split's model ([Note: memory model] in fxsplit.pipeline.memory)
+        inflight, sh = self.inflight(c), c.dp_shard
         rank_P, rank_A = np.zeros(p), np.zeros(p)
+        cut_in = np.array([float(u.cut[cuts[s]]) for s in range(S)])
+        cut_out = np.array([float(u.cut[cuts[s + 1]]) for s in range(S)])
+        A = A + cut_in + cut_out  # received and sent values ([Note: what a stage holds] in fxsplit.pipeline.held)
+        A[-1] += w.loss_saved_per_sample * c.microbatch_size  # what the loss keeps
         for s in range(S):
             rank_P[ranks[s]] += P[s]
             rank_A[ranks[s]] += A[s]
-        acts = np.asarray(inflight) * rank_A
-        r = int(np.argmax(rank_P * self._state_factor() / c.dp_shard + acts))
-        numel = rank_P[r] / w.param_itemsize
-        sh = c.dp_shard
-        opt = numel * (8.0 + (4.0 if w.param_itemsize < 4 else 0.0))
-        mem = Memory(params=rank_P[r] / sh + (float(u.params.max()) if sh > 1 else 0.0), grads=rank_P[r] / sh,
-                     optimizer=opt / sh, activations=float(acts[r]), recompute=u.transient)
+        acts = np.asarray(inflight) * rank_A + np.asarray(message_buffers(ranks, cut_in, cut_out, p))
+        loss = w.loss_saved_per_sample * c.microbatch_size
+        mems = [self._rank_memory(c, rank_P[r], float(acts[r]), u.transient, inflight[r], r,
+                                  loss if r == ranks[-1] else 0.0) for r in range(p)]
+        mem = max(mems, key=lambda m: m.total)
         fits = mem.total <= self.limit
         # time
         method = "closed form"
@@ -296,6 +287,16 @@ class Scorer:
                 step, method = work / cores, method + ", host-bound"
         return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
                      tuple(cuts), costs)
+
+    def _rank_memory(self, c: Candidate, param_bytes: float, acts: float, recompute: float, inflight: float,
+                     r: int, loss: float) -> Memory:
+        """One pipeline rank's memory by the shared model (``fxsplit.pipeline.memory.rank_memory``)."""
+        it, sh = self.w.param_itemsize, c.dp_shard
+        numel = param_bytes / it
+        return rank_memory(shard_bytes=param_bytes / sh, numel=numel, shard_numel=numel / sh, grad_itemsize=it,
+                           gather_itemsize=it, optimizer_bytes_per_param=8.0 + (4.0 if it < 4 else 0.0),
+                           dp=max(c.dp // sh, 1), dp_shard=sh, activations=acts, recompute=recompute,
+                           microbatches=c.microbatches, inflight=inflight, loss_bytes=loss, pp_rank=r)
 
     def _state_factor(self) -> float:
         """Bytes of params + grads + optimizer state per parameter byte."""

@@ -41,7 +41,9 @@ import sympy
 import torch.fx
 
 from fxsplit.graph.meta import node_info
-from fxsplit.graph.recompute import keeps_output, layer_key, regions, worth_checkpointing
+from fxsplit.graph.recompute import MODES, layer_key
+from fxsplit.graph.saved import first_saver_bytes, unit_saved
+from fxsplit.pipeline.checkpointing import mode_held
 from fxsplit.pipeline.split import _cut_bytes as _unit_cut_bytes
 from fxsplit.tp.plan import TPPlan
 
@@ -105,6 +107,7 @@ class Workload:
     max_tp: int  # the degree the TP structure was found at (1: no tensor parallelism)
     sequence_parallel: bool  # whether sequence parallelism applies (a token embedding starts it)
     batch_size: int  # the example's batch size
+    loss_saved_per_sample: float = 0.0  # bytes the loss keeps for backward per sample (the outputs' size)
 
     @property
     def num_groups(self) -> int:
@@ -139,7 +142,7 @@ class Workload:
             return out
 
         b1, b2 = binds(1), binds(2)
-        fields = ("flops", "matmul_flops", "rw", "bwd", "saved")
+        fields = ("flops", "matmul_flops", "rw", "bwd")
         v1 = {f: np.zeros(n) for f in fields}
         v2 = {f: np.zeros(n) for f in fields}
         params = np.zeros(n)
@@ -152,7 +155,6 @@ class Workload:
                 vals["matmul_flops"][i] = _num(c.matmul_flops, bb)
                 vals["rw"][i] = _num(c.bytes_read, bb) + _num(c.bytes_written, bb)
                 vals["bwd"][i] = _num(c.backward_bytes, bb)
-                vals["saved"][i] = _num(c.saved_bytes, bb)
             params[i] += _num(c.param_bytes, b1)
         reads = np.zeros(n, dtype=bool)
         for node in gm.graph.nodes:
@@ -181,14 +183,17 @@ class Workload:
         cut1 = np.array([ucut1[k] for k in gpos]) if batch is not None else np.array([ucut1[k] for k in gpos]) / b0
         cut2 = np.array([ucut2[k] for k in gpos]) if batch is not None else 2 * cut1
         cut = Linear(np.maximum(2 * cut1 - cut2, 0.0), np.maximum(cut2 - cut1, 0.0))
-        # checkpointing: per mode, saved bytes and the recompute mask
-        saved = {"none": linear("saved")}
-        recompute = {"none": np.zeros(n, dtype=bool)}
-        for mode in ("selective", "full"):
-            a1, a2, rec = _checkpoint_acts(gm, units, index, mode, b1, b2, v1["saved"], v2["saved"])
+        # checkpointing: per mode, saved bytes (each storage once) and the recompute mask, by the
+        # split's own rules (fxsplit.graph.saved, fxsplit.pipeline.checkpointing.mode_held)
+        h1, h2 = unit_saved(gm, units, b1), unit_saved(gm, units, b2)
+        saved, recompute = {}, {}
+        for mode in MODES:
+            m1, rec = mode_held(gm, units, b1, h1, mode)
+            a1 = np.array(first_saver_bytes(m1), dtype=float)
+            a2 = np.array(first_saver_bytes(mode_held(gm, units, b2, h2, mode)[0]), dtype=float)
             saved[mode] = Linear(np.maximum(2 * a1 - a2, 0.0), np.maximum(a2 - a1, 0.0)) if batch is not None \
                 else Linear(np.zeros(n), a1 / b0)
-            recompute[mode] = rec
+            recompute[mode] = np.array(rec, dtype=bool)
         # loss: a cross-entropy-like loss over the float outputs (as fxsplit.api.plan charges it)
         out = next(x for x in reversed(gm.graph.nodes) if x.op == "output")
         lb1 = sum(_out_bytes(x, b1) for x in out.all_input_nodes)
@@ -259,29 +264,8 @@ class Workload:
             sp_sharded=sp & ~sharded, tp_fwd_bytes=lin2(fb1, fb2), tp_bwd_bytes=lin2(bb1, bb2),
             tp_fwd_count=fc, tp_bwd_count=bc, max_tp=tp_plan.tp if tp_plan is not None else 1,
             sequence_parallel=sp_plan is not None and bool(sp.any()), batch_size=b0,
+            loss_saved_per_sample=per_sample_out,
         )
-
-
-def _checkpoint_acts(gm, units, index, mode, b1, b2, base1, base2):
-    """Saved bytes per unit at both batch sizes and the recompute mask under ``mode``: the rules
-    of [Note: checkpointing cost model] (``fxsplit.pipeline.checkpointing.unit_modes``), without
-    its per-unit forward times (the planner prices recompute itself)."""
-    a1, a2, rec = np.array(base1, dtype=float), np.array(base2, dtype=float), np.zeros(len(units), dtype=bool)
-    for _, nodes in regions(gm.graph):
-        if not worth_checkpointing(nodes) or any(x not in index for x in nodes):
-            continue
-        inside = set(nodes)
-        inputs = {a for x in nodes for a in x.all_input_nodes if a not in inside and a.op != "get_attr"}
-        for x in nodes:
-            i = index[x]
-            kept = mode == "selective" and keeps_output(x, gm)
-            a1[i] = _out_bytes(x, b1) if kept else 0.0
-            a2[i] = _out_bytes(x, b2) if kept else 0.0
-            rec[i] = not kept
-        first = index[nodes[0]]
-        a1[first] += sum(_out_bytes(a, b1) for a in inputs)
-        a2[first] += sum(_out_bytes(a, b2) for a in inputs)
-    return a1, a2, rec
 
 
 def _example_bindings(gm: torch.fx.GraphModule) -> Mapping:

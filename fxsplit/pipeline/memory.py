@@ -1,0 +1,163 @@
+"""The per-rank memory model: what one rank holds at rest and at the peak of a training step.
+One function for both consumers: ``Plan.memory()`` (fxsplit.api.memory, from a built plan's
+parameters) and the auto-planner's score (fxsplit.planner.score, from its per-group arrays).
+
+    m = rank_memory(shard_bytes=..., numel=..., shard_numel=..., grad_itemsize=4,
+                    gather_itemsize=4, optimizer_bytes_per_param=8, dp=2, dp_shard=1, activations=a)
+    m.peak, m.at_rest, m.as_dict()
+
+[Note: memory model]
+Terms: d = dp (replicas), s = dp_shard (FSDP shards); a rank's parameters are those of its
+pipeline rank's stages at their tp-local shapes (``numel`` elements), of which
+FSDP leaves it ``shard_numel`` elements, ``shard_bytes`` (the whole with s = 1).
+- at rest (between steps): the parameter shards, their gradients (same bytes) and the optimizer
+  state, ``optimizer_bytes_per_param`` per shard element (Adam/AdamW: two float32 tensors, 8;
+  plus a float32 master copy, 12, when the parameters themselves are 16-bit);
+- during a step with s > 1, FSDP also holds each stage whole (one unit per stage,
+  ``reshard_after_forward=False``: [Note: FSDP units and reshard_after_forward] in
+  fxsplit.runtime.fsdp): the gathered parameters in the mixed-precision param dtype
+  (``gather_itemsize``), and the unsharded gradients accumulated over the microbatches in the
+  reduce dtype (``grad_itemsize``), freed by the reduce-scatter at the end of the step;
+- a backward's working memory (``backward``): on the rank of the last stage, the loss's
+  gradients, ``_LOSS_GRADIENTS`` = 2 tensors the size of its input at once (cross-entropy's
+  gradient of the log-probabilities and of the logits, while the saved log-softmax is still
+  held: measured, tests/test_memory_model.py); other working memory (one op's gradients) is not
+  modelled;
+- activations: the pipeline's in-flight microbatches times what each stage holds per
+  microbatch, plus the rank's posted receive buffers (``SplitPlan.peak_activations``, [Note:
+  what a stage holds] in fxsplit.pipeline.held); ``recompute``: under checkpointing, the one
+  region's activations a backward holds while it recomputes it (the planner's estimate; 0 when
+  not estimated);
+- the peak of a step: parameters + optimizer state at rest, FSDP's gathered parameters, and the
+  larger of two moments. During the pipeline: the activations (+ recompute), plus the whole
+  (tp-local) gradients once a backward has filled them while later forwards still run
+  (``grads_during_forwards``: the rank runs more microbatches than it holds in flight; with one
+  microbatch in flight at a time backward frees the activations while it fills the gradients, so
+  they are not summed). After the pipeline: the whole gradients plus their flat copy for the reduction (``buckets``):
+  with plain data parallelism (d > 1, s = 1) the flat buckets of fxsplit's all-reduce, with
+  s > 1 FSDP's reduce-scatter input (it copies the unsharded gradients into one flat tensor),
+  allocated when the activations are gone (measured: benchmarks/fsdp_memory.py at 2x64 tokens,
+  where this moment is the peak). Gradients are None before the step (``zero_grad``'s
+  default). The sharded gradients FSDP writes are a 1/s part, not modelled.
+Measured with ``benchmarks/fsdp_memory.py`` (peak / predicted per rank in its README section).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["RankMemory", "rank_memory", "message_buffers", "schedule_peaks"]
+
+_LOSS_GRADIENTS = 2  # tensors the size of the loss's input live at the start of the last stage's backward
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank of pipeline rank ``pp_rank`` expects ([Note: memory model])."""
+
+    pp_rank: int = 0
+    params: float = 0.0  # at rest: this rank's shards
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0  # peak during a step
+    gathered: float = 0.0  # during a step with dp_shard > 1: the whole (gathered) stage parameters
+    whole_grads: float = 0.0  # during a step: the tp-local gradients before any reduction
+    buckets: float = 0.0  # after the pipeline: the flat copy of the gradients a reduction makes (dp or dp_shard)
+    recompute: float = 0.0  # during a checkpointed backward: one region's activations being recomputed
+    grads_during_forwards: bool = False  # whole gradients live beside the activations (more microbatches than in flight)
+    backward: float = 0.0  # a backward's working memory on top of the activations (the loss's gradients)
+
+    @property
+    def at_rest(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        """Bytes held at the peak of a step ([Note: memory model])."""
+        pipeline = (self.activations + self.recompute + self.backward
+                    + (self.whole_grads if self.grads_during_forwards else 0.0))
+        return self.params + self.optimizer + self.gathered + max(pipeline, self.whole_grads + self.buckets)
+
+    @property
+    def total(self) -> float:
+        """The peak (the figure a memory limit is checked against)."""
+        return self.peak
+
+    def as_dict(self) -> dict:
+        return dict(params=self.params, grads=self.grads, optimizer=self.optimizer, activations=self.activations,
+                    gathered=self.gathered, whole_grads=self.whole_grads, buckets=self.buckets,
+                    recompute=self.recompute, backward=self.backward, peak=self.peak, total=self.total)
+
+
+def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
+                grad_itemsize: float, gather_itemsize: float, optimizer_bytes_per_param: float,
+                dp: int, dp_shard: int, activations: float, recompute: float = 0.0,
+                microbatches: int = 1, inflight: float = 1.0, loss_bytes: float = 0.0,
+                pp_rank: int = 0) -> RankMemory:
+    """One rank's :class:`RankMemory` ([Note: memory model]); ``numel``: the
+    rank's tp-local parameter elements, ``shard_bytes`` / ``shard_numel``: its FSDP shard of them;
+    ``microbatches`` the rank runs per step, ``inflight`` the most it holds at once; ``loss_bytes``
+    the loss's input (the model outputs of one microbatch) when the rank holds the last stage."""
+    whole_grads = numel * grad_itemsize
+    return RankMemory(
+        pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
+        activations=activations, gathered=numel * gather_itemsize if dp_shard > 1 else 0.0,
+        whole_grads=whole_grads, buckets=whole_grads if dp > 1 or dp_shard > 1 else 0.0, recompute=recompute,
+        grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes)
+
+
+# [Note: message buffers]
+# Besides its in-flight microbatches a pipeline rank holds messages: the receive buffers the
+# runtime posts ahead (``prefetch``: the next two actions' receives, fxsplit.runtime.executor), the
+# gradient a backward is consuming, and a sent message until the peer's next message releases
+# it ([Note: releasing sends] in fxsplit.runtime.p2p). Measured at a backward's start with
+# benchmarks/activation_memory.py (p=2, 1F1B, every checkpointing mode): two messages per
+# direction the rank receives in (rank 0: two gradient messages; the last rank: the next
+# forward's activations and the gradient it sent back). So each rank is charged
+# ``_MESSAGES_IN_FLIGHT`` of its largest gradient message (when a stage of it has a successor) and
+# of its largest activation message (when one has a predecessor).
+_MESSAGES_IN_FLIGHT = 2
+
+
+def message_buffers(stage_ranks: Sequence[int], bytes_in: Sequence[float], bytes_out: Sequence[float],
+                    num_ranks: int) -> tuple[float, ...]:
+    """Per rank: the message bytes it holds at a backward's start besides its in-flight
+    microbatches ([Note: message buffers]); per stage its rank and the bytes it receives and sends."""
+    S = len(stage_ranks)
+    out = [0.0] * num_ranks
+    if S <= 1:
+        return tuple(out)
+    for r in range(num_ranks):
+        mine = [s for s in range(S) if stage_ranks[s] == r]
+        grads = max((bytes_out[s] for s in mine if s < S - 1), default=0.0)
+        acts = max((bytes_in[s] for s in mine if s > 0), default=0.0)
+        out[r] = _MESSAGES_IN_FLIGHT * (grads + acts)
+    return tuple(out)
+
+
+def schedule_peaks(schedule: Sequence[Sequence], num_ranks: int, full: Sequence[float],
+                   after_input_grad: Sequence[float]) -> tuple[float, ...]:
+    """[Note: split backward memory] Per rank: the most activation bytes it holds, walking its
+    actions in the schedule's order. A forward of stage s adds ``full[s]``; a full backward (B)
+    frees it; a split backward's I frees all but ``after_input_grad[s]`` (what W still needs: the
+    inputs of the weight-gradient matmuls and their output gradients) and its W frees the rest.
+    So a zero-bubble schedule, whose W runs late, is charged for the W halves it keeps, not for
+    whole microbatches (``Timeline.peak_inflight`` counts a microbatch whole until its W ends)."""
+    peaks = [0.0] * num_ranks
+    for r, row in enumerate(schedule[:num_ranks]):
+        live = 0.0
+        for a in row:
+            if a is None:
+                continue
+            kind, s = str(a.kind), a.stage
+            if kind == "F":
+                live += full[s]
+                peaks[r] = max(peaks[r], live)
+            elif kind == "B":
+                live -= full[s]
+            elif kind == "I":
+                live -= full[s] - min(after_input_grad[s], full[s])
+            elif kind == "W":
+                live -= min(after_input_grad[s], full[s])
+    return tuple(peaks)
