@@ -55,7 +55,8 @@ from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
-from fxsplit.passes.tp_operands import matmuls_as_linears, new_node as _new, partial_sums, scatter_operands, sum_grads
+from fxsplit.passes.tp_operands import (grouped_weights, matmuls_as_linears, new_node as _new, partial_sums,
+                                       scatter_operands, sum_grads)
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -156,6 +157,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     matmuls_as_linears(gm, plan, nodes)
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
+    grouped_weights(plan, nodes, _local_val)
     sum_grads(gm, plan, nodes, axis, _module_to_function)
     scatter_operands(gm, plan, nodes, axis, _local_val)
     partial_sums(gm, plan, nodes, axis)
@@ -244,18 +246,13 @@ def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch
             node, info = nodes[r], plan.linears[r]
             x = _linear_input(node, plan)
             val = node.meta.get("val")
-            with graph.inserting_before(node):
-                w = graph.get_attr(info.weight)
-                w.meta["val"] = None
-                if info.kind == "module":
-                    y = _new(graph, F.linear, (x, w), like=node, val=val)
-                elif info.kind in ("linear", "matmul"):  # matmul: made a linear in step 0
-                    y = _new(graph, aten.linear.default, (x, w), like=node, val=val)
-                else:
-                    y = _new(graph, aten.mm.default, (x, w), like=node, val=val)
-            node.replace_all_uses_with(y)
-            graph.erase_node(node)
-            nodes.pop(r)
+            if info.kind == "grouped":  # no bias: the grouped matmul stays, g after it
+                y = node
+            else:
+                y = _row_without_bias(graph, node, info, x, val)
+                node.replace_all_uses_with(y)
+                graph.erase_node(node)
+                nodes.pop(r)
             end = y
             while len(end.users) == 1 and _is_view(next(iter(end.users))):
                 end = next(iter(end.users))
@@ -270,6 +267,19 @@ def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch
             end.replace_all_uses_with(out, delete_user_cb=lambda u: u is not g)
             done[r] = (r if end is y else end.name, g, out)
     return done
+
+
+def _row_without_bias(graph: torch.fx.Graph, node: torch.fx.Node, info, x, val) -> torch.fx.Node:
+    """A row linear's replacement: the same product, its bias left for after g."""
+    aten = torch.ops.aten
+    with graph.inserting_before(node):
+        w = graph.get_attr(info.weight)
+        w.meta["val"] = None
+        if info.kind == "module":
+            return _new(graph, F.linear, (x, w), like=node, val=val)
+        if info.kind in ("linear", "matmul"):  # matmul: made a linear in step 0
+            return _new(graph, aten.linear.default, (x, w), like=node, val=val)
+        return _new(graph, aten.mm.default, (x, w), like=node, val=val)
 
 
 def _rewrite_vocab_embeddings(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],

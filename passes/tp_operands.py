@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from fxsplit.tp.collectives import copy_to_region, reduce_from_region, scatter_to_region
 from fxsplit.tp.plan import TPPlan
 
-__all__ = ["new_node", "matmuls_as_linears", "sum_grads", "scatter_operands", "partial_sums"]
+__all__ = ["new_node", "matmuls_as_linears", "grouped_weights", "sum_grads", "scatter_operands", "partial_sums"]
 
 
 def new_node(graph: torch.fx.Graph, target, args, kwargs=None, *, like: torch.fx.Node, val=None) -> torch.fx.Node:
@@ -46,6 +46,19 @@ def matmuls_as_linears(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[st
         node.args = (x, wt.args[0])
         if not wt.users:
             graph.erase_node(wt)
+
+
+def grouped_weights(plan: TPPlan, nodes: Mapping[str, torch.fx.Node], local_val: Callable[[Any, int, int], Any]) -> None:
+    """Step 1b: a grouped linear's expert weight read transposed (``W.transpose(-2, -1)``): the
+    transpose's metadata gets the local shape ([Note: experts as grouped linears])."""
+    for name, info in plan.linears.items():
+        spec = plan.param_specs.get(info.weight)
+        wt = nodes[name].args[1] if info.kind == "grouped" and name in nodes else None
+        if spec is None or not isinstance(wt, torch.fx.Node) or wt.op == "get_attr":
+            continue
+        d = spec.dim % 3
+        size = spec.local_shape(plan.full_shapes[info.weight])[d]
+        wt.meta["val"] = local_val(wt.meta.get("val"), 3 - d, size)
 
 
 def sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str,

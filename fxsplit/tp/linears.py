@@ -37,7 +37,12 @@ class LinearInfo:
     in_features: int
     out_features: int
     x_index: int
-    kind: str  # "module", "linear", "addmm", "mm", "matmul" (x @ W.T, no bias)
+    kind: str  # "module", "linear", "addmm", "mm", "matmul" (x @ W.T, no bias), "grouped" (3-D experts)
+
+    @property
+    def in_dim(self) -> int:
+        """The weight dim holding the input features (a row linear's sharded dim)."""
+        return 3 - self.out_dim if self.kind == "grouped" else 1 - self.out_dim
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,8 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
             if w is not None and isinstance(node.args[0], torch.fx.Node):
                 shape = tuple(resolve_path(gm, w).shape)
                 info = LinearInfo(node.name, module_of(w, node), w, None, 0, shape[1], shape[0], 0, "matmul")
+        elif node.op == "call_function" and name in _GROUPED_MM and len(node.args) >= 2:
+            info = _grouped(gm, node)
         if info is not None:
             out[node.name] = info
     return out
@@ -161,3 +168,37 @@ def aliases(gm: torch.fx.GraphModule) -> dict[str, tuple[str, ...]]:
     return {n: tuple(names) for names in by_id.values() for n in names}
 
 
+
+
+_GROUPED_MM = ("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
+
+
+def _grouped(gm: torch.fx.GraphModule, node: torch.fx.Node) -> LinearInfo | None:
+    """A grouped matmul ``grouped_mm(x [S, in], W.transpose(-2, -1) | W, offs)`` over a 3-D
+    parameter ``W`` ([E, out, in] read transposed, or [E, in, out] read as it is), else None."""
+    x, wt = node.args[0], node.args[1]
+    if not isinstance(x, torch.fx.Node) or len(getattr(x.meta.get("val"), "shape", ())) != 2:
+        return None
+    out_dim, w = 2, get_attr_fqn(wt)
+    if w is None and isinstance(wt, torch.fx.Node) and op_name(wt) == "transpose" and not wt.kwargs:
+        if sorted(d % 3 for d in wt.args[1:]) == [1, 2]:
+            out_dim, w = 1, get_attr_fqn(wt.args[0])
+    if w is None:
+        return None
+    shape = tuple(resolve_path(gm, w).shape)
+    if len(shape) != 3:
+        return None
+    return LinearInfo(node.name, module_of(w, node), w, None, out_dim, shape[3 - out_dim], shape[out_dim], 0,
+                      "grouped")
+
+
+# [Note: experts as grouped linears] A mixture of experts whose experts are one fused 3-D tensor
+# (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) runs them as grouped matmuls: the rows
+# of ``x`` sorted by expert, ``offs`` the group ends, each group times its expert's matrix. Each
+# expert's FFN is then column / row-parallel exactly as a dense MLP is: sharding the out dim
+# (``I``, gate and up as two blocks of the fused ``2I``) of every expert at once is sharding the
+# grouped linear's output features, and the down projection's in dim its input features; the
+# per-row routing weights and the combine (a sum over the top-k) act on the row linear's
+# output after g, so one forward all-reduce per MoE layer, as a dense MLP. The router (a plain
+# linear to E scores and a softmax over them) stays replicated: its softmax reads the whole
+# output (the plan says so), and every rank routes every token the same way.

@@ -293,7 +293,8 @@ def _vocab_parallel(g: _Graph, *, vocab_parallel_loss: bool, sequence_parallel: 
                                   f"vocabulary-parallel embedding; set both to 'replicate' or both to 'vocab'")
             continue
         is_head = tied or style == "vocab" or (vocab_size is not None and l.out_features == vocab_size
-                                                and l.out_dim == 0 and _reaches_output(g.nodes[l.node]))
+                                                and l.out_dim == 0 and l.kind != "grouped"
+                                                and _reaches_output(g.nodes[l.node]))
         if style == "vocab" and l.out_dim != 0:
             raise TPPlanError(f"overrides: {l.module_path!r} stores its weight [in, out]; 'vocab' supports [out, in] weights")
         if is_head and style not in ("colwise", "rowwise"):
@@ -337,7 +338,7 @@ def _styles_and_specs(g: _Graph, tp: int, vocab: _Vocab, regions: list[Region], 
                 put(l.bias, ShardSpec(0, tp, blocks_of.get(name)))
         elif name in row:
             styles[l.module_path] = "rowwise"
-            put(l.weight, ShardSpec(1 - l.out_dim, tp))
+            put(l.weight, ShardSpec(l.in_dim, tp))
         elif name in vocab.lm_heads:
             styles[l.module_path] = "vocab"
             pad = padded_size(vocab_size, tp) if vocab_size % tp else None

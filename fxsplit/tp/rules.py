@@ -300,7 +300,9 @@ def _softmax(p, op: Op) -> None:
     node = op.node
     d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if d is None or norm_dim(d, len(op.out_shape)) == op.st.dim:
-        p.fail(node, "softmax over the sharded dim")
+        p.fail(node, "softmax over the sharded dim" + (
+            ": the whole output of a linear (a router's scores over its experts; it stays replicated, so every "
+            "rank routes every token alike)" if op.st.origins else ""))
     p.set(node, op.st.dim, op.st.origins)
 
 
