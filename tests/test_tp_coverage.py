@@ -58,6 +58,10 @@ SHARDED = {
     "deit": ((2, 2), ["a sharded value is a model output"]),
     "timm_vit": ((2, 2), []),
     "torch_encoder": ((2, 2), []),  # nn.TransformerEncoder, traced through (fxsplit.graph.decompose)
+    # cross-attention: q (decoder) and k / v (encoder output) seeded together ([Note: attention
+    # partners]); decoder layers have 3 regions, 2 f's for the cross-attention's two inputs
+    "t5": ((2.5, 4.5), [POSITIONS]),  # backward count as measured (not analysed per node)
+    "bart": ((2.5, 3), [POSITIONS]),
     # experts as grouped linears (fused 3-D gate_up / down, column / row per expert), router replicated
     "mixtral": ((2, 2), ["a router's scores over its experts"]),
     # + the shared expert's own f / g (its 1-output sigmoid gate replicated)
@@ -67,8 +71,6 @@ SHARDED = {
 # arch -> reasons (substrings) the plan must give for the attention / MLP it replicates
 PARTIAL = {
     "gpt_bigcode": ["scaled_dot_product_attention", "is not sharded by heads"],  # multi-query: one k/v head
-    "t5": ["is not sharded by heads", POSITIONS],  # cross-attention (self-attention shards, the bias scattered)
-    "bart": ["is not sharded by heads"],  # cross-attention (q and k/v from different inputs)
     # [heads, 3, hd] fused qkv shards by heads up to q.reshape(B * heads, T, hd) (heads merged as
     # the inner factor) and the ALiBi bias [B * heads, 1, T] added by baddbmm: attention replicated
     "bloom": ["is merged into an outer dim"],

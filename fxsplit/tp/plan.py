@@ -421,6 +421,11 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                 rest = [s for s in seeds if s not in culprits]
                 if 0 < len(rest) < len(seeds):
                     tries.insert(0, rest)
+                # first: with the linears feeding the attention's other operands ([Note: attention
+                # partners]: cross-attention's q from the decoder, k / v from the encoder)
+                partners = _partners(getattr(exc, "node", None), linears, claimed | excluded | forced_rows)
+                if partners - set(seeds):
+                    tries.insert(0, seeds + sorted(partners - set(seeds)))
                 continue
             for s in seeds:
                 per = prop.blocks.get(s, (linears[s].out_features,))
@@ -444,6 +449,39 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                     sharded[n] = (st.dim, int(shape[st.dim]) if shape is not None else -1)
             break
     return regions, sharded, rewrites, blocks_of, failures, layouts, scatters, partials
+
+
+_ATTENTION = ("scaled_dot_product_attention", "matmul", "bmm")
+_PASS_BACK = RESHAPES | {"transpose", "permute", "contiguous", "to", "mul", "div", "clone", "alias"}
+
+
+def _partners(node: torch.fx.Node | None, linears, unavailable) -> set[str]:
+    """The linears whose outputs are an attention node's operands (through views, transposes,
+    casts and scalings): the seeds that must be sharded by heads together with the failed ones."""
+    if node is None or op_name(node) not in _ATTENTION:
+        return set()
+    out: set[str] = set()
+    for x in node.args[:3] if op_name(node) == "scaled_dot_product_attention" else node.args[:2]:
+        for _ in range(16):
+            if not isinstance(x, torch.fx.Node) or x.name in linears:
+                break
+            name, first = op_name(x), x.args[0] if x.args else None
+            scalar = name not in ("mul", "div") or not any(isinstance(a, torch.fx.Node) for a in x.args[1:])
+            if name not in _PASS_BACK or not scalar or not isinstance(first, torch.fx.Node):
+                x = None
+                break
+            x = first
+        if isinstance(x, torch.fx.Node) and x.name in linears and x.name not in unavailable:
+            out.add(x.name)
+    return out
+
+
+# [Note: attention partners] Seeds are first tried by shared input, so the q, k and v of a
+# cross-attention (q from the decoder's stream, k and v from the encoder's output, shared by every
+# decoder layer) are never in one try. When a try fails at an attention node (sdpa, or the
+# scores / values matmul) because another operand is not sharded by heads, the linears feeding
+# its operands join the seeds and the try repeats: the region then has several inputs, each
+# with its f (the encoder output's once for all the cross-attentions that read it).
 
 
 def _grad_sums(gm, sharded_nodes, linears, specs, scattered) -> list[tuple[str, str]]:

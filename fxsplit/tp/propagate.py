@@ -166,6 +166,7 @@ class Propagation:
     def fail(self, node: torch.fx.Node, why: str) -> None:
         exc = RegionFailed(f"{node.name} ({op_name(node, self.gm)}): {why}")
         exc.seeds = self._reaching(node)
+        exc.node = node
         raise exc
 
     def _reaching(self, node: torch.fx.Node) -> frozenset[str]:
