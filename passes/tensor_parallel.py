@@ -56,7 +56,7 @@ from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_p
 from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
 from fxsplit.passes.tp_operands import (grouped_weights, matmuls_as_linears, new_node as _new, partial_sums,
-                                       scatter_operands, sum_grads)
+                                       scatter_operands, sum_grads, whole_blocks)
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -158,6 +158,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
     grouped_weights(plan, nodes, _local_val)
+    whole_blocks(gm, plan, nodes, axis, _module_to_function)
     sum_grads(gm, plan, nodes, axis, _module_to_function)
     scatter_operands(gm, plan, nodes, axis, _local_val)
     partial_sums(gm, plan, nodes, axis)
@@ -207,8 +208,10 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
             n.meta["val"] = _local_val(val, dim, size // t)
-        elif isinstance(val, (list, tuple)):
-            n.meta["val"] = type(val)(_local_val(v, dim, int(v.shape[dim]) // t) for v in val)
+        elif isinstance(val, (list, tuple)):  # a split: its pieces kept whole keep their size
+            whole = {u.args[1] for u in n.users if u.target is operator.getitem and u.name not in plan.sharded_nodes}
+            n.meta["val"] = type(val)(v if i in whole else _local_val(v, dim, int(v.shape[dim]) // t)
+                                      for i, v in enumerate(val))
 
 
 def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
@@ -397,6 +400,8 @@ def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis
         info = plan.linears.get(u.name)
         if info is None or info.out_dim != 0 or info.kind not in ("module", "linear", "matmul") or u.kwargs:
             return
+        if info.kind != "module" and any(isinstance(a, torch.fx.Node) and a.op != "get_attr" for a in u.args[1:]):
+            return  # a weight read through whole_blocks' f
         if info.kind == "module":
             mod = gm.get_submodule(str(u.target))
             if type(mod) is not nn.Linear or u.args != (f,):

@@ -58,6 +58,9 @@ SHARDED = {
     "deit": ((2, 2), ["a sharded value is a model output"]),
     "timm_vit": ((2, 2), []),
     "torch_encoder": ((2, 2), []),  # nn.TransformerEncoder, traced through (fxsplit.graph.decompose)
+    # multi-query: q by heads, the one k / v head whole in c_attn ([Note: whole blocks]); + an f on
+    # the whole rows of c_attn's weight and of its bias (their gradient is partial)
+    "gpt_bigcode": ((2, 4), [POSITIONS]),
     # cross-attention: q (decoder) and k / v (encoder output) seeded together ([Note: attention
     # partners]); decoder layers have 3 regions, 2 f's for the cross-attention's two inputs
     "t5": ((2.5, 4.5), [POSITIONS]),  # backward count as measured (not analysed per node)
@@ -70,7 +73,6 @@ SHARDED = {
 
 # arch -> reasons (substrings) the plan must give for the attention / MLP it replicates
 PARTIAL = {
-    "gpt_bigcode": ["scaled_dot_product_attention", "is not sharded by heads"],  # multi-query: one k/v head
     # [heads, 3, hd] fused qkv shards by heads up to q.reshape(B * heads, T, hd) (heads merged as
     # the inner factor) and the ALiBi bias [B * heads, 1, T] added by baddbmm: attention replicated
     "bloom": ["is merged into an outer dim"],

@@ -167,7 +167,7 @@ class TPPlan:
 
 
 def _spec_str(s: ShardSpec) -> str:
-    extra = (f", blocks={s.blocks}" if s.blocks else "") + (f", pad_to={s.pad_to}" if s.pad_to else "")
+    extra = (f", blocks={s.blocks}" if s.blocks else "") + (f", whole={s.whole}" if s.whole else "") + (f", pad_to={s.pad_to}" if s.pad_to else "")
     return f"dim {s.dim}/{s.num_shards}{extra}"
 
 
@@ -221,8 +221,10 @@ def find_tp_plan(
     excluded |= set(vocab.lm_heads)
     regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters, partials = _find_regions(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
+    no_sums = {(n, a) for n, a, d in scatters if d is None}
+    scatters = [sc for sc in scatters if sc[2] is not None]
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
-    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(n, a) for n, a, _ in scatters})
+    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(n, a) for n, a, _ in scatters} | no_sums)
     _check_plan(g, tp, styles, replicated, sharded_nodes)
     plan = TPPlan(
         tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
@@ -333,9 +335,10 @@ def _styles_and_specs(g: _Graph, tp: int, vocab: _Vocab, regions: list[Region], 
     for name, l in g.linears.items():
         if name in col:
             styles[l.module_path] = "colwise"
-            put(l.weight, ShardSpec(l.out_dim, tp, blocks_of.get(name)))
+            blocks, whole = blocks_of.get(name, (None, ()))
+            put(l.weight, ShardSpec(l.out_dim, tp, blocks, whole=whole))
             if l.bias:
-                put(l.bias, ShardSpec(0, tp, blocks_of.get(name)))
+                put(l.bias, ShardSpec(0, tp, blocks, whole=whole))
         elif name in row:
             styles[l.module_path] = "rowwise"
             put(l.weight, ShardSpec(l.in_dim, tp))
@@ -429,7 +432,7 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                 continue
             for s in seeds:
                 per = prop.blocks.get(s, (linears[s].out_features,))
-                if any(b % tp for b in per):
+                if any(b % tp for i, b in enumerate(per) if i not in prop.whole.get(s, ())):
                     raise TPPlanError(divisibility_msg(nodes[s], tp, list(per),
                                                         f"the output features of {linears[s].module_path!r}"))
             inputs = tuple(dict.fromkeys(_linear_x(nodes[s], linears[s]).name for s in seeds))
@@ -438,7 +441,8 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
             regions.append(Region(tuple(seeds), tuple(dict.fromkeys(prop.rows)), inputs,
                                   "attention" if attn else "mlp"))
             claimed |= set(seeds) | set(prop.rows)
-            blocks_of.update(prop.blocks)
+            blocks_of.update({s: (b, prop.whole.get(s, ())) for s, b in prop.blocks.items()})
+            scatters.extend((n, a, None) for n, a in prop.no_sums)  # excluded from grad_sums, no scatter
             layouts.update({linears[s].module_path: how for s, how in prop.layouts.items()})
             rewrites.extend(prop.rewrites)
             scatters.extend(prop.scatters)
@@ -474,6 +478,19 @@ def _partners(node: torch.fx.Node | None, linears, unavailable) -> set[str]:
         if isinstance(x, torch.fx.Node) and x.name in linears and x.name not in unavailable:
             out.add(x.name)
     return out
+
+
+# [Note: whole blocks] Multi-query attention (GPTBigCode) fuses q (H heads) and ONE k / v head
+# in one projection, ``[q | k | v]`` split at ``[H*hd, hd, hd]``: q shards by heads, but one
+# head does not. When sharding every block fails, the split's second choice keeps k and v whole
+# (``ShardSpec.whole``): every rank computes the k / v head, and the ``expand`` of it to H
+# heads is rewritten to the local H / t (``fxsplit.tp.rules._broadcast_heads``), which is each
+# rank's heads' k / v exactly. Gradients: rank r's dk is its heads' share only (partial), and
+# stays partial, because it flows back through the column linear into x, whose f sums it over
+# the ranks with dq's; an f on k would sum it there too and count it t times. So no f goes on
+# k (``Propagation.no_sums``); instead the weight (and bias) rows of the whole blocks are read
+# through an f (``passes/tp_operands.whole_blocks``), which makes their partial gradient
+# whole. A whole piece read any other way (its gradient would not be partial) fails the try.
 
 
 # [Note: attention partners] Seeds are first tried by shared input, so the q, k and v of a
