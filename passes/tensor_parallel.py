@@ -400,7 +400,7 @@ def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis
         info = plan.linears.get(u.name)
         if info is None or info.out_dim != 0 or info.kind not in ("module", "linear", "matmul") or u.kwargs:
             return
-        if info.kind != "module" and any(isinstance(a, torch.fx.Node) and a.op != "get_attr" for a in u.args[1:]):
+        if u.op != "call_module" and any(isinstance(a, torch.fx.Node) and a.op != "get_attr" for a in u.args[1:]):
             return  # a weight read through whole_blocks' f
         if info.kind == "module":
             mod = gm.get_submodule(str(u.target))

@@ -76,8 +76,9 @@ def whole_blocks(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.
         if spec is None or not spec.whole or name not in nodes or info.kind not in ("module", "linear"):
             continue
         node = nodes[name]
-        if info.kind == "module":
+        if info.kind == "module":  # F.linear under the module's node name (the plan's key)
             node = nodes[name] = module_to_function(gm, node)
+            node.name = name
         ref = node.meta.get("val")
         for pos, fqn in ((1, info.weight), (2, info.bias)):
             a = node.args[pos] if len(node.args) > pos else None

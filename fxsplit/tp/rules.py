@@ -403,7 +403,7 @@ def _split(p, op: Op) -> None:
         p.fail(node, "splits the sharded dim of a value that is not a projection's direct output")
     # multi-query [q | k | v]: q larger than the equal k and v; first all sharded, then (a
     # choice) q sharded by heads and k / v whole ([Note: whole blocks] in fxsplit.tp.plan)
-    mqa = name == "split_with_sizes" and len(sizes) == 3 and sizes[1] == sizes[2] < sizes[0]
+    mqa = name != "chunk" and len(sizes) == 3 and sizes[1] == sizes[2] < sizes[0]
     whole = {1, 2} if mqa and p.choose(node, 2) == 1 else set()
     bad = [s for i, s in enumerate(sizes) if s % p.t and i not in whole]
     if bad:
