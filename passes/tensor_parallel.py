@@ -55,7 +55,8 @@ from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
-from fxsplit.passes.tp_operands import matmuls_as_linears, new_node as _new, partial_sums, scatter_operands, sum_grads
+from fxsplit.passes.tp_operands import (grouped_weights, matmuls_as_linears, new_node as _new, partial_sums,
+                                       scatter_operands, sum_grads, whole_blocks)
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
 
@@ -156,6 +157,8 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     matmuls_as_linears(gm, plan, nodes)
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
+    grouped_weights(plan, nodes, _local_val)
+    whole_blocks(gm, plan, nodes, axis, _module_to_function)
     sum_grads(gm, plan, nodes, axis, _module_to_function)
     scatter_operands(gm, plan, nodes, axis, _local_val)
     partial_sums(gm, plan, nodes, axis)
@@ -205,8 +208,10 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
             n.meta["val"] = _local_val(val, dim, size // t)
-        elif isinstance(val, (list, tuple)):
-            n.meta["val"] = type(val)(_local_val(v, dim, int(v.shape[dim]) // t) for v in val)
+        elif isinstance(val, (list, tuple)):  # a split: its pieces kept whole keep their size
+            whole = {u.args[1] for u in n.users if u.target is operator.getitem and u.name not in plan.sharded_nodes}
+            n.meta["val"] = type(val)(v if i in whole else _local_val(v, dim, int(v.shape[dim]) // t)
+                                      for i, v in enumerate(val))
 
 
 def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
@@ -244,18 +249,13 @@ def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch
             node, info = nodes[r], plan.linears[r]
             x = _linear_input(node, plan)
             val = node.meta.get("val")
-            with graph.inserting_before(node):
-                w = graph.get_attr(info.weight)
-                w.meta["val"] = None
-                if info.kind == "module":
-                    y = _new(graph, F.linear, (x, w), like=node, val=val)
-                elif info.kind in ("linear", "matmul"):  # matmul: made a linear in step 0
-                    y = _new(graph, aten.linear.default, (x, w), like=node, val=val)
-                else:
-                    y = _new(graph, aten.mm.default, (x, w), like=node, val=val)
-            node.replace_all_uses_with(y)
-            graph.erase_node(node)
-            nodes.pop(r)
+            if info.kind == "grouped":  # no bias: the grouped matmul stays, g after it
+                y = node
+            else:
+                y = _row_without_bias(graph, node, info, x, val)
+                node.replace_all_uses_with(y)
+                graph.erase_node(node)
+                nodes.pop(r)
             end = y
             while len(end.users) == 1 and _is_view(next(iter(end.users))):
                 end = next(iter(end.users))
@@ -270,6 +270,19 @@ def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch
             end.replace_all_uses_with(out, delete_user_cb=lambda u: u is not g)
             done[r] = (r if end is y else end.name, g, out)
     return done
+
+
+def _row_without_bias(graph: torch.fx.Graph, node: torch.fx.Node, info, x, val) -> torch.fx.Node:
+    """A row linear's replacement: the same product, its bias left for after g."""
+    aten = torch.ops.aten
+    with graph.inserting_before(node):
+        w = graph.get_attr(info.weight)
+        w.meta["val"] = None
+        if info.kind == "module":
+            return _new(graph, F.linear, (x, w), like=node, val=val)
+        if info.kind in ("linear", "matmul"):  # matmul: made a linear in step 0
+            return _new(graph, aten.linear.default, (x, w), like=node, val=val)
+        return _new(graph, aten.mm.default, (x, w), like=node, val=val)
 
 
 def _rewrite_vocab_embeddings(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
@@ -387,6 +400,8 @@ def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis
         info = plan.linears.get(u.name)
         if info is None or info.out_dim != 0 or info.kind not in ("module", "linear", "matmul") or u.kwargs:
             return
+        if u.op != "call_module" and any(isinstance(a, torch.fx.Node) and a.op != "get_attr" for a in u.args[1:]):
+            return  # a weight read through whole_blocks' f
         if info.kind == "module":
             mod = gm.get_submodule(str(u.target))
             if type(mod) is not nn.Linear or u.args != (f,):

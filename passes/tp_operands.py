@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from fxsplit.tp.collectives import copy_to_region, reduce_from_region, scatter_to_region
 from fxsplit.tp.plan import TPPlan
 
-__all__ = ["new_node", "matmuls_as_linears", "sum_grads", "scatter_operands", "partial_sums"]
+__all__ = ["new_node", "matmuls_as_linears", "grouped_weights", "whole_blocks", "sum_grads", "scatter_operands", "partial_sums"]
 
 
 def new_node(graph: torch.fx.Graph, target, args, kwargs=None, *, like: torch.fx.Node, val=None) -> torch.fx.Node:
@@ -46,6 +46,77 @@ def matmuls_as_linears(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[st
         node.args = (x, wt.args[0])
         if not wt.users:
             graph.erase_node(wt)
+
+
+def grouped_weights(plan: TPPlan, nodes: Mapping[str, torch.fx.Node], local_val: Callable[[Any, int, int], Any]) -> None:
+    """Step 1b: a grouped linear's expert weight read transposed (``W.transpose(-2, -1)``): the
+    transpose's metadata gets the local shape ([Note: experts as grouped linears])."""
+    for name, info in plan.linears.items():
+        spec = plan.param_specs.get(info.weight)
+        wt = nodes[name].args[1] if info.kind == "grouped" and name in nodes else None
+        if spec is None or not isinstance(wt, torch.fx.Node) or wt.op == "get_attr":
+            continue
+        d = spec.dim % 3
+        size = spec.local_shape(plan.full_shapes[info.weight])[d]
+        wt.meta["val"] = local_val(wt.meta.get("val"), 3 - d, size)
+
+
+def whole_blocks(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str,
+                 module_to_function: Callable[[torch.fx.GraphModule, torch.fx.Node], torch.fx.Node]) -> None:
+    """Step 1c: a column linear whose weight keeps some blocks whole (``ShardSpec.whole``: a
+    multi-query k / v head) reads its weight and bias as ``cat(split(w))`` with f on the whole
+    blocks: their gradient is partial on each rank (its heads' share), f sums it ([Note: whole
+    blocks] in ``fxsplit.tp.plan``)."""
+    graph = gm.graph
+    is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
+    split = torch.ops.aten.split_with_sizes.default if is_export else torch.split
+    cat = torch.ops.aten.cat.default if is_export else torch.cat
+    for name, info in plan.linears.items():
+        spec = plan.param_specs.get(info.weight)
+        if spec is None or not spec.whole or name not in nodes or info.kind not in ("module", "linear"):
+            continue
+        node = nodes[name]
+        if info.kind == "module":  # F.linear under the module's node name (the plan's key)
+            node = nodes[name] = module_to_function(gm, node)
+            node.name = name
+        ref = node.meta.get("val")
+        for pos, fqn in ((1, info.weight), (2, info.bias)):
+            a = node.args[pos] if len(node.args) > pos else None
+            if fqn is None or not isinstance(a, torch.fx.Node) or a.op != "get_attr":
+                continue
+            s = plan.param_specs[fqn]
+            full = plan.full_shapes[fqn]
+            d = s.dim % len(full)
+            runs: list[list] = []  # [size, whole]: adjacent blocks of one kind as one piece (one f for k and v)
+            for i, b in enumerate(s.blocks):
+                w_i = i in s.whole
+                size = b if w_i else b // s.num_shards
+                if runs and runs[-1][1] == w_i:
+                    runs[-1][0] += size
+                else:
+                    runs.append([size, w_i])
+            shape = list(s.local_shape(full))
+            with graph.inserting_before(node):
+                parts = new_node(graph, split, (a, [r[0] for r in runs], d), like=node)
+                pieces = []
+                for i, (size, w_i) in enumerate(runs):
+                    g = new_node(graph, operator.getitem, (parts, i), like=node,
+                                 val=_fake(ref, shape[:d] + [size] + shape[d + 1:]))
+                    if w_i:
+                        g = new_node(graph, copy_to_region, (g,), {"axis": axis}, like=node, val=g.meta["val"])
+                    pieces.append(g)
+                parts.meta["val"] = tuple(p.meta["val"] for p in pieces)
+                w = new_node(graph, cat, (pieces, d), like=node, val=_fake(ref, shape))
+            node.replace_input_with(a, w)
+
+
+def _fake(ref: Any, shape: list[int]) -> Any:
+    """A tensor of ``shape`` in ``ref``'s fake mode (metadata of the nodes whole_blocks adds)."""
+    mode = getattr(ref, "fake_mode", None)
+    if mode is None:
+        return torch.empty(shape, device="meta")
+    with mode:
+        return torch.empty(shape, dtype=ref.dtype, device=ref.device)
 
 
 def sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str,

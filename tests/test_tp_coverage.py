@@ -63,25 +63,28 @@ SHARDED = {
     "deit": ((2, 2), ["a sharded value is a model output"]),
     "timm_vit": ((2, 2), []),
     "torch_encoder": ((2, 2), []),  # nn.TransformerEncoder, traced through (fxsplit.graph.decompose)
+    # multi-query: q by heads, the one k / v head whole in c_attn ([Note: whole blocks]); + an f on
+    # the whole rows of c_attn's weight and of its bias (their gradient is partial)
+    "gpt_bigcode": ((2, 4), [POSITIONS]),
+    # cross-attention: q (decoder) and k / v (encoder output) seeded together ([Note: attention
+    # partners]); decoder layers have 3 regions, 2 f's for the cross-attention's two inputs
+    "t5": ((2.5, 4.5), [POSITIONS]),  # backward count as measured (not analysed per node)
+    "bart": ((2.5, 3), [POSITIONS]),
+    # experts as grouped linears (fused 3-D gate_up / down, column / row per expert), router replicated
+    "mixtral": ((2, 2), ["a router's scores over its experts"]),
+    # + the shared expert's own f / g (its 1-output sigmoid gate replicated)
+    "qwen2_moe": ((3, 3), ["a router's scores over its experts", "combines the sharded value with replicated"]),
 }
 
 # arch -> reasons (substrings) the plan must give for the attention / MLP it replicates
 PARTIAL = {
-    "gpt_bigcode": ["scaled_dot_product_attention", "is not sharded by heads"],  # multi-query: one k/v head
-    "t5": ["is not sharded by heads", POSITIONS],  # cross-attention (self-attention shards, the bias scattered)
-    "bart": ["is not sharded by heads"],  # cross-attention (q and k/v from different inputs)
-    "mixtral": ["softmax over the sharded dim"],  # the router; the experts are fused 3-D tensors
-    "qwen2_moe": ["softmax over the sharded dim", "combines the sharded value with replicated"],
     # [heads, 3, hd] fused qkv shards by heads up to q.reshape(B * heads, T, hd) (heads merged as
     # the inner factor) and the ALiBi bias [B * heads, 1, T] added by baddbmm: attention replicated
     "bloom": ["is merged into an outer dim"],
 }
 
 # arch -> parameters neither sharded nor named in plan.tp_plan.replicated (silently whole)
-UNREPORTED = {
-    "mixtral": "model.layers.0.mlp.experts.gate_up_proj",  # experts as one [E, 2I, H] tensor
-    "qwen2_moe": "model.layers.0.mlp.experts.gate_up_proj",
-}
+UNREPORTED: dict[str, str] = {}
 
 XFAIL: dict[str, str] = {}  # arch -> the known bug (strict xfail); none known now
 

@@ -1,7 +1,7 @@
 """Tensor parallelism (Megatron-LM style), found from the graph.
 
 Owns the TP plan (``plan``: which parameters are column / row / vocab-parallel or replicated, and
-why), sharding propagation through the graph (``propagate``, with the per-op rule table in
+why; the linears and embeddings it reads off the graph, any spelling, are ``linears``), sharding propagation through the graph (``propagate``, with the per-op rule table in
 ``rules`` and the shape arithmetic they share in ``shapes``), the sequence-parallel decisions
 recorded in the plan (``sequence``), shard specs and per-rank
 materialization (``sharding``), the conjugate collectives f / g (``collectives``) and the fused

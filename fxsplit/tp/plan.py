@@ -47,6 +47,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx
 
+from fxsplit.tp.linears import EmbeddingInfo, LinearInfo, aliases, find_embeddings, find_linears
 from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
 from fxsplit.graph.ops import CREATION, METADATA, RESHAPES, op_name, resolve_path
 from fxsplit.tp.sharding import ShardSpec, padded_size
@@ -71,34 +72,6 @@ STYLES = ("colwise", "rowwise", "vocab", "replicate")
 
 # --------------------------------------------------------------------------------------------
 # data
-
-
-@dataclass(frozen=True)
-class LinearInfo:
-    """One linear of the graph. ``out_dim`` is the weight dim holding the output features
-    (0 for nn.Linear's [out, in], 1 for Conv1D/addmm's [in, out]); ``x_index`` the argument
-    position of the input; ``feature_dim`` the input dim contracted (always the last)."""
-
-    node: str
-    module_path: str
-    weight: str
-    bias: str | None
-    out_dim: int
-    in_features: int
-    out_features: int
-    x_index: int
-    kind: str  # "module", "linear", "addmm", "mm", "matmul" (x @ W.T, no bias)
-
-
-@dataclass(frozen=True)
-class EmbeddingInfo:
-    node: str
-    module_path: str
-    weight: str
-    num_embeddings: int
-    padding_idx: int | None
-    kind: str  # "module", "embedding"
-    from_input: bool  # ids come from a model input (token ids), not a buffer or arange
 
 
 @dataclass(frozen=True)
@@ -194,121 +167,8 @@ class TPPlan:
 
 
 def _spec_str(s: ShardSpec) -> str:
-    extra = (f", blocks={s.blocks}" if s.blocks else "") + (f", pad_to={s.pad_to}" if s.pad_to else "")
+    extra = (f", blocks={s.blocks}" if s.blocks else "") + (f", whole={s.whole}" if s.whole else "") + (f", pad_to={s.pad_to}" if s.pad_to else "")
     return f"dim {s.dim}/{s.num_shards}{extra}"
-
-
-# --------------------------------------------------------------------------------------------
-# finding linears and embeddings
-
-
-def _get_attr_fqn(node: Any) -> str | None:
-    return str(node.target) if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
-
-
-def _module_of(fqn: str, node: torch.fx.Node | None = None) -> str:
-    """The module a node came from (export's module stack), else the parameter's owner."""
-    info = node.meta.get("fxsplit") if node is not None else None
-    path = getattr(info, "module_path", "") or ""
-    return path or fqn.rpartition(".")[0]
-
-
-def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
-    """Every linear of the graph by node name (see the module's Terms)."""
-    out: dict[str, LinearInfo] = {}
-    for node in gm.graph.nodes:
-        name = op_name(node, gm)
-        info = None
-        if node.op == "call_module" and name == "linear":
-            mod = gm.get_submodule(str(node.target))
-            info = LinearInfo(node.name, str(node.target), f"{node.target}.weight",
-                              f"{node.target}.bias" if mod.bias is not None else None, 0,
-                              mod.in_features, mod.out_features, 0, "module")
-        elif node.op == "call_function" and name == "linear":
-            args = list(node.args) + [node.kwargs.get("weight"), node.kwargs.get("bias")][len(node.args) - 1:]
-            w = _get_attr_fqn(args[1] if len(args) > 1 else None)
-            b = args[2] if len(args) > 2 else None
-            if w is not None and (b is None or _get_attr_fqn(b)):
-                shape = tuple(resolve_path(gm, w).shape)
-                if len(shape) == 2:
-                    info = LinearInfo(node.name, _module_of(w, node), w, _get_attr_fqn(b), 0, shape[1], shape[0], 0, "linear")
-        elif node.op == "call_function" and name in ("addmm", "mm") and not node.kwargs:
-            off = 1 if name == "addmm" else 0
-            w = _get_attr_fqn(node.args[off + 1])
-            b = _get_attr_fqn(node.args[0]) if name == "addmm" else None
-            if w is not None and (name == "mm" or b is not None):
-                shape = tuple(resolve_path(gm, w).shape)
-                if len(shape) == 2 and (b is None or tuple(resolve_path(gm, b).shape) == (shape[1],)):
-                    info = LinearInfo(node.name, _module_of(w, node), w, b, 1, shape[0], shape[1], off, name)
-        elif node.op == "call_function" and name == "matmul" and len(node.args) == 2 and not node.kwargs:
-            w = _transposed_param(node.args[1])
-            if w is not None and isinstance(node.args[0], torch.fx.Node):
-                shape = tuple(resolve_path(gm, w).shape)
-                info = LinearInfo(node.name, _module_of(w, node), w, None, 0, shape[1], shape[0], 0, "matmul")
-        if info is not None:
-            out[node.name] = info
-    return out
-
-
-def _transposed_param(node: Any) -> str | None:
-    """The FQN of a 2-D parameter read transposed (``W.T``, ``W.t()``, ``W.transpose(0, 1)``,
-    ``W.permute(1, 0)``; export's ``numpy_T``), else None: ``x @ W.T`` is a linear (Falcon's
-    ``FalconLinear``)."""
-    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
-        return None
-    w = _get_attr_fqn(node.args[0])
-    val = getattr(node.args[0], "meta", {}).get("val")
-    if w is None or not isinstance(val, torch.Tensor) or val.dim() != 2 or node.kwargs:
-        return None
-    name, rest = op_name(node), tuple(node.args[1:])
-    ok = (name in ("numpy_T", "t") and not rest) or (name == "getattr" and rest in (("T",), ("mT",))) \
-        or (name == "transpose" and sorted(d % 2 for d in rest) == [0, 1]) \
-        or (name == "permute" and [d % 2 for d in (rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest)] == [1, 0])
-    return w if ok else None
-
-
-def _from_input(node: Any) -> bool:
-    """Whether a value is a model input seen through casts and views (token ids)."""
-    seen = 0
-    while isinstance(node, torch.fx.Node) and seen < 8:
-        if node.op == "placeholder":
-            return True
-        if node.op in ("call_function", "call_method") and op_name(node) in (RESHAPES | {"to", "long", "int", "contiguous", "slice", "alias"}):
-            node = node.args[0]
-            seen += 1
-            continue
-        return False
-    return False
-
-
-def find_embeddings(gm: torch.fx.GraphModule) -> dict[str, EmbeddingInfo]:
-    out: dict[str, EmbeddingInfo] = {}
-    for node in gm.graph.nodes:
-        name = op_name(node, gm)
-        if name != "embedding":
-            continue
-        if node.op == "call_module":
-            mod = gm.get_submodule(str(node.target))
-            out[node.name] = EmbeddingInfo(node.name, str(node.target), f"{node.target}.weight",
-                                           mod.num_embeddings, mod.padding_idx, "module",
-                                           _from_input(node.args[0]))
-        elif isinstance(node.target, torch._ops.OpOverload):
-            w = _get_attr_fqn(node.args[0])
-            if w is None:
-                continue
-            pad = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-            out[node.name] = EmbeddingInfo(node.name, _module_of(w, node), w, int(resolve_path(gm, w).shape[0]),
-                                           None if pad in (None, -1) else int(pad), "embedding",
-                                           _from_input(node.args[1]))
-    return out
-
-
-def _aliases(gm: torch.fx.GraphModule) -> dict[str, tuple[str, ...]]:
-    """FQN -> every FQN of the same parameter object (tied weights)."""
-    by_id: dict[int, list[str]] = {}
-    for n, p in gm.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(n)
-    return {n: tuple(names) for names in by_id.values() for n in names}
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,8 +221,10 @@ def find_tp_plan(
     excluded |= set(vocab.lm_heads)
     regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters, partials = _find_regions(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
+    no_sums = {(n, a) for n, a, d in scatters if d is None}
+    scatters = [sc for sc in scatters if sc[2] is not None]
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
-    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(n, a) for n, a, _ in scatters})
+    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(n, a) for n, a, _ in scatters} | no_sums)
     _check_plan(g, tp, styles, replicated, sharded_nodes)
     plan = TPPlan(
         tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
@@ -397,7 +259,7 @@ class _Graph:
         embeds = find_embeddings(gm)
         paths = list(dict.fromkeys([l.module_path for l in linears.values()] + [e.module_path for e in embeds.values()]))
         forced = _match_overrides(dict(overrides or {}), paths)
-        return cls(gm, {n.name: n for n in gm.graph.nodes}, linears, embeds, _aliases(gm), forced)
+        return cls(gm, {n.name: n for n in gm.graph.nodes}, linears, embeds, aliases(gm), forced)
 
 
 @dataclass(frozen=True)
@@ -433,7 +295,8 @@ def _vocab_parallel(g: _Graph, *, vocab_parallel_loss: bool, sequence_parallel: 
                                   f"vocabulary-parallel embedding; set both to 'replicate' or both to 'vocab'")
             continue
         is_head = tied or style == "vocab" or (vocab_size is not None and l.out_features == vocab_size
-                                                and l.out_dim == 0 and _reaches_output(g.nodes[l.node]))
+                                                and l.out_dim == 0 and l.kind != "grouped"
+                                                and _reaches_output(g.nodes[l.node]))
         if style == "vocab" and l.out_dim != 0:
             raise TPPlanError(f"overrides: {l.module_path!r} stores its weight [in, out]; 'vocab' supports [out, in] weights")
         if is_head and style not in ("colwise", "rowwise"):
@@ -472,12 +335,13 @@ def _styles_and_specs(g: _Graph, tp: int, vocab: _Vocab, regions: list[Region], 
     for name, l in g.linears.items():
         if name in col:
             styles[l.module_path] = "colwise"
-            put(l.weight, ShardSpec(l.out_dim, tp, blocks_of.get(name)))
+            blocks, whole = blocks_of.get(name, (None, ()))
+            put(l.weight, ShardSpec(l.out_dim, tp, blocks, whole=whole))
             if l.bias:
-                put(l.bias, ShardSpec(0, tp, blocks_of.get(name)))
+                put(l.bias, ShardSpec(0, tp, blocks, whole=whole))
         elif name in row:
             styles[l.module_path] = "rowwise"
-            put(l.weight, ShardSpec(1 - l.out_dim, tp))
+            put(l.weight, ShardSpec(l.in_dim, tp))
         elif name in vocab.lm_heads:
             styles[l.module_path] = "vocab"
             pad = padded_size(vocab_size, tp) if vocab_size % tp else None
@@ -560,10 +424,15 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                 rest = [s for s in seeds if s not in culprits]
                 if 0 < len(rest) < len(seeds):
                     tries.insert(0, rest)
+                # first: with the linears feeding the attention's other operands ([Note: attention
+                # partners]: cross-attention's q from the decoder, k / v from the encoder)
+                partners = _partners(getattr(exc, "node", None), linears, claimed | excluded | forced_rows)
+                if partners - set(seeds):
+                    tries.insert(0, seeds + sorted(partners - set(seeds)))
                 continue
             for s in seeds:
                 per = prop.blocks.get(s, (linears[s].out_features,))
-                if any(b % tp for b in per):
+                if any(b % tp for i, b in enumerate(per) if i not in prop.whole.get(s, ())):
                     raise TPPlanError(divisibility_msg(nodes[s], tp, list(per),
                                                         f"the output features of {linears[s].module_path!r}"))
             inputs = tuple(dict.fromkeys(_linear_x(nodes[s], linears[s]).name for s in seeds))
@@ -572,7 +441,8 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
             regions.append(Region(tuple(seeds), tuple(dict.fromkeys(prop.rows)), inputs,
                                   "attention" if attn else "mlp"))
             claimed |= set(seeds) | set(prop.rows)
-            blocks_of.update(prop.blocks)
+            blocks_of.update({s: (b, prop.whole.get(s, ())) for s, b in prop.blocks.items()})
+            scatters.extend((n, a, None) for n, a in prop.no_sums)  # excluded from grad_sums, no scatter
             layouts.update({linears[s].module_path: how for s, how in prop.layouts.items()})
             rewrites.extend(prop.rewrites)
             scatters.extend(prop.scatters)
@@ -583,6 +453,52 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
                     sharded[n] = (st.dim, int(shape[st.dim]) if shape is not None else -1)
             break
     return regions, sharded, rewrites, blocks_of, failures, layouts, scatters, partials
+
+
+_ATTENTION = ("scaled_dot_product_attention", "matmul", "bmm")
+_PASS_BACK = RESHAPES | {"transpose", "permute", "contiguous", "to", "mul", "div", "clone", "alias"}
+
+
+def _partners(node: torch.fx.Node | None, linears, unavailable) -> set[str]:
+    """The linears whose outputs are an attention node's operands (through views, transposes,
+    casts and scalings): the seeds that must be sharded by heads together with the failed ones."""
+    if node is None or op_name(node) not in _ATTENTION:
+        return set()
+    out: set[str] = set()
+    for x in node.args[:3] if op_name(node) == "scaled_dot_product_attention" else node.args[:2]:
+        for _ in range(16):
+            if not isinstance(x, torch.fx.Node) or x.name in linears:
+                break
+            name, first = op_name(x), x.args[0] if x.args else None
+            scalar = name not in ("mul", "div") or not any(isinstance(a, torch.fx.Node) for a in x.args[1:])
+            if name not in _PASS_BACK or not scalar or not isinstance(first, torch.fx.Node):
+                x = None
+                break
+            x = first
+        if isinstance(x, torch.fx.Node) and x.name in linears and x.name not in unavailable:
+            out.add(x.name)
+    return out
+
+
+# [Note: whole blocks] Multi-query attention (GPTBigCode) fuses q (H heads) and ONE k / v head
+# in one projection, ``[q | k | v]`` split at ``[H*hd, hd, hd]``: q shards by heads, but one
+# head does not. When sharding every block fails, the split's second choice keeps k and v whole
+# (``ShardSpec.whole``): every rank computes the k / v head, and the ``expand`` of it to H
+# heads is rewritten to the local H / t (``fxsplit.tp.rules._broadcast_heads``), which is each
+# rank's heads' k / v exactly. Gradients: rank r's dk is its heads' share only (partial), and
+# stays partial, because it flows back through the column linear into x, whose f sums it over
+# the ranks with dq's; an f on k would sum it there too and count it t times. So no f goes on
+# k (``Propagation.no_sums``); instead the weight (and bias) rows of the whole blocks are read
+# through an f (``passes/tp_operands.whole_blocks``), which makes their partial gradient
+# whole. A whole piece read any other way (its gradient would not be partial) fails the try.
+
+
+# [Note: attention partners] Seeds are first tried by shared input, so the q, k and v of a
+# cross-attention (q from the decoder's stream, k and v from the encoder's output, shared by every
+# decoder layer) are never in one try. When a try fails at an attention node (sdpa, or the
+# scores / values matmul) because another operand is not sharded by heads, the linears feeding
+# its operands join the seeds and the try repeats: the region then has several inputs, each
+# with its f (the encoder output's once for all the cross-attentions that read it).
 
 
 def _grad_sums(gm, sharded_nodes, linears, specs, scattered) -> list[tuple[str, str]]:

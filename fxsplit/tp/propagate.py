@@ -86,6 +86,12 @@ class Propagation:
         self.scatters: list[tuple[str, str, int]] = []  # (node, replicated operand, its dim)
         self.partial_sums: list[tuple[str, str]] = []  # (node, "sum" | "mean") over the sharded dim
         self.shape_of: dict[str, int] = {}  # fx getattr(x, "shape") of a sharded x -> its dim
+        self.whole_pieces: set[str] = set()  # "split[i]": a block of a seed's output kept whole
+        self.whole_ranges: dict[str, set[tuple[int, int]]] = {}  # seed -> [a, b) of its whole blocks
+        self.whole: dict[str, tuple[int, ...]] = {}  # seed -> indices of its whole blocks
+        self.no_sums: set[tuple[str, str]] = set()  # (node, operand): a partial gradient left partial
+        self.whole_read: set[str] = set()  # whole pieces read (getitem), and those read as a broadcast head:
+        self.whole_used: set[str] = set()  # every read one must be ([Note: whole blocks])
         self.cuts: dict[str, set[int]] = {}
         self.pieces: dict[str, list[tuple[int, int, str]]] = {}
         self.notes: dict[str, list[str]] = {}
@@ -159,6 +165,12 @@ class Propagation:
             if not ins:
                 continue
             self.step(node)
+        unused = sorted(self.whole_read - self.whole_used)
+        if unused:
+            exc = RegionFailed(f"{unused[0]}: a block kept whole is read other than as the one k / v head of "
+                               "multi-query attention (its gradient would not be partial)")
+            exc.seeds = frozenset()
+            raise exc
         self._blocks()
 
     # ---------------------------------------------------------------- what rules call
@@ -166,6 +178,7 @@ class Propagation:
     def fail(self, node: torch.fx.Node, why: str) -> None:
         exc = RegionFailed(f"{node.name} ({op_name(node, self.gm)}): {why}")
         exc.seeds = self._reaching(node)
+        exc.node = node
         raise exc
 
     def _reaching(self, node: torch.fx.Node) -> frozenset[str]:
@@ -243,6 +256,9 @@ class Propagation:
                     raise RegionFailed(f"{where}: reads [{a}:{b}] of {o}'s output as one block, but another "
                                        f"use splits it at {inner} (the blocks of one weight must agree)")
             blocks = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+            whole = tuple(i for i, ab in enumerate(zip(bounds, bounds[1:])) if ab in self.whole_ranges.get(o, ()))
+            if whole:
+                self.whole[o] = whole
             if len(blocks) > 1:
                 self.blocks[o] = blocks
                 self.layouts[o] = "; ".join(dict.fromkeys(n for n in self.notes[o] if not n.startswith("read whole")))

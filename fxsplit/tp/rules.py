@@ -75,6 +75,9 @@ def _getitem(p, op: Op) -> None:
     """A piece of a split (its state was set by :func:`_split`), or fx tensor indexing."""
     node = op.node
     piece = p.state.get(f"{node.args[0].name}[{node.args[1]}]")
+    if f"{node.args[0].name}[{node.args[1]}]" in p.whole_pieces:
+        p.whole_read.add(f"{node.args[0].name}[{node.args[1]}]")
+        return  # a block kept whole: replicated ([Note: whole blocks])
     if piece is not None:
         return p.set(node, piece.dim, piece.origins)
     if op.st is not None and node_shape(node.args[0]) is not None and op.out_shape is not None:
@@ -300,7 +303,9 @@ def _softmax(p, op: Op) -> None:
     node = op.node
     d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if d is None or norm_dim(d, len(op.out_shape)) == op.st.dim:
-        p.fail(node, "softmax over the sharded dim")
+        p.fail(node, "softmax over the sharded dim" + (
+            ": the whole output of a linear (a router's scores over its experts; it stays replicated, so every "
+            "rank routes every token alike)" if op.st.origins else ""))
     p.set(node, op.st.dim, op.st.origins)
 
 
@@ -396,21 +401,31 @@ def _split(p, op: Op) -> None:
                      "to be rewritten to the local sizes")
     if not st.origins:
         p.fail(node, "splits the sharded dim of a value that is not a projection's direct output")
-    bad = [s for s in sizes if s % p.t]
+    # multi-query [q | k | v]: q larger than the equal k and v; first all sharded, then (a
+    # choice) q sharded by heads and k / v whole ([Note: whole blocks] in fxsplit.tp.plan)
+    mqa = name != "chunk" and len(sizes) == 3 and sizes[1] == sizes[2] < sizes[0]
+    whole = {1, 2} if mqa and p.choose(node, 2) == 1 else set()
+    bad = [s for i, s in enumerate(sizes) if s % p.t and i not in whole]
     if bad:
         raise TPPlanError(divisibility_msg(node, p.t, sizes, "the split of a fused projection"))
     bounds, off = [], 0
     for s in sizes:
         bounds.append((off, off + s))
         off += s
-    p.cut(st.origins, node, bounds, f"{name} {sizes}")
+    p.cut(st.origins, node, bounds, f"{name} {sizes}" + (", k / v whole" if whole else ""))
+    for o in st.origins:
+        p.whole_ranges.setdefault(o, set()).update(bounds[i] for i in whole)
     if name != "chunk":  # chunk(n) gives n local chunks as it is
         if isinstance(arg1, int):
             p.rewrites.append((node.name, (1,), arg1 // p.t))
         else:
             for i, s in enumerate(arg1):
-                p.rewrites.append((node.name, (1, i), s // p.t))
+                if i not in whole:
+                    p.rewrites.append((node.name, (1, i), s // p.t))
     for i in range(len(sizes)):
+        if i in whole:
+            p.whole_pieces.add(f"{node.name}[{i}]")
+            continue
         p.state[f"{node.name}[{i}]"] = State(d, frozenset())
     p.state[node.name] = State(d, frozenset())
 
@@ -420,6 +435,8 @@ def _sdpa(p, op: Op) -> None:
     node, out_shape = op.node, op.out_shape
     q, k, v = node.args[:3]
     for a in (q, k, v):
+        if a is not q and isinstance(a, torch.fx.Node) and a.name not in p.state:
+            _broadcast_heads(p, a, len(node_shape(a)) - 3, out_shape[len(out_shape) - 3])
         s = p.state.get(a.name) if isinstance(a, torch.fx.Node) else None
         if s is None or s.dim != len(node_shape(a)) - 3:
             p.fail(node, f"{a} is not sharded by heads")
@@ -435,6 +452,51 @@ def _sdpa(p, op: Op) -> None:
         elif pos >= 0 and not eq(ms[pos], 1):
             p.fail(node, f"attention mask {mask.name} has {ms[pos]} heads; a per-head mask is not sharded")
     p.set(node, len(out_shape) - 3)
+
+
+def _broadcast_heads(p, a: torch.fx.Node, hpos: int, heads) -> None:
+    """A replicated k / v of ``heads`` heads that is one head expanded (multi-query attention:
+    ``k.unsqueeze(2).expand(B, 1, H, T, hd).reshape(B, H, T, hd)``, or ``expand(B, H, T, hd)``
+    of ``[B, 1, T, hd]``) from a block kept whole: the expand and the view are rewritten to the
+    local heads, so each rank's copy is its heads' k / v, exactly ([Note: whole blocks] in
+    ``fxsplit.tp.plan``). Anything else: left as it is (the sdpa rule then fails)."""
+    view = a if op_name(a) in ("view", "reshape") else None
+    e = a.args[0] if view is not None else a
+    if not isinstance(e, torch.fx.Node) or op_name(e) not in ("expand", "broadcast_to") or len(e.users) != 1:
+        return
+    es, us, src = node_shape(e), node_shape(e.args[0]), e.args[0]
+    if view is not None:
+        groups = view_groups(es, node_shape(a))
+        g = next((gi for gi, gj in (groups or ()) if gj == [hpos]), None)
+        big = [j for j in (g or ()) if not eq(es[j], 1)]
+        if len(big) != 1:
+            return
+        j = big[0]
+    else:
+        j = hpos
+    if not isinstance(heads, int) or not eq(es[j], heads) or len(us) != len(es) or not eq(us[j], 1) or heads % p.t:
+        return
+    for _ in range(8):  # back to the whole block through single-reader views and slices
+        if not isinstance(src, torch.fx.Node) or len(src.users) != 1:
+            return
+        if op_name(src) == "getitem" and f"{src.args[0].name}[{src.args[1]}]" in p.whole_pieces:
+            p.whole_used.add(f"{src.args[0].name}[{src.args[1]}]")
+            break
+        if op_name(src) not in RESHAPES | {"slice", "alias", "contiguous"}:
+            return
+        src = src.args[0]
+    else:
+        return
+    sizes = int_args(e, 1)
+    lst = len(e.args) == 2 and isinstance(e.args[1], (list, tuple))
+    p.rewrite(e, (1, j) if lst else (1 + j,), sizes[j], es[j])
+    p.set(e, j)
+    p.no_sums.add((e.name, e.args[0].name))
+    if view is not None:
+        vs = int_args(view, 1)
+        vlst = len(view.args) == 2 and isinstance(view.args[1], (list, tuple))
+        p.rewrite(view, (1, hpos) if vlst else (1 + hpos,), vs[hpos], heads)
+        p.set(view, hpos)
 
 
 def _matmul(p, op: Op) -> None:

@@ -91,7 +91,9 @@ class ShardSpec:
     `dim` of sub-blocks that are each split into t pieces separately (fused QKV [q|k|v] ->
     blocks=(C, C, C), grouped-query fused -> (C, kv, kv)); None = one block. pad_to: for
     vocabulary sharding, the padded size of `dim` (a multiple of t); padded rows are zero and
-    never looked up or used (see [Note: vocabulary padding]). size: optional unpadded size of
+    never looked up or used (see [Note: vocabulary padding]). whole: indices of blocks that are
+    not split but held whole by every rank (a multi-query [q | k | v]: q by heads, the one k / v
+    head replicated; [Note: whole blocks] in ``fxsplit.tp.plan``). size: optional unpadded size of
     `dim`, which `unshard` needs to drop padding (and which shapes are checked against).
     """
 
@@ -100,6 +102,7 @@ class ShardSpec:
     blocks: tuple[int, ...] | None = None
     pad_to: int | None = None
     size: int | None = None
+    whole: tuple[int, ...] = ()  # indices of blocks every rank holds whole (replicated)
 
     def __post_init__(self) -> None:
         t = self.num_shards
@@ -120,7 +123,9 @@ class ShardSpec:
                     f"ShardSpec: blocks={self.blocks} and pad_to={self.pad_to} cannot be "
                     "combined; padding is for one-block (vocabulary) sharding"
                 )
-            bad = [b for b in self.blocks if b % t]
+            if any(not isinstance(i, int) or not 0 <= i < len(self.blocks) for i in self.whole):
+                raise ShardingError(f"ShardSpec: whole={self.whole} names no block of blocks={self.blocks}")
+            bad = [b for i, b in enumerate(self.blocks) if b % t and i not in self.whole]
             if bad:
                 raise ShardingError(
                     f"ShardSpec: block sizes {self.blocks} along dim {self.dim} cannot each be "
@@ -132,6 +137,8 @@ class ShardSpec:
                     f"ShardSpec: size={self.size} differs from the sum of blocks "
                     f"{self.blocks} = {sum(self.blocks)}"
                 )
+        if self.whole and self.blocks is None:
+            raise ShardingError(f"ShardSpec: whole={self.whole} needs blocks")
         if self.blocks is None and self.pad_to is None and self.size is not None:
             if self.size % t:
                 raise ShardingError(
@@ -200,7 +207,7 @@ class ShardSpec:
 
     def _local_len(self, n: int) -> int:
         if self.blocks is not None:
-            return sum(self.blocks) // self.num_shards
+            return sum(b if i in self.whole else b // self.num_shards for i, b in enumerate(self.blocks))
         if self.pad_to is not None:
             return self.pad_to // self.num_shards
         return n // self.num_shards
@@ -225,9 +232,10 @@ class ShardSpec:
         t = self.num_shards
         if self.blocks is not None:
             ranges, offset = [], 0
-            for b in self.blocks:
+            for i, b in enumerate(self.blocks):
                 piece = b // t
-                ranges.append((offset + rank * piece, offset + (rank + 1) * piece))
+                ranges.append((offset, offset + b) if i in self.whole else
+                              (offset + rank * piece, offset + (rank + 1) * piece))
                 offset += b
             return ranges
         total = self.pad_to if self.pad_to is not None else (
@@ -289,14 +297,16 @@ class ShardSpec:
                     f"{first}; every rank's shard must have the same shape"
                 )
         if self.blocks is not None:
-            if first[d] * t != sum(self.blocks):
+            if first[d] != self._local_len(0):
                 raise ShardingError(
                     f"ShardSpec.unshard: shards of size {first[d]} on dim {d} do not fit blocks "
-                    f"{self.blocks} split {t} ways (expected {sum(self.blocks) // t})"
+                    f"{self.blocks} split {t} ways (expected {self._local_len(0)})"
                 )
-            pieces = [s.split([b // t for b in self.blocks], dim=d) for s in shards]
+            local = [b if i in self.whole else b // t for i, b in enumerate(self.blocks)]
+            pieces = [s.split(local, dim=d) for s in shards]
             return torch.cat(
-                [pieces[r][i] for i in range(len(self.blocks)) for r in range(t)], dim=d
+                [p for i in range(len(self.blocks))
+                 for p in ([pieces[0][i]] if i in self.whole else [pieces[r][i] for r in range(t)])], dim=d
             )
         full = torch.cat(shards, dim=d)
         if self.pad_to is not None:
