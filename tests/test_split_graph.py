@@ -4,6 +4,8 @@ activation checkpointing (full, selective: the recomputation runs once), with a 
 on one path, with dropout (the same masks); a random recomputation is refused; and the graphs
 are plain GraphModules torch.compile accepts."""
 
+from collections import Counter
+
 import pytest
 import torch
 from torch import nn
@@ -162,3 +164,65 @@ def test_forward_graph_draws_the_modules_dropout_masks():
         assert any(is_random(n) for n in split.forward_graph.graph.nodes)
         _assert_equal(outs, ref)
         _assert_equal(got, want)
+
+
+class TPBlock(nn.Module):
+    """Every tp collective in one stage (2 ranks, different shards per rank): f, the fused column
+    linears, g, gather / scatter on a non-zero dim, and sequence parallelism's pair."""
+
+    def __init__(self, rank):
+        super().__init__()
+        g = torch.Generator().manual_seed(10 + rank)
+        self.wq, self.wk = (nn.Parameter(torch.randn(4, 8, generator=g) / 3) for _ in range(2))
+        self.w1 = nn.Parameter(torch.randn(4, 8, generator=g) / 3)
+        self.w2 = nn.Parameter(torch.randn(8, 4, generator=g) / 3)
+        self.w3 = nn.Parameter(torch.randn(8, 8, generator=g) / 3)
+
+    def forward(self, x):
+        from fxsplit.tp import collectives as C
+        from fxsplit.tp.functional import column_parallel_linear
+
+        q, k = column_parallel_linear(x, [self.wq, self.wk], [None, None])  # (B, T, 4) shards
+        h = torch.tanh(C.copy_to_region(x) @ self.w1.t()) * q + k
+        y = C.reduce_from_region(h @ self.w2.t())  # (B, T, 8) replicated
+        z = C.gather_from_region(torch.sin(C.scatter_to_region(y, dim=-1)), dim=-1)
+        s = C.reduce_scatter_to_region(z @ self.w3, dim=1)  # sequence-sharded (B, T/2, 8)
+        return C.gather_to_region(torch.cos(s), dim=1) + y
+
+
+def _tp_split(rank, world):
+    import torch.distributed as dist
+
+    from fxsplit.tp.collectives import bind_groups, record_collectives
+
+    m = TPBlock(rank)
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    with bind_groups({"tp": dist.group.WORLD}):
+        split = GraphSplit.trace(m, [x])
+        with record_collectives() as split_log:
+            outs, ref, got, want, _ = _split_vs_autograd(m, [x])
+        with record_collectives() as eager_log:
+            r = m(x)
+            torch.autograd.grad(r, [x, *m.parameters()], torch.randn(r.shape, generator=torch.Generator().manual_seed(7)))
+    return dict(outs=outs, ref=ref, got=got, want=want, split_log=split_log, eager_log=eager_log,
+                kinds=sorted({str(n.target) for g in (split.forward_graph, split.input_graph, split.weight_graph)
+                              for n in g.graph.nodes if "c10d" in str(n.target)}),
+                grad_inputs=split.grad_inputs, n_carry=split.n_carry)
+
+
+@pytest.mark.dist
+def test_tp_stage_splits_as_graphs_bit_equal_to_autograd():
+    """A stage with every tp collective splits into F, I and W graphs of functional collectives
+    ([Note: traced collectives]); outputs and every gradient equal autograd's bit for bit on each
+    rank, and record_collectives counts the same collectives as the eager stage."""
+    from fxsplit.testing import run_distributed
+
+    for rank, r in enumerate(run_distributed(_tp_split, 2, timeout=120)):
+        _assert_equal(r["outs"], r["ref"])
+        _assert_equal(r["got"], r["want"])
+        assert r["grad_inputs"] == [0] and r["n_carry"] > 0
+        assert "_c10d_functional.all_reduce.default" in r["kinds"], r["kinds"]
+        assert not any(k.startswith("c10d.") for k in r["kinds"]), r["kinds"]
+        eager = Counter((c.op, c.kind, c.phase, c.shape) for c in r["eager_log"])
+        both = Counter((c.op, c.kind, c.phase, c.shape) for c in r["split_log"])  # split + autograd's
+        assert both - eager == eager and sum(eager.values()) == 9, (rank, both, eager)

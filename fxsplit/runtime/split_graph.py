@@ -32,6 +32,14 @@ Every node runs exactly once, in the order it was traced, so the gradients are t
 full backward bit for bit (the ops and their order are autograd's own); a weight used twice is
 one placeholder whose gradient autograd sums into one output, counted once.
 
+Tensor-parallel stages compose: fxsplit.tp.collectives trace as torch's functional collectives
+([Note: traced collectives]), pure nodes (``all_reduce`` then ``wait_tensor``) that data flow
+orders like any op, so they land in F, I or W by what they feed (f's backward all-reduce in I,
+with the input gradient). Every tp rank traces the same graphs and runs the same actions in the
+same order, so the collectives match across ranks. Each collective node carries the call
+``record_collectives`` would have logged eagerly (attributed in issue order), and each graph
+logs its calls when it runs. An in-place c10d collective from elsewhere still refuses the stage.
+
 Activation checkpointing composes: ``torch.utils.checkpoint`` (non-reentrant) runs inside the
 trace, so the recomputation shows up in the backward part of the joint graph (full: the whole
 region; selective: all but the kept nodes, whose forward outputs become saved values). A
@@ -58,6 +66,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxsplit.graph.ops import is_random
 from fxsplit.graph.recompute import checkpointed
+from fxsplit.tp.collectives import note_calls, traced_collectives
 
 __all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "has_selective_region", "signature"]
 
@@ -156,6 +165,8 @@ def _externals(nodes: list[fx.Node], outputs: list[fx.Node | None], local: set[f
     return list(seen)
 
 
+_FC = torch.ops._c10d_functional
+_ISSUE = (_FC.all_reduce.default, _FC.all_gather_into_tensor.default, _FC.reduce_scatter_tensor.default)
 _RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
@@ -261,11 +272,17 @@ class GraphSplit:
         b_in = [joint.get_buffer(n) for n in bnames]
         x_in = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), traced_collectives() as calls:
                 gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(p_in, b_in, x_in, tangents)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means: not this way
             raise UnsupportedStage(f"make_fx could not trace the stage's forward and backward "
                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        issued = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _ISSUE]
+        if len(issued) != len(calls):
+            raise UnsupportedStage(f"the trace issued {len(calls)} fxsplit collectives but holds {len(issued)} "
+                                   "functional collective nodes; they cannot be attributed for counting")
+        for n, call in zip(issued, calls):  # node_copy keeps meta: recomputed copies count too
+            n.meta["fxsplit_collective"] = call
         return cls._partition(gm, joint, len(p_in), len(b_in), len(x_in), len(tangents), grad_inputs)
 
     @classmethod
@@ -298,10 +315,10 @@ class GraphSplit:
             t = n.target
             if not isinstance(t, torch._ops.OpOverload):
                 continue
-            if t.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-                # the tp collectives call dist.all_reduce & co.,
-                # which trace as in-place c10d ops whose Work is waited on outside the graph: data
-                # flow does not order their readers and the graph would not wait for them
+            if t.namespace in ("c10d", "c10d_functional"):
+                # an in-place c10d collective (dist.all_reduce & co. outside fxsplit.tp.collectives,
+                # which trace functional ones: [Note: traced collectives]) is waited on outside
+                # the graph: data flow does not order its readers and the graph would not wait
                 raise UnsupportedStage(f"the stage runs a collective ({t}); in-place c10d collectives "
                                        "are not data flow in a traced graph")
             if n in bwd_set and is_random(n):
@@ -337,6 +354,9 @@ class GraphSplit:
         i_gm = _subgraph(gm, i_nodes, i_ext, igrads + carry)
         w_gm = _subgraph(gm, w_nodes, w_ext, pgrads)
         w_in = [src(n) for n in w_ext]
+        for g in (fwd_gm, i_gm, w_gm):  # what each graph issues, for record_collectives
+            g.meta["fxsplit_collectives"] = [n.meta["fxsplit_collective"] for n in g.graph.nodes
+                                              if "fxsplit_collective" in n.meta]
         return cls(
             forward_graph=fwd_gm, input_graph=i_gm, weight_graph=w_gm, n_outputs=k_out,
             diff_outputs=list(joint.diff_outputs), grad_inputs=grad_inputs,
@@ -350,6 +370,7 @@ class GraphSplit:
         """Run the forward graph (no autograd graph is recorded); the outputs and the saved state."""
         with torch.no_grad():
             res = self.forward_graph(*params, *buffers, *tensor_inputs)
+        note_calls(self.forward_graph.meta["fxsplit_collectives"])
         outs = list(res[:self.n_outputs])
         return outs, SplitState(self, list(res[self.n_outputs:]), tensor_inputs)
 
@@ -384,6 +405,7 @@ class SplitState:
         self.tangents = tangents
         with torch.no_grad():
             res = sp.input_graph(*[self._value(s, params, buffers) for s in sp.i_inputs])
+        note_calls(sp.input_graph.meta["fxsplit_collectives"])
         n = len(sp.grad_inputs)
         self.carry = list(res[n:])
         keep = set(sp.w_saved)
@@ -395,6 +417,7 @@ class SplitState:
         sp = self.split
         with torch.no_grad():
             res = sp.weight_graph(*[self._value(s, params, buffers) for s in sp.w_inputs])
+        note_calls(sp.weight_graph.meta["fxsplit_collectives"])
         self.saved, self.carry, self.tangents, self.inputs = [], [], [], []
         return list(res)
 
