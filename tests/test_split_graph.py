@@ -108,12 +108,43 @@ def test_weight_used_twice_on_one_path_counted_once():
     assert split.param_ids == [0, 1]
 
 
-def test_random_recomputation_is_refused():
-    """Dropout inside a full-checkpointed region: the recomputation would draw new numbers in a
-    graph, so the stage is refused (the executor then runs it on the autograd split)."""
-    plan, inputs = _plan("full", dropout=0.1)
-    with pytest.raises(UnsupportedStage, match="recomputes a random op"):
-        GraphSplit.trace(plan.stages.modules[1], inputs[1])
+def test_selective_checkpointing_with_cpu_dropout_is_refused():
+    """CPU dropout writes its mask in place (bernoulli_), which torch's selective checkpoint
+    refuses under tracing: the stage is refused with the reason (the executor then raises for a
+    selective stage rather than run each region's backward twice)."""
+    plan, inputs = _plan("selective", dropout=0.1)
+    with pytest.raises(UnsupportedStage, match="selective activation checkpoint has been mutated"):
+        GraphSplit.trace(plan.stages.modules[0], inputs[0])
+
+
+@pytest.mark.parametrize("mode", ["full"])
+def test_random_recomputation_replays_the_forward_draw(mode):
+    """Dropout inside a checkpointed region: the backward's recomputation draws from the
+    generator state the forward drew from ([Note: random recomputation]), so outputs and every
+    gradient equal autograd's (whose checkpoint restores the RNG state) and, stage by stage, the
+    same stage without checkpointing, bit for bit; the caller's generator is left as it was."""
+    drop = dict(dropout=0.1, attn_dropout=0.1)
+    plan, inputs = _plan(mode, **drop)
+    plain, _ = _plan("none", **drop)
+    assert [len(io.outputs) for io in plain.stages.io] == [len(io.outputs) for io in plan.stages.io]
+    for s, gm in enumerate(plan.stages.modules):
+        outs, ref, got, want, split = _split_vs_autograd(gm, inputs[s], seed=5)
+        _assert_equal(outs, ref)
+        _assert_equal(got, want)
+        replays = [n for n in split.input_graph.graph.nodes if "replay_rng" in str(n.target)]
+        replays += [n for n in split.weight_graph.graph.nodes if "replay_rng" in str(n.target)]
+        assert replays, f"stage {s}: no dropout recomputed"
+        torch.manual_seed(11)
+        before = torch.get_rng_state()
+        params = [p for p in gm.parameters() if p.requires_grad]
+        _, state = split.forward(params, [], [x for x in inputs[s] if isinstance(x, torch.Tensor)])
+        after_forward = torch.get_rng_state()
+        state.input_grads(params, [], [torch.ones_like(o) for o in outs])
+        state.weight_grads(params, [])
+        assert torch.equal(torch.get_rng_state(), after_forward) and not torch.equal(before, after_forward)
+        p_outs, _, p_got, _, _ = _split_vs_autograd(plain.stages.modules[s], inputs[s], seed=5)  # same inputs
+        _assert_equal(outs, p_outs)
+        _assert_equal(got, p_got)
 
 
 def test_forward_i_and_w_graphs_compile():
