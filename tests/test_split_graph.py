@@ -4,6 +4,8 @@ activation checkpointing (full, selective: the recomputation runs once), with a 
 on one path, with dropout (the same masks); a random recomputation is refused; and the graphs
 are plain GraphModules torch.compile accepts."""
 
+from collections import Counter
+
 import pytest
 import torch
 from torch import nn
@@ -106,12 +108,43 @@ def test_weight_used_twice_on_one_path_counted_once():
     assert split.param_ids == [0, 1]
 
 
-def test_random_recomputation_is_refused():
-    """Dropout inside a full-checkpointed region: the recomputation would draw new numbers in a
-    graph, so the stage is refused (the executor then runs it on the autograd split)."""
-    plan, inputs = _plan("full", dropout=0.1)
-    with pytest.raises(UnsupportedStage, match="recomputes a random op"):
-        GraphSplit.trace(plan.stages.modules[1], inputs[1])
+def test_selective_checkpointing_with_cpu_dropout_is_refused():
+    """CPU dropout writes its mask in place (bernoulli_), which torch's selective checkpoint
+    refuses under tracing: the stage is refused with the reason (the executor then raises for a
+    selective stage rather than run each region's backward twice)."""
+    plan, inputs = _plan("selective", dropout=0.1)
+    with pytest.raises(UnsupportedStage, match="selective activation checkpoint has been mutated"):
+        GraphSplit.trace(plan.stages.modules[0], inputs[0])
+
+
+@pytest.mark.parametrize("mode", ["full"])
+def test_random_recomputation_replays_the_forward_draw(mode):
+    """Dropout inside a checkpointed region: the backward's recomputation draws from the
+    generator state the forward drew from ([Note: random recomputation]), so outputs and every
+    gradient equal autograd's (whose checkpoint restores the RNG state) and, stage by stage, the
+    same stage without checkpointing, bit for bit; the caller's generator is left as it was."""
+    drop = dict(dropout=0.1, attn_dropout=0.1)
+    plan, inputs = _plan(mode, **drop)
+    plain, _ = _plan("none", **drop)
+    assert [len(io.outputs) for io in plain.stages.io] == [len(io.outputs) for io in plan.stages.io]
+    for s, gm in enumerate(plan.stages.modules):
+        outs, ref, got, want, split = _split_vs_autograd(gm, inputs[s], seed=5)
+        _assert_equal(outs, ref)
+        _assert_equal(got, want)
+        replays = [n for n in split.input_graph.graph.nodes if "replay_rng" in str(n.target)]
+        replays += [n for n in split.weight_graph.graph.nodes if "replay_rng" in str(n.target)]
+        assert replays, f"stage {s}: no dropout recomputed"
+        torch.manual_seed(11)
+        before = torch.get_rng_state()
+        params = [p for p in gm.parameters() if p.requires_grad]
+        _, state = split.forward(params, [], [x for x in inputs[s] if isinstance(x, torch.Tensor)])
+        after_forward = torch.get_rng_state()
+        state.input_grads(params, [], [torch.ones_like(o) for o in outs])
+        state.weight_grads(params, [])
+        assert torch.equal(torch.get_rng_state(), after_forward) and not torch.equal(before, after_forward)
+        p_outs, _, p_got, _, _ = _split_vs_autograd(plain.stages.modules[s], inputs[s], seed=5)  # same inputs
+        _assert_equal(outs, p_outs)
+        _assert_equal(got, p_got)
 
 
 def test_forward_i_and_w_graphs_compile():
@@ -166,3 +199,65 @@ def test_forward_graph_draws_the_modules_dropout_masks():
         assert any(is_random(n) for n in split.forward_graph.graph.nodes)
         _assert_equal(outs, ref)
         _assert_equal(got, want)
+
+
+class TPBlock(nn.Module):
+    """Every tp collective in one stage (2 ranks, different shards per rank): f, the fused column
+    linears, g, gather / scatter on a non-zero dim, and sequence parallelism's pair."""
+
+    def __init__(self, rank):
+        super().__init__()
+        g = torch.Generator().manual_seed(10 + rank)
+        self.wq, self.wk = (nn.Parameter(torch.randn(4, 8, generator=g) / 3) for _ in range(2))
+        self.w1 = nn.Parameter(torch.randn(4, 8, generator=g) / 3)
+        self.w2 = nn.Parameter(torch.randn(8, 4, generator=g) / 3)
+        self.w3 = nn.Parameter(torch.randn(8, 8, generator=g) / 3)
+
+    def forward(self, x):
+        from fxsplit.tp import collectives as C
+        from fxsplit.tp.functional import column_parallel_linear
+
+        q, k = column_parallel_linear(x, [self.wq, self.wk], [None, None])  # (B, T, 4) shards
+        h = torch.tanh(C.copy_to_region(x) @ self.w1.t()) * q + k
+        y = C.reduce_from_region(h @ self.w2.t())  # (B, T, 8) replicated
+        z = C.gather_from_region(torch.sin(C.scatter_to_region(y, dim=-1)), dim=-1)
+        s = C.reduce_scatter_to_region(z @ self.w3, dim=1)  # sequence-sharded (B, T/2, 8)
+        return C.gather_to_region(torch.cos(s), dim=1) + y
+
+
+def _tp_split(rank, world):
+    import torch.distributed as dist
+
+    from fxsplit.tp.collectives import bind_groups, record_collectives
+
+    m = TPBlock(rank)
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    with bind_groups({"tp": dist.group.WORLD}):
+        split = GraphSplit.trace(m, [x])
+        with record_collectives() as split_log:
+            outs, ref, got, want, _ = _split_vs_autograd(m, [x])
+        with record_collectives() as eager_log:
+            r = m(x)
+            torch.autograd.grad(r, [x, *m.parameters()], torch.randn(r.shape, generator=torch.Generator().manual_seed(7)))
+    return dict(outs=outs, ref=ref, got=got, want=want, split_log=split_log, eager_log=eager_log,
+                kinds=sorted({str(n.target) for g in (split.forward_graph, split.input_graph, split.weight_graph)
+                              for n in g.graph.nodes if "c10d" in str(n.target)}),
+                grad_inputs=split.grad_inputs, n_carry=split.n_carry)
+
+
+@pytest.mark.dist
+def test_tp_stage_splits_as_graphs_bit_equal_to_autograd():
+    """A stage with every tp collective splits into F, I and W graphs of functional collectives
+    ([Note: traced collectives]); outputs and every gradient equal autograd's bit for bit on each
+    rank, and record_collectives counts the same collectives as the eager stage."""
+    from fxsplit.testing import run_distributed
+
+    for rank, r in enumerate(run_distributed(_tp_split, 2, timeout=120)):
+        _assert_equal(r["outs"], r["ref"])
+        _assert_equal(r["got"], r["want"])
+        assert r["grad_inputs"] == [0] and r["n_carry"] > 0
+        assert "_c10d_functional.all_reduce.default" in r["kinds"], r["kinds"]
+        assert not any(k.startswith("c10d.") for k in r["kinds"]), r["kinds"]
+        eager = Counter((c.op, c.kind, c.phase, c.shape) for c in r["eager_log"])
+        both = Counter((c.op, c.kind, c.phase, c.shape) for c in r["split_log"])  # split + autograd's
+        assert both - eager == eager and sum(eager.values()) == 9, (rank, both, eager)

@@ -2,8 +2,8 @@
 after each of a few AdamW steps equal the unsplit model's in one process, with a tied-weight GPT,
 a long skip, checkpointing and an HF model. The backward is split into I and W as graphs
 (split_backward="graph", the default: [Note: graph split backward]); every case checks that no
-stage fell back to the autograd split, except under tp (its collectives are not traceable as
-data flow: those stages run on autograd, and the runtime says so)."""
+stage fell back to the autograd split, tp stages included (their collectives trace as functional
+collectives: [Note: traced collectives] in fxsplit.tp.collectives)."""
 
 import pytest
 import torch
@@ -149,10 +149,7 @@ def test_zbv_with_tp_and_dp_matches_single_process():
     for label in COMPOSED:
         for rank, r in enumerate(results):
             losses, state, fallbacks = r[label]
-            if "tp" in label:  # tp collectives: the autograd split, said per stage
-                assert fallbacks and all("collective" in why for why in fallbacks.values()), fallbacks
-            else:
-                assert fallbacks == {}, fallbacks
+            assert fallbacks == {}, fallbacks  # tp stages too: [Note: traced collectives]
             assert losses == pytest.approx(ref_losses, rel=1e-5), (label, rank, losses, ref_losses)
             for k, v in ref_state.items():
                 if k in noise:

@@ -136,7 +136,9 @@ class ParallelModel(nn.Module):
             error = exc
         self._agree(error, True, "step")
         self._sync_grads()
-        if self._fsdp is not None and self._runtime._tied:
+        # every rank agrees here or none does: a rank holding no tied copy still joins (with ZB-V
+        # both copies of a tied weight can sit on one pipeline rank, so `_tied` differs by rank)
+        if self._fsdp is not None and self._runtime.plan.shared_params:
             try:  # tied copies: summed over their pipeline ranks once FSDP reduced each
                 self._runtime.sum_tied_grads()
             except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree

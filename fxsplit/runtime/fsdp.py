@@ -107,7 +107,12 @@ class ShardedGradSync:
 
     def begin(self) -> None:
         """All-gather every stage and accumulate gradients unsharded until :meth:`reduce`."""
+        from torch.distributed.fsdp import fully_shard
+
         for m in self.units.values():
+            # what the unit's forward pre-hook does first; a stage run as graphs ([Note: graph split
+            # backward] in fxsplit.runtime.split_graph) never calls the module, so never that hook
+            fully_shard.state(m)._lazy_init()
             m.set_is_last_backward(False)
             m.set_reshard_after_backward(False)
             m.set_requires_gradient_sync(False)

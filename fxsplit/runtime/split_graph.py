@@ -32,14 +32,40 @@ Every node runs exactly once, in the order it was traced, so the gradients are t
 full backward bit for bit (the ops and their order are autograd's own); a weight used twice is
 one placeholder whose gradient autograd sums into one output, counted once.
 
+Tensor-parallel stages compose: fxsplit.tp.collectives trace as torch's functional collectives
+([Note: traced collectives]), pure nodes (``all_reduce`` then ``wait_tensor``) that data flow
+orders like any op, so they land in F, I or W by what they feed (f's backward all-reduce in I,
+with the input gradient). Every tp rank traces the same graphs and runs the same actions in the
+same order, so the collectives match across ranks. Each collective node carries the call
+``record_collectives`` would have logged eagerly (attributed in issue order), and each graph
+logs its calls when it runs. An in-place c10d collective from elsewhere still refuses the stage.
+
 Activation checkpointing composes: ``torch.utils.checkpoint`` (non-reentrant) runs inside the
 trace, so the recomputation shows up in the backward part of the joint graph (full: the whole
 region; selective: all but the kept nodes, whose forward outputs become saved values). A
 recomputed value both halves need is computed once, in I, and carried to W: the region is
 recomputed once per backward, not once per half. A recomputation that draws random numbers
-would need the forward's RNG state replayed inside a graph (aot_autograd's
-``functionalize_rng_ops``); that is not done here: such a stage is refused
-(`UnsupportedStage`) and the executor falls back to the autograd method for it.
+replays the forward's draw: [Note: random recomputation].
+
+[Note: random recomputation]
+``torch.utils.checkpoint`` replays a region's dropout masks by restoring the generator state at
+the region's forward before recomputing. In a traced graph that restore is gone (it is Python
+outside the graph), so each random op the backward recomputes is paired with the forward op it
+recomputes, and the generator state is saved as a graph value just before the forward draw
+(`rng_state`: the CPU generator, or the tensor's CUDA one: 5 KB on CPU, 16 bytes on CUDA) and
+restored around the recomputed one (`replay_rng`: set, draw, put the caller's state back), the
+idea of aot_autograd's ``functionalize_rng_ops`` (``run_and_save_rng_state`` /
+``run_with_rng_state``) in eager form. The masks are therefore the forward's bit for bit, as
+with no checkpointing, and the generator is left as the forward left it. Pairing: selective
+checkpointing leaves the recomputation to us (tagged nodes copied into the backward, so the copy
+knows its original); full checkpointing under tracing recomputes for real, and a recomputed node
+is matched to the forward node with the same target and arguments once recomputed arguments are
+replaced by their originals (forward duplicates, like one view per q/k/v projection, are merged
+first; uninitialized buffers and random ops never are). A random op with no single match
+refuses the stage. A recomputed CPU dropout writes its fresh mask buffer in place
+(``bernoulli_``, ``div_``); an in-place op in the backward is allowed when what it writes is a
+backward node nothing else reads. torch's selective checkpoint refuses CPU dropout under
+tracing (its cached mask is mutated): such a stage is refused.
 """
 
 from __future__ import annotations
@@ -58,6 +84,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxsplit.graph.ops import is_random
 from fxsplit.graph.recompute import checkpointed
+from fxsplit.tp.collectives import note_calls, traced_collectives
 
 __all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "has_selective_region", "signature"]
 
@@ -87,6 +114,15 @@ def signature(inputs: Sequence[Any]) -> tuple:
     return tuple(key)
 
 
+def _call(module: nn.Module, args: Sequence[Any]) -> Any:
+    """``module(*args)``; an FSDP unit without its hooks: they gather and reduce parameters, which
+    fxsplit.runtime.fsdp does outside the pipeline ([Note: FSDP collectives outside the
+    pipeline]), and under tracing would run FSDP's state machine on fake tensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return module.forward(*args) if isinstance(module, FSDPModule) else module(*args)
+
+
 class _Joint(nn.Module):
     """The stage's forward then ``autograd.grad``, as one module for ``functional_call`` (so the
     parameters stay swapped in while checkpoint regions recompute inside the backward)."""
@@ -102,7 +138,7 @@ class _Joint(nn.Module):
     def forward(self, tensor_inputs: list[torch.Tensor], tangents: list[torch.Tensor], grad_inputs: list[int]):
         it = iter(tensor_inputs)
         args = [self.consts[k] if k in self.consts else next(it) for k in range(self.n_inputs)]
-        outs = self.stage(*args)
+        outs = _call(self.stage, args)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         self.n_outputs = len(outs)
         self.boundary = len(get_proxy_mode().tracer.graph.nodes)  # everything so far is the forward
@@ -156,8 +192,13 @@ def _externals(nodes: list[fx.Node], outputs: list[fx.Node | None], local: set[f
     return list(seen)
 
 
+_FC = torch.ops._c10d_functional
+_ISSUE = (_FC.all_reduce.default, _FC.all_gather_into_tensor.default, _FC.reduce_scatter_tensor.default)
 _RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+# uninitialized buffers: two alike are not interchangeable (each is written in place after)
+_EMPTY = (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format,
+          torch.ops.aten.new_empty.default, torch.ops.aten.empty_strided.default)
 
 
 def _recompute_tagged(gm: fx.GraphModule, fwd: list[fx.Node], bwd: list[fx.Node]) -> list[fx.Node]:
@@ -186,24 +227,123 @@ def _recompute_tagged(gm: fx.GraphModule, fwd: list[fx.Node], bwd: list[fx.Node]
         return memo[n]
 
     clones: dict[fx.Node, fx.Node] = {}
+    states: list[fx.Node] = []  # forward nodes added: the generator state before each random op
 
     def clone(n: fx.Node) -> fx.Node:
         if n not in clones:
-            if is_random(n):
-                raise UnsupportedStage(f"the backward recomputes a random op ({n.target}); replaying "
-                                       "its forward draw inside a graph is not implemented")
             args = {a: clone(a) for a in n.all_input_nodes if recomputable(a)}
-            with gm.graph.inserting_before(bwd[0]):
-                clones[n] = gm.graph.node_copy(n, lambda a: args.get(a, a))
-            clones[n].meta.pop("recompute", None)
+            if is_random(n):  # [Note: random recomputation]
+                tensors = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+                if n.op != "call_function" or not tensors:
+                    raise UnsupportedStage(f"the backward recomputes a random op ({n.target}) whose device "
+                                           "cannot be read from a tensor argument; its draw cannot be replayed")
+                with gm.graph.inserting_before(n):
+                    states.append(gm.graph.call_function(rng_state, (tensors[0],)))
+                with gm.graph.inserting_before(bwd[0]):
+                    clones[n] = gm.graph.call_function(
+                        replay_rng, (states[-1], n.target, *fx.map_arg(n.args, lambda a: args.get(a, a))),
+                        fx.map_arg(n.kwargs, lambda a: args.get(a, a)))
+                clones[n].meta = {k: v for k, v in n.meta.items() if k != "recompute"}
+            else:
+                with gm.graph.inserting_before(bwd[0]):
+                    clones[n] = gm.graph.node_copy(n, lambda a: args.get(a, a))
+                clones[n].meta.pop("recompute", None)
         return clones[n]
 
     for b in bwd:
         for a in list(b.all_input_nodes):
             if recomputable(a):
                 b.replace_input_with(a, clone(a))
+    fwd.extend(states)
+    fwd_keep = set(fwd)
+    fwd[:] = [n for n in gm.graph.nodes if n in fwd_keep]
     keep = set(bwd) | set(clones.values())
     return [n for n in gm.graph.nodes if n in keep]
+
+
+def _replay_recomputed_draws(gm: fx.GraphModule, fwd: list[fx.Node], bwd: list[fx.Node]) -> None:
+    """Full checkpointing under tracing recomputes for real: the region's ops run again inside
+    the backward. Each random op there is matched to the forward op it recomputes (same target,
+    same arguments once every recomputed argument is replaced by its forward original; a
+    detached input stands for itself) and replaced by a replay of that op's generator state
+    ([Note: random recomputation]). An ambiguous or unmatched draw refuses the stage."""
+    if not any(is_random(b) for b in bwd):
+        return
+    def key(n: fx.Node, canon: dict) -> str:
+        return repr((n.op, n.target, fx.map_arg((n.args, n.kwargs), lambda a: canon.get(a, a))))
+
+    table: dict[str, list[fx.Node]] = {}
+    canon: dict[fx.Node, fx.Node] = {}  # a node -> the first forward node computing the same
+    for f in fwd:
+        k = key(f, canon)
+        if k in table and not is_random(f) and f.target not in _EMPTY:
+            canon[f] = table[k][0]  # e.g. q, k and v each view the same input alike
+        table.setdefault(k, []).append(f)
+    fwd_set = set(fwd)
+    for b in bwd:
+        hits = table.get(key(b, canon), [])
+        if len(hits) == 1 or (hits and not is_random(b) and b.target not in _EMPTY):
+            canon[b] = hits[0]  # identical computations (an arange per layer): any one stands for all
+        elif not hits and b.target in _ALIASES and isinstance(b.args[0], fx.Node):
+            src = canon.get(b.args[0], b.args[0])
+            src = canon.get(src, src)
+            if src in fwd_set:
+                canon[b] = src
+        if is_random(b):
+            if len(hits) != 1 or b.op != "call_function":
+                raise UnsupportedStage(f"the backward draws random numbers ({b.target}) that cannot be matched "
+                                       f"to one forward draw ({len(hits)} candidates)")
+            f = canon.get(hits[0], hits[0])
+            tensors = [a for a in f.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            if not tensors:
+                raise UnsupportedStage(f"the recomputed random op {b.target} has no tensor argument to read "
+                                       "its device from")
+            with gm.graph.inserting_before(f):
+                st = gm.graph.call_function(rng_state, (tensors[0],))
+            fwd.append(st)
+            with gm.graph.inserting_before(b):
+                r = gm.graph.call_function(replay_rng, (st, b.target, *b.args), dict(b.kwargs))
+            r.meta = dict(b.meta)
+            b.replace_all_uses_with(r)
+            gm.graph.erase_node(b)
+            bwd[bwd.index(b)] = r
+            canon[r] = f
+    keep = set(fwd)
+    fwd[:] = [n for n in gm.graph.nodes if n in keep]
+
+
+def rng_state(x: torch.Tensor) -> torch.Tensor:
+    """The state of the default generator of ``x``'s device ([Note: random recomputation])."""
+    if x.device.type == "cuda":
+        return torch.cuda.get_rng_state(x.device)
+    return torch.get_rng_state()
+
+
+def replay_rng(state: torch.Tensor, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op(*args, **kwargs)`` drawn from generator ``state``; the generator is left as it was."""
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    get, put = ((lambda: torch.cuda.get_rng_state(dev)), (lambda t: torch.cuda.set_rng_state(t, dev))) \
+        if dev.type == "cuda" else (torch.get_rng_state, torch.set_rng_state)
+    before = get()
+    put(state)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        put(before)
+
+
+def _mutates_only_its_own(n: fx.Node, local: set[fx.Node]) -> bool:
+    """Whether every tensor ``n`` writes in place is a node of ``local`` read by ``n`` alone (a
+    recomputed dropout's fresh mask buffer): such a write is invisible to every other node."""
+    op = n.args[1] if n.target is replay_rng else n.target
+    args = n.args[2:] if n.target is replay_rng else n.args
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    for a, v in zip(op._schema.arguments, args):
+        if a.alias_info is not None and a.alias_info.is_write:
+            if not (isinstance(v, fx.Node) and v in local and len(v.users) == 1):
+                return False
+    return True
 
 
 @dataclass
@@ -245,7 +385,7 @@ class GraphSplit:
             with torch.enable_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 fake_in = [mode.from_tensor(x).requires_grad_(x.requires_grad) for x in tensors]
                 it = iter(fake_in)
-                outs = module(*[consts[k] if k in consts else next(it) for k in range(len(inputs))])
+                outs = _call(module, [consts[k] if k in consts else next(it) for k in range(len(inputs))])
                 outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
                 tan_meta = [(o.shape, o.dtype) for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
         except Exception as exc:  # noqa: BLE001 - any failure means: not this way
@@ -261,11 +401,17 @@ class GraphSplit:
         b_in = [joint.get_buffer(n) for n in bnames]
         x_in = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), traced_collectives() as calls:
                 gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(p_in, b_in, x_in, tangents)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means: not this way
             raise UnsupportedStage(f"make_fx could not trace the stage's forward and backward "
                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        issued = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _ISSUE]
+        if len(issued) != len(calls):
+            raise UnsupportedStage(f"the trace issued {len(calls)} fxsplit collectives but holds {len(issued)} "
+                                   "functional collective nodes; they cannot be attributed for counting")
+        for n, call in zip(issued, calls):  # node_copy keeps meta: recomputed copies count too
+            n.meta["fxsplit_collective"] = call
         return cls._partition(gm, joint, len(p_in), len(b_in), len(x_in), len(tangents), grad_inputs)
 
     @classmethod
@@ -292,22 +438,26 @@ class GraphSplit:
         fwd = [n for n in compute if index[n] < joint.boundary]
         bwd = [n for n in compute if index[n] >= joint.boundary]
         bwd = _recompute_tagged(gm, fwd, bwd)
+        _replay_recomputed_draws(gm, fwd, bwd)
         compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
         bwd_set = set(bwd)
         for n in compute:
             t = n.target
+            if t is replay_rng and n in bwd_set and not _mutates_only_its_own(n, bwd_set):
+                raise UnsupportedStage(f"the backward's replayed random op ({n.args[1]}) writes a tensor "
+                                       "other nodes read")
             if not isinstance(t, torch._ops.OpOverload):
                 continue
-            if t.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-                # the tp collectives call dist.all_reduce & co.,
-                # which trace as in-place c10d ops whose Work is waited on outside the graph: data
-                # flow does not order their readers and the graph would not wait for them
+            if t.namespace in ("c10d", "c10d_functional"):
+                # an in-place c10d collective (dist.all_reduce & co. outside fxsplit.tp.collectives,
+                # which trace functional ones: [Note: traced collectives]) is waited on outside
+                # the graph: data flow does not order its readers and the graph would not wait
                 raise UnsupportedStage(f"the stage runs a collective ({t}); in-place c10d collectives "
                                        "are not data flow in a traced graph")
             if n in bwd_set and is_random(n):
-                raise UnsupportedStage(f"the backward recomputes a random op ({t}); replaying "
-                                       "its forward draw inside a graph is not implemented")
-            if n in bwd_set and t._schema.is_mutable:
+                raise UnsupportedStage(f"the backward draws random numbers ({t}) that are not the "
+                                       "recomputation of a forward draw")
+            if n in bwd_set and t._schema.is_mutable and not _mutates_only_its_own(n, bwd_set):
                 raise UnsupportedStage(f"the backward mutates a tensor in place ({t})")
         for o in fw_outs:
             if o in bwd_set:
@@ -337,6 +487,9 @@ class GraphSplit:
         i_gm = _subgraph(gm, i_nodes, i_ext, igrads + carry)
         w_gm = _subgraph(gm, w_nodes, w_ext, pgrads)
         w_in = [src(n) for n in w_ext]
+        for g in (fwd_gm, i_gm, w_gm):  # what each graph issues, for record_collectives
+            g.meta["fxsplit_collectives"] = [n.meta["fxsplit_collective"] for n in g.graph.nodes
+                                              if "fxsplit_collective" in n.meta]
         return cls(
             forward_graph=fwd_gm, input_graph=i_gm, weight_graph=w_gm, n_outputs=k_out,
             diff_outputs=list(joint.diff_outputs), grad_inputs=grad_inputs,
@@ -350,6 +503,7 @@ class GraphSplit:
         """Run the forward graph (no autograd graph is recorded); the outputs and the saved state."""
         with torch.no_grad():
             res = self.forward_graph(*params, *buffers, *tensor_inputs)
+        note_calls(self.forward_graph.meta["fxsplit_collectives"])
         outs = list(res[:self.n_outputs])
         return outs, SplitState(self, list(res[self.n_outputs:]), tensor_inputs)
 
@@ -384,6 +538,7 @@ class SplitState:
         self.tangents = tangents
         with torch.no_grad():
             res = sp.input_graph(*[self._value(s, params, buffers) for s in sp.i_inputs])
+        note_calls(sp.input_graph.meta["fxsplit_collectives"])
         n = len(sp.grad_inputs)
         self.carry = list(res[n:])
         keep = set(sp.w_saved)
@@ -395,6 +550,7 @@ class SplitState:
         sp = self.split
         with torch.no_grad():
             res = sp.weight_graph(*[self._value(s, params, buffers) for s in sp.w_inputs])
+        note_calls(sp.weight_graph.meta["fxsplit_collectives"])
         self.saved, self.carry, self.tangents, self.inputs = [], [], [], []
         return list(res)
 

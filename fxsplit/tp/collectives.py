@@ -34,6 +34,20 @@ Counting: `record_collectives()` logs each collective a rank issues (op, wire ki
 phase, shape) so tests can check, e.g., one all-reduce forward and one backward per MLP;
 `COLLECTIVE_OPS` holds the graph targets so a pass or test can find the nodes.
 
+[Note: traced collectives]
+Eagerly, every op above calls the c10d collectives (``dist.all_reduce`` & co.). Under a tracer
+(make_fx, fake tensors, dynamo: ``_functional_collectives._are_we_tracing``) those trace as
+in-place c10d ops whose Work is waited on outside the graph, so data flow neither orders their
+readers nor waits for them. Traced, the ops call torch's functional collectives instead
+(``_c10d_functional.all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, each
+followed by ``wait_tensor``): pure functions of their input, so a stage's joint forward and
+backward traces into a graph that can be partitioned (fxsplit.runtime.split_graph) and run.
+They sum the same contributions in the backend's order, as the eager ops do (gather and
+reduce-scatter work on dim 0; another dim is moved there and back, which is data movement).
+A traced collective is not logged when traced (its tensors are fake) but where the traced
+graph runs: `traced_collectives()` collects the calls a trace issued, in order, for the runner
+to attach to its graph's nodes and `note_calls` them each time the graph runs.
+
 Sharded dims must divide evenly by n (all ranks hold equal shards). Reduce-scatter uses
 `torch.distributed.reduce_scatter`, which gloo supports in torch 2.13 for float32/float64/
 bfloat16/int64 (checked); no all-reduce fallback is needed there. All ops sum in the group's
@@ -52,6 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch.distributed._functional_collectives import _are_we_tracing
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -65,11 +80,14 @@ __all__ = [
     "gather_for_sp",
     "gather_from_region",
     "gather_to_region",
+    "note_calls",
     "note_collective",
     "record_collectives",
     "reduce_from_region",
     "reduce_scatter_to_region",
     "scatter_to_region",
+    "start_all_reduce",
+    "traced_collectives",
 ]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -161,6 +179,31 @@ def note_collective(op: str, kind: str, axis: str, phase: str, x: torch.Tensor) 
         log.append(CollectiveCall(op, kind, axis, phase, tuple(x.shape), x.dtype))
 
 
+_TRACE_LOG: contextvars.ContextVar[list[CollectiveCall] | None] = contextvars.ContextVar(
+    "fxsplit_traced_collectives", default=None
+)
+
+
+@contextlib.contextmanager
+def traced_collectives() -> Iterator[list[CollectiveCall]]:
+    """Collect the collectives issued while tracing inside the block, in issue order (one per
+    functional collective node the trace records: [Note: traced collectives])."""
+    calls: list[CollectiveCall] = []
+    token = _TRACE_LOG.set(calls)
+    try:
+        yield calls
+    finally:
+        _TRACE_LOG.reset(token)
+
+
+def note_calls(calls: list[CollectiveCall]) -> None:
+    """Log ``calls`` (a traced graph's collectives, as it runs them) in the active
+    `record_collectives()` log, if any."""
+    log = _LOG.get()
+    if log is not None:
+        log.extend(calls)
+
+
 @dataclass(frozen=True)
 class _Bound:
     """What an op needs from its context, captured in forward for use in backward."""
@@ -170,8 +213,13 @@ class _Bound:
     log: list[CollectiveCall] | None
 
     def note(self, op: str, kind: str, phase: str, x: torch.Tensor) -> None:
-        if self.log is not None:
-            self.log.append(CollectiveCall(op, kind, self.axis, phase, tuple(x.shape), x.dtype))
+        call = CollectiveCall(op, kind, self.axis, phase, tuple(x.shape), x.dtype)
+        if _are_we_tracing():  # [Note: traced collectives]: logged where the graph runs
+            traced = _TRACE_LOG.get()
+            if traced is not None:
+                traced.append(call)
+        elif self.log is not None:
+            self.log.append(call)
 
 
 def _active(axis: str) -> _Bound | None:
@@ -214,15 +262,47 @@ def _check_divisible(x: torch.Tensor, dim: int, n: int, op: str, axis: str) -> N
         )
 
 
+_FC = torch.ops._c10d_functional
+
+
 def _all_reduce(x: torch.Tensor, b: _Bound, op: str, phase: str) -> torch.Tensor:
     b.note(op, "all_reduce", phase, x)
+    if _are_we_tracing():  # [Note: traced collectives]
+        return _FC.wait_tensor(_FC.all_reduce(x.contiguous(), "sum", b.group.group_name))
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=b.group)
     return out
 
 
+class _PendingAllReduce:
+    """An all-reduce started by `start_all_reduce`; ``wait()`` returns the sum."""
+
+    def __init__(self, x: torch.Tensor, work: Any):
+        self.x, self.work = x, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is None:
+            return _FC.wait_tensor(self.x)
+        self.work.wait()
+        return self.x
+
+
+def start_all_reduce(x: torch.Tensor, b: _Bound, op: str, phase: str) -> _PendingAllReduce:
+    """Start summing ``x`` over ``b``'s group; ``.wait()`` gives the sum. Eager: in place on
+    ``x`` (contiguous), asynchronous; traced: a functional all-reduce whose ``wait_tensor`` is
+    placed where ``wait()`` is called ([Note: traced collectives]), so the overlap is kept."""
+    b.note(op, "all_reduce", phase, x)
+    if _are_we_tracing():
+        return _PendingAllReduce(_FC.all_reduce(x.contiguous(), "sum", b.group.group_name), None)
+    return _PendingAllReduce(x, dist.all_reduce(x, group=b.group, async_op=True))
+
+
 def _all_gather(x: torch.Tensor, dim: int, b: _Bound, op: str, phase: str) -> torch.Tensor:
     b.note(op, "all_gather", phase, x)
+    n = b.group.size()
+    if _are_we_tracing():  # gathered on dim 0, then the n blocks laid side by side on dim
+        out = _FC.wait_tensor(_FC.all_gather_into_tensor(x.contiguous(), n, b.group.group_name))
+        return out if dim == 0 else torch.cat(out.chunk(n, dim=0), dim=dim)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(b.group.size())]
     dist.all_gather(parts, x, group=b.group)
@@ -235,6 +315,10 @@ def _own_shard(x: torch.Tensor, dim: int, b: _Bound) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, dim: int, b: _Bound, op: str, phase: str) -> torch.Tensor:
     b.note(op, "reduce_scatter", phase, x)
+    if _are_we_tracing():  # the blocks of dim stacked on dim 0, reduce-scattered there
+        n = b.group.size()
+        stacked = x.contiguous() if dim == 0 else torch.cat(x.chunk(n, dim=dim), dim=0)
+        return _FC.wait_tensor(_FC.reduce_scatter_tensor(stacked, "sum", n, b.group.group_name))
     parts = [c.contiguous() for c in x.chunk(b.group.size(), dim=dim)]
     out = torch.empty_like(parts[b.group.rank()])
     dist.reduce_scatter(out, parts, group=b.group)

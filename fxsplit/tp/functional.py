@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.fx
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import _are_we_tracing
 
-from fxsplit.tp.collectives import _active, current_group, gather_from_region, note_collective, reduce_from_region
+from fxsplit.tp.collectives import (
+    _active, current_group, gather_from_region, note_collective, reduce_from_region, start_all_reduce)
 
 __all__ = ["column_parallel_linear", "gather_logits", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
@@ -271,11 +273,12 @@ class _ColumnParallelLinear(torch.autograd.Function):
         g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
         grad_x, work = None, None
         if need[0]:
+            traced = _are_we_tracing()  # out of place when traced (the same kernel): a graph split
             for g2, w in zip(g2s, weights):  # summed in place: one [N, in] buffer
-                grad_x = g2.mm(w) if grad_x is None else grad_x.addmm_(g2, w)
+                grad_x = (g2.mm(w) if grad_x is None else torch.addmm(grad_x, g2, w) if traced
+                          else grad_x.addmm_(g2, w))
             grad_x = grad_x.view(x.shape)
-            ctx.bound.note("column_parallel_linear", "all_reduce", "backward", grad_x)
-            work = dist.all_reduce(grad_x, group=ctx.bound.group, async_op=True)
+            work = start_all_reduce(grad_x, ctx.bound, "column_parallel_linear", "backward")
         x2 = x.reshape(-1, x.shape[-1])
         grad_w: list = [None] * n
         grad_b: list = [None] * n
@@ -285,7 +288,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
             if ctx.has_bias[i] and need[3 + n + i]:
                 grad_b[i] = g2.sum(0)
         if work is not None:
-            work.wait()
+            grad_x = work.wait()
         return (grad_x, None, None, *grad_w, *grad_b)
 
 
