@@ -7,19 +7,22 @@
    alone, and the 4 ranks share this host's cores (``host_cores``: a step takes at least the
    ranks' total compute over the cores; [Note: calibration] in fxsplit.planner.score); the
    per-action overhead is fitted on one more layout (dp=2 x pp=2, m=2, not among the evaluated ones).
-   Each layout: the fastest of ``--steps`` timed steps after one warmup (the machine is shared). Each layout is built with the
-   planner's stage boundaries (split_points) and timed for a few optimizer steps (median; the
-   slowest rank). Reported: mean absolute error of the predicted step time, Kendall tau of the
+   Every layout is built first (with the planner's stage boundaries, split_points), then timed in
+   ``--steps`` alternating rounds (one step of each layout per round, the order flipping every
+   round, after one warmup step each): the median per layout, of the slowest rank (the machine
+   is shared with other jobs; a burst of load hits all layouts alike). Reported: mean absolute error of the predicted step time, Kendall tau of the
    ranking, the pick's measured time vs the best measured.
 2. paper: GPT configurations of Narayanan et al. 2021, "Efficient Large-Scale Language Model
    Training on GPU Clusters Using Megatron-LM" (arXiv:2104.04473), Table 1, on the a100-80gb
-   preset: the planner's search for each run's GPU count and batch, next to the published layout
-   (t, p) and throughput (TFLOP/s per GPU), with the published layout scored by the same model.
-   Model FLOPs per step by the paper's eq. (3): 96 B s l h^2 (1 + s / 6h + V / (16 l h)).
+   preset, and Llama 3 405B (arXiv:2407.21783, Tables 3 and 4: 8K context on 8192 and 16384
+   H100s) on the h100-sxm preset: the planner's search for each run's GPU count and batch, next
+   to the published layout and throughput (TFLOP/s per GPU), with the published layout scored by
+   the same model. Model FLOPs per step: for Megatron the paper's eq. (3), 96 B s l h^2 (1 + s / 6h
+   + V / (16 l h)); for Llama B s (6 N + 12 l h s).
 3. speed: the search time (analysis + search, trace excluded and reported) of the 1T GPT for 3072
    GPUs, and a Llama-70B config planned for tp=8 x pp=8 vs a bare torch.export of it.
 
-    .venv/bin/python benchmarks/planner.py here [--steps 3]
+    .venv/bin/python benchmarks/planner.py here [--steps 5]
     .venv/bin/python benchmarks/planner.py paper [--runs 145.6B,1008B]
     .venv/bin/python benchmarks/planner.py speed [--skip-70b] [--skip-1t]
 """
@@ -90,7 +93,7 @@ def _here_rank(rank: int, world: int, steps: int):
     x = torch.randint(0, GPT_HERE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, GPT_HERE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
 
-    def measure(c, scorer):
+    def build(c, scorer):
         s = scorer.score(c, simulate=True)
         split = tuple(w.group_paths[k] for k in s.cuts[1:-1]) or None
         pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, timeout=120, verify=False,
@@ -98,31 +101,45 @@ def _here_rank(rank: int, world: int, steps: int):
         opt = torch.optim.SGD(pm.parameters(), lr=1e-3)
         d, D = pm.coords["dp"], c.dp
         xs, ys = x[d * BATCH // D:(d + 1) * BATCH // D], y[d * BATCH // D:(d + 1) * BATCH // D]
-        times = []
-        for i in range(steps + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            pm.step(xs, target=ys)
-            opt.step()
-            opt.zero_grad()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if i:  # the first step warms up
-                times.append(float(dt))
-        return s, min(times)  # the least disturbed step: the machine is shared
+        return s, (pm, opt, xs, ys)
+
+    def one_step(built) -> float:
+        pm, opt, xs, ys = built
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.step(xs, target=ys)
+        opt.step()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        opt.zero_grad()
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank
+        return float(dt)
+
+    def alternate(built: list) -> list[float]:
+        """The median over ``steps`` rounds of one step of every layout, the order flipping every
+        round (the machine is shared: a burst of others' load hits every layout alike)."""
+        for b in built:
+            one_step(b)  # warmup
+        times = [[] for _ in built]
+        for r in range(steps):
+            order = range(len(built)) if r % 2 == 0 else reversed(range(len(built)))
+            for k in order:
+                times[k].append(one_step(built[k]))
+        return [statistics.median(t) for t in times]
 
     # the per-action overhead (runtime, p2p) from one pipeline layout outside the evaluated set
     probe = _c(2, 1, 2, 1, "1f1b", 2)
-    s0, t0 = measure(probe, Scorer(w, hw, math.inf, cal))
+    s0, b0 = build(probe, Scorer(w, hw, math.inf, cal))
+    (t0,) = alternate([b0])
+    del b0
     a = max(t0 - s0.step_time, 0.0) / (3 * (probe.microbatches + probe.pp - 1))
     cal = dataclasses.replace(cal, action_overhead_s=a)
     scorer = Scorer(w, hw, math.inf, cal)
     pick = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=cal).best.candidate
     layouts = list(LAYOUTS) + ([pick] if pick not in LAYOUTS else [])
-    rows = []
-    for c in layouts:
-        s, t = measure(c, scorer)
-        rows.append(dict(layout=c.short(), predicted=s.step_time, measured=t, pick=c == pick, method=s.method))
+    built = [build(c, scorer) for c in layouts]
+    measured = alternate([b for _, b in built])
+    rows = [dict(layout=c.short(), predicted=s.step_time, measured=t, pick=c == pick, method=s.method)
+            for c, (s, _), t in zip(layouts, built, measured)]
     return dict(rows=rows, hardware=hw.source, calibration=cal)
 
 
@@ -160,10 +177,20 @@ def here(steps: int) -> None:
 # global batch, achieved TFLOP/s per GPU). Sequence 2048, vocabulary 51200, A100 80GB (Selene).
 TABLE1 = {
     "145.6B": (96, 12288, 80, 8, 8, 1536, 2304, 148),
+    "310.1B": (128, 16384, 96, 8, 16, 1920, 2160, 155),
     "529.6B": (128, 20480, 105, 8, 35, 2520, 2520, 163),
     "1008B": (160, 25600, 128, 8, 64, 3072, 3072, 163),
 }
 S_PAPER, V_PAPER = 2048, 51200
+# Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv:2407.21783): the model of
+# its Table 3 (126 layers, model dim 16384, FFN 53248, 128 heads, 8 key/value heads, vocabulary
+# 128256) and the 8K-context rows of its Table 4 (GPUs, TP, PP, DP, sequence, global batch in
+# sequences = DP x batch per DP, achieved BF16 TFLOP/s per GPU), on H100 80GB (8 per server, NVLink).
+# Their "DP" is FSDP (parameters, gradients and optimizer state sharded): dp_shard here.
+LLAMA3 = {
+    "405B-8192": (8192, 8, 16, 64, 8192, 2048, 430),
+    "405B-16384": (16384, 8, 16, 128, 8192, 2048, 400),
+}
 
 
 def _paper_gpt(heads: int, hidden: int, layers: int):
@@ -177,13 +204,37 @@ def _model_flops(B: int, l: int, h: int) -> float:
     return 96 * B * S_PAPER * l * h * h * (1 + S_PAPER / (6 * h) + V_PAPER / (16 * l * h))
 
 
+def _published_score(scorer, w, *, d, t, p, B, modes, shard=1):
+    """The published layout (b = 1) scored by the planner's model: 1F1B or interleaved (v=2), each
+    checkpointing mode of ``modes``; the fastest that fits (else the fastest)."""
+    out = []
+    for sched, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        if v * p > w.num_groups - 2:
+            continue
+        for ckpt in modes:
+            c = Candidate(dp=d, tp=t, pp=p, stages_per_rank=v, schedule=sched, microbatches=B // d,
+                          microbatch_size=1, activation_checkpointing=ckpt, sequence_parallel=False,
+                          dp_shard=shard)
+            out.append(scorer.score(c, simulate=True))
+    return min(out, key=lambda s: (not s.fits, s.step_time))
+
+
+def _layout(c) -> str:
+    shard = f" (dp_shard {c.dp_shard})" if c.dp_shard > 1 else ""
+    return (f"t={c.tp}{'+sp' if c.sequence_parallel else ''}, p={c.pp}, d={c.dp}{shard}, v={c.stages_per_rank} "
+            f"{c.schedule}, b={c.microbatch_size}, ckpt {c.activation_checkpointing}")
+
+
 def paper(runs) -> None:
-    hw = fxsplit.Hardware.preset("a100-80gb")
-    print(f"hardware: {hw.source}; matmul efficiency {hw.matmul_efficiency:.3f}")
-    print("| run (Table 1) | GPUs | batch | published t, p, d | published TFLOP/s/GPU | predicted for the published layout "
-          "| planner's pick | predicted for the pick | search s |")
+    print("| run | GPUs | batch | published t, p, d | published TFLOP/s/GPU | predicted for the published layout "
+          "| planner's pick | predicted for the pick | search s (trace s) |")
     print("| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |")
+    traced: dict = {}  # the Llama 405B graph, traced once for both of its runs
     for name in runs:
+        if name in LLAMA3:
+            _paper_llama(name, traced)
+            continue
+        hw = fxsplit.Hardware.preset("a100-80gb")
         heads, h, l, t, p, n, B, tflops = TABLE1[name]
         model, args = _paper_gpt(heads, h, l)
         t0 = time.perf_counter()
@@ -195,23 +246,43 @@ def paper(runs) -> None:
         search_s = time.perf_counter() - t0
         F = _model_flops(B, l, h)
         d = n // (t * p)
-        scorer = Scorer(w, hw, hw.memory_bytes)
-        published = []
-        for sched, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
-            if v * p > w.num_groups - 2:
-                continue
-            c = Candidate(dp=d, tp=t, pp=p, stages_per_rank=v, schedule=sched, microbatches=B // d,
-                          microbatch_size=1, activation_checkpointing="full", sequence_parallel=False)
-            published.append(scorer.score(c, simulate=True))
-        pub = min(published, key=lambda s: s.step_time)
-        best = r.best
+        pub = _published_score(Scorer(w, hw, hw.memory_bytes), w, d=d, t=t, p=p, B=B, modes=("full",))
         tf = lambda s: F / (s.step_time * n) / 1e12  # noqa: E731
-        c = best.candidate
-        print(f"| {name} | {n} | {B} | t={t}, p={p}, d={d} | {tflops} | {tf(pub):.0f} ({pub.candidate.schedule}, "
-              f"ckpt full, b=1{'' if pub.fits else ', does not fit'}) | t={c.tp}{'+sp' if c.sequence_parallel else ''}, "
-              f"p={c.pp}, d={c.dp}, v={c.stages_per_rank} {c.schedule}, b={c.microbatch_size}, ckpt "
-              f"{c.activation_checkpointing} | {tf(best):.0f} | {search_s:.1f} (trace {trace_s:.0f}) |")
+        print(f"| GPT {name} (Megatron Table 1) | {n} | {B} | t={t}, p={p}, d={d} | {tflops} | {tf(pub):.0f} "
+              f"({pub.candidate.schedule}, ckpt full, b=1{'' if pub.fits else ', does not fit'}) | {_layout(r.best.candidate)} "
+              f"| {tf(r.best):.0f} | {search_s:.1f} ({trace_s:.0f}) |")
         sys.stdout.flush()
+
+
+def _paper_llama(name: str, traced: dict) -> None:
+    from fxsplit.testing import hf_zoo
+
+    n, t, p, d, seq, B, tflops = LLAMA3[name]
+    hw = fxsplit.Hardware.preset("h100-sxm")
+    if seq not in traced:
+        model, args, kwargs = hf_zoo.meta_llama_70b(
+            seq_len=seq, vocab_size=128256, num_hidden_layers=126, hidden_size=16384, intermediate_size=53248,
+            num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=seq)
+        t0 = time.perf_counter()
+        traced[seq] = trace(model, args, kwargs), time.perf_counter() - t0
+    gm, trace_s = traced[seq]
+    t0 = time.perf_counter()
+    w = analyze(gm, world_size=n, hardware=hw)
+    r = search(w, world_size=n, global_batch=B, hardware=hw, shard=True)
+    search_s = time.perf_counter() - t0
+    # model FLOPs per step: 6 N per token (forward + backward of every weight) plus the attention
+    # score and value matmuls, 12 l h s per token (non-causal count, as MFU is usually quoted)
+    numel = w.param_numel
+    l, h = 126, 16384
+    F = B * seq * (6 * numel + 12 * l * h * seq)
+    pub = _published_score(Scorer(w, hw, hw.memory_bytes), w, d=d, t=t, p=p, B=B, modes=("none", "selective", "full"),
+                           shard=d)
+    tf = lambda s: F / (s.step_time * n) / 1e12  # noqa: E731
+    pc = pub.candidate
+    print(f"| Llama 3 {name} (Llama 3 Table 4) | {n} | {B} | t={t}, p={p}, d={d} (FSDP) | {tflops} | {tf(pub):.0f} "
+          f"({pc.schedule}, ckpt {pc.activation_checkpointing}, b=1{'' if pub.fits else ', does not fit'}) "
+          f"| {_layout(r.best.candidate)} | {tf(r.best):.0f} | {search_s:.1f} ({trace_s:.0f}) |")
+    sys.stdout.flush()
 
 
 def speed(skip_70b: bool, skip_1t: bool) -> None:
@@ -257,8 +328,8 @@ def _speed_70b() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=("here", "paper", "speed"))
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--runs", default=",".join(TABLE1))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--runs", default=",".join(list(TABLE1) + list(LLAMA3)))
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--skip-1t", action="store_true")
     ns = ap.parse_args()
