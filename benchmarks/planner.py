@@ -5,7 +5,9 @@
    own pick. Hardware is ``Hardware.measure()`` (collective over the 4 ranks); the roofline is
    calibrated from one forward + backward of the unsplit model at two batch sizes, timed by rank 0
    alone, and the 4 ranks share this host's cores (``host_cores``: a step takes at least the
-   ranks' total compute over the cores; [Note: calibration] in fxsplit.planner.score); the
+   ranks' total compute over the cores; [Note: calibration] in fxsplit.planner.score), as many
+   as they get: 4 x (rank 0's time alone) / (the time of all 4 running the same at once), at most
+   the core count (other jobs share the machine); the
    per-action overhead is fitted on one more layout (dp=2 x pp=2, m=2, not among the evaluated ones).
    Every layout is built first (with the planner's stage boundaries, split_points), then timed in
    ``--steps`` alternating rounds (one step of each layout per round, the order flipping every
@@ -86,10 +88,17 @@ def _here_rank(rank: int, world: int, steps: int):
     dist.barrier()  # rank 0 alone times the unsplit model (the others wait): an uncontended core
     cal = calibrate(w, hw, {1: _fwd_bwd_seconds(model, 1), 4: _fwd_bwd_seconds(model, 4)},
                     host_cores=os.cpu_count() or 1) if rank == 0 else None
+    alone = _fwd_bwd_seconds(model, 4) if rank == 0 else 0.0
     dist.barrier()
-    box = [cal]
+    # the cores the 4 ranks get between them (the machine is shared with other jobs): all ranks
+    # time the same forward + backward at once; 4 x alone / together, at most the core count
+    together = torch.tensor([_fwd_bwd_seconds(model, 4)], dtype=torch.float64)
+    dist.all_reduce(together, op=dist.ReduceOp.MAX)
+    box = [cal, alone]
     dist.broadcast_object_list(box, src=0)  # every rank predicts with rank 0's calibration
-    cal = box[0]
+    cal, alone = box
+    cores = min(max(world * alone / float(together), 1.0), float(os.cpu_count() or 1))
+    cal = dataclasses.replace(cal, host_cores=cores)
     x = torch.randint(0, GPT_HERE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, GPT_HERE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
 
