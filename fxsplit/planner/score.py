@@ -225,6 +225,9 @@ class Scorer:
         cap = self._partition_cap(c, u)
         if cap is None or self._partition_memory(c, u, balanced, cap) <= cap[0]:
             return balanced
+        left, state, inflight = cap
+        if (state * float(u.params.sum()) + min(inflight) * float(u.saved.sum())) / c.pp > left:
+            return balanced  # no split fits: the average rank is over the limit (skip the solve)
         capped = self._solve(c, u, cap)
         return capped if capped is not None else balanced  # rejected for memory by the score
 
