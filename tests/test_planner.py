@@ -170,3 +170,4 @@ def test_a_layout_whose_balanced_split_is_over_the_limit_is_partitioned_to_fit(w
     r = search(workload, world_size=4, global_batch=16, hardware=toy(), memory_limit=limit)
     assert c in {s.candidate for s in r.scores}
     assert all(s.fits and s.memory.total <= limit for s in r.scores)
+    assert r.repartitioned[0] >= 1 and "re-partitioned under the memory limit" in r.table()

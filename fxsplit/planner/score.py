@@ -55,7 +55,10 @@ again with ``memory_limit``: the limit less what the memory model charges outsid
 the training state per parameter byte over dp_shard, and ``inflight`` the schedule's in-flight
 microbatches per rank, which are the memory model's own terms, so the partitioner's rank memory
 is the score's. It returns the fastest cuts within the limit (for v > 1 within
-``PARTITION_BUDGET`` search steps: sound, maybe not the fastest). The score's own memory is
+``PARTITION_BUDGET`` search steps: sound, maybe not the fastest). It is skipped when the average
+rank is over the limit whatever the split, and past ``MAX_CAPPED_SOLVES`` re-partitions per
+search (the search time stays bounded: the 1T GPT for 3072 GPUs; ``Scorer.capped_skipped``
+counts the layouts then judged by their balanced cuts). The score's own memory is
 still what decides the fit, so a mismatch between the two can only reject, never admit, a layout.
 """
 
@@ -78,6 +81,7 @@ __all__ = ["Calibration", "Memory", "Score", "Scorer", "MAX_SIMULATED_ACTIONS", 
 
 MAX_SIMULATED_ACTIONS = 6000  # one schedule longer than this is simulated shorter and extended
 SIMULATION_BUDGET = 60000  # actions the search simulates in all ([Note: search strategy])
+MAX_CAPPED_SOLVES = 400  # memory-capped re-partitions per Scorer ([Note: partition under the memory limit])
 PARTITION_BUDGET = 20000  # search steps of one memory-capped v > 1 partition (partition.solve's exact_budget)
 
 
@@ -168,6 +172,8 @@ class Scorer:
         self.cal = calibration if calibration is not None else Calibration()
         self._units: dict = {}
         self._cuts: dict = {}
+        self.capped_solves = 0  # memory-capped re-partitions run, and skipped past MAX_CAPPED_SOLVES
+        self.capped_skipped = 0
         G = workload.num_groups
         self.allowed = tuple([True] + [bool(workload.group_paths[g]) for g in range(1, G)] + [True])
 
@@ -228,6 +234,10 @@ class Scorer:
         left, state, inflight = cap
         if (state * float(u.params.sum()) + min(inflight) * float(u.saved.sum())) / c.pp > left:
             return balanced  # no split fits: the average rank is over the limit (skip the solve)
+        if self.capped_solves >= MAX_CAPPED_SOLVES:
+            self.capped_skipped += 1
+            return balanced
+        self.capped_solves += 1
         capped = self._solve(c, u, cap)
         return capped if capped is not None else balanced  # rejected for memory by the score
 
