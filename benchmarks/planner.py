@@ -341,7 +341,8 @@ def _speed_1t() -> None:
     search_s = time.perf_counter() - t0
     print(f"1T GPT (128 layers, h 25600) for {n} GPUs: trace {trace_s:.1f}s (once), analysis {analyze_s:.1f}s, "
           f"search {search_s:.1f}s ({r.num_candidates} candidates); searched in {analyze_s + search_s:.1f}s; "
-          f"peak RSS {peak_rss_mb():.0f} MB; pick {r.best.candidate.short()}")
+          f"peak RSS {peak_rss_mb():.0f} MB; pick {r.best.candidate.short()}; re-partitioned under the memory limit "
+          f"{r.repartitioned[0]} (skipped past the cap {r.repartitioned[1]})")
 
 
 def _speed_70b() -> None:
