@@ -10,8 +10,9 @@
    calibration] in fxsplit.planner.score) comes from the median calibration round: compute scale
    and per-node overhead from rank 0 alone timing the unsplit model's forward + backward at batch
    1 and 4 (the others waiting), and ``host_cores``, the cores the 4 ranks get between them, from
-   the 4 ranks running the same at once (4 x alone / together); the per-action overhead from one
-   more layout timed in the rounds (dp=2 x pp=2, m=2, not among the evaluated ones). A first
+   the 4 ranks running the same at once (4 x alone / together); then the runtime's factor on the
+   compute (a pipelined step runs slower than the unsplit model) and the per-action overhead,
+   fitted on three more layouts timed in the same rounds (``PROBES``, not among the evaluated). A first
    calibration of 3 rounds only chooses the pick to build; the pick reported is the search's with
    the final calibration (timed against the best layout in rounds of its own if it is another).
    Reported: mean absolute error of the predicted step time, Kendall tau of the ranking, the
@@ -66,6 +67,27 @@ LAYOUTS = [
     _c(1, 1, 4, 1, "zb_h1", 8), _c(1, 1, 4, 2, "zbv", 8), _c(1, 1, 4, 2, "interleaved_1f1b", 8),
     _c(1, 1, 4, 1, "1f1b", 8, "full"), _c(1, 1, 4, 1, "1f1b", 4),
 ]
+
+
+# layouts timed only to fit the runtime's share of the step (not evaluated): few and many actions
+PROBES = [_c(2, 1, 2, 1, "1f1b", 2), _c(2, 1, 2, 1, "1f1b", 8), _c(1, 1, 4, 2, "interleaved_1f1b", 4)]
+assert not set(PROBES) & set(LAYOUTS)
+
+
+def _fit_runtime(w, hw, cal, measured: dict):
+    """``cal`` with the runtime's factor k (on compute scale and per-node overhead: a pipelined
+    step runs slower than the unsplit model it was timed on) and the per-action overhead fitted to
+    the probe layouts: the (k, a) of a grid with the least mean absolute relative error."""
+    best = None
+    for k in [0.6 + 0.05 * i for i in range(21)]:
+        for a in [0.0] + [2e-4 * (150 ** (j / 29)) for j in range(30)]:
+            c = dataclasses.replace(cal, compute_scale=cal.compute_scale * k, node_overhead_s=cal.node_overhead_s * k,
+                                    action_overhead_s=a)
+            sc = Scorer(w, hw, math.inf, c)
+            err = statistics.mean(abs(sc.score(p, simulate=True).step_time - t) / t for p, t in measured.items())
+            if best is None or err < best[0]:
+                best = (err, c)
+    return best[1]
 
 
 def _fwd_bwd_seconds(model, b: int, reps: int = 3) -> float:
@@ -150,23 +172,20 @@ def _here_rank(rank: int, world: int, steps: int):
 
     # a first calibration (3 rounds) only to choose which layouts to build: the planner's pick
     first = calibration([calibration_round() for _ in range(3)])
-    probe = _c(2, 1, 2, 1, "1f1b", 2)  # fits the per-action overhead; not among the evaluated layouts
     pick0 = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=first).best.candidate
     layouts = list(LAYOUTS) + ([pick0] if pick0 not in LAYOUTS else [])
     plain = Scorer(w, hw, math.inf, first)
-    built = [build(c, plain) for c in [probe] + layouts]
+    built = [build(c, plain) for c in PROBES + layouts]
     measured, cal_rounds = alternate(built, steps)
-    # the calibration of the rounds, then the per-action overhead from the probe layout
-    cal = calibration(cal_rounds)
-    s0 = Scorer(w, hw, math.inf, cal).score(probe, simulate=True)
-    a = max(measured[0] - s0.step_time, 0.0) / (3 * (probe.microbatches + probe.pp - 1))
-    cal = dataclasses.replace(cal, action_overhead_s=a)
+    # the calibration of the rounds, then the runtime's factor and per-action overhead from the probes
+    cal = _fit_runtime(w, hw, calibration(cal_rounds), dict(zip(PROBES, measured)))
+    measured = measured[len(PROBES):]
     scorer = Scorer(w, hw, math.inf, cal)
     pick = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=cal).best.candidate
-    times = dict(zip(layouts, measured[1:]))
+    times = dict(zip(layouts, measured))
     if pick not in times:  # measured against the best layout in rounds of its own
         best = min(times, key=times.get)
-        pair, _ = alternate([build(pick, scorer), built[1 + layouts.index(best)]], steps)
+        pair, _ = alternate([build(pick, scorer), built[len(PROBES) + layouts.index(best)]], steps)
         times[pick] = times[best] * pair[0] / pair[1]
         layouts.append(pick)
     rows = [dict(layout=c.short(), predicted=scorer.score(c, simulate=True).step_time, measured=times[c],
