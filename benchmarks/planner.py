@@ -2,24 +2,32 @@
 
 1. here: a small GPT on 4 gloo ranks of this machine, >= 12 layouts (pp in {1, 2, 4}, tp in {1, 2},
    dp, m, 1F1B / interleaved / ZB-H1 / ZB-V, with and without checkpointing) plus the planner's
-   own pick. Hardware is ``Hardware.measure()`` (collective over the 4 ranks); the roofline is
-   calibrated from one forward + backward of the unsplit model at two batch sizes, timed by rank 0
-   alone, and the 4 ranks share this host's cores (``host_cores``: a step takes at least the
-   ranks' total compute over the cores; [Note: calibration] in fxsplit.planner.score); the
-   per-action overhead is fitted on one more layout (dp=2 x pp=2, m=2, not among the evaluated ones).
-   Each layout: the fastest of ``--steps`` timed steps after one warmup (the machine is shared). Each layout is built with the
-   planner's stage boundaries (split_points) and timed for a few optimizer steps (median; the
-   slowest rank). Reported: mean absolute error of the predicted step time, Kendall tau of the
-   ranking, the pick's measured time vs the best measured.
+   own pick. Hardware is ``Hardware.measure()`` (collective over the 4 ranks). The machine is
+   shared with other jobs, so everything is measured in alternating rounds: every layout is built
+   first (with the planner's stage boundaries, split_points), then each round times one step of
+   every layout (the order flipping every round, after one warmup step each; the slowest rank)
+   and one calibration round; each layout's figure is its median. The calibration ([Note:
+   calibration] in fxsplit.planner.score) comes from the median calibration round: compute scale
+   and per-node overhead from rank 0 alone timing the unsplit model's forward + backward at batch
+   1 and 4 (the others waiting), and ``host_cores``, the cores the 4 ranks get between them, from
+   the 4 ranks running the same at once (4 x alone / together); then the runtime's factor on the
+   compute (a pipelined step runs slower than the unsplit model) and the per-action overhead,
+   fitted on three more layouts timed in the same rounds (``PROBES``, not among the evaluated). A first
+   calibration of 3 rounds only chooses the pick to build; the pick reported is the search's with
+   the final calibration (timed against the best layout in rounds of its own if it is another).
+   Reported: mean absolute error of the predicted step time, Kendall tau of the ranking, the
+   pick's measured time vs the best measured.
 2. paper: GPT configurations of Narayanan et al. 2021, "Efficient Large-Scale Language Model
    Training on GPU Clusters Using Megatron-LM" (arXiv:2104.04473), Table 1, on the a100-80gb
-   preset: the planner's search for each run's GPU count and batch, next to the published layout
-   (t, p) and throughput (TFLOP/s per GPU), with the published layout scored by the same model.
-   Model FLOPs per step by the paper's eq. (3): 96 B s l h^2 (1 + s / 6h + V / (16 l h)).
+   preset, and Llama 3 405B (arXiv:2407.21783, Tables 3 and 4: 8K context on 8192 and 16384
+   H100s) on the h100-sxm preset: the planner's search for each run's GPU count and batch, next
+   to the published layout and throughput (TFLOP/s per GPU), with the published layout scored by
+   the same model. Model FLOPs per step: for Megatron the paper's eq. (3), 96 B s l h^2 (1 + s / 6h
+   + V / (16 l h)); for Llama B s (6 N + 12 l h s).
 3. speed: the search time (analysis + search, trace excluded and reported) of the 1T GPT for 3072
    GPUs, and a Llama-70B config planned for tp=8 x pp=8 vs a bare torch.export of it.
 
-    .venv/bin/python benchmarks/planner.py here [--steps 3]
+    .venv/bin/python benchmarks/planner.py here [--steps 5]
     .venv/bin/python benchmarks/planner.py paper [--runs 145.6B,1008B]
     .venv/bin/python benchmarks/planner.py speed [--skip-70b] [--skip-1t]
 """
@@ -61,6 +69,27 @@ LAYOUTS = [
 ]
 
 
+# layouts timed only to fit the runtime's share of the step (not evaluated): few and many actions
+PROBES = [_c(2, 1, 2, 1, "1f1b", 2), _c(2, 1, 2, 1, "1f1b", 8), _c(1, 1, 4, 2, "interleaved_1f1b", 4)]
+assert not set(PROBES) & set(LAYOUTS)
+
+
+def _fit_runtime(w, hw, cal, measured: dict):
+    """``cal`` with the runtime's factor k (on compute scale and per-node overhead: a pipelined
+    step runs slower than the unsplit model it was timed on) and the per-action overhead fitted to
+    the probe layouts: the (k, a) of a grid with the least mean absolute relative error."""
+    best = None
+    for k in [0.6 + 0.05 * i for i in range(21)]:
+        for a in [0.0] + [2e-4 * (150 ** (j / 29)) for j in range(30)]:
+            c = dataclasses.replace(cal, compute_scale=cal.compute_scale * k, node_overhead_s=cal.node_overhead_s * k,
+                                    action_overhead_s=a)
+            sc = Scorer(w, hw, math.inf, c)
+            err = statistics.mean(abs(sc.score(p, simulate=True).step_time - t) / t for p, t in measured.items())
+            if best is None or err < best[0]:
+                best = (err, c)
+    return best[1]
+
+
 def _fwd_bwd_seconds(model, b: int, reps: int = 3) -> float:
     x = torch.randint(0, GPT_HERE["vocab_size"], (b, SEQ))
     best = math.inf
@@ -80,17 +109,30 @@ def _here_rank(rank: int, world: int, steps: int):
     hw = dataclasses.replace(hw, devices_per_node=world)  # the 4 ranks share this host
     model, args, _ = zoo.make_gpt(**GPT_HERE, seq_len=SEQ, batch_size=BATCH)
     w = analyze(trace(model, args, decompose_attention=True), world_size=world, hardware=hw)
-    dist.barrier()  # rank 0 alone times the unsplit model (the others wait): an uncontended core
-    cal = calibrate(w, hw, {1: _fwd_bwd_seconds(model, 1), 4: _fwd_bwd_seconds(model, 4)},
-                    host_cores=os.cpu_count() or 1) if rank == 0 else None
-    dist.barrier()
-    box = [cal]
-    dist.broadcast_object_list(box, src=0)  # every rank predicts with rank 0's calibration
-    cal = box[0]
     x = torch.randint(0, GPT_HERE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, GPT_HERE["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
 
-    def measure(c, scorer):
+    def calibration_round() -> tuple[float, float, float]:
+        """(rank 0 alone: fwd + bwd of the unsplit model at batch 1, at batch 4; all ranks at once
+        at batch 4, the slowest): timed like a layout, inside the rounds."""
+        dist.barrier()  # rank 0 alone (the others wait)
+        a1, a4 = (_fwd_bwd_seconds(model, 1, 2), _fwd_bwd_seconds(model, 4, 2)) if rank == 0 else (0.0, 0.0)
+        dist.barrier()
+        together = torch.tensor([_fwd_bwd_seconds(model, 4, 2)], dtype=torch.float64)
+        dist.all_reduce(together, op=dist.ReduceOp.MAX)
+        box = [(a1, a4)]
+        dist.broadcast_object_list(box, src=0)
+        return box[0][0], box[0][1], float(together)
+
+    def calibration(rounds: list) -> "fxsplit.planner.Calibration":
+        """[Note: calibration] from the median calibration round: compute scale and per-node overhead
+        from rank 0 alone at two batch sizes; ``host_cores`` the cores the 4 ranks get between them
+        (the machine is shared with other jobs): 4 x alone / together, within [1, core count]."""
+        a1, a4, tg = (statistics.median(r[k] for r in rounds) for k in range(3))
+        cores = min(max(world * a4 / tg, 1.0), float(os.cpu_count() or 1))
+        return calibrate(w, hw, {1: a1, 4: a4}, host_cores=cores)
+
+    def build(c, scorer):
         s = scorer.score(c, simulate=True)
         split = tuple(w.group_paths[k] for k in s.cuts[1:-1]) or None
         pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, timeout=120, verify=False,
@@ -98,32 +140,59 @@ def _here_rank(rank: int, world: int, steps: int):
         opt = torch.optim.SGD(pm.parameters(), lr=1e-3)
         d, D = pm.coords["dp"], c.dp
         xs, ys = x[d * BATCH // D:(d + 1) * BATCH // D], y[d * BATCH // D:(d + 1) * BATCH // D]
-        times = []
-        for i in range(steps + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            pm.step(xs, target=ys)
-            opt.step()
-            opt.zero_grad()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if i:  # the first step warms up
-                times.append(float(dt))
-        return s, min(times)  # the least disturbed step: the machine is shared
+        return pm, opt, xs, ys
 
-    # the per-action overhead (runtime, p2p) from one pipeline layout outside the evaluated set
-    probe = _c(2, 1, 2, 1, "1f1b", 2)
-    s0, t0 = measure(probe, Scorer(w, hw, math.inf, cal))
-    a = max(t0 - s0.step_time, 0.0) / (3 * (probe.microbatches + probe.pp - 1))
-    cal = dataclasses.replace(cal, action_overhead_s=a)
+    def one_step(built) -> float:
+        pm, opt, xs, ys = built
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.step(xs, target=ys)
+        opt.step()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        opt.zero_grad()
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank
+        return float(dt)
+
+    def alternate(built: list, n: int) -> tuple[list[float], list]:
+        """Medians over ``n`` rounds of one step of every layout and one calibration round, the
+        order flipping every round (the machine is shared: a burst of others' load hits every
+        layout and the calibration alike); also the calibration rounds."""
+        for b in built:
+            one_step(b)  # warmup
+        times, cal_rounds = [[] for _ in built], []
+        for r in range(n):
+            if r % 2 == 0:
+                cal_rounds.append(calibration_round())
+            order = range(len(built)) if r % 2 == 0 else reversed(range(len(built)))
+            for k in order:
+                times[k].append(one_step(built[k]))
+            if r % 2 == 1:
+                cal_rounds.append(calibration_round())
+        return [statistics.median(t) for t in times], cal_rounds
+
+    # a first calibration (3 rounds) only to choose which layouts to build: the planner's pick
+    first = calibration([calibration_round() for _ in range(3)])
+    pick0 = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=first).best.candidate
+    layouts = list(LAYOUTS) + ([pick0] if pick0 not in LAYOUTS else [])
+    plain = Scorer(w, hw, math.inf, first)
+    built = [build(c, plain) for c in PROBES + layouts]
+    measured, cal_rounds = alternate(built, steps)
+    # the calibration of the rounds, then the runtime's factor and per-action overhead from the probes
+    cal = _fit_runtime(w, hw, calibration(cal_rounds), dict(zip(PROBES, measured)))
+    measured = measured[len(PROBES):]
     scorer = Scorer(w, hw, math.inf, cal)
     pick = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=cal).best.candidate
-    layouts = list(LAYOUTS) + ([pick] if pick not in LAYOUTS else [])
-    rows = []
-    for c in layouts:
-        s, t = measure(c, scorer)
-        rows.append(dict(layout=c.short(), predicted=s.step_time, measured=t, pick=c == pick, method=s.method))
-    return dict(rows=rows, hardware=hw.source, calibration=cal)
+    times = dict(zip(layouts, measured))
+    if pick not in times:  # measured against the best layout in rounds of its own
+        best = min(times, key=times.get)
+        pair, _ = alternate([build(pick, scorer), built[len(PROBES) + layouts.index(best)]], steps)
+        times[pick] = times[best] * pair[0] / pair[1]
+        layouts.append(pick)
+    rows = [dict(layout=c.short(), predicted=scorer.score(c, simulate=True).step_time, measured=times[c],
+                 pick=c == pick, method=scorer.score(c, simulate=True).method) for c in layouts]
+    spread = [statistics.pstdev(r[k] for r in cal_rounds) / statistics.mean(r[k] for r in cal_rounds)
+              for k in range(3)]
+    return dict(rows=rows, hardware=hw.source, calibration=cal, calibration_spread=spread)
 
 
 def kendall_tau(a, b) -> float:
@@ -139,7 +208,8 @@ def here(steps: int) -> None:
     res = results[0]
     rows = res["rows"]
     print(f"hardware: {res['hardware']}")
-    print(f"calibration: {res['calibration']}")
+    print(f"calibration: {res['calibration']}; spread (std/mean) over the rounds of rank 0 alone at b=1, "
+          f"b=4, all at once: " + ", ".join(f"{100 * x:.0f}%" for x in res["calibration_spread"]))
     print(f"| layout | predicted | measured | error |")
     print("| --- | ---: | ---: | ---: |")
     for r in sorted(rows, key=lambda r: r["measured"]):
@@ -160,10 +230,20 @@ def here(steps: int) -> None:
 # global batch, achieved TFLOP/s per GPU). Sequence 2048, vocabulary 51200, A100 80GB (Selene).
 TABLE1 = {
     "145.6B": (96, 12288, 80, 8, 8, 1536, 2304, 148),
+    "310.1B": (128, 16384, 96, 8, 16, 1920, 2160, 155),
     "529.6B": (128, 20480, 105, 8, 35, 2520, 2520, 163),
     "1008B": (160, 25600, 128, 8, 64, 3072, 3072, 163),
 }
 S_PAPER, V_PAPER = 2048, 51200
+# Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv:2407.21783): the model of
+# its Table 3 (126 layers, model dim 16384, FFN 53248, 128 heads, 8 key/value heads, vocabulary
+# 128256) and the 8K-context rows of its Table 4 (GPUs, TP, PP, DP, sequence, global batch in
+# sequences = DP x batch per DP, achieved BF16 TFLOP/s per GPU), on H100 80GB (8 per server, NVLink).
+# Their "DP" is FSDP (parameters, gradients and optimizer state sharded): dp_shard here.
+LLAMA3 = {
+    "405B-8192": (8192, 8, 16, 64, 8192, 2048, 430),
+    "405B-16384": (16384, 8, 16, 128, 8192, 2048, 400),
+}
 
 
 def _paper_gpt(heads: int, hidden: int, layers: int):
@@ -177,13 +257,37 @@ def _model_flops(B: int, l: int, h: int) -> float:
     return 96 * B * S_PAPER * l * h * h * (1 + S_PAPER / (6 * h) + V_PAPER / (16 * l * h))
 
 
+def _published_score(scorer, w, *, d, t, p, B, modes, shard=1):
+    """The published layout (b = 1) scored by the planner's model: 1F1B or interleaved (v=2), each
+    checkpointing mode of ``modes``; the fastest that fits (else the fastest)."""
+    out = []
+    for sched, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+        if v * p > w.num_groups - 2:
+            continue
+        for ckpt in modes:
+            c = Candidate(dp=d, tp=t, pp=p, stages_per_rank=v, schedule=sched, microbatches=B // d,
+                          microbatch_size=1, activation_checkpointing=ckpt, sequence_parallel=False,
+                          dp_shard=shard)
+            out.append(scorer.score(c, simulate=True))
+    return min(out, key=lambda s: (not s.fits, s.step_time))
+
+
+def _layout(c) -> str:
+    shard = f" (dp_shard {c.dp_shard})" if c.dp_shard > 1 else ""
+    return (f"t={c.tp}{'+sp' if c.sequence_parallel else ''}, p={c.pp}, d={c.dp}{shard}, v={c.stages_per_rank} "
+            f"{c.schedule}, b={c.microbatch_size}, ckpt {c.activation_checkpointing}")
+
+
 def paper(runs) -> None:
-    hw = fxsplit.Hardware.preset("a100-80gb")
-    print(f"hardware: {hw.source}; matmul efficiency {hw.matmul_efficiency:.3f}")
-    print("| run (Table 1) | GPUs | batch | published t, p, d | published TFLOP/s/GPU | predicted for the published layout "
-          "| planner's pick | predicted for the pick | search s |")
+    print("| run | GPUs | batch | published t, p, d | published TFLOP/s/GPU | predicted for the published layout "
+          "| planner's pick | predicted for the pick | search s (trace s) |")
     print("| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |")
+    traced: dict = {}  # the Llama 405B graph, traced once for both of its runs
     for name in runs:
+        if name in LLAMA3:
+            _paper_llama(name, traced)
+            continue
+        hw = fxsplit.Hardware.preset("a100-80gb")
         heads, h, l, t, p, n, B, tflops = TABLE1[name]
         model, args = _paper_gpt(heads, h, l)
         t0 = time.perf_counter()
@@ -195,23 +299,43 @@ def paper(runs) -> None:
         search_s = time.perf_counter() - t0
         F = _model_flops(B, l, h)
         d = n // (t * p)
-        scorer = Scorer(w, hw, hw.memory_bytes)
-        published = []
-        for sched, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
-            if v * p > w.num_groups - 2:
-                continue
-            c = Candidate(dp=d, tp=t, pp=p, stages_per_rank=v, schedule=sched, microbatches=B // d,
-                          microbatch_size=1, activation_checkpointing="full", sequence_parallel=False)
-            published.append(scorer.score(c, simulate=True))
-        pub = min(published, key=lambda s: s.step_time)
-        best = r.best
+        pub = _published_score(Scorer(w, hw, hw.memory_bytes), w, d=d, t=t, p=p, B=B, modes=("full",))
         tf = lambda s: F / (s.step_time * n) / 1e12  # noqa: E731
-        c = best.candidate
-        print(f"| {name} | {n} | {B} | t={t}, p={p}, d={d} | {tflops} | {tf(pub):.0f} ({pub.candidate.schedule}, "
-              f"ckpt full, b=1{'' if pub.fits else ', does not fit'}) | t={c.tp}{'+sp' if c.sequence_parallel else ''}, "
-              f"p={c.pp}, d={c.dp}, v={c.stages_per_rank} {c.schedule}, b={c.microbatch_size}, ckpt "
-              f"{c.activation_checkpointing} | {tf(best):.0f} | {search_s:.1f} (trace {trace_s:.0f}) |")
+        print(f"| GPT {name} (Megatron Table 1) | {n} | {B} | t={t}, p={p}, d={d} | {tflops} | {tf(pub):.0f} "
+              f"({pub.candidate.schedule}, ckpt full, b=1{'' if pub.fits else ', does not fit'}) | {_layout(r.best.candidate)} "
+              f"| {tf(r.best):.0f} | {search_s:.1f} ({trace_s:.0f}) |")
         sys.stdout.flush()
+
+
+def _paper_llama(name: str, traced: dict) -> None:
+    from fxsplit.testing import hf_zoo
+
+    n, t, p, d, seq, B, tflops = LLAMA3[name]
+    hw = fxsplit.Hardware.preset("h100-sxm")
+    if seq not in traced:
+        model, args, kwargs = hf_zoo.meta_llama_70b(
+            seq_len=seq, vocab_size=128256, num_hidden_layers=126, hidden_size=16384, intermediate_size=53248,
+            num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=seq)
+        t0 = time.perf_counter()
+        traced[seq] = trace(model, args, kwargs), time.perf_counter() - t0
+    gm, trace_s = traced[seq]
+    t0 = time.perf_counter()
+    w = analyze(gm, world_size=n, hardware=hw)
+    r = search(w, world_size=n, global_batch=B, hardware=hw, shard=True)
+    search_s = time.perf_counter() - t0
+    # model FLOPs per step: 6 N per token (forward + backward of every weight) plus the attention
+    # score and value matmuls, 12 l h s per token (non-causal count, as MFU is usually quoted)
+    numel = w.param_numel
+    l, h = 126, 16384
+    F = B * seq * (6 * numel + 12 * l * h * seq)
+    pub = _published_score(Scorer(w, hw, hw.memory_bytes), w, d=d, t=t, p=p, B=B, modes=("none", "selective", "full"),
+                           shard=d)
+    tf = lambda s: F / (s.step_time * n) / 1e12  # noqa: E731
+    pc = pub.candidate
+    print(f"| Llama 3 {name} (Llama 3 Table 4) | {n} | {B} | t={t}, p={p}, d={d} (FSDP) | {tflops} | {tf(pub):.0f} "
+          f"({pc.schedule}, ckpt {pc.activation_checkpointing}, b=1{'' if pub.fits else ', does not fit'}) "
+          f"| {_layout(r.best.candidate)} | {tf(r.best):.0f} | {search_s:.1f} ({trace_s:.0f}) |")
+    sys.stdout.flush()
 
 
 def speed(skip_70b: bool, skip_1t: bool) -> None:
@@ -236,7 +360,8 @@ def _speed_1t() -> None:
     search_s = time.perf_counter() - t0
     print(f"1T GPT (128 layers, h 25600) for {n} GPUs: trace {trace_s:.1f}s (once), analysis {analyze_s:.1f}s, "
           f"search {search_s:.1f}s ({r.num_candidates} candidates); searched in {analyze_s + search_s:.1f}s; "
-          f"peak RSS {peak_rss_mb():.0f} MB; pick {r.best.candidate.short()}")
+          f"peak RSS {peak_rss_mb():.0f} MB; pick {r.best.candidate.short()}; re-partitioned under the memory limit "
+          f"{r.repartitioned[0]} (skipped past the cap {r.repartitioned[1]})")
 
 
 def _speed_70b() -> None:
@@ -257,8 +382,8 @@ def _speed_70b() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=("here", "paper", "speed"))
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--runs", default=",".join(TABLE1))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--runs", default=",".join(list(TABLE1) + list(LLAMA3)))
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--skip-1t", action="store_true")
     ns = ap.parse_args()

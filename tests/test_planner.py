@@ -155,3 +155,19 @@ def test_ranks_sharing_a_host_are_bound_by_its_cores(workload):
     assert shared.method.endswith("host-bound")
     # 4 ranks' compute (and optimizer steps) on 2 cores: twice one rank's
     assert shared.step_time == pytest.approx(2 * (free.pipeline_time + free.optimizer_time))
+
+
+def test_a_layout_whose_balanced_split_is_over_the_limit_is_partitioned_to_fit(workload):
+    # interleaved 1F1B on 2 ranks: the time-balanced cuts put 2.57 MB on the busiest rank; other
+    # cuts of the same layout hold 2.40 MB. Under a 2.5 MB limit the layout is searched with those
+    c = Candidate(dp=2, tp=1, pp=2, stages_per_rank=2, schedule="interleaved_1f1b", microbatches=4,
+                  microbatch_size=2, activation_checkpointing="none", sequence_parallel=False)
+    balanced = Scorer(workload, toy(), math.inf).score(c)
+    limit = 0.97 * balanced.memory.total
+    capped = Scorer(workload, toy(), limit).score(c)
+    assert capped.fits and capped.memory.total <= limit < balanced.memory.total
+    assert capped.cuts != balanced.cuts and capped.step_time >= balanced.step_time
+    r = search(workload, world_size=4, global_batch=16, hardware=toy(), memory_limit=limit)
+    assert c in {s.candidate for s in r.scores}
+    assert all(s.fits and s.memory.total <= limit for s in r.scores)
+    assert r.repartitioned[0] >= 1 and "re-partitioned under the memory limit" in r.table()

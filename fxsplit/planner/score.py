@@ -19,7 +19,8 @@ the recomputed units' F, their collectives included, to I. The loss is charged t
 stage's I. Units are summed per group; the stages' cuts are those of the exact partitioner
 (``fxsplit.pipeline.partition.solve``) over the groups, solved once per (t, SP, checkpointing, S,
 placement) at the first microbatch size seen and reused for the others (cut positions barely
-move with b). A stage's message (activations forward, gradients back) costs one ``p2p_time`` of
+move with b), and re-solved under the memory limit when those cuts do not fit ([Note: partition
+under the memory limit]). A stage's message (activations forward, gradients back) costs one ``p2p_time`` of
 its boundary bytes, intra- or inter-node by where the two pipeline ranks sit (ranks packed
 devices_per_node to a node, tp innermost, then pp, then dp: ``fxsplit.runtime.mesh``'s order).
 
@@ -48,6 +49,21 @@ microbatch under its checkpointing mode (each saved storage once, [Note: saved t
 storage]; the stage's received and sent values; the loss's saved tensor on the last stage), plus
 its message buffers ([Note: message buffers]); recompute: with checkpointing, one group's full
 activations live while it is recomputed.
+
+[Note: partition under the memory limit]
+The time-balanced cuts can put too much on one rank (1F1B's first rank holds p microbatches'
+activations, the embedding's stage the vocabulary's parameters) where another split of the same
+layout fits. So when the balanced cuts' rank memory is over the limit, the partitioner is run
+again with ``memory_limit``: the limit less what the memory model charges outside the stages
+(the recompute transient, dp_shard's gathered largest group), ``state_bytes_per_param_byte``
+the training state per parameter byte over dp_shard, and ``inflight`` the schedule's in-flight
+microbatches per rank: the memory model's main terms, so the partitioner's rank memory
+approximates the score's (message buffers and buckets left out). It returns the fastest cuts within the limit (for v > 1 within
+``PARTITION_BUDGET`` search steps: sound, maybe not the fastest). It is skipped when the average
+rank is over the limit whatever the split, and past ``MAX_CAPPED_SOLVES`` re-partitions per
+search (the search time stays bounded: the 1T GPT for 3072 GPUs; ``Scorer.capped_skipped``
+counts the layouts then judged by their balanced cuts). The score's own memory is
+still what decides the fit, so a mismatch between the two can only reject, never admit, a layout.
 """
 
 from __future__ import annotations
@@ -70,6 +86,8 @@ __all__ = ["Calibration", "Memory", "Score", "Scorer", "MAX_SIMULATED_ACTIONS", 
 
 MAX_SIMULATED_ACTIONS = 6000  # one schedule longer than this is simulated shorter and extended
 SIMULATION_BUDGET = 60000  # actions the search simulates in all ([Note: search strategy])
+MAX_CAPPED_SOLVES = 400  # memory-capped re-partitions per Scorer ([Note: partition under the memory limit])
+PARTITION_BUDGET = 20000  # search steps of one memory-capped v > 1 partition (partition.solve's exact_budget)
 
 
 @dataclass(frozen=True)
@@ -143,6 +161,8 @@ class Scorer:
         self.cal = calibration if calibration is not None else Calibration()
         self._units: dict = {}
         self._cuts: dict = {}
+        self.capped_solves = 0  # memory-capped re-partitions run, and skipped past MAX_CAPPED_SOLVES
+        self.capped_skipped = 0
         G = workload.num_groups
         self.allowed = tuple([True] + [bool(workload.group_paths[g]) for g in range(1, G)] + [True])
 
@@ -189,26 +209,71 @@ class Scorer:
         return self.hw.same_node(a * c.tp, b * c.tp)
 
     def cuts(self, c: Candidate, u: _Units) -> tuple[int, ...] | None:
-        """The partitioner's cuts over the groups, memoized by the shape of the problem: the group
-        times and boundary-message times as fractions of the total (4 digits), S, p and the
-        placement. Candidates whose costs differ only by a common factor (another t, b or
-        checkpointing mode scaling every layer alike) share one solve."""
+        """The partitioner's cuts over the groups ([Note: partition under the memory limit]): the
+        time-balanced cuts when their rank memory fits the limit, else the fastest cuts that do."""
         S = c.num_stages
         if S == 1:
             return (0, self.w.num_groups)
+        balanced = self._solve(c, u, None)
+        if balanced is None or not math.isfinite(self.limit):
+            return balanced
+        cap = self._partition_cap(c, u)
+        if cap is None or self._partition_memory(c, u, balanced, cap) <= cap[0]:
+            return balanced
+        left, state, inflight = cap
+        if (state * float(u.params.sum()) + min(inflight) * float(u.saved.sum())) / c.pp > left:
+            return balanced  # no split fits: the average rank is over the limit (skip the solve)
+        if self.capped_solves >= MAX_CAPPED_SOLVES:
+            self.capped_skipped += 1
+            return balanced
+        self.capped_solves += 1
+        capped = self._solve(c, u, cap)
+        return capped if capped is not None else balanced  # rejected for memory by the score
+
+    def _partition_cap(self, c: Candidate, u: _Units) -> tuple[float, float, tuple[float, ...]] | None:
+        """(limit left for the stages, training-state bytes per parameter byte, in-flight
+        microbatches per rank): the memory model's terms in the partitioner's form (None: the
+        terms outside the stages alone exceed the limit)."""
+        sh = c.dp_shard
+        outside = u.transient + (float(u.params.max()) if sh > 1 else 0.0)
+        left = self.limit - outside
+        if left <= 0:
+            return None
+        return left, self._state_factor() / sh, self.inflight(c)
+
+    def _partition_memory(self, c: Candidate, u: _Units, cuts, cap) -> float:
+        _, state, inflight = cap
+        ranks = self.stage_ranks(c)
+        per_rank = np.zeros(c.pp)
+        for s in range(len(cuts) - 1):
+            a, b = cuts[s], cuts[s + 1]
+            per_rank[ranks[s]] += state * float(u.params[a:b].sum()) + inflight[ranks[s]] * float(u.saved[a:b].sum())
+        return float(per_rank.max())
+
+    def _solve(self, c: Candidate, u: _Units, cap) -> tuple[int, ...] | None:
+        """One ``solve``, memoized. Uncapped: by the shape of the problem (the group times and
+        boundary-message times as fractions of the total, 4 digits, S, p and the placement), so
+        candidates whose costs differ only by a common factor (another t, b or checkpointing mode
+        scaling every layer alike) share one solve. Capped: by the exact problem."""
+        S = c.num_stages
         ranks = self.stage_ranks(c)
         intra = all(self._pp_intra(c, x, y) for x, y in zip(ranks, ranks[1:]))
         bw = self.hw.intra_node_bytes_per_s if intra else self.hw.inter_node_bytes_per_s
         compute = u.F + u.I + u.W
         total = float(compute.sum()) or 1.0
-        key = (S, c.pp, ranks, np.round(compute / total, 4).tobytes(), np.round(u.cut / bw / total, 4).tobytes())
+        if cap is None:
+            key = (S, c.pp, ranks, np.round(compute / total, 4).tobytes(), np.round(u.cut / bw / total, 4).tobytes())
+        else:
+            key = (S, c.pp, ranks, compute.tobytes(), u.cut.tobytes(), u.params.tobytes(), u.saved.tobytes(), cap)
         if key in self._cuts:
             return self._cuts[key]
+        limit, state, inflight = cap if cap is not None else (None, 4.0, None)
         try:
             cuts = solve(PartitionProblem(
                 compute=tuple(compute), param_bytes=tuple(u.params), activation_bytes=tuple(u.saved),
                 cut_bytes=tuple(u.cut), num_stages=S, num_ranks=c.pp, allowed=self.allowed, bandwidth=bw,
-                stage_ranks=ranks)).cuts
+                stage_ranks=ranks, memory_limit=limit, state_bytes_per_param_byte=state, inflight=inflight,
+                exact_budget=PARTITION_BUDGET)).cuts
         except PartitionError:
             cuts = None
         self._cuts[key] = cuts

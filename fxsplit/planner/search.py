@@ -11,7 +11,8 @@ Terms as in :mod:`fxsplit.planner.space` and :mod:`fxsplit.planner.score`.
 [Note: search strategy]
 Every candidate of the space is scored with the closed-form makespan (cheap: per-unit arrays are
 cached per (t, SP, b, checkpointing) and cuts per (t, SP, checkpointing, S, placement)); those
-that do not fit the memory limit are rejected with their numbers. The ``top_k`` fastest fitting
+that do not fit the memory limit are rejected with their numbers (after a re-partition under the
+limit where the balanced cuts were over it: [Note: partition under the memory limit]). The ``top_k`` fastest fitting
 ones are then re-scored with the schedule simulator (within ``SIMULATION_BUDGET`` actions in all:
 a very long pipeline keeps its closed form, and the table says which), and the fastest is the pick
 (ties: fewer ranks per pipeline, then fewer tensor ranks, then less recompute: the simpler
@@ -82,6 +83,7 @@ class SearchResult:
     seconds: float
     num_candidates: int
     group_paths: tuple[str, ...] = field(default=(), repr=False)
+    repartitioned: tuple[int, int] = (0, 0)  # layouts re-partitioned under the limit, and skipped (budget)
 
     def split_points(self) -> tuple[str, ...]:
         """Module paths where the chosen plan's stages 2..S start (``ParallelConfig.split_points``)."""
@@ -96,6 +98,10 @@ class SearchResult:
         lines.append(f"auto plan for {self.world_size} ranks, global batch {self.global_batch}, {self.hardware}, "
                      f"memory limit {_gb(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
                      f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first")
+        if any(self.repartitioned):
+            done, skipped = self.repartitioned
+            lines[-1] += (f"; {done} layouts re-partitioned under the memory limit"
+                          + (f", {skipped} more judged by their balanced split (MAX_CAPPED_SOLVES)" if skipped else ""))
         widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
         for r in rows:
             lines.append("  ".join(c.rjust(wd) for c, wd in zip(r[:-1], widths)) + "  " + r[-1])
@@ -190,7 +196,8 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
     rejected = tuple((_desc(s), s.reason) for s in over) + tuple(structural)
     return SearchResult(best=scores[0], scores=scores, rejected=rejected, world_size=world_size,
                         global_batch=global_batch, hardware=hardware.name, memory_limit=limit,
-                        seconds=time.perf_counter() - t0, num_candidates=n, group_paths=workload.group_paths)
+                        seconds=time.perf_counter() - t0, num_candidates=n, group_paths=workload.group_paths,
+                        repartitioned=(scorer.capped_solves, scorer.capped_skipped))
 
 
 def _desc(s: Score) -> str:
