@@ -58,7 +58,8 @@ again with ``memory_limit``: the limit less what the memory model charges outsid
 (the recompute transient, dp_shard's gathered largest group), ``state_bytes_per_param_byte``
 the training state per parameter byte over dp_shard, and ``inflight`` the schedule's in-flight
 microbatches per rank: the memory model's main terms, so the partitioner's rank memory
-approximates the score's (message buffers and buckets left out). It returns the fastest cuts within the limit (for v > 1 within
+approximates the score's (message buffers and buckets left out).
+It returns the fastest cuts within the limit (for v > 1 within
 ``PARTITION_BUDGET`` search steps: sound, maybe not the fastest). It is skipped when the average
 rank is over the limit whatever the split, and past ``MAX_CAPPED_SOLVES`` re-partitions per
 search (the search time stays bounded: the 1T GPT for 3072 GPUs; ``Scorer.capped_skipped``
