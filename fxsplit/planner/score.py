@@ -58,7 +58,9 @@ again with ``memory_limit``: the limit less what the memory model charges outsid
 (the recompute transient, dp_shard's gathered largest group), ``state_bytes_per_param_byte``
 the training state per parameter byte over dp_shard, and ``inflight`` the schedule's in-flight
 microbatches per rank: the memory model's main terms, so the partitioner's rank memory
-approximates the score's (message buffers and buckets left out).
+approximates the score's (boundary messages, message buffers, the loss and buckets left out: when
+the capped cuts' score is still over the limit, the stages' limit is tightened by the excess and
+the partitioner runs again, up to ``_CAP_TIGHTENINGS`` times).
 It returns the fastest cuts within the limit (for v > 1 within
 ``PARTITION_BUDGET`` search steps: sound, maybe not the fastest). It is skipped when the average
 rank is over the limit whatever the split, and past ``MAX_CAPPED_SOLVES`` re-partitions per
@@ -87,6 +89,7 @@ __all__ = ["Calibration", "Memory", "Score", "Scorer", "MAX_SIMULATED_ACTIONS", 
 
 MAX_SIMULATED_ACTIONS = 6000  # one schedule longer than this is simulated shorter and extended
 SIMULATION_BUDGET = 60000  # actions the search simulates in all ([Note: search strategy])
+_CAP_TIGHTENINGS = 3  # capped solves per layout when the score's memory exceeds the partitioner's
 MAX_CAPPED_SOLVES = 400  # memory-capped re-partitions per Scorer ([Note: partition under the memory limit])
 PARTITION_BUDGET = 20000  # search steps of one memory-capped v > 1 partition (partition.solve's exact_budget)
 
@@ -219,7 +222,7 @@ class Scorer:
         if balanced is None or not math.isfinite(self.limit):
             return balanced
         cap = self._partition_cap(c, u)
-        if cap is None or self._partition_memory(c, u, balanced, cap) <= cap[0]:
+        if cap is None or self._memory(c, u, balanced)[0].total <= self.limit:
             return balanced
         left, state, inflight = cap
         if (state * float(u.params.sum()) + min(inflight) * float(u.saved.sum())) / c.pp > left:
@@ -228,8 +231,19 @@ class Scorer:
             self.capped_skipped += 1
             return balanced
         self.capped_solves += 1
-        capped = self._solve(c, u, cap)
-        return capped if capped is not None else balanced  # rejected for memory by the score
+        for _ in range(_CAP_TIGHTENINGS):
+            capped = self._solve(c, u, cap)
+            if capped is None:
+                return balanced  # rejected for memory by the score
+            over = self._memory(c, u, capped)[0].total - self.limit
+            if over <= 0:
+                return capped
+            # the score charges terms the partitioner does not see (boundary messages, message
+            # buffers, the loss, dp buckets): tighten the stages' limit by the excess and solve again
+            cap = (cap[0] - over, *cap[1:])
+            if cap[0] <= 0:
+                break
+        return balanced
 
     def _partition_cap(self, c: Candidate, u: _Units) -> tuple[float, float, tuple[float, ...]] | None:
         """(limit left for the stages, training-state bytes per parameter byte, in-flight
@@ -305,31 +319,17 @@ class Scorer:
                          f"no partition of {w.num_groups} layer groups into {c.num_stages} stages")
         S, p = c.num_stages, c.pp
         csum = lambda x: np.concatenate(([0.0], np.cumsum(x)))  # noqa: E731
-        cF, cI, cW, cP, cA = csum(u.F), csum(u.I), csum(u.W), csum(u.params), csum(u.saved)
+        cF, cI, cW = csum(u.F), csum(u.I), csum(u.W)
         idx = np.asarray(cuts)
         a = self.cal.action_overhead_s
         F = np.diff(cF[idx]) + a; I = np.diff(cI[idx]) + a; W = np.diff(cW[idx]) + a  # noqa: E702
-        P = np.diff(cP[idx]); A = np.diff(cA[idx])  # noqa: E702
         ranks = self.stage_ranks(c)
         comm = np.zeros(S)
         for s in range(S - 1):
             intra = self._pp_intra(c, ranks[s], ranks[s + 1])
             comm[s] = hw.p2p_time(float(u.cut[cuts[s + 1]]), intra)
-        # memory per rank: the split's model ([Note: memory model] in fxsplit.pipeline.memory)
-        inflight, sh = self.inflight(c), c.dp_shard
-        rank_P, rank_A = np.zeros(p), np.zeros(p)
-        cut_in = np.array([float(u.cut[cuts[s]]) for s in range(S)])
-        cut_out = np.array([float(u.cut[cuts[s + 1]]) for s in range(S)])
-        A = A + cut_in + cut_out  # received and sent values ([Note: what a stage holds] in fxsplit.pipeline.held)
-        A[-1] += w.loss_saved_per_sample * c.microbatch_size  # what the loss keeps
-        for s in range(S):
-            rank_P[ranks[s]] += P[s]
-            rank_A[ranks[s]] += A[s]
-        acts = np.asarray(inflight) * rank_A + np.asarray(message_buffers(ranks, cut_in, cut_out, p))
-        loss = w.loss_saved_per_sample * c.microbatch_size
-        mems = [self._rank_memory(c, rank_P[r], float(acts[r]), u.transient, inflight[r], r,
-                                  loss if r == ranks[-1] else 0.0) for r in range(p)]
-        mem = max(mems, key=lambda m: m.total)
+        sh = c.dp_shard
+        mem, rank_P = self._memory(c, u, cuts)
         fits = mem.total <= self.limit
         # time
         method = "closed form"
@@ -353,6 +353,28 @@ class Scorer:
                 step, method = work / cores, method + ", host-bound"
         return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
                      tuple(cuts), costs)
+
+    def _memory(self, c: Candidate, u: _Units, cuts) -> tuple[Memory, np.ndarray]:
+        """The busiest rank's memory under ``cuts`` by the split's model ([Note: memory model] in
+        fxsplit.pipeline.memory), and each pipeline rank's parameter bytes."""
+        w, S, p = self.w, c.num_stages, c.pp
+        idx = np.asarray(cuts)
+        P = np.diff(np.concatenate(([0.0], np.cumsum(u.params)))[idx])
+        A = np.diff(np.concatenate(([0.0], np.cumsum(u.saved)))[idx])
+        ranks, inflight = self.stage_ranks(c), self.inflight(c)
+        rank_P, rank_A = np.zeros(p), np.zeros(p)
+        cut_in = np.array([float(u.cut[cuts[s]]) for s in range(S)])
+        cut_out = np.array([float(u.cut[cuts[s + 1]]) for s in range(S)])
+        A = A + cut_in + cut_out  # received and sent values ([Note: what a stage holds] in fxsplit.pipeline.held)
+        A[-1] += w.loss_saved_per_sample * c.microbatch_size  # what the loss keeps
+        for s in range(S):
+            rank_P[ranks[s]] += P[s]
+            rank_A[ranks[s]] += A[s]
+        acts = np.asarray(inflight) * rank_A + np.asarray(message_buffers(ranks, cut_in, cut_out, p))
+        loss = w.loss_saved_per_sample * c.microbatch_size
+        mems = [self._rank_memory(c, rank_P[r], float(acts[r]), u.transient, inflight[r], r,
+                                  loss if r == ranks[-1] else 0.0) for r in range(p)]
+        return max(mems, key=lambda m: m.total), rank_P
 
     def _rank_memory(self, c: Candidate, param_bytes: float, acts: float, recompute: float, inflight: float,
                      r: int, loss: float) -> Memory:
