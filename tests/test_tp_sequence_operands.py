@@ -10,13 +10,10 @@ import pytest
 import fxsplit
 from fxsplit.testing import tp_coverage as tc
 from fxsplit.tp import collectives as C
+from test_tp_plan import _count  # by qualified name (an earlier test may re-import the module)
 
 pytestmark = pytest.mark.hf
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
-
-
-def _count(gm, target):
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
 
 
 @pytest.mark.parametrize("arch,operand", [("olmo2", C.scatter_to_region), ("gpt_bigcode", C.copy_to_region)])
