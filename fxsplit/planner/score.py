@@ -256,15 +256,6 @@ class Scorer:
             return None
         return left, self._state_factor() / sh, self.inflight(c)
 
-    def _partition_memory(self, c: Candidate, u: _Units, cuts, cap) -> float:
-        _, state, inflight = cap
-        ranks = self.stage_ranks(c)
-        per_rank = np.zeros(c.pp)
-        for s in range(len(cuts) - 1):
-            a, b = cuts[s], cuts[s + 1]
-            per_rank[ranks[s]] += state * float(u.params[a:b].sum()) + inflight[ranks[s]] * float(u.saved[a:b].sum())
-        return float(per_rank.max())
-
     def _solve(self, c: Candidate, u: _Units, cap) -> tuple[int, ...] | None:
         """One ``solve``, memoized. Uncapped: by the shape of the problem (the group times and
         boundary-message times as fractions of the total, 4 digits, S, p and the placement), so
