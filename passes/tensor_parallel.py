@@ -206,8 +206,8 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
     for name, (dim, size) in plan.sharded_nodes.items():
         n = nodes[name]
         val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            n.meta["val"] = _local_val(val, dim, size // t)
+        if isinstance(val, torch.Tensor):  # size -1: symbolic (a merged B * heads), from the traced shape
+            n.meta["val"] = _local_val(val, dim, (size if size >= 0 else val.shape[dim]) // t)
         elif isinstance(val, (list, tuple)):  # a split: its pieces kept whole keep their size
             whole = {u.args[1] for u in n.users if u.target is operator.getitem and u.name not in plan.sharded_nodes}
             n.meta["val"] = type(val)(v if i in whole else _local_val(v, dim, int(v.shape[dim]) // t)
@@ -249,7 +249,7 @@ def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch
             node, info = nodes[r], plan.linears[r]
             x = _linear_input(node, plan)
             val = node.meta.get("val")
-            if info.kind == "grouped":  # no bias: the grouped matmul stays, g after it
+            if info.kind in ("grouped", "batched"):  # no bias: the expert matmul stays, g after it
                 y = node
             else:
                 y = _row_without_bias(graph, node, info, x, val)

@@ -49,16 +49,22 @@ def matmuls_as_linears(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[st
 
 
 def grouped_weights(plan: TPPlan, nodes: Mapping[str, torch.fx.Node], local_val: Callable[[Any, int, int], Any]) -> None:
-    """Step 1b: a grouped linear's expert weight read transposed (``W.transpose(-2, -1)``): the
-    transpose's metadata gets the local shape ([Note: experts as grouped linears])."""
+    """Step 1b: a grouped linear's expert weight read transposed (``W.transpose(-2, -1)``), a
+    batched linear's expert weight gathered per row (``W[ids]``): that read's metadata gets the
+    local shape ([Note: experts as grouped linears])."""
     for name, info in plan.linears.items():
         spec = plan.param_specs.get(info.weight)
-        wt = nodes[name].args[1] if info.kind == "grouped" and name in nodes else None
+        if info.kind == "grouped" and name in nodes:
+            wt, flip = nodes[name].args[1], True
+        elif info.kind == "batched" and name in nodes:
+            wt, flip = nodes[name].args[1 - info.x_index], False  # W[ids]: W's dims kept
+        else:
+            continue
         if spec is None or not isinstance(wt, torch.fx.Node) or wt.op == "get_attr":
             continue
         d = spec.dim % 3
         size = spec.local_shape(plan.full_shapes[info.weight])[d]
-        wt.meta["val"] = local_val(wt.meta.get("val"), 3 - d, size)
+        wt.meta["val"] = local_val(wt.meta.get("val"), 3 - d if flip else d, size)
 
 
 def whole_blocks(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str,
@@ -144,19 +150,39 @@ def scatter_operands(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, to
                      local_val: Callable[[Any, int, int], Any]) -> None:
     """Step 2c: a replicated operand with the sharded dim's full size (a per-head score bias) is
     read through ``scatter_to_region`` on that dim, one per (operand, dim), before its first
-    sharded reader (``plan.scatters``)."""
+    sharded reader (``plan.scatters``). On a merged dim (a fourth field H: ``[N, H]`` with H
+    sharded, [Note: heads merged as an inner factor] in ``fxsplit.tp.merged``) the read is
+    strided: unflatten to ``[N, H]``, scatter on H, flatten back."""
     graph, t = gm.graph, plan.tp
     order = {n: i for i, n in enumerate(graph.nodes)}
-    done: dict[tuple[str, int], torch.fx.Node] = {}
-    for name, operand, dim in sorted(plan.scatters, key=lambda s: order[nodes[s[0]]]):
+    done: dict[tuple, torch.fx.Node] = {}
+    for name, operand, dim, *merged in sorted(plan.scatters, key=lambda s: order[nodes[s[0]]]):
         node, a = nodes[name], nodes[operand]
-        if (operand, dim) not in done:
+        key = (operand, dim, *merged)
+        if key not in done:
             val = a.meta.get("val")
-            local = local_val(val, dim, int(val.shape[dim]) // t) if isinstance(val, torch.Tensor) else None
             with graph.inserting_before(node):
-                done[(operand, dim)] = new_node(graph, scatter_to_region, (a,), {"dim": dim, "axis": axis},
-                                            like=node, val=local)
-        node.replace_input_with(a, done[(operand, dim)])
+                if merged:
+                    done[key] = _strided_scatter(graph, a, dim, merged[0], t, axis, node)
+                else:
+                    local = local_val(val, dim, val.shape[dim] // t) if isinstance(val, torch.Tensor) else None
+                    done[key] = new_node(graph, scatter_to_region, (a,), {"dim": dim, "axis": axis},
+                                         like=node, val=local)
+        node.replace_input_with(a, done[key])
+
+
+def _strided_scatter(graph: torch.fx.Graph, a: torch.fx.Node, dim: int, heads: int, t: int, axis: str,
+                     like: torch.fx.Node) -> torch.fx.Node:
+    """Rank r's heads' rows of ``a``'s dim ``dim`` laid out ``[N, heads]``: unflatten, scatter
+    on the heads, flatten (the scatter's backward all-gathers, as for a contiguous range)."""
+    val = a.meta.get("val")
+    fake = isinstance(val, torch.Tensor)
+    v1 = torch.unflatten(val, dim, (-1, heads)) if fake else None
+    u = new_node(graph, torch.unflatten, (a, dim, (-1, heads)), like=like, val=v1)
+    v2 = torch.unflatten(val, dim, (-1, heads)).narrow(dim + 1, 0, heads // t) if fake else None
+    sc = new_node(graph, scatter_to_region, (u,), {"dim": dim + 1, "axis": axis}, like=like, val=v2)
+    v3 = torch.flatten(v2, dim, dim + 1) if fake else None
+    return new_node(graph, torch.flatten, (sc, dim, dim + 1), like=like, val=v3)
 
 
 def partial_sums(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:

@@ -74,14 +74,18 @@ SHARDED = {
     "mixtral": ((2, 2), ["a router's scores over its experts"]),
     # + the shared expert's own f / g (its 1-output sigmoid gate replicated)
     "qwen2_moe": ((3, 3), ["a router's scores over its experts", "combines the sharded value with replicated"]),
+    # the same under transformers' batched_mm experts (W[expert_ids] then bmm: batched linears)
+    "mixtral+batched_mm": ((2, 2), ["a router's scores over its experts"]),
+    "qwen2_moe+batched_mm": ((3, 3), ["a router's scores over its experts", "combines the sharded value with replicated"]),
+    # [heads, 3, hd] fused qkv by heads, then q / k / v reshaped to (B * heads, T, hd): heads merged
+    # as the INNER factor, each rank its strided rows ([Note: heads merged as an inner factor] in
+    # fxsplit.tp.merged), ALiBi's [B * heads, 1, T] read through a strided scatter (+ its node, whose
+    # backward never runs: ALiBi carries no gradient)
+    "bloom": ((2, 3), []),
 }
 
 # arch -> reasons (substrings) the plan must give for the attention / MLP it replicates
-PARTIAL = {
-    # [heads, 3, hd] fused qkv shards by heads up to q.reshape(B * heads, T, hd) (heads merged as
-    # the inner factor) and the ALiBi bias [B * heads, 1, T] added by baddbmm: attention replicated
-    "bloom": ["is merged into an outer dim"],
-}
+PARTIAL: dict[str, list[str]] = {}
 
 # arch -> parameters neither sharded nor named in plan.tp_plan.replicated (silently whole)
 UNREPORTED: dict[str, str] = {}
@@ -90,7 +94,7 @@ XFAIL: dict[str, str] = {}  # arch -> the known bug (strict xfail); none known n
 
 FAST = ["gpt2", "llama", "qwen3", "phi3", "gemma", "bert", "vit", "timm_vit", "gpt_bigcode", "olmo2", "mixtral",
         "torch_encoder"]
-T4 = ["gpt2", "gpt_neox", "bert", "vit", "timm_vit", "torch_encoder"]
+T4 = ["gpt2", "gpt_neox", "bert", "vit", "timm_vit", "torch_encoder", "bloom"]
 PP2 = ["gpt2", "llama"]
 
 

@@ -1,8 +1,9 @@
-"""Mixtures of experts with fused 3-D expert weights (transformers' ``grouped_mm`` experts):
-each expert's FFN column / row-parallel as one grouped linear ([Note: experts as grouped
-linears] in ``fxsplit.tp.linears``), gate and up as two blocks of the fused ``gate_up``, the
-router replicated. Checked by ``fxsplit.verify`` (all ranks in one process, outputs and every
-gradient vs the unsplit model), fx and export, both weight layouts."""
+"""Mixtures of experts with fused 3-D expert weights (transformers' ``grouped_mm`` experts, and
+its ``batched_mm`` experts: ``bmm(W[ids], x[..., None])``): each expert's FFN column /
+row-parallel as one grouped (batched) linear ([Note: experts as grouped linears] in
+``fxsplit.tp.linears``), gate and up as two blocks of the fused ``gate_up``, the router
+replicated. Checked by ``fxsplit.verify`` (all ranks in one process, outputs and every gradient
+vs the unsplit model), fx and export, both weight layouts."""
 
 import pytest
 import torch
@@ -74,11 +75,33 @@ class _MoE(nn.Module):
         return x + y[back].view(B * T, K, C).sum(1).view(B, T, C)
 
 
-@pytest.mark.parametrize("transposed,method", [(False, "export"), (True, "fx")],
-                         ids=["E_out_in-export", "E_in_out-fx"])
-def test_experts_are_column_row_parallel_and_the_router_replicated(transposed, method):
+class _BatchedMoE(_MoE):
+    """As ``batched_mm_experts_forward``: every row repeated top-k times, its expert's weight
+    gathered (``W[ids]``) and applied by ``bmm``, the routing weights applied, the top-k summed."""
+
+    def forward(self, x):
+        h = self.norm(x).view(-1, C)
+        probs = torch.softmax(self.router(h), dim=-1)
+        top, idx = torch.topk(probs, K, dim=-1)
+        top = top / top.sum(-1, keepdim=True)
+        ids, rows = idx.reshape(-1), h.repeat_interleave(K, dim=0)
+
+        def linear(a, w):
+            if self.transposed:  # w [E, in, out]
+                return torch.bmm(a.unsqueeze(1), w[ids]).squeeze(1)
+            return torch.bmm(w[ids], a.unsqueeze(-1)).squeeze(-1)
+
+        gate, up = linear(rows, self.gate_up).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, self.down) * top.reshape(-1).unsqueeze(-1)
+        return x + y.view(B * T, K, C).sum(1).view(B, T, C)
+
+
+@pytest.mark.parametrize("impl,transposed,method", [("grouped", False, "export"), ("grouped", True, "fx"),
+                                                    ("batched", False, "export"), ("batched", True, "fx")],
+                         ids=["E_out_in-export", "E_in_out-fx", "batched-E_out_in-export", "batched-E_in_out-fx"])
+def test_experts_are_column_row_parallel_and_the_router_replicated(impl, transposed, method):
     torch.manual_seed(0)
-    model, args = _MoE(transposed), (torch.randn(B, T, C),)
+    model, args = (_MoE if impl == "grouped" else _BatchedMoE)(transposed), (torch.randn(B, T, C),)
     gm = fxsplit.trace(model, args, method=method)
     plan = find_tp_plan(gm, 2)
     out_dim, in_dim = (2, 1) if transposed else (1, 2)

@@ -470,7 +470,7 @@ def _gathered(per_rank: Sequence[torch.Tensor], dim: int, size: int, layouts: Se
     """Candidate full values of a sharded node: plain concatenation, and each block layout."""
     t = len(per_rank)
     full = torch.cat([v.detach() for v in per_rank], dim=dim)
-    yield full.narrow(dim, 0, size) if full.shape[dim] > size else full
+    yield full.narrow(dim, 0, size) if 0 <= size < full.shape[dim] else full
     for blocks in layouts:
         if sum(blocks) != size or any(b % t for b in blocks) or per_rank[0].shape[dim] * t != size:
             continue
@@ -499,8 +499,11 @@ def _diverged(plan: Any, ref_gm: torch.fx.GraphModule, ref_vals: Mapping[str, li
                 if ref.dim() == 0 or per_rank[0].dim() != ref.dim():
                     continue
                 dim %= ref.dim()
-                errs = [_ok(full, ref, rtol) for full in _gathered(per_rank, dim, size, layouts)
-                        if tuple(full.shape) == tuple(ref.shape)]
+                heads = getattr(tp, "merged", {}).get(node.name)  # [Note: heads merged as an inner factor]
+                fulls = ([torch.cat([v.detach().unflatten(dim, (-1, heads // len(per_rank))) for v in per_rank],
+                                    dim=dim + 1).flatten(dim, dim + 1)] if heads else
+                         _gathered(per_rank, dim, size, layouts))
+                errs = [_ok(full, ref, rtol) for full in fulls if tuple(full.shape) == tuple(ref.shape)]
                 if not errs or any(ok for ok, _ in errs):
                     continue
                 err, how = min(e for _, e in errs), f"gathered along dim {dim}"

@@ -48,7 +48,7 @@ from fxsplit.tp import collectives as C
 from fxsplit.tp import functional as tpf
 from fxsplit.tp.emulate import EMULATED_OPS
 
-__all__ = ["ARCHS", "Coverage", "build", "measure", "transformer_encoder_lm"]
+__all__ = ["ARCHS", "EXPERTS", "Coverage", "build", "measure", "transformer_encoder_lm"]
 
 _T = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
           intermediate_size=128, max_position_embeddings=64)
@@ -110,6 +110,10 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "vit": ("ViTForImageClassification", "ViTConfig", dict(_VIT), "image"),
     "deit": ("DeiTForImageClassification", "DeiTConfig", dict(_VIT), "image"),
 }
+# the mixtures of experts again under transformers' other experts implementation that traces
+# (``batched_mm``: ``gate_up_proj[expert_ids]`` then bmm; the eager per-expert loop over
+# ``nonzero()`` does not trace)
+EXPERTS = ("mixtral+batched_mm", "qwen2_moe+batched_mm")
 _ZERO = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
          "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout", "activation_dropout",
          "dropout_rate", "classifier_dropout", "seq_classif_dropout", "qa_dropout", "embed_dropout", "resid_dropout",
@@ -118,10 +122,13 @@ _ZERO = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "at
 
 def build(arch: str, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     """(model, args, kwargs) for ``arch``: dropout 0, no cache, sdpa attention (eager where the
-    model has no sdpa), random weights from ``seed``."""
+    model has no sdpa), random weights from ``seed``. ``"<arch>+<experts>"`` (``EXPERTS``): a
+    mixture of experts run by that transformers ``experts_implementation`` (default
+    ``grouped_mm``)."""
     import transformers
 
-    model_cls, config_cls, fields, kind = ARCHS[arch]
+    base, _, experts = arch.partition("+")
+    model_cls, config_cls, fields, kind = ARCHS[base]
     cls = getattr(transformers, config_cls)
     known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {})) | set(cls().to_dict()) | {"num_labels"}
     unknown = sorted(k for k in fields if k not in known)
@@ -141,6 +148,8 @@ def build(arch: str, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...], dict[st
         torch.manual_seed(seed)
         model_type = getattr(transformers, model_cls)
         config._attn_implementation = "sdpa" if getattr(model_type, "_supports_sdpa", False) else "eager"
+        if experts:
+            config._experts_implementation = experts
         model = model_type(config)
         g = torch.Generator().manual_seed(seed + 1)
         if kind == "image":

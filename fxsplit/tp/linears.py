@@ -8,7 +8,11 @@ A **grouped** linear (kind ``"grouped"``) is a mixture of experts' grouped matmu
 ``grouped_mm(x, W.transpose(-2, -1), offs)`` over a fused 3-D expert weight ``W [E, out, in]``
 (transformers' ``grouped_mm`` experts; ``[E, in, out]`` read directly when the model stores it
 transposed): every expert's linear at once, so it is column- or row-parallel as one linear is,
-on the expert weight's out / in dim ([Note: experts as grouped linears]).
+on the expert weight's out / in dim ([Note: experts as grouped linears]). A **batched** linear
+(kind ``"batched"``) is the same expert weight gathered per row and multiplied batch by batch,
+transformers' ``batched_mm`` experts: ``bmm(W[ids], x.unsqueeze(-1))`` (``W [E, out, in]``; its
+output ``[S, out, 1]``) or ``bmm(x.unsqueeze(1), W[ids])`` (``W [E, in, out]``; ``[S, 1, out]``):
+each row's own expert's linear, column / row-parallel as the grouped one is.
 """
 
 from __future__ import annotations
@@ -37,12 +41,23 @@ class LinearInfo:
     in_features: int
     out_features: int
     x_index: int
-    kind: str  # "module", "linear", "addmm", "mm", "matmul" (x @ W.T, no bias), "grouped" (3-D experts)
+    kind: str  # "module", "linear", "addmm", "mm", "matmul" (x @ W.T, no bias), "grouped" / "batched" (3-D experts)
 
     @property
     def in_dim(self) -> int:
         """The weight dim holding the input features (a row linear's sharded dim)."""
-        return 3 - self.out_dim if self.kind == "grouped" else 1 - self.out_dim
+        return 3 - self.out_dim if self.kind in ("grouped", "batched") else 1 - self.out_dim
+
+    @property
+    def out_axis(self) -> int:
+        """The dim of the node's output holding the output features: the last, but -2 for
+        ``bmm(W[ids], x.unsqueeze(-1))`` ([S, out, 1])."""
+        return -2 if self.kind == "batched" and self.out_dim == 1 else -1
+
+    @property
+    def x_axis(self) -> int:
+        """The dim of the input (``args[x_index]``) holding the input features (as ``out_axis``)."""
+        return -2 if self.kind == "batched" and self.out_dim == 1 else -1
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,8 @@ def find_linears(gm: torch.fx.GraphModule) -> dict[str, LinearInfo]:
                 info = LinearInfo(node.name, module_of(w, node), w, None, 0, shape[1], shape[0], 0, "matmul")
         elif node.op == "call_function" and name in _GROUPED_MM and len(node.args) >= 2:
             info = _grouped(gm, node)
+        elif node.op in ("call_function", "call_method") and name == "bmm" and len(node.args) == 2 and not node.kwargs:
+            info = _batched(gm, node)
         if info is not None:
             out[node.name] = info
     return out
@@ -202,3 +219,42 @@ def _grouped(gm: torch.fx.GraphModule, node: torch.fx.Node) -> LinearInfo | None
 # output after g, so one forward all-reduce per MoE layer, as a dense MLP. The router (a plain
 # linear to E scores and a softmax over them) stays replicated: its softmax reads the whole
 # output (the plan says so), and every rank routes every token the same way.
+
+
+def _gathered_param(gm: torch.fx.GraphModule, node: Any) -> str | None:
+    """The FQN of a 3-D parameter indexed by one tensor of row ids on its first dim (``W[ids]``:
+    export's ``aten.index(W, [ids])``, fx's ``getitem(W, ids)``), else None."""
+    if not isinstance(node, torch.fx.Node) or node.kwargs or len(node.args) != 2:
+        return None
+    w, idx = get_attr_fqn(node.args[0]), node.args[1]
+    name = op_name(node)
+    if name == "index" and isinstance(idx, (list, tuple)) and len(idx) == 1:
+        idx = idx[0]
+    elif name != "getitem":
+        return None
+    if w is None or not isinstance(idx, torch.fx.Node) or len(resolve_path(gm, w).shape) != 3:
+        return None
+    ids = idx.meta.get("val")
+    return w if isinstance(ids, torch.Tensor) and ids.dim() == 1 and not ids.is_floating_point() else None
+
+
+def _unsqueezed(node: Any, dim: int) -> bool:
+    """Whether ``node`` is a 2-D value unsqueezed at ``dim`` of its 3-D result."""
+    if not isinstance(node, torch.fx.Node) or op_name(node) != "unsqueeze" or node.kwargs or len(node.args) != 2:
+        return False
+    x = node.args[0]
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 2 and isinstance(node.args[1], int) and node.args[1] % 3 == dim
+
+
+def _batched(gm: torch.fx.GraphModule, node: torch.fx.Node) -> LinearInfo | None:
+    """``bmm(W[ids], x.unsqueeze(-1))`` over ``W [E, out, in]``, or ``bmm(x.unsqueeze(1), W[ids])``
+    over ``W [E, in, out]`` (transformers' ``batched_mm`` experts), else None."""
+    a, b = node.args
+    for w_node, x_node, x_index, x_dim, out_dim in ((a, b, 1, 2, 1), (b, a, 0, 1, 2)):
+        w = _gathered_param(gm, w_node)
+        if w is not None and _unsqueezed(x_node, x_dim):
+            shape = tuple(resolve_path(gm, w).shape)
+            return LinearInfo(node.name, module_of(w, node), w, None, out_dim, shape[3 - out_dim], shape[out_dim],
+                              x_index, "batched")
+    return None

@@ -106,7 +106,12 @@ class TPPlan:
     ``nn.LayerNorm``) is named with operand ``"<module>"`` and becomes a function call first.
     scatters: (sharded node, replicated operand, dim) for a replicated operand with the sharded
     dim's full size on ``dim`` (a per-head score bias): the pass reads it through
-    ``scatter_to_region`` (each rank its range; [Note: scattered operands] in ``fxsplit.tp.rules``).
+    ``scatter_to_region`` (each rank its range; [Note: scattered operands] in ``fxsplit.tp.rules``);
+    a fourth field H: the dim is merged (``[N, H]``, H sharded) and the range strided.
+    merged: sharded node -> H for values whose sharded dim merges the heads as its inner factor
+    ([Note: heads merged as an inner factor] in ``fxsplit.tp.merged``; rank r holds its heads'
+    rows of every outer index). A sharded size that is symbolic is recorded as -1 in
+    ``sharded_nodes`` (the local shape comes from the traced one).
     partial_sums: (node, "sum" | "mean") reductions over the sharded dim, made whole by g after
     them ([Note: reductions over the sharded dim] in ``fxsplit.tp.rules``).
     """
@@ -130,8 +135,9 @@ class TPPlan:
     sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
     layouts: Mapping[str, str] = field(default_factory=dict)
     grad_sums: tuple[tuple[str, str], ...] = ()
-    scatters: tuple[tuple[str, str, int], ...] = ()
+    scatters: tuple[tuple, ...] = ()
     partial_sums: tuple[tuple[str, str], ...] = ()
+    merged: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def identity(cls) -> TPPlan:
@@ -219,12 +225,12 @@ def find_tp_plan(
     excluded = {n for n, l in g.linears.items() if g.forced.get(l.module_path) in ("replicate", "vocab")}
     vocab = _vocab_parallel(g, vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
     excluded |= set(vocab.lm_heads)
-    regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters, partials = _find_regions(
+    regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters, partials, merged = _find_regions(
         gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
-    no_sums = {(n, a) for n, a, d in scatters if d is None}
+    no_sums = {(sc[0], sc[1]) for sc in scatters if sc[2] is None}
     scatters = [sc for sc in scatters if sc[2] is not None]
     styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
-    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(n, a) for n, a, _ in scatters} | no_sums)
+    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(sc[0], sc[1]) for sc in scatters} | no_sums)
     _check_plan(g, tp, styles, replicated, sharded_nodes)
     plan = TPPlan(
         tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
@@ -234,7 +240,7 @@ def find_tp_plan(
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
         layouts=layouts,
-        grad_sums=tuple(grad_sums), scatters=tuple(scatters), partial_sums=tuple(partials),
+        grad_sums=tuple(grad_sums), scatters=tuple(scatters), partial_sums=tuple(partials), merged=merged,
     )
     if sequence_parallel:
         plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
@@ -295,7 +301,7 @@ def _vocab_parallel(g: _Graph, *, vocab_parallel_loss: bool, sequence_parallel: 
                                   f"vocabulary-parallel embedding; set both to 'replicate' or both to 'vocab'")
             continue
         is_head = tied or style == "vocab" or (vocab_size is not None and l.out_features == vocab_size
-                                                and l.out_dim == 0 and l.kind != "grouped"
+                                                and l.out_dim == 0 and l.kind not in ("grouped", "batched")
                                                 and _reaches_output(g.nodes[l.node]))
         if style == "vocab" and l.out_dim != 0:
             raise TPPlanError(f"overrides: {l.module_path!r} stores its weight [in, out]; 'vocab' supports [out, in] weights")
@@ -393,6 +399,7 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
     failures: dict[str, str] = {}
     scatters: list[tuple[str, str, int]] = []
     partials: list[tuple[str, str]] = []
+    merged: dict[str, int] = {}
     by_input: dict[str, list[str]] = {}
     for name, info in linears.items():
         by_input.setdefault(_input_source(_linear_x(nodes[name], info)), []).append(name)
@@ -448,11 +455,14 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
             scatters.extend(prop.scatters)
             partials.extend(prop.partial_sums)
             for n, st in prop.state.items():
-                if n in nodes:  # split outputs (tuples) are marked with size -1
+                if n in nodes:  # split outputs (tuples) and symbolic sizes are marked with size -1
                     shape = node_shape(nodes[n])
-                    sharded[n] = (st.dim, int(shape[st.dim]) if shape is not None else -1)
+                    size = shape[st.dim] if shape is not None else -1
+                    sharded[n] = (st.dim, size if isinstance(size, int) else -1)
+                    if st.merged is not None:
+                        merged[n] = st.merged
             break
-    return regions, sharded, rewrites, blocks_of, failures, layouts, scatters, partials
+    return regions, sharded, rewrites, blocks_of, failures, layouts, scatters, partials, merged
 
 
 _ATTENTION = ("scaled_dot_product_attention", "matmul", "bmm")

@@ -45,6 +45,7 @@ import torch.fx
 
 from fxsplit.errors import TPPlanError
 from fxsplit.graph.ops import op_name
+from fxsplit.tp.merged import size_read as merged_size_read
 from fxsplit.tp.rules import RULES, no_rule, rule_for
 from fxsplit.tp.shapes import LocalSize, Op, RegionFailed, Rule, State, divisibility_msg, node_shape, norm_dim
 
@@ -83,7 +84,8 @@ class Propagation:
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.layouts: dict[str, str] = {}
         self.rewrites: list[tuple[str, tuple, int]] = []
-        self.scatters: list[tuple[str, str, int]] = []  # (node, replicated operand, its dim)
+        self.scatters: list[tuple] = []  # (node, replicated operand, its dim[, H: strided, merged heads])
+        self.merging: int | None = None  # H while a rule runs on values merged by H
         self.partial_sums: list[tuple[str, str]] = []  # (node, "sum" | "mean") over the sharded dim
         self.shape_of: dict[str, int] = {}  # fx getattr(x, "shape") of a sharded x -> its dim
         self.whole_pieces: set[str] = set()  # "split[i]": a block of a seed's output kept whole
@@ -159,7 +161,8 @@ class Propagation:
     def _run_once(self) -> None:
         for node in self.gm.graph.nodes:
             if node.name in self.seeds:
-                self.state[node.name] = State(len(node_shape(node)) - 1, frozenset([node.name]))
+                self.state[node.name] = State(len(node_shape(node)) + self.linears[node.name].out_axis,
+                                              frozenset([node.name]))
                 continue
             ins = [a for a in node.all_input_nodes if a.name in self.state or a.name in self.shape_of]
             if not ins:
@@ -220,8 +223,9 @@ class Propagation:
     def scatter(self, node, operand, dim) -> None:
         """A replicated operand of ``node`` with the sharded dim's full size on ``dim`` (a
         per-head score bias): each rank reads its own range of it ([Note: scattered operands]
-        in ``fxsplit.tp.rules``); the pass puts ``scatter_to_region`` on that read."""
-        self.scatters.append((node.name, operand.name, dim))
+        in ``fxsplit.tp.rules``); the pass puts ``scatter_to_region`` on that read. On a merged
+        dim (a rule running under ``merging``) the range is strided: H rides along."""
+        self.scatters.append((node.name, operand.name, dim) + ((self.merging,) if self.merging else ()))
 
     def partial_sum(self, node, kind: str) -> None:
         """A sum / mean over the sharded dim: replicated after the pass's g ([Note: reductions
@@ -273,6 +277,9 @@ class Propagation:
             self.fail(node, "a sharded value is a model output")
         if any(a.name in self.shape_of for a in node.all_input_nodes):  # fx: B, T, C = x.shape
             return self._read_shape(node, name)
+        merged = {self.state[a.name].merged for a in node.all_input_nodes if a.name in self.state}
+        if merged != {None} and node.name in self.linears:
+            self.fail(node, "a linear reads a value whose heads are merged as the inner factor of a dim")
         if node.name in self.linears:
             return self._end_at_row(node)
         x = node.args[0] if node.args else None
@@ -285,6 +292,8 @@ class Propagation:
             return no_rule(self, op)
         if op.st is None and not rule.any_operand:
             self.fail(node, "a sharded operand other than the first")
+        if merged != {None}:
+            return self._step_merged(op, rule, merged)
         free = {o for a in node.all_input_nodes if a.name in self.state for o in self.state[a.name].origins}
         rule.fn(self, op)
         out = self.state.get(node.name)
@@ -294,11 +303,35 @@ class Propagation:
             for o in sorted(free - out.origins - self._cut_by.get(node.name, set())):
                 self.cut([o], node, [(0, self.linears[o].out_features)], f"read whole by {name}")
 
+    def _step_merged(self, op: Op, rule: Rule, merged: set) -> None:
+        """A node reading values whose sharded dim is merged ([Note: heads merged as an inner
+        factor] in ``fxsplit.tp.merged``): every sharded operand merged by one H, and a rule
+        exact for it; a "carry" rule's outputs stay merged."""
+        node = op.node
+        if len(merged) > 1:
+            self.fail(node, "combines a value whose heads are merged as the inner factor of a dim with a value "
+                            "sharded otherwise")
+        (h,) = merged
+        if not rule.merged:
+            self.fail(node, f"no rule for '{op.name}' of a value whose heads are merged as the inner factor of a dim")
+        before = set(self.state)
+        self.merging = h
+        try:
+            rule.fn(self, op)
+        finally:
+            self.merging = None
+        if rule.merged == "carry":
+            for k in set(self.state) - before:
+                self.state[k] = State(self.state[k].dim, frozenset(), h)
+
     def _read_shape(self, node, name):
         src = next(a for a in node.all_input_nodes if a.name in self.shape_of)
         if name == "getitem" and isinstance(node.args[1], int):
             if norm_dim(node.args[1], len(node_shape(src.args[0]) or ())) != self.shape_of[src.name]:
                 return
+            st = self.state.get(src.args[0].name)
+            if st is not None and st.merged is not None:
+                return merged_size_read(self, node, st.merged)
         self.fail(node, "reads the size of the sharded dim")
 
     def _end_at_row(self, node):
@@ -312,7 +345,7 @@ class Propagation:
         if not isinstance(xin, torch.fx.Node) or xin.name not in self.state or len(ins) != 1:
             self.fail(node, "a sharded weight or bias")
         xs = node_shape(xin)
-        if self.state[xin.name].dim != len(xs) - 1:
+        if self.state[xin.name].dim != len(xs) + info.x_axis:
             self.fail(node, f"input sharded on dim {self.state[xin.name].dim}, not on its features")
         origins = self.state[xin.name].origins
         for o in origins:

@@ -37,6 +37,7 @@ import torch.fx
 from fxsplit.errors import TPPlanError
 from fxsplit.graph.ops import ELEMENTWISE, RESHAPES, is_elementwise, op_name
 from fxsplit.graph.meta import to_expr
+from fxsplit.tp import merged
 from fxsplit.tp.shapes import (Op, Rule, State, arg, divisibility_msg, eq, int_args, node_shape, norm_dim,
                                tensor_inputs, view_groups)
 
@@ -68,6 +69,8 @@ def _size(p, op: Op) -> None:
     d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if d is not None and norm_dim(d, len(node_shape(op.x))) != op.st.dim:
         return
+    if d is not None and op.st.merged is not None:
+        return merged.size_read(p, node, op.st.merged)
     p.fail(node, "reads the size of the sharded dim")
 
 
@@ -149,6 +152,8 @@ def _view(p, op: Op) -> None:
     """Views and reshapes ([Note: factored views]); expand / broadcast_to."""
     node, name, st, out_shape = op.node, op.name, op.st, op.out_shape
     in_shape = node_shape(node.args[0])
+    if st.merged is not None:
+        return merged.view(p, op)
     if name in ("expand", "expand_as", "broadcast_to"):
         d = st.dim + len(out_shape) - len(in_shape)
         if name in ("expand", "broadcast_to"):
@@ -165,6 +170,8 @@ def _view(p, op: Op) -> None:
     outer_in = [i for i in gi if not eq(in_shape[i], 1)]
     outer_out = [j for j in gj if not eq(out_shape[j], 1)]
     if not outer_in or outer_in[0] != st.dim or not outer_out:
+        if outer_in and merged.enter(p, op, outer_in, outer_out, in_shape, out_shape):
+            return  # the heads merged as the inner factor ([Note: heads merged as an inner factor])
         p.fail(node, f"the sharded dim {st.dim} of {in_shape} is merged into an outer dim by the view to {out_shape}")
     if len(outer_in) > 1 and len(outer_out) > 1:
         p.fail(node, f"the view {in_shape} -> {out_shape} regroups the sharded dim")
@@ -512,6 +519,28 @@ def _matmul(p, op: Op) -> None:
     p.set(node, da + n - len(sa))
 
 
+def _baddbmm(p, op: Op) -> None:
+    """``baddbmm(bias, b1, b2)``: a batched matmul over the sharded batch dim (both factors
+    sharded on it) plus a bias sharded on it too, broadcast over it, or replicated with its full
+    size there (ALiBi's per-head ``[B * heads, 1, T]``: each rank reads its rows, scattered)."""
+    node, out_shape = op.node, op.out_shape
+    bias, b1, b2 = arg(node, 0, "input"), arg(node, 1, "batch1"), arg(node, 2, "batch2")
+    for a in (b1, b2):
+        if not isinstance(a, torch.fx.Node) or a.name not in p.state or p.state[a.name].dim != 0:
+            p.fail(node, "baddbmm not batched over the sharded dim")
+    bs = node_shape(bias) if isinstance(bias, torch.fx.Node) else None
+    if bs is not None:
+        pos = len(bs) - len(out_shape)
+        if bias.name in p.state:
+            if p.state[bias.name].dim != pos:
+                p.fail(node, "the bias of baddbmm is sharded on another dim")
+        elif pos >= 0 and eq(bs[pos], out_shape[0]) and not eq(bs[pos], 1):
+            p.scatter(node, bias, pos)
+        elif pos >= 0 and not eq(bs[pos], 1):
+            p.fail(node, f"the bias of baddbmm has size {bs[pos]} on the sharded dim")
+    p.set(node, 0)
+
+
 def _pointwise(p, op: Op) -> None:
     """Pointwise ops: every sharded operand on one (broadcast) dim; replicated operands of size 1 there."""
     node, n = op.node, len(op.out_shape)
@@ -566,28 +595,29 @@ def _param_read(a: torch.fx.Node) -> bool:
     return False
 
 
-_POINTWISE_RULE = Rule(_pointwise, any_operand=True)
+_POINTWISE_RULE = Rule(_pointwise, any_operand=True, merged="carry")
 
 # The one registry of propagation rules: op names -> rule. Ops with aten's pointwise tag and no
 # entry here use the pointwise rule (:func:`rule_for`); anything else has no rule (:func:`no_rule`).
 _RULE_TABLE: tuple[tuple[Iterable[str], Rule], ...] = (
-    (("getattr",), Rule(_shape_attr, "any")),
-    (("size", "sym_size"), Rule(_size, "any")),
-    (("getitem",), Rule(_getitem, "any")),
-    (("split", "split_with_sizes", "chunk", "unbind"), Rule(_split, "tuple")),
-    (sorted(RESHAPES | {"expand", "expand_as", "broadcast_to"}), Rule(_view)),
-    (("transpose", "swapaxes", "t"), Rule(_transpose)),
-    (("permute",), Rule(_permute)),
+    (("getattr",), Rule(_shape_attr, "any", merged="own")),
+    (("size", "sym_size"), Rule(_size, "any", merged="own")),
+    (("getitem",), Rule(_getitem, "any", merged="carry")),
+    (("split", "split_with_sizes", "chunk", "unbind"), Rule(_split, "tuple", merged="carry")),
+    (sorted(RESHAPES | {"expand", "expand_as", "broadcast_to"}), Rule(_view, merged="own")),
+    (("transpose", "swapaxes", "t"), Rule(_transpose, merged="carry")),
+    (("permute",), Rule(_permute, merged="carry")),
     (("repeat_interleave",), Rule(_repeat_interleave)),
-    (("slice", "narrow"), Rule(_slice)),
-    (("select", "index_select", "index"), Rule(_select)),
-    (("cat",), Rule(_cat, any_operand=True)),
-    (("stack",), Rule(_stack, any_operand=True)),
-    (("softmax", "log_softmax"), Rule(_softmax)),
-    (REDUCTION_NAMES, Rule(_reduce)),
-    (("layer_norm", "rms_norm"), Rule(_layer_norm, "any")),
+    (("slice", "narrow"), Rule(_slice, merged="carry")),
+    (("select", "index_select", "index"), Rule(_select, merged="carry")),
+    (("cat",), Rule(_cat, any_operand=True, merged="carry")),
+    (("stack",), Rule(_stack, any_operand=True, merged="carry")),
+    (("softmax", "log_softmax"), Rule(_softmax, merged="carry")),
+    (REDUCTION_NAMES, Rule(_reduce, merged="carry")),
+    (("layer_norm", "rms_norm"), Rule(_layer_norm, "any", merged="carry")),
     (("scaled_dot_product_attention",), Rule(_sdpa, any_operand=True)),
-    (("matmul", "bmm"), Rule(_matmul, any_operand=True)),
+    (("matmul", "bmm"), Rule(_matmul, any_operand=True, merged="carry")),
+    (("baddbmm",), Rule(_baddbmm, any_operand=True, merged="carry")),
     (sorted(ELEMENTWISE), _POINTWISE_RULE),
 )
 RULES: dict[str, Rule] = {name: rule for names, rule in _RULE_TABLE for name in names}

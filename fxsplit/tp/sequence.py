@@ -200,7 +200,7 @@ class _Walk:
         shape = list(val.shape)
         if node.name in plan.sharded_nodes:
             dim, size = plan.sharded_nodes[node.name]
-            shape[dim] = size // plan.tp
+            shape[dim] = (size if size >= 0 else shape[dim]) // plan.tp
         if node.name in plan.lm_heads and plan.vocab_parallel_loss:
             info = plan.linears[node.name]
             shape[-1] = (plan.param_specs[info.weight].pad_to or info.out_features) // plan.tp

@@ -121,6 +121,7 @@ class State:
 
     dim: int
     origins: frozenset  # seeds whose whole output feature dim this sharded dim is (layout still free)
+    merged: int | None = None  # H: the dim is [N, H] with H sharded ([Note: heads merged as an inner factor])
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,16 @@ class Rule:
     """``fn(prop, op)`` sets the sharded dim of ``op.node`` (``prop.set``), records shape
     rewrites, or fails the region (``prop.fail``). ``output``: the results the rule handles,
     "tensor" (one tensor), "tuple" (no single tensor: split, chunk) or "any". A rule without
-    ``any_operand`` runs only when the first operand is the sharded one."""
+    ``any_operand`` runs only when the first operand is the sharded one; ``merged`` says what
+    it does with a merged sharded dim."""
 
     fn: Callable[[Any, Op], None]
     output: str = "tensor"
     any_operand: bool = False  # the rule reads every operand's state, not only the first's
+    # a value whose sharded dim is merged (``State.merged``, ``fxsplit.tp.merged``): "" no rule,
+    # "carry" the rule is exact for any layout of the sharded dim (its outputs stay merged),
+    # "own" the rule reads ``State.merged`` itself
+    merged: str = ""
 
     def accepts(self, out_shape: tuple | None) -> bool:
         return self.output == "any" or (out_shape is None) == (self.output == "tuple")
