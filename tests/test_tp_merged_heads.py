@@ -66,7 +66,7 @@ def test_heads_merged_as_inner_factor_are_sharded(bias, merge_back, method):
     gm = fxsplit.trace(model, args, method=method)
     plan = find_tp_plan(gm, 2)
     assert plan.styles["0.qkv"] == "colwise" and plan.styles["0.o"] == "rowwise", plan
-    assert plan.param_specs["0.qkv.weight"].blocks is not None, plan
+    assert plan.param_specs["0.qkv.weight"].blocks is None, plan  # heads outer in [H, 3, hd]: one range each
     assert plan.merged, plan  # values on a merged dim were recorded
     strided = [s for s in plan.scatters if len(s) > 3]
     assert len(strided) == (2 if bias == "alibi" else 0), plan.scatters
