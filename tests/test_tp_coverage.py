@@ -79,9 +79,9 @@ SHARDED = {
     "qwen2_moe+batched_mm": ((3, 3), ["a router's scores over its experts", "combines the sharded value with replicated"]),
     # [heads, 3, hd] fused qkv by heads, then q / k / v reshaped to (B * heads, T, hd): heads merged
     # as the INNER factor, each rank its strided rows ([Note: heads merged as an inner factor] in
-    # fxsplit.tp.merged), ALiBi's [B * heads, 1, T] read through a strided scatter (+ its node, whose
-    # backward never runs: ALiBi carries no gradient)
-    "bloom": ((2, 3), []),
+    # fxsplit.tp.merged), ALiBi's [B * heads, 1, T] read through a strided scatter: one for both
+    # layers (+1 backward-only node in layer 0, whose backward never runs: ALiBi has no gradient)
+    "bloom": ((2, 2.5), []),
 }
 
 # arch -> reasons (substrings) the plan must give for the attention / MLP it replicates
