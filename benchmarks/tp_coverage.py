@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fxsplit.testing import tp_coverage as tc  # noqa: E402
 
-T4 = ("gpt2", "gpt_neox", "bert", "vit", "timm_vit")
+T4 = ("gpt2", "gpt_neox", "bert", "vit", "timm_vit", "bloom")
 EXTRA = ("torch_encoder", "timm_vit")
 
 
@@ -67,12 +67,12 @@ def _verdict(row: tc.Coverage) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("archs", nargs="*", help=f"default: all ({', '.join([*tc.ARCHS, *EXTRA])})")
+    ap.add_argument("archs", nargs="*", help=f"default: all ({', '.join([*tc.ARCHS, *tc.EXPERTS, *EXTRA])})")
     ap.add_argument("--tp", type=int, nargs="+", default=None, help="tp degrees (default 2, and 4 for a few)")
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--reasons", action="store_true", help="print every replicated module and why")
     a = ap.parse_args()
-    archs = a.archs or [*tc.ARCHS, *EXTRA]
+    archs = a.archs or [*tc.ARCHS, *tc.EXPERTS, *EXTRA]
     print("| architecture | t | largest rank's share (bound) | tp collectives per layer fwd / bwd (Megatron 2 / 2) "
           "| replicated and why | verify |")
     print("|---|---|---|---|---|---|")

@@ -216,7 +216,12 @@ def _grouped(gm: torch.fx.GraphModule, node: torch.fx.Node) -> LinearInfo | None
 # (``I``, gate and up as two blocks of the fused ``2I``) of every expert at once is sharding the
 # grouped linear's output features, and the down projection's in dim its input features; the
 # per-row routing weights and the combine (a sum over the top-k) act on the row linear's
-# output after g, so one forward all-reduce per MoE layer, as a dense MLP. The router (a plain
+# output after g, so one forward all-reduce per MoE layer, as a dense MLP. transformers'
+# ``batched_mm`` experts gather each row's expert matrix instead (``W[expert_ids]``: ``[S, out,
+# in]``) and multiply row by row with ``bmm``: the same linears, one per row, so the same shards
+# (the gather keeps W's dims, the local W gives the local gathered matrices, and the backward of
+# the gather sums each rank's rows into its own shard). Its eager per-expert loop (over
+# ``nonzero()`` of the routing mask) does not trace (data-dependent control flow). The router (a plain
 # linear to E scores and a softmax over them) stays replicated: its softmax reads the whole
 # output (the plan says so), and every rank routes every token the same way.
 
@@ -253,7 +258,7 @@ def _batched(gm: torch.fx.GraphModule, node: torch.fx.Node) -> LinearInfo | None
     a, b = node.args
     for w_node, x_node, x_index, x_dim, out_dim in ((a, b, 1, 2, 1), (b, a, 0, 1, 2)):
         w = _gathered_param(gm, w_node)
-        if w is not None and _unsqueezed(x_node, x_dim):
+        if w is not None and len(w_node.users) == 1 and _unsqueezed(x_node, x_dim):  # the gather only feeds it
             shape = tuple(resolve_path(gm, w).shape)
             return LinearInfo(node.name, module_of(w, node), w, None, out_dim, shape[3 - out_dim], shape[out_dim],
                               x_index, "batched")
