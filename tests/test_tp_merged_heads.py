@@ -27,6 +27,8 @@ class _MergedHeads(nn.Module):
         super().__init__()
         self.bias, self.merge_back = bias, merge_back
         self.qkv, self.o = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        if merge_back == "row":
+            self.o2 = nn.Linear(B * H, B * H)
         self.register_buffer("slopes", torch.tensor([2.0 ** (-(i + 1)) for i in range(H)]))
 
     def forward(self, x):
@@ -50,6 +52,11 @@ class _MergedHeads(nn.Module):
             ctx = ctx.view(bh // H, H, tt, HD)
         elif self.merge_back == "regroup":  # [B*H, T, hd] -> [B, H*T, hd]: not a split at the heads
             ctx = ctx.reshape(b, H * t, HD).view(b, H, t, HD)
+        elif self.merge_back == "size_by_batch":  # the merged size read other than as // H
+            bh = ctx.shape[0]
+            ctx = ctx.view(b, bh // b, t, HD)
+        elif self.merge_back == "row":  # a linear reading the merged dim as its features
+            ctx = self.o2(ctx.transpose(0, 2)).transpose(0, 2).view(b, H, t, HD)
         else:
             ctx = ctx.view(b, H, t, HD)
         return x + self.o(ctx.permute(0, 2, 1, 3).reshape(b, t, C))
@@ -76,13 +83,19 @@ def test_heads_merged_as_inner_factor_are_sharded(bias, merge_back, method):
     assert report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report
 
 
-def test_a_merged_dim_regrouped_stays_replicated():
-    """[B*H, T, hd] -> [B, H*T, hd] is no split at the heads: the region is not formed, and
-    the plan names the view."""
-    model, args = _model(merge_back="regroup")
-    plan = find_tp_plan(fxsplit.trace(model, args), 2)
+@pytest.mark.parametrize("merge_back,method,why", [
+    ("regroup", "export", "regroups a dim whose heads are merged as its inner factor"),  # -> [B, H*T, hd]
+    # bh // b: the local size over the global b (export folds (4*s0) // s0 to the constant 4: exact)
+    ("size_by_batch", "fx", "other than as // 4"),
+    ("row", "export", "a linear reads a value whose heads are merged"),
+])
+def test_what_a_merged_dim_cannot_do_stays_replicated(merge_back, method, why):
+    """No wrong number: a use of the merged dim that is not exact on each rank's strided rows
+    leaves the attention replicated, and the plan names the node."""
+    model, args = _model(merge_back=merge_back)
+    plan = find_tp_plan(fxsplit.trace(model, args, method=method), 2)
     assert plan.styles["0.qkv"] == "replicate", plan
-    assert "merged as its inner factor" in dict(plan.replicated)["0.qkv"], plan.replicated
+    assert why in dict(plan.replicated)["0.qkv"], plan.replicated
 
 
 STEPS, LR = 3, 0.1
