@@ -2,7 +2,8 @@
 
 Owns the TP plan (``plan``: which parameters are column / row / vocab-parallel or replicated, and
 why; the linears and embeddings it reads off the graph, any spelling, are ``linears``), sharding propagation through the graph (``propagate``, with the per-op rule table in
-``rules`` and the shape arithmetic they share in ``shapes``), the sequence-parallel decisions
+``rules``, the shape arithmetic they share in ``shapes``, and heads merged as the inner factor of
+a dim, BLOOM's ``B * heads``, in ``merged``), the sequence-parallel decisions
 recorded in the plan (``sequence``), shard specs and per-rank
 materialization (``sharding``), the conjugate collectives f / g (``collectives``) and the fused
 parallel autograd functions (``functional``) and the random-number streams of sharded and

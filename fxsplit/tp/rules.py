@@ -11,8 +11,8 @@ as DTensor registers one strategy per op and tinygrad writes its rewrites as dat
 
 [Note: factored views] (DTensor's ``_view_ops`` calls them Split / Flatten of an input dim.) A
 view splits a dim into factors ``[B, N, 3*H*hd] -> [B, N, 3, H, hd]`` or merges factors back.
-A sharded dim (rank r holds a contiguous 1/t of it) passes through a merge only as the outer
-factor, and through a split as the outer factor (a contiguous range of ``H*hd`` is a range of
+A sharded dim (rank r holds a contiguous 1/t of it) passes through a merge as the outer
+factor (as the inner one it becomes a merged dim: ``fxsplit.tp.merged``), and through a split as the outer factor (a contiguous range of ``H*hd`` is a range of
 ``H``). A seed's own output (``origins``) has no layout yet: the weight rows can be permuted at
 materialization, so the view may put the shard on ANY factor t divides -- on ``H`` in ``[3, H,
 hd]`` every rank gets the r-th 1/t of each of the 3 blocks, i.e. the weight is sharded with
