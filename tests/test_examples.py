@@ -3,11 +3,12 @@
 Llama, and examples/custom_pass.py's pass given to ``fxsplit.parallelize(passes=...)``.
 
 Launching: the documented command, ``torchrun --nproc-per-node=4 examples/X.py``, runs for the
-quickstart (the process group from torchrun's environment, ``fxsplit.runtime.mesh.init_from_env``)
-and for train_llama's first run. The other runs call the same script's ``main(argv)`` on the
-ranks of ``fxsplit.testing.run_distributed`` (the group already set up; its ranks fork from a
-server that imported torch, fxsplit and transformers once): four fresh interpreters per torchrun
-launch cost about 20 s of start-up on 2 cores, which is what these runs would add, not coverage."""
+quickstart (the process group from torchrun's environment, ``fxsplit.runtime.mesh.init_from_env``).
+The other runs, train_llama's included (its torchrun launch added interpreter start-up over the
+quickstart's, not a path of its own), call the same script's ``main(argv)`` on the ranks of
+``fxsplit.testing.run_distributed`` (the group already set up; its ranks fork from a server that
+imported torch, fxsplit and transformers once): four fresh interpreters per torchrun launch cost
+about 20 s of start-up on 2 cores, which is what these runs would add, not coverage."""
 
 import contextlib
 import importlib.util
@@ -118,7 +119,7 @@ def test_train_llama_saves_and_resumes(tmp_path):
     continues within bf16 rounding."""
     pytest.importorskip("transformers", reason="train_llama needs transformers")
     common = ["--steps", "4", "--warmup", "2", "--layers", "2"]
-    full = _train_steps(_torchrun("train_llama.py", *common, "--save", str(tmp_path), "--save-every", "2",
+    full = _train_steps(_launched("train_llama.py", *common, "--save", str(tmp_path), "--save-every", "2",
                                   timeout=400))
     assert sorted(full) == [0, 1, 2, 3], full
     assert full[1][1] > full[0][1] and full[3][1] < full[2][1]  # warmup, then cosine decay

@@ -10,7 +10,7 @@ import pytest
 import fxsplit
 from fxsplit.testing import tp_coverage as tc
 from fxsplit.tp import collectives as C
-from test_tp_plan import _count  # by qualified name (an earlier test may re-import the module)
+from test_tp_plan import _count  # by qualified name (see test_tp_plan._count)
 
 pytestmark = pytest.mark.hf
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))

@@ -71,6 +71,7 @@ tracing (its cached mask is mutated): such a stage is refused.
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,17 @@ from fxsplit.graph.recompute import checkpointed
 from fxsplit.tp.collectives import note_calls, traced_collectives
 
 __all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "has_selective_region", "signature"]
+
+
+# [Note: one fx trace at a time]
+# make_fx is an fx Tracer: while it traces, torch.fx patches the module globals of every function
+# registered with torch.fx.wrap (fxsplit.tp.collectives' ops) with wrappers, and puts the saved
+# value back when it ends. That patching is process-global and not thread-safe: two ranks tracing
+# on threads (ranks as threads, torch's threaded process group) can interleave so that one saves
+# the other's wrapper as "the original" and restores it, leaving fxsplit.tp.collectives.<op>
+# a wrapper for the rest of the process (graphs then hold targets that are not the module's
+# functions: counting nodes by identity finds none). Traces in this module take this lock.
+_TRACE_LOCK = threading.Lock()
 
 
 class UnsupportedStage(Exception):
@@ -401,7 +413,7 @@ class GraphSplit:
         b_in = [joint.get_buffer(n) for n in bnames]
         x_in = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
         try:
-            with torch.enable_grad(), traced_collectives() as calls:
+            with _TRACE_LOCK, torch.enable_grad(), traced_collectives() as calls:  # [Note: one fx trace at a time]
                 gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(p_in, b_in, x_in, tangents)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means: not this way
             raise UnsupportedStage(f"make_fx could not trace the stage's forward and backward "
