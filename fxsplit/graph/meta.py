@@ -26,7 +26,7 @@ import sympy
 import torch
 import torch.fx
 
-from fxsplit.graph.shapes import Dim, Number, TensorMeta, tensor_metas, to_expr
+from fxsplit.graph.shapes import Dim, Number, TensorMeta, substitute, tensor_metas, to_expr
 
 __all__ = [
     "Dim",
@@ -37,6 +37,7 @@ __all__ = [
     "trace_info",
     "Number",
     "to_expr",
+    "substitute",
     "tensor_metas",
     "module_path_of",
     "params_read",
