@@ -53,6 +53,7 @@ from _common import launch, peak_rss_mb
 
 GPT_HERE = dict(n_layer=8, n_embd=128, n_head=4, vocab_size=256, block_size=64)
 SEQ, BATCH = 64, 16  # global batch
+OPTIMIZER = "sgd"  # every layout trains with torch.optim.SGD (no momentum); the model prices the same
 
 
 def _c(dp, tp, pp, v, sched, m, ckpt="none"):
@@ -83,7 +84,7 @@ def _fit_runtime(w, hw, cal, measured: dict):
         for a in [0.0] + [2e-4 * (150 ** (j / 29)) for j in range(30)]:
             c = dataclasses.replace(cal, compute_scale=cal.compute_scale * k, node_overhead_s=cal.node_overhead_s * k,
                                     action_overhead_s=a)
-            sc = Scorer(w, hw, math.inf, c)
+            sc = Scorer(w, hw, math.inf, c, optimizer=OPTIMIZER)
             err = statistics.mean(abs(sc.score(p, simulate=True).step_time - t) / t for p, t in measured.items())
             if best is None or err < best[0]:
                 best = (err, c)
@@ -172,16 +173,18 @@ def _here_rank(rank: int, world: int, steps: int):
 
     # a first calibration (3 rounds) only to choose which layouts to build: the planner's pick
     first = calibration([calibration_round() for _ in range(3)])
-    pick0 = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=first).best.candidate
+    pick0 = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=first,
+                   optimizer=OPTIMIZER).best.candidate
     layouts = list(LAYOUTS) + ([pick0] if pick0 not in LAYOUTS else [])
-    plain = Scorer(w, hw, math.inf, first)
+    plain = Scorer(w, hw, math.inf, first, optimizer=OPTIMIZER)
     built = [build(c, plain) for c in PROBES + layouts]
     measured, cal_rounds = alternate(built, steps)
     # the calibration of the rounds, then the runtime's factor and per-action overhead from the probes
     cal = _fit_runtime(w, hw, calibration(cal_rounds), dict(zip(PROBES, measured)))
     measured = measured[len(PROBES):]
-    scorer = Scorer(w, hw, math.inf, cal)
-    pick = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=cal).best.candidate
+    scorer = Scorer(w, hw, math.inf, cal, optimizer=OPTIMIZER)
+    pick = search(w, world_size=world, global_batch=BATCH, hardware=hw, calibration=cal,
+                  optimizer=OPTIMIZER).best.candidate
     times = dict(zip(layouts, measured))
     if pick not in times:  # measured against the best layout in rounds of its own
         best = min(times, key=times.get)

@@ -47,7 +47,7 @@ from torch import nn
 
 from fxsplit.tp.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
                                  reduce_scatter_to_region, scatter_to_region)
-from fxsplit.graph.meta import annotate_node
+from fxsplit.graph.meta import annotate_graph
 from fxsplit.graph.ops import op_name, resolve_path
 from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.plan import SequenceParallelPlan
@@ -342,7 +342,7 @@ def _finish(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx
             n.meta["val"] = _param_val(gm, n, nodes)
         elif n.target is copy_to_region and n.meta.get("val") is None:
             n.meta["val"] = n.args[0].meta.get("val")
-        annotate_node(n, gm)
+    annotate_graph(gm)  # one pass (parameter ownership resolved once)
     for n in list(graph.nodes):
         if n.target is column_parallel_linear:
             _cost_as_linears(gm, n)

@@ -56,6 +56,7 @@ def choose(model: nn.Module, example_args: Any, example_kwargs: Mapping[str, Any
     base = make_config(config, options, where=where)
     hardware = base.hardware if base.hardware is not None else Hardware.preset("a100-80gb")
     gm = trace(model, example_args, example_kwargs, method=base.method, leaf_modules=base.leaf_modules,
+               dynamic_sequence=base.dynamic_sequence,
                param_dtype=base.mp_policy.param_dtype if base.mp_policy is not None else None,
                decompose_attention=world_size > 1)
     workload = analyze(gm, world_size=world_size, hardware=hardware)

@@ -102,10 +102,11 @@ class ParallelModel(nn.Module):
         (before :meth:`clip_grad_norm_`), ``scaler.step(opt)``, ``scaler.update()``.
 
         Any batch size B >= m and any sequence length the model allows run without re-planning
-        (batch and sequence are traced as symbols). B need not divide by m: the microbatches
-        differ by at most one sample and microbatch i's loss is weighted by b_i / B
-        ([Note: loss weighting] in fxsplit.runtime.microbatch), which equals the full-batch loss
-        and gradients for a loss that is a mean over samples. Errors: [Note: failures].
+        (batch and sequence are traced as symbols; under torch.export the sequence only with
+        ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace).
+        B need not divide by m: the microbatches differ by at most one sample and microbatch i's
+        loss is weighted by b_i / B ([Note: loss weighting] in fxsplit.runtime.microbatch), which
+        equals the full-batch loss and gradients for a loss that is a mean over samples. Errors: [Note: failures].
         """
         if self.loss_fn is None:
             raise RuntimeError(
@@ -651,5 +652,9 @@ def check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:
         for inputs in (split.inputs[0], split.inputs[-1]) if m > 1 else split.inputs:
             bind_symbols(plan_.stages.input_meta, inputs)
     except ValueError as exc:
+        info = plan_.graph.meta.get("fxsplit")
+        seq = ("" if info is None or info.method != "export" or config.dynamic_sequence is True else
+               " (torch.export traced the sequence at the example's length; plan with dynamic_sequence=True "
+               "to serve other lengths: [Note: a static sequence for export] in fxsplit.graph.trace)")
         raise ValueError(f"{what}(): a batch of {batch} in microbatches={m} gives microbatches of "
-                         f"{sorted(set(split.sizes))} samples, which the plan does not accept: {exc}") from None
+                         f"{sorted(set(split.sizes))} samples, which the plan does not accept: {exc}{seq}") from None

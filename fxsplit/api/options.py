@@ -50,6 +50,10 @@ class ParallelConfig:
     sequence_parallel: bool = False  # Megatron-3 sequence parallelism inside TP regions
     vocab_parallel_loss: bool = False  # LM head stays vocab-parallel into a parallel cross-entropy
     method: str = "auto"  # tracing: "fx", "export" or "auto" (fx, then export)
+    # the sequence (dim 1 of integer inputs) traced as a symbol: True (fx and export), None (fx
+    # only; export traces the example's length, several times faster: [Note: a static sequence
+    # for export] in fxsplit.graph.trace), False (neither). The batch is always symbolic.
+    dynamic_sequence: bool | None = None
     leaf_modules: tuple[Any, ...] = ()  # module paths or classes fx keeps as single nodes
     hardware: Hardware | None = None  # what stage times are estimated for; None: Hardware()
     cut_at: str = "any"  # "modules": stages start only where a module call begins
@@ -94,6 +98,9 @@ class ParallelConfig:
             raise PlanError(f"split_backward must be 'graph' or 'autograd', got {self.split_backward!r}")
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
+        if self.dynamic_sequence not in (True, False, None):
+            raise PlanError(f"dynamic_sequence must be True, False or None (symbolic with fx only), got "
+                            f"{self.dynamic_sequence!r}")
         if self.method not in _METHODS:
             raise PlanError(f"method must be one of {_METHODS}, got {self.method!r}")
         if self.hardware is not None and not isinstance(self.hardware, Hardware):

@@ -216,6 +216,7 @@ def plan(
     # into q/k/v, heads, sdpa, out_proj) so the planner shards them by heads: fx would keep each a
     # leaf with no linear in it, export merges the batch into the heads. Same parameter names.
     gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules,
+               dynamic_sequence=config.dynamic_sequence,
                param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None,
                decompose_attention=config.tp > 1)
     ctx = PassContext(

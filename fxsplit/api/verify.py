@@ -371,7 +371,7 @@ def _reference_graph(model: nn.Module, args: Any, kwargs: Any, plan: Any) -> tup
     from fxsplit.pipeline.stage import build_stages
 
     c = plan.config
-    gm = trace(model, args, kwargs, method=c.method, leaf_modules=c.leaf_modules,
+    gm = trace(model, args, kwargs, method=c.method, leaf_modules=c.leaf_modules, dynamic_sequence=c.dynamic_sequence,
                param_dtype=c.mp_policy.param_dtype if c.mp_policy is not None else None)
     passes = list(c.passes)
     if c.mp_policy is not None and c.mp_policy.param_dtype is not None:

@@ -70,7 +70,7 @@ from fxsplit.graph.cost_ops import (
     op_cost,
     value_bytes,
 )
-from fxsplit.graph.shapes import Number, to_expr
+from fxsplit.graph.shapes import Number, substitute, to_expr
 from fxsplit.graph.ops import op_name, resolve_path
 
 __all__ = [
@@ -184,7 +184,7 @@ class NodeCost:
             value = getattr(self, name)
             if isinstance(value, sympy.Basic):
                 subs = {s: by_name[s.name] for s in value.free_symbols}
-                value = to_expr(sympy.sympify(value.subs(subs)))
+                value = to_expr(sympy.sympify(substitute(value, subs)))
                 if _is_symbolic(value):
                     raise ValueError(f"NodeCost.evaluate: {name} = {value} did not reduce to a number")
             values[name] = value

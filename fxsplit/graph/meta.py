@@ -26,7 +26,7 @@ import sympy
 import torch
 import torch.fx
 
-from fxsplit.graph.shapes import Dim, Number, TensorMeta, tensor_metas, to_expr
+from fxsplit.graph.shapes import Dim, Number, TensorMeta, substitute, tensor_metas, to_expr
 
 __all__ = [
     "Dim",
@@ -37,6 +37,7 @@ __all__ = [
     "trace_info",
     "Number",
     "to_expr",
+    "substitute",
     "tensor_metas",
     "module_path_of",
     "params_read",
@@ -140,8 +141,10 @@ def params_read(node: torch.fx.Node, gm: torch.fx.GraphModule) -> tuple[str, ...
     return tuple(str(a.target) for a in node.all_input_nodes if a.op == "get_attr")
 
 
-def annotate_node(node: torch.fx.Node, gm: torch.fx.GraphModule, *, module_path: str | None = None) -> NodeInfo:
-    """(Re)compute ``node.meta["fxsplit"]`` from ``node.meta["val"]`` and the cost model."""
+def annotate_node(node: torch.fx.Node, gm: torch.fx.GraphModule, *, module_path: str | None = None,
+                  cost: Any = None) -> NodeInfo:
+    """(Re)compute ``node.meta["fxsplit"]`` from ``node.meta["val"]`` and the cost model
+    (``cost``: the node's ``NodeCost`` when the caller has it, as ``annotate_graph`` does)."""
     from fxsplit.graph.cost import node_cost  # the cost model is a pure function of this metadata
 
     path, cls = module_path_of(node)
@@ -155,7 +158,7 @@ def annotate_node(node: torch.fx.Node, gm: torch.fx.GraphModule, *, module_path:
     )
     node.meta["fxsplit"] = info
     try:
-        cost = node_cost(node, gm)
+        cost = node_cost(node, gm) if cost is None else cost
     except Exception as exc:  # the cost model must never block tracing; record why
         exc.add_note(f"while estimating the cost of node {node.name!r} ({node.op} {node.target})")
         raise
@@ -165,6 +168,13 @@ def annotate_node(node: torch.fx.Node, gm: torch.fx.GraphModule, *, module_path:
 
 
 def annotate_graph(gm: torch.fx.GraphModule) -> None:
-    """Annotate every node of ``gm`` (after fake-tensor propagation filled ``meta["val"]``)."""
+    """Annotate every node of ``gm`` (after fake-tensor propagation filled ``meta["val"]``).
+
+    The costs come from one ``graph_costs`` pass, which resolves parameter ownership once: a
+    ``node_cost`` per node rescans the earlier nodes for every parameter read, quadratic in the
+    graph (seconds for a Llama-70B graph, run after the trace and after tensor parallelism)."""
+    from fxsplit.graph.cost import graph_costs
+
+    costs = graph_costs(gm)
     for node in gm.graph.nodes:
-        annotate_node(node, gm)
+        annotate_node(node, gm, cost=costs[node.name])

@@ -140,13 +140,15 @@ def node_time(
     bytes_per_s: float,
     backward: bool = True,
     bindings: Mapping[sympy.Symbol | str, int] | None = None,
+    cost: NodeCost | None = None,
 ) -> float:
     """Seconds for ``node``: the attached measurement if any, else the roofline estimate.
 
-    The cost is ``node.meta["fxsplit"].cost`` when present, else ``fxsplit.graph.cost.node_cost(node)``;
-    a symbolic cost needs ``bindings`` (see ``NodeCost.evaluate``).
+    The cost is ``cost`` when given (the node's, evaluated already: callers that need it too
+    evaluate it once), else ``node.meta["fxsplit"].cost`` when present, else
+    ``fxsplit.graph.cost.node_cost(node)``; a symbolic cost needs ``bindings`` (see ``NodeCost.evaluate``).
     """
-    cost = _cost_of(node)
+    cost = _cost_of(node) if cost is None else cost
     if cost.is_symbolic:
         if bindings is None:
             raise ValueError(

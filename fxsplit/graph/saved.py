@@ -26,13 +26,12 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-import sympy
 import torch
 import torch.fx
 from torch import nn
 
 from fxsplit.graph.cost_ops import _is_noop_copy, saved_operands, value_bytes
-from fxsplit.graph.meta import node_info
+from fxsplit.graph.meta import node_info, substitute
 from fxsplit.graph.ops import VIEWS, op_name, resolve_path
 
 __all__ = ["base", "unit_saved", "first_saver_bytes", "union_bytes", "node_bytes"]
@@ -47,10 +46,9 @@ def node_bytes(node: torch.fx.Node, binds: Mapping) -> float:
         total = 0.0
         for t in info.outputs:
             nb = t.nbytes
-            total += float(nb.subs(binds)) if isinstance(nb, sympy.Basic) else float(nb)
+            total += float(substitute(nb, binds))
         return total
-    nb = value_bytes(node.meta.get("val"))
-    return float(nb.subs(binds)) if isinstance(nb, sympy.Basic) else float(nb)
+    return float(substitute(value_bytes(node.meta.get("val")), binds))
 
 
 def base(node: torch.fx.Node, gm: nn.Module | None) -> torch.fx.Node | None:
@@ -81,7 +79,7 @@ def unit_saved(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: 
     for u in units:
         cost = node_info(u).cost
         total = 0.0 if cost is None else cost.saved_bytes
-        total = float(total.subs(binds)) if isinstance(total, sympy.Basic) else float(total)
+        total = float(substitute(total, binds))
         ins, own_out = saved_operands(u, gm)
         keys: dict[torch.fx.Node, float] = {}
         shared = 0.0

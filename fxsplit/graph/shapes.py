@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import sympy
 import torch
 
-__all__ = ["Dim", "Number", "to_expr", "TensorMeta", "tensor_metas"]
+__all__ = ["Dim", "Number", "to_expr", "substitute", "TensorMeta", "tensor_metas"]
 
 Dim = int | sympy.Expr
 Number = int | float | sympy.Expr
@@ -45,6 +45,19 @@ def to_expr(x: Any) -> Number:
         f"to_expr: cannot turn {x!r} (type {type(x).__name__}) into a number; expected int, float, "
         "torch.SymInt/SymFloat or a sympy expression"
     )
+
+
+def substitute(x: Any, bindings: Mapping[sympy.Symbol, int | float]) -> Any:
+    """``x`` (a number or sympy expression) with the symbols of ``bindings`` replaced by their
+    values, evaluated: ``xreplace``, a plain structural substitution about 20x faster than
+    ``subs`` (costs are evaluated per node, per binding), falling back to ``subs`` when it leaves
+    an unevaluated non-number with no symbol left. Symbols ``bindings`` lacks stay symbols."""
+    if not isinstance(x, sympy.Basic):
+        return x
+    v = x.xreplace(bindings)
+    if isinstance(v, sympy.Basic) and not v.is_Number and not v.free_symbols:
+        v = x.subs(bindings)
+    return v
 
 
 def _simplify_number(e: sympy.Basic) -> Number:

@@ -10,7 +10,8 @@ Terms:
 - **dynamic dimensions**: dim 0 of every tensor input (the batch) and dim 1 of every integer tensor
   input (the sequence of token ids) are traced as sympy symbols where the model allows, so shapes
   and costs are expressions and one plan serves several batch sizes; an example batch of one
-  sample is traced as two ([Note: batch of one]).
+  sample is traced as two ([Note: batch of one]). ``dynamic_sequence=None`` keeps the sequence
+  static under torch.export ([Note: a static sequence for export]).
 
     gm = fxsplit.trace(model, (idx,))                  # fx, or export when fx cannot trace it
     gm.meta["fxsplit"]                                 # TraceInfo(method=..., reason=..., symbols=...)
@@ -268,14 +269,30 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, leaves: tuple,
     return gm, given
 
 
-def _dynamic_dims(t: torch.Tensor) -> list[int]:
-    """Which dims of an example input to trace as symbols: batch (0) and sequence (1 of int inputs)."""
+def _dynamic_dims(t: torch.Tensor, sequence: bool = True) -> list[int]:
+    """Which dims of an example input to trace as symbols: batch (0) and, with ``sequence``,
+    sequence (1 of int inputs)."""
     dims = []
     if t.dim() >= 1 and t.shape[0] >= 2:
         dims.append(0)
-    if t.dim() >= 2 and not t.is_floating_point() and t.shape[1] >= 2:
+    if sequence and t.dim() >= 2 and not t.is_floating_point() and t.shape[1] >= 2:
         dims.append(1)
     return dims
+
+
+# [Note: a static sequence for export]
+# A symbolic sequence is what makes torch.export slow: with symbolic sizes it runs torch's Python
+# reference implementations (fake-tensor shape and stride arithmetic in sympy) where static
+# sizes take the C++ meta kernels, and the sequence enters every attention and rotary op.
+# Measured on a 4-layer Llama config (2 cores): bare export (static, batch 1) 3.6 s, batch
+# symbolic 6.5 s, batch and sequence symbolic 16.7 s. Nothing fxsplit plans varies the sequence:
+# microbatching splits the batch (dim 0), and the planner scales costs by the microbatch size.
+# So ``dynamic_sequence=None`` (what ``plan`` / ``parallelize`` pass by default,
+# ``ParallelConfig.dynamic_sequence``) keeps the sequence symbolic for torch.fx, whose graph code
+# reads sizes at run time and whose fake propagation is cheap, and traces it at the example's
+# length for torch.export; a step at another length is then refused with the traced size
+# (``fxsplit.runtime.microbatch.bind_symbols``), never run wrongly. ``True`` (the default of
+# ``trace`` itself) makes it symbolic for both.
 
 
 # [Note: batch of one]
@@ -309,7 +326,7 @@ def _widen_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
     return tuple(wide_args), dict(wide_kwargs), True
 
 
-def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool) -> None:
+def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequence: bool = True) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -319,7 +336,7 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool) -> None
     for x in flat:
         if isinstance(x, torch.Tensor):
             if dynamic:
-                dyn = set(_dynamic_dims(x))
+                dyn = set(_dynamic_dims(x, sequence))
                 ctx = StatelessSymbolicContext(
                     dynamic_sizes=[DimDynamic.DYNAMIC if d in dyn else DimDynamic.STATIC for d in range(x.dim())]
                 )
@@ -333,12 +350,12 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool) -> None
 
 
 def _propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, on_meta: bool,
-               wide: list | None = None) -> str:
+               wide: list | None = None, sequence: bool = True) -> str:
     """Fill ``meta["val"]``: fake tensors (symbolic if asked, from ``wide``, the example with a
     batch of one widened, when given: [Note: batch of one]); falls back to static shapes, then,
     for real-weight models only, to one real forward (a leaf module with data-dependent code)."""
     try:
-        _fake_propagate(gm, wide if dynamic and wide is not None else flat, dynamic)
+        _fake_propagate(gm, wide if dynamic and wide is not None else flat, dynamic, sequence)
         return _WIDE_NOTE if dynamic and wide is not None else ""
     except Exception as first:
         if dynamic:
@@ -438,7 +455,7 @@ def _restore_parameters(gm: torch.fx.GraphModule, originals: Mapping[int, nn.Par
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
-            param_dtype: torch.dtype | None = None) -> torch.fx.GraphModule:
+            param_dtype: torch.dtype | None = None, sequence: bool = True) -> torch.fx.GraphModule:
     from torch.export import Dim
 
     dyn_spec = None
@@ -448,7 +465,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
         spec: dict[str, Any] = {}
         for name, val in bound.arguments.items():
             if isinstance(val, torch.Tensor):
-                spec[name] = {d: Dim.AUTO for d in _dynamic_dims(val)} or None
+                spec[name] = {d: Dim.AUTO for d in _dynamic_dims(val, sequence)} or None
             else:
                 spec[name] = None
         dyn_spec = spec
@@ -519,6 +536,7 @@ def trace(
     method: str = "auto",
     leaf_modules: Iterable[Any] = (),
     dynamic: bool = True,
+    dynamic_sequence: bool | None = True,
     param_dtype: torch.dtype | None = None,
     decompose_attention: bool = False,
 ) -> torch.fx.GraphModule:
@@ -533,6 +551,9 @@ def trace(
         dynamic: trace batch (dim 0) and sequence (dim 1 of integer inputs) as symbols; an
             example batch of one sample is traced as two so that it does not fix the batch size
             ([Note: batch of one]).
+        dynamic_sequence: with ``dynamic``, whether the sequence is symbolic too: True (both
+            methods), None (torch.fx only; torch.export traces it at the example's length, which
+            makes export several times faster: [Note: a static sequence for export]) or False.
         param_dtype: the compute dtype of mixed precision (``MixedPrecisionPolicy.param_dtype``):
             torch.export traces the model with its parameters and floating inputs in it, then
             puts the originals back ([Note: tracing under a parameter dtype]); fx needs nothing.
@@ -570,7 +591,7 @@ def trace(
             kept = dec.kept
             flat = [a for a in args] + [kwargs[k] for k in given[len(args):]]
             wide = [a for a in wide_args] + [wide_kwargs[k] for k in given[len(args):]] if widened else None
-            prop_note = _propagate(gm, flat, dynamic, on_meta, wide)
+            prop_note = _propagate(gm, flat, dynamic, on_meta, wide, sequence=dynamic_sequence is not False)
             input_names = tuple(given)
             used = "fx"
             if method == "auto":
@@ -593,7 +614,7 @@ def trace(
         try:
             try:
                 with decomposing() as dec:
-                    gm = _export(model, wide_args, wide_kwargs, dynamic, param_dtype)
+                    gm = _export(model, wide_args, wide_kwargs, dynamic, param_dtype, sequence=dynamic_sequence is True)
                     dec.prune(gm)
                 kept = dec.kept
                 note += _WIDE_NOTE if widened else ""

@@ -43,12 +43,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import sympy
 import torch.fx
 
 from fxsplit.errors import PartitionError
 from fxsplit.graph.hardware import Hardware
-from fxsplit.graph.meta import node_info
+from fxsplit.graph.meta import node_info, substitute
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.saved import base, first_saver_bytes
 from fxsplit.graph.recompute import MODES, keeps_output, regions, worth_checkpointing
@@ -75,7 +74,7 @@ def _out_bytes(node: torch.fx.Node, binds: Mapping) -> float:
     total = 0.0
     for t in info.outputs:
         nb = t.nbytes
-        total += float(nb.subs(binds)) if isinstance(nb, sympy.Basic) else float(nb)
+        total += float(substitute(nb, binds))
     return total
 
 

@@ -33,7 +33,7 @@ import torch.fx
 
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.marker import find_pipe_splits
-from fxsplit.graph.meta import node_info
+from fxsplit.graph.meta import node_info, substitute
 from fxsplit.graph.recompute import layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
 from fxsplit.pipeline.held import StageHeld, loss_key as _loss_key, with_loss as _with_loss
@@ -272,7 +272,7 @@ def example_bindings(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
 
 def _concrete(x: Any, bindings: Mapping) -> float:
     if isinstance(x, sympy.Expr):
-        v = x.subs(bindings)
+        v = substitute(x, bindings)
         if v.free_symbols:
             raise SplitError(f"cannot evaluate {x} at {dict(bindings)}: symbols {sorted(map(str, v.free_symbols))} are unbound")
         return float(v)
@@ -485,7 +485,7 @@ def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Map
     for i, u in enumerate(units):
         cost = node_info(u).cost
         c = cost.evaluate(binds) if cost.is_symbolic else cost
-        speeds = dict(flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, bindings=binds)
+        speeds = dict(flops_per_s=hardware.flops_per_s, bytes_per_s=hardware.bytes_per_s, bindings=binds, cost=c)
         out.compute[i] = node_time(u, **speeds)
         out.forward[i] = min(node_time(u, backward=False, **speeds), out.compute[i])
         if c.param_bytes or u in reads_params:

@@ -35,8 +35,12 @@ Step time = the pipeline's makespan + the data-parallel gradient reduction + the
   dp group fits in one node), not overlapped with the pipeline (conservative); with dp_shard s a
   reduce-scatter plus two all-gathers (forward and backward re-gather) over s, and an all-reduce
   of the 1/s shard over the d / s replicas.
-- optimizer: Adam reads parameter, gradient, m and v and writes parameter, m and v: 7 x 4 bytes
-  per parameter element through memory (1/s of them with dp_shard).
+- optimizer ([Note: optimizer cost]): Adam reads parameter, gradient, m and v and writes
+  parameter, m and v: 7 x 4 bytes per parameter element through memory (1/s of them with
+  dp_shard); plain SGD reads parameter and gradient and writes the parameter: 3 x 4.
+- ranks sharing one host's cores (``Calibration.host_cores`` finite): the simulated pipeline
+  under processor sharing ([Note: host sharing] in ``fxsplit.planner.host``); without a pipeline,
+  every rank busy: the compute and the optimizer step at the shared rate.
 
 Memory per rank (the largest peak decides the fit) is the split's model, one function for both
 (``fxsplit.pipeline.memory.rank_memory``, [Note: memory model]): parameters, gradients (the
@@ -82,16 +86,24 @@ from fxsplit.graph.hardware import Hardware
 from fxsplit.pipeline.chain import inflight_1f1b
 from fxsplit.pipeline.memory import RankMemory, message_buffers, rank_memory
 from fxsplit.pipeline.partition import PartitionProblem, solve
+from fxsplit.planner.host import shared_makespan, shared_rate
 from fxsplit.planner.space import Candidate
 from fxsplit.planner.workload import Workload
 
-__all__ = ["Calibration", "Memory", "Score", "Scorer", "MAX_SIMULATED_ACTIONS", "SIMULATION_BUDGET", "calibrate"]
+__all__ = ["Calibration", "Memory", "OPTIMIZERS", "Score", "Scorer", "MAX_SIMULATED_ACTIONS", "SIMULATION_BUDGET",
+           "calibrate"]
 
 MAX_SIMULATED_ACTIONS = 6000  # one schedule longer than this is simulated shorter and extended
 SIMULATION_BUDGET = 60000  # actions the search simulates in all ([Note: search strategy])
 _CAP_TIGHTENINGS = 3  # capped solves per layout when the score's memory exceeds the partitioner's
 MAX_CAPPED_SOLVES = 400  # memory-capped re-partitions per Scorer ([Note: partition under the memory limit])
 PARTITION_BUDGET = 20000  # search steps of one memory-capped v > 1 partition (partition.solve's exact_budget)
+
+# [Note: optimizer cost] name -> (bytes one step moves through memory per parameter element,
+# fp32 state bytes per element). Adam: reads p, g, m, v, writes p, m, v (7 x 4 bytes), holds m
+# and v; SGD without momentum: reads p and g, writes p (3 x 4), holds nothing. A 16-bit model's
+# fp32 master copy is counted by the memory model on top of either.
+OPTIMIZERS = {"adam": (28.0, 8.0), "sgd": (12.0, 0.0)}
 
 
 @dataclass(frozen=True)
@@ -103,9 +115,10 @@ class Calibration:
     ``action_overhead_s`` per pipeline action (F, I, W) of a stage. ``calibrate`` fits the first
     two from one process's measured forward + backward times of the unsplit model at two batch
     sizes; the default (1, 0, 0) is the bare roofline. ``host_cores``: when every rank runs on
-    one host with that many cores (gloo ranks on a CPU machine), the step takes at least the
-    ranks' total compute (all stages' F + I + W over all microbatches, and every rank's optimizer
-    step) divided by the cores: processor sharing. inf (default): each rank has its own device."""
+    one host with that many cores between them (gloo ranks on a CPU machine), the busy ranks
+    share them (processor sharing: [Note: host sharing] in ``fxsplit.planner.host``; the closed
+    form, for ranking, bounds the step below by the total compute over the cores). inf
+    (default): each rank has its own device."""
 
     compute_scale: float = 1.0
     node_overhead_s: float = 0.0
@@ -160,9 +173,12 @@ class Scorer:
     """Scores candidates for one workload on one hardware ([Note: planner cost model])."""
 
     def __init__(self, workload: Workload, hardware: Hardware, memory_limit: float,
-                 calibration: Calibration | None = None):
+                 calibration: Calibration | None = None, optimizer: str = "adam"):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
         self.w, self.hw, self.limit = workload, hardware, memory_limit
         self.cal = calibration if calibration is not None else Calibration()
+        self.optimizer_traffic, self.optimizer_state = OPTIMIZERS[optimizer]
         self._units: dict = {}
         self._cuts: dict = {}
         self.capped_solves = 0  # memory-capped re-partitions run, and skipped past MAX_CAPPED_SOLVES
@@ -322,26 +338,31 @@ class Scorer:
         sh = c.dp_shard
         mem, rank_P = self._memory(c, u, cuts)
         fits = mem.total <= self.limit
-        # time
+        # time; with ranks sharing one host's cores, [Note: host sharing] in fxsplit.planner.host
+        cores = self.cal.host_cores
+        shared = math.isfinite(cores)
+        copies = c.dp * c.tp  # processes that run each pipeline rank's actions at once
         method = "closed form"
         if p == 1:
             pipe = c.microbatches * float(F.sum() + I.sum() + W.sum())
+            if shared:
+                pipe, method = pipe / shared_rate(copies, cores), "closed form, host-shared"
         elif simulate:
-            pipe, method = self._simulate(c, F, I, W, comm, ranks)
+            pipe, method = self._simulate(c, F, I, W, comm, ranks, cores=cores, copies=copies)
         else:
             pipe = self._closed_form(c, F, I, W, comm, ranks)
+            work = copies * c.microbatches * float(F.sum() + I.sum() + W.sum())
+            if shared and work / cores > pipe:  # the closed form: at least the total work over the cores
+                pipe, method = work / cores, "closed form, host-bound"
         dp_time = self._dp_time(c, float(rank_P.max()))
-        opt_time = hw.memory_time(28.0 * float(rank_P.max()) / w.param_itemsize / sh)
+        opt_time = hw.memory_time(self.optimizer_traffic * float(rank_P.max()) / w.param_itemsize / sh)
+        if shared:
+            opt_time /= shared_rate(c.world_size, cores)  # every rank's optimizer step at once
         reason = "" if fits else (f"memory {_gb(mem.total)} > limit {_gb(self.limit)} (params {_gb(mem.params)}, "
                                   f"grads {_gb(mem.grads)}, optimizer {_gb(mem.optimizer)}, activations "
                                   f"{_gb(mem.activations)}, recompute {_gb(mem.recompute)})")
         costs = dict(forward=tuple(F), backward_input=tuple(I), backward_weight=tuple(W), comm=tuple(comm))
         step = pipe + dp_time + opt_time
-        cores = self.cal.host_cores
-        if math.isfinite(cores):  # [Note: calibration]: ranks sharing one host's cores
-            work = c.dp * c.tp * c.microbatches * float(F.sum() + I.sum() + W.sum()) + c.world_size * opt_time
-            if work / cores > step:
-                step, method = work / cores, method + ", host-bound"
         return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
                      tuple(cuts), costs)
 
@@ -373,14 +394,14 @@ class Scorer:
         it, sh = self.w.param_itemsize, c.dp_shard
         numel = param_bytes / it
         return rank_memory(shard_bytes=param_bytes / sh, numel=numel, shard_numel=numel / sh, grad_itemsize=it,
-                           gather_itemsize=it, optimizer_bytes_per_param=8.0 + (4.0 if it < 4 else 0.0),
+                           gather_itemsize=it, optimizer_bytes_per_param=self.optimizer_state + (4.0 if it < 4 else 0.0),
                            dp=max(c.dp // sh, 1), dp_shard=sh, activations=acts, recompute=recompute,
                            microbatches=c.microbatches, inflight=inflight, loss_bytes=loss, pp_rank=r)
 
     def _state_factor(self) -> float:
         """Bytes of params + grads + optimizer state per parameter byte."""
         it = self.w.param_itemsize
-        return 2.0 + (8.0 + (4.0 if it < 4 else 0.0)) / it
+        return 2.0 + (self.optimizer_state + (4.0 if it < 4 else 0.0)) / it
 
     def _dp_time(self, c: Candidate, grad_bytes: float) -> float:
         if c.dp == 1:
@@ -419,16 +440,25 @@ class Scorer:
         m_a = max(p, MAX_SIMULATED_ACTIONS // (3 * p * v))
         return 3 * p * v * (m if m_a + p >= m else 2 * m_a + p)
 
-    def _simulate(self, c: Candidate, F, I, W, comm, ranks) -> tuple[float, str]:
+    def _simulate(self, c: Candidate, F, I, W, comm, ranks, *, cores: float = math.inf,
+                  copies: int = 1) -> tuple[float, str]:
+        """The schedule simulated with the per-stage costs (under processor sharing when ``cores``
+        is finite: [Note: host sharing]), extended linearly past ``MAX_SIMULATED_ACTIONS``."""
         p, v, m = c.pp, c.stages_per_rank, c.microbatches
         m_a = max(p, MAX_SIMULATED_ACTIONS // (3 * p * v))
-        span = lambda mb: _schedules.simulate(  # noqa: E731
-            _schedules.build(c.schedule, p, mb, stages_per_rank=v), forward=list(F), backward=None,
-            backward_input=list(I), backward_weight=list(W), comm=list(comm)).makespan
+        if math.isfinite(cores):
+            span = lambda mb: shared_makespan(  # noqa: E731
+                _schedules.build(c.schedule, p, mb, stages_per_rank=v), list(F), list(I), list(W), list(comm),
+                cores=cores, copies=copies)
+        else:
+            span = lambda mb: _schedules.simulate(  # noqa: E731
+                _schedules.build(c.schedule, p, mb, stages_per_rank=v), forward=list(F), backward=None,
+                backward_input=list(I), backward_weight=list(W), comm=list(comm)).makespan
+        how = "simulated" + (", host-shared" if math.isfinite(cores) else "")
         if m_a + p >= m:
-            return span(m), "simulated"
+            return span(m), how
         t_a, t_b = span(m_a), span(m_a + p)  # the steady state repeats every p microbatches
-        return t_b + (m - m_a - p) * (t_b - t_a) / p, f"simulated at m={m_a} and {m_a + p}, extended"
+        return t_b + (m - m_a - p) * (t_b - t_a) / p, f"{how} at m={m_a} and {m_a + p}, extended"
 
 
 def _gb(x: float) -> str:

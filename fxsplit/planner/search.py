@@ -142,9 +142,10 @@ def _fmt_time(t: float) -> str:
 
 def search(workload: Workload, *, world_size: int, global_batch: int, hardware: Hardware,
            memory_limit: float | None = None, top_k: int = 8, shard: bool = False,
-           calibration: Calibration | None = None) -> SearchResult:
+           calibration: Calibration | None = None, optimizer: str = "adam") -> SearchResult:
     """Search the space for ``workload`` ([Note: search strategy]); raises PlanError when no
-    candidate fits ``memory_limit`` (default ``hardware.memory_bytes``), naming the tightest."""
+    candidate fits ``memory_limit`` (default ``hardware.memory_bytes``), naming the tightest.
+    ``optimizer``: what each step's update costs and holds (``fxsplit.planner.score.OPTIMIZERS``)."""
     t0 = time.perf_counter()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"strategy='auto' needs world_size: an int >= 1, got {world_size!r}")
@@ -152,7 +153,7 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
         raise PlanError(f"strategy='auto' needs global_batch_size: an int >= 1 (samples per optimizer step), "
                         f"got {global_batch!r}")
     limit = hardware.memory_bytes if memory_limit is None else float(memory_limit)
-    scorer = Scorer(workload, hardware, limit, calibration)
+    scorer = Scorer(workload, hardware, limit, calibration, optimizer)
     cuttable = sum(scorer.allowed[1:-1])
     structural: list[tuple[str, str]] = []
     fitting: list[Score] = []
