@@ -369,6 +369,14 @@ class GraphSplit:
     n_saved: int
     n_carry: int
     w_saved: list[int] = field(default_factory=list)  # saved outputs W still reads
+    # what runs each graph ("F", "I", "W"): the graph itself unless set (compiled forms:
+    # fxsplit.runtime.compiling, [Note: compiled stages])
+    runners: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, kind: str, *args: Any) -> Any:
+        """Run graph ``kind`` ("F", "I" or "W") on ``args`` with its runner."""
+        gm = {"F": self.forward_graph, "I": self.input_graph, "W": self.weight_graph}[kind]
+        return self.runners.get(kind, gm)(*args)
 
     @classmethod
     def trace(cls, module: nn.Module, inputs: Sequence[Any]) -> GraphSplit:
@@ -502,7 +510,7 @@ class GraphSplit:
                 tensor_inputs: list[torch.Tensor]) -> tuple[list[Any], SplitState]:
         """Run the forward graph (no autograd graph is recorded); the outputs and the saved state."""
         with torch.no_grad():
-            res = self.forward_graph(*params, *buffers, *tensor_inputs)
+            res = self.run("F", *params, *buffers, *tensor_inputs)
         note_calls(self.forward_graph.meta["fxsplit_collectives"])
         outs = list(res[:self.n_outputs])
         return outs, SplitState(self, list(res[self.n_outputs:]), tensor_inputs)
@@ -537,7 +545,7 @@ class SplitState:
         sp = self.split
         self.tangents = tangents
         with torch.no_grad():
-            res = sp.input_graph(*[self._value(s, params, buffers) for s in sp.i_inputs])
+            res = sp.run("I", *[self._value(s, params, buffers) for s in sp.i_inputs])
         note_calls(sp.input_graph.meta["fxsplit_collectives"])
         n = len(sp.grad_inputs)
         self.carry = list(res[n:])
@@ -549,7 +557,7 @@ class SplitState:
         """The W action: one gradient per trainable parameter (None: unused); frees everything."""
         sp = self.split
         with torch.no_grad():
-            res = sp.weight_graph(*[self._value(s, params, buffers) for s in sp.w_inputs])
+            res = sp.run("W", *[self._value(s, params, buffers) for s in sp.w_inputs])
         note_calls(sp.weight_graph.meta["fxsplit_collectives"])
         self.saved, self.carry, self.tangents, self.inputs = [], [], [], []
         return list(res)
