@@ -195,3 +195,56 @@ def test_graph_split_with_skips_checkpointing_and_hf():
     ref = _hf_reference("tiny_gpt2")
     for rank, r in enumerate(results):
         assert r["hf"] == pytest.approx(ref, rel=1e-5, abs=1e-6), f"rank {rank}"
+
+
+# torch.compile of the stage graphs ([Note: compiled stages] in fxsplit.runtime.compiling): 1f1b
+# (B runs I then W) and zbv at p=2, a one-layer tied GPT, every F, I and W graph compiled.
+# Every plan is made before anything compiles (dynamo's state after a compile breaks later fx
+# tracing in the same process); inductor reorders fp32 work, hence 1e-5 relative.
+COMPILED = {"1f1b": dict(pp=2, schedule="1f1b", microbatches=2, compile=True),
+            "zbv": dict(pp=2, schedule="zbv", microbatches=2, compile=True)}
+COMPILED_GPT = {"batch_size": 4, "n_layer": 1, "seq_len": 8}
+
+
+def _compiled(rank, world):
+    built = {}
+    for label, options in COMPILED.items():
+        torch.manual_seed(0)
+        model, args, kwargs = zoo.make("gpt", **COMPILED_GPT)
+        ref, _, _ = zoo.make("gpt", **COMPILED_GPT)
+        built[label] = (fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=300,
+                                            hardware=INF_LINK, **options), args, ref)
+    out = {}
+    for label, (pm, args, ref) in built.items():
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        steps = []
+        for i in range(STEPS):
+            x = _batch(args, i)
+            loss = pm.step(x, target=zoo.make_target("gpt", ref(x), seed=i))
+            grads = {}
+            for mod in pm.stage_modules.values():
+                for n, p in mod.named_parameters(remove_duplicate=False):
+                    if p.grad is not None:
+                        grads.setdefault(n, p.grad.detach().clone())
+            steps.append((float(loss), grads))
+            opt.step()
+            opt.zero_grad()
+        rt = pm._runtime
+        out[label] = dict(steps=steps, fallbacks=dict(rt.split_fallbacks), not_compiled=dict(rt.compile_fallbacks),
+                          compiled=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
+                                          for kind, r in split.runners.items() if r.compiled),
+                          stages=sorted(int(s) for s in pm.stage_modules))
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_compiled_stage_graphs_match_single_process():
+    results = run_distributed(_compiled, 2, timeout=900)
+    want = _reference(COMPILED_GPT)
+    for label in COMPILED:
+        res = [r[label] for r in results]
+        for r in res:
+            assert r["fallbacks"] == {} and r["not_compiled"] == {}, (label, r["fallbacks"], r["not_compiled"])
+            assert r["compiled"] == [(s, kind) for s in r["stages"] for kind in "FIW"], (label, r["compiled"])
+        _check(res, want)

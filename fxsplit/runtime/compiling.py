@@ -79,7 +79,7 @@ class CompiledGraph:
         self.reason = why_not_compiled(gm)
         self.meta = gm.meta
         self._fn: Callable | None = None
-        self._compiled = False
+        self.compiled = False  # True once a compiled call has run
         if self.reason is not None:
             on_fallback(self.reason)
         else:
@@ -88,7 +88,7 @@ class CompiledGraph:
     def __call__(self, *args: Any) -> Any:
         if self._fn is None:
             return self.gm(*args)
-        if self._compiled:
+        if self.compiled:
             return self._fn(*args)
         try:
             out = self._fn(*args)
@@ -98,7 +98,7 @@ class CompiledGraph:
             self._fn = None
             self.on_fallback(self.reason)
             return self.gm(*args)
-        self._compiled = True
+        self.compiled = True
         return out
 
 
