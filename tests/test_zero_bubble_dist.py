@@ -248,3 +248,73 @@ def test_compiled_stage_graphs_match_single_process():
             assert r["fallbacks"] == {} and r["not_compiled"] == {}, (label, r["fallbacks"], r["not_compiled"])
             assert r["compiled"] == [(s, kind) for s in r["stages"] for kind in "FIW"], (label, r["compiled"])
         _check(res, want)
+
+# ZB-V with dropout (graph split, p=2): the masks are those of the unsplit model run on the stage
+# streams ([Note: RNG streams] 1 in fxsplit.tp.random): one process runs the GPT microbatch by
+# microbatch, reseeding the generator at each stage's first module as the runtime seeds each
+# stage's forward (derive_seed(seed, stage, microbatch, step)); dropout draws nothing in backward.
+DROP_GPT = dict(n_layer=4, batch_size=4, seq_len=8, dropout=0.2, attn_dropout=0.2)
+DROP_SPLIT = ("blocks.1", "blocks.2", "blocks.3")  # stage s > 0 starts at blocks.s
+DROP_SEED, DROP_M = 5, 4
+
+
+def _dropout_reference():
+    from fxsplit.tp.random import derive_seed
+
+    model, args, _ = zoo.make("gpt", **DROP_GPT)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    at = {}
+
+    def reseed(stage):
+        def hook(module, inputs):
+            torch.manual_seed(derive_seed(DROP_SEED, stage, at["mb"], at["step"]))
+        return hook
+
+    for s, path in enumerate(DROP_SPLIT, start=1):
+        model.get_submodule(path).register_forward_pre_hook(reseed(s))
+    out = []
+    for step in range(STEPS):
+        x = _batch(args, step)
+        y = zoo.make_target("gpt", torch.empty(*x.shape, 128), seed=step)
+        total = 0.0
+        opt.zero_grad()
+        for mb, (xs, ys) in enumerate(zip(x.chunk(DROP_M), y.chunk(DROP_M))):
+            at.update(mb=mb, step=step)
+            torch.manual_seed(derive_seed(DROP_SEED, 0, mb, step))
+            loss = zoo.cross_entropy_loss(model(xs), ys) / DROP_M
+            loss.backward()
+            total += float(loss)
+        out.append((total, {n: p.grad.detach().clone() for n, p in params.items()}))
+        opt.step()
+    return out
+
+
+def _dropout_zbv(rank, world):
+    model, args, kwargs = zoo.make("gpt", **DROP_GPT)
+    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60, hardware=INF_LINK,
+                             pp=2, schedule="zbv", microbatches=DROP_M, seed=DROP_SEED, split_points=DROP_SPLIT,
+                             cut_at="modules")
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    steps = []
+    for i in range(STEPS):
+        x = _batch(args, i)
+        loss = pm.step(x, target=zoo.make_target("gpt", torch.empty(*x.shape, 128), seed=i))
+        grads = {}
+        for mod in pm.stage_modules.values():
+            for n, p in mod.named_parameters(remove_duplicate=False):
+                if p.grad is not None:
+                    grads.setdefault(n, p.grad.detach().clone())
+        steps.append((float(loss), grads))
+        opt.step()
+        opt.zero_grad()
+    return dict(steps=steps, fallbacks=dict(pm._runtime.split_fallbacks))
+
+
+@pytest.mark.dist
+def test_zbv_with_dropout_draws_the_unsplit_models_masks():
+    results = run_distributed(_dropout_zbv, 2, timeout=300)
+    assert all(r["fallbacks"] == {} for r in results), [r["fallbacks"] for r in results]
+    want = _dropout_reference()
+    _check(results, want)
+    assert want[0][0] != _reference(dict(DROP_GPT, dropout=0.0, attn_dropout=0.0))[0][0]  # dropout drew

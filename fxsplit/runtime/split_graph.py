@@ -65,7 +65,11 @@ first; uninitialized buffers and random ops never are). A random op with no sing
 refuses the stage. A recomputed CPU dropout writes its fresh mask buffer in place
 (``bernoulli_``, ``div_``); an in-place op in the backward is allowed when what it writes is a
 backward node nothing else reads. torch's selective checkpoint refuses CPU dropout under
-tracing (its cached mask is mutated): such a stage is refused.
+tracing (its cached mask is mutated): such a stage is refused. A random op on a tp rank's own
+stream (a tp-sharded dropout, fxsplit.tp.random) is seeded in Python around the op; traced, the
+block's nodes are recorded and `enter_tp_stream` / `exit_tp_stream` nodes put around them in the
+forward graph ([Note: RNG streams] 3), so its masks are the eager block's; recomputed in the
+backward, it replays like any other draw.
 """
 
 from __future__ import annotations
