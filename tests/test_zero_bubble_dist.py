@@ -284,7 +284,7 @@ def _dropout_reference():
             torch.manual_seed(derive_seed(DROP_SEED, 0, mb, step))
             loss = zoo.cross_entropy_loss(model(xs), ys) / DROP_M
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         out.append((total, {n: p.grad.detach().clone() for n, p in params.items()}))
         opt.step()
     return out
