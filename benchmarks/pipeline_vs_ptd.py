@@ -31,7 +31,8 @@ regions). ``--compile``: fxsplit with ``compile=True`` ([Note: compiled stages]:
 graphs through inductor), PTD with each stage module compiled in place (``submod.compile()``,
 inductor). Compiling happens in the warmup rounds. Whatever PTD does with a variant is reported:
 if a PTD step raises on any rank, the ranks agree on it (PTD's stages run on a process group of
-their own, which the failing rank destroys, so its peers' receives fail too instead of hanging),
+their own with a timeout, 120 s, 900 s with ``--compile``: a peer blocked in a receive from the
+failing rank fails at that timeout instead of hanging),
 the error is printed and fxsplit is timed alone.
 
 Simulator: ``plan.simulate()`` gives a makespan in the cost model's seconds; scaled by
@@ -43,6 +44,7 @@ estimated imbalance included); "pred(bal)" is the perfectly balanced makespan
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 import re
 import sys
@@ -148,8 +150,8 @@ def _checkpoint_blocks(submod) -> int:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {' | '.join(lines[:4])[:400]}"
 
 
 def _no_self_warmup(stage, rank: int) -> None:
@@ -275,7 +277,9 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         t_fx = time.perf_counter() - t0
         paths = split_paths(pm.plan)
         t0 = time.perf_counter()
-        ptd_group = dist.new_group(backend="gloo")  # PTD's own: destroyed if a PTD step fails
+        # PTD's own group: destroyed if a PTD step fails, and with a timeout, so that a peer blocked
+        # in a receive from the failing rank fails too (gloo does not wake it on destroy)
+        ptd_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=900 if setup.compile else 120))
         sched, stages, first, last = _ptd(copy.deepcopy(model), x, paths, setup, label, v, rank, world, ptd_group)
         t_ptd = time.perf_counter() - t0
         losses: dict[str, float] = {}
