@@ -318,3 +318,14 @@ def test_zbv_with_dropout_draws_the_unsplit_models_masks():
     want = _dropout_reference()
     _check(results, want)
     assert want[0][0] != _reference(dict(DROP_GPT, dropout=0.0, attn_dropout=0.0))[0][0]  # dropout drew
+
+
+def test_compile_option_is_checked():
+    """compile=True needs the graph split, is refused with FSDP units until checked there, and is a bool."""
+    with pytest.raises(fxsplit.PlanError, match="split_backward='autograd'"):
+        fxsplit.ParallelConfig(compile=True, split_backward="autograd")
+    with pytest.raises(fxsplit.PlanError, match="dp_shard > 1"):
+        fxsplit.ParallelConfig(compile=True, dp_shard=2)
+    with pytest.raises(fxsplit.PlanError, match="True or False"):
+        fxsplit.ParallelConfig(compile=1)
+    assert fxsplit.ParallelConfig(compile=True).compile
