@@ -12,10 +12,12 @@ of them (the GraphModule itself, or its compiled form).
 executes. Every training forward then runs as the graph split's F graph whatever the schedule (a
 B action runs I then W), so zero-bubble and plain schedules take one path, and each of the F, I
 and W graphs is given to ``torch.compile`` (inductor) on its own. This is where the graph split
-composes and PTD's does not: PTD splits the backward with autograd hooks on the stage module's
-own graph, which a compiled module hides (one compiled autograd node for the whole stage; PTD
-refuses compiled stages under zero bubble, pytorch#143599); here the split is made before
-compiling, on plain aten graphs.
+composes by construction: PTD splits the backward with autograd hooks on the stage module's own
+autograd graph, which a compiled module hides (one compiled autograd node for the whole stage;
+reported refused under zero bubble in pytorch#143599; a brief run of
+benchmarks/pipeline_vs_ptd.py --compile with torch 2.13 here did run PTD's ZBV with
+``submod.compile()``, losses agreeing, gradients not checked); here the split is made before
+compiling, on plain aten graphs, and each half is compiled on its own.
 - Once per signature: the split is traced once per input signature already (shapes, dtypes,
   requires_grad, autocast: `signature`), so each graph is compiled with ``dynamic=False`` for the
   one shape it ever sees; each GraphModule has its own code object, so dynamo's per-code
