@@ -7,13 +7,16 @@ interleaving shrinks the bubble, but we quote the same ideal for both schedules,
     .venv/bin/python benchmarks/pipeline_vs_ptd.py                      # issue-4 GPT, m=4, 1f1b + interleaved
     .venv/bin/python benchmarks/pipeline_vs_ptd.py --microbatches 8 --steps 4 --schedules 1f1b
     .venv/bin/python benchmarks/pipeline_vs_ptd.py --schedules zb_h1,zbv     # PTD's ZB1P / ZBV
+    .venv/bin/python benchmarks/pipeline_vs_ptd.py --ranks 4 --microbatches 8 --schedules zbv
+    .venv/bin/python benchmarks/pipeline_vs_ptd.py --schedules zbv --checkpointing full
+    .venv/bin/python benchmarks/pipeline_vs_ptd.py --schedules 1f1b,zbv --compile
 
 Schedules: fxsplit's 1f1b / interleaved_1f1b / zb_h1 / zbv against PTD's Schedule1F1B /
 ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (ZB1P, one stage per rank) /
 ScheduleZBVZeroBubble; for zbv both place the stages in a V (rank r holds stages r and 2p-1-r);
 fxsplit's zb_auto (built from the plan's per-stage estimates) runs against PTD's ZB1P.
 
-Method: 2 ranks (fxsplit.testing.run_distributed: gloo, one thread per rank). In ONE launch, for
+Method: ``--ranks`` p ranks, default 2 (fxsplit.testing.run_distributed: gloo, one thread per rank). In ONE launch, for
 each schedule, both ranks build the fxsplit ParallelModel and PTD's pipeline over the same weights
 and the same split (fxsplit's plan split points, given to PTD as ``SplitPoint.BEGINNING`` at the
 module path of each stage's first node), then alternate rounds of: fxsplit step, PTD step,
@@ -21,6 +24,16 @@ single-process step (rank 0 only; rank 1 waits in a barrier). The order inside a
 round, because the machine is shared and drifts. Every timed step starts after a barrier; its time
 is the slowest rank's. Steps are forward + backward over the whole batch (no optimizer step),
 gradients zeroed between steps outside the timing. The first step's losses are compared.
+
+Variants: ``--checkpointing full``: fxsplit with ``activation_checkpointing="full"``, PTD with
+``torch.utils.checkpoint`` (non-reentrant) around each GPT block of its stage modules (the same
+regions). ``--compile``: fxsplit with ``compile=True`` ([Note: compiled stages]: the F, I and W
+graphs through inductor), PTD with each stage module compiled in place (``submod.compile()``,
+inductor). Compiling happens in the warmup rounds. Whatever PTD does with a variant is reported:
+if a PTD step raises on any rank, the ranks agree on it (PTD's stages run on a process group of
+their own with a timeout, 120 s, 900 s with ``--compile``: a peer blocked in a receive from the
+failing rank fails at that timeout instead of hanging),
+the error is printed and fxsplit is timed alone.
 
 Simulator: ``plan.simulate()`` gives a makespan in the cost model's seconds; scaled by
 T1 / (m * sum of estimated stage times) it predicts the step time ("pred(plan)": the plan's
@@ -31,11 +44,15 @@ estimated imbalance included); "pred(bal)" is the perfectly balanced makespan
 from __future__ import annotations
 
 import copy
+import datetime
+import functools
+import re
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import fxsplit
 from fxsplit import schedule as schedules
@@ -65,6 +82,9 @@ class Setup:
     warmup: int = 1
     steps: int = 5
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    ranks: int = 2  # pipeline ranks p (processes)
+    checkpointing: str = "none"  # "none" or "full": fxsplit's activation_checkpointing, PTD's blocks checkpointed
+    compile: bool = False  # fxsplit compile=True; PTD's stage modules torch.compile'd
     # fxsplit's balanced split unless given, e.g. "1f1b=blocks.4;interleaved=blocks.2,blocks.4,blocks.6"
     split_points: str = ""
 
@@ -99,15 +119,39 @@ def split_paths(plan) -> list[str]:
     return paths
 
 
-def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, world: int):
+def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, world: int, group):
     num_stages = world * v
     pipe = ptd_pipe(model, x, paths, setup.microbatches, num_stages)
     mine = schedules.placement(SCHEDULES[sched_name][0], world, v)
-    stages = [pipe.build_stage(s, torch.device("cpu")) for s in range(num_stages) if mine[s] == rank]
+    stages = [pipe.build_stage(s, torch.device("cpu"), group=group) for s in range(num_stages) if mine[s] == rank]
     for st in stages:  # see [Note: PTD ZBV on gloo]
         _no_self_warmup(st, rank)
+        if setup.checkpointing == "full":
+            _checkpoint_blocks(st.submod)
+        if setup.compile:
+            st.submod.compile()  # in place: the stage keeps its module (parameters, grads)
     sched, first, last = ptd_schedule(PTD_OF.get(sched_name, sched_name), stages, setup.microbatches)
     return sched, stages, first, last
+
+
+def _checkpoint_blocks(submod) -> int:
+    """Run every GPT block (``blocks.N``) of a PTD stage module under ``torch.utils.checkpoint``
+    (non-reentrant), the regions fxsplit's ``activation_checkpointing="full"`` recomputes."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = 0
+    for name, mod in submod.named_modules():
+        if re.fullmatch(r"(.*\.)?blocks\.\d+", name):
+            mod.forward = functools.partial(checkpoint, mod.forward, use_reentrant=False)
+            n += 1
+    if n == 0:
+        raise RuntimeError(f"no GPT block (blocks.N) in PTD's stage module: {[k for k, _ in submod.named_modules()]}")
+    return n
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {' | '.join(lines[:4])[:400]}"
 
 
 def _no_self_warmup(stage, rank: int) -> None:
@@ -228,11 +272,15 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
                                  microbatches=setup.microbatches, schedule=sched_name,
                                  stages_per_rank=v, split_points=setup.split_points_of(label), timeout=120,
                                  cut_at="modules",  # cuts PTD's split_spec can reproduce
-                                 split_backward="autograd" if label.endswith("_autograd") else "graph")
+                                 split_backward="autograd" if label.endswith("_autograd") else "graph",
+                                 activation_checkpointing=setup.checkpointing, compile=setup.compile)
         t_fx = time.perf_counter() - t0
         paths = split_paths(pm.plan)
         t0 = time.perf_counter()
-        sched, stages, first, last = _ptd(copy.deepcopy(model), x, paths, setup, label, v, rank, world)
+        # PTD's own group: destroyed if a PTD step fails, and with a timeout, so that a peer blocked
+        # in a receive from the failing rank fails too (gloo does not wake it on destroy)
+        ptd_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=900 if setup.compile else 120))
+        sched, stages, first, last = _ptd(copy.deepcopy(model), x, paths, setup, label, v, rank, world, ptd_group)
         t_ptd = time.perf_counter() - t0
         losses: dict[str, float] = {}
         clocks = {"fxsplit": ActionClock(), "ptd": ActionClock()}
@@ -267,7 +315,10 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             for st in stages:
                 st.submod.zero_grad(set_to_none=True)
 
-        runs = [("fxsplit", fx_step, True), ("ptd", ptd_run, True),
+        ptd_error = _probe(ptd_run, ptd_group)
+        zero()
+        actions["ptd"].clear()
+        runs = [("fxsplit", fx_step, True)] + ([("ptd", ptd_run, True)] if ptd_error is None else []) + [
                 ("single", single_step(single, x, y, losses), rank == 0), ("single_mb", single_mb_step, rank == 0)]
         waits: list[float] = []  # fxsplit: seconds this rank blocked in receives (bubble + transfers)
         first_losses: dict[str, float] = {}
@@ -289,6 +340,8 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         est_work = setup.microbatches * sum(s.time for s in pm.plan.split.stages)
         sim_bal = schedules.simulate(pm.plan.schedule, forward=1 / 3, backward=2 / 3)
         out[label] = {
+            "ptd_error": ptd_error,
+            "compile_fallbacks": {f"{s}{k}": why for (s, k), why in pm._runtime.compile_fallbacks.items()},
             "times": times, "cpu": cpus, "waits": waits, "actions": actions, "losses": first_losses,
             "paths": paths, "setup_s": (t_fx, t_ptd),
             "sim_plan_ratio": sim_plan.makespan / est_work,  # predicted step / T1
@@ -296,6 +349,26 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             "stage_est": [s.time for s in pm.plan.split.stages],
         }
     return out
+
+
+def _probe(ptd_run, group) -> str | None:
+    """One PTD step before the timed rounds (its warm-up, and its compile under ``--compile``); if
+    it raises on any rank: the error (the failing rank destroys PTD's group so that peers blocked
+    on it fail too, and every rank learns of it in an all-reduce on the default group)."""
+    error = None
+    try:
+        ptd_run()
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden: PTD's answer to this variant
+        error = _first_line(exc)
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - already gone on this rank
+            pass
+    flag = torch.tensor([0.0 if error is None else 1.0 + dist.get_rank()])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and error is None:
+        error = f"failed on rank {int(flag.item()) - 1} (this rank: its peer's error)"
+    return error
 
 
 def _losses_agree(all_losses: list[dict]) -> float:
@@ -311,7 +384,8 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
     p = len(results)
     m = setup.microbatches
     ideal = m / (m + p - 1) * p
-    head = (f"{gpt_note(setup)}; p={p}, m={m}, {rounds_note(setup.warmup, setup.steps)}; "
+    head = (f"{gpt_note(setup)}; p={p}, m={m}, checkpointing {setup.checkpointing}, "
+            f"{'compiled' if setup.compile else 'eager'}; {rounds_note(setup.warmup, setup.steps)}; "
             f"ideal speedup m/(m+p-1)*p = {ideal:.3f}; {load_note(load)}")
     wall = [f"{'A. wall clock':<16} {'T1':>6} {'T1 mb':>6} {'fxsplit':>7} {'PTD':>6} {'fx/PTD':>6} "
             f"{'fx/ideal':>8} {'PTD/ideal':>9}"]
@@ -324,28 +398,40 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
         w = r0["times"]
         n = len(w["single"])
         rounds = range(n)
+        has_ptd = "ptd" in w
+
+        def num(fn, width, *keys):  # a PTD figure, or "-" where PTD did not run
+            return f"{fn():{width}.3f}" if has_ptd or "ptd" not in keys else f"{'-':>{width}}"
+
         wall.append(
             f"{name:<16} {med(w['single']):6.3f} {med(w['single_mb']):6.3f} {med(w['fxsplit']):7.3f} "
-            f"{med(w['ptd']):6.3f} {round_ratio(w['fxsplit'], w['ptd']):6.3f} "
+            f"{num(lambda: med(w['ptd']), 6, 'ptd')} {num(lambda: round_ratio(w['fxsplit'], w['ptd']), 6, 'ptd')} "
             f"{round_ratio(w['single'], w['fxsplit'], ideal):8.3f} "
-            f"{round_ratio(w['single'], w['ptd'], ideal):9.3f}")
+            f"{num(lambda: round_ratio(w['single'], w['ptd'], ideal), 9, 'ptd')}")
         t1cpu = r0["cpu"]["single"]
+        kinds = ("fxsplit", "ptd") if has_ptd else ("fxsplit",)
         est = {k: [free_machine_makespan([r[label]["actions"][k][i] for r in results]) for i in rounds]
-               for k in ("fxsplit", "ptd")}
+               for k in kinds}
         rank_cpu = {k: [round(med(r[label]["cpu"][k]), 3) for r in results] for k in est}
         free.append(
-            f"{name:<16} {med(t1cpu):6.3f} {med(est['fxsplit']):7.3f} {med(est['ptd']):6.3f} "
-            f"{round_ratio(est['fxsplit'], est['ptd']):6.3f} "
+            f"{name:<16} {med(t1cpu):6.3f} {med(est['fxsplit']):7.3f} {num(lambda: med(est['ptd']), 6, 'ptd')} "
+            f"{num(lambda: round_ratio(est['fxsplit'], est['ptd']), 6, 'ptd')} "
             f"{round_ratio(t1cpu, est['fxsplit'], ideal):8.3f} "
-            f"{round_ratio(t1cpu, est['ptd'], ideal):9.3f} "
+            f"{num(lambda: round_ratio(t1cpu, est['ptd'], ideal), 9, 'ptd')} "
             f"{r0['sim_plan_ratio'] * med(t1cpu):8.3f} {r0['sim_bal_ratio'] * med(t1cpu):7.3f} "
-            f"{str(rank_cpu['fxsplit']):>13} {str(rank_cpu['ptd']):>13}")
+            f"{str(rank_cpu['fxsplit']):>13} {str(rank_cpu.get('ptd', '-')):>13}")
         rel = _losses_agree([r[label]["losses"] for r in results])
         notes.append(
             f"{name}: split at {r0['paths']}; first-step losses (fxsplit, PTD, single, single over "
             f"microbatches) agree to {rel:.1e}; fxsplit blocked in receives per rank "
             f"{[round(med(r[label]['waits']), 3) for r in results]} s; setup s on rank 0 (fxsplit, PTD) "
             f"{tuple(round(t, 1) for t in r0['setup_s'])}")
+        if not has_ptd:
+            notes.append(f"    PTD failed with this variant (not timed): "
+                         + "; ".join(f"rank {q}: {r[label]['ptd_error']}" for q, r in enumerate(results)))
+        fallbacks = {q: r[label]["compile_fallbacks"] for q, r in enumerate(results) if r[label]["compile_fallbacks"]}
+        if fallbacks:
+            notes.append(f"    fxsplit graphs run uncompiled (rank: stage+graph -> why): {fallbacks}")
         notes.append("    " + per_round_line(w))
     legend = (
         "A: medians of wall seconds per step (slowest rank); T1 = one process, whole batch; T1 mb = "
@@ -359,12 +445,16 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap, setup = parse_setup(Setup, argv, __doc__.split("\n")[0],
+    ap, setup = parse_setup(Setup, argv, __doc__.split("\n")[0], bools="both",
                             helps={"schedules": "comma list of 1f1b, interleaved, zb_h1, zbv, zb_auto (+ _autograd: that split backward)"})
     bad = [s for s in setup.schedules if s not in SCHEDULES]
     if bad:
         ap.error(f"unknown schedules {bad}; choose from {sorted(SCHEDULES)}")
-    results, load, wall = launch(_rank_main, 2, setup, timeout=900)
+    if setup.checkpointing not in ("none", "full"):
+        ap.error(f"--checkpointing must be none or full, got {setup.checkpointing!r}")
+    if setup.ranks < 2:
+        ap.error(f"--ranks must be >= 2, got {setup.ranks}")
+    results, load, wall = launch(_rank_main, setup.ranks, setup, timeout=1800 if setup.compile else 900)
     print(report(results, setup, load))
     print(f"wall {wall:.0f}s")
     return 0

@@ -163,8 +163,11 @@ def _worker(rank, world):
     pm._runtime.seed, pm._runtime.rng_step = 2, 0
     out["seed2"] = _losses(pm)
     out["steps"] = _losses(pm, batches=(0, 0))
-    out["1f1b"] = _losses(_parallel(1, schedule="1f1b"))
-    out["zb_h1"] = _losses(_parallel(1, schedule="zb_h1"))
+    pm_1f1b = _parallel(1, schedule="1f1b")
+    out["1f1b"], out["1f1b_grads"] = _losses(pm_1f1b), _grads(pm_1f1b)
+    pm_zb = _parallel(1, schedule="zb_h1")
+    out["zb_h1"] = _losses(pm_zb)
+    out["zb_h1_grads"], out["zb_h1_fallbacks"] = _grads(pm_zb), dict(pm_zb._runtime.split_fallbacks)
     out["coords"] = pm.coords
     return out
 
@@ -229,6 +232,20 @@ def test_same_seed_same_losses(ranks):
     # the streams depend on (stage, microbatch, step), not on the schedule: zero-bubble's I/W
     # split draws nothing again
     assert r["1f1b"] == r["zb_h1"]
+
+
+@pytest.mark.dist
+def test_sharded_dropout_takes_the_graph_split(ranks):
+    """tp=2 x pp=2, ZB-H1: the stages with head-sharded attention dropout split as graphs (no
+    fallback to autograd: the tp stream's seeding runs as graph nodes, [Note: RNG streams] 3), and
+    the losses and every gradient equal 1F1B's (eager stages on the same streams) bit for bit, on
+    every rank: the masks, replicated and sharded, are the eager ones."""
+    for r in ranks:
+        assert r["zb_h1_fallbacks"] == {}, r["zb_h1_fallbacks"]
+        assert r["zb_h1"] == r["1f1b"]
+        assert r["zb_h1_grads"].keys() == r["1f1b_grads"].keys() and r["zb_h1_grads"]
+        for n, g in r["1f1b_grads"].items():
+            assert torch.equal(r["zb_h1_grads"][n], g), n
 
 
 @pytest.mark.dist

@@ -148,10 +148,12 @@ def test_random_recomputation_replays_the_forward_draw(mode):
 
 
 def test_forward_i_and_w_graphs_compile():
-    """The three graphs are plain aten GraphModules: torch.compile (inductor, CPU) runs them to the
-    same numbers (within fp reassociation: inductor fuses and reorders). In a process of its own:
-    dynamo's state after a compile breaks later fx tracing in the same process (pipe_split), and
-    earlier tests' state breaks the compile."""
+    """The runtime's compiled graphs ([Note: compiled stages]): compile_split gives the F, I and W
+    graphs torch.compile'd runners (inductor, CPU) that run to the uncompiled split's outputs and
+    gradients (within fp reassociation: inductor fuses and reorders); a graph that draws random
+    numbers or calls Python between its ops is not compiled, with the reason. In a process of its
+    own: dynamo's state after a compile breaks later fx tracing in the same process (pipe_split),
+    and earlier tests' state breaks the compile."""
     import subprocess
     import sys
     from pathlib import Path
@@ -163,27 +165,29 @@ def test_forward_i_and_w_graphs_compile():
 
 
 def _compile_check():
+    from fxsplit.runtime.compiling import compile_split
+
     m = TwiceOnOnePath()
     x = torch.randn(4, 8, requires_grad=True)
-    split = GraphSplit.trace(m, [x])
     params = [m.w, m.b]
     tangents = [torch.randn(4, 8)]
+    results, fallbacks = [], {}
     for compiled in (False, True):
-        graphs = (split.forward_graph, split.input_graph, split.weight_graph)
+        split = GraphSplit.trace(m, [x])
         if compiled:
-            graphs = tuple(torch.compile(g, backend="inductor", fullgraph=True) for g in graphs)
-        with torch.no_grad():
-            res = graphs[0](*params, x)
-            saved = list(res[split.n_outputs:])
-            src = {"p": params, "x": [x], "t": tangents, "s": saved}
-            i_out = graphs[1](*[src[k][i] for k, i in split.i_inputs])
-            src["c"] = list(i_out[len(split.grad_inputs):])
-            w_out = graphs[2](*[src[k][i] for k, i in split.w_inputs])
-        got = [res[0], *i_out[:len(split.grad_inputs)], *w_out]
-        if not compiled:
-            eager = got
-    for a, b in zip(got, eager):
+            compile_split(split, lambda kind, why: fallbacks.setdefault(kind, why))
+        outs, state = split.forward(params, [], [x])
+        results.append(outs + state.input_grads(params, [], tangents) + state.weight_grads(params, []))
+    assert fallbacks == {} and sorted(split.runners) == ["F", "I", "W"], fallbacks
+    assert all(r.compiled for r in split.runners.values())
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for module, want in ((nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1)), {"F": "draws random numbers"}),
+                         (TPStreamDropout(True), {"F": "enter_tp_stream", "I": "replay_rng"})):
+        refused = {}
+        compile_split(GraphSplit.trace(module, [x]), lambda kind, why: refused.setdefault(kind, why))
+        for kind, text in want.items():
+            assert text in refused.get(kind, ""), refused
 
 
 def test_forward_graph_draws_the_modules_dropout_masks():
@@ -257,3 +261,45 @@ def test_tp_stage_splits_as_graphs_bit_equal_to_autograd():
         eager = Counter((c.op, c.kind, c.phase, c.shape) for c in r["eager_log"])
         both = Counter((c.op, c.kind, c.phase, c.shape) for c in r["split_log"])  # split + autograd's
         assert both - eager == eager and sum(eager.values()) == 9, (rank, both, eager)
+
+
+class TPStreamDropout(nn.Module):
+    """Dropouts on a tp stream ([Note: RNG streams] 2: a module call and a function, as the TP pass
+    writes them), a replicated dropout between and after (stage stream), optionally in a
+    checkpointed region (then recomputed in the backward)."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3)
+        self.checkpointed = checkpointed
+
+    def region(self, x):
+        from fxsplit.tp.random import call_in_tp_stream, in_tp_stream
+
+        h = call_in_tp_stream(self.drop, self.lin(x))
+        h = torch.nn.functional.dropout(h.sin(), 0.2, True)
+        return in_tp_stream(torch.nn.functional.dropout)(h, 0.5, True) * 2
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.region, x, use_reentrant=False) if self.checkpointed else self.region(x)
+        return torch.nn.functional.dropout(h.cos(), 0.4, True)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_tp_stream_dropout_splits_as_graphs_with_the_eager_masks(checkpointed):
+    """A tp-stream block traced is seeded by enter_tp_stream / exit_tp_stream nodes in the forward
+    graph (it used to refuse the stage: the eager block reads a random number as a Python int), so
+    every mask, on the tp stream and on the stage stream after it, is the eager module's: outputs
+    and gradients bit for bit; a recomputed block replays the forward's draws."""
+    m = TPStreamDropout(checkpointed)
+    x = torch.randn(4, 8, requires_grad=True)
+    outs, ref, got, want, split = _split_vs_autograd(m, [x], seed=5)
+    _assert_equal(outs, ref)
+    _assert_equal(got, want)
+    names = [getattr(n.target, "__name__", "") for n in split.forward_graph.graph.nodes]
+    assert names.count("enter_tp_stream") == names.count("exit_tp_stream") == 2, names
+    replays = [n for g in (split.input_graph, split.weight_graph) for n in g.graph.nodes if "replay_rng" in str(n.target)]
+    assert len(replays) == (3 if checkpointed else 0)

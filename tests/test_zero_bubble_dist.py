@@ -195,3 +195,137 @@ def test_graph_split_with_skips_checkpointing_and_hf():
     ref = _hf_reference("tiny_gpt2")
     for rank, r in enumerate(results):
         assert r["hf"] == pytest.approx(ref, rel=1e-5, abs=1e-6), f"rank {rank}"
+
+
+# torch.compile of the stage graphs ([Note: compiled stages] in fxsplit.runtime.compiling): 1f1b
+# (B runs I then W) and zbv at p=2, a one-layer tied GPT, every F, I and W graph compiled.
+# Every plan is made before anything compiles (dynamo's state after a compile breaks later fx
+# tracing in the same process); inductor reorders fp32 work, hence 1e-5 relative.
+COMPILED = {"1f1b": dict(pp=2, schedule="1f1b", microbatches=2, compile=True),
+            "zbv": dict(pp=2, schedule="zbv", microbatches=2, compile=True)}
+COMPILED_GPT = {"batch_size": 4, "n_layer": 1, "seq_len": 8}
+
+
+def _compiled(rank, world):
+    built = {}
+    for label, options in COMPILED.items():
+        torch.manual_seed(0)
+        model, args, kwargs = zoo.make("gpt", **COMPILED_GPT)
+        ref, _, _ = zoo.make("gpt", **COMPILED_GPT)
+        built[label] = (fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=300,
+                                            hardware=INF_LINK, **options), args, ref)
+    out = {}
+    for label, (pm, args, ref) in built.items():
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        steps = []
+        for i in range(STEPS):
+            x = _batch(args, i)
+            loss = pm.step(x, target=zoo.make_target("gpt", ref(x), seed=i))
+            grads = {}
+            for mod in pm.stage_modules.values():
+                for n, p in mod.named_parameters(remove_duplicate=False):
+                    if p.grad is not None:
+                        grads.setdefault(n, p.grad.detach().clone())
+            steps.append((float(loss), grads))
+            opt.step()
+            opt.zero_grad()
+        rt = pm._runtime
+        out[label] = dict(steps=steps, fallbacks=dict(rt.split_fallbacks), not_compiled=dict(rt.compile_fallbacks),
+                          compiled=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
+                                          for kind, r in split.runners.items() if r.compiled),
+                          stages=sorted(int(s) for s in pm.stage_modules))
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_compiled_stage_graphs_match_single_process():
+    results = run_distributed(_compiled, 2, timeout=900)
+    want = _reference(COMPILED_GPT)
+    for label in COMPILED:
+        res = [r[label] for r in results]
+        for r in res:
+            assert r["fallbacks"] == {} and r["not_compiled"] == {}, (label, r["fallbacks"], r["not_compiled"])
+            assert r["compiled"] == [(s, kind) for s in r["stages"] for kind in "FIW"], (label, r["compiled"])
+        _check(res, want)
+
+# ZB-V with dropout (graph split, p=2): the masks are those of the unsplit model run on the stage
+# streams ([Note: RNG streams] 1 in fxsplit.tp.random): one process runs the GPT microbatch by
+# microbatch, reseeding the generator at each stage's first module as the runtime seeds each
+# stage's forward (derive_seed(seed, stage, microbatch, step)); dropout draws nothing in backward.
+DROP_GPT = dict(n_layer=4, batch_size=4, seq_len=8, dropout=0.2, attn_dropout=0.2)
+DROP_SPLIT = ("blocks.1", "blocks.2", "blocks.3")  # stage s > 0 starts at blocks.s
+DROP_SEED, DROP_M = 5, 4
+
+
+def _dropout_reference():
+    from fxsplit.tp.random import derive_seed
+
+    model, args, _ = zoo.make("gpt", **DROP_GPT)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    at = {}
+
+    def reseed(stage):
+        def hook(module, inputs):
+            torch.manual_seed(derive_seed(DROP_SEED, stage, at["mb"], at["step"]))
+        return hook
+
+    for s, path in enumerate(DROP_SPLIT, start=1):
+        model.get_submodule(path).register_forward_pre_hook(reseed(s))
+    out = []
+    for step in range(STEPS):
+        x = _batch(args, step)
+        y = zoo.make_target("gpt", torch.empty(*x.shape, 128), seed=step)
+        total = 0.0
+        opt.zero_grad()
+        for mb, (xs, ys) in enumerate(zip(x.chunk(DROP_M), y.chunk(DROP_M))):
+            at.update(mb=mb, step=step)
+            torch.manual_seed(derive_seed(DROP_SEED, 0, mb, step))
+            loss = zoo.cross_entropy_loss(model(xs), ys) / DROP_M
+            loss.backward()
+            total += float(loss.detach())
+        out.append((total, {n: p.grad.detach().clone() for n, p in params.items()}))
+        opt.step()
+    return out
+
+
+def _dropout_zbv(rank, world):
+    model, args, kwargs = zoo.make("gpt", **DROP_GPT)
+    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60, hardware=INF_LINK,
+                             pp=2, schedule="zbv", microbatches=DROP_M, seed=DROP_SEED, split_points=DROP_SPLIT,
+                             cut_at="modules")
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    steps = []
+    for i in range(STEPS):
+        x = _batch(args, i)
+        loss = pm.step(x, target=zoo.make_target("gpt", torch.empty(*x.shape, 128), seed=i))
+        grads = {}
+        for mod in pm.stage_modules.values():
+            for n, p in mod.named_parameters(remove_duplicate=False):
+                if p.grad is not None:
+                    grads.setdefault(n, p.grad.detach().clone())
+        steps.append((float(loss), grads))
+        opt.step()
+        opt.zero_grad()
+    return dict(steps=steps, fallbacks=dict(pm._runtime.split_fallbacks))
+
+
+@pytest.mark.dist
+def test_zbv_with_dropout_draws_the_unsplit_models_masks():
+    results = run_distributed(_dropout_zbv, 2, timeout=300)
+    assert all(r["fallbacks"] == {} for r in results), [r["fallbacks"] for r in results]
+    want = _dropout_reference()
+    _check(results, want)
+    assert want[0][0] != _reference(dict(DROP_GPT, dropout=0.0, attn_dropout=0.0))[0][0]  # dropout drew
+
+
+def test_compile_option_is_checked():
+    """compile=True needs the graph split, is refused with FSDP units until checked there, and is a bool."""
+    with pytest.raises(fxsplit.PlanError, match="split_backward='autograd'"):
+        fxsplit.ParallelConfig(compile=True, split_backward="autograd")
+    with pytest.raises(fxsplit.PlanError, match="dp_shard > 1"):
+        fxsplit.ParallelConfig(compile=True, dp_shard=2)
+    with pytest.raises(fxsplit.PlanError, match="True or False"):
+        fxsplit.ParallelConfig(compile=1)
+    assert fxsplit.ParallelConfig(compile=True).compile

@@ -72,6 +72,10 @@ class ParallelConfig:
     activation_checkpointing: str = "none"
     # how a split backward (I, W) runs: "graph" (three fx graphs; fxsplit.runtime.split_graph) or "autograd"
     split_backward: str = "graph"
+    # torch.compile (inductor) of what each rank runs: every training forward as the graph
+    # split's F graph, and the F, I and W graphs compiled once per input signature
+    # ([Note: compiled stages] in fxsplit.runtime.compiling)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "dp_shard", "tp", "pp", "microbatches", "stages_per_rank"):
@@ -96,6 +100,14 @@ class ParallelConfig:
                             f"{self.activation_checkpointing!r}")
         if self.split_backward not in ("graph", "autograd"):
             raise PlanError(f"split_backward must be 'graph' or 'autograd', got {self.split_backward!r}")
+        if not isinstance(self.compile, bool):
+            raise PlanError(f"compile must be True or False, got {self.compile!r}")
+        if self.compile and self.split_backward != "graph":
+            raise PlanError("compile=True compiles the graph split's F, I and W graphs; split_backward='autograd' "
+                            "runs autograd's own graph, which it cannot compile: use split_backward='graph'")
+        if self.compile and self.dp_shard > 1:
+            raise PlanError("compile=True with dp_shard > 1 (FSDP units) is not supported yet: the compiled "
+                            "graphs have not been checked against FSDP's gathered parameters; use compile=False")
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.dynamic_sequence not in (True, False, None):

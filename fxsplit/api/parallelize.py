@@ -148,6 +148,7 @@ def parallelize(
         seed=_agreed_seed(c.seed, groups.get("errors")),
         reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None,
         split_backward=c.split_backward,
+        compile=c.compile,
     )
     if searched is not None:
         the_plan = dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,

@@ -83,8 +83,8 @@ from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
 from fxsplit.runtime.fsdp import local_tensor
 from fxsplit.runtime.split_backward import SplitBackward
-from fxsplit.runtime.split_graph import (
-    GraphSplit, SplitState, UnsupportedStage, accumulate_grads, has_selective_region, signature)
+from fxsplit.runtime.graph_actions import GraphActions
+from fxsplit.runtime.split_graph import SplitState
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.pipeline.stage import StageGraphs, ValueMeta
 
@@ -108,7 +108,7 @@ class _Saved:
     graph: SplitState | None = None  # the forward ran as a graph ([Note: graph split backward])
 
 
-class PipelineRuntime:
+class PipelineRuntime(GraphActions):
     """Runs one pipeline rank's share of a schedule over ``torch.distributed`` point-to-point.
 
     Arguments (keyword-only):
@@ -139,6 +139,10 @@ class PipelineRuntime:
       "graph" (forward, I and W as three fx graphs, [Note: graph split backward]; a stage that
       cannot be traced that way falls back to "autograd" and ``split_fallbacks[stage]`` says
       why) or "autograd" ([Note: split backward]).
+    - ``compile``: every training forward runs as the graph split's F graph (whatever the
+      schedule; B runs I then W) and the F, I and W graphs are compiled with ``torch.compile``
+      (inductor), once per input signature; ``compile_fallbacks[(stage, "F" | "I" | "W")]`` says
+      why a graph runs uncompiled ([Note: compiled stages] in fxsplit.runtime.compiling).
     """
 
     def __init__(
@@ -158,6 +162,7 @@ class PipelineRuntime:
         seed: int | None = None,
         reduce_dtype: torch.dtype | None = None,
         split_backward: str = "graph",
+        compile: bool = False,
     ):
         """Run ``plan`` (this rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan`) with ``modules``
         (stage index -> module, exactly the stages ``plan.stages``) over the pipeline ``group``."""
@@ -188,11 +193,7 @@ class PipelineRuntime:
         self.seed = seed
         self.rng_step = 0  # k of the stage streams: step()/forward() calls so far
         self.reduce_dtype = reduce_dtype
-        if split_backward not in ("graph", "autograd"):
-            raise ValueError(f"split_backward must be 'graph' or 'autograd', got {split_backward!r}")
-        self.split_backward = split_backward
-        self._graph_splits: dict[tuple, GraphSplit | None] = {}
-        self.split_fallbacks: dict[int, str] = {}  # stage -> why its split backward runs on autograd
+        self._init_graph_actions(split_backward, compile)
         self._loss_scale: torch.Tensor | None = None  # set for one step() (GradScaler)
         self.last_stage = self.num_stages - 1
         self.last_rank = self.rank_of_stage(self.last_stage)
@@ -455,7 +456,7 @@ class PipelineRuntime:
             args.append(x)
         stream = (contextlib.nullcontext() if self.seed is None else
                   stage_stream(self.seed, stage=s, microbatch=mb, step=self._rng_step, device=self.device))
-        split = self._graph_split(s, args) if self._training and s in self._split_stages else None
+        split = self._graph_split(s, args) if self._runs_as_graph(s) else None
         with stream:
             if split is not None:
                 out, state = split.forward(*self._state(s), [x for x in args if isinstance(x, torch.Tensor)])
@@ -557,60 +558,6 @@ class PipelineRuntime:
             self._accumulate(a.stage, saved.graph.weight_grads(*self._state(a.stage)))
         elif saved.split is not None:
             saved.split.weight_grads()
-
-    # ------------------------------------------------------------------ graph split backward
-
-    def _state(self, s: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The trainable parameters and the buffers of stage ``s``, in the order the graphs take them."""
-        mod = self.modules[s]
-        return [p for p in mod.parameters() if p.requires_grad], [b for _, b in mod.named_buffers()]
-
-    def _graph_split(self, s: int, args: list[Any]) -> GraphSplit | None:
-        """The traced graphs of stage ``s`` for inputs like ``args`` (cached), or None: autograd."""
-        if self.split_backward != "graph" or s in self.split_fallbacks:
-            return None
-        key = (s, signature(args))
-        if key not in self._graph_splits:
-            try:
-                self._graph_splits[key] = GraphSplit.trace(self.modules[s], args)
-            except UnsupportedStage as exc:
-                if has_selective_region(self.modules[s]):  # autograd would run each region's backward twice
-                    raise ValueError(f"stage {s} has selective checkpointing, which runs with a split backward only "
-                                     f"as graphs, and its graphs cannot be split: {exc}; use "
-                                     "activation_checkpointing='full' or a schedule without a split backward") from exc
-                self.split_fallbacks[s] = str(exc)
-                self._graph_splits[key] = None
-        return self._graph_splits[key]
-
-    def _graph_backward(self, ac: Any, saved: _Saved) -> None:
-        """I (or B: I then W) of a microbatch whose forward ran as a graph."""
-        a = ac.action
-        state = saved.graph
-        split = state.split
-        grads: dict[int, torch.Tensor] = {}
-        for msg, local in [(m, False) for m in ac.recvs] + [(m, True) for m in ac.local_recvs]:
-            g = self._take(msg, local, a)
-            j = self.io[msg.stage].inputs[msg.input].index
-            grads[j] = g if j not in grads else grads[j] + g
-        outs = [saved.outputs[j] for j in split.diff_outputs]
-        if saved.loss is not None:
-            got = torch.autograd.grad(saved.loss, outs, allow_unused=True)
-            for j, g in zip(split.diff_outputs, got):
-                if g is not None:
-                    grads[j] = g if j not in grads else grads[j] + g
-        tangents = []
-        for j, o in zip(split.diff_outputs, outs):
-            g = grads.get(j)
-            tangents.append(torch.zeros_like(o) if g is None else g if g.dtype == o.dtype else g.to(o.dtype))
-        saved.outputs, saved.loss = (), None
-        params, buffers = self._state(a.stage)
-        got = state.input_grads(params, buffers, tangents)
-        self._send_input_grads(ac, saved, dict(zip(split.grad_inputs, got)))
-        if a.kind is B:
-            self._accumulate(a.stage, state.weight_grads(params, buffers))
-
-    def _accumulate(self, s: int, grads: Sequence[torch.Tensor | None]) -> None:
-        accumulate_grads(self._state(s)[0], grads)
 
     # ------------------------------------------------------------------ end of step
 

@@ -65,7 +65,11 @@ first; uninitialized buffers and random ops never are). A random op with no sing
 refuses the stage. A recomputed CPU dropout writes its fresh mask buffer in place
 (``bernoulli_``, ``div_``); an in-place op in the backward is allowed when what it writes is a
 backward node nothing else reads. torch's selective checkpoint refuses CPU dropout under
-tracing (its cached mask is mutated): such a stage is refused.
+tracing (its cached mask is mutated): such a stage is refused. A random op on a tp rank's own
+stream (a tp-sharded dropout, fxsplit.tp.random) is seeded in Python around the op; traced, the
+block's nodes are recorded and `enter_tp_stream` / `exit_tp_stream` nodes put around them in the
+forward graph ([Note: RNG streams] 3), so its masks are the eager block's; recomputed in the
+backward, it replays like any other draw.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.node import has_side_effect
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
@@ -86,6 +91,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from fxsplit.graph.ops import is_random
 from fxsplit.graph.recompute import checkpointed
 from fxsplit.tp.collectives import note_calls, traced_collectives
+from fxsplit.tp.random import TracedStream, enter_tp_stream, exit_tp_stream, traced_tp_streams
+
+has_side_effect(enter_tp_stream)  # kept by dead-code elimination: they seed generators
+has_side_effect(exit_tp_stream)
 
 __all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "has_selective_region", "signature"]
 
@@ -324,6 +333,27 @@ def _replay_recomputed_draws(gm: fx.GraphModule, fwd: list[fx.Node], bwd: list[f
     fwd[:] = [n for n in gm.graph.nodes if n in keep]
 
 
+def _seed_tp_streams(gm: fx.GraphModule, fwd: list[fx.Node], streams: Sequence[TracedStream]) -> None:
+    """Each forward tp-stream block ([Note: RNG streams] 3 in fxsplit.tp.random) becomes an
+    `enter_tp_stream` node before its first node and an `exit_tp_stream` node after its last (an
+    empty block: both after the node before it), added to ``fwd``; the graph then draws r and
+    seeds where the eager block does, in the same order. Blocks the backward traced (a
+    checkpointed region recomputed) get none: their draws replay the forward's generator state
+    ([Note: random recomputation]), and entering would draw r from the caller's generator.
+    Inserted last block first, so that blocks one after the other keep their order."""
+    added = []
+    for st in reversed(streams):
+        where = (gm.graph.inserting_before(st.nodes[0]) if st.nodes else gm.graph.inserting_after(st.before))
+        with where:
+            enter = gm.graph.call_function(enter_tp_stream, (st.axis, st.device))
+        with gm.graph.inserting_after(st.nodes[-1] if st.nodes else enter):
+            leave = gm.graph.call_function(exit_tp_stream, (enter, st.device))
+        added += [enter, leave]
+    if added:
+        keep = set(fwd) | set(added)
+        fwd[:] = [n for n in gm.graph.nodes if n in keep]
+
+
 def rng_state(x: torch.Tensor) -> torch.Tensor:
     """The state of the default generator of ``x``'s device ([Note: random recomputation])."""
     if x.device.type == "cuda":
@@ -381,11 +411,24 @@ class GraphSplit:
     n_saved: int
     n_carry: int
     w_saved: list[int] = field(default_factory=list)  # saved outputs W still reads
+    # what runs each graph ("F", "I", "W"): the graph itself unless set (compiled forms:
+    # fxsplit.runtime.compiling, [Note: compiled stages])
+    runners: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, kind: str, *args: Any) -> Any:
+        """Run graph ``kind`` ("F", "I" or "W") on ``args`` with its runner."""
+        gm = {"F": self.forward_graph, "I": self.input_graph, "W": self.weight_graph}[kind]
+        return self.runners.get(kind, gm)(*args)
 
     @classmethod
     def trace(cls, module: nn.Module, inputs: Sequence[Any]) -> GraphSplit:
         """Trace and partition ``module`` for ``inputs`` (tensors with the requires_grad I must
         differentiate; only shapes, dtypes and flags are read). Raises `UnsupportedStage`."""
+        with traced_tp_streams() as streams:  # tp streams as graph nodes ([Note: RNG streams] 3)
+            return cls._trace(module, inputs, streams)
+
+    @classmethod
+    def _trace(cls, module: nn.Module, inputs: Sequence[Any], streams: list[TracedStream]) -> GraphSplit:
         consts = {k: x for k, x in enumerate(inputs) if not isinstance(x, torch.Tensor)}
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         grad_inputs = [k for k, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -424,11 +467,11 @@ class GraphSplit:
                                    "functional collective nodes; they cannot be attributed for counting")
         for n, call in zip(issued, calls):  # node_copy keeps meta: recomputed copies count too
             n.meta["fxsplit_collective"] = call
-        return cls._partition(gm, joint, len(p_in), len(b_in), len(x_in), len(tangents), grad_inputs)
+        return cls._partition(gm, joint, len(p_in), len(b_in), len(x_in), len(tangents), grad_inputs, streams)
 
     @classmethod
     def _partition(cls, gm: fx.GraphModule, joint: _Joint, n_p: int, n_b: int, n_x: int, n_t: int,
-                   grad_inputs: list[int]) -> GraphSplit:
+                   grad_inputs: list[int], streams: Sequence[TracedStream] = ()) -> GraphSplit:
         nodes = list(gm.graph.nodes)
         phs = [n for n in nodes if n.op == "placeholder"]
         if len(phs) != n_p + n_b + n_x + n_t or len(joint.diff_outputs) != n_t:
@@ -449,6 +492,7 @@ class GraphSplit:
         compute = [n for n in nodes if n.op not in ("placeholder", "output")]
         fwd = [n for n in compute if index[n] < joint.boundary]
         bwd = [n for n in compute if index[n] >= joint.boundary]
+        _seed_tp_streams(gm, fwd, [st for st in streams if st.start < joint.boundary])
         bwd = _recompute_tagged(gm, fwd, bwd)
         _replay_recomputed_draws(gm, fwd, bwd)
         compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
@@ -514,7 +558,7 @@ class GraphSplit:
                 tensor_inputs: list[torch.Tensor]) -> tuple[list[Any], SplitState]:
         """Run the forward graph (no autograd graph is recorded); the outputs and the saved state."""
         with torch.no_grad():
-            res = self.forward_graph(*params, *buffers, *tensor_inputs)
+            res = self.run("F", *params, *buffers, *tensor_inputs)
         note_calls(self.forward_graph.meta["fxsplit_collectives"])
         outs = list(res[:self.n_outputs])
         return outs, SplitState(self, list(res[self.n_outputs:]), tensor_inputs)
@@ -549,7 +593,7 @@ class SplitState:
         sp = self.split
         self.tangents = tangents
         with torch.no_grad():
-            res = sp.input_graph(*[self._value(s, params, buffers) for s in sp.i_inputs])
+            res = sp.run("I", *[self._value(s, params, buffers) for s in sp.i_inputs])
         note_calls(sp.input_graph.meta["fxsplit_collectives"])
         n = len(sp.grad_inputs)
         self.carry = list(res[n:])
@@ -561,7 +605,7 @@ class SplitState:
         """The W action: one gradient per trainable parameter (None: unused); frees everything."""
         sp = self.split
         with torch.no_grad():
-            res = sp.weight_graph(*[self._value(s, params, buffers) for s in sp.w_inputs])
+            res = sp.run("W", *[self._value(s, params, buffers) for s in sp.w_inputs])
         note_calls(sp.weight_graph.meta["fxsplit_collectives"])
         self.saved, self.carry, self.tangents, self.inputs = [], [], [], []
         return list(res)

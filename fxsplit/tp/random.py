@@ -30,7 +30,11 @@ so it follows the user's ``torch.manual_seed``):
 3. Replay: both streams are functions of the generator states at the start of the forward, so
    whatever restores those replays every mask: ``torch.utils.checkpoint`` (``preserve_rng_state``,
    the default) recomputes with the same draws, replicated and sharded. The zero-bubble I/W split
-   never re-runs a forward (W reuses the graph I kept), so it cannot re-draw.
+   never re-runs a forward (W reuses the graph I kept), so it cannot re-draw. Traced (the graph
+   split, fxsplit.runtime.split_graph), a tp stream is Python around the op, outside any graph:
+   inside `traced_tp_streams()` the block only records which traced nodes it covers, and the
+   split puts `enter_tp_stream` / `exit_tp_stream` (this module's seeding, run where the graph
+   runs) around them, so the graph draws r and seeds exactly as the eager block does.
 4. Data-parallel replicas get the same streams, as in Megatron (its default): their different
    data makes them differ; nothing here depends on the dp rank.
 The same seed gives the same draws run to run, on CPU; on CUDA the draws are deterministic too,
@@ -40,8 +44,9 @@ but a kernel may not be (``torch.use_deterministic_algorithms``).
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,12 +58,16 @@ from fxsplit.tp.collectives import axis_rank
 
 __all__ = [
     "TP_SEED_OFFSET",
+    "TracedStream",
     "call_in_tp_stream",
     "derive_seed",
+    "enter_tp_stream",
+    "exit_tp_stream",
     "in_tp_stream",
     "is_random",
     "stage_stream",
     "tp_stream",
+    "traced_tp_streams",
 ]
 
 TP_SEED_OFFSET = 2718  # Megatron-LM's offset of the tp-sharded streams
@@ -114,13 +123,75 @@ def stage_stream(seed: int, *, stage: int, microbatch: int, step: int,
         yield
 
 
+def enter_tp_stream(axis: str = "tp", device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """Enter this tp rank's own stream ([Note: RNG streams] 2): draw r from the CPU generator,
+    seed the CPU and ``device``'s generators from it; returns their states before seeding, for
+    `exit_tp_stream`."""
+    r = int(torch.randint(0, 1 << 62, (), generator=torch.default_generator))
+    gens = _generators(device)
+    saved = [g.get_state() for g in gens]
+    for g in gens:
+        g.manual_seed(derive_seed(r, TP_SEED_OFFSET + axis_rank(axis)))
+    return saved
+
+
+def exit_tp_stream(saved: list[torch.Tensor], device: torch.device | str | None = None) -> None:
+    """Leave the stream `enter_tp_stream` entered: put the generators' states back."""
+    for g, state in zip(_generators(device), saved):
+        g.set_state(state)
+
+
+@dataclass
+class TracedStream:
+    """One `tp_stream` block as make_fx traced it ([Note: RNG streams] 3): ``start`` the number of
+    graph nodes before it, ``before`` the last of them, ``nodes`` the nodes traced inside it."""
+
+    axis: str
+    device: str | None
+    start: int
+    before: torch.fx.Node
+    nodes: list[torch.fx.Node]
+
+
+_TRACED: contextvars.ContextVar[list[TracedStream] | None] = contextvars.ContextVar(
+    "fxsplit_traced_tp_streams", default=None)
+
+
+@contextlib.contextmanager
+def traced_tp_streams() -> Iterator[list[TracedStream]]:
+    """Inside the block, `tp_stream` seeds nothing while tracing: under make_fx it records the
+    nodes it covers (returned list, in trace order); under fake tensors alone it does nothing."""
+    streams: list[TracedStream] = []
+    token = _TRACED.set(streams)
+    try:
+        yield streams
+    finally:
+        _TRACED.reset(token)
+
+
 @contextlib.contextmanager
 def tp_stream(axis: str = "tp", *, device: torch.device | str | None = None) -> Iterator[None]:
     """Run the block on this tp rank's own stream ([Note: RNG streams] 2); ``axis`` is the mesh
     axis whose bound group gives the rank (rank 0 when unbound)."""
-    r = int(torch.randint(0, 1 << 62, (), generator=torch.default_generator))
-    with _seeded(derive_seed(r, TP_SEED_OFFSET + axis_rank(axis)), device):
+    traced = _TRACED.get()
+    if traced is not None:  # traced ([Note: RNG streams] 3)
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        if mode is None:
+            yield
+            return
+        graph = mode.tracer.graph
+        start, before = len(graph.nodes), next(iter(reversed(graph.nodes)))
         yield
+        traced.append(TracedStream(axis, None if device is None else str(device), start, before,
+                                   list(graph.nodes)[start:]))
+        return
+    saved = enter_tp_stream(axis, device)
+    try:
+        yield
+    finally:
+        exit_tp_stream(saved, device)
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device | None:

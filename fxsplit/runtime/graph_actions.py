@@ -1,0 +1,107 @@
+"""The executor's actions on stages that run as graphs: F, I, W (and B as I then W) of a stage
+whose forward ran as the graph split's F graph ([Note: graph split backward] in
+fxsplit.runtime.split_graph), and the per-signature cache of those graphs, compiled or not
+([Note: compiled stages] in fxsplit.runtime.compiling).
+
+Terms as in fxsplit.runtime.executor (stage s, microbatch, action kinds F, B, I, W).
+
+    class PipelineRuntime(GraphActions): ...     # the mixin reads the runtime's modules, io and
+                                                 # messages (_take, _send_input_grads)
+    split = self._graph_split(s, args)           # None: this stage runs on autograd
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fxsplit.runtime.compiling import compile_split
+from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage, accumulate_grads, has_selective_region, signature
+from fxsplit.schedule.ir import ActionKind
+
+__all__ = ["GraphActions"]
+
+
+class GraphActions:
+    """Graph-split actions of `PipelineRuntime` (a mixin: it owns ``_graph_splits``,
+    ``split_fallbacks`` and ``compile_fallbacks``, set up by `_init_graph_actions`)."""
+
+    def _init_graph_actions(self, split_backward: str, compile: bool) -> None:
+        if split_backward not in ("graph", "autograd"):
+            raise ValueError(f"split_backward must be 'graph' or 'autograd', got {split_backward!r}")
+        if compile and split_backward != "graph":
+            raise ValueError("compile=True compiles the graph split's F, I and W graphs ([Note: compiled "
+                             "stages]); split_backward='autograd' runs autograd's graph, which it cannot compile: "
+                             "use split_backward='graph'")
+        self.split_backward = split_backward
+        self.compile = bool(compile)
+        self._graph_splits: dict[tuple, GraphSplit | None] = {}
+        self.split_fallbacks: dict[int, str] = {}  # stage -> why its split backward runs on autograd
+        # (stage, "F" | "I" | "W") -> why that graph runs uncompiled (compile=True)
+        self.compile_fallbacks: dict[tuple[int, str], str] = {}
+
+    def _runs_as_graph(self, s: int) -> bool:
+        """Whether a training forward of stage ``s`` runs as the F graph (if the split takes it)."""
+        return self._training and (s in self._split_stages or self.compile)
+
+    def _state(self, s: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The trainable parameters and the buffers of stage ``s``, in the order the graphs take them."""
+        mod = self.modules[s]
+        return [p for p in mod.parameters() if p.requires_grad], [b for _, b in mod.named_buffers()]
+
+    def _graph_split(self, s: int, args: list[Any]) -> GraphSplit | None:
+        """The traced graphs of stage ``s`` for inputs like ``args`` (cached; compiled with
+        ``compile``), or None: autograd."""
+        if self.split_backward != "graph" or s in self.split_fallbacks:
+            return None
+        key = (s, signature(args))
+        if key not in self._graph_splits:
+            try:
+                split = GraphSplit.trace(self.modules[s], args)
+            except UnsupportedStage as exc:
+                if s in self._split_stages and has_selective_region(self.modules[s]):
+                    # autograd would run each region's backward twice
+                    raise ValueError(f"stage {s} has selective checkpointing, which runs with a split backward only "
+                                     f"as graphs, and its graphs cannot be split: {exc}; use "
+                                     "activation_checkpointing='full' or a schedule without a split backward") from exc
+                self.split_fallbacks[s] = str(exc)
+                if self.compile:
+                    for kind in ("F", "I", "W"):
+                        self.compile_fallbacks[(s, kind)] = f"the stage runs on autograd, uncompiled: {exc}"
+                split = None
+            if split is not None and self.compile:
+                compile_split(split, lambda kind, why, s=s: self.compile_fallbacks.setdefault((s, kind), why))
+            self._graph_splits[key] = split
+        return self._graph_splits[key]
+
+    def _graph_backward(self, ac: Any, saved: Any) -> None:
+        """I (or B: I then W) of a microbatch whose forward ran as a graph."""
+        a = ac.action
+        state = saved.graph
+        split = state.split
+        grads: dict[int, torch.Tensor] = {}
+        for msg, local in [(m, False) for m in ac.recvs] + [(m, True) for m in ac.local_recvs]:
+            g = self._take(msg, local, a)
+            j = self.io[msg.stage].inputs[msg.input].index
+            grads[j] = g if j not in grads else grads[j] + g
+        outs = [saved.outputs[j] for j in split.diff_outputs]
+        if saved.loss is not None:
+            got = torch.autograd.grad(saved.loss, outs, allow_unused=True)
+            for j, g in zip(split.diff_outputs, got):
+                if g is not None:
+                    grads[j] = g if j not in grads else grads[j] + g
+        tangents = []
+        for j, o in zip(split.diff_outputs, outs):
+            g = grads.get(j)
+            tangents.append(torch.zeros_like(o) if g is None else g if g.dtype == o.dtype else g.to(o.dtype))
+        saved.outputs, saved.loss = (), None
+        params, buffers = self._state(a.stage)
+        got = state.input_grads(params, buffers, tangents)
+        self._send_input_grads(ac, saved, dict(zip(split.grad_inputs, got)))
+        if a.kind is ActionKind.BACKWARD:
+            self._accumulate(a.stage, state.weight_grads(params, buffers))
+
+    def _accumulate(self, s: int, grads: Sequence[torch.Tensor | None]) -> None:
+        accumulate_grads(self._state(s)[0], grads)
