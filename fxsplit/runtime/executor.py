@@ -499,11 +499,7 @@ class PipelineRuntime(GraphActions):
     def _roots(self, ac: Any, saved: _Saved) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Tensors to differentiate from and their incoming gradients (summed per output)."""
         a = ac.action
-        grads: dict[int, torch.Tensor] = {}
-        for msg, local in [(m, False) for m in ac.recvs] + [(m, True) for m in ac.local_recvs]:
-            g = self._take(msg, local, a)
-            j = self.io[msg.stage].inputs[msg.input].index
-            grads[j] = g if j not in grads else grads[j] + g
+        grads = self._received_grads(ac)
         roots: list[torch.Tensor] = []
         root_grads: list[torch.Tensor | None] = []
         if saved.loss is not None:

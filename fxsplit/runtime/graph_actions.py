@@ -76,16 +76,22 @@ class GraphActions:
             self._graph_splits[key] = split
         return self._graph_splits[key]
 
+    def _received_grads(self, ac: Any) -> dict[int, torch.Tensor]:
+        """The gradients ``ac`` receives (from peers and from this rank's own stages), summed per
+        output index of the stage that sent them the forward values."""
+        grads: dict[int, torch.Tensor] = {}
+        for msg, local in [(m, False) for m in ac.recvs] + [(m, True) for m in ac.local_recvs]:
+            g = self._take(msg, local, ac.action)
+            j = self.io[msg.stage].inputs[msg.input].index
+            grads[j] = g if j not in grads else grads[j] + g
+        return grads
+
     def _graph_backward(self, ac: Any, saved: Any) -> None:
         """I (or B: I then W) of a microbatch whose forward ran as a graph."""
         a = ac.action
         state = saved.graph
         split = state.split
-        grads: dict[int, torch.Tensor] = {}
-        for msg, local in [(m, False) for m in ac.recvs] + [(m, True) for m in ac.local_recvs]:
-            g = self._take(msg, local, a)
-            j = self.io[msg.stage].inputs[msg.input].index
-            grads[j] = g if j not in grads else grads[j] + g
+        grads = self._received_grads(ac)
         outs = [saved.outputs[j] for j in split.diff_outputs]
         if saved.loss is not None:
             got = torch.autograd.grad(saved.loss, outs, allow_unused=True)
