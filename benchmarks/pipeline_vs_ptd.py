@@ -345,6 +345,9 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             "times": times, "cpu": cpus, "waits": waits, "actions": actions, "losses": first_losses,
             "paths": paths, "setup_s": (t_fx, t_ptd),
             "sim_plan_ratio": sim_plan.makespan / est_work,  # predicted step / T1
+            # idle share of the busiest rank in the simulation (1 - its busy time / makespan)
+            "sim_bubble": 1 - max(sum(e.end - e.start for e in sim_plan.events if e.rank == q)
+                                  for q in range(world)) / sim_plan.makespan,
             "sim_bal_ratio": sim_bal.makespan / (setup.microbatches * world),
             "stage_est": [s.time for s in pm.plan.split.stages],
         }
@@ -420,6 +423,15 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
             f"{num(lambda: round_ratio(t1cpu, est['ptd'], ideal), 9, 'ptd')} "
             f"{r0['sim_plan_ratio'] * med(t1cpu):8.3f} {r0['sim_bal_ratio'] * med(t1cpu):7.3f} "
             f"{str(rank_cpu['fxsplit']):>13} {str(rank_cpu.get('ptd', '-')):>13}")
+        # the prediction scaled to the work the pipeline's actions measured, not to one process's
+        # T1: what is left between the two is the schedule's bubble and the split's imbalance
+        work = sum(rank_cpu["fxsplit"])
+        sim_work = r0["sim_plan_ratio"] * work
+        notes.append(
+            f"{name}: sim plan scaled to fxsplit's own work (sum of rank CPU {work:.3f} s = "
+            f"{work / med(t1cpu):.2f} x T1 CPU): {sim_work:.3f} s, B fxsplit / that {med(est['fxsplit']) / sim_work:.3f}; "
+            f"bubble on the busiest rank: measured {1 - max(rank_cpu['fxsplit']) / med(est['fxsplit']):.3f}, "
+            f"simulated {r0['sim_bubble']:.3f}")
         rel = _losses_agree([r[label]["losses"] for r in results])
         notes.append(
             f"{name}: split at {r0['paths']}; first-step losses (fxsplit, PTD, single, single over "

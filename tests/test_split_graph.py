@@ -12,7 +12,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit.graph.ops import is_random
-from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage
+from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage, accumulate_grads
 from fxsplit.testing import zoo
 
 GPT = dict(n_layer=2, batch_size=2, seq_len=8)
@@ -106,6 +106,46 @@ def test_weight_used_twice_on_one_path_counted_once():
     _assert_equal(outs, ref)
     _assert_equal(got, want)
     assert split.param_ids == [0, 1]
+
+
+class _AliasedGrad(nn.Module):
+    """A parameter whose gradient is the tangent itself (added at the output), beside a linear's
+    and a layer norm's (whose weight gradients reach W as elements of I's carry)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.full = nn.Parameter(torch.randn(3, 4))
+        self.ln = nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.ln(self.lin(x)) + self.full
+
+
+def test_weight_grads_kept_without_a_copy_only_where_the_graph_owns_them():
+    """[Note: stolen gradients]: the linear's W outputs become ``.grad`` as they are; the
+    tangent-aliasing gradient and the carried layer-norm ones are copied; the values are
+    autograd's bit for bit, and a second accumulation adds in place."""
+    torch.manual_seed(0)
+    m, x = _AliasedGrad(), torch.randn(3, 4, requires_grad=True)
+    split = GraphSplit.trace(m, [x])
+    names = [n for n, p in m.named_parameters()]
+    assert dict(zip(names, split.w_owned)) == {"full": False, "lin.weight": True, "lin.bias": True,
+                                               "ln.weight": False, "ln.bias": False}
+    params = list(m.parameters())
+    want = torch.autograd.grad(m(x), params, torch.ones(3, 4))
+    for rep in (1, 2):
+        _, state = split.forward(params, [], [x])
+        tangent = torch.ones(3, 4)
+        state.input_grads(params, [], [tangent])
+        grads = state.weight_grads(params, [])
+        accumulate_grads(params, grads, split.w_owned)
+        if rep == 1:
+            assert [p.grad is g for p, g in zip(params, grads)] == split.w_owned
+            assert m.full.grad.data_ptr() != tangent.data_ptr()
+            tangent.add_(1.0)  # the caller's tangent changing does not reach .grad
+        for p, w in zip(params, want):
+            assert torch.equal(p.grad, rep * w)
 
 
 def test_selective_checkpointing_with_cpu_dropout_is_refused():

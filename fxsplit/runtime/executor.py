@@ -551,7 +551,7 @@ class PipelineRuntime(GraphActions):
         a = ac.action
         saved = self._saved.pop((a.stage, a.microbatch))
         if saved.graph is not None:
-            self._accumulate(a.stage, saved.graph.weight_grads(*self._state(a.stage)))
+            self._accumulate(a.stage, saved.graph)
         elif saved.split is not None:
             saved.split.weight_grads()
 

@@ -107,7 +107,12 @@ class GraphActions:
         got = state.input_grads(params, buffers, tangents)
         self._send_input_grads(ac, saved, dict(zip(split.grad_inputs, got)))
         if a.kind is ActionKind.BACKWARD:
-            self._accumulate(a.stage, state.weight_grads(params, buffers))
+            self._accumulate(a.stage, state)
 
-    def _accumulate(self, s: int, grads: Sequence[torch.Tensor | None]) -> None:
-        accumulate_grads(self._state(s)[0], grads)
+    def _accumulate(self, s: int, state: Any) -> None:
+        """W of ``state`` (a `SplitState`) into stage ``s``'s ``.grad``; a compiled W's outputs
+        are copied (its graph is not the one `_owned_outputs` read)."""
+        params, buffers = self._state(s)
+        split = state.split
+        owned = None if "W" in split.runners else split.w_owned
+        accumulate_grads(params, state.weight_grads(params, buffers), owned)

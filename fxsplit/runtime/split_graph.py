@@ -411,6 +411,8 @@ class GraphSplit:
     n_saved: int
     n_carry: int
     w_saved: list[int] = field(default_factory=list)  # saved outputs W still reads
+    # per W output: the graph makes it and returns it once ([Note: stolen gradients])
+    w_owned: list[bool] = field(default_factory=list)
     # what runs each graph ("F", "I", "W"): the graph itself unless set (compiled forms:
     # fxsplit.runtime.compiling, [Note: compiled stages])
     runners: dict[str, Any] = field(default_factory=dict)
@@ -547,7 +549,7 @@ class GraphSplit:
             g.meta["fxsplit_collectives"] = [n.meta["fxsplit_collective"] for n in g.graph.nodes
                                               if "fxsplit_collective" in n.meta]
         return cls(
-            forward_graph=fwd_gm, input_graph=i_gm, weight_graph=w_gm, n_outputs=k_out,
+            forward_graph=fwd_gm, input_graph=i_gm, weight_graph=w_gm, n_outputs=k_out, w_owned=_owned_outputs(w_gm),
             diff_outputs=list(joint.diff_outputs), grad_inputs=grad_inputs,
             param_ids=[k for k, g in enumerate(pgrads) if g is not None],
             i_inputs=[src(n) for n in i_ext], w_inputs=w_in, n_saved=len(saved), n_carry=len(carry),
@@ -611,12 +613,54 @@ class SplitState:
         return list(res)
 
 
-def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Add the W graph's ``grads`` into ``params``' ``.grad``, like ``AccumulateGrad``."""
-    for p, g in zip(params, grads):
+def _owned_outputs(gm: fx.GraphModule) -> list[bool]:
+    """Per output of ``gm``: whether its storage is made by the graph and returned once, so the
+    caller may keep the tensor itself ([Note: stolen gradients])."""
+    def root(n: Any) -> Any:
+        while isinstance(n, fx.Node) and n.op == "call_function":
+            t = n.target
+            if t is operator.getitem:
+                src = n.args[0]
+                op = src.target if isinstance(src, fx.Node) and src.op == "call_function" else None
+                if not isinstance(op, torch._ops.OpOverload):
+                    return None  # an element of an input tuple (a carry): held elsewhere too
+                if not any(r.alias_info is not None for r in op._schema.returns):
+                    return n  # one output of a multi-output op that makes its own tensors
+                n = src.args[0]
+            elif isinstance(t, torch._ops.OpOverload) and any(r.alias_info is not None for r in t._schema.returns):
+                n = n.args[0]  # a view: the storage is its input's
+            elif isinstance(t, torch._ops.OpOverload):
+                return n
+            else:
+                return None  # anything else (a Python function): not known to make a fresh tensor
+        return None  # a placeholder (an input, a tangent) or a constant
+
+    outs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    roots = [root(o) if isinstance(o, fx.Node) else None for o in outs]
+    return [r is not None and roots.count(r) == 1 for r in roots]
+
+
+# [Note: stolen gradients]
+# autograd's AccumulateGrad keeps the first gradient of a parameter as its ``.grad`` without a
+# copy when nothing else holds it ("steals" it) and adds later ones in place. The W graph's
+# outputs are plain tensors the caller alone holds once W returns, unless one aliases an input
+# (a tangent, a saved value) or another output: `_owned_outputs` reads that from the graph (view
+# ops by their schema's alias annotation), and `accumulate_grads` takes an owned gradient whose
+# strides are the parameter's as is, and clones the others (and a compiled W's outputs, which the
+# graph does not describe). The values are the same either way: only the copy goes.
+
+
+def accumulate_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                     owned: Sequence[bool] | None = None) -> None:
+    """Add the W graph's ``grads`` into ``params``' ``.grad``, like ``AccumulateGrad``; the
+    first gradient of a parameter is kept without a copy where ``owned`` says the tensor is the
+    caller's alone and its layout is the parameter's ([Note: stolen gradients])."""
+    for k, (p, g) in enumerate(zip(params, grads)):
         if g is None:
             continue
-        if p.grad is None:  # a graph output may alias another (or a tangent): own it
-            p.grad = g.clone()
+        if p.grad is None:
+            steal = owned is not None and owned[k] and g.shape == p.shape and g.stride() == p.stride() \
+                and g.dtype == p.dtype and g.device == p.device
+            p.grad = g if steal else g.clone()  # an output may alias another (or a tangent): own it
         else:
             p.grad.add_(g)
