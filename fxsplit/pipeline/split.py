@@ -462,7 +462,7 @@ class _UnitCosts:
     """[Note: F, I, W estimates] Per unit: ``compute`` is forward + backward seconds, ``forward``
     the forward alone (the cost model's forward roofline, or the measured profile). The backward's
     split into input gradient I and weight gradient W is estimated: a unit that reads parameters
-    (a linear, an embedding) spends half of its backward on the weight gradient (dX = dY W^T and
+    (a linear, an embedding; a tied copy too) spends half of its backward on the weight gradient (dX = dY W^T and
     dW = X^T dY cost the same), a unit without parameters none; I is the rest. The loss is charged
     to the last unit's I. These feed the per-stage costs of ``Plan.simulate`` and ``zb_auto``."""
 
@@ -482,6 +482,10 @@ def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Map
     index = {u: i for i, u in enumerate(units)}
     out = _UnitCosts([0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
     reads_params = {u for node in gm.graph.nodes if node.op == "get_attr" for u in node.users}
+    # a tied parameter's bytes count on its first user only, but every user computes its weight
+    # gradient: a tied LM head has a W half like an untied one
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    reads_params |= {u for u in units if any(name in trainable for name in node_info(u).params)}
     for i, u in enumerate(units):
         cost = node_info(u).cost
         c = cost.evaluate(binds) if cost.is_symbolic else cost
