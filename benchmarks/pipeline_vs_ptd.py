@@ -39,6 +39,10 @@ Simulator: ``plan.simulate()`` gives a makespan in the cost model's seconds; sca
 T1 / (m * sum of estimated stage times) it predicts the step time ("pred(plan)": the plan's
 estimated imbalance included); "pred(bal)" is the perfectly balanced makespan
 ``simulate(schedule, 1/3, 2/3)`` in units of one rank's share of one microbatch, times T1 / (m p).
+Each schedule's notes also scale pred(plan) to the pipeline's own work (the sum of fxsplit's rank
+CPU seconds, which runs above T1: two ranks computing at once, the runtime's per-action work) and
+give the busiest rank's simulated and measured (B) bubble: that compares the schedule and the
+plan's imbalance alone.
 """
 
 from __future__ import annotations
