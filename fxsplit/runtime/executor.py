@@ -463,7 +463,7 @@ class PipelineRuntime(GraphActions):
                 if s == self.last_stage:  # the loss differentiates from leaves standing for the outputs
                     out = [o.detach().requires_grad_() if j in split.diff_outputs else o for j, o in enumerate(out)]
             else:
-                out = self.modules[s](*args)
+                out = self._stage_call(s, args)  # the module, or compiled inference ([Note: compiled inference])
         if not isinstance(out, (tuple, list)):
             out = (out,)
         if len(out) != len(sio.outputs):
