@@ -71,7 +71,10 @@ SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1
              "zb_auto": ("zb_auto", 1)}
 # "<schedule>_autograd": the same schedule with split_backward="autograd" (the default is "graph")
 SCHEDULES.update({f"{k}_autograd": SCHEDULES[k] for k in ("zb_h1", "zbv", "zb_auto")})
-PTD_OF = {"zb_auto": "zb_h1", "zb_auto_autograd": "zb_h1", "zb_h1_autograd": "zb_h1", "zbv_autograd": "zbv"}
+# "<schedule>_unfused" (with --compile): B runs as the I then the W graph, not one backward graph
+# ([Note: fused backward] in fxsplit.runtime.compiling), to measure what fusing them gives
+SCHEDULES.update({f"{k}_unfused": SCHEDULES[k] for k in ("1f1b", "interleaved")})
+PTD_OF = {"1f1b_unfused": "1f1b", "interleaved_unfused": "interleaved", "zb_auto": "zb_h1", "zb_auto_autograd": "zb_h1", "zb_h1_autograd": "zb_h1", "zbv_autograd": "zbv"}
 # PTD has no cost-driven schedule: zb_auto runs against its ZB1P
 
 
@@ -290,6 +293,8 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
                                  cut_at="modules",  # cuts PTD's split_spec can reproduce
                                  split_backward="autograd" if label.endswith("_autograd") else "graph",
                                  activation_checkpointing=setup.checkpointing, compile=setup.compile)
+        if label.endswith("_unfused"):
+            pm._runtime.fuse_backward = False
         t_fx = time.perf_counter() - t0
         paths = split_paths(pm.plan)
         variants = ptd_variants(setup)

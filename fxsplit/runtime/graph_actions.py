@@ -43,6 +43,9 @@ class GraphActions:
         # "inference") -> why a forward-only call runs the stage eagerly ([Note: compiled inference])
         self.compile_fallbacks: dict[tuple[int, str], str] = {}
         self._inference_runners: dict[tuple, Any] = {}
+        # False: a B of a compiled stage runs I then W even where the schedule never splits it
+        # (for measuring [Note: fused backward]; set before the first step)
+        self.fuse_backward = True
 
     def _runs_as_graph(self, s: int) -> bool:
         """Whether a training forward of stage ``s`` runs as the F graph (if the split takes it)."""
@@ -70,13 +73,13 @@ class GraphActions:
                                      "activation_checkpointing='full' or a schedule without a split backward") from exc
                 self.split_fallbacks[s] = str(exc)
                 if self.compile:
-                    for kind in ("F", "I", "W") if s in self._split_stages else ("F", "B"):
+                    for kind in ("F", "I", "W") if s in self._split_stages or not self.fuse_backward else ("F", "B"):
                         self.compile_fallbacks[(s, kind)] = f"the stage runs on autograd, uncompiled: {exc}"
                 split = None
             if split is not None and self.compile:
                 # one backward graph where the schedule never splits this stage's ([Note: fused backward])
                 compile_split(split, lambda kind, why, s=s: self.compile_fallbacks.setdefault((s, kind), why),
-                              fused=s not in self._split_stages)
+                              fused=self.fuse_backward and s not in self._split_stages)
             self._graph_splits[key] = split
         return self._graph_splits[key]
 
