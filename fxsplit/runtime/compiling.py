@@ -13,8 +13,9 @@ of them (the GraphModule itself, or its compiled form).
 [Note: compiled stages]
 ``PipelineRuntime(compile=True)`` (``parallelize(..., compile=True)``) compiles what the runtime
 executes. Every training forward then runs as the graph split's F graph whatever the schedule (a
-B action runs I then W), so zero-bubble and plain schedules take one path, and each of the F, I
-and W graphs is given to ``torch.compile`` (inductor) on its own. This is where the graph split
+B action runs the one backward graph B where the schedule never splits the stage, [Note: fused
+backward], else I then W), so zero-bubble and plain schedules take one path, and each of the F,
+I and W (or F and B) graphs is given to ``torch.compile`` (inductor) on its own. This is where the graph split
 composes by construction: PTD splits the backward with autograd hooks on the stage module's own
 autograd graph, which a compiled module hides (one compiled autograd node for the whole stage;
 reported refused under zero bubble in pytorch#143599; a brief run of
