@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.fx
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.fx._symbolic_trace import Tracer
 
 from fxsplit.graph.marker import find_pipe_splits, pipe_split
@@ -111,8 +112,12 @@ def test_inference_graph_is_the_forward():
         assert len(got) == 1 and torch.equal(got[0], want)
         assert split.n_saved > 0 and len(list(gm.graph.nodes)) < len(list(split.forward_graph.graph.nodes))
         run = inference_runner(split, lambda why: pytest.fail(why))
+        before = dict(counters["stats"])
         torch.testing.assert_close(run(params, [], inputs)[0], want, rtol=1e-5, atol=1e-6)
+        for _ in range(2):  # compiled once: no recompile, no graph break on later calls
+            torch.testing.assert_close(run(params, [], inputs)[0], want, rtol=1e-5, atol=1e-6)
         assert run.compiled.compiled
+        assert counters["stats"]["unique_graphs"] - before.get("unique_graphs", 0) == 1
     refused = []
     drop = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1))
     assert inference_runner(GraphSplit.trace(drop, [torch.randn(4, 8)]), refused.append) is None
