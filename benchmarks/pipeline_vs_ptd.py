@@ -10,6 +10,7 @@ interleaving shrinks the bubble, but we quote the same ideal for both schedules,
     .venv/bin/python benchmarks/pipeline_vs_ptd.py --ranks 4 --microbatches 8 --schedules zbv
     .venv/bin/python benchmarks/pipeline_vs_ptd.py --schedules zbv --checkpointing full
     .venv/bin/python benchmarks/pipeline_vs_ptd.py --schedules 1f1b,zbv --compile
+    .venv/bin/python benchmarks/pipeline_vs_ptd.py --schedules 1f1b,zbv --compile --ptd-compile both
 
 Schedules: fxsplit's 1f1b / interleaved_1f1b / zb_h1 / zbv against PTD's Schedule1F1B /
 ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (ZB1P, one stage per rank) /
@@ -29,7 +30,11 @@ Variants: ``--checkpointing full``: fxsplit with ``activation_checkpointing="ful
 ``torch.utils.checkpoint`` (non-reentrant) around each GPT block of its stage modules (the same
 regions). ``--compile``: fxsplit with ``compile=True`` ([Note: compiled stages]: the F, I and W
 graphs through inductor), PTD with each stage module compiled in place (``submod.compile()``,
-inductor). Compiling happens in the warmup rounds. Whatever PTD does with a variant is reported:
+inductor). Compiling happens in the warmup rounds. ``--ptd-compile both`` times PTD both ways in the
+same rounds (``ptd``: eager stage modules, ``ptd-compiled``: compiled; each its own pipeline over
+the same weights and split), whatever ``--compile`` does for fxsplit; section C then gives
+fxsplit against each and against the faster of the two (PTD's best configuration); ``on`` /
+``off`` compile PTD or not regardless of ``--compile`` (default ``same``: as fxsplit). Whatever PTD does with a variant is reported:
 if a PTD step raises on any rank, the ranks agree on it (PTD's stages run on a process group of
 their own with a timeout, 120 s, 900 s with ``--compile``: a peer blocked in a receive from the
 failing rank fails at that timeout instead of hanging),
@@ -70,7 +75,10 @@ SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1
              "zb_auto": ("zb_auto", 1)}
 # "<schedule>_autograd": the same schedule with split_backward="autograd" (the default is "graph")
 SCHEDULES.update({f"{k}_autograd": SCHEDULES[k] for k in ("zb_h1", "zbv", "zb_auto")})
-PTD_OF = {"zb_auto": "zb_h1", "zb_auto_autograd": "zb_h1", "zb_h1_autograd": "zb_h1", "zbv_autograd": "zbv"}
+# "<schedule>_unfused" (with --compile): B runs as the I then the W graph, not one backward graph
+# ([Note: fused backward] in fxsplit.runtime.compiling), to measure what fusing them gives
+SCHEDULES.update({f"{k}_unfused": SCHEDULES[k] for k in ("1f1b", "interleaved")})
+PTD_OF = {"1f1b_unfused": "1f1b", "interleaved_unfused": "interleaved", "zb_auto": "zb_h1", "zb_auto_autograd": "zb_h1", "zb_h1_autograd": "zb_h1", "zbv_autograd": "zbv"}
 # PTD has no cost-driven schedule: zb_auto runs against its ZB1P
 
 
@@ -89,6 +97,9 @@ class Setup:
     ranks: int = 2  # pipeline ranks p (processes)
     checkpointing: str = "none"  # "none" or "full": fxsplit's activation_checkpointing, PTD's blocks checkpointed
     compile: bool = False  # fxsplit compile=True; PTD's stage modules torch.compile'd
+    # PTD's variants: "same" (compiled as fxsplit is, label ptd), "on" / "off" (label ptd either way),
+    # "both": uncompiled (ptd) and compiled (ptd-compiled) in the same rounds, fxsplit against the best
+    ptd_compile: str = "same"
     # fxsplit's balanced split unless given, e.g. "1f1b=blocks.4;interleaved=blocks.2,blocks.4,blocks.6"
     split_points: str = ""
 
@@ -123,7 +134,15 @@ def split_paths(plan) -> list[str]:
     return paths
 
 
-def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, world: int, group):
+def ptd_variants(setup: Setup) -> list[tuple[str, bool]]:
+    """(label, compiled) of each PTD pipeline a run times (``--ptd-compile``)."""
+    if setup.ptd_compile == "both":
+        return [("ptd", False), ("ptd-compiled", True)]
+    return [("ptd", {"same": setup.compile, "on": True, "off": False}[setup.ptd_compile])]
+
+
+def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, world: int, group,
+         compiled: bool | None = None):
     num_stages = world * v
     pipe = ptd_pipe(model, x, paths, setup.microbatches, num_stages)
     mine = schedules.placement(SCHEDULES[sched_name][0], world, v)
@@ -132,7 +151,7 @@ def _ptd(model, x, paths, setup: Setup, sched_name: str, v: int, rank: int, worl
         _no_self_warmup(st, rank)
         if setup.checkpointing == "full":
             _checkpoint_blocks(st.submod)
-        if setup.compile:
+        if setup.compile if compiled is None else compiled:
             st.submod.compile()  # in place: the stage keeps its module (parameters, grads)
     sched, first, last = ptd_schedule(PTD_OF.get(sched_name, sched_name), stages, setup.microbatches)
     return sched, stages, first, last
@@ -278,32 +297,43 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
                                  cut_at="modules",  # cuts PTD's split_spec can reproduce
                                  split_backward="autograd" if label.endswith("_autograd") else "graph",
                                  activation_checkpointing=setup.checkpointing, compile=setup.compile)
+        if label.endswith("_unfused"):
+            pm._runtime.fuse_backward = False
         t_fx = time.perf_counter() - t0
         paths = split_paths(pm.plan)
-        t0 = time.perf_counter()
-        # PTD's own group: destroyed if a PTD step fails, and with a timeout, so that a peer blocked
-        # in a receive from the failing rank fails too (gloo does not wake it on destroy)
-        ptd_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=900 if setup.compile else 120))
-        sched, stages, first, last = _ptd(copy.deepcopy(model), x, paths, setup, label, v, rank, world, ptd_group)
-        t_ptd = time.perf_counter() - t0
+        variants = ptd_variants(setup)
+        ptds: dict[str, tuple] = {}  # label -> (sched, stages, first, last, group)
+        t_ptd = 0.0
+        for name, compiled in variants:
+            t0 = time.perf_counter()
+            # PTD's own group: destroyed if a PTD step fails, and with a timeout, so that a peer blocked
+            # in a receive from the failing rank fails too (gloo does not wake it on destroy)
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=900 if compiled else 120))
+            ptds[name] = (*_ptd(copy.deepcopy(model), x, paths, setup, label, v, rank, world, group, compiled), group)
+            t_ptd += time.perf_counter() - t0
         losses: dict[str, float] = {}
-        clocks = {"fxsplit": ActionClock(), "ptd": ActionClock()}
+        clocks = {"fxsplit": ActionClock()} | {name: ActionClock() for name in ptds}
         _clock_fxsplit(pm._runtime, clocks["fxsplit"])
-        for st in stages:
-            _clock_ptd(st, clocks["ptd"])
-        actions: dict[str, list] = {"fxsplit": [], "ptd": []}
+        for name, (_, stages, *_rest) in ptds.items():
+            for st in stages:
+                _clock_ptd(st, clocks[name])
+        actions: dict[str, list] = {k: [] for k in clocks}
 
         def fx_step():
             clocks["fxsplit"].reset()
             losses["fxsplit"] = float(pm.step(x, target=y))
             actions["fxsplit"].append(clocks["fxsplit"].actions())
 
-        def ptd_run():
-            clocks["ptd"].reset()
-            loss = ptd_step(sched, x, y, first=first, last=last)
-            if loss is not None:
-                losses["ptd"] = loss
-            actions["ptd"].append(clocks["ptd"].actions())
+        def ptd_run_of(name):
+            sched, _, first, last, _ = ptds[name]
+
+            def ptd_run():
+                clocks[name].reset()
+                loss = ptd_step(sched, x, y, first=first, last=last)
+                if loss is not None:
+                    losses[name] = loss
+                actions[name].append(clocks[name].actions())
+            return ptd_run
 
         def single_mb_step():  # the same m microbatches, one after the other (gradient accumulation)
             total = 0.0
@@ -316,13 +346,16 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         def zero():
             pm.zero_grad(set_to_none=True)
             single.zero_grad(set_to_none=True)
-            for st in stages:
-                st.submod.zero_grad(set_to_none=True)
+            for _, stages, *_rest in ptds.values():
+                for st in stages:
+                    st.submod.zero_grad(set_to_none=True)
 
-        ptd_error = _probe(ptd_run, ptd_group)
+        ptd_errors = {name: _probe(ptd_run_of(name), ptds[name][4]) for name in ptds}
         zero()
-        actions["ptd"].clear()
-        runs = [("fxsplit", fx_step, True)] + ([("ptd", ptd_run, True)] if ptd_error is None else []) + [
+        for name in ptds:
+            actions[name].clear()
+        runs = [("fxsplit", fx_step, True)] + [(name, ptd_run_of(name), True) for name in ptds
+                                               if ptd_errors[name] is None] + [
                 ("single", single_step(single, x, y, losses), rank == 0), ("single_mb", single_mb_step, rank == 0)]
         waits: list[float] = []  # fxsplit: seconds this rank blocked in receives (bubble + transfers)
         first_losses: dict[str, float] = {}
@@ -344,7 +377,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         est_work = setup.microbatches * sum(s.time for s in pm.plan.split.stages)
         sim_bal = schedules.simulate(pm.plan.schedule, forward=1 / 3, backward=2 / 3)
         out[label] = {
-            "ptd_error": ptd_error,
+            "ptd_error": ptd_errors["ptd"], "ptd_errors": ptd_errors,
             "compile_fallbacks": {f"{s}{k}": why for (s, k), why in pm._runtime.compile_fallbacks.items()},
             "times": times, "cpu": cpus, "waits": waits, "actions": actions, "losses": first_losses,
             "paths": paths, "setup_s": (t_fx, t_ptd),
@@ -399,6 +432,8 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
     free = [f"{'B. free cores':<16} {'T1 CPU':>6} {'fxsplit':>7} {'PTD':>6} {'fx/PTD':>6} {'fx/ideal':>8} "
             f"{'PTD/ideal':>9} {'sim plan':>8} {'sim bal':>7} {'fx rank CPU':>13} {'PTD rank CPU':>13}"]
     notes = []
+    best = [f"{'C. best PTD':<16} {'variant':>12} {'wall':>6} {'fx/it':>6} {'free':>6} {'fx/it':>6} "
+            f"{'PTD rank CPU':>13}"]
     for label in setup.schedules:
         name = f"{label} v={SCHEDULES[label][1]}"
         r0 = results[0][label]
@@ -416,7 +451,7 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
             f"{round_ratio(w['single'], w['fxsplit'], ideal):8.3f} "
             f"{num(lambda: round_ratio(w['single'], w['ptd'], ideal), 9, 'ptd')}")
         t1cpu = r0["cpu"]["single"]
-        kinds = ("fxsplit", "ptd") if has_ptd else ("fxsplit",)
+        kinds = ("fxsplit", *(k for k, _ in ptd_variants(setup) if k in w))
         est = {k: [free_machine_makespan([r[label]["actions"][k][i] for r in results]) for i in rounds]
                for k in kinds}
         rank_cpu = {k: [round(med(r[label]["cpu"][k]), 3) for r in results] for k in est}
@@ -436,15 +471,18 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
             f"{work / med(t1cpu):.2f} x T1 CPU): {sim_work:.3f} s, B fxsplit / that {med(est['fxsplit']) / sim_work:.3f}; "
             f"bubble on the busiest rank: measured {1 - max(rank_cpu['fxsplit']) / med(est['fxsplit']):.3f}, "
             f"simulated {r0['sim_bubble']:.3f}")
+        if len(ptd_variants(setup)) > 1:
+            best.extend(_best_rows(name, w, est, rank_cpu, [k for k in kinds if k != "fxsplit"]))
         rel = _losses_agree([r[label]["losses"] for r in results])
         notes.append(
             f"{name}: split at {r0['paths']}; first-step losses (fxsplit, PTD, single, single over "
             f"microbatches) agree to {rel:.1e}; fxsplit blocked in receives per rank "
             f"{[round(med(r[label]['waits']), 3) for r in results]} s; setup s on rank 0 (fxsplit, PTD) "
             f"{tuple(round(t, 1) for t in r0['setup_s'])}")
-        if not has_ptd:
-            notes.append(f"    PTD failed with this variant (not timed): "
-                         + "; ".join(f"rank {q}: {r[label]['ptd_error']}" for q, r in enumerate(results)))
+        for k, _ in ptd_variants(setup):
+            if k not in w:
+                notes.append(f"    PTD ({k}) failed with this variant (not timed): "
+                             + "; ".join(f"rank {q}: {r[label]['ptd_errors'][k]}" for q, r in enumerate(results)))
         fallbacks = {q: r[label]["compile_fallbacks"] for q, r in enumerate(results) if r[label]["compile_fallbacks"]}
         if fallbacks:
             notes.append(f"    fxsplit graphs run uncompiled (rank: stage+graph -> why): {fallbacks}")
@@ -456,8 +494,24 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
         "measured main-thread CPU seconds (each rank runs its recorded order, each action after its "
         "dependency; transfers free); x/ideal against T1 CPU; sim = plan.simulate() makespan scaled "
         "to T1 CPU (plan: the cost model's stage estimates; bal: balanced stages); rank CPU = "
-        "main-thread CPU seconds per step on each rank.")
-    return "\n".join([head, *wall, *free, *notes, legend])
+        "main-thread CPU seconds per step on each rank."
+        + (" C (--ptd-compile both): A's and B's medians for each PTD variant (ptd: stage modules "
+           "eager, ptd-compiled: submod.compile()), fx/it the median per-round ratio; 'best' is the "
+           "variant with the lower median (by wall for A, by free cores for B), and fxsplit against it."
+           if len(ptd_variants(setup)) > 1 else ""))
+    return "\n".join([head, *wall, *free, *(best if len(best) > 1 else []), *notes, legend])
+
+
+def _best_rows(name: str, w: dict, est: dict, rank_cpu: dict, ptds: list[str]) -> list[str]:
+    """Section C: every PTD variant's wall and free-core step, fxsplit's ratio to each, and to the best."""
+    rows = [f"{name:<16} {k:>12} {med(w[k]):6.3f} {round_ratio(w['fxsplit'], w[k]):6.3f} {med(est[k]):6.3f} "
+            f"{round_ratio(est['fxsplit'], est[k]):6.3f} {str(rank_cpu[k]):>13}" for k in ptds]
+    if ptds:
+        bw = min(ptds, key=lambda k: med(w[k]))
+        bf = min(ptds, key=lambda k: med(est[k]))
+        rows.append(f"{name:<16} {'best':>12} {med(w[bw]):6.3f} {round_ratio(w['fxsplit'], w[bw]):6.3f} "
+                    f"{med(est[bf]):6.3f} {round_ratio(est['fxsplit'], est[bf]):6.3f}   (wall: {bw}; free cores: {bf})")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -468,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown schedules {bad}; choose from {sorted(SCHEDULES)}")
     if setup.checkpointing not in ("none", "full"):
         ap.error(f"--checkpointing must be none or full, got {setup.checkpointing!r}")
+    if setup.ptd_compile not in ("same", "on", "off", "both"):
+        ap.error(f"--ptd-compile must be same, on, off or both, got {setup.ptd_compile!r}")
     if setup.ranks < 2:
         ap.error(f"--ranks must be >= 2, got {setup.ranks}")
     results, load, wall = launch(_rank_main, setup.ranks, setup, timeout=1800 if setup.compile else 900)

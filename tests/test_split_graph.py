@@ -191,17 +191,10 @@ def test_forward_i_and_w_graphs_compile():
     """The runtime's compiled graphs ([Note: compiled stages]): compile_split gives the F, I and W
     graphs torch.compile'd runners (inductor, CPU) that run to the uncompiled split's outputs and
     gradients (within fp reassociation: inductor fuses and reorders); a graph that draws random
-    numbers or calls Python between its ops is not compiled, with the reason. In a process of its
-    own: dynamo's state after a compile breaks later fx tracing in the same process (pipe_split),
-    and earlier tests' state breaks the compile."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    code = "import tests.test_split_graph as t; t._compile_check()"
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    numbers or calls Python between its ops is not compiled, with the reason. In process: a
+    compile no longer breaks later fx tracing ([Note: Tracer.trace under dynamo] in
+    fxsplit.graph.marker; tests/test_compiling.py)."""
+    _compile_check()
 
 
 def _compile_check():

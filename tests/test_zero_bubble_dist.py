@@ -198,11 +198,12 @@ def test_graph_split_with_skips_checkpointing_and_hf():
 
 
 # torch.compile of the stage graphs ([Note: compiled stages] in fxsplit.runtime.compiling): 1f1b
-# (B runs I then W) and zbv at p=2, a one-layer tied GPT, every F, I and W graph compiled.
-# Every plan is made before anything compiles (dynamo's state after a compile breaks later fx
-# tracing in the same process); inductor reorders fp32 work, hence 1e-5 relative.
+# (B as one graph: [Note: fused backward]) and zbv (F, I and W) at p=2, a one-layer tied GPT,
+# every graph compiled; before training, pm(x) runs the compiled inference graphs ([Note:
+# compiled inference]) against the unsplit model. Inductor reorders fp32 work, hence 1e-5 relative.
 COMPILED = {"1f1b": dict(pp=2, schedule="1f1b", microbatches=2, compile=True),
             "zbv": dict(pp=2, schedule="zbv", microbatches=2, compile=True)}
+COMPILED_GRAPHS = {"1f1b": "BF", "zbv": "FIW"}
 COMPILED_GPT = {"batch_size": 4, "n_layer": 1, "seq_len": 8}
 
 
@@ -216,6 +217,9 @@ def _compiled(rank, world):
                                             hardware=INF_LINK, **options), args, ref)
     out = {}
     for label, (pm, args, ref) in built.items():
+        with torch.no_grad():
+            x = _batch(args, 99)
+            inference = (pm(x), ref(x))
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
         steps = []
         for i in range(STEPS):
@@ -233,7 +237,9 @@ def _compiled(rank, world):
         out[label] = dict(steps=steps, fallbacks=dict(rt.split_fallbacks), not_compiled=dict(rt.compile_fallbacks),
                           compiled=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
                                           for kind, r in split.runners.items() if r.compiled),
-                          stages=sorted(int(s) for s in pm.stage_modules))
+                          stages=sorted(int(s) for s in pm.stage_modules), inference=inference,
+                          inference_compiled=[run is not None and run.compiled.compiled
+                                              for run in rt._inference_runners.values()])
     return out
 
 
@@ -246,7 +252,10 @@ def test_compiled_stage_graphs_match_single_process():
         res = [r[label] for r in results]
         for r in res:
             assert r["fallbacks"] == {} and r["not_compiled"] == {}, (label, r["fallbacks"], r["not_compiled"])
-            assert r["compiled"] == [(s, kind) for s in r["stages"] for kind in "FIW"], (label, r["compiled"])
+            assert r["compiled"] == [(s, kind) for s in r["stages"] for kind in COMPILED_GRAPHS[label]], (
+                label, r["compiled"])
+            assert r["inference_compiled"] and all(r["inference_compiled"]), (label, r["inference_compiled"])
+            torch.testing.assert_close(*r["inference"], rtol=1e-5, atol=1e-6)
         _check(res, want)
 
 # ZB-V with dropout (graph split, p=2): the masks are those of the unsplit model run on the stage

@@ -74,13 +74,23 @@ def pipe_split() -> None:
 
 def _symbolic_tracer() -> Tracer | None:
     """The plain symbolic `Tracer` whose `trace` is on the call stack, or None. make_fx-based
-    tracers (export) are skipped: they record the op when it is dispatched."""
+    tracers (export) are skipped: they record the op when it is dispatched.
+
+    [Note: Tracer.trace under dynamo]
+    The first ``torch.compile`` in a process runs ``torch._dynamo.eval_frame.TorchPatcher.patch``,
+    which replaces ``torch.fx.Tracer.trace`` with ``torch._dynamo.disable(Tracer.trace)`` for the
+    rest of the process: a ``functools.wraps`` wrapper whose code object (``_fn``) is shared by
+    every disabled function. Matched against ``Tracer.trace.__code__`` as is, the walk would find
+    the wrapper's frame (no ``self``), never the real ``trace``'s, and every later ``pipe_split()``
+    under symbolic tracing would be dropped silently (one stage fewer). So the walk matches the
+    unwrapped function's code (``inspect.unwrap``), the same before and after any compile."""
     from torch.fx.experimental.proxy_tensor import PythonKeyTracer
 
+    trace_code = inspect.unwrap(Tracer.trace).__code__  # [Note: Tracer.trace under dynamo]
     frame = inspect.currentframe()
     try:
         while frame is not None:
-            if frame.f_code is Tracer.trace.__code__:
+            if frame.f_code is trace_code:
                 tracer = frame.f_locals.get("self")
                 if isinstance(tracer, Tracer) and not isinstance(tracer, PythonKeyTracer):
                     return tracer

@@ -140,9 +140,11 @@ class PipelineRuntime(GraphActions):
       cannot be traced that way falls back to "autograd" and ``split_fallbacks[stage]`` says
       why) or "autograd" ([Note: split backward]).
     - ``compile``: every training forward runs as the graph split's F graph (whatever the
-      schedule; B runs I then W) and the F, I and W graphs are compiled with ``torch.compile``
-      (inductor), once per input signature; ``compile_fallbacks[(stage, "F" | "I" | "W")]`` says
-      why a graph runs uncompiled ([Note: compiled stages] in fxsplit.runtime.compiling).
+      schedule; B is one graph where the schedule never splits the stage, else I then W) and
+      the graphs are compiled with ``torch.compile`` (inductor), once per input signature; a
+      forward-only call runs compiled inference graphs; ``compile_fallbacks[(stage, "F" | "I" |
+      "W" | "B" | "inference")]`` says why a graph runs uncompiled ([Note: compiled stages] in
+      fxsplit.runtime.compiling).
     """
 
     def __init__(
@@ -463,7 +465,7 @@ class PipelineRuntime(GraphActions):
                 if s == self.last_stage:  # the loss differentiates from leaves standing for the outputs
                     out = [o.detach().requires_grad_() if j in split.diff_outputs else o for j, o in enumerate(out)]
             else:
-                out = self.modules[s](*args)
+                out = self._stage_call(s, args)  # the module, or compiled inference ([Note: compiled inference])
         if not isinstance(out, (tuple, list)):
             out = (out,)
         if len(out) != len(sio.outputs):

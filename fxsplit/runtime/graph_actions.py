@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxsplit.runtime.compiling import compile_split
+from fxsplit.runtime.compiling import compile_split, full_backward, inference_runner
 from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage, accumulate_grads, has_selective_region, signature
 from fxsplit.schedule.ir import ActionKind
 
@@ -39,8 +39,13 @@ class GraphActions:
         self.compile = bool(compile)
         self._graph_splits: dict[tuple, GraphSplit | None] = {}
         self.split_fallbacks: dict[int, str] = {}  # stage -> why its split backward runs on autograd
-        # (stage, "F" | "I" | "W") -> why that graph runs uncompiled (compile=True)
+        # (stage, "F" | "I" | "W" | "B") -> why that graph runs uncompiled (compile=True); (stage,
+        # "inference") -> why a forward-only call runs the stage eagerly ([Note: compiled inference])
         self.compile_fallbacks: dict[tuple[int, str], str] = {}
+        self._inference_runners: dict[tuple, Any] = {}
+        # False: a B of a compiled stage runs I then W even where the schedule never splits it
+        # (for measuring [Note: fused backward]; set before the first step)
+        self.fuse_backward = True
 
     def _runs_as_graph(self, s: int) -> bool:
         """Whether a training forward of stage ``s`` runs as the F graph (if the split takes it)."""
@@ -68,13 +73,35 @@ class GraphActions:
                                      "activation_checkpointing='full' or a schedule without a split backward") from exc
                 self.split_fallbacks[s] = str(exc)
                 if self.compile:
-                    for kind in ("F", "I", "W"):
+                    for kind in ("F", "I", "W") if s in self._split_stages or not self.fuse_backward else ("F", "B"):
                         self.compile_fallbacks[(s, kind)] = f"the stage runs on autograd, uncompiled: {exc}"
                 split = None
             if split is not None and self.compile:
-                compile_split(split, lambda kind, why, s=s: self.compile_fallbacks.setdefault((s, kind), why))
+                # one backward graph where the schedule never splits this stage's ([Note: fused backward])
+                compile_split(split, lambda kind, why, s=s: self.compile_fallbacks.setdefault((s, kind), why),
+                              fused=self.fuse_backward and s not in self._split_stages)
             self._graph_splits[key] = split
         return self._graph_splits[key]
+
+    def _stage_call(self, s: int, args: list[Any]) -> Any:
+        """Stage ``s`` on ``args`` outside a training graph: with ``compile``, in a forward-only
+        call, its compiled inference graph ([Note: compiled inference]); else its module."""
+        if not self.compile or self._training:
+            return self.modules[s](*args)
+        key = (s, signature(args))
+        if key not in self._inference_runners:
+            def fallback(why: str, s: int = s) -> None:
+                self.compile_fallbacks.setdefault((s, "inference"), why)
+            try:
+                split = GraphSplit.trace(self.modules[s], args)
+            except UnsupportedStage as exc:
+                fallback(f"the graph split cannot trace the stage: {exc}")
+                split = None
+            self._inference_runners[key] = None if split is None else inference_runner(split, fallback)
+        run = self._inference_runners[key]
+        if run is None:
+            return self.modules[s](*args)
+        return run(*self._state(s), [x for x in args if isinstance(x, torch.Tensor)])
 
     def _received_grads(self, ac: Any) -> dict[int, torch.Tensor]:
         """The gradients ``ac`` receives (from peers and from this rank's own stages), summed per
@@ -104,6 +131,11 @@ class GraphActions:
             tangents.append(torch.zeros_like(o) if g is None else g if g.dtype == o.dtype else g.to(o.dtype))
         saved.outputs, saved.loss = (), None
         params, buffers = self._state(a.stage)
+        if a.kind is ActionKind.BACKWARD and "B" in split.runners:  # [Note: fused backward]
+            got, weight_grads = full_backward(state, params, buffers, tangents)
+            self._send_input_grads(ac, saved, dict(zip(split.grad_inputs, got)))
+            self._accumulate(a.stage, weight_grads)
+            return
         got = state.input_grads(params, buffers, tangents)
         self._send_input_grads(ac, saved, dict(zip(split.grad_inputs, got)))
         if a.kind is ActionKind.BACKWARD:
