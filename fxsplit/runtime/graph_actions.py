@@ -134,7 +134,7 @@ class GraphActions:
         if a.kind is ActionKind.BACKWARD and "B" in split.runners:  # [Note: fused backward]
             got, weight_grads = full_backward(state, params, buffers, tangents)
             self._send_input_grads(ac, saved, dict(zip(split.grad_inputs, got)))
-            self._accumulate(a.stage, weight_grads)
+            accumulate_grads(params, weight_grads)  # a compiled graph's outputs: copied, never stolen
             return
         got = state.input_grads(params, buffers, tangents)
         self._send_input_grads(ac, saved, dict(zip(split.grad_inputs, got)))
