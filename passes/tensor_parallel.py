@@ -55,6 +55,7 @@ from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
+from fxsplit.tp.shapes import fake_like
 from fxsplit.passes.tp_operands import (grouped_weights, matmuls_as_linears, new_node as _new, partial_sums,
                                        scatter_operands, sum_grads, whole_blocks)
 
@@ -65,11 +66,9 @@ def _local_val(val: Any, dim: int, size: int) -> Any:
     """A fake tensor like ``val`` with ``size`` on ``dim`` (same fake mode, dtype, device)."""
     shape = list(val.shape)
     shape[dim] = size
-    mode = getattr(val, "fake_mode", None)
-    if mode is None:
-        return torch.empty(shape, dtype=val.dtype, device="meta").requires_grad_(val.requires_grad)
-    with mode:
-        out = torch.empty(shape, dtype=val.dtype, device=val.device)
+    out = fake_like(val, shape)  # [Note: fake tensors without dispatch] in fxsplit.tp.shapes
+    if getattr(val, "fake_mode", None) is None:
+        return out.requires_grad_(val.requires_grad)
     return out.requires_grad_(val.requires_grad) if val.requires_grad and val.is_floating_point() else out
 
 
@@ -606,11 +605,9 @@ def _param_val(gm, n, nodes):
     p = resolve_path(gm, str(n.target))
     ref = next((m.meta.get("val") for m in nodes.values() if isinstance(m.meta.get("val"), torch.Tensor)
                 and getattr(m.meta["val"], "fake_mode", None) is not None), None)
-    mode = getattr(ref, "fake_mode", None)
-    if mode is None:
+    if getattr(ref, "fake_mode", None) is None:
         return torch.empty(p.shape, dtype=p.dtype, device="meta")
-    with mode:
-        return torch.empty(p.shape, dtype=p.dtype, device=ref.device)
+    return fake_like(ref, p.shape, p.dtype)
 
 
 def tensor_parallel(
