@@ -47,7 +47,7 @@ from torch import nn
 
 from fxsplit.tp.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
                                  reduce_scatter_to_region, scatter_to_region)
-from fxsplit.graph.meta import annotate_graph
+from fxsplit.graph.meta import annotate_graph, fake_like
 from fxsplit.graph.ops import op_name, resolve_path
 from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.plan import SequenceParallelPlan
@@ -55,7 +55,6 @@ from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
 from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
-from fxsplit.tp.shapes import fake_like
 from fxsplit.passes.tp_operands import (grouped_weights, matmuls_as_linears, new_node as _new, partial_sums,
                                        scatter_operands, sum_grads, whole_blocks)
 
@@ -66,7 +65,7 @@ def _local_val(val: Any, dim: int, size: int) -> Any:
     """A fake tensor like ``val`` with ``size`` on ``dim`` (same fake mode, dtype, device)."""
     shape = list(val.shape)
     shape[dim] = size
-    out = fake_like(val, shape)  # [Note: fake tensors without dispatch] in fxsplit.tp.shapes
+    out = fake_like(val, shape)  # [Note: fake tensors without dispatch] in fxsplit.graph.meta
     if getattr(val, "fake_mode", None) is None:
         return out.requires_grad_(val.requires_grad)
     return out.requires_grad_(val.requires_grad) if val.requires_grad and val.is_floating_point() else out
