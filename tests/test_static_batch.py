@@ -87,11 +87,15 @@ def test_static_batch_errors():
 def _static_cases(rank, world):
     from test_parallelize import _train
 
-    # a global batch of 4: pp=2 in 2 microbatches of 2; dp=2, one microbatch of 2 per replica
-    return {label: _train(rank, world, "gpt", {"batch_size": 4},
-                          dict(opts, method="export", global_batch_size=4))
-            for label, opts in (("pp2", dict(pp=2, schedule="1f1b", microbatches=2)),
-                                ("dp2", dict(dp=2, microbatches=1)))}
+    # a global batch of 4: pp=2 in 2 microbatches of 2; dp=2, one microbatch of 2 per replica;
+    # tp=2, one of 4 (untied weights: test_parallelize's check names a tied export parameter once)
+    return {label: _train(rank, world, "gpt", dict(_OVERRIDES), dict(opts, method="export", global_batch_size=4))
+            for label, opts in _LAYOUTS.items()}
+
+
+_OVERRIDES = {"batch_size": 4, "tie_weights": False}
+_LAYOUTS = {"pp2": dict(pp=2, schedule="1f1b", microbatches=2), "dp2": dict(dp=2, microbatches=1),
+            "tp2": dict(tp=2, microbatches=1)}
 
 
 @pytest.mark.dist
@@ -100,6 +104,6 @@ def test_static_batch_plans_match_single_process():
     from test_parallelize import _check, _reference
 
     results = run_distributed(_static_cases, 2, timeout=240)
-    ref = _reference("gpt", {"batch_size": 4})
-    for label in ("pp2", "dp2"):
+    ref = _reference("gpt", dict(_OVERRIDES))
+    for label in _LAYOUTS:
         _check([r[label] for r in results], *ref)
