@@ -25,11 +25,15 @@
    the same model. Model FLOPs per step: for Megatron the paper's eq. (3), 96 B s l h^2 (1 + s / 6h
    + V / (16 l h)); for Llama B s (6 N + 12 l h s).
 3. speed: the search time (analysis + search, trace excluded and reported) of the 1T GPT for 3072
-   GPUs, and a Llama-70B config planned for tp=8 x pp=8 vs a bare torch.export of it.
+   GPUs, and a Llama-70B config planned for tp=8 x pp=8 vs a bare torch.export of it: 1F1B,
+   m = 16, global batch 16 (so one sample per microbatch, and the plan traces the batch static
+   at it: [Note: a static batch] in fxsplit.graph.examples; ``--dynamic-batch`` times the plan
+   with the batch symbolic too). A 2-layer config is exported first, so that neither timed call
+   pays torch's one-time warm-up.
 
     .venv/bin/python benchmarks/planner.py here [--steps 5]
     .venv/bin/python benchmarks/planner.py paper [--runs 145.6B,1008B]
-    .venv/bin/python benchmarks/planner.py speed [--skip-70b] [--skip-1t]
+    .venv/bin/python benchmarks/planner.py speed [--skip-70b] [--skip-1t] [--dynamic-batch]
 """
 
 from __future__ import annotations
@@ -341,11 +345,11 @@ def _paper_llama(name: str, traced: dict) -> None:
     sys.stdout.flush()
 
 
-def speed(skip_70b: bool, skip_1t: bool) -> None:
+def speed(skip_70b: bool, skip_1t: bool, dynamic_batch: bool = False) -> None:
     if not skip_1t:
         _speed_1t()
     if not skip_70b:
-        _speed_70b()
+        _speed_70b(dynamic_batch)
 
 
 def _speed_1t() -> None:
@@ -367,19 +371,31 @@ def _speed_1t() -> None:
           f"{r.repartitioned[0]} (skipped past the cap {r.repartitioned[1]})")
 
 
-def _speed_70b() -> None:
+def _speed_70b(dynamic_batch: bool = False) -> None:
     from fxsplit.testing import hf_zoo
 
     hw = fxsplit.Hardware.preset("a100-80gb")
+    small, sargs, skwargs = hf_zoo.meta_llama_70b(seq_len=4096, num_hidden_layers=2)
+    torch.export.export(small, sargs, skwargs, strict=False)  # torch's one-time warm-up, timed by neither
     model, args, kwargs = hf_zoo.meta_llama_70b(seq_len=4096)
     t0 = time.perf_counter()
     torch.export.export(model, args, kwargs, strict=False)
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    p = fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", hardware=hw)
+    p = fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, global_batch_size=16,
+                     hardware=hw)
     plan_s = time.perf_counter() - t0
-    print(f"Llama-70B on meta: bare torch.export {export_s:.1f}s; fxsplit.plan tp=8 x pp=8 {plan_s:.1f}s "
-          f"= {plan_s / export_s:.2f}x (traced with {p.graph.meta['fxsplit'].method}); peak RSS {peak_rss_mb():.0f} MB")
+    info = p.graph.meta["fxsplit"]
+    print(f"Llama-70B on meta: bare torch.export {export_s:.1f}s; fxsplit.plan tp=8 x pp=8, global batch 16 in "
+          f"16 microbatches {plan_s:.1f}s = {plan_s / export_s:.2f}x (traced with {info.method}, batch "
+          f"{'symbolic' if 'batch' in info.symbols else f'static at {p.config.microbatch_size}'}); "
+          f"peak RSS {peak_rss_mb():.0f} MB")
+    if dynamic_batch:
+        t0 = time.perf_counter()
+        fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, hardware=hw)
+        dyn_s = time.perf_counter() - t0
+        print(f"  the same with the batch symbolic (no global batch): {dyn_s:.1f}s = {dyn_s / export_s:.2f}x; "
+              f"peak RSS {peak_rss_mb():.0f} MB")
 
 
 if __name__ == "__main__":
@@ -389,10 +405,11 @@ if __name__ == "__main__":
     ap.add_argument("--runs", default=",".join(list(TABLE1) + list(LLAMA3)))
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--skip-1t", action="store_true")
+    ap.add_argument("--dynamic-batch", action="store_true")
     ns = ap.parse_args()
     if ns.what == "here":
         here(ns.steps)
     elif ns.what == "paper":
         paper([r for r in ns.runs.split(",") if r])
     else:
-        speed(ns.skip_70b, ns.skip_1t)
+        speed(ns.skip_70b, ns.skip_1t, ns.dynamic_batch)

@@ -47,7 +47,7 @@ from torch import nn
 
 from fxsplit.tp.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
                                  reduce_scatter_to_region, scatter_to_region)
-from fxsplit.graph.meta import annotate_graph
+from fxsplit.graph.meta import annotate_graph, fake_like
 from fxsplit.graph.ops import op_name, resolve_path
 from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.plan import SequenceParallelPlan
@@ -65,11 +65,9 @@ def _local_val(val: Any, dim: int, size: int) -> Any:
     """A fake tensor like ``val`` with ``size`` on ``dim`` (same fake mode, dtype, device)."""
     shape = list(val.shape)
     shape[dim] = size
-    mode = getattr(val, "fake_mode", None)
-    if mode is None:
-        return torch.empty(shape, dtype=val.dtype, device="meta").requires_grad_(val.requires_grad)
-    with mode:
-        out = torch.empty(shape, dtype=val.dtype, device=val.device)
+    out = fake_like(val, shape)  # [Note: fake tensors without dispatch] in fxsplit.graph.meta
+    if getattr(val, "fake_mode", None) is None:
+        return out.requires_grad_(val.requires_grad)
     return out.requires_grad_(val.requires_grad) if val.requires_grad and val.is_floating_point() else out
 
 
@@ -606,11 +604,9 @@ def _param_val(gm, n, nodes):
     p = resolve_path(gm, str(n.target))
     ref = next((m.meta.get("val") for m in nodes.values() if isinstance(m.meta.get("val"), torch.Tensor)
                 and getattr(m.meta["val"], "fake_mode", None) is not None), None)
-    mode = getattr(ref, "fake_mode", None)
-    if mode is None:
+    if getattr(ref, "fake_mode", None) is None:
         return torch.empty(p.shape, dtype=p.dtype, device="meta")
-    with mode:
-        return torch.empty(p.shape, dtype=p.dtype, device=ref.device)
+    return fake_like(ref, p.shape, p.dtype)
 
 
 def tensor_parallel(

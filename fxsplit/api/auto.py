@@ -38,7 +38,7 @@ from fxsplit.planner import SearchResult, analyze, search, shard_supported
 __all__ = ["choose", "SEARCHED"]
 
 SEARCHED = ("dp", "tp", "pp", "stages_per_rank", "schedule", "microbatches", "activation_checkpointing",
-            "sequence_parallel", "dp_shard", "split_points")
+            "sequence_parallel", "dp_shard", "split_points", "microbatch_size")
 
 
 def choose(model: nn.Module, example_args: Any, example_kwargs: Mapping[str, Any] | None, *,
@@ -65,4 +65,8 @@ def choose(model: nn.Module, example_args: Any, example_kwargs: Mapping[str, Any
     fields = result.best.candidate.config_fields()
     chosen = dataclasses.replace(base, **fields, hardware=hardware, memory_limit=None,
                                  split_points=result.split_points() or None)
+    # the pick's microbatch size is known: its plan traces the batch static at it ([Note: a static batch])
+    per = chosen.dp * chosen.dp_shard * chosen.resolved().microbatches
+    if global_batch_size % per == 0:
+        chosen = dataclasses.replace(chosen, microbatch_size=global_batch_size // per)
     return chosen, result

@@ -103,7 +103,10 @@ class ParallelModel(nn.Module):
 
         Any batch size B >= m and any sequence length the model allows run without re-planning
         (batch and sequence are traced as symbols; under torch.export the sequence only with
-        ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace).
+        ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace), except
+        that a plan with a known microbatch size (``global_batch_size=`` / ``microbatch_size=``) traced
+        by torch.export takes microbatches of that size only (``dynamic_batch=True`` for any:
+        [Note: a static batch] in fxsplit.graph.examples).
         B need not divide by m: the microbatches differ by at most one sample and microbatch i's
         loss is weighted by b_i / B ([Note: loss weighting] in fxsplit.runtime.microbatch), which
         equals the full-batch loss and gradients for a loss that is a mean over samples. Errors: [Note: failures].
@@ -656,5 +659,10 @@ def check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:
         seq = ("" if info is None or info.method != "export" or config.dynamic_sequence is True else
                " (torch.export traced the sequence at the example's length; plan with dynamic_sequence=True "
                "to serve other lengths: [Note: a static sequence for export] in fxsplit.graph.trace)")
+        static = (info is not None and info.method == "export" and config.microbatch_size is not None
+                  and config.dynamic_batch is not True)
+        bat = (f" (torch.export traced the batch static at microbatch_size={config.microbatch_size}: pass batches of "
+               f"{config.microbatch_size * m} samples, or plan with dynamic_batch=True to serve any batch size: "
+               "[Note: a static batch] in fxsplit.graph.examples)" if static else "")
         raise ValueError(f"{what}(): a batch of {batch} in microbatches={m} gives microbatches of "
-                         f"{sorted(set(split.sizes))} samples, which the plan does not accept: {exc}{seq}") from None
+                         f"{sorted(set(split.sizes))} samples, which the plan does not accept: {exc}{bat}{seq}") from None

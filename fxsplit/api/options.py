@@ -41,6 +41,14 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel degree
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
+    # samples per microbatch, when known (plan(..., global_batch_size=B) sets B / (dp * dp_shard * m)):
+    # torch.export then traces the batch static at that size ([Note: a static batch] in
+    # fxsplit.graph.examples); None: the batch is symbolic
+    microbatch_size: int | None = None
+    # the batch (dim 0) traced as a symbol under torch.export: None (static when microbatch_size is
+    # known, else symbolic), True (always symbolic: any batch size runs), False (static, at
+    # microbatch_size or else the example's batch). torch.fx keeps it symbolic.
+    dynamic_batch: bool | None = None
     schedule: str = "interleaved_1f1b"  # one of fxsplit.schedule.NAMES
     stages_per_rank: int | None = None  # v; default 2 for interleaved_1f1b with pp > 1 and for zbv, else 1
     passes: tuple[Callable, ...] = ()  # user passes (gm, ctx) -> PassResult, run first
@@ -52,7 +60,7 @@ class ParallelConfig:
     method: str = "auto"  # tracing: "fx", "export" or "auto" (fx, then export)
     # the sequence (dim 1 of integer inputs) traced as a symbol: True (fx and export), None (fx
     # only; export traces the example's length, several times faster: [Note: a static sequence
-    # for export] in fxsplit.graph.trace), False (neither). The batch is always symbolic.
+    # for export] in fxsplit.graph.trace), False (neither). The batch: dynamic_batch.
     dynamic_sequence: bool | None = None
     leaf_modules: tuple[Any, ...] = ()  # module paths or classes fx keeps as single nodes
     hardware: Hardware | None = None  # what stage times are estimated for; None: Hardware()
@@ -78,9 +86,9 @@ class ParallelConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp", "dp_shard", "tp", "pp", "microbatches", "stages_per_rank"):
+        for name in ("dp", "dp_shard", "tp", "pp", "microbatches", "stages_per_rank", "microbatch_size"):
             value = getattr(self, name)
-            if value is None and name in ("microbatches", "stages_per_rank"):
+            if value is None and name in ("microbatches", "stages_per_rank", "microbatch_size"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name} must be an int >= 1, got {value!r}")
@@ -113,6 +121,9 @@ class ParallelConfig:
         if self.dynamic_sequence not in (True, False, None):
             raise PlanError(f"dynamic_sequence must be True, False or None (symbolic with fx only), got "
                             f"{self.dynamic_sequence!r}")
+        if self.dynamic_batch not in (True, False, None):
+            raise PlanError(f"dynamic_batch must be True, False or None (static when microbatch_size is known), got "
+                            f"{self.dynamic_batch!r}")
         if self.method not in _METHODS:
             raise PlanError(f"method must be one of {_METHODS}, got {self.method!r}")
         if self.hardware is not None and not isinstance(self.hardware, Hardware):
@@ -135,6 +146,15 @@ class ParallelConfig:
                 dtype = getattr(self.mp_policy, name)
                 if dtype is not None and not dtype.is_floating_point:
                     raise PlanError(f"mp_policy.{name} must be a floating dtype or None, got {dtype}")
+
+    def static_batch(self, example_batch: int | None) -> int | None:
+        """The microbatch size torch.export traces the batch at, or None for a symbolic batch
+        ([Note: a static batch] in fxsplit.graph.examples); ``example_batch``: the example's."""
+        if self.dynamic_batch is True:
+            return None
+        if self.microbatch_size is not None:
+            return self.microbatch_size
+        return example_batch if self.dynamic_batch is False else None
 
     @property
     def num_stages(self) -> int:

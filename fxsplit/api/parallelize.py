@@ -63,6 +63,9 @@ def parallelize(
     on any rank in ``step()`` / ``forward()`` raises on every rank, naming it ([Note: failures]
     at ``ParallelModel._agree``).
 
+    ``global_batch_size=B`` without ``strategy``: the batch traced static at B / (dp * dp_shard * m)
+    samples per microbatch, as in :func:`plan`.
+
     ``strategy="auto"`` searches the layout for the launched world size and ``global_batch_size``
     ([Note: auto plan] in :mod:`fxsplit.api.auto`), on ``hardware`` or, by default, this
     machine's ``Hardware.measure()`` (collective: every rank gets rank 0's figures, so every rank
@@ -71,7 +74,7 @@ def parallelize(
     from fxsplit.runtime import PipelineRuntime
 
     searched = None
-    if strategy is not None or global_batch_size is not None:
+    if strategy is not None:
         from fxsplit.api.auto import choose
         from fxsplit.errors import PlanError
 
@@ -83,7 +86,7 @@ def parallelize(
         world = dist.get_world_size() if dist.is_initialized() else 1
         config, searched = choose(model, example_args, example_kwargs, config=config, options=options,
                                   world_size=world, global_batch_size=global_batch_size, where="parallelize")
-        options = {}
+        options, global_batch_size = {}, None  # the pick carries its microbatch_size
 
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
@@ -124,7 +127,8 @@ def parallelize(
     device = torch.device(device)
     if config.hardware is None and device.type == "cpu":
         config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
-    the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False))
+    the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False),
+                    global_batch_size=global_batch_size)
     _verify(model, example_args, example_kwargs, the_plan, config.verify)
     c = the_plan.config
     pp_rank = coords["pp"]

@@ -31,6 +31,7 @@ from torch import nn
 from fxsplit import schedule as _schedules
 from fxsplit.api.options import SCHEDULES, ParallelConfig, make_config
 from fxsplit.errors import PlanError
+from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.hardware import Hardware
 from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.graph.trace import trace
@@ -191,11 +192,15 @@ def plan(
     checks the plan against the unsplit model in this process (:func:`fxsplit.verify`; needs real
     weights), raising VerificationError naming the first diverging node.
 
+    ``global_batch_size=B`` without ``strategy`` plans the given layout for B samples per step:
+    ``microbatch_size`` = B / (dp * dp_shard * m), and torch.export traces the batch static at it
+    (``dynamic_batch=True`` keeps it symbolic: [Note: a static batch] in fxsplit.graph.examples).
+
     ``strategy="auto"`` searches the layout for ``world_size`` ranks and ``global_batch_size``
     samples per step instead ([Note: auto plan] in :mod:`fxsplit.api.auto`): ``Plan.config`` is
     the pick, with ``predicted_step_time``, ``predicted_memory`` and ``search`` (the table).
     """
-    if strategy is not None or world_size is not None or global_batch_size is not None:
+    if strategy is not None or world_size is not None:
         t_auto = time.perf_counter()
         if strategy != "auto":
             raise PlanError(f"strategy must be 'auto' or None, got {strategy!r} (world_size and "
@@ -209,8 +214,14 @@ def plan(
                                    predicted_memory=found.best.memory.as_dict(), search=found,
                                    plan_seconds=time.perf_counter() - t_auto)
     t0 = time.perf_counter()
-    config = make_config(config, options, where="plan").resolved()
+    config = with_global_batch(make_config(config, options, where="plan").resolved(), global_batch_size)
     hardware = config.hardware if config.hardware is not None else Hardware()
+    static_batch = config.static_batch(batch_of((example_args, example_kwargs or {})))
+    if static_batch is not None:  # [Note: a static batch]: the example at the microbatch size
+        config = dataclasses.replace(config, microbatch_size=static_batch)
+        example_args, example_kwargs = example_at_batch(
+            tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
+            dict(example_kwargs or {}), static_batch)
     # [Note: attention modules as ops] (fxsplit.graph.decompose): with tensor parallelism, torch's
     # nn.MultiheadAttention / TransformerEncoder(Layer) are traced as ops (fused in_proj chunked
     # into q/k/v, heads, sdpa, out_proj) so the planner shards them by heads: fx would keep each a
@@ -218,7 +229,7 @@ def plan(
     gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules,
                dynamic_sequence=config.dynamic_sequence,
                param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None,
-               decompose_attention=config.tp > 1)
+               decompose_attention=config.tp > 1, static_batch=static_batch)
     ctx = PassContext(
         example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
         example_kwargs=dict(example_kwargs or {}),
@@ -277,6 +288,27 @@ def plan(
 
         verify(model, example_args, result, example_kwargs)
     return result
+
+
+def with_global_batch(config: ParallelConfig, global_batch_size: int | None) -> ParallelConfig:
+    """``config`` (resolved) with ``microbatch_size`` = B / (dp * dp_shard * m) for a global batch
+    of B samples per step ([Note: a static batch] in fxsplit.graph.examples); PlanError when B does
+    not divide into equal microbatches (they would differ by one sample, which a static trace
+    cannot serve) or disagrees with a given ``microbatch_size``."""
+    if global_batch_size is None:
+        return config
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise PlanError(f"global_batch_size must be an int >= 1, got {global_batch_size!r}")
+    per = config.dp * config.dp_shard * config.microbatches
+    if global_batch_size % per:
+        raise PlanError(f"global_batch_size={global_batch_size} does not divide into dp * dp_shard * microbatches = "
+                        f"{config.dp} * {config.dp_shard} * {config.microbatches} = {per} equal microbatches; pick a "
+                        f"multiple of {per}, or leave global_batch_size out (the batch is then traced symbolic)")
+    b = global_batch_size // per
+    if config.microbatch_size is not None and config.microbatch_size != b:
+        raise PlanError(f"microbatch_size={config.microbatch_size} disagrees with global_batch_size={global_batch_size} "
+                        f"/ {per} = {b}; give one of them")
+    return dataclasses.replace(config, microbatch_size=b)
 
 
 def _checkpoint_modes(config: ParallelConfig) -> tuple[str, ...]:

@@ -55,6 +55,7 @@ from torch.utils import _pytree as pytree
 
 from fxsplit.api.materialize import materialize_stage
 from fxsplit.errors import PlanError, VerificationError
+from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.ops import resolve_path
 from fxsplit.graph.recompute import checkpointed
 from fxsplit.graph.trace import flatten_inputs
@@ -267,6 +268,9 @@ def verify(
             raise PlanError(f"verify: stage {s} draws random numbers at node {node!r} (dropout with p > 0), "
                             "which the unsplit run draws differently; verify with the model in eval() mode or p=0")
     c = plan.config
+    static = c.static_batch(batch_of((tuple(example_args), dict(example_kwargs or {}))))
+    if static is not None:  # the plan runs microbatches of that size ([Note: a static batch])
+        example_args, example_kwargs = example_at_batch(tuple(example_args), dict(example_kwargs or {}), static)
     t, num_stages = c.tp, c.num_stages
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     flat = flatten_inputs(plan.graph, example_args, example_kwargs)

@@ -11,7 +11,8 @@ Terms:
   input (the sequence of token ids) are traced as sympy symbols where the model allows, so shapes
   and costs are expressions and one plan serves several batch sizes; an example batch of one
   sample is traced as two ([Note: batch of one]). ``dynamic_sequence=None`` keeps the sequence
-  static under torch.export ([Note: a static sequence for export]).
+  static under torch.export ([Note: a static sequence for export]); ``static_batch=b`` traces the
+  batch static at b samples under torch.export, the example resized to it ([Note: a static batch]).
 
     gm = fxsplit.trace(model, (idx,))                  # fx, or export when fx cannot trace it
     gm.meta["fxsplit"]                                 # TraceInfo(method=..., reason=..., symbols=...)
@@ -34,11 +35,12 @@ import torch.fx
 from torch import nn
 
 from fxsplit.graph.decompose import Decomposition, attention_as_ops
+from fxsplit.graph.examples import _WIDE_BATCH, _widen_batch, example_at_batch
 from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
 from fxsplit.graph.ops import resolve_path
 from fxsplit.errors import TraceError
 
-__all__ = ["trace", "TraceError", "flatten_inputs"]
+__all__ = ["trace", "TraceError", "flatten_inputs", "example_at_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -269,11 +271,11 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, leaves: tuple,
     return gm, given
 
 
-def _dynamic_dims(t: torch.Tensor, sequence: bool = True) -> list[int]:
-    """Which dims of an example input to trace as symbols: batch (0) and, with ``sequence``,
-    sequence (1 of int inputs)."""
+def _dynamic_dims(t: torch.Tensor, sequence: bool = True, batch: bool = True) -> list[int]:
+    """Which dims of an example input to trace as symbols: with ``batch``, batch (0) and, with
+    ``sequence``, sequence (1 of int inputs)."""
     dims = []
-    if t.dim() >= 1 and t.shape[0] >= 2:
+    if batch and t.dim() >= 1 and t.shape[0] >= 2:
         dims.append(0)
     if sequence and t.dim() >= 2 and not t.is_floating_point() and t.shape[1] >= 2:
         dims.append(1)
@@ -293,37 +295,6 @@ def _dynamic_dims(t: torch.Tensor, sequence: bool = True) -> list[int]:
 # length for torch.export; a step at another length is then refused with the traced size
 # (``fxsplit.runtime.microbatch.bind_symbols``), never run wrongly. ``True`` (the default of
 # ``trace`` itself) makes it symbolic for both.
-
-
-# [Note: batch of one]
-# Tracing specializes a dimension of size 1 (fake tensors and torch.export treat sizes 0 and 1
-# as constants: broadcasting depends on them), so an example of ONE sample would fix the batch
-# size to 1 and every later batch split into microbatches of 2 would be refused. When the batch
-# (dim 0 of the first tensor input with a dim, as fxsplit.runtime.microbatch reads it) is 1,
-# the symbolic trace runs on a copy of the example with every tensor whose dim 0 is 1 repeated
-# to 2 along it (the inputs the runtime would split at that batch size); the graph then holds a
-# batch symbol (valid for sizes >= 1: the traced graph does not depend on the hint) whose example
-# value (hint) is 2. A static fallback traces the example as given.
-_WIDE_BATCH = 2
-
-
-def _batch_of(values: Any) -> int | None:
-    leaves = torch.utils._pytree.tree_leaves(values)
-    return next((int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
-
-
-def _widen_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
-    """``(args, kwargs, widened)``: the example with a batch of 1 repeated to 2 ([Note: batch of one])."""
-    if _batch_of((args, kwargs)) != 1:
-        return args, kwargs, False
-
-    def widen(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 1:
-            return x.detach().expand(_WIDE_BATCH, *x.shape[1:]).contiguous().requires_grad_(x.requires_grad)
-        return x
-
-    wide_args, wide_kwargs = torch.utils._pytree.tree_map(widen, (args, kwargs))
-    return tuple(wide_args), dict(wide_kwargs), True
 
 
 def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequence: bool = True) -> None:
@@ -455,17 +426,17 @@ def _restore_parameters(gm: torch.fx.GraphModule, originals: Mapping[int, nn.Par
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
-            param_dtype: torch.dtype | None = None, sequence: bool = True) -> torch.fx.GraphModule:
+            param_dtype: torch.dtype | None = None, sequence: bool = True, batch: bool = True) -> torch.fx.GraphModule:
     from torch.export import Dim
 
     dyn_spec = None
-    if dynamic:
+    if dynamic and (batch or sequence):
         sig = inspect.signature(model.forward)
         bound = sig.bind(*args, **kwargs)
         spec: dict[str, Any] = {}
         for name, val in bound.arguments.items():
             if isinstance(val, torch.Tensor):
-                spec[name] = {d: Dim.AUTO for d in _dynamic_dims(val, sequence)} or None
+                spec[name] = {d: Dim.AUTO for d in _dynamic_dims(val, sequence, batch)} or None
             else:
                 spec[name] = None
         dyn_spec = spec
@@ -539,6 +510,7 @@ def trace(
     dynamic_sequence: bool | None = True,
     param_dtype: torch.dtype | None = None,
     decompose_attention: bool = False,
+    static_batch: int | None = None,
 ) -> torch.fx.GraphModule:
     """Trace ``model`` into a GraphModule whose every node carries fxsplit metadata.
 
@@ -562,6 +534,9 @@ def trace(
             out_proj) instead of one leaf or torch's head-merging views, so tensor parallelism can
             shard them by heads ([Note: attention modules as ops] in ``fxsplit.graph.decompose``);
             calls it does not cover stay torch's module, and the trace reason names them.
+        static_batch: under torch.export, trace the batch static at this many samples (the
+            example's batch cut or repeated to it: :func:`example_at_batch`); torch.fx keeps it
+            symbolic ([Note: a static batch]). None (default): symbolic with ``dynamic``.
 
     Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.graph.meta.TraceInfo` and whose
     nodes have ``meta["fxsplit"]`` (:class:`fxsplit.graph.meta.NodeInfo`) and ``meta["val"]``. Calling it
@@ -569,6 +544,9 @@ def trace(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if static_batch is not None and (isinstance(static_batch, bool) or not isinstance(static_batch, int)
+                                     or static_batch < 1):
+        raise ValueError(f"static_batch must be an int >= 1 (samples per microbatch) or None, got {static_batch!r}")
     args, kwargs = _normalize_args(model, example_args, example_kwargs)
     leaves = _split_leaves(model, tuple(leaf_modules))
     on_meta = any(p.is_meta for p in model.parameters())
@@ -611,18 +589,27 @@ def trace(
             # torch.export cannot output a key/value cache: trace with the cache off, then restore
             cache_cfg.use_cache = False
             note = " (with config.use_cache=False: torch.export cannot output a key/value cache)"
+        if static_batch is not None:
+            ex_args, ex_kwargs = example_at_batch(args, kwargs, static_batch)
+            batch_note = f" (the batch static at {static_batch} samples per microbatch: [Note: a static batch])"
+        else:
+            ex_args, ex_kwargs = wide_args, wide_kwargs
+            batch_note = _WIDE_NOTE if widened else ""
         try:
             try:
                 with decomposing() as dec:
-                    gm = _export(model, wide_args, wide_kwargs, dynamic, param_dtype, sequence=dynamic_sequence is True)
+                    gm = _export(model, ex_args, ex_kwargs, dynamic, param_dtype, sequence=dynamic_sequence is True,
+                                 batch=static_batch is None)
                     dec.prune(gm)
                 kept = dec.kept
-                note += _WIDE_NOTE if widened else ""
+                note += batch_note
             except Exception:
                 if not dynamic:
                     raise
                 with decomposing() as dec:
-                    gm = _export(model, args, kwargs, False, param_dtype)  # a model that cannot take symbolic sizes
+                    gm = _export(model, ex_args if static_batch is not None else args,
+                                 ex_kwargs if static_batch is not None else kwargs, False,
+                                 param_dtype)  # a model that cannot take symbolic sizes
                     dec.prune(gm)
                 kept = dec.kept
                 note += " (static shapes: export failed with symbolic batch/sequence)"

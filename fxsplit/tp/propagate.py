@@ -159,7 +159,11 @@ class Propagation:
             self._indivisible.append(msg)
 
     def _run_once(self) -> None:
-        for node in self.gm.graph.nodes:
+        # nothing before the first seed has a state (the state starts empty: _reset), so the walk
+        # starts there: one region's propagation no longer scans the whole graph's prefix
+        nodes = list(self.gm.graph.nodes)
+        start = next((i for i, n in enumerate(nodes) if n.name in self.seeds), len(nodes))
+        for node in nodes[start:]:
             if node.name in self.seeds:
                 self.state[node.name] = State(len(node_shape(node)) + self.linears[node.name].out_axis,
                                               frozenset([node.name]))
