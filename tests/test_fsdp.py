@@ -13,6 +13,7 @@ import torch
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 STEPS = 3
 LR = 1e-2
@@ -39,6 +40,22 @@ def _make(name, overrides):
         return model, args, kwargs, _hf_loss
     model, args, kwargs = zoo.make(name, **overrides)
     return model, args, kwargs, zoo.loss_fn(name)
+
+
+# Per rank process: the layouts of one launch parallelize one model object per (name, overrides)
+# and plan it from one trace ([Note: sharing a trace between plans] in fxsplit.testing.trace_cache;
+# parallelize materializes its stages from the model, which itself is never trained), so a launch
+# traces each model once per rank instead of once per layout.
+_TRACES = SharedTraces()
+_MODELS: dict = {}
+
+
+def _shared(name, overrides):
+    """``_make(name, overrides)``, built once per rank process."""
+    key = (name, repr(sorted(overrides.items())))
+    if key not in _MODELS:
+        _MODELS[key] = _make(name, overrides)
+    return _MODELS[key]
 
 
 def _hf_loss(out, y):
@@ -121,10 +138,11 @@ def _held(pm):
 
 def _train(rank, world, name, overrides, options, steps=STEPS):
     torch.manual_seed(0)
-    model, args, kwargs, loss_fn = _make(name, overrides)
+    model, args, kwargs, loss_fn = _shared(name, overrides)
     options.setdefault("hardware", HW)
     # numerics are checked here, against one process: no plan-time verification on top
-    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, timeout=60, verify=False, **options)
+    with shared_traces(_TRACES):
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, timeout=60, verify=False, **options)
     opt = _opt(pm.parameters())
     local_kwargs = {k: _data_slice(pm, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     losses, grads = [], []
@@ -300,10 +318,11 @@ def _state_cases(rank, world, path):
 
     from fxsplit.api import RankFailedError
 
-    model, args, kwargs, _ = _make("gpt", GPT4)
+    model, args, kwargs, _ = _shared("gpt", GPT4)
     loss = _FailOn(3)
     common = dict(loss_fn=loss, timeout=20, verify=False, hardware=HW)
-    pm = fxsplit.parallelize(model, args, kwargs, dp_shard=2, pp=2, microbatches=2, **common)
+    with shared_traces(_TRACES):
+        pm = fxsplit.parallelize(model, args, kwargs, dp_shard=2, pp=2, microbatches=2, **common)
     opt = _opt(pm.parameters())
     x = _batch("gpt", model, args, 0)
     y = _target("gpt", model, x, 0)
@@ -325,7 +344,8 @@ def _state_cases(rank, world, path):
     out["meta"] = _meta_model(common)
     # reload at other layouts: (dp_shard=4) and (tp=2, dp_shard=2)
     for label, opts in (("ds4", dict(dp_shard=4)), ("tp2-ds2", dict(tp=2, dp_shard=2))):
-        pm2 = fxsplit.parallelize(model, args, kwargs, **opts, **common)
+        with shared_traces(_TRACES):
+            pm2 = fxsplit.parallelize(model, args, kwargs, **opts, **common)
         opt2 = _opt(pm2.parameters())
         pm2.load_checkpoint(path, optimizer=opt2)
         out[label] = dict(state=pm2.full_state_dict(), optim=_full_optim(pm2, opt2), coords=dict(pm2.coords),
@@ -445,9 +465,10 @@ def _mp_cases(rank, world):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     out = {}
     for label, opts in (("dp2", dict(dp=2)), ("ds2", dict(dp_shard=2))):
-        model, args, kwargs, loss_fn = _make("gpt", GPT4)
-        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, timeout=60, verify=False, hardware=HW,
-                                 mp_policy=policy, microbatches=2, **opts)
+        model, args, kwargs, loss_fn = _shared("gpt", GPT4)
+        with shared_traces(_TRACES):
+            pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, timeout=60, verify=False, hardware=HW,
+                                     mp_policy=policy, microbatches=2, **opts)
         opt = _opt(pm.parameters())
         losses, grads = [], []
         for i in range(2):

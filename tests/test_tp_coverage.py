@@ -115,8 +115,13 @@ def _build(arch):
 # forkserver has transformers imported; a worker that dies fails the launch with its traceback)
 # compute the rows the selected tests need, every layout of an arch in the same worker; each
 # test then asserts on its own row, and a row whose measure raised re-raises there (by name).
+# The archs are not dealt in advance (an arch's cost is mostly its export, which varies by
+# several times between archs): each worker takes the next arch of one queue, those with the
+# most layouts first, from a counter on the launch's store (TCPStore.add is atomic), so no worker
+# idles while the other still has several archs to do.
 WORKERS = 2  # the CI and development machines have 2 cores
 _TRACES = SharedTraces()
+_NEXT = "fxsplit_tp_coverage_next_arch"
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,28 +143,30 @@ class _Raised:
     skip: bool = False
 
 
-def _deal(keys, world):
-    """The archs of ``keys`` dealt to ``world`` workers, most layouts first to the least loaded."""
+def _queue(keys):
+    """The archs of ``keys``, most layouts first (then by name): the order workers take them in."""
     layouts = collections.Counter(arch for arch, _, _ in keys)
-    load, owner = [0] * world, {}
-    for arch in sorted(layouts, key=lambda a: (-layouts[a], a)):
-        w = load.index(min(load))
-        owner[arch], load[w] = w, load[w] + layouts[arch]
-    return owner
+    return sorted(layouts, key=lambda a: (-layouts[a], a))
 
 
 def _rows_of(rank, world, keys):
-    owner = _deal(keys, world)
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=60))
+    archs = _queue(keys)
     out = {}
-    for key in keys:
-        if owner[key[0]] != rank:
-            continue
-        try:
-            out[key] = _row(*key)
-        except pytest.skip.Exception as exc:
-            out[key] = _Raised(str(exc), skip=True)
-        except Exception:  # noqa: BLE001 -- reported by the test of this row
-            out[key] = _Raised(traceback.format_exc())
+    while (i := store.add(_NEXT, 1) - 1) < len(archs):
+        for key in (k for k in keys if k[0] == archs[i]):
+            try:
+                out[key] = _row(*key)
+            except pytest.skip.Exception as exc:
+                out[key] = _Raised(str(exc), skip=True)
+            except Exception:  # noqa: BLE001 -- reported by the test of this row
+                out[key] = _Raised(traceback.format_exc())
     return out
 
 

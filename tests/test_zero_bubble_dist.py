@@ -10,6 +10,7 @@ import torch
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 STEPS = 3
 INF_LINK = fxsplit.Hardware(link_bytes_per_s=float("inf"))
@@ -38,13 +39,24 @@ def _reference(overrides):
     return out
 
 
+# Per rank process: the layouts of one launch parallelize one model object per configuration and
+# plan it from one trace ([Note: sharing a trace between plans] in fxsplit.testing.trace_cache;
+# parallelize materializes its stages from the model, which itself is never trained).
+_TRACES = SharedTraces()
+_MODELS: dict = {}
+
+
 def _train(overrides, options):
     torch.manual_seed(0)
-    model, args, kwargs = zoo.make("gpt", **overrides)
+    key = repr(sorted(overrides.items()))
+    if key not in _MODELS:
+        _MODELS[key] = zoo.make("gpt", **overrides)
+    model, args, kwargs = _MODELS[key]
     ref, _, _ = zoo.make("gpt", **overrides)  # targets from the reference's outputs, as in _reference
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60,
-                             hardware=INF_LINK, **options)
+    with shared_traces(_TRACES):
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60,
+                                 hardware=INF_LINK, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     steps = []
     for i in range(STEPS):

@@ -249,15 +249,22 @@ def _count_collectives(the_plan) -> tuple[int, int, set[str], list[str]]:
     return fwd, bwd, layers, dead
 
 
-def _shares(model: nn.Module, the_plan, vocab: int | None) -> tuple[float, float]:
-    """(share, bound) of the largest (stage, rank); see the module's Terms."""
+def _stage_modules(model: nn.Module, the_plan) -> list[list[nn.Module]]:
+    """``[s][r]``: tp rank r's materialized module of stage s (what :func:`fxsplit.verify` builds)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return [[materialize_stage(the_plan, s, tp_rank=r, source=model, device=device) for r in range(the_plan.config.tp)]
+            for s in range(the_plan.config.num_stages)]
+
+
+def _shares(model: nn.Module, the_plan, vocab: int | None, stages: list[list[nn.Module]]) -> tuple[float, float]:
+    """(share, bound) of the largest (stage, rank) of ``stages`` (:func:`_stage_modules`); see the
+    module's Terms."""
     t = the_plan.config.tp
     small = {f"{m}.weight" for m, mod in model.named_modules()
              if isinstance(mod, nn.Embedding) and mod.num_embeddings != vocab}
     small |= {n for n, p in model.named_parameters() if p.dim() <= 1 or p.dim() >= 4 or p.shape[0] == 1}
     share = bound = 0.0
-    for s in range(the_plan.config.num_stages):
-        ranks = [materialize_stage(the_plan, s, tp_rank=r, source=model) for r in range(t)]
+    for ranks in stages:
         names = [n for n, _ in ranks[0].named_parameters()]
         full = {n: model.get_parameter(n).numel() for n in names}
         total = sum(full.values())
@@ -291,10 +298,13 @@ def measure(model: nn.Module, args: tuple, kwargs: dict, *, tp: int, pp: int = 1
     row.layers = len(layers)
     if layers:
         row.fwd_per_layer, row.bwd_per_layer = fwd / len(layers), bwd / len(layers)
-    row.share, row.bound = _shares(model, the_plan, vocab)
+    # materialized once: the shares count their parameters (before verify's forward / backward,
+    # which sets gradients only) and verify checks the same modules
+    stages = _stage_modules(model, the_plan)
+    row.share, row.bound = _shares(model, the_plan, vocab, stages)
     if run_verify:
         try:
-            row.verified = str(verify(model, args, the_plan, kwargs))
+            row.verified = str(verify(model, args, the_plan, kwargs, stage_modules=stages))
         except VerificationError as e:
             row.error = e
     row.seconds = time.perf_counter() - t0
