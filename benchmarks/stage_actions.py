@@ -29,19 +29,7 @@ import torch
 import fxsplit
 from fxsplit.runtime.split_graph import GraphSplit, accumulate_grads
 from fxsplit.testing import zoo
-
-
-def stage_inputs(plan, x):
-    """Every stage's inputs for model input ``x`` (received values as the executor makes them)."""
-    outs, inputs = {}, []
-    for s, (gm, sio) in enumerate(zip(plan.stages.modules, plan.stages.io)):
-        xs = [x if src.stage is None else outs[src.stage][src.index].detach().requires_grad_(meta.requires_grad)
-              for src, meta in zip(sio.inputs, sio.input_meta)]
-        with torch.no_grad():
-            o = gm(*xs)
-        outs[s] = list(o) if isinstance(o, (tuple, list)) else [o]
-        inputs.append(xs)
-    return inputs
+from fxsplit.testing.stage_inputs import stage_inputs
 
 
 def time_stage(gm, xs, y, last: bool, reps: int) -> dict[str, list[float]]:
@@ -109,7 +97,7 @@ def main() -> None:
                         split_points=("blocks.2", "blocks.4", "blocks.6"), cut_at="modules",
                         hardware=fxsplit.Hardware.cpu())
     xm, ym = x[:a.micro_batch, :a.seq], y[:a.micro_batch, :a.seq]
-    inputs = stage_inputs(plan, xm)
+    inputs = stage_inputs(plan, (xm,))
     last = len(plan.stages.modules) - 1
     costs = plan.stage_costs()
     print(f"ms per microbatch ({a.micro_batch} x {a.seq} tokens), medians of {a.reps}; est = the plan's "

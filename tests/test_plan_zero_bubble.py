@@ -45,7 +45,13 @@ def test_zbv_plan_carries_the_v_placement(zbv_plan):
 def test_plan_simulates_with_per_stage_costs(zbv_plan):
     costs = zbv_plan.stage_costs()
     assert all(len(v) == 4 for v in costs.values())
-    assert all(f > 0 and i > 0 for f, i in zip(costs["forward"], costs["backward_input"]))
+    assert all(f > 0 for f in costs["forward"])
+    # stage 0's inputs (token ids) need no gradient: both backward splits run its whole backward as
+    # W, and the estimate says so; every later stage has an input-gradient half
+    assert costs["backward_input"][0] == 0.0
+    assert all(i > 0 for i in costs["backward_input"][1:])
+    st0 = zbv_plan.split.stages[0]
+    assert costs["backward_weight"][0] == pytest.approx(st0.time - st0.forward_time)
     assert costs["backward"] == pytest.approx([i + w for i, w in zip(costs["backward_input"], costs["backward_weight"])])
     # every stage's F + I + W is its estimated compute time (the infinite link adds no comm)
     for st, f, b in zip(zbv_plan.split.stages, costs["forward"], costs["backward"]):

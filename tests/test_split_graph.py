@@ -14,30 +14,16 @@ import fxsplit
 from fxsplit.graph.ops import is_random
 from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage, accumulate_grads
 from fxsplit.testing import zoo
+from fxsplit.testing.stage_inputs import stage_inputs
 
 GPT = dict(n_layer=2, batch_size=2, seq_len=8)
-
-
-def _stage_inputs(plan, args):
-    """Each stage's inputs, run in order from the model inputs (received values: leaves that
-    require a gradient where the plan says so, as the executor makes them)."""
-    outs, inputs = {}, []
-    for s, (gm, sio) in enumerate(zip(plan.stages.modules, plan.stages.io)):
-        xs = [args[src.index] if src.stage is None else
-              outs[src.stage][src.index].detach().requires_grad_(meta.requires_grad)
-              for src, meta in zip(sio.inputs, sio.input_meta)]
-        with torch.no_grad():
-            o = gm(*xs)
-        outs[s] = list(o) if isinstance(o, (tuple, list)) else [o]
-        inputs.append(xs)
-    return inputs
 
 
 def _plan(mode, **overrides):
     model, args, kwargs = zoo.make("gpt", **GPT, **overrides)
     plan = fxsplit.plan(model, args, kwargs, pp=2, schedule="zb_h1", microbatches=2, activation_checkpointing=mode,
                         hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))
-    return plan, _stage_inputs(plan, args)
+    return plan, stage_inputs(plan, args)
 
 
 def _split_vs_autograd(gm, inputs, seed=0):

@@ -464,7 +464,12 @@ class _UnitCosts:
     split into input gradient I and weight gradient W is estimated: a unit that reads parameters
     (a linear, an embedding; a tied copy too) spends half of its backward on the weight gradient (dX = dY W^T and
     dW = X^T dY cost the same), a unit without parameters none; I is the rest. The loss is charged
-    to the last unit's I. These feed the per-stage costs of ``Plan.simulate`` and ``zb_auto``."""
+    to the last unit's I. The first stage is the exception: its inputs (the model's) need no
+    gradient, so both backward splits give it an empty I and run its whole backward (the input
+    path too, which only its weight gradients need) as W (the graph split's I graph has no output;
+    the autograd split differentiates stage 0's parameters from the roots), and its estimate says
+    so: I = 0, W = the whole backward. These feed the per-stage costs of ``Plan.simulate`` and
+    ``zb_auto``."""
 
     compute: list[float]  # seconds (forward + backward)
     params: list[float]  # parameter bytes (a get_attr's parameter counts on its first user)
@@ -621,8 +626,10 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             bytes_out=cut_bytes[b],
             time=part.stage_time[s],
             forward_time=fwd,
-            input_grad_time=max(sum(costs.compute[a:b]) + recompute - fwd - wgt, 0.0),
-            weight_grad_time=wgt + (recompute if twice else 0.0),  # the autograd split's W recomputes again
+            input_grad_time=0.0 if a == 0 else max(sum(costs.compute[a:b]) + recompute - fwd - wgt, 0.0),
+            # the autograd split's W recomputes again; stage 0's W is its whole backward
+            weight_grad_time=(max(sum(costs.compute[a:b]) + recompute - fwd, 0.0) if a == 0
+                              else wgt + (recompute if twice else 0.0)),
             comm_time=cut_bytes[b] / link if 0 < link < float("inf") else 0.0,
             checkpointing=per_stage[s],
             activation_bytes_unchecked=None if um is None else plain,

@@ -16,7 +16,7 @@ reading parameters) and I (the rest): the cost model's roofline and [Note: F, I,
 TP collectives are ring all-reduces over the tp group on the intra-node link ([Note: collective
 time formulas]): the forward's g added to F, the backward's f to I. Recompute (checkpointing) adds
 the recomputed units' F, their collectives included, to I. The loss is charged to the last
-stage's I. Units are summed per group; the stages' cuts are those of the exact partitioner
+stage's I. Stage 0's I moves to its W (its inputs need no gradient; as in the split's estimate). Units are summed per group; the stages' cuts are those of the exact partitioner
 (``fxsplit.pipeline.partition.solve``) over the groups, solved once per (t, SP, checkpointing, S,
 placement) at the first microbatch size seen and reused for the others (cut positions barely
 move with b), and re-solved under the memory limit when those cuts do not fit ([Note: partition
@@ -330,6 +330,7 @@ class Scorer:
         idx = np.asarray(cuts)
         a = self.cal.action_overhead_s
         F = np.diff(cF[idx]) + a; I = np.diff(cI[idx]) + a; W = np.diff(cW[idx]) + a  # noqa: E702
+        W[0], I[0] = W[0] + I[0] - a, a  # stage 0's inputs need no gradient: its backward is all W
         ranks = self.stage_ranks(c)
         comm = np.zeros(S)
         for s in range(S - 1):
