@@ -449,6 +449,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
             gm = ep.module(check_guards=False)
         except TypeError:  # older torch: no check_guards argument
             gm = ep.module()
+    gm = lazily_recompiled(gm)  # [Note: lazy recompile]: planning edits the graph many times
     if param_dtype is not None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         floating = {d for d in input_dtypes if d is not None and d.is_floating_point}
