@@ -51,7 +51,7 @@ from fxsplit.tp.linears import EmbeddingInfo, LinearInfo, aliases, find_embeddin
 from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
 from fxsplit.graph.ops import CREATION, METADATA, RESHAPES, op_name, resolve_path
 from fxsplit.tp.sharding import ShardSpec, padded_size
-from fxsplit.tp.propagate import LocalSize, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
+from fxsplit.tp.propagate import GraphOrder, LocalSize, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
 
 __all__ = [
     "STYLES",
@@ -390,7 +390,8 @@ def _linear_x(node: torch.fx.Node, info: LinearInfo) -> Any:
 
 def _find_regions(gm, tp, linears, forced, excluded, claimed):
     """Try each group of linears sharing an input (then each alone) as a region's columns."""
-    nodes = {n.name: n for n in gm.graph.nodes}
+    order = GraphOrder(gm.graph)  # one for every propagation of the search
+    nodes = order.by_name
     regions: list[Region] = []
     sharded: dict[str, tuple[int, int]] = {}
     rewrites: list = []
@@ -412,7 +413,7 @@ def _find_regions(gm, tp, linears, forced, excluded, claimed):
             if not seeds or tuple(seeds) in tried:
                 continue
             tried.add(tuple(seeds))
-            prop = Propagation(gm, tp, linears, seeds, excluded, forced_rows)
+            prop = Propagation(gm, tp, linears, seeds, excluded, forced_rows, order)
             try:
                 prop.run()
                 if not prop.rows:

@@ -56,6 +56,7 @@ __all__ = [
     "State",
     "RegionFailed",
     "Propagation",
+    "GraphOrder",
     "Op",
     "Rule",
     "RULES",
@@ -66,16 +67,38 @@ __all__ = [
 _MAX_TRIES = 64
 
 
+class GraphOrder:
+    """A graph's nodes in order, by name and with each one's position, for the propagations of
+    one plan search (the graph is not edited while the plan is found)."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.nodes = list(graph.nodes)
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+        self.by_name = {n.name: n for n in self.nodes}
+        self._last: dict[str, int] = {}
+
+    def last_use(self, name: str) -> int:
+        """Position of the last user of the node ``name`` (its own position without users, -1 for
+        a name that is not a node, e.g. a rule's ``"split[i]"`` piece)."""
+        got = self._last.get(name)
+        if got is None:
+            node = self.by_name.get(name)
+            got = -1 if node is None else max((self.pos[u] for u in node.users), default=self.pos[node])
+            self._last[name] = got
+        return got
+
+
 class Propagation:
     """Push sharded dims from a set of column linears forward through the graph
     ([Note: sharded-dim propagation]); ``run`` fills ``state``, ``rows``, ``blocks``, ``layouts``
     and ``rewrites``. Each op is handled by its rule (``fxsplit.tp.rules.rule_for``)."""
 
-    def __init__(self, gm, t, linears, seeds, excluded, forced_rows):
+    def __init__(self, gm, t, linears, seeds, excluded, forced_rows, order: GraphOrder | None = None):
         self.gm, self.t, self.linears = gm, t, linears
         self.seeds = set(seeds)
         self.excluded = excluded
         self.forced_rows = forced_rows
+        self.order = order if order is not None else GraphOrder(gm.graph)
         self._reset([])
 
     def _reset(self, choices: list[int]) -> None:
@@ -159,19 +182,32 @@ class Propagation:
             self._indivisible.append(msg)
 
     def _run_once(self) -> None:
-        # nothing before the first seed has a state (the state starts empty: _reset), so the walk
-        # starts there: one region's propagation no longer scans the whole graph's prefix
-        nodes = list(self.gm.graph.nodes)
-        start = next((i for i, n in enumerate(nodes) if n.name in self.seeds), len(nodes))
-        for node in nodes[start:]:
+        # [Note: the walk's window] Nothing before the first seed has a state (the state starts
+        # empty: _reset), so the walk starts there; and it stops past the horizon, the last user
+        # of any value with a state (or a sharded size) and the last seed: no node after it reads
+        # one, so none could step. One region's propagation thus visits its layer, not the
+        # rest of the graph (80 layers x 2 regions x the graph's 5.6k nodes for a Llama-70B).
+        order = self.order
+        nodes = order.nodes
+        idx = [order.pos[n] for n in (order.by_name.get(s) for s in self.seeds) if n is not None]
+        start = min(idx, default=len(nodes))
+        horizon = max(idx, default=-1)
+        known = 0  # state and shape_of entries when the horizon was last taken
+        for i in range(start, len(nodes)):
+            if i > horizon:
+                break
+            node = nodes[i]
             if node.name in self.seeds:
                 self.state[node.name] = State(len(node_shape(node)) + self.linears[node.name].out_axis,
                                               frozenset([node.name]))
-                continue
-            ins = [a for a in node.all_input_nodes if a.name in self.state or a.name in self.shape_of]
-            if not ins:
-                continue
-            self.step(node)
+            else:
+                ins = [a for a in node.all_input_nodes if a.name in self.state or a.name in self.shape_of]
+                if not ins:
+                    continue
+                self.step(node)
+            if len(self.state) + len(self.shape_of) != known:  # new values with a state: their users
+                horizon = max(horizon, *(order.last_use(name) for name in [*self.state, *self.shape_of]))
+                known = len(self.state) + len(self.shape_of)
         unused = sorted(self.whole_read - self.whole_used)
         if unused:
             exc = RegionFailed(f"{unused[0]}: a block kept whole is read other than as the one k / v head of "
