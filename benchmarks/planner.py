@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import os
 import statistics
@@ -378,9 +379,13 @@ def _speed_70b(dynamic_batch: bool = False) -> None:
     small, sargs, skwargs = hf_zoo.meta_llama_70b(seq_len=4096, num_hidden_layers=2)
     torch.export.export(small, sargs, skwargs, strict=False)  # torch's one-time warm-up, timed by neither
     model, args, kwargs = hf_zoo.meta_llama_70b(seq_len=4096)
+    # each timed call starts without the one before's garbage: an export leaves ~5.6k nodes in
+    # reference cycles, and the next call would pay their collection (~2 s of the plan's export)
+    gc.collect()
     t0 = time.perf_counter()
     torch.export.export(model, args, kwargs, strict=False)
     export_s = time.perf_counter() - t0
+    gc.collect()
     t0 = time.perf_counter()
     p = fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, global_batch_size=16,
                      hardware=hw)
@@ -391,6 +396,7 @@ def _speed_70b(dynamic_batch: bool = False) -> None:
           f"{'symbolic' if 'batch' in info.symbols else f'static at {p.config.microbatch_size}'}); "
           f"peak RSS {peak_rss_mb():.0f} MB")
     if dynamic_batch:
+        gc.collect()
         t0 = time.perf_counter()
         fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, hardware=hw)
         dyn_s = time.perf_counter() - t0

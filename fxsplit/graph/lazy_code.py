@@ -34,7 +34,11 @@ def lazily_recompiled(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     ``recompile()``; returns ``gm`` unchanged where it already does or torch cannot."""
     if _LazyGraphModule is None or isinstance(gm, _LazyGraphModule):
         return gm
-    cls = type(gm)  # GraphModule's own per-instance class; the name keeps deepcopy's class lookup
+    cls = type(gm)  # GraphModule's own per-instance class (GraphModule.__new__): gm's alone
+    for name in ("__call__", "_wrapped_call"):  # its eager recompile's call wrapper would call
+        if name in vars(cls):                   # the new class's wrapper back, for ever
+            delattr(cls, name)
+    # named like GraphModule's per-instance classes, so that a deepcopy makes its own
     gm.__class__ = type("GraphModuleImpl", (_LazyGraphModule, cls), {"__module__": cls.__module__})
     gm.recompile()
     return gm

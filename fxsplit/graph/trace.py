@@ -36,6 +36,7 @@ from torch import nn
 
 from fxsplit.graph.decompose import Decomposition, attention_as_ops
 from fxsplit.graph.examples import _WIDE_BATCH, _widen_batch, example_at_batch
+from fxsplit.graph.lazy_code import lazily_recompiled
 from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
 from fxsplit.graph.ops import resolve_path
 from fxsplit.errors import TraceError
