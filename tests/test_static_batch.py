@@ -70,6 +70,17 @@ def test_plan_with_a_global_batch_is_static_and_refuses_another_batch_naming_the
     assert p.config.microbatch_size == 4 and "batch" not in p.graph.meta["fxsplit"].symbols
 
 
+def test_verify_cuts_the_loss_target_with_the_example():
+    # a plan static at 2 samples per microbatch, verified on the whole 4-sample example with a
+    # loss: the example and its target are both cut to one microbatch
+    model, args, _ = _gpt()
+    target = torch.randint(0, 64, args[0].shape, generator=torch.Generator().manual_seed(0))
+    p = fxsplit.plan(model, args, pp=2, microbatches=2, schedule="1f1b", method="export", global_batch_size=4)
+    assert p.config.microbatch_size == 2
+    report = fxsplit.verify(model, args, p, loss_fn=zoo.cross_entropy_loss, target=target)
+    assert report.gradients > 0 and report.max_gradient_error < 1e-5, report
+
+
 def test_static_batch_errors():
     model, args, _ = _gpt()
     with pytest.raises(PlanError, match="does not divide into dp \\* dp_shard \\* microbatches"):

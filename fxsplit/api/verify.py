@@ -269,8 +269,12 @@ def verify(
                             "which the unsplit run draws differently; verify with the model in eval() mode or p=0")
     c = plan.config
     static = c.static_batch(batch_of((tuple(example_args), dict(example_kwargs or {}))))
-    if static is not None:  # the plan runs microbatches of that size ([Note: a static batch])
-        example_args, example_kwargs = example_at_batch(tuple(example_args), dict(example_kwargs or {}), static)
+    if static is not None:  # the plan runs microbatches of that size ([Note: a static batch]):
+        # the example and the loss's target cut (or repeated) to one microbatch together
+        key = "\0target"
+        example_args, cut = example_at_batch(tuple(example_args), {**dict(example_kwargs or {}), key: target}, static)
+        target = cut.pop(key)
+        example_kwargs = cut
     t, num_stages = c.tp, c.num_stages
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     flat = flatten_inputs(plan.graph, example_args, example_kwargs)
