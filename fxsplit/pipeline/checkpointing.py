@@ -24,7 +24,9 @@ first unit. Not modelled: the one region's activations a backward holds while it
 backward on graphs (``split_backward="graph"``, fxsplit.runtime.split_graph) recomputes a region
 once (what W needs of it is carried from I, or recomputed by W alone), so it is charged once, in I;
 on autograd (two autograd calls) it recomputes twice, so W is charged the recompute again
-(``StageSummary.weight_grad_time``). The balancer's stage time charges it once either way.
+(``StageSummary.weight_grad_time``). Stage 0 is the exception on both: it has no I (its inputs
+need no gradient), so its one recompute is in its W. The balancer's stage time charges it once
+either way.
 - Stage time and memory per mode are those of the partition cost model over the mode's units;
   the whole chain of a uniform mode is one `PartitionProblem` (``problems[mode]``).
 
