@@ -15,6 +15,7 @@ from fxsplit.runtime.compiling import (compile_split, full_backward, fused_backw
                                        inference_runner)
 from fxsplit.runtime.split_graph import GraphSplit
 from fxsplit.testing import zoo
+from test_split_graph import TwiceOnOnePath  # a weight used twice on one path, plus a bias only W reaches
 
 
 class _Marked(nn.Module):
@@ -38,24 +39,11 @@ def test_pipe_split_is_traced_after_a_compile():
     assert len(find_pipe_splits(gm)) == 1
 
 
-class _TwiceOnOnePath(nn.Module):
-    """``w`` used twice on the input's path, plus a bias only W reaches."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(8, 8) / 3)
-        self.b = nn.Parameter(torch.randn(8))
-
-    def forward(self, x):
-        h = torch.tanh(x @ self.w + self.b)
-        return (h @ self.w).sin()
-
-
 def _stages():
     """(module, inputs): a weight used twice on one path, and one GPT block (zoo)."""
     torch.manual_seed(0)
     model, _, _ = zoo.make("gpt", n_layer=1, n_embd=32, n_head=4, seq_len=8, batch_size=2)
-    return [(_TwiceOnOnePath(), [torch.randn(4, 8, requires_grad=True)]),
+    return [(TwiceOnOnePath(), [torch.randn(4, 8, requires_grad=True)]),
             (model.blocks[0], [torch.randn(2, 8, 32, requires_grad=True)])]
 
 
