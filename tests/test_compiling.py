@@ -13,6 +13,7 @@ from torch.fx._symbolic_trace import Tracer
 from fxsplit.graph.marker import find_pipe_splits, pipe_split
 from fxsplit.runtime.compiling import (compile_split, full_backward, fused_backward_graph, inference_graph,
                                        inference_runner)
+from fxsplit.runtime.graph_actions import GraphActions
 from fxsplit.runtime.split_graph import GraphSplit
 from fxsplit.testing import zoo
 from test_split_graph import TwiceOnOnePath  # a weight used twice on one path, plus a bias only W reaches
@@ -110,3 +111,47 @@ def test_inference_graph_is_the_forward():
     drop = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1))
     assert inference_runner(GraphSplit.trace(drop, [torch.randn(4, 8)]), refused.append) is None
     assert "draws random numbers" in refused[0]
+
+
+class _LossCaller(GraphActions):
+    """The runtime's loss call alone ([Note: compiled loss]): a compiled training step's state."""
+
+    def __init__(self, loss_fn):
+        self._init_graph_actions("graph", True)
+        self.loss_fn, self.last_stage, self._training = loss_fn, 3, True
+
+
+def test_compiled_loss_follows_python_state_and_differentiates():
+    """[Note: compiled loss]: a loss reading a Python value that changes between steps gives the
+    eager loss and gradient at every step (dynamo's guards), through the compiled function."""
+    scale = {"w": 1.0}
+
+    def loss_fn(out, y):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) * scale["w"]
+
+    caller = _LossCaller(loss_fn)
+    torch.manual_seed(0)
+    out, y = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    for w in (1.0, 3.0):
+        scale["w"] = w
+        leaf = out.detach().requires_grad_()
+        got = caller._call_loss(leaf, y)
+        (g,) = torch.autograd.grad(got, [leaf])
+        ref_leaf = out.detach().requires_grad_()
+        want = loss_fn(ref_leaf, y)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(g, ref_leaf.grad, rtol=1e-6, atol=1e-7)
+    assert caller._compiled_loss is not None and caller.compile_fallbacks == {}
+
+
+def test_compiled_loss_error_is_the_eager_one():
+    """An error inside loss_fn: dynamo's exception is not what the user sees; the loss falls back to
+    eager (reason recorded) and the eager call raises loss_fn's own error."""
+    caller = _LossCaller(lambda out, y: torch.nn.functional.cross_entropy(out, y))
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        caller._call_loss(torch.randn(4, 7, requires_grad=True), torch.zeros(5, dtype=torch.long))
+    assert not isinstance(info.value, torch._dynamo.exc.TorchDynamoException), type(info.value)
+    assert "loss_fn" in caller.compile_fallbacks[(3, "loss")]
+    caller._training = False  # outside training (or compile=False) the loss is never compiled
+    assert caller._call_loss(torch.randn(4, 7), torch.zeros(4, dtype=torch.long)).ndim == 0

@@ -212,7 +212,8 @@ def test_graph_split_with_skips_checkpointing_and_hf():
 # torch.compile of the stage graphs ([Note: compiled stages] in fxsplit.runtime.compiling): 1f1b
 # (B as one graph: [Note: fused backward]) and zbv (F, I and W) at p=2, a one-layer tied GPT,
 # every graph compiled; before training, pm(x) runs the compiled inference graphs ([Note:
-# compiled inference]) against the unsplit model. Inductor reorders fp32 work, hence 1e-5 relative.
+# compiled inference]) against the unsplit model; the loss runs through torch.compile ([Note:
+# compiled loss]). Inductor reorders fp32 work, hence 1e-5 relative.
 COMPILED = {"1f1b": dict(pp=2, schedule="1f1b", microbatches=2, compile=True),
             "zbv": dict(pp=2, schedule="zbv", microbatches=2, compile=True)}
 COMPILED_GRAPHS = {"1f1b": "BF", "zbv": "FIW"}
@@ -251,7 +252,8 @@ def _compiled(rank, world):
                                           for kind, r in split.runners.items() if r.compiled),
                           stages=sorted(int(s) for s in pm.stage_modules), inference=inference,
                           inference_compiled=[run is not None and run.compiled.compiled
-                                              for run in rt._inference_runners.values()])
+                                              for run in rt._inference_runners.values()],
+                          loss_compiled=rt._compiled_loss is not None, holds_last=rt.last_stage in rt.modules)
     return out
 
 
@@ -267,6 +269,7 @@ def test_compiled_stage_graphs_match_single_process():
             assert r["compiled"] == [(s, kind) for s in r["stages"] for kind in COMPILED_GRAPHS[label]], (
                 label, r["compiled"])
             assert r["inference_compiled"] and all(r["inference_compiled"]), (label, r["inference_compiled"])
+            assert r["loss_compiled"] == r["holds_last"], label  # [Note: compiled loss]
             torch.testing.assert_close(*r["inference"], rtol=1e-5, atol=1e-6)
         _check(res, want)
 

@@ -82,7 +82,8 @@ class ParallelConfig:
     split_backward: str = "graph"
     # torch.compile (inductor) of what each rank runs: every training forward as the graph
     # split's F graph, and the F, I and W graphs compiled once per input signature
-    # ([Note: compiled stages] in fxsplit.runtime.compiling)
+    # and the loss through torch.compile ([Note: compiled stages], [Note: compiled loss] in
+    # fxsplit.runtime.compiling)
     compile: bool = False
 
     def __post_init__(self) -> None:

@@ -481,7 +481,7 @@ class PipelineRuntime(GraphActions):
             if self._training:
                 model_out = (pytree.tree_unflatten(flat_out, self.output_spec) if self.output_spec
                              is not None else flat_out[0] if len(flat_out) == 1 else tuple(flat_out))
-                loss = self.loss_fn(model_out, self._targets[mb])
+                loss = self._call_loss(model_out, self._targets[mb])
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                      f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
