@@ -4,6 +4,7 @@ forward + autograd backward (what PTD runs), same inputs, alternating.
     .venv/bin/python benchmarks/stage_actions.py                       # the pipeline_vs_ptd GPT, ZB-V split
     .venv/bin/python benchmarks/stage_actions.py --stages 1,3 --reps 30
     .venv/bin/python benchmarks/stage_actions.py --seq 2 --micro-batch 1    # per-action fixed cost
+    .venv/bin/python benchmarks/stage_actions.py --compile     # fx's graphs and loss compiled, as compile=True
 
 Method: the GPT of benchmarks/pipeline_vs_ptd.py (8 layers, width 256, vocab 4096, seq 128,
 untied head), planned for ZB-V at p=2 with the README's split (blocks.2, blocks.4, blocks.6);
@@ -27,13 +28,18 @@ import time
 import torch
 
 import fxsplit
+from fxsplit.runtime.compiling import INDUCTOR_OPTIONS, compile_split
 from fxsplit.runtime.split_graph import GraphSplit, accumulate_grads
 from fxsplit.testing import zoo
 from fxsplit.testing.stage_inputs import stage_inputs
 
 
-def time_stage(gm, xs, y, last: bool, reps: int) -> dict[str, list[float]]:
+def time_stage(gm, xs, y, last: bool, reps: int, compile: bool = False) -> dict[str, list[float]]:
     split = GraphSplit.trace(gm, xs)
+    loss_fn = zoo.cross_entropy_loss
+    if compile:  # what PipelineRuntime(compile=True) runs: [Note: compiled stages], [Note: compiled loss]
+        compile_split(split, lambda kind, why: print(f"not compiled: {kind}: {why}"))
+        loss_fn = torch.compile(zoo.cross_entropy_loss, options=INDUCTOR_OPTIONS)
     params = [p for p in gm.parameters() if p.requires_grad]
     buffers = [b for _, b in gm.named_buffers()]
     tensors = [t for t in xs if isinstance(t, torch.Tensor)]
@@ -44,7 +50,7 @@ def time_stage(gm, xs, y, last: bool, reps: int) -> dict[str, list[float]]:
         t1 = time.thread_time()
         if last:
             leaf = outs[0].detach().requires_grad_()
-            tangents = list(torch.autograd.grad(zoo.cross_entropy_loss(leaf, y), [leaf]))
+            tangents = list(torch.autograd.grad(loss_fn(leaf, y), [leaf]))
         else:
             tangents = [torch.ones_like(outs[j]) for j in split.diff_outputs]
         t2 = time.thread_time()
@@ -88,6 +94,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="fx: compiled F, I, W graphs and loss; autograd stays eager")
     a = ap.parse_args()
     torch.set_num_threads(1)
     model, (x,), kw = zoo.make_gpt(n_layer=8, n_embd=256, n_head=8, vocab_size=4096, block_size=128,
@@ -103,7 +110,7 @@ def main() -> None:
     print(f"ms per microbatch ({a.micro_batch} x {a.seq} tokens), medians of {a.reps}; est = the plan's "
           f"F / I / W estimate (Hardware.cpu(), whole batch) / m")
     for s in (int(v) for v in a.stages.split(",")):
-        r = time_stage(plan.stages.modules[s], inputs[s], ym, s == last, a.reps)
+        r = time_stage(plan.stages.modules[s], inputs[s], ym, s == last, a.reps, a.compile)
         fx, ag = r["fx"], r["ag"]
         est = [costs[k][s] * 1e3 / 8 for k in ("forward", "backward_input", "backward_weight")]
         print(f"stage {s}: fx F {fx['F']:.1f} loss {fx['loss']:.1f} I {fx['I']:.1f} W {fx['W']:.1f} = "
