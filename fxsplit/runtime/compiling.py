@@ -120,33 +120,35 @@ def why_not_compiled(gm: fx.GraphModule) -> str | None:
 
 class CompiledGraph:
     """A GraphModule run through ``torch.compile`` (compiled at the first call); if compiling
-    fails, the GraphModule itself from then on, and ``on_fallback(reason)`` once."""
+    fails, the GraphModule itself from then on, and ``on_fallback(reason)`` once. With
+    ``whole=False`` any function (the loss, [Note: compiled loss]): graph breaks allowed, shapes
+    dynamic where dynamo finds them so; ``name`` is what the reason calls it."""
 
-    def __init__(self, gm: fx.GraphModule, on_fallback: Callable[[str], None]):
+    def __init__(self, gm: Callable, on_fallback: Callable[[str], None], *, whole: bool = True, name: str = "it"):
         self.gm = gm
         self.on_fallback = on_fallback
-        self.reason = why_not_compiled(gm)
-        self.meta = gm.meta
+        self.name = name
+        self.reason = why_not_compiled(gm) if isinstance(gm, fx.GraphModule) else None
+        self.meta = getattr(gm, "meta", {})
         self._fn: Callable | None = None
         self.compiled = False  # True once a compiled call has run
         if self.reason is not None:
             on_fallback(self.reason)
         else:
-            self._fn = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
+            self._fn = torch.compile(gm, backend="inductor", fullgraph=whole, dynamic=False if whole else None,
+                                     options=INDUCTOR_OPTIONS)
 
     def __call__(self, *args: Any) -> Any:
         if self._fn is None:
             return self.gm(*args)
-        if self.compiled:
-            return self._fn(*args)
         try:
             out = self._fn(*args)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # raised while compiling: nothing ran
+        except torch._dynamo.exc.TorchDynamoException as exc:  # raised while (re)compiling: nothing ran
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            self.reason = f"torch.compile refused it ({type(exc).__name__}: {first[:300]})"
+            self.reason = f"torch.compile refused {self.name} ({type(exc).__name__}: {first[:300]})"
             self._fn = None
             self.on_fallback(self.reason)
-            return self.gm(*args)
+            return self.gm(*args)  # an error of the function itself is raised here, as without compile
         self.compiled = True
         return out
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxsplit.runtime.compiling import INDUCTOR_OPTIONS, compile_split, full_backward, inference_runner
+from fxsplit.runtime.compiling import CompiledGraph, compile_split, full_backward, inference_runner
 from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage, accumulate_grads, has_selective_region, signature
 from fxsplit.schedule.ir import ActionKind
 
@@ -43,7 +43,7 @@ class GraphActions:
         # "inference") -> why a forward-only call runs the stage eagerly ([Note: compiled inference])
         self.compile_fallbacks: dict[tuple[int, str], str] = {}
         self._inference_runners: dict[tuple, Any] = {}
-        self._compiled_loss: Any = None  # torch.compile(loss_fn), made at the first compiled step
+        self._compiled_loss: CompiledGraph | None = None  # loss_fn compiled, made at the first compiled step
         # False: a B of a compiled stage runs I then W even where the schedule never splits it
         # (for measuring [Note: fused backward]; set before the first step)
         self.fuse_backward = True
@@ -108,17 +108,13 @@ class GraphActions:
         """``loss_fn(model_out, target)``; with ``compile``, in training, through
         ``torch.compile`` ([Note: compiled loss]), or eagerly once that fails (the reason in
         ``compile_fallbacks[(last stage, "loss")]``)."""
-        key = (self.last_stage, "loss")
-        if not (self.compile and self._training) or key in self.compile_fallbacks:
+        if not (self.compile and self._training):
             return self.loss_fn(model_out, target)
         if self._compiled_loss is None:
-            self._compiled_loss = torch.compile(self.loss_fn, backend="inductor", options=INDUCTOR_OPTIONS)
-        try:
-            return self._compiled_loss(model_out, target)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # a refusal or an error in loss_fn: eager says which
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            self.compile_fallbacks[key] = f"torch.compile refused loss_fn ({type(exc).__name__}: {first[:300]})"
-            return self.loss_fn(model_out, target)
+            key = (self.last_stage, "loss")
+            self._compiled_loss = CompiledGraph(self.loss_fn, lambda why: self.compile_fallbacks.setdefault(key, why),
+                                                whole=False, name="loss_fn")
+        return self._compiled_loss(model_out, target)
 
     def _received_grads(self, ac: Any) -> dict[int, torch.Tensor]:
         """The gradients ``ac`` receives (from peers and from this rank's own stages), summed per
