@@ -5,6 +5,7 @@ forward + autograd backward (what PTD runs), same inputs, alternating.
     .venv/bin/python benchmarks/stage_actions.py --stages 1,3 --reps 30
     .venv/bin/python benchmarks/stage_actions.py --seq 2 --micro-batch 1    # per-action fixed cost
     .venv/bin/python benchmarks/stage_actions.py --compile     # fx's graphs and loss compiled, as compile=True
+    .venv/bin/python benchmarks/stage_actions.py --compile --stages 0,3 --profile   # fx's ops, by self CPU
 
 Method: the GPT of benchmarks/pipeline_vs_ptd.py (8 layers, width 256, vocab 4096, seq 128,
 untied head), planned for ZB-V at p=2 with the README's split (blocks.2, blocks.4, blocks.6);
@@ -34,7 +35,8 @@ from fxsplit.testing import zoo
 from fxsplit.testing.stage_inputs import stage_inputs
 
 
-def time_stage(gm, xs, y, last: bool, reps: int, compile: bool = False) -> dict[str, list[float]]:
+def time_stage(gm, xs, y, last: bool, reps: int, compile: bool = False,
+               profile: bool = False) -> dict[str, list[float]]:
     split = GraphSplit.trace(gm, xs)
     loss_fn = zoo.cross_entropy_loss
     if compile:  # what PipelineRuntime(compile=True) runs: [Note: compiled stages], [Note: compiled loss]
@@ -81,6 +83,12 @@ def time_stage(gm, xs, y, last: bool, reps: int, compile: bool = False) -> dict[
             got = fn()
             if r >= 2:
                 res[name].append(got)
+    if profile:  # fx's actions only, after the timed repetitions (warm)
+        from torch.profiler import ProfilerActivity
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                fx()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=50))
     for t in tensors:
         t.grad = None
     for p in params:
@@ -95,6 +103,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="fx: compiled F, I, W graphs and loss; autograd stays eager")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler's table of 5 fx repetitions per stage")
     a = ap.parse_args()
     torch.set_num_threads(1)
     model, (x,), kw = zoo.make_gpt(n_layer=8, n_embd=256, n_head=8, vocab_size=4096, block_size=128,
@@ -110,7 +119,7 @@ def main() -> None:
     print(f"ms per microbatch ({a.micro_batch} x {a.seq} tokens), medians of {a.reps}; est = the plan's "
           f"F / I / W estimate (Hardware.cpu(), whole batch) / m")
     for s in (int(v) for v in a.stages.split(",")):
-        r = time_stage(plan.stages.modules[s], inputs[s], ym, s == last, a.reps, a.compile)
+        r = time_stage(plan.stages.modules[s], inputs[s], ym, s == last, a.reps, a.compile, a.profile)
         fx, ag = r["fx"], r["ag"]
         est = [costs[k][s] * 1e3 / 8 for k in ("forward", "backward_input", "backward_weight")]
         print(f"stage {s}: fx F {fx['F']:.1f} loss {fx['loss']:.1f} I {fx['I']:.1f} W {fx['W']:.1f} = "
