@@ -94,6 +94,7 @@ import torch
 import torch.fx as fx
 
 from fxsplit.graph.ops import is_random
+from fxsplit.runtime.cpu_matmul import onednn_matmul_chosen, onednn_mm, route_cpu_matmuls
 from fxsplit.tp.collectives import note_calls
 
 __all__ = ["INDUCTOR_OPTIONS", "CompiledGraph", "compile_split", "full_backward", "fused_backward_graph",
@@ -132,10 +133,15 @@ class CompiledGraph:
         self.meta = getattr(gm, "meta", {})
         self._fn: Callable | None = None
         self.compiled = False  # True once a compiled call has run
+        self.onednn_matmuls = 0  # how many matmuls the compiled graph runs through oneDNN
         if self.reason is not None:
             on_fallback(self.reason)
         else:
-            self._fn = torch.compile(gm, backend="inductor", fullgraph=whole, dynamic=False if whole else None,
+            target = gm
+            if isinstance(gm, fx.GraphModule) and onednn_matmul_chosen():
+                target = _with_onednn_matmuls(gm)  # [Note: CPU matmuls through oneDNN]; gm stays the fallback
+                self.onednn_matmuls = sum(n.target is onednn_mm for n in target.graph.nodes)
+            self._fn = torch.compile(target, backend="inductor", fullgraph=whole, dynamic=False if whole else None,
                                      options=INDUCTOR_OPTIONS)
 
     def __call__(self, *args: Any) -> Any:
@@ -151,6 +157,14 @@ class CompiledGraph:
             return self.gm(*args)  # an error of the function itself is raised here, as without compile
         self.compiled = True
         return out
+
+
+def _with_onednn_matmuls(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` (sharing its parameters and code's globals) whose fp32 CPU matmuls run
+    through oneDNN, or ``gm`` itself if it has none."""
+    routed = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node metas copied shallowly: fake values shared
+    routed.meta = gm.meta
+    return routed if route_cpu_matmuls(routed) else gm
 
 
 def compile_split(split: Any, on_fallback: Callable[[str, str], None], *, fused: bool = False) -> None:

@@ -1,0 +1,134 @@
+"""fp32 matrix multiplications of a CPU stage graph through oneDNN where it is faster than the
+BLAS aten calls ([Note: CPU matmuls through oneDNN]).
+
+Terms: **route** -- replace a graph's ``aten.mm`` / ``aten.addmm`` nodes by ``fxsplit::onednn_mm``
+(same math, one call of oneDNN's matmul); **probe** -- one timing, per process, of both on a
+fixed shape.
+
+    if onednn_matmul_chosen():                 # FXSPLIT_CPU_MATMUL, else the probe
+        n = route_cpu_matmuls(gm)             # before the graph is compiled
+
+[Note: CPU matmuls through oneDNN]
+torch's CPU wheel sends an fp32 ``aten.mm`` / ``addmm`` to MKL's sgemm. MKL picks its kernels by
+CPU vendor, not by instruction set: on AMD hosts it runs a generic path (``MKL_VERBOSE=1`` names
+no AVX-512 there) although the core has AVX-512, so a (256 x 256) @ (256 x 1024) product takes
+1.4-1.7 ms on one core of this project's EPYC machines where oneDNN, which ships in the same
+wheel and dispatches on the instruction set, takes 0.6 ms (2.0-2.3x on every F, I and W shape of
+the pipeline benchmark's GPT, benchmarks/README "Session 10"). torch has no switch for this:
+``torch.backends.mkldnn.matmul.fp32_precision`` sends fp32 matmuls to oneDNN only when it may
+lower their precision (tf32 / bf16), and inductor lowers oneDNN's linear only for constant
+(frozen) weights, never for training. So compiled stage graphs ([Note: compiled stages]) route
+their fp32 CPU matmuls through ``fxsplit::onednn_mm``, an operator of ours whose kernel is one
+call of ``torch.ops.mkldnn._linear_pointwise`` (oneDNN's matmul with an optional bias; inductor
+calls it as an opaque kernel, fusing around it as around aten's), when
+- ``FXSPLIT_CPU_MATMUL`` is ``onednn``, or it is ``auto`` (the default) and the probe found
+  oneDNN at most 0.8x MKL's time (so an Intel host, where MKL is fast, keeps MKL); ``aten``
+  never routes;
+- the node is ``aten.mm(a, b)`` or ``aten.addmm(bias, a, b)`` (beta = alpha = 1, a 1-d bias of
+  the output's width) on 2-d float32 CPU tensors, each dimension at least `MIN_DIM` (below that
+  the call's fixed cost is more than the product).
+Numerics: the same product accumulated in another order, equal to MKL's to rounding (about 6e-7
+relative here), as every compiled graph is to its eager one. Eager graphs are never routed: the
+graph split promises autograd's gradients bit for bit ([Note: graph split backward]).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import torch
+import torch.fx as fx
+
+__all__ = ["MIN_DIM", "onednn_matmul_chosen", "onednn_mm", "route_cpu_matmuls"]
+
+MIN_DIM = 16  # the smallest m, k or n routed
+
+_LIB = torch.library.Library("fxsplit", "FRAGMENT")
+_LIB.define("onednn_mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor")
+
+
+def _onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # oneDNN's linear computes a @ w.T + bias for w of shape (n, k): w = b.T (a view, any strides)
+    return torch.ops.mkldnn._linear_pointwise(a, b.t(), bias, "none", [], "")
+
+
+def _onednn_mm_fake(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+_LIB.impl("onednn_mm", _onednn_mm, "CPU")
+torch.library.register_fake("fxsplit::onednn_mm", _onednn_mm_fake, lib=_LIB)
+onednn_mm = torch.ops.fxsplit.onednn_mm.default
+
+
+@functools.cache
+def _probe() -> tuple[bool, str]:
+    """(oneDNN at most 0.8x MKL's time on a (256 x 256) @ (256 x 1024) fp32 product with this
+    process's threads, what was measured)."""
+    if not torch.backends.mkldnn.is_available():
+        return False, "torch is built without oneDNN"
+    a, b = torch.randn(256, 256), torch.randn(256, 1024)
+
+    def best(fn) -> float:
+        fn()  # the first call builds oneDNN's primitive
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    aten_s, dnn_s = best(lambda: torch.mm(a, b)), best(lambda: _onednn_mm(a, b))
+    return dnn_s <= 0.8 * aten_s, f"oneDNN {dnn_s * 1e3:.2f} ms, aten {aten_s * 1e3:.2f} ms"
+
+
+def onednn_matmul_chosen() -> bool:
+    """Whether compiled CPU graphs route their fp32 matmuls through oneDNN ([Note: CPU matmuls
+    through oneDNN]): ``FXSPLIT_CPU_MATMUL`` = ``onednn`` / ``aten``, else (``auto``) the probe."""
+    mode = os.environ.get("FXSPLIT_CPU_MATMUL", "auto")
+    if mode not in ("auto", "onednn", "aten"):
+        raise ValueError(f"FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got {mode!r}")
+    if mode == "auto":
+        return _probe()[0]
+    return mode == "onednn" and torch.backends.mkldnn.is_available()
+
+
+def _cpu_fp32_2d(n: object) -> bool:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return (isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype == torch.float32 and v.device.type == "cpu"
+            and all(isinstance(d, int) and d >= MIN_DIM for d in v.shape))
+
+
+def _routable(n: fx.Node) -> bool:
+    if n.target is torch.ops.aten.mm.default:
+        return len(n.args) == 2 and not n.kwargs and all(_cpu_fp32_2d(x) for x in n.args)
+    if n.target is torch.ops.aten.addmm.default:
+        bias, a, b = n.args[:3]
+        if n.args[3:] or n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+            return False
+        bv = bias.meta.get("val") if isinstance(bias, fx.Node) else None
+        return (_cpu_fp32_2d(a) and _cpu_fp32_2d(b) and isinstance(bv, torch.Tensor) and bv.dtype == torch.float32
+                and bv.dim() == 1 and bv.shape[0] == b.meta["val"].shape[1])
+    return False
+
+
+def route_cpu_matmuls(gm: fx.GraphModule) -> int:
+    """Replace ``gm``'s routable fp32 CPU ``mm`` / ``addmm`` nodes by ``fxsplit::onednn_mm``
+    ([Note: CPU matmuls through oneDNN]), in place; how many were replaced."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or not _routable(n):
+            continue
+        args = n.args if n.target is torch.ops.aten.mm.default else (n.args[1], n.args[2], n.args[0])
+        with gm.graph.inserting_after(n):
+            new = gm.graph.call_function(onednn_mm, tuple(args))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
