@@ -55,6 +55,7 @@ from __future__ import annotations
 import copy
 import datetime
 import functools
+import os
 import re
 import sys
 import time
@@ -387,8 +388,19 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
                                   for q in range(world)) / sim_plan.makespan,
             "sim_bal_ratio": sim_bal.makespan / (setup.microbatches * world),
             "stage_est": [s.time for s in pm.plan.split.stages],
+            # where fxsplit's compiled fp32 matmuls ran ([Note: CPU matmuls through oneDNN])
+            "cpu_matmul": _cpu_matmul_note() if setup.compile else None,
         }
     return out
+
+
+def _cpu_matmul_note() -> str:
+    from fxsplit.runtime import cpu_matmul
+
+    mode = os.environ.get("FXSPLIT_CPU_MATMUL", "auto")
+    chosen = cpu_matmul.onednn_matmul_chosen()
+    probe = f", probe: {cpu_matmul._probe()[1]}" if mode == "auto" else ""
+    return f"fxsplit's compiled fp32 matmuls: {'oneDNN' if chosen else 'aten (MKL)'} (FXSPLIT_CPU_MATMUL={mode}{probe})"
 
 
 def _probe(ptd_run, group) -> str | None:
@@ -427,6 +439,9 @@ def report(results: list[dict], setup: Setup, load: tuple[float, float]) -> str:
     head = (f"{gpt_note(setup)}; p={p}, m={m}, checkpointing {setup.checkpointing}, "
             f"{'compiled' if setup.compile else 'eager'}; {rounds_note(setup.warmup, setup.steps)}; "
             f"ideal speedup m/(m+p-1)*p = {ideal:.3f}; {load_note(load)}")
+    matmul = next((r["cpu_matmul"] for r in results[0].values() if r.get("cpu_matmul")), None)
+    if matmul:
+        head += f"\n{matmul}"
     wall = [f"{'A. wall clock':<16} {'T1':>6} {'T1 mb':>6} {'fxsplit':>7} {'PTD':>6} {'fx/PTD':>6} "
             f"{'fx/ideal':>8} {'PTD/ideal':>9}"]
     free = [f"{'B. free cores':<16} {'T1 CPU':>6} {'fxsplit':>7} {'PTD':>6} {'fx/PTD':>6} {'fx/ideal':>8} "

@@ -5,6 +5,8 @@ a long skip, checkpointing and an HF model. The backward is split into I and W a
 stage fell back to the autograd split, tp stages included (their collectives trace as functional
 collectives: [Note: traced collectives] in fxsplit.tp.collectives)."""
 
+import os
+
 import pytest
 import torch
 
@@ -213,7 +215,9 @@ def test_graph_split_with_skips_checkpointing_and_hf():
 # (B as one graph: [Note: fused backward]) and zbv (F, I and W) at p=2, a one-layer tied GPT,
 # every graph compiled; before training, pm(x) runs the compiled inference graphs ([Note:
 # compiled inference]) against the unsplit model; the loss runs through torch.compile ([Note:
-# compiled loss]). Inductor reorders fp32 work, hence 1e-5 relative.
+# compiled loss]). Inductor reorders fp32 work, hence 1e-5 relative. The fp32 matmuls run through
+# oneDNN (FXSPLIT_CPU_MATMUL=onednn in the ranks, whatever this host's probe says: [Note: CPU
+# matmuls through oneDNN]): every compiled forward graph has some.
 COMPILED = {"1f1b": dict(pp=2, schedule="1f1b", microbatches=2, compile=True),
             "zbv": dict(pp=2, schedule="zbv", microbatches=2, compile=True)}
 COMPILED_GRAPHS = {"1f1b": "BF", "zbv": "FIW"}
@@ -221,6 +225,7 @@ COMPILED_GPT = {"batch_size": 4, "n_layer": 1, "seq_len": 8}
 
 
 def _compiled(rank, world):
+    os.environ["FXSPLIT_CPU_MATMUL"] = "onednn" if torch.backends.mkldnn.is_available() else "aten"
     built = {}
     for label, options in COMPILED.items():
         torch.manual_seed(0)
@@ -250,6 +255,8 @@ def _compiled(rank, world):
         out[label] = dict(steps=steps, fallbacks=dict(rt.split_fallbacks), not_compiled=dict(rt.compile_fallbacks),
                           compiled=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
                                           for kind, r in split.runners.items() if r.compiled),
+                          onednn=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
+                                        for kind, r in split.runners.items() if r.onednn_matmuls),
                           stages=sorted(int(s) for s in pm.stage_modules), inference=inference,
                           inference_compiled=[run is not None and run.compiled.compiled
                                               for run in rt._inference_runners.values()],
@@ -270,6 +277,8 @@ def test_compiled_stage_graphs_match_single_process():
                 label, r["compiled"])
             assert r["inference_compiled"] and all(r["inference_compiled"]), (label, r["inference_compiled"])
             assert r["loss_compiled"] == r["holds_last"], label  # [Note: compiled loss]
+            if torch.backends.mkldnn.is_available():
+                assert {(s, "F") for s in r["stages"]} <= set(r["onednn"]), (label, r["onednn"])
             torch.testing.assert_close(*r["inference"], rtol=1e-5, atol=1e-6)
         _check(res, want)
 
