@@ -252,7 +252,7 @@ def _compiled(rank, world):
             opt.step()
             opt.zero_grad()
         rt = pm._runtime
-        out[label] = dict(steps=steps, fallbacks=dict(rt.split_fallbacks), not_compiled=dict(rt.compile_fallbacks),
+        out[label] = dict(steps=steps, fallbacks=dict(rt.split_fallbacks), not_compiled=pm.compile_fallbacks,
                           compiled=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
                                           for kind, r in split.runners.items() if r.compiled),
                           onednn=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None

@@ -76,6 +76,12 @@ class ParallelModel(nn.Module):
     def local_stage_graphs(self) -> dict[int, torch.fx.GraphModule]:
         return {int(s): m for s, m in self.stage_modules.items()}
 
+    @property
+    def compile_fallbacks(self) -> dict[tuple[int, str], str]:
+        """With ``compile=True``: ``(stage, "F" | "I" | "W" | "B" | "inference" | "loss")`` -> why
+        that graph of this rank runs uncompiled ([Note: compiled stages]); empty when all compiled."""
+        return dict(self._runtime.compile_fallbacks)
+
     # -- running
     def _bound(self):
         from fxsplit.tp.collectives import bind_groups
