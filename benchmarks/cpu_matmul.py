@@ -1,0 +1,74 @@
+"""fp32 CPU matmuls: aten's (MKL in torch's CPU wheel) against ``fxsplit::onednn_mm`` (oneDNN)
+on the F, I and W products of benchmarks/pipeline_vs_ptd.py's GPT ([Note: CPU matmuls through
+oneDNN] in fxsplit/runtime/cpu_matmul.py).
+
+    .venv/bin/python benchmarks/cpu_matmul.py                 # one thread, 256-token microbatch
+    .venv/bin/python benchmarks/cpu_matmul.py --threads 2 --tokens 512
+    MKL_VERBOSE=1 .venv/bin/python benchmarks/cpu_matmul.py --reps 1 2>&1 | grep -m1 MKL_VERBOSE
+
+Method: for each linear of the GPT (width 256: q/k/v 256 -> 768, proj 256 -> 256, MLP up
+256 -> 1024, down 1024 -> 256, head 256 -> 4096) and each of its products -- F ``x @ w.T``, I
+``dy @ w``, W ``dy.T @ x`` (a transposed view, as the W graph has it) -- both kernels on the same
+tensors, alternating, ``--reps`` timed calls each after two warmup calls; medians in ms, and the
+largest difference relative to the largest entry of aten's result. The probe fxsplit itself runs
+(one fixed shape) is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from fxsplit.runtime import cpu_matmul
+
+SHAPES = {"qkv": (256, 768), "proj": (256, 256), "up": (256, 1024), "down": (1024, 256), "head": (256, 4096)}
+
+
+def _time(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=256, help="rows of a microbatch (2 x 128 in pipeline_vs_ptd)")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(0)
+    print(f"{a.threads} thread(s), {a.tokens} tokens; ms per call, medians of {a.reps}")
+    print(f"{'linear':<6} {'product':<7} {'aten':>7} {'oneDNN':>7} {'oneDNN/aten':>11} {'max rel diff':>12}")
+    ratios = []
+    for name, (din, dout) in SHAPES.items():
+        x = torch.randn(a.tokens, din, generator=g)
+        w = torch.randn(dout, din, generator=g) * din ** -0.5
+        dy = torch.randn(a.tokens, dout, generator=g)
+        for product, (p, q) in {"F": (x, w.t()), "I": (dy, w), "W": (dy.t(), x)}.items():
+            ref = torch.mm(p, q)
+            got = cpu_matmul.onednn_mm(p, q)
+            rel = float((got - ref).abs().max() / ref.abs().max())
+            for _ in range(2):
+                torch.mm(p, q), cpu_matmul.onednn_mm(p, q)
+            t_aten, t_dnn = [], []
+            for _ in range(a.reps):  # alternate: the machine's speed drifts
+                t_aten += _time(lambda: torch.mm(p, q), 1)
+                t_dnn += _time(lambda: cpu_matmul.onednn_mm(p, q), 1)
+            ma, md = statistics.median(t_aten), statistics.median(t_dnn)
+            ratios.append(md / ma)
+            print(f"{name:<6} {product:<7} {ma:7.3f} {md:7.3f} {md / ma:11.3f} {rel:12.1e}")
+    print(f"oneDNN/aten: {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} products")
+    chosen, measured = cpu_matmul._probe()
+    print(f"fxsplit's probe: {measured} -> {'oneDNN' if chosen else 'aten'} for compiled graphs "
+          f"(FXSPLIT_CPU_MATMUL=auto)")
+
+
+if __name__ == "__main__":
+    main()
