@@ -269,6 +269,20 @@ def fallback_problems(draw):
     return replace(pb, memory_limit=limit), limit >= uniform
 
 
+def test_fallback_caps_on_a_rounding_boundary():
+    """hypothesis found it: memory_limit = v * (the least largest stage memory) exactly, where
+    that stage memory (a sum of thirds) rounds 1 ulp above L / v: the uniform caps must still
+    admit the partition."""
+    pb = PartitionProblem(compute=(0.0,) * 8, param_bytes=(1.0,) * 8,
+                          activation_bytes=(0.0, 0.0, 0.0, 11.0, 0.0, 11.0, 0.0, 0.0),
+                          cut_bytes=(0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0), num_stages=6, num_ranks=2,
+                          bandwidth=1.0, memory_limit=67.0, state_bytes_per_param_byte=4.0, exact_budget=0)
+    assert 3 * min(max(ref_stage_memory(pb, c)) for c in ref_candidates(pb)) == 67.0  # the boundary
+    part = solve(pb)
+    check_structure(pb, part)
+    assert max(ref_rank_memory(pb, part.cuts)) <= 67.0
+
+
 def test_fallback_for_coupled_memory_is_sound(monkeypatch):
     """The fallback is reached (counted through a spy on `_fallback`) in every example and returns
     a partition in most; what it returns is sound: contiguous stages at allowed cuts with every

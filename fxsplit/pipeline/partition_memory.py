@@ -142,6 +142,9 @@ def _fallback(ch: Chain, relaxed: tuple[int, ...]) -> tuple[int, ...] | None:
 
     def attempt(caps: tuple[float, ...]) -> None:
         nonlocal best
+        # a stage memory equal to its cap in exact arithmetic may round above it (L / v against a
+        # sum of thirds): start a hair above; the rank check below is against L itself
+        caps = tuple(c * (1 + 1e-12) for c in caps)
         for _ in range(4):  # within L up to the rounding of the per-rank sums: shrink and retry
             cuts = min_bottleneck(ch, caps)
             if cuts is None:
