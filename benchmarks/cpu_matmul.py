@@ -10,8 +10,8 @@ Method: for each linear of the GPT (width 256: q/k/v 256 -> 768, proj 256 -> 256
 256 -> 1024, down 1024 -> 256, head 256 -> 4096) and each of its products -- F ``x @ w.T``, I
 ``dy @ w``, W ``dy.T @ x`` (a transposed view, as the W graph has it) -- both kernels on the same
 tensors, alternating, ``--reps`` timed calls each after two warmup calls; medians in ms, and the
-largest difference relative to the largest entry of aten's result. The probe fxsplit itself runs
-(one fixed shape) is printed last.
+largest difference relative to the largest entry of aten's result. Last: fxsplit's one-shape
+probe, and what ``FXSPLIT_CPU_MATMUL=auto`` chooses here (a fact of the host, not a timing).
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def main() -> None:
             ratios.append(md / ma)
             print(f"{name:<6} {product:<7} {ma:7.3f} {md:7.3f} {md / ma:11.3f} {rel:12.1e}")
     print(f"oneDNN/aten: {min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} products")
-    chosen, measured = cpu_matmul._probe()
-    print(f"fxsplit's probe: {measured} -> {'oneDNN' if chosen else 'aten'} for compiled graphs "
-          f"(FXSPLIT_CPU_MATMUL=auto)")
+    faster, measured = cpu_matmul.probe()
+    print(f"fxsplit's probe: {measured} (oneDNN <= 0.8x aten: {faster}); FXSPLIT_CPU_MATMUL=auto chooses "
+          f"{'oneDNN' if cpu_matmul.mkl_on_non_intel_x86() else 'aten'} (MKL on a non-Intel x86-64: "
+          f"{cpu_matmul.mkl_on_non_intel_x86()})")
 
 
 if __name__ == "__main__":

@@ -399,8 +399,9 @@ def _cpu_matmul_note() -> str:
 
     mode = os.environ.get("FXSPLIT_CPU_MATMUL", "auto")
     chosen = cpu_matmul.onednn_matmul_chosen()
-    probe = f", probe: {cpu_matmul._probe()[1]}" if mode == "auto" else ""
-    return f"fxsplit's compiled fp32 matmuls: {'oneDNN' if chosen else 'aten (MKL)'} (FXSPLIT_CPU_MATMUL={mode}{probe})"
+    measured = cpu_matmul.probe()[1]
+    return (f"fxsplit's compiled fp32 matmuls: {'oneDNN' if chosen else 'aten (MKL)'} (FXSPLIT_CPU_MATMUL={mode}; "
+            f"MKL on a non-Intel x86-64: {cpu_matmul.mkl_on_non_intel_x86()}; one timing: {measured})")
 
 
 def _probe(ptd_run, group) -> str | None:

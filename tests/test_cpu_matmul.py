@@ -60,11 +60,34 @@ def test_the_switch(monkeypatch):
     monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "mkl")
     with pytest.raises(ValueError, match="FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got 'mkl'"):
         onednn_matmul_chosen()
-    monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "auto")
-    chosen, measured = cpu_matmul._probe()
-    assert onednn_matmul_chosen() is chosen
+    monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "auto")  # a fact of the host, not the timing
+    assert onednn_matmul_chosen() is (torch.backends.mkldnn.is_available() and cpu_matmul.mkl_on_non_intel_x86())
+    faster, measured = cpu_matmul.probe()
     if torch.backends.mkldnn.is_available():
-        assert "oneDNN" in measured and "aten" in measured  # both were timed
+        assert isinstance(faster, bool) and "oneDNN" in measured and "aten" in measured  # both were timed
+
+
+@pytest.mark.parametrize("machine, blas, cpuinfo, want", [
+    ("x86_64", "BLAS_INFO=mkl", "vendor_id\t: AuthenticAMD\n", True),
+    ("x86_64", "BLAS_INFO=mkl", "vendor_id\t: HygonGenuine\n", True),
+    ("x86_64", "BLAS_INFO=mkl", "vendor_id\t: GenuineIntel\n", False),  # MKL's own kernels
+    ("x86_64", "BLAS_INFO=open", "vendor_id\t: AuthenticAMD\n", False),  # not MKL
+    ("aarch64", "BLAS_INFO=mkl", "vendor_id\t: AuthenticAMD\n", False),
+    ("x86_64", "BLAS_INFO=mkl", None, False),  # no /proc/cpuinfo
+])
+def test_auto_is_mkl_on_a_non_intel_x86(monkeypatch, machine, blas, cpuinfo, want):
+    import io
+
+    def fake_open(path, *a, **k):
+        assert path == "/proc/cpuinfo"
+        if cpuinfo is None:
+            raise FileNotFoundError(path)
+        return io.StringIO("processor\t: 0\n" + cpuinfo)
+
+    monkeypatch.setattr(cpu_matmul.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.__config__, "show", lambda: f"  - Build settings: {blas}, BUILD_TYPE=Release")
+    monkeypatch.setattr(cpu_matmul, "open", fake_open, raising=False)
+    assert cpu_matmul.mkl_on_non_intel_x86.__wrapped__() is want
 
 
 @needs_onednn

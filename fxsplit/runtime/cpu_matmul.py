@@ -3,9 +3,9 @@ BLAS aten calls ([Note: CPU matmuls through oneDNN]).
 
 Terms: **route** -- replace a graph's ``aten.mm`` / ``aten.addmm`` nodes by ``fxsplit::onednn_mm``
 (same math, one call of oneDNN's matmul); **probe** -- one timing, per process, of both on a
-fixed shape.
+fixed shape (reported, never deciding).
 
-    if onednn_matmul_chosen():                 # FXSPLIT_CPU_MATMUL, else the probe
+    if onednn_matmul_chosen():                 # FXSPLIT_CPU_MATMUL, else mkl_on_non_intel_x86()
         n = route_cpu_matmuls(gm)             # before the graph is compiled
 
 [Note: CPU matmuls through oneDNN]
@@ -21,9 +21,13 @@ lower their precision (tf32 / bf16), and inductor lowers oneDNN's linear only fo
 their fp32 CPU matmuls through ``fxsplit::onednn_mm``, an operator of ours whose kernel is one
 call of ``torch.ops.mkldnn._linear_pointwise`` (oneDNN's matmul with an optional bias; inductor
 calls it as an opaque kernel, fusing around it as around aten's), when
-- ``FXSPLIT_CPU_MATMUL`` is ``onednn``, or it is ``auto`` (the default) and the probe found
-  oneDNN at most 0.8x MKL's time (so an Intel host, where MKL is fast, keeps MKL); ``aten``
-  never routes;
+- ``FXSPLIT_CPU_MATMUL`` is ``onednn``, or it is ``auto`` (the default) and this is the case
+  above: torch's BLAS is MKL, the machine x86-64 and its CPU vendor not GenuineIntel (an Intel
+  host, where MKL runs its own AVX-512 kernels, keeps MKL); ``aten`` never routes. ``auto`` is
+  a fact of the host, not a timing, so every rank of a host decides alike (tp ranks computing a
+  replicated value must round alike, or replicated parameters drift apart); the probe (one
+  timing of both on a fixed shape) is only reported, by benchmarks/pipeline_vs_ptd.py and
+  benchmarks/cpu_matmul.py;
 - the node is ``aten.mm(a, b)`` or ``aten.addmm(bias, a, b)`` (beta = alpha = 1, a 1-d bias of
   the output's width) on 2-d float32 CPU tensors, each dimension at least `MIN_DIM` (below that
   the call's fixed cost is more than the product).
@@ -36,12 +40,13 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 import time
 
 import torch
 import torch.fx as fx
 
-__all__ = ["MIN_DIM", "onednn_matmul_chosen", "onednn_mm", "route_cpu_matmuls"]
+__all__ = ["MIN_DIM", "mkl_on_non_intel_x86", "onednn_matmul_chosen", "onednn_mm", "probe", "route_cpu_matmuls"]
 
 MIN_DIM = 16  # the smallest m, k or n routed
 
@@ -64,9 +69,9 @@ onednn_mm = torch.ops.fxsplit.onednn_mm.default
 
 
 @functools.cache
-def _probe() -> tuple[bool, str]:
-    """(oneDNN at most 0.8x MKL's time on a (256 x 256) @ (256 x 1024) fp32 product with this
-    process's threads, what was measured)."""
+def probe() -> tuple[bool, str]:
+    """(oneDNN at most 0.8x aten's time on a (256 x 256) @ (256 x 1024) fp32 product with this
+    process's threads, what was measured): reported by the benchmarks, never deciding."""
     if not torch.backends.mkldnn.is_available():
         return False, "torch is built without oneDNN"
     a, b = torch.randn(256, 256), torch.randn(256, 1024)
@@ -84,15 +89,30 @@ def _probe() -> tuple[bool, str]:
     return dnn_s <= 0.8 * aten_s, f"oneDNN {dnn_s * 1e3:.2f} ms, aten {aten_s * 1e3:.2f} ms"
 
 
+@functools.cache
+def mkl_on_non_intel_x86() -> bool:
+    """Whether torch's fp32 matmuls go to MKL on an x86-64 CPU that is not Intel's (Linux:
+    ``vendor_id`` in /proc/cpuinfo; False where that cannot be read)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or "BLAS_INFO=mkl" not in torch.__config__.show():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), None)
+    except OSError:
+        return False
+    return vendor is not None and vendor != "GenuineIntel"
+
+
 def onednn_matmul_chosen() -> bool:
     """Whether compiled CPU graphs route their fp32 matmuls through oneDNN ([Note: CPU matmuls
-    through oneDNN]): ``FXSPLIT_CPU_MATMUL`` = ``onednn`` / ``aten``, else (``auto``) the probe."""
+    through oneDNN]): ``FXSPLIT_CPU_MATMUL`` = ``onednn`` / ``aten``, else (``auto``) MKL on a
+    non-Intel x86-64 CPU."""
     mode = os.environ.get("FXSPLIT_CPU_MATMUL", "auto")
     if mode not in ("auto", "onednn", "aten"):
         raise ValueError(f"FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got {mode!r}")
-    if mode == "auto":
-        return _probe()[0]
-    return mode == "onednn" and torch.backends.mkldnn.is_available()
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return mode == "onednn" or (mode == "auto" and mkl_on_non_intel_x86())
 
 
 def _cpu_fp32_2d(n: object) -> bool:
