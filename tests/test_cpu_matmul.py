@@ -4,6 +4,8 @@ compiled stage's F / I / W graphs routed against the same graphs unrouted."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -11,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxsplit
 from fxsplit.runtime import cpu_matmul
 from fxsplit.runtime.compiling import CompiledGraph, compile_split
-from fxsplit.runtime.cpu_matmul import onednn_matmul_chosen, onednn_mm, route_cpu_matmuls
+from fxsplit.runtime.cpu_matmul import onednn_matmul_chosen, onednn_min_macs, onednn_mm, route_cpu_matmuls
 from fxsplit.runtime.split_graph import GraphSplit
 from fxsplit.testing import zoo
 from fxsplit.testing.stage_inputs import stage_inputs
@@ -25,7 +27,7 @@ def _f(x, w, b, dy, w64, small):
     gw = dy.t() @ x  # mm of a transposed view (a weight gradient)
     scaled = torch.addmm(b, x, w.t(), beta=2.0)  # beta != 1: aten's
     wide = w64 @ w64.t()  # float64: aten's
-    tiny = small @ small  # 8 x 8: aten's (below MIN_DIM)
+    tiny = small @ small  # 8 x 8 x 8
     return y, gi, gw, scaled, wide, tiny
 
 
@@ -41,27 +43,32 @@ def test_routes_fp32_mm_and_linear_addmm_only_and_matches_aten():
     args = _inputs()
     gm = make_fx(_f, tracing_mode="fake")(*args)
     want = gm(*args)
-    assert route_cpu_matmuls(gm) == 3  # linear's addmm, and the two fp32 mm
+    # a size threshold: linear's addmm and the two fp32 mm are 64 * 48 * 80 multiply-adds each
+    assert route_cpu_matmuls(copy.deepcopy(gm), min_macs=64 * 48 * 80 + 1) == 0
+    assert route_cpu_matmuls(gm, min_macs=64 * 48 * 80) == 3  # not the 8 x 8 x 8 one
+    assert route_cpu_matmuls(gm, min_macs=0) == 1  # the 8 x 8 x 8 one
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(onednn_mm) == 3
-    assert targets.count(torch.ops.aten.addmm.default) == 1 and targets.count(torch.ops.aten.mm.default) == 2
+    assert targets.count(onednn_mm) == 4
+    assert targets.count(torch.ops.aten.addmm.default) == 1 and targets.count(torch.ops.aten.mm.default) == 1
     got = gm(*args)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    assert route_cpu_matmuls(gm) == 0  # nothing left to route
+    assert route_cpu_matmuls(gm, min_macs=0) == 0  # nothing left to route
 
 
 def test_the_switch(monkeypatch):
     monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "aten")
-    assert onednn_matmul_chosen() is False
+    assert onednn_matmul_chosen() is False and onednn_min_macs() is None
     monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "onednn")
     assert onednn_matmul_chosen() is torch.backends.mkldnn.is_available()
+    assert onednn_min_macs() == (0 if torch.backends.mkldnn.is_available() else None)  # every size
     monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "mkl")
     with pytest.raises(ValueError, match="FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got 'mkl'"):
         onednn_matmul_chosen()
     monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "auto")  # a fact of the host, not the timing
     assert onednn_matmul_chosen() is (torch.backends.mkldnn.is_available() and cpu_matmul.mkl_on_non_intel_x86())
+    assert onednn_min_macs() == (cpu_matmul.MIN_MACS if onednn_matmul_chosen() else None)
     faster, measured = cpu_matmul.probe()
     if torch.backends.mkldnn.is_available():
         assert isinstance(faster, bool) and "oneDNN" in measured and "aten" in measured  # both were timed
@@ -97,7 +104,7 @@ def test_compiled_graph_routes_a_copy_and_keeps_the_aten_graph_as_fallback(monke
     monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "onednn")
     fallbacks = []
     cg = CompiledGraph(gm, fallbacks.append)
-    assert cg.onednn_matmuls == 3
+    assert cg.onednn_matmuls == 4  # forced: every size
     assert not any(n.target is onednn_mm for n in gm.graph.nodes)  # the eager graph is untouched
     for g, w in zip(cg(*args), gm(*args)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -295,7 +295,7 @@ def test_compiled_stage_graphs_match_single_process():
 # gradient per step; 1e-4 relative: inductor's rounding on a four-layer GPT, amplified by AdamW,
 # reaches 8e-5 of a gradient's largest entry at step 1 with or without oneDNN), and an HF model
 # under ZB-V (losses after each SGD step). Nothing falls back; every rank routes some matmuls.
-CKPT_GPT = dict(n_layer=4, batch_size=4, seq_len=16)  # 16 tokens per microbatch: >= MIN_DIM, routed
+CKPT_GPT = dict(n_layer=4, batch_size=4, seq_len=16)
 def _compiled_composed(rank, world):
     from test_parallelize import _hf_train
 

@@ -5,8 +5,9 @@ Terms: **route** -- replace a graph's ``aten.mm`` / ``aten.addmm`` nodes by ``fx
 (same math, one call of oneDNN's matmul); **probe** -- one timing, per process, of both on a
 fixed shape (reported, never deciding).
 
-    if onednn_matmul_chosen():                 # FXSPLIT_CPU_MATMUL, else mkl_on_non_intel_x86()
-        n = route_cpu_matmuls(gm)             # before the graph is compiled
+    min_macs = onednn_min_macs()             # None: keep aten (FXSPLIT_CPU_MATMUL, the host)
+    if min_macs is not None:
+        n = route_cpu_matmuls(gm, min_macs)   # before the graph is compiled
 
 [Note: CPU matmuls through oneDNN]
 torch's CPU wheel sends an fp32 ``aten.mm`` / ``addmm`` to MKL's sgemm. MKL picks its kernels by
@@ -29,8 +30,10 @@ calls it as an opaque kernel, fusing around it as around aten's), when
   timing of both on a fixed shape) is only reported, by benchmarks/pipeline_vs_ptd.py and
   benchmarks/cpu_matmul.py;
 - the node is ``aten.mm(a, b)`` or ``aten.addmm(bias, a, b)`` (beta = alpha = 1, a 1-d bias of
-  the output's width) on 2-d float32 CPU tensors, each dimension at least `MIN_DIM` (below that
-  the call's fixed cost is more than the product).
+  the output's width) on 2-d float32 CPU tensors of static, non-zero sizes, and (under ``auto``)
+  its m * k * n is at least `MIN_MACS`: a oneDNN call costs 13-23 us of its own here, so below
+  about 64 x 128 x 128 MKL's generic path is still the faster (benchmarks/cpu_matmul.py
+  ``--small``); ``onednn`` routes every such matmul whatever its size.
 Numerics: the same product accumulated in another order, equal to MKL's to rounding (about 6e-7
 relative here), as every compiled graph is to its eager one. Eager graphs are never routed: the
 graph split promises autograd's gradients bit for bit ([Note: graph split backward]).
@@ -46,9 +49,10 @@ import time
 import torch
 import torch.fx as fx
 
-__all__ = ["MIN_DIM", "mkl_on_non_intel_x86", "onednn_matmul_chosen", "onednn_mm", "probe", "route_cpu_matmuls"]
+__all__ = ["MIN_MACS", "mkl_on_non_intel_x86", "onednn_matmul_chosen", "onednn_min_macs", "onednn_mm", "probe",
+           "route_cpu_matmuls"]
 
-MIN_DIM = 16  # the smallest m, k or n routed
+MIN_MACS = 128**3  # under auto: the smallest m * k * n routed (2.1e6; the gain starts near 1e6)
 
 _LIB = torch.library.Library("fxsplit", "FRAGMENT")
 _LIB.define("onednn_mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor")
@@ -103,43 +107,59 @@ def mkl_on_non_intel_x86() -> bool:
     return vendor is not None and vendor != "GenuineIntel"
 
 
-def onednn_matmul_chosen() -> bool:
-    """Whether compiled CPU graphs route their fp32 matmuls through oneDNN ([Note: CPU matmuls
-    through oneDNN]): ``FXSPLIT_CPU_MATMUL`` = ``onednn`` / ``aten``, else (``auto``) MKL on a
-    non-Intel x86-64 CPU."""
+def onednn_min_macs() -> int | None:
+    """The smallest m * k * n a compiled CPU graph routes through oneDNN ([Note: CPU matmuls
+    through oneDNN]), or None: none. ``FXSPLIT_CPU_MATMUL`` = ``onednn``: 0 (every one); ``aten``:
+    None; ``auto`` (default): `MIN_MACS` with MKL on a non-Intel x86-64 CPU, else None."""
     mode = os.environ.get("FXSPLIT_CPU_MATMUL", "auto")
     if mode not in ("auto", "onednn", "aten"):
         raise ValueError(f"FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got {mode!r}")
-    if not torch.backends.mkldnn.is_available():
-        return False
-    return mode == "onednn" or (mode == "auto" and mkl_on_non_intel_x86())
+    if not torch.backends.mkldnn.is_available() or mode == "aten":
+        return None
+    if mode == "onednn":
+        return 0
+    return MIN_MACS if mkl_on_non_intel_x86() else None
 
 
-def _cpu_fp32_2d(n: object) -> bool:
+def onednn_matmul_chosen() -> bool:
+    """Whether compiled CPU graphs route any fp32 matmul through oneDNN (`onednn_min_macs`)."""
+    return onednn_min_macs() is not None
+
+
+def _cpu_fp32_2d(n: object) -> torch.Tensor | None:
+    """The fake value of ``n`` if it is a 2-d float32 CPU tensor of static non-zero sizes."""
     v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return (isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype == torch.float32 and v.device.type == "cpu"
-            and all(isinstance(d, int) and d >= MIN_DIM for d in v.shape))
+    ok = (isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype == torch.float32 and v.device.type == "cpu"
+          and all(isinstance(d, int) and d > 0 for d in v.shape))
+    return v if ok else None
 
 
-def _routable(n: fx.Node) -> bool:
+def _routable(n: fx.Node, min_macs: int) -> bool:
     if n.target is torch.ops.aten.mm.default:
-        return len(n.args) == 2 and not n.kwargs and all(_cpu_fp32_2d(x) for x in n.args)
-    if n.target is torch.ops.aten.addmm.default:
-        bias, a, b = n.args[:3]
-        if n.args[3:] or n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+        if len(n.args) != 2 or n.kwargs:
             return False
+        a, b = n.args
+    elif n.target is torch.ops.aten.addmm.default:
+        if len(n.args) != 3 or n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+            return False
+        bias, a, b = n.args
         bv = bias.meta.get("val") if isinstance(bias, fx.Node) else None
-        return (_cpu_fp32_2d(a) and _cpu_fp32_2d(b) and isinstance(bv, torch.Tensor) and bv.dtype == torch.float32
-                and bv.dim() == 1 and bv.shape[0] == b.meta["val"].shape[1])
-    return False
+        bv2 = _cpu_fp32_2d(b)
+        if not (isinstance(bv, torch.Tensor) and bv.dtype == torch.float32 and bv.dim() == 1 and bv2 is not None
+                and bv.shape[0] == bv2.shape[1]):
+            return False
+    else:
+        return False
+    av, bv = _cpu_fp32_2d(a), _cpu_fp32_2d(b)
+    return av is not None and bv is not None and av.shape[0] * av.shape[1] * bv.shape[1] >= min_macs
 
 
-def route_cpu_matmuls(gm: fx.GraphModule) -> int:
-    """Replace ``gm``'s routable fp32 CPU ``mm`` / ``addmm`` nodes by ``fxsplit::onednn_mm``
-    ([Note: CPU matmuls through oneDNN]), in place; how many were replaced."""
+def route_cpu_matmuls(gm: fx.GraphModule, min_macs: int = MIN_MACS) -> int:
+    """Replace ``gm``'s fp32 CPU ``mm`` / ``addmm`` nodes of at least ``min_macs`` multiply-adds
+    by ``fxsplit::onednn_mm`` ([Note: CPU matmuls through oneDNN]), in place; how many."""
     count = 0
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or not _routable(n):
+        if n.op != "call_function" or not _routable(n, min_macs):
             continue
         args = n.args if n.target is torch.ops.aten.mm.default else (n.args[1], n.args[2], n.args[0])
         with gm.graph.inserting_after(n):
