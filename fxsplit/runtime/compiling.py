@@ -39,6 +39,9 @@ compiling, on plain aten graphs, and each half is compiled on its own.
   GraphModule to rounding (about 1e-6 relative in fp32), not bit for bit; what is computed, and in
   which graph, is the same.
 - One backward graph where the schedule has no reason to split it ([Note: fused backward]).
+- On CPU, what is compiled is a copy of the graph whose fp32 matmuls run through oneDNN where
+  torch's MKL is slow ([Note: CPU matmuls through oneDNN] in fxsplit.runtime.cpu_matmul); the
+  graph itself stays the eager fallback.
 - The loss: ``loss_fn`` runs through ``torch.compile`` ([Note: compiled loss]).
 - Inference (``pm(...)``, forward only) runs the F graph cut to the stage outputs, compiled on
   its own ([Note: compiled inference]).
