@@ -63,7 +63,8 @@ class ScheduleError(FxsplitError, ValueError):
 
 
 class UsageError(FxsplitError, ValueError):
-    """A command-line request that cannot be carried out as given; exit code 2."""
+    """A command-line request (exit code 2) or an environment setting (``FXSPLIT_CPU_MATMUL``)
+    that cannot be carried out as given."""
 
 
 class UnknownPassError(FxsplitError, KeyError):

@@ -64,7 +64,7 @@ def test_the_switch(monkeypatch):
     assert onednn_matmul_chosen() is torch.backends.mkldnn.is_available()
     assert onednn_min_macs() == (0 if torch.backends.mkldnn.is_available() else None)  # every size
     monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "mkl")
-    with pytest.raises(ValueError, match="FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got 'mkl'"):
+    with pytest.raises(fxsplit.FxsplitError, match="FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got 'mkl'"):
         onednn_matmul_chosen()
     monkeypatch.setenv("FXSPLIT_CPU_MATMUL", "auto")  # a fact of the host, not the timing
     assert onednn_matmul_chosen() is (torch.backends.mkldnn.is_available() and cpu_matmul.mkl_on_non_intel_x86())

@@ -49,6 +49,8 @@ import time
 import torch
 import torch.fx as fx
 
+from fxsplit.errors import UsageError
+
 __all__ = ["MIN_MACS", "mkl_on_non_intel_x86", "onednn_matmul_chosen", "onednn_min_macs", "onednn_mm", "probe",
            "route_cpu_matmuls"]
 
@@ -113,7 +115,8 @@ def onednn_min_macs() -> int | None:
     None; ``auto`` (default): `MIN_MACS` with MKL on a non-Intel x86-64 CPU, else None."""
     mode = os.environ.get("FXSPLIT_CPU_MATMUL", "auto")
     if mode not in ("auto", "onednn", "aten"):
-        raise ValueError(f"FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got {mode!r}")
+        raise UsageError(f"FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got {mode!r}: set it to one of "
+                         "them or unset it (auto: oneDNN where torch's MKL runs its generic path)")
     if not torch.backends.mkldnn.is_available() or mode == "aten":
         return None
     if mode == "onednn":
