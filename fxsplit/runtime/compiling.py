@@ -97,7 +97,7 @@ import torch
 import torch.fx as fx
 
 from fxsplit.graph.ops import is_random
-from fxsplit.runtime.cpu_matmul import onednn_min_macs, onednn_mm, route_cpu_matmuls
+from fxsplit.runtime.cpu_matmul import onednn_min_macs, route_cpu_matmuls
 from fxsplit.tp.collectives import note_calls
 
 __all__ = ["INDUCTOR_OPTIONS", "CompiledGraph", "compile_split", "full_backward", "fused_backward_graph",
@@ -143,8 +143,8 @@ class CompiledGraph:
             target = gm
             min_macs = onednn_min_macs() if isinstance(gm, fx.GraphModule) else None
             if min_macs is not None:
-                target = _with_onednn_matmuls(gm, min_macs)  # [Note: CPU matmuls through oneDNN]; gm: the fallback
-                self.onednn_matmuls = sum(n.target is onednn_mm for n in target.graph.nodes)
+                # [Note: CPU matmuls through oneDNN]; gm stays the fallback
+                target, self.onednn_matmuls = _with_onednn_matmuls(gm, min_macs)
             self._fn = torch.compile(target, backend="inductor", fullgraph=whole, dynamic=False if whole else None,
                                      options=INDUCTOR_OPTIONS)
 
@@ -163,12 +163,13 @@ class CompiledGraph:
         return out
 
 
-def _with_onednn_matmuls(gm: fx.GraphModule, min_macs: int) -> fx.GraphModule:
-    """A copy of ``gm`` (sharing its parameters and code's globals) whose fp32 CPU matmuls run
-    through oneDNN, or ``gm`` itself if it has none."""
+def _with_onednn_matmuls(gm: fx.GraphModule, min_macs: int) -> tuple[fx.GraphModule, int]:
+    """(a copy of ``gm``, sharing its parameters and code's globals, whose fp32 CPU matmuls run
+    through oneDNN, or ``gm`` itself if it has none; how many were routed)."""
     routed = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # node metas copied shallowly: fake values shared
     routed.meta = gm.meta
-    return routed if route_cpu_matmuls(routed, min_macs) else gm
+    count = route_cpu_matmuls(routed, min_macs)
+    return (routed if count else gm), count
 
 
 def compile_split(split: Any, on_fallback: Callable[[str, str], None], *, fused: bool = False) -> None:

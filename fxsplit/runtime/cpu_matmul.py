@@ -14,8 +14,9 @@ torch's CPU wheel sends an fp32 ``aten.mm`` / ``addmm`` to MKL's sgemm. MKL pick
 CPU vendor, not by instruction set: on AMD hosts it runs a generic path (``MKL_VERBOSE=1`` names
 no AVX-512 there) although the core has AVX-512, so a (256 x 256) @ (256 x 1024) product takes
 1.4-1.7 ms on one core of this project's EPYC machines where oneDNN, which ships in the same
-wheel and dispatches on the instruction set, takes 0.6 ms (2.0-2.3x on every F, I and W shape of
-the pipeline benchmark's GPT, benchmarks/README "Session 10"). torch has no switch for this:
+wheel and dispatches on the instruction set, takes 0.6 ms (oneDNN 0.44-0.67x MKL's time on every
+F, I and W product of the pipeline benchmark's GPT: benchmarks/cpu_matmul.py, benchmarks/README
+"Session 10"). torch has no switch for this:
 ``torch.backends.mkldnn.matmul.fp32_precision`` sends fp32 matmuls to oneDNN only when it may
 lower their precision (tf32 / bf16), and inductor lowers oneDNN's linear only for constant
 (frozen) weights, never for training. So compiled stage graphs ([Note: compiled stages]) route
