@@ -38,8 +38,9 @@ class ParallelModel(nn.Module):
     def __init__(self, *, plan_: Plan, stages: Mapping[int, nn.Module], runtime: Any, mesh: Any,
                  coords: Mapping[str, int], groups: Mapping[str, Any], loss_fn: Callable | None,
                  bucket_bytes: int = 25 * 2**20, log_every: int | None = None,
-                 fsdp_units: Mapping[int, nn.Module] | None = None):
+                 fsdp_units: Mapping[int, nn.Module] | None = None, watch: Any = None):
         super().__init__()
+        self._watch = watch  # fxsplit.runtime.watch.Watch when world size > 1 ([Note: failure protocol])
         self.plan = plan_
         self.stage_modules = nn.ModuleDict({str(s): m for s, m in stages.items()})
         self._runtime = runtime
@@ -84,9 +85,22 @@ class ParallelModel(nn.Module):
 
     # -- running
     def _bound(self):
-        from fxsplit.tp.collectives import bind_groups
+        import contextlib
 
-        return bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp")})
+        from fxsplit.tp.collectives import bind_groups, bind_waiter
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp")}))
+        if self._watch is not None:
+            stack.enter_context(bind_waiter(self._watch.wait))
+        return stack
+
+    def _wait(self, work: Any, what: str, group: Any) -> None:
+        """A wait on ``group``'s ranks: polled and failure-aware ([Note: failure protocol])."""
+        if self._watch is None:
+            work.wait()
+        else:
+            self._watch.wait(work, what, dist.get_process_group_ranks(group))
 
     def _flat(self, args: tuple, kwargs: dict) -> list:
         return flatten_inputs(self.plan.graph, args, kwargs)
@@ -144,7 +158,27 @@ class ParallelModel(nn.Module):
                 loss = self._runtime.step(flat, target=target, loss_scale=loss_scale)
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
+            self._post(exc)
         self._agree(error, True, "step")
+        try:
+            loss = self._finish_step(loss, loss_scale, error)
+        except RankFailedError:
+            self._give_up("step")
+            raise
+        self.last_step_seconds = time.perf_counter() - t0
+        waited = getattr(self._runtime, "last_wait_seconds", 0.0)
+        self.last_bubble = waited / self.last_step_seconds if self.last_step_seconds > 0 else 0.0
+        self._steps += 1
+        if self._log_every and self._steps % self._log_every == 0:
+            log.info(
+                "step %d: loss %.6f, %.3fs, measured bubble %.1f%% (time blocked on pipeline peers)",
+                self._steps, float(loss), self.last_step_seconds, 100 * self.last_bubble,
+            )
+        return loss
+
+    def _finish_step(self, loss: torch.Tensor, loss_scale: Any, error: Exception | None) -> torch.Tensor:
+        """After the pipeline: data-parallel gradients, tied sums, the inf agreement, the loss mean."""
+        self._doing("reducing gradients after step()")
         self._sync_grads()
         # every rank agrees here or none does: a rank holding no tied copy still joins (with ZB-V
         # both copies of a tied weight can sit on one pipeline rank, so `_tied` differs by rank)
@@ -162,17 +196,9 @@ class ParallelModel(nn.Module):
         dp = self._groups.get("data" if self._fsdp is not None else "dp")
         if dp is not None and dist.get_world_size(dp) > 1:
             loss = loss.detach().clone()
-            dist.all_reduce(loss, group=dp)
+            self._wait(dist.all_reduce(loss, group=dp, async_op=True), "the data-parallel mean of the loss", dp)
             loss /= dist.get_world_size(dp)
-        self.last_step_seconds = time.perf_counter() - t0
-        waited = getattr(self._runtime, "last_wait_seconds", 0.0)
-        self.last_bubble = waited / self.last_step_seconds if self.last_step_seconds > 0 else 0.0
-        self._steps += 1
-        if self._log_every and self._steps % self._log_every == 0:
-            log.info(
-                "step %d: loss %.6f, %.3fs, measured bubble %.1f%% (time blocked on pipeline peers)",
-                self._steps, float(loss), self.last_step_seconds, 100 * self.last_bubble,
-            )
+        self._doing("between fxsplit calls (after step())")
         return loss
 
     def _loss_scale(self, scaler: Any) -> torch.Tensor | None:
@@ -204,17 +230,32 @@ class ParallelModel(nn.Module):
                 out = self._runtime.forward(flat, all_ranks=True)
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
+            self._post(exc)
         if self._fsdp is not None:
             self._fsdp.reshard()
         self._agree(error, True, "forward")
+        self._doing("between fxsplit calls (after forward())")
         return out
+
+    def _post(self, exc: Exception) -> None:
+        """This rank's own code raised inside a call: post it for the ranks it leaves waiting."""
+        from fxsplit.errors import PipelineError
+
+        if self._watch is not None and not isinstance(exc, (RankFailedError, PipelineError)):
+            self._watch.post_raised(exc)
+
+    def _doing(self, text: str) -> None:
+        if self._watch is not None:
+            self._watch.doing = text
 
     def _check_usable(self, what: str) -> None:
         if self._failure is not None:
             raise RuntimeError(
-                f"{what}(): this ParallelModel cannot run again: {self._failure}. The failed rank "
-                "destroyed its pipeline process group; build a new one with fxsplit.parallelize(...)"
+                f"{what}(): this ParallelModel cannot run again: {self._failure}. Its process groups "
+                "were given up after the failure (they may hold transfers no peer completes); build a "
+                "new one with fxsplit.parallelize(...)"
             )
+        self._doing(f"in {what}() (call after {self._steps} step(s))")
 
     def _agree(self, error: Exception | None, in_runtime: bool, what: str) -> None:
         """[Note: failures] Every rank learns whether any rank failed, and all raise together.
@@ -235,10 +276,18 @@ class ParallelModel(nn.Module):
                 raise error
             return
         failure = exchange_errors(group, error, in_runtime, timeout=self._runtime.timeout,
-                                   coords=self.coords, what=what)
+                                   coords=self.coords, what=what, watch=self._watch)
         if failure is None:
             return
         worst, exc = failure
+        report = getattr(exc, "report", None)
+        lost = report is not None and report.kind != "raised"
+        cfg = self.plan.config
+        if lost or (in_runtime and (cfg.tp > 1 or cfg.pp > 1)):
+            # a rank that will not come back, or collectives that may be left half done: this
+            # model's groups are abandoned ([Note: failure protocol] point 4) and it cannot run again
+            self._give_up(what, exc)
+            raise exc
         if self._fsdp is not None and in_runtime and self._failure is None:
             # the FSDP units hold gathered parameters and unreduced gradients of the failed step
             self._failure = f"an earlier {what}() failed while its sharded (FSDP) stages were gathered"
@@ -258,6 +307,29 @@ class ParallelModel(nn.Module):
                 cause = f"on this rank ({type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''})"
             self._failure = f"an earlier {what}() failed in the pipeline runtime {cause}"
         raise exc
+
+    def _give_up(self, what: str, exc: BaseException | None = None) -> None:
+        """Abandon every group this model uses (they may hold operations no peer completes) and
+        refuse to run again."""
+        from fxsplit.runtime.watch import abandon
+
+        for group in self._groups.values():
+            if group is not None and group is not dist.group.WORLD:
+                abandon(group)
+        if self._runtime.pp_group is not None:
+            abandon(self._runtime.pp_group)
+        self._runtime.pp_group = None
+        self._dp_pending = []
+        if self._failure is None:
+            if isinstance(exc, RankFailedError):
+                cause = f"on global rank(s) {sorted(exc.failed)}"
+            else:
+                first = "" if exc is None else (str(exc).splitlines() or [""])[0]
+                cause = (f"on this rank ({type(exc).__name__ if exc else 'error'}: {first[:120]}"
+                         f"{'...' if len(first) > 120 else ''})")
+            self._failure = f"an earlier {what}() failed {cause}"
+        if self._watch is not None:
+            self._watch.doing = f"stopped: an earlier {what}() failed"
 
     def _abort_group(self, axis: str) -> None:
         group = self._groups.get(axis)
@@ -284,11 +356,12 @@ class ParallelModel(nn.Module):
         if dp is None or dist.get_world_size(dp) == 1:
             return
         scale = 1.0 / dist.get_world_size(dp)
-        _finish_all_reduce(pending, scale=scale)
+        wait = lambda work: self._wait(work, "the data-parallel gradient all-reduce", dp)  # noqa: E731
+        _finish_all_reduce(pending, scale=scale, wait=wait)
         done = self._dp_done
         self._dp_done = set()
         rest = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in done]
-        _bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype)
+        _bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype, wait=wait)
 
     def _stage_grads_ready(self, stage: int) -> None:
         dp = self._groups.get("dp")
@@ -621,9 +694,12 @@ def _launch_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: 
     return pending
 
 
-def _finish_all_reduce(pending: list, *, scale: float) -> None:
+def _finish_all_reduce(pending: list, *, scale: float, wait: Callable[[Any], None] | None = None) -> None:
     for flat, gs, work in pending:
-        work.wait()
+        if wait is None:
+            work.wait()
+        else:
+            wait(work)
         if scale != 1.0:
             flat.mul_(scale)
         offset = 0
@@ -633,8 +709,8 @@ def _finish_all_reduce(pending: list, *, scale: float) -> None:
 
 
 def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float,
-                         reduce_dtype: torch.dtype | None = None) -> None:
-    _finish_all_reduce(_launch_all_reduce(grads, group, bucket_bytes, reduce_dtype), scale=scale)
+                         reduce_dtype: torch.dtype | None = None, wait: Callable[[Any], None] | None = None) -> None:
+    _finish_all_reduce(_launch_all_reduce(grads, group, bucket_bytes, reduce_dtype), scale=scale, wait=wait)
 
 
 def check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:

@@ -12,7 +12,9 @@ initialized when the model lives on the meta device. The user's model is never m
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
+import itertools
 import logging
 from typing import Any, Callable, Mapping
 
@@ -108,6 +110,9 @@ def parallelize(
         )
     coords = mesh_coords(mesh)
     groups = mesh_groups(mesh)
+    bound = datetime.timedelta(seconds=timeout)
+    for group in groups.values():  # every wait fxsplit cannot poll is bounded by `timeout` too
+        _set_timeout(group, bound)
     # [Note: failures]: flag all-reduces over every rank, on the CPU (gloo); the runtime gets a
     # pipeline group of its own, which it destroys on a failure (the mesh's "pp" group may be the
     # world group itself, and the mesh stays usable for the next parallelize)
@@ -115,13 +120,13 @@ def parallelize(
     if dist.get_world_size() > 1:
         # a group of its own: data-parallel gradient all-reduces run asynchronously during the
         # pipeline and must never interleave with the flags on one group
-        groups["errors"] = dist.new_group(backend="gloo")
+        groups["errors"] = dist.new_group(backend="gloo", timeout=bound)
         if pp > 1:  # one group per (dp, dp_shard, tp) coordinate, ordered by pp rank; collective on every rank
             chains = mesh.mesh.reshape(dp * ds, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
-            pipe_group, _ = dist.new_subgroups_by_enumeration(chains)
+            pipe_group, _ = dist.new_subgroups_by_enumeration(chains, timeout=bound)
         if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
             replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
-            groups["data"], _ = dist.new_subgroups_by_enumeration(replicas)
+            groups["data"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     device = torch.device(device)
@@ -154,11 +159,46 @@ def parallelize(
         split_backward=c.split_backward,
         compile=c.compile,
     )
+    watch = _start_watch(mesh, the_plan, timeout) if dist.get_world_size() > 1 else None
+    runtime.watch = watch
     if searched is not None:
         the_plan = dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,
                                        predicted_memory=searched.best.memory.as_dict(), search=searched)
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
-                         groups=groups, loss_fn=loss_fn, log_every=log_every, fsdp_units=units)
+                         groups=groups, loss_fn=loss_fn, log_every=log_every, fsdp_units=units, watch=watch)
+
+
+def _set_timeout(group: Any, bound: datetime.timedelta) -> None:
+    """``group``'s own timeout (every collective on it, e.g. FSDP2's, ends by then)."""
+    try:
+        group.set_timeout(bound)
+    except (AttributeError, RuntimeError):  # a backend without it keeps its own (NCCL's watchdog)
+        pass
+
+
+_WATCHES = [0]  # parallelize calls in this process: every rank makes the same calls in one order
+
+
+def _start_watch(mesh: Any, the_plan: Any, timeout: float) -> Any:
+    """This rank's :class:`~fxsplit.runtime.watch.Watch` on the rendezvous store, describing every
+    global rank by its mesh coordinates and stages ([Note: failure protocol])."""
+    from fxsplit.runtime.watch import Watch
+
+    grid = mesh.mesh
+    names = mesh.mesh_dim_names
+    where = {}
+    for index in itertools.product(*(range(n) for n in grid.shape)):
+        coords = dict(zip(names, index))
+        stages = the_plan.stages_of(coords["pp"])
+        held = f"stage {stages[0]}" if len(stages) == 1 else "stages " + ", ".join(map(str, stages))
+        where[int(grid[index])] = (f"global rank {int(grid[index])} ("
+                                   + ", ".join(f"{k} {v}" for k, v in coords.items()) + f") holding {held}")
+    _WATCHES[0] += 1
+    # the store every rank joined the default group through; torch has no public getter for it
+    store = dist.distributed_c10d._get_default_store()
+    return Watch(store, prefix=f"fxsplit/parallelize-{_WATCHES[0]}", rank=dist.get_rank(),
+                 world_size=dist.get_world_size(), timeout=timeout,
+                 describe=lambda r: where.get(r, f"global rank {r}"))
 
 
 def _verify(model: nn.Module, example_args: Any, example_kwargs: Any, the_plan: Any, mode: bool | None) -> None:

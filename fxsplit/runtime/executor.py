@@ -80,7 +80,9 @@ from fxsplit.runtime.microbatch import (
 from fxsplit.pipeline.comm import Message
 from fxsplit.tp.random import stage_stream
 from fxsplit.pipeline.rank_plan import RankPlan
+from fxsplit.errors import RankFailedError
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
+from fxsplit.runtime.watch import abandon
 from fxsplit.runtime.fsdp import local_tensor
 from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.runtime.graph_actions import GraphActions
@@ -191,6 +193,7 @@ class PipelineRuntime(GraphActions):
         self.split_dim = split_dim
         self.batched = batched
         self.abort_on_error = abort_on_error
+        self.watch: Any = None  # fxsplit.runtime.watch.Watch, set by parallelize ([Note: failure protocol])
         self.prefetch_depth = max(0, int(prefetch))
         self.seed = seed
         self.rng_step = 0  # k of the stage streams: step()/forward() calls so far
@@ -303,10 +306,12 @@ class PipelineRuntime(GraphActions):
         self._current: Action | None = None
         try:
             return fn()
-        except PipelineError:
+        except (PipelineError, RankFailedError):
             self._abort()
             raise
         except Exception as exc:
+            if self.watch is not None:  # first: the peers this rank leaves waiting read the cause
+                self.watch.post_raised(exc)
             a = self._current
             where = (f"while running action {a} (stage {a.stage}, microbatch {a.microbatch})"
                      if a is not None else "outside any action")
@@ -323,10 +328,13 @@ class PipelineRuntime(GraphActions):
         if not self.abort_on_error or not dist.is_initialized():
             return
         group, self.pp_group = self.pp_group, None
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 -- best effort: the original error is what matters
-            pass
+        if self.watch is not None:  # peers learn of the failure from the board; the group may
+            abandon(group)          # hold posted transfers ([Note: failure protocol] point 4)
+        else:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 -- best effort: the original error is what matters
+                pass
         self.abort_on_error = False  # only once
 
     def _run(self, flat_inputs: Sequence[Any], target: Any, *, training: bool, all_ranks: bool = False) -> Any:
@@ -354,7 +362,8 @@ class PipelineRuntime(GraphActions):
         plan = self.train_plan if training else self.forward_plan
         if training not in self._channels:
             self._channels[training] = P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout,
-                                                  alloc=self._alloc, blocking_waits=self.blocking_waits)
+                                                  alloc=self._alloc, blocking_waits=self.blocking_waits,
+                                                  watch=self.watch)
         self._channel = self._channels[training]
         self._channel.reset()
         acts = plan.actions
@@ -367,6 +376,8 @@ class PipelineRuntime(GraphActions):
         with torch.set_grad_enabled(training):
             for i, ac in enumerate(acts):
                 self._current = ac.action
+                if self.watch is not None:
+                    self.watch.doing = ac.action
                 for nxt in acts[i + 1: i + 1 + self.prefetch_depth]:
                     self._channel.prefetch(nxt.recvs, ac.action)
                 if ac.action.kind is F:
@@ -560,6 +571,10 @@ class PipelineRuntime(GraphActions):
     # ------------------------------------------------------------------ end of step
 
     def _wait(self, work: dist.Work, what: str, peer: int | None) -> None:
+        if self.watch is not None and self.blocking_waits:
+            g = self._global(peer) if peer is not None else None
+            self.watch.wait(work, f"{what} with global rank {g}", () if g is None else (g,))
+            return
         try:
             if self.blocking_waits:
                 work.wait(datetime.timedelta(seconds=self.timeout))

@@ -22,27 +22,21 @@ _OK, _BAD_INPUT, _RAISED, _PEER_FAILED = 0, 1, 2, 3
 
 
 def exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, timeout: float,
-                     coords: Mapping[str, int], what: str) -> tuple[int, Exception] | None:
+                     coords: Mapping[str, int], what: str, watch: Any = None) -> tuple[int, Exception] | None:
     """All-reduce this rank's outcome code over ``group``; None when every rank succeeded, else
-    (the highest code, the exception this rank must raise). Waits at most ``timeout`` seconds."""
+    (the highest code, the exception this rank must raise). Waits at most ``timeout`` seconds;
+    with ``watch`` (fxsplit.runtime.watch.Watch) a polled wait that ends as soon as a rank is known
+    to be lost, naming it ([Note: failure protocol])."""
     if error is None:
         code = _OK
-    elif isinstance(error, PipelineError):
+    elif isinstance(error, (PipelineError, RankFailedError)):
         code = _PEER_FAILED  # waited for a rank that failed: an echo, not a cause
     else:
         code = _RAISED if in_runtime else _BAD_INPUT
     flag = torch.tensor([code], dtype=torch.int32)
-    try:
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        work.wait(datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001 -- a rank never arrived
-        text = (f"{what}(): the end-of-call error check with the other ranks failed or timed out after "
-                f"{timeout:g} s ({type(exc).__name__}); some rank crashed, hangs, or did not call "
-                f"{what}() (every rank must)")
-        if error is not None:
-            error.add_note(f"fxsplit: {text}")
-            return (_RAISED, error)
-        return (_RAISED, RankFailedError(text, failed={}))
+    failed = _reduce_flag(flag, group, error, timeout=timeout, what=what, watch=watch)
+    if failed is not None:
+        return failed
     worst = int(flag.item())
     if worst == _OK:
         return None
@@ -73,3 +67,28 @@ def exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, ti
     if error is not None:
         exc.__cause__ = error
     return (worst, exc)
+
+
+def _reduce_flag(flag: torch.Tensor, group: Any, error: Exception | None, *, timeout: float, what: str,
+                 watch: Any) -> tuple[int, Exception] | None:
+    """The MAX all-reduce of the outcome codes; (code, exception) when it could not complete."""
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    try:
+        if watch is not None:
+            watch.wait(work, f"the end-of-{what}() error check with every rank",
+                       range(dist.get_world_size(group)), until_lost=True)
+        else:
+            work.wait(datetime.timedelta(seconds=timeout))
+        return None
+    except RankFailedError as exc:  # the watch named the rank that will not come
+        found: Exception = exc
+        text = str(exc)
+    except Exception as exc:  # noqa: BLE001 -- a rank never arrived
+        text = (f"{what}(): the end-of-call error check with the other ranks failed or timed out after "
+                f"{timeout:g} s ({type(exc).__name__}); some rank crashed, hangs, or did not call "
+                f"{what}() (every rank must)")
+        found = RankFailedError(text, failed={})
+    if error is not None and not isinstance(error, (PipelineError, RankFailedError)):
+        error.add_note(f"fxsplit: {text}")
+        return (_RAISED, error)
+    return (_RAISED, found)

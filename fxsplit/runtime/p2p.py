@@ -25,11 +25,12 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fxsplit.errors import PipelineError
+from fxsplit.errors import PipelineError, RankFailedError
 from fxsplit.pipeline.comm import CommOp, CommPlan, Message
 from fxsplit.schedule.ir import Action
 
@@ -47,8 +48,9 @@ class P2PChannel:
     """
 
     def __init__(self, plan: CommPlan, *, group: dist.ProcessGroup | None, timeout_s: float,
-                 alloc: Callable[[Message], torch.Tensor], blocking_waits: bool = True):
+                 alloc: Callable[[Message], torch.Tensor], blocking_waits: bool = True, watch: Any = None):
         self.plan = plan
+        self.watch = watch  # fxsplit.runtime.watch.Watch: polled waits ([Note: failure protocol])
         self.group = group
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
@@ -108,6 +110,9 @@ class P2PChannel:
                 work = dist.irecv(tensor, dst, group=self.group, tag=msg.tag)
                 self._recvs[msg] = (work, tensor)
         except Exception as exc:  # a dead peer makes the post itself raise on gloo
+            if self.watch is not None:
+                why = f"posting an operation with global rank {dst} in action {action} failed ({exc})"
+                raise self.watch.error(self.watch.diagnose((dst,), why=why[:300]), why[:300]) from exc
             raise self.error("posting the send of" if op.is_send else "posting the receive of",
                              msg, op.peer, action, exc) from exc
 
@@ -166,10 +171,16 @@ class P2PChannel:
         time in ``wait_seconds``; a failure names the peer, the message and the action."""
         t0 = time.perf_counter()
         try:
-            if self.blocking_waits:
+            if self.blocking_waits and self.watch is not None:
+                g = self._global.get(peer, peer)
+                self.watch.wait(work, f"{what} the {msg.describe()} {'to' if 'send' in what else 'from'} "
+                                f"global rank {g} in action {action}", (g,))
+            elif self.blocking_waits:
                 work.wait(self.timeout)
             else:
                 work.wait()
+        except RankFailedError:
+            raise
         except Exception as exc:
             raise self.error(what, msg, peer, action, exc) from exc
         finally:

@@ -75,6 +75,8 @@ __all__ = [
     "axis_rank",
     "axis_size",
     "bind_groups",
+    "bind_waiter",
+    "wait_collective",
     "copy_to_region",
     "current_group",
     "gather_for_sp",
@@ -123,6 +125,31 @@ def bind_groups(mapping: Mapping[str, Any]) -> Iterator[None]:
         yield
     finally:
         _GROUPS.reset(token)
+
+
+_WAITER: contextvars.ContextVar[Any] = contextvars.ContextVar("fxsplit_waiter", default=None)
+
+
+@contextlib.contextmanager
+def bind_waiter(waiter: Any) -> Iterator[None]:
+    """Inside the block, eager collectives wait through ``waiter(work, what, peers)`` instead of
+    ``work.wait()`` (the runtime's polled, bounded wait: [Note: failure protocol] in
+    fxsplit.runtime.watch); captured in forward for backward like the group ([Note: axis binding])."""
+    token = _WAITER.set(waiter)
+    try:
+        yield
+    finally:
+        _WAITER.reset(token)
+
+
+def wait_collective(work: Any, group: dist.ProcessGroup, what: str) -> None:
+    """Wait for an eager collective on ``group`` through the bound waiter, if any (``bind_waiter``)."""
+    waiter = _WAITER.get()
+    if waiter is None:
+        work.wait()
+    else:
+        ranks = dist.get_process_group_ranks(group)
+        waiter(work, f"the {what} (global ranks {ranks})", ranks)
 
 
 def current_group(axis: str) -> dist.ProcessGroup | None:
@@ -211,6 +238,15 @@ class _Bound:
     axis: str
     group: dist.ProcessGroup
     log: list[CollectiveCall] | None
+    waiter: Any = None
+
+    def wait(self, work: Any, kind: str) -> None:
+        """Wait for an eager collective's ``work``: bounded and failure-aware when a waiter is bound."""
+        if self.waiter is None:
+            work.wait()
+        else:
+            self.waiter(work, f"the {kind} over axis {self.axis!r} (global ranks "
+                        f"{dist.get_process_group_ranks(self.group)})", dist.get_process_group_ranks(self.group))
 
     def note(self, op: str, kind: str, phase: str, x: torch.Tensor) -> None:
         call = CollectiveCall(op, kind, self.axis, phase, tuple(x.shape), x.dtype)
@@ -229,7 +265,7 @@ def _active(axis: str) -> _Bound | None:
     group = _GROUPS.get().get(axis)
     if group is None or group.size() == 1:
         return None
-    return _Bound(axis, group, _LOG.get())
+    return _Bound(axis, group, _LOG.get(), _WAITER.get())
 
 
 def axis_size(axis: str = "tp") -> int:
@@ -270,20 +306,20 @@ def _all_reduce(x: torch.Tensor, b: _Bound, op: str, phase: str) -> torch.Tensor
     if _are_we_tracing():  # [Note: traced collectives]
         return _FC.wait_tensor(_FC.all_reduce(x.contiguous(), "sum", b.group.group_name))
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=b.group)
+    b.wait(dist.all_reduce(out, group=b.group, async_op=True), "all-reduce")
     return out
 
 
 class _PendingAllReduce:
     """An all-reduce started by `start_all_reduce`; ``wait()`` returns the sum."""
 
-    def __init__(self, x: torch.Tensor, work: Any):
-        self.x, self.work = x, work
+    def __init__(self, x: torch.Tensor, work: Any, b: _Bound | None = None):
+        self.x, self.work, self.b = x, work, b
 
     def wait(self) -> torch.Tensor:
         if self.work is None:
             return _FC.wait_tensor(self.x)
-        self.work.wait()
+        self.b.wait(self.work, "all-reduce")
         return self.x
 
 
@@ -294,7 +330,7 @@ def start_all_reduce(x: torch.Tensor, b: _Bound, op: str, phase: str) -> _Pendin
     b.note(op, "all_reduce", phase, x)
     if _are_we_tracing():
         return _PendingAllReduce(_FC.all_reduce(x.contiguous(), "sum", b.group.group_name), None)
-    return _PendingAllReduce(x, dist.all_reduce(x, group=b.group, async_op=True))
+    return _PendingAllReduce(x, dist.all_reduce(x, group=b.group, async_op=True), b)
 
 
 def _all_gather(x: torch.Tensor, dim: int, b: _Bound, op: str, phase: str) -> torch.Tensor:
@@ -305,7 +341,7 @@ def _all_gather(x: torch.Tensor, dim: int, b: _Bound, op: str, phase: str) -> to
         return out if dim == 0 else torch.cat(out.chunk(n, dim=0), dim=dim)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(b.group.size())]
-    dist.all_gather(parts, x, group=b.group)
+    b.wait(dist.all_gather(parts, x, group=b.group, async_op=True), "all-gather")
     return torch.cat(parts, dim=dim)
 
 
@@ -321,7 +357,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, b: _Bound, op: str, phase: str) -
         return _FC.wait_tensor(_FC.reduce_scatter_tensor(stacked, "sum", n, b.group.group_name))
     parts = [c.contiguous() for c in x.chunk(b.group.size(), dim=dim)]
     out = torch.empty_like(parts[b.group.rank()])
-    dist.reduce_scatter(out, parts, group=b.group)
+    b.wait(dist.reduce_scatter(out, parts, group=b.group, async_op=True), "reduce-scatter")
     return out
 
 
@@ -503,7 +539,7 @@ def all_reduce_sum(x: torch.Tensor, axis: str = "dp", *, inplace: bool = False) 
                 "inplace=False"
             )
         b.note("all_reduce_sum", "all_reduce", "no_grad", x)
-        dist.all_reduce(x, group=b.group)
+        b.wait(dist.all_reduce(x, group=b.group, async_op=True), "all-reduce")
         return x
     return _all_reduce(x, b, "all_reduce_sum", "no_grad")
 

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import _are_we_tracing
 
 from fxsplit.tp.collectives import (
-    _active, current_group, gather_from_region, note_collective, reduce_from_region, start_all_reduce)
+    _active, current_group, gather_from_region, note_collective, reduce_from_region, start_all_reduce,
+    wait_collective)
 
 __all__ = ["column_parallel_linear", "gather_logits", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
@@ -129,7 +130,8 @@ class _VocabParallelCE(torch.autograd.Function):
         m = x.max(dim=-1).values  # (...); -inf when the rank holds only padding
         if group is not None:
             note_collective("vocab_parallel_cross_entropy", "all_reduce", ctx.axis, "forward", m)
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            wait_collective(dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group, async_op=True), group,
+                            "vocabulary-parallel cross-entropy's max")
         x.sub_(m.unsqueeze(-1))
         ignored = target == ignore_index
         mine = (target >= start) & (target < start + local) & ~ignored
@@ -140,7 +142,8 @@ class _VocabParallelCE(torch.autograd.Function):
         if group is not None:
             both = torch.stack([picked, sum_exp])
             note_collective("vocab_parallel_cross_entropy", "all_reduce", ctx.axis, "forward", both)
-            dist.all_reduce(both, group=group)
+            wait_collective(dist.all_reduce(both, group=group, async_op=True), group,
+                            "vocabulary-parallel cross-entropy's sums")
             picked, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - picked).masked_fill(ignored, 0.0)
         x.div_(sum_exp.unsqueeze(-1))  # softmax of this rank's columns
