@@ -196,7 +196,7 @@ class ParallelModel(nn.Module):
         dp = self._groups.get("data" if self._fsdp is not None else "dp")
         if dp is not None and dist.get_world_size(dp) > 1:
             loss = loss.detach().clone()
-            self._wait(dist.all_reduce(loss, group=dp, async_op=True), "the data-parallel mean of the loss", dp)
+            self._wait(dist.all_reduce(loss, group=dp, async_op=True), "in the data-parallel mean of the loss", dp)
             loss /= dist.get_world_size(dp)
         self._doing("between fxsplit calls (after step())")
         return loss
@@ -356,7 +356,7 @@ class ParallelModel(nn.Module):
         if dp is None or dist.get_world_size(dp) == 1:
             return
         scale = 1.0 / dist.get_world_size(dp)
-        wait = lambda work: self._wait(work, "the data-parallel gradient all-reduce", dp)  # noqa: E731
+        wait = lambda work: self._wait(work, "in the data-parallel gradient all-reduce", dp)  # noqa: E731
         _finish_all_reduce(pending, scale=scale, wait=wait)
         done = self._dp_done
         self._dp_done = set()

@@ -573,7 +573,7 @@ class PipelineRuntime(GraphActions):
     def _wait(self, work: dist.Work, what: str, peer: int | None) -> None:
         if self.watch is not None and self.blocking_waits:
             g = self._global(peer) if peer is not None else None
-            self.watch.wait(work, f"{what} with global rank {g}", () if g is None else (g,))
+            self.watch.wait(work, f"{what} with global rank {g}", () if g is None else (g,))  # "summing ...", "broadcasting ..."
             return
         try:
             if self.blocking_waits:

@@ -75,7 +75,7 @@ def _reduce_flag(flag: torch.Tensor, group: Any, error: Exception | None, *, tim
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
     try:
         if watch is not None:
-            watch.wait(work, f"the end-of-{what}() error check with every rank",
+            watch.wait(work, f"checking for errors with every rank at the end of {what}()",
                        range(dist.get_world_size(group)), until_lost=True)
         else:
             work.wait(datetime.timedelta(seconds=timeout))

@@ -173,7 +173,8 @@ class P2PChannel:
         try:
             if self.blocking_waits and self.watch is not None:
                 g = self._global.get(peer, peer)
-                self.watch.wait(work, f"{what} the {msg.describe()} {'to' if 'send' in what else 'from'} "
+                verb = "receiving" if what == "waited for" else what
+                self.watch.wait(work, f"{verb} the {msg.describe()} {'to' if 'send' in what else 'from'} "
                                 f"global rank {g} in action {action}", (g,))
             elif self.blocking_waits:
                 work.wait(self.timeout)

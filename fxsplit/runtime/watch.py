@@ -98,7 +98,7 @@ class Report:
     def sentence(self) -> str:
         if self.kind == "raised":
             return f"{self.where} failed while {self.doing}: {self.text}"
-        return f"{self.where} {self.text} (it was {self.doing})"
+        return f"{self.where} {self.text} (its last state: {self.doing})"
 
 
 class Watch:
@@ -252,7 +252,7 @@ class Watch:
 
     def error(self, report: Report, what: str) -> RankFailedError:
         me = self.describe(self.rank)
-        exc = RankFailedError(f"{report.sentence()}. This is {me}, which was {what}; every rank raises.",
+        exc = RankFailedError(f"{report.sentence()}. This is {me}, stopped while {what}; every rank raises.",
                               failed={report.suspect: report.text})
         exc.report = report
         return exc
@@ -264,7 +264,7 @@ class Watch:
         end-of-call exchange waits for ranks that raised), when the transfer fails, or after
         ``timeout`` seconds. ``what`` names the wait ("receiving ... from global rank 2")."""
         t0 = time.monotonic()
-        prev, self.doing = self.doing, f"waiting: {what}"
+        prev, self.doing = self.doing, f"waiting: {what}"  # "waiting" marks a victim in `diagnose`
         try:
             while True:
                 try:
@@ -273,10 +273,10 @@ class Watch:
                 except Exception as exc:  # noqa: BLE001
                     if not slice_timed_out(exc):
                         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                        if "imed out" in first:  # the group's own timeout (= `timeout`) ended the operation
-                            why = f"{what} timed out after {self.timeout:g} s"
-                            raise self.error(self.diagnose(peers, why=why, timed_out=True), what) from exc
-                        raise self.error(self.diagnose(peers, why=f"{what} failed ({first[:160]})"), what) from exc
+                        # the group's own timeout (= `timeout`) may end the operation first
+                        timed = "imed out" in first and time.monotonic() - t0 >= 0.9 * self.timeout
+                        why = f"{what} failed after {time.monotonic() - t0:.1f} s ({first[:160]})"
+                        raise self.error(self.diagnose(peers, why=why, timed_out=timed), what) from exc
                 if self.failed.is_set():
                     if self.store_error is not None:
                         raise RankFailedError(
@@ -288,7 +288,7 @@ class Watch:
                     if cause is not None and (not until_lost or cause.kind != "raised"):
                         raise self.error(cause, what)
                 if time.monotonic() - t0 >= self.timeout:
-                    raise self.error(self.diagnose(peers, why=f"{what} timed out after {self.timeout:g} s",
+                    raise self.error(self.diagnose(peers, why=f"{what} did not finish in {self.timeout:g} s",
                                                     timed_out=True), what)
         finally:
             self.doing = prev

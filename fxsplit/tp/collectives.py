@@ -149,7 +149,7 @@ def wait_collective(work: Any, group: dist.ProcessGroup, what: str) -> None:
         work.wait()
     else:
         ranks = dist.get_process_group_ranks(group)
-        waiter(work, f"the {what} (global ranks {ranks})", ranks)
+        waiter(work, f"in the {what} (global ranks {ranks})", ranks)
 
 
 def current_group(axis: str) -> dist.ProcessGroup | None:
@@ -245,7 +245,7 @@ class _Bound:
         if self.waiter is None:
             work.wait()
         else:
-            self.waiter(work, f"the {kind} over axis {self.axis!r} (global ranks "
+            self.waiter(work, f"in the tensor-parallel {kind} over axis {self.axis!r} (global ranks "
                         f"{dist.get_process_group_ranks(self.group)})", dist.get_process_group_ranks(self.group))
 
     def note(self, op: str, kind: str, phase: str, x: torch.Tensor) -> None:
