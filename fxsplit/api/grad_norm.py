@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxsplit.errors import UsageError
 from fxsplit.runtime.fsdp import local_tensor
 
 __all__ = ["norm_parameters", "global_norm", "scale_grads", "check_norm_type", "agree_nonfinite"]
@@ -55,7 +56,7 @@ def check_norm_type(norm_type: Any) -> float:
     except (TypeError, ValueError):
         p = float("nan")
     if not p > 0:
-        raise ValueError(
+        raise UsageError(
             f"clip_grad_norm_: norm_type={norm_type!r} must be a number p > 0 (2.0 for the Euclidean "
             "norm, float('inf') for the largest absolute value)"
         )
