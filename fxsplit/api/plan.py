@@ -31,7 +31,7 @@ from torch import nn
 from fxsplit import schedule as _schedules
 from fxsplit.api.options import SCHEDULES, ParallelConfig, make_config
 from fxsplit.errors import OutOfRangeError, PlanError
-from fxsplit.graph.examples import batch_of, example_at_batch
+from fxsplit.graph.examples import batch_of, check_example_batch, example_at_batch
 from fxsplit.graph.hardware import Hardware
 from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.graph.trace import trace
@@ -199,7 +199,12 @@ def plan(
     ``strategy="auto"`` searches the layout for ``world_size`` ranks and ``global_batch_size``
     samples per step instead ([Note: auto plan] in :mod:`fxsplit.api.auto`): ``Plan.config`` is
     the pick, with ``predicted_step_time``, ``predicted_memory`` and ``search`` (the table).
+
+    An example of 0 samples (its batch, dim 0 of the first input tensor, is 0) is refused with a
+    PlanError naming the input.
     """
+    check_example_batch(example_args if isinstance(example_args, (tuple, list)) else (example_args,),
+                        example_kwargs, "plan")
     if strategy is not None or world_size is not None:
         t_auto = time.perf_counter()
         if strategy != "auto":
