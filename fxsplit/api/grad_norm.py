@@ -50,7 +50,7 @@ EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (total_norm
 
 
 def check_norm_type(norm_type: Any) -> float:
-    """``norm_type`` as a float p > 0 (``inf`` included); ValueError naming the value otherwise."""
+    """``norm_type`` as a float p > 0 (``inf`` included); UsageError (a ValueError) naming the value otherwise."""
     try:
         p = float(norm_type)
     except (TypeError, ValueError):

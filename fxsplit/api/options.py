@@ -193,7 +193,7 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 
 def make_config(config: ParallelConfig | None, options: Mapping[str, Any], *, where: str) -> ParallelConfig:
     """``config`` (default ``ParallelConfig()``) with ``options`` (keyword arguments of ``where``)
-    applied; an unknown keyword raises a TypeError naming the closest option."""
+    applied; an unknown keyword raises an ArgumentTypeError (a TypeError) naming the closest option."""
     unknown = [k for k in options if k not in _FIELDS]
     if unknown:
         hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, _FIELDS, 1)) else repr(k)

@@ -170,7 +170,7 @@ class NodeCost:
     def evaluate(self, bindings: Mapping[sympy.Symbol | str, int | float]) -> NodeCost:
         """Substitute symbol values (keyed by symbol or symbol name) and return plain numbers.
 
-        Raises ValueError naming the symbols that ``bindings`` leaves unbound.
+        Raises UsageError (a ValueError) naming the symbols that ``bindings`` leaves unbound.
         """
         by_name = {(k if isinstance(k, str) else k.name): v for k, v in bindings.items()}
         missing = sorted(s.name for s in self.free_symbols if s.name not in by_name)

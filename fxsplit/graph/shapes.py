@@ -33,7 +33,7 @@ def to_expr(x: Any) -> Number:
 
     A static size stays an ``int``; a symbolic value becomes its sympy expression
     (``x.node.expr``); a sympy value that is a plain number comes back as ``int`` (integers) or
-    ``float``. Anything else raises ``TypeError``.
+    ``float``. Anything else raises ``ArgumentTypeError`` (a TypeError).
     """
     if isinstance(x, bool):
         return int(x)

@@ -316,7 +316,7 @@ def plan_all_communication(
 ) -> tuple[CommPlan, ...]:
     """Every pipeline rank's `CommPlan` for ``schedule`` over stages wired by ``io`` (ALL stages),
     from one simulation. ``rank_of_stage`` defaults to ``s % num_ranks``. With ``forward_only``
-    only the F actions are kept (inference). Raises ``ValueError`` naming the action when an
+    only the F actions are kept (inference). Raises ``ScheduleError`` (a ValueError) naming the action when an
     action runs on the wrong rank, a dependency is missing from the schedule, or the schedule
     deadlocks. See [Note: message order].
     """

@@ -114,7 +114,7 @@ def _check_shard(fn: str, dp_shard: int) -> None:
 
 
 def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int, dp_shard: int = 1) -> None:
-    """Raise ValueError unless `mesh` has dims ("dp", "pp", "tp") and shape (dp, pp, tp), or (any
+    """Raise UsageError (a ValueError) unless `mesh` has dims ("dp", "pp", "tp") and shape (dp, pp, tp), or (any
     ``dp_shard``) dims :data:`MESH_DIMS_SHARDED` and shape (dp, dp_shard, pp, tp)."""
     _check_degrees("check_mesh", dp, pp, tp)
     _check_shard("check_mesh", dp_shard)

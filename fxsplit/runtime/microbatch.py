@@ -88,7 +88,7 @@ def split_microbatches(
     """Split every batched input along ``dim`` into ``num_microbatches`` chunks (views, no copy).
 
     ``batched[i]`` forces whether input i is split (default: a tensor whose size along ``dim``
-    equals the batch size). Raises ``ValueError`` when the batch is smaller than
+    equals the batch size). Raises ``UsageError`` (a ValueError) when the batch is smaller than
     ``num_microbatches`` or a forced input has the wrong size.
     """
     flat = list(flat_inputs)
@@ -178,7 +178,7 @@ def bind_symbols(metas: Sequence[ValueMeta], values: Sequence[Any]) -> dict[symp
     """Bind the sympy symbols in ``metas[i].shape`` to the sizes of the tensors ``values[i]``.
 
     A dimension that is a bare symbol binds it; an expression with one unbound symbol is solved
-    for it; every dimension is then checked. Raises ``ValueError`` naming the input, the dim, the
+    for it; every dimension is then checked. Raises ``PlanError`` (a ValueError) naming the input, the dim, the
     expected and the actual size when they disagree (e.g. a graph traced with fixed shapes fed a
     different microbatch size).
     """

@@ -108,7 +108,7 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Parse ``"2F0"`` into ``Action(2, FORWARD, 0)``; raise ``ValueError`` on bad text."""
+        """Parse ``"2F0"`` into ``Action(2, FORWARD, 0)``; raise ``ScheduleError`` (a ValueError) on bad text."""
         if not isinstance(text, str):
             raise ScheduleError(f"Action.parse expects a string like '2F0', got {type(text).__name__} {text!r}")
         match = _ACTION_RE.match(text)
