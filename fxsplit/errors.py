@@ -2,11 +2,12 @@
 
 Terms: a *request error* is a question that cannot be answered as asked (a degree that does not
 divide, a split point that does not exist, a schedule that breaks a rule); it subclasses
-``ValueError`` as well, and the message names the value, the rule and the fix. A *run error* is a
-failure while running (a model that cannot be traced, a peer rank that failed); it subclasses
-``RuntimeError``. Where a builtin class was raised before, the error keeps deriving from it
-(``ArgumentTypeError`` is a ``TypeError``, ``MissingKeyError`` a ``KeyError``), so ``except
-TypeError`` written against older versions still catches it.
+``ValueError`` as well (or the builtin such a mistake always raised: ``ArgumentTypeError`` is a
+``TypeError``, ``OutOfRangeError`` an ``IndexError``, ``MissingKeyError`` a ``KeyError``, so
+``except TypeError`` written against older versions still catches it), and the message names the
+value, the rule and the fix; ``REQUEST_ERRORS`` lists them. A *run error* is a failure while
+running (a model that cannot be traced, a peer rank that failed, a call this state does not
+allow); it subclasses ``RuntimeError``.
 
     try:
         plan = fxsplit.plan(model, (x,), tp=3)
@@ -14,8 +15,10 @@ TypeError`` written against older versions still catches it.
         ...
 
 This module is the bottom layer of the package: it imports nothing from fxsplit and no torch, so
-the torch-free ``fxsplit.schedule`` can raise these too. Each error is re-exported by the module
-that raises it (``fxsplit.pipeline.partition.PartitionError`` is this ``PartitionError``).
+the torch-free ``fxsplit.schedule`` can raise these too. A topic's error is re-exported by the
+module that raises it (``fxsplit.pipeline.partition.PartitionError`` is this ``PartitionError``);
+the general ones (``UsageError``, ``ArgumentTypeError``, ``OutOfRangeError``, ``MissingKeyError``,
+``RunError``, ``MissingDependencyError``) are raised all over and imported from here.
 """
 
 from __future__ import annotations
