@@ -23,14 +23,17 @@ writes on request the graph colored by stage (DOT), the simulated schedule (PNG)
 dumps of :mod:`fxsplit.graph.debug`. ``schedule`` prints a schedule's grid and its simulation with unit
 costs (forward 1, backward 2 unless told otherwise); no model needed.
 
-Exit codes: 0 success; 2 a usage error (bad arguments, a file or factory that cannot be found, a
-factory result of the wrong form, or degrees that cannot be planned: the message says which and
-how to fix it); 1 an error raised by the user's own code or while tracing (traceback printed).
+Exit codes: 0 success; 2 a usage error, one line naming it and the fix, no traceback (bad
+arguments, an unknown ``--hardware`` preset or schedule, a file or factory that cannot be found, a
+factory result of the wrong form, an output path that cannot be written, or a request that cannot
+be planned: any error of ``fxsplit.errors.REQUEST_ERRORS``); 1 an error raised by the user's own
+code or while tracing (traceback printed), or a missing optional dependency.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -95,6 +98,16 @@ def _nonnegative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{value} is not allowed; a cost must be >= 0")
     return value
+
+
+def _hardware_preset(text: str) -> Any:
+    """``--hardware NAME`` -> that :class:`fxsplit.Hardware` preset, checked before any model loads."""
+    from fxsplit.graph.hardware import Hardware
+
+    try:
+        return Hardware.preset(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _comma_list(text: str) -> list[str]:
@@ -255,13 +268,17 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     model, args, kwargs = load_example(ns.factory, meta=ns.meta)
     if ns.auto:
         return _cmd_plan_auto(ns, model, args, kwargs)
+    hardware = ns.hardware
+    if ns.link_bandwidth is not None:
+        hardware = (Hardware(link_bytes_per_s=ns.link_bandwidth) if hardware is None
+                    else dataclasses.replace(hardware, link_bytes_per_s=ns.link_bandwidth))
     config = ParallelConfig(
         tp=ns.tp, pp=ns.pp, dp=ns.dp, microbatches=ns.microbatches, schedule=ns.schedule,
         stages_per_rank=ns.stages_per_rank, split_points=ns.split_points, memory_limit=ns.memory_limit,
         method=ns.method, passes=tuple(_load_passes(ns.passes)), debug=ns.debug_dir,
         sequence_parallel=ns.sequence_parallel, vocab_parallel_loss=ns.vocab_parallel_loss,
         activation_checkpointing=ns.activation_checkpointing,
-        hardware=Hardware(link_bytes_per_s=ns.link_bandwidth) if ns.link_bandwidth is not None else None,
+        hardware=hardware,
     )
     the_plan = plan(model, args, kwargs, config=config)
     print(the_plan)
@@ -282,13 +299,11 @@ def _cmd_plan_auto(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict
     """``fxsplit plan FILE:FACTORY --auto --world-size N --global-batch B --hardware NAME``."""
     from fxsplit.api import plan
     from fxsplit.errors import PlanError
-    from fxsplit.graph.hardware import Hardware
 
     if ns.world_size is None or ns.global_batch is None:
         raise PlanError("--auto needs --world-size N and --global-batch B (samples per optimizer step)")
-    hardware = Hardware.preset(ns.hardware) if ns.hardware else None
     the_plan = plan(model, args, kwargs, strategy="auto", world_size=ns.world_size, global_batch_size=ns.global_batch,
-                    hardware=hardware, memory_limit=ns.memory_limit, method=ns.method,
+                    hardware=ns.hardware, memory_limit=ns.memory_limit, method=ns.method,
                     passes=tuple(_load_passes(ns.passes)), debug=ns.debug_dir)
     print(the_plan.search)
     print()
@@ -366,8 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=_positive_int, default=None, help="ranks to plan for, with --auto")
     p.add_argument("--global-batch", type=_positive_int, default=None,
                    help="samples per optimizer step over all replicas, with --auto")
-    p.add_argument("--hardware", default=None, metavar="NAME",
-                   help="a Hardware preset for --auto (a100-80gb, h100-sxm; default a100-80gb)")
+    p.add_argument("--hardware", type=_hardware_preset, default=None, metavar="NAME",
+                   help="the fxsplit.Hardware preset that stage times are estimated for (a100-80gb, h100-sxm; "
+                        "default: fxsplit.Hardware(), a100-80gb with --auto); --link-bandwidth overrides its link")
     p.add_argument("--meta", action="store_true", help='build the model under torch.device("meta") (no memory)')
     p.add_argument("--grid", action="store_true", help="also print the schedule grid (rank x step)")
     p.add_argument("--dot", metavar="PATH", help="write the graph colored by stage as Graphviz DOT")
@@ -413,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the output was piped into a reader that stopped (`| head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as exc:  # an output path that cannot be written (--dot, --timeline, --debug-dir)
+        print(f"fxsplit {ns.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except ImportError as exc:  # an optional dependency (matplotlib, transformers)
         print(f"fxsplit {ns.command}: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE

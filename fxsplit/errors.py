@@ -2,9 +2,12 @@
 
 Terms: a *request error* is a question that cannot be answered as asked (a degree that does not
 divide, a split point that does not exist, a schedule that breaks a rule); it subclasses
-``ValueError`` as well, and the message names the value, the rule and the fix. A *run error* is a
-failure while running (a model that cannot be traced, a peer rank that failed); it subclasses
-``RuntimeError``.
+``ValueError`` as well (or the builtin such a mistake always raised: ``ArgumentTypeError`` is a
+``TypeError``, ``OutOfRangeError`` an ``IndexError``, ``MissingKeyError`` a ``KeyError``, so
+``except TypeError`` written against older versions still catches it), and the message names the
+value, the rule and the fix; ``REQUEST_ERRORS`` lists them. A *run error* is a failure while
+running (a model that cannot be traced, a peer rank that failed, a call this state does not
+allow); it subclasses ``RuntimeError``.
 
     try:
         plan = fxsplit.plan(model, (x,), tp=3)
@@ -12,8 +15,10 @@ failure while running (a model that cannot be traced, a peer rank that failed); 
         ...
 
 This module is the bottom layer of the package: it imports nothing from fxsplit and no torch, so
-the torch-free ``fxsplit.schedule`` can raise these too. Each error is re-exported by the module
-that raises it (``fxsplit.pipeline.partition.PartitionError`` is this ``PartitionError``).
+the torch-free ``fxsplit.schedule`` can raise these too. A topic's error is re-exported by the
+module that raises it (``fxsplit.pipeline.partition.PartitionError`` is this ``PartitionError``);
+the general ones (``UsageError``, ``ArgumentTypeError``, ``OutOfRangeError``, ``MissingKeyError``,
+``RunError``, ``MissingDependencyError``) are raised all over and imported from here.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from collections.abc import Mapping
 __all__ = [
     "FxsplitError", "TraceError", "UnknownPassError", "TPPlanError", "ShardingError", "PartitionError",
     "SplitError", "StageBuildError", "ScheduleError", "PlanError", "PipelineError", "RankFailedError",
-    "DistributedRunError", "VerificationError", "UsageError", "PathError", "REQUEST_ERRORS",
+    "DistributedRunError", "VerificationError", "UsageError", "PathError", "ArgumentTypeError",
+    "MissingKeyError", "OutOfRangeError", "RunError", "MissingDependencyError", "REQUEST_ERRORS",
 ]
 
 
@@ -63,15 +69,30 @@ class ScheduleError(FxsplitError, ValueError):
 
 
 class UsageError(FxsplitError, ValueError):
-    """A command-line request (exit code 2) or an environment setting (``FXSPLIT_CPU_MATMUL``)
-    that cannot be carried out as given."""
+    """An argument value, a command-line request (exit code 2) or an environment setting
+    (``FXSPLIT_CPU_MATMUL``) that cannot be used as given, where none of the errors above (plan,
+    tensor-parallel plan, sharding, split, stage, schedule) fits."""
 
 
-class UnknownPassError(FxsplitError, KeyError):
-    """No pass is registered under the requested name (the message lists close names)."""
+class ArgumentTypeError(FxsplitError, TypeError):
+    """A value of the wrong type: an argument, a field, or what a user's callable returned (a pass
+    that returns no ``PassResult``); the message names the value, its type and the type wanted."""
+
+
+class OutOfRangeError(FxsplitError, IndexError):
+    """An index outside its range (a stage, a rank, a tensor dim); the message names the range."""
+
+
+class MissingKeyError(FxsplitError, KeyError):
+    """A name looked up that is not there (a symbol, a node's metadata, a registered pass); the
+    message names it and what there is."""
 
     def __str__(self) -> str:  # KeyError would print the message in quotes
         return str(self.args[0]) if self.args else ""
+
+
+class UnknownPassError(MissingKeyError):
+    """No pass is registered under the requested name (the message lists close names)."""
 
 
 class PathError(FxsplitError, AttributeError):
@@ -80,6 +101,18 @@ class PathError(FxsplitError, AttributeError):
 
 
 # -- run errors (also RuntimeError)
+
+
+class RunError(FxsplitError, RuntimeError):
+    """This cannot run now: the environment (no process group, a launcher variable not set, too
+    few devices), the order of calls (``step()`` on a model built without ``loss_fn``, a model
+    whose rank failed), or a value met while running (gradients with a non-finite norm). The
+    message says what to do instead."""
+
+
+class MissingDependencyError(FxsplitError, ImportError):
+    """An optional dependency is not installed (matplotlib for PNG timelines); the message names
+    the package and how to install it."""
 
 
 class TraceError(FxsplitError, RuntimeError):
@@ -144,5 +177,5 @@ class DistributedRunError(FxsplitError, RuntimeError):
 
 
 REQUEST_ERRORS = (PlanError, TPPlanError, ShardingError, PartitionError, SplitError, StageBuildError,
-                  ScheduleError, UsageError, UnknownPassError, PathError)
+                  ScheduleError, UsageError, ArgumentTypeError, OutOfRangeError, MissingKeyError, PathError)
 """The errors that mean "this request cannot be answered as given" (the CLI's exit code 2)."""

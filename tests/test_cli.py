@@ -36,6 +36,9 @@ MODEL_FILE = textwrap.dedent(
     def not_a_model():
         return 42
 
+    def empty():                                           # an example of 0 samples
+        return zoo.MLP((16, 32, 16)), (torch.randn(0, 16),)
+
     class NotUsed:
         pass
 
@@ -116,7 +119,8 @@ def test_plan_options_split_points_meta_and_memory(model_file, capsys):
         (["plan", "--tp", "2"], 2, "FILE.py:FACTORY"),
         (["plan", "{dir}/missing.py:gpt"], 2, "does not exist"),
         (["plan", "{file}:nope"], 2,
-         "callables defined there: NotUsed, bare, broken, example_inputs, gpt, mlp_pair, not_a_model, tag_outputs"),
+         "callables defined there: NotUsed, bare, broken, empty, example_inputs, gpt, mlp_pair, not_a_model, "
+         "tag_outputs"),
         (["plan", "{file}"], 2, "write {file}:NAME"),
         (["plan", "no_such_module_xyz:f"], 2, "neither a file nor an importable module"),
         (["plan", "{file}:not_a_model"], 2, "returned a value of type int; it must return (model, example_args"),
@@ -127,6 +131,27 @@ def test_plan_options_split_points_meta_and_memory(model_file, capsys):
         (["plan", "{file}:mlp_pair", "--pp", "2", "--schedule", "1f1b", "--memory-limit", "1KB"], 2, "memory"),
         (["plan", "{file}:gpt", "--tp", "3"], 2, "which t=3 does not divide"),
         (["schedule", "no_such_schedule", "--pp", "2", "--microbatches", "2"], 2, "valid names: gpipe, 1f1b"),
+        # usage errors: exit 2 and one line naming the problem, never a traceback
+        (["plan", "{file}:mlp_pair", "--hardware", "tpu-v9"], 2,
+         "argument --hardware: Hardware.preset: unknown name 'tpu-v9'; presets: a100-80gb, h100-sxm"),
+        (["plan", "{file}:mlp_pair", "--auto", "--world-size", "8", "--global-batch", "64", "--hardware", "x"], 2,
+         "unknown name 'x'"),
+        (["plan", "{file}:mlp_pair", "--tp", "two"], 2, "argument --tp: 'two' is not an integer"),
+        (["plan", "{file}:mlp_pair", "--pp", "-1"], 2, "a degree or count must be >= 1"),
+        (["plan", "{file}:mlp_pair", "--schedule", "no_such"], 2, "argument --schedule: invalid choice: 'no_such'"),
+        (["plan", "{file}:mlp_pair", "--method", "jit"], 2, "argument --method: invalid choice: 'jit'"),
+        (["plan", "{file}:mlp_pair", "--split-points", ","], 2, "--split-points needs module paths"),
+        (["plan", "{file}:mlp_pair", "--pp", "2", "--split-points", "no.such"], 2, "no.such"),
+        (["plan", "{file}:mlp_pair", "--auto"], 2, "--auto needs --world-size N and --global-batch B"),
+        (["plan", "{file}:mlp_pair", "--dot", "{dir}/no_such_dir/g.dot"], 2, "No such file or directory"),
+        (["plan", "{file}:empty"], 2, "the example has 0 samples: example_args[0] has shape (0, 16)"),
+        (["plan", "{file}:not_a_model"], 2, "must return (model, example_args"),
+        (["schedule", "zbv", "--pp", "2", "--microbatches", "4", "--stages-per-rank", "3"], 2,
+         "zbv places exactly 2 stages per rank"),
+        (["schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--forward", "-1"], 2, "a cost must be >= 0"),
+        (["schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--timeline", "{dir}/no_such_dir/t.png"], 2,
+         "No such file or directory"),
+        (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
     ],
 )
 def test_errors_name_the_problem(model_file, argv, code, message, capsys):
@@ -135,6 +160,18 @@ def test_errors_name_the_problem(model_file, argv, code, message, capsys):
     err = capsys.readouterr().err
     assert rc == code, err
     assert message.format(**fill) in err, err
+    if code == 2:  # a usage error is one line (after argparse's usage text), never a traceback
+        assert "Traceback" not in err, err
+        assert len([line for line in err.splitlines() if "error:" in line]) == 1, err
+
+
+def test_hardware_preset_sets_the_plan_hardware(model_file, capsys):
+    rc = main(["plan", f"{model_file}:mlp_pair", "--pp", "2", "--hardware", "h100-sxm", "--link-bandwidth", "1GB"])
+    assert rc == 0, capsys.readouterr().err
+    from fxsplit.cli import build_parser
+
+    ns = build_parser().parse_args(["plan", "f.py:g", "--hardware", "H100-SXM"])
+    assert ns.hardware.name == "h100-sxm"
 
 
 def test_user_pass_and_debug_dir(model_file, tmp_path, capsys):
@@ -193,3 +230,8 @@ def test_python_dash_m_entry_point(tmp_path):
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "gpipe: p=2 v=1 m=2" in done.stdout
+    # the exit code of a usage error reaches the shell, with one line and no traceback
+    done = subprocess.run([sys.executable, "-m", "fxsplit", "plan", "x.py:f", "--hardware", "tpu-v9"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "unknown name 'tpu-v9'" in done.stderr and "Traceback" not in done.stderr

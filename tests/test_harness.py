@@ -146,6 +146,6 @@ def test_pickling_failures_name_the_culprit():
         run_distributed(lambda rank, ws: None, 2)
     with pytest.raises(DistributedRunError, match="this argument cannot be loaded in the child"):
         run_distributed(_report, 2, _Unloadable(), timeout=60)
-    with pytest.raises(DistributedRunError, match="rank 1 failed: TypeError: .*rank 1 returned a function"):
+    with pytest.raises(DistributedRunError, match="rank 1 failed: ArgumentTypeError: .*rank 1 returned a function"):
         run_distributed(_return_unpicklable, 2, timeout=60)
 

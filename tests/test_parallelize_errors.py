@@ -211,26 +211,26 @@ def _same_error(results, key, kind, *needles):
 
 @pytest.mark.dist
 def test_world_size_and_mesh_errors_on_every_rank(two):
-    _same_error(two, "world", "ValueError", "1*4*1 = 4", "world size 2", "dp=1, pp=2, tp=1", "launch 4 processes")
-    _same_error(two, "world_dp", "ValueError", "2*2*1 = 4", "world size 2")
-    _same_error(two, "mesh_names", "ValueError", "('pp',)", "shape (2,)", "('dp', 'pp', 'tp')", "(1, 2, 1)",
+    _same_error(two, "world", "PlanError", "1*4*1 = 4", "world size 2", "dp=1, pp=2, tp=1", "launch 4 processes")
+    _same_error(two, "world_dp", "PlanError", "2*2*1 = 4", "world size 2")
+    _same_error(two, "mesh_names", "UsageError", "('pp',)", "shape (2,)", "('dp', 'pp', 'tp')", "(1, 2, 1)",
                 "build_mesh(dp=1, pp=2, tp=1)")
-    _same_error(two, "mesh_shape", "ValueError", "shape (2, 1, 1)", "(1, 2, 1)")
+    _same_error(two, "mesh_shape", "UsageError", "shape (2, 1, 1)", "(1, 2, 1)")
     _same_error(two, "few_microbatches", "PlanError", "microbatches=1 < pp=2", "microbatches >= 2")
-    _same_error(two, "timeout", "ValueError", "timeout", "got 0")
-    _same_error(two, "loss_not_callable", "TypeError", "loss_fn must be callable", "str")
+    _same_error(two, "timeout", "UsageError", "timeout", "got 0")
+    _same_error(two, "loss_not_callable", "ArgumentTypeError", "loss_fn must be callable", "str")
 
 
 @pytest.mark.dist
 def test_bad_batches_refused_on_every_rank_and_model_stays_usable(two):
-    _same_error(two, "small_batch", "ValueError", "batch size 1", "smaller than microbatches=2",
+    _same_error(two, "small_batch", "PlanError", "batch size 1", "smaller than microbatches=2",
                 "at least 2 samples", "fewer pipeline ranks")
-    _same_error(two, "small_batch_fwd", "ValueError", "forward(): batch size 1")
+    _same_error(two, "small_batch_fwd", "PlanError", "forward(): batch size 1")
     for rank in (0, 1):  # each also says the other rank refused the same batch
         assert f"failed the same way on global rank(s) [{1 - rank}]" in two[rank]["small_batch"][1]
     # only rank 1 (last stage) lacks the target: it says so, rank 0 names it instead of hanging
     kind, text, _ = two[1]["no_target"]
-    assert kind == "ValueError" and "needs the target" in text, text
+    assert kind == "UsageError" and "needs the target" in text, text
     kind, text, s = two[0]["no_target"]
     assert kind == "RankFailedError" and "global rank 1 (dp 0, pp 1, tp 0)" in text and "needs the target" in text, text
     assert s < FAST / 2
@@ -239,7 +239,7 @@ def test_bad_batches_refused_on_every_rank_and_model_stays_usable(two):
 
 @pytest.mark.dist
 def test_microbatch_size_fixed_at_trace_time_is_refused_before_the_pipeline(two):
-    _same_error(two, "fixed_wrong", "ValueError", "step(): a batch of 4 in microbatches=2",
+    _same_error(two, "fixed_wrong", "PlanError", "step(): a batch of 4 in microbatches=2",
                 "microbatches of [2] samples", "traced with size 4")
     # still usable: batches of 8 give microbatches of 4, the mean of the two halves' losses
     model, x, y = _fixed_model()
@@ -281,7 +281,7 @@ def test_inference_output_keeps_the_model_structure(two):
     model, x = _dict_model()
     with torch.no_grad():
         ref, ref_odd = model(x), model(x[:5])
-    _same_error(two, "step_inference", "RuntimeError", "without loss_fn", "loss_fn=...")
+    _same_error(two, "step_inference", "RunError", "without loss_fn", "loss_fn=...")
     for rank, res in enumerate(two):
         for got, want in ((res["dict_out"], ref), (res["dict_out_odd"], ref_odd)):
             assert isinstance(got, dict) and set(got) == {"logits", "hidden"}, f"rank {rank}: {type(got)}"
@@ -293,17 +293,17 @@ def test_inference_output_keeps_the_model_structure(two):
 def test_failure_on_last_stage_fails_every_rank_fast_naming_it(two):
     # the last stage's own error, with its type; the other rank names it instead of timing out
     kind, text, s = two[1]["nonscalar"]
-    assert kind == "ValueError", text
+    assert kind == "UsageError", text
     assert "got a tensor of shape (2, 16)" in text and ".mean()" in text, text
     assert "pipeline rank 1 failed while running action 1F0" in text, text
     kind, text, s0 = two[0]["nonscalar"]
     assert kind == "RankFailedError", text
-    assert "global rank 1 (dp 0, pp 1, tp 0): ValueError: loss_fn must return a scalar" in text, text
+    assert "global rank 1 (dp 0, pp 1, tp 0): UsageError: loss_fn must return a scalar" in text, text
     assert max(s, s0) < FAST / 2, (s, s0)
     # the failed pipeline cannot run again: said plainly on every rank
-    _same_error(two, "after_failure", "RuntimeError", "cannot run again", "fxsplit.parallelize")
+    _same_error(two, "after_failure", "RunError", "cannot run again", "fxsplit.parallelize")
     assert "on global rank(s) [1]" in two[0]["after_failure"][1]
-    assert "on this rank (ValueError: loss_fn must return a scalar" in two[1]["after_failure"][1]
+    assert "on this rank (UsageError: loss_fn must return a scalar" in two[1]["after_failure"][1]
     kind, text, _ = two[1]["bad_target"]
     assert kind in ("ValueError", "RuntimeError") and "pipeline rank 1 failed" in text, text
     kind, text, s0 = two[0]["bad_target"]
@@ -429,11 +429,11 @@ def test_full_state_dict_after_dp_pp_training_equals_one_process(four):
 
 @pytest.mark.dist
 def test_errors_reach_every_rank_of_every_replica(four):
-    _same_error(four, "world", "ValueError", "2*3*1 = 6", "world size 4", "dp=2, pp=2, tp=1")
+    _same_error(four, "world", "PlanError", "2*3*1 = 6", "world size 4", "dp=2, pp=2, tp=1")
     # replica 1 (global ranks 2, 3) passed a batch of 1: they say why, replica 0 names them
     for rank in (2, 3):
         kind, text, _ = four[rank]["one_replica_small"]
-        assert kind == "ValueError" and "batch size 1" in text, text
+        assert kind == "PlanError" and "batch size 1" in text, text
     for rank in (0, 1):
         kind, text, s = four[rank]["one_replica_small"]
         assert kind == "RankFailedError" and "global rank 2 (dp 1, pp 0, tp 0)" in text, text

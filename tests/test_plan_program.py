@@ -90,7 +90,7 @@ def test_every_error_shares_one_base():
     classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
     assert len(classes) >= 12 and all(issubclass(c, fxsplit.FxsplitError) for c in classes)
     for c in errors.REQUEST_ERRORS:
-        assert issubclass(c, (ValueError, LookupError, AttributeError)), c  # a request that names something wrong
+        assert issubclass(c, (ValueError, TypeError, LookupError, AttributeError)), c  # a request that names something wrong
     model, args, kwargs = zoo.make("gpt")
     with pytest.raises(fxsplit.FxsplitError):
         fxsplit.plan(model, args, kwargs, pp=2, split_points=["no.such.module"])

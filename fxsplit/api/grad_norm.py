@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxsplit.errors import UsageError
 from fxsplit.runtime.fsdp import local_tensor
 
 __all__ = ["norm_parameters", "global_norm", "scale_grads", "check_norm_type", "agree_nonfinite"]
@@ -49,13 +50,13 @@ EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (total_norm
 
 
 def check_norm_type(norm_type: Any) -> float:
-    """``norm_type`` as a float p > 0 (``inf`` included); ValueError naming the value otherwise."""
+    """``norm_type`` as a float p > 0 (``inf`` included); UsageError (a ValueError) naming the value otherwise."""
     try:
         p = float(norm_type)
     except (TypeError, ValueError):
         p = float("nan")
     if not p > 0:
-        raise ValueError(
+        raise UsageError(
             f"clip_grad_norm_: norm_type={norm_type!r} must be a number p > 0 (2.0 for the Euclidean "
             "norm, float('inf') for the largest absolute value)"
         )

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from fxsplit.errors import RankFailedError
+from fxsplit.errors import ArgumentTypeError, PlanError, RankFailedError, RunError, UsageError
 from fxsplit.runtime.failures import exchange_errors
 from fxsplit.runtime.microbatch import bind_symbols, split_microbatches
 from fxsplit.graph.trace import flatten_inputs
@@ -132,7 +132,7 @@ class ParallelModel(nn.Module):
         equals the full-batch loss and gradients for a loss that is a mean over samples. Errors: [Note: failures].
         """
         if self.loss_fn is None:
-            raise RuntimeError(
+            raise RunError(
                 "step() needs a loss: this model was parallelized without loss_fn (inference only); "
                 "call pm(inputs) for inference, or pass fxsplit.parallelize(..., loss_fn=...) to train"
             )
@@ -143,7 +143,7 @@ class ParallelModel(nn.Module):
             flat = self._flat(args, kwargs)
             check_batch(flat, self.plan, "step")
             if target is None and self.plan.config.num_stages - 1 in self.local_stage_graphs():
-                raise ValueError(
+                raise UsageError(
                     "step(): this rank holds the last stage, which computes the loss, and needs the "
                     "target: pass step(inputs, target=...) (on every rank is simplest)"
                 )
@@ -207,7 +207,7 @@ class ParallelModel(nn.Module):
         if scaler is None:
             return None
         if not isinstance(scaler, torch.amp.GradScaler):
-            raise TypeError(f"step(scaler=...) takes a torch.amp.GradScaler, got {type(scaler).__name__}")
+            raise ArgumentTypeError(f"step(scaler=...) takes a torch.amp.GradScaler, got {type(scaler).__name__}")
         if not scaler.is_enabled():
             return None
         return scaler.scale(torch.ones((), dtype=torch.float32, device=self._runtime.device))
@@ -250,7 +250,7 @@ class ParallelModel(nn.Module):
 
     def _check_usable(self, what: str) -> None:
         if self._failure is not None:
-            raise RuntimeError(
+            raise RunError(
                 f"{what}(): this ParallelModel cannot run again: {self._failure}. Its process groups "
                 "were given up after the failure (they may hold transfers no peer completes); build a "
                 "new one with fxsplit.parallelize(...)"
@@ -405,7 +405,7 @@ class ParallelModel(nn.Module):
         total = global_norm([local_tensor(q.grad) for q in counted if q.grad is not None], p, group=world,
                             device=self._runtime.device)
         if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
+            raise RunError(
                 f"clip_grad_norm_: the total norm of order {p} of the gradients is {float(total)}, so "
                 "they cannot be clipped (raised on every rank); pass error_if_nonfinite=False to scale "
                 "them by it anyway"
@@ -724,7 +724,7 @@ def check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:
     if batch is not None and batch < m:
         fix = (f"parallelize(..., microbatches=k) with {config.pp} <= k <= {batch}" if batch >= config.pp
                else f"fewer pipeline ranks (microbatches must be >= pp={config.pp})")
-        raise ValueError(
+        raise PlanError(
             f"{what}(): batch size {batch} (dim 0 of the inputs) is smaller than microbatches={m}, so a "
             f"microbatch would be empty; pass a batch of at least {m} samples, or use {fix}. (A batch "
             f"size that {m} does not divide is fine: the microbatches then differ by one sample and their "
@@ -746,5 +746,5 @@ def check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:
         bat = (f" (torch.export traced the batch static at microbatch_size={config.microbatch_size}: pass batches of "
                f"{config.microbatch_size * m} samples, or plan with dynamic_batch=True to serve any batch size: "
                "[Note: a static batch] in fxsplit.graph.examples)" if static else "")
-        raise ValueError(f"{what}(): a batch of {batch} in microbatches={m} gives microbatches of "
+        raise PlanError(f"{what}(): a batch of {batch} in microbatches={m} gives microbatches of "
                          f"{sorted(set(split.sizes))} samples, which the plan does not accept: {exc}{bat}{seq}") from None

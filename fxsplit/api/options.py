@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fxsplit.errors import PlanError
+from fxsplit.errors import ArgumentTypeError, PlanError
 from fxsplit.graph.hardware import Hardware
 from fxsplit.schedule import NAMES as SCHEDULES
 
@@ -193,14 +193,14 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
 
 def make_config(config: ParallelConfig | None, options: Mapping[str, Any], *, where: str) -> ParallelConfig:
     """``config`` (default ``ParallelConfig()``) with ``options`` (keyword arguments of ``where``)
-    applied; an unknown keyword raises a TypeError naming the closest option."""
+    applied; an unknown keyword raises an ArgumentTypeError (a TypeError) naming the closest option."""
     unknown = [k for k in options if k not in _FIELDS]
     if unknown:
         hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, _FIELDS, 1)) else repr(k)
                  for k in unknown]
-        raise TypeError(f"{where}() got unknown option(s) {', '.join(hints)}; the options are the fields of "
-                        f"fxsplit.ParallelConfig: {', '.join(_FIELDS)}")
+        raise ArgumentTypeError(f"{where}() got unknown option(s) {', '.join(hints)}; the options are the fields of "
+                                f"fxsplit.ParallelConfig: {', '.join(_FIELDS)}")
     if config is not None and not isinstance(config, ParallelConfig):
-        raise TypeError(f"{where}(config=...) must be a fxsplit.ParallelConfig, got {type(config).__name__}")
+        raise ArgumentTypeError(f"{where}(config=...) must be a fxsplit.ParallelConfig, got {type(config).__name__}")
     base = config if config is not None else ParallelConfig()
     return dataclasses.replace(base, **options) if options else base

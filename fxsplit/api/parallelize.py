@@ -26,6 +26,7 @@ from fxsplit.api.materialize import materialize_sharded_stage, materialize_stage
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.api.plan import plan
+from fxsplit.errors import ArgumentTypeError, PlanError, UsageError
 from fxsplit.graph.hardware import Hardware
 
 __all__ = ["parallelize"]
@@ -91,9 +92,9 @@ def parallelize(
         options, global_batch_size = {}, None  # the pick carries its microbatch_size
 
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
+        raise ArgumentTypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
+        raise UsageError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
                          f"may take), got {timeout!r}")
     config = make_config(config, options, where="parallelize")
     dp, tp, pp, ds = config.dp, config.tp, config.pp, config.dp_shard
@@ -103,7 +104,7 @@ def parallelize(
     else:
         check_mesh(mesh, dp, pp, tp, dp_shard=ds)
     if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
-        raise ValueError(
+        raise PlanError(
             f"the mesh covers {mesh.mesh.numel()} ranks but the default process group has "
             f"{dist.get_world_size()}; fxsplit runs on every rank of the default group: build the mesh "
             f"over all of them (fxsplit.runtime.mesh.build_mesh(dp=..., pp=..., tp=...))"
@@ -237,18 +238,18 @@ def _checked_loss(loss_fn: Callable) -> Callable:
     def wrapped(output: Any, target: Any) -> torch.Tensor:
         loss = loss_fn(output, target)
         if not isinstance(loss, torch.Tensor):
-            raise ValueError(
+            raise UsageError(
                 f"loss_fn must return a scalar tensor, got a {type(loss).__name__} ({loss!r:.40}); return "
                 "the loss tensor itself, not loss.item() or a Python number"
             )
         if loss.dim() != 0:
-            raise ValueError(
+            raise UsageError(
                 f"loss_fn must return a scalar tensor (the mean over the microbatch), got a tensor of shape "
                 f"{tuple(loss.shape)}; reduce it, e.g. return loss.mean() (a sum over samples gives wrong "
                 "gradients when batches are split into microbatches: see fxsplit.runtime.microbatch)"
             )
         if torch.is_grad_enabled() and not loss.requires_grad:
-            raise ValueError(
+            raise UsageError(
                 "loss_fn returned a tensor that does not require grad, so no gradient can reach the "
                 "model; compute it from the model output without .detach(), .item() or torch.no_grad()"
             )

@@ -30,8 +30,8 @@ from torch import nn
 
 from fxsplit import schedule as _schedules
 from fxsplit.api.options import SCHEDULES, ParallelConfig, make_config
-from fxsplit.errors import PlanError
-from fxsplit.graph.examples import batch_of, example_at_batch
+from fxsplit.errors import OutOfRangeError, PlanError
+from fxsplit.graph.examples import batch_of, check_example_batch, example_at_batch
 from fxsplit.graph.hardware import Hardware
 from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.graph.trace import trace
@@ -86,7 +86,7 @@ class Plan:
         """Pipeline rank ``pp_rank``'s part of the plan: what its runtime runs."""
         p = self.config.pp
         if not 0 <= pp_rank < p:
-            raise IndexError(f"pp_rank {pp_rank} out of range: pp={p}")
+            raise OutOfRangeError(f"pp_rank {pp_rank} out of range: pp={p}")
         g = self.stages
         return RankPlan(rank=pp_rank, num_ranks=p, stage_ranks=self.stage_ranks, io=g.io,
                         input_meta=g.input_meta, shared_params=g.shared_params, output_spec=g.output_spec,
@@ -98,9 +98,9 @@ class Plan:
         """The fx GraphModule of ``stage``. Every tp rank runs the same graph on its own shards
         (its offsets come from the tp group at run time), so ``tp_rank`` only checks the range."""
         if not 0 <= stage < self.config.num_stages:
-            raise IndexError(f"stage {stage} out of range: the plan has {self.config.num_stages} stages")
+            raise OutOfRangeError(f"stage {stage} out of range: the plan has {self.config.num_stages} stages")
         if not 0 <= tp_rank < self.config.tp:
-            raise IndexError(f"tp_rank {tp_rank} out of range: tp={self.config.tp}")
+            raise OutOfRangeError(f"tp_rank {tp_rank} out of range: tp={self.config.tp}")
         return self.stages.modules[stage]
 
     def simulate(self, comm: float | None = None):
@@ -199,7 +199,12 @@ def plan(
     ``strategy="auto"`` searches the layout for ``world_size`` ranks and ``global_batch_size``
     samples per step instead ([Note: auto plan] in :mod:`fxsplit.api.auto`): ``Plan.config`` is
     the pick, with ``predicted_step_time``, ``predicted_memory`` and ``search`` (the table).
+
+    An example of 0 samples (its batch, dim 0 of the first input tensor, is 0) is refused with a
+    PlanError naming the input.
     """
+    check_example_batch(example_args if isinstance(example_args, (tuple, list)) else (example_args,),
+                        example_kwargs, "plan")
     if strategy is not None or world_size is not None:
         t_auto = time.perf_counter()
         if strategy != "auto":

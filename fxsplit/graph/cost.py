@@ -62,6 +62,7 @@ import torch.fx
 from torch import nn
 
 # cost_ops is this module's internal half: its underscore helpers are shared with this module only
+from fxsplit.errors import ArgumentTypeError, UsageError
 from fxsplit.graph.cost_ops import (
     _clean,
     _is_symbolic,
@@ -116,15 +117,15 @@ class NodeCost:
         for name in _FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, sympy.Expr)):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"NodeCost.{name} must be an int, float or sympy expression, got {value!r} "
                     f"(type {type(value).__name__}); convert SymInts with fxsplit.graph.cost.to_expr"
                 )
             if not _is_symbolic(value) and value < 0:
-                raise ValueError(f"NodeCost.{name} must be >= 0, got {value}")
+                raise UsageError(f"NodeCost.{name} must be >= 0, got {value}")
         if not _is_symbolic(self.flops) and not _is_symbolic(self.matmul_flops):
             if self.matmul_flops > self.flops * (1 + 1e-9):
-                raise ValueError(
+                raise UsageError(
                     f"NodeCost.matmul_flops ({self.matmul_flops}) exceeds flops ({self.flops}); "
                     "matmul_flops is the matmul-like part of flops"
                 )
@@ -169,12 +170,12 @@ class NodeCost:
     def evaluate(self, bindings: Mapping[sympy.Symbol | str, int | float]) -> NodeCost:
         """Substitute symbol values (keyed by symbol or symbol name) and return plain numbers.
 
-        Raises ValueError naming the symbols that ``bindings`` leaves unbound.
+        Raises UsageError (a ValueError) naming the symbols that ``bindings`` leaves unbound.
         """
         by_name = {(k if isinstance(k, str) else k.name): v for k, v in bindings.items()}
         missing = sorted(s.name for s in self.free_symbols if s.name not in by_name)
         if missing:
-            raise ValueError(
+            raise UsageError(
                 f"NodeCost.evaluate: no value for symbol(s) {missing}; bound: {sorted(by_name)}. "
                 "Pass every symbol of the cost, e.g. evaluate({'s0': batch, 's1': seq_len}); "
                 "the symbols are the tracer's names for dynamic dims (see NodeCost.free_symbols)"
@@ -186,7 +187,7 @@ class NodeCost:
                 subs = {s: by_name[s.name] for s in value.free_symbols}
                 value = to_expr(sympy.sympify(substitute(value, subs)))
                 if _is_symbolic(value):
-                    raise ValueError(f"NodeCost.evaluate: {name} = {value} did not reduce to a number")
+                    raise UsageError(f"NodeCost.evaluate: {name} = {value} did not reduce to a number")
             values[name] = value
         return NodeCost(**values)
 
@@ -213,11 +214,11 @@ def estimate_time(
     ``cost`` must be concrete: call ``cost.evaluate(bindings)`` first for a symbolic cost.
     """
     if flops_per_s <= 0 or bytes_per_s <= 0:
-        raise ValueError(
+        raise UsageError(
             f"estimate_time: flops_per_s ({flops_per_s}) and bytes_per_s ({bytes_per_s}) must be > 0"
         )
     if cost.is_symbolic:
-        raise ValueError(
+        raise UsageError(
             f"estimate_time: the cost is symbolic in {sorted(s.name for s in cost.free_symbols)}; "
             "call cost.evaluate({symbol: value, ...}) first"
         )

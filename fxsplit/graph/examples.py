@@ -4,6 +4,7 @@
 plan on the example at the traced size).
 
     args, kwargs = example_at_batch(args, kwargs, 4)   # every tensor whose dim 0 is the batch, at 4
+    check_example_batch(args, kwargs, "plan")          # PlanError on an example of 0 samples
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["example_at_batch", "batch_of"]
+from fxsplit.errors import PlanError
+
+__all__ = ["example_at_batch", "batch_of", "check_example_batch"]
 
 
 # [Note: a static batch]
@@ -71,6 +74,26 @@ def batch_of(values: Any) -> int | None:
     """Dim 0 of the first tensor with a dim (the batch, as fxsplit.runtime.microbatch reads it)."""
     leaves = torch.utils._pytree.tree_leaves(values)
     return next((int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
+
+
+def check_example_batch(args: Any, kwargs: Any, where: str) -> None:
+    """PlanError when the example's batch (``batch_of``: dim 0 of its first tensor with a dim) is 0.
+
+    An example of 0 samples traces to a graph specialized to the empty batch (torch.export), or
+    to one whose costs and boundary sizes are all 0 (fx): the plan would balance stages on nothing.
+    """
+    leaves, _ = torch.utils._pytree.tree_flatten_with_path((tuple(args), dict(kwargs or {})))
+    for path, x in leaves:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            if x.shape[0] == 0:
+                root = ("example_args", "example_kwargs")[path[0].idx]
+                name = root + torch.utils._pytree.keystr(path[1:])
+                raise PlanError(
+                    f"{where}: the example has 0 samples: {name} has shape {tuple(x.shape)}, and its dim 0 "
+                    "is the batch (dim 0 of the first input tensor); give an example with at least one sample "
+                    "(dim 0 >= 1): the plan is traced and costed at the example's shapes"
+                )
+            return
 
 
 def _widen_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:

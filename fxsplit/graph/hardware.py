@@ -59,6 +59,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fxsplit.errors import UsageError
+
 __all__ = ["Hardware", "PRESETS"]
 
 _LEGACY_FLOPS, _LEGACY_BYTES, _LEGACY_LINK = 100e12, 1.5e12, 25e9
@@ -95,18 +97,18 @@ class Hardware:
         for field in ("matmul_efficiency", "memory_efficiency"):
             value = getattr(self, field)
             if not 0 < value <= 1:
-                raise ValueError(f"Hardware.{field} must be in (0, 1], got {value}")
+                raise UsageError(f"Hardware.{field} must be in (0, 1], got {value}")
         if self.compute_dtype not in ("bf16", "fp32"):
-            raise ValueError(f"Hardware.compute_dtype must be 'bf16' or 'fp32', got {self.compute_dtype!r}")
+            raise UsageError(f"Hardware.compute_dtype must be 'bf16' or 'fp32', got {self.compute_dtype!r}")
         if self.devices_per_node < 1:
-            raise ValueError(f"Hardware.devices_per_node must be >= 1, got {self.devices_per_node}")
+            raise UsageError(f"Hardware.devices_per_node must be >= 1, got {self.devices_per_node}")
         set_ = lambda k, v: object.__setattr__(self, k, float(v))  # noqa: E731  (frozen dataclass)
         eff = self.matmul_efficiency
         peak_default = self.peak_bf16_flops_per_s if self.compute_dtype == "bf16" else self.peak_fp32_flops_per_s
         if self.flops_per_s is None:
             set_("flops_per_s", peak_default * eff if peak_default is not None else _LEGACY_FLOPS)
         elif peak_default is not None and not math.isclose(self.flops_per_s, peak_default * eff, rel_tol=1e-6):
-            raise ValueError(
+            raise UsageError(
                 f"Hardware: flops_per_s ({self.flops_per_s:.4g}) != peak {self.compute_dtype} "
                 f"({peak_default:.4g}) x matmul_efficiency ({eff}); give one or make them agree")
         if self.peak_bf16_flops_per_s is None:
@@ -118,7 +120,7 @@ class Hardware:
             set_("bytes_per_s", self.peak_bytes_per_s * meff if self.peak_bytes_per_s is not None else _LEGACY_BYTES)
         elif self.peak_bytes_per_s is not None and not math.isclose(
                 self.bytes_per_s, self.peak_bytes_per_s * meff, rel_tol=1e-6):
-            raise ValueError(
+            raise UsageError(
                 f"Hardware: bytes_per_s ({self.bytes_per_s:.4g}) != peak_bytes_per_s "
                 f"({self.peak_bytes_per_s:.4g}) x memory_efficiency ({meff}); give one or make them agree")
         if self.peak_bytes_per_s is None:
@@ -133,10 +135,10 @@ class Hardware:
         for field in ("flops_per_s", "bytes_per_s", "link_bytes_per_s", "intra_node_bytes_per_s",
                       "inter_node_bytes_per_s", "peak_bf16_flops_per_s", "peak_fp32_flops_per_s", "memory_bytes"):
             if not getattr(self, field) > 0:
-                raise ValueError(f"Hardware.{field} must be > 0, got {getattr(self, field)}")
+                raise UsageError(f"Hardware.{field} must be > 0, got {getattr(self, field)}")
         for field in ("intra_node_latency_s", "inter_node_latency_s"):
             if not getattr(self, field) >= 0:
-                raise ValueError(f"Hardware.{field} must be >= 0, got {getattr(self, field)}")
+                raise UsageError(f"Hardware.{field} must be >= 0, got {getattr(self, field)}")
 
     # -- constructors ------------------------------------------------------------------------
 
@@ -151,7 +153,7 @@ class Hardware:
         """A published node: ``"a100-80gb"`` (DGX A100) or ``"h100-sxm"`` (DGX H100); see PRESETS."""
         key = name.strip().lower()
         if key not in PRESETS:
-            raise ValueError(f"Hardware.preset: unknown name {name!r}; presets: {', '.join(sorted(PRESETS))}")
+            raise UsageError(f"Hardware.preset: unknown name {name!r}; presets: {', '.join(sorted(PRESETS))}")
         return cls(**PRESETS[key])
 
     @classmethod
@@ -213,7 +215,7 @@ class Hardware:
 
     def _ring(self, nbytes: float, n: int, intra_node: bool, passes: int) -> float:
         if n < 1:
-            raise ValueError(f"Hardware: a collective needs n >= 1 devices, got {n}")
+            raise UsageError(f"Hardware: a collective needs n >= 1 devices, got {n}")
         if n == 1:
             return 0.0
         alpha, bw = self._link(intra_node)
@@ -247,7 +249,7 @@ def _dtype_kind(dtype: Any) -> str:
         return "bf16"  # A100/H100 tensor cores run fp16 and bf16 at the same dense rate
     if text in ("fp32", "float32", "float"):
         return "fp32"
-    raise ValueError(f"Hardware: no matmul rate for dtype {dtype!r}; known: bf16, fp16, fp32")
+    raise UsageError(f"Hardware: no matmul rate for dtype {dtype!r}; known: bf16, fp16, fp32")
 
 
 # Every number below is per GPU, dense (no 2:4 sparsity), and per direction for links.

@@ -45,6 +45,8 @@ import sympy
 import torch
 import torch.fx
 
+from fxsplit.errors import ArgumentTypeError, UsageError
+
 __all__ = [
     "GraphDiff",
     "NodeChange",
@@ -297,7 +299,7 @@ def graph_table(gm: GraphLike, *, max_width: int = 40) -> str:
     count and the total FLOPs over annotated nodes (an expression when any count is symbolic).
     """
     if max_width < 4:
-        raise ValueError(f"graph_table(max_width={max_width}) must be at least 4")
+        raise UsageError(f"graph_table(max_width={max_width}) must be at least 4")
     graph = _graph(gm)
     rows = graph_rows(graph)
     cells = [list(_HEADERS)] + [
@@ -533,14 +535,14 @@ def to_dot(
     suffix gets the DOT text itself. Returns the DOT text.
     """
     if color_by not in ("module", "stage"):
-        raise ValueError(f"to_dot(color_by={color_by!r}): use 'module' or 'stage'")
+        raise UsageError(f"to_dot(color_by={color_by!r}): use 'module' or 'stage'")
     if color_by == "stage" and stage_of is None:
-        raise ValueError(
+        raise UsageError(
             "to_dot(color_by='stage') needs stage_of={node name: stage}, e.g. the assignment "
             "passed to fxsplit.pipeline.stage.build_stages"
         )
     if module_depth is not None and module_depth < 1:
-        raise ValueError(f"to_dot(module_depth={module_depth}) must be >= 1 or None")
+        raise UsageError(f"to_dot(module_depth={module_depth}) must be >= 1 or None")
     graph = _graph(gm)
 
     def group_of(node: torch.fx.Node) -> str | None:
@@ -618,6 +620,6 @@ def _graph(gm: GraphLike) -> torch.fx.Graph:
         return gm.graph
     if isinstance(gm, torch.fx.Graph):
         return gm
-    raise TypeError(
+    raise ArgumentTypeError(
         f"expected a torch.fx.GraphModule or torch.fx.Graph, got {type(gm).__name__}"
     )

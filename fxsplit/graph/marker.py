@@ -36,6 +36,8 @@ import torch
 import torch.fx
 from torch.fx._symbolic_trace import Tracer, is_fx_symbolic_tracing
 
+from fxsplit.errors import SplitError
+
 __all__ = [
     "PIPE_SPLIT_OP",
     "assignment_from_cuts",
@@ -115,7 +117,7 @@ def strip_pipe_splits(gm: torch.fx.GraphModule) -> int:
     markers = find_pipe_splits(gm)
     for n in markers:
         if n.users:
-            raise ValueError(f"pipe_split node {n.name!r} has users {list(n.users)}; it cannot be removed")
+            raise SplitError(f"pipe_split node {n.name!r} has users {list(n.users)}; it cannot be removed")
         gm.graph.erase_node(n)
     if markers:
         gm.recompile()
@@ -138,15 +140,15 @@ def assignment_from_cuts(
         name = c.name if isinstance(c, torch.fx.Node) else c
         node = by_name.get(name)
         if node is None or (isinstance(c, torch.fx.Node) and node is not c):
-            raise ValueError(f"cut node {name!r} is not a node of this graph")
+            raise SplitError(f"cut node {name!r} is not a node of this graph")
         if node.op not in _COMPUTE_OPS:
-            raise ValueError(
+            raise SplitError(
                 f"cut node {name!r} is a {node.op} node; cuts are compute nodes "
                 f"(call_function / call_method / call_module)"
             )
         cuts.append(node)
     if len(set(cuts)) != len(cuts):
-        raise ValueError(f"cut nodes repeat: {[n.name for n in cuts]}")
+        raise SplitError(f"cut nodes repeat: {[n.name for n in cuts]}")
     cut_set = set(cuts)
     assignment: dict[str, int] = {}
     stage, size = 0, 0
@@ -155,7 +157,7 @@ def assignment_from_cuts(
             continue
         if n in cut_set:
             if size == 0:
-                raise ValueError(
+                raise SplitError(
                     f"cut at {n.name!r} leaves stage {stage} empty; remove the cut or move it later"
                 )
             stage, size = stage + 1, 0

@@ -26,6 +26,7 @@ import sympy
 import torch
 import torch.fx
 
+from fxsplit.errors import MissingKeyError
 from fxsplit.graph.shapes import Dim, Number, TensorMeta, substitute, tensor_metas, to_expr
 
 __all__ = [
@@ -82,7 +83,7 @@ class TraceInfo:
         """``info.bindings(batch=8, seq=128)`` -> {symbol: value} for :meth:`TensorMeta.concrete_shape`."""
         unknown = set(sizes) - set(self.symbols)
         if unknown:
-            raise KeyError(f"no symbolic dimension named {sorted(unknown)}; this graph has {sorted(self.symbols)}")
+            raise MissingKeyError(f"no symbolic dimension named {sorted(unknown)}; this graph has {sorted(self.symbols)}")
         return {self.symbols[k]: v for k, v in sizes.items()}
 
 
@@ -90,7 +91,7 @@ def node_info(node: torch.fx.Node) -> NodeInfo:
     """The :class:`NodeInfo` of ``node``; a clear error if the graph was not traced by fxsplit."""
     info = node.meta.get("fxsplit")
     if info is None:
-        raise KeyError(
+        raise MissingKeyError(
             f"node {node.name!r} ({node.op} {node.target}) has no fxsplit metadata; trace the model "
             f"with fxsplit.trace(...) or call fxsplit.graph.meta.annotate_node(node, gm) after adding nodes"
         )

@@ -42,7 +42,7 @@ from typing import Any, Union
 import torch.fx
 
 from fxsplit import config
-from fxsplit.errors import UnknownPassError
+from fxsplit.errors import ArgumentTypeError, UnknownPassError, UsageError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -75,13 +75,13 @@ class PassResult:
 
     def __post_init__(self) -> None:
         if not isinstance(self.graph_module, torch.fx.GraphModule):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"PassResult.graph_module must be a torch.fx.GraphModule, got "
                 f"{type(self.graph_module).__name__}; return PassResult(gm, modified) with the "
                 f"graph module the pass received or the new one it built"
             )
         if not isinstance(self.modified, bool):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"PassResult.modified must be a bool, got {type(self.modified).__name__} "
                 f"({self.modified!r}); pass True when the pass changed the graph, else False"
             )
@@ -166,7 +166,7 @@ def _check_order(names: Sequence[str], constraints: Sequence[Constraint]) -> Non
         for i, a in enumerate(names):
             for b in names[i + 1 :]:
                 if not constraint(a, b):
-                    raise ValueError(
+                    raise UsageError(
                         f"pass order violates constraint {_constraint_label(constraint)}: "
                         f"pass {a!r} (position {i}) runs before pass {b!r} (position "
                         f"{names.index(b, i + 1)}); order the list so that {b!r} comes before "
@@ -187,7 +187,7 @@ def register_pass(name: str, *, replace: bool = False) -> Callable[[PassFn], Pas
     Registering a different function under a taken name raises unless ``replace=True``.
     """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"register_pass needs a non-empty string name, got {name!r}")
+        raise UsageError(f"register_pass needs a non-empty string name, got {name!r}")
 
     def decorator(fn: PassFn) -> PassFn:
         _register(name, fn, replace=replace, origin="register_pass")
@@ -198,13 +198,13 @@ def register_pass(name: str, *, replace: bool = False) -> Callable[[PassFn], Pas
 
 def _register(name: str, fn: PassFn, *, replace: bool, origin: str) -> None:
     if not callable(fn):
-        raise TypeError(f"pass {name!r} from {origin} is not callable: {fn!r}")
+        raise ArgumentTypeError(f"pass {name!r} from {origin} is not callable: {fn!r}")
     old = _REGISTRY.get(name)
     # the same function from a module imported again (importlib reload, a file loaded twice) is
     # the same pass: it replaces the old one instead of conflicting
     same = old is not None and _describe(old) == _describe(fn)
     if old is not None and old is not fn and not same and not replace:
-        raise ValueError(
+        raise UsageError(
             f"pass name {name!r} is already registered to {_describe(old)}; cannot register "
             f"{_describe(fn)} ({origin}) under it. Choose another name or pass replace=True"
         )
@@ -303,7 +303,7 @@ class PassManager:
         debug: str | Path | bool | None = None,
     ) -> None:
         if isinstance(passes, (str, bytes)) or not isinstance(passes, Sequence):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"PassManager(passes=...) takes a list of passes or pass names, got "
                 f"{type(passes).__name__}; wrap a single pass as [pass]"
             )
@@ -311,7 +311,7 @@ class PassManager:
         for i, spec in enumerate(passes):
             fn = get_pass(spec) if isinstance(spec, str) else spec
             if not callable(fn):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"passes[{i}] is not callable: {spec!r}; a pass is a function "
                     f"(gm, ctx) -> PassResult or the name of a registered pass"
                 )
@@ -323,16 +323,16 @@ class PassManager:
             if name not in names:
                 close = difflib.get_close_matches(name, names, n=3)
                 hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-                raise ValueError(
+                raise UsageError(
                     f"disabled pass {name!r} matches no pass in this PassManager{hint} "
                     f"Passes: {names}"
                 )
         for i, check in enumerate(checks):
             if not callable(check):
-                raise TypeError(f"checks[{i}] is not callable: {check!r}; a check is check(gm)")
+                raise ArgumentTypeError(f"checks[{i}] is not callable: {check!r}; a check is check(gm)")
         for i, constraint in enumerate(constraints):
             if not callable(constraint):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"constraints[{i}] is not callable: {constraint!r}; a constraint is "
                     f"(a_name, b_name) -> bool, e.g. this_before_that('a', 'b')"
                 )
@@ -347,7 +347,7 @@ class PassManager:
         elif debug is False:
             self.debug_dir = None
         elif debug is True:
-            raise ValueError(
+            raise UsageError(
                 "PassManager(debug=True) needs a folder: pass debug='path/to/dir' or set "
                 f"{config.DEBUG_DIR_ENV}"
             )
@@ -368,13 +368,13 @@ class PassManager:
         self, gm: torch.fx.GraphModule, ctx: PassContext | None = None
     ) -> PassResult:
         if not isinstance(gm, torch.fx.GraphModule):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"PassManager expects a torch.fx.GraphModule, got {type(gm).__name__}; trace the "
                 f"model first (fxsplit.trace or torch.fx.symbolic_trace)"
             )
         ctx = PassContext() if ctx is None else ctx
         if not isinstance(ctx, PassContext):
-            raise TypeError(f"ctx must be a PassContext, got {type(ctx).__name__}")
+            raise ArgumentTypeError(f"ctx must be a PassContext, got {type(ctx).__name__}")
 
         recorder = None
         if self.debug_dir is not None:
@@ -420,7 +420,7 @@ class PassManager:
                 raise
             seconds = time.perf_counter() - start
             if not isinstance(result, PassResult):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"pass {name!r} returned {type(result).__name__}; a pass "
                     f"must return fxsplit.PassResult(graph_module, modified). Passes before "
                     f"it: {ran or 'none'}"

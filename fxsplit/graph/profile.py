@@ -26,6 +26,7 @@ import sympy
 import torch
 import torch.fx
 
+from fxsplit.errors import UsageError
 from fxsplit.graph.cost import NodeCost, estimate_time, node_cost
 
 __all__ = ["PROFILE_KEY", "profile_graph", "apply_profile", "node_time"]
@@ -80,7 +81,7 @@ def profile_graph(
     Forward only, under ``torch.no_grad()``.
     """
     if repeats < 1:
-        raise ValueError(f"profile_graph: repeats must be >= 1, got {repeats}")
+        raise UsageError(f"profile_graph: repeats must be >= 1, got {repeats}")
     if device is not None:
         device = torch.device(device)
         gm = copy.deepcopy(gm).to(device)
@@ -110,7 +111,7 @@ def apply_profile(gm: torch.fx.GraphModule, times: Mapping[str, float]) -> None:
     nodes = {n.name: n for n in gm.graph.nodes}
     unknown = sorted(set(times) - set(nodes))
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"apply_profile: {len(unknown)} name(s) in times are not nodes of this graph, e.g. "
             f"{unknown[:5]}; profile the same graph you attach to (node names change when a pass "
             "rewrites the graph)"
@@ -122,7 +123,7 @@ def apply_profile(gm: torch.fx.GraphModule, times: Mapping[str, float]) -> None:
         except (TypeError, ValueError):
             checked[name] = float("nan")
         if not 0 <= checked[name] < float("inf"):
-            raise ValueError(f"apply_profile: time of node {name!r} must be a finite number >= 0, got {seconds!r}")
+            raise UsageError(f"apply_profile: time of node {name!r} must be a finite number >= 0, got {seconds!r}")
     for name, seconds in checked.items():
         nodes[name].meta[PROFILE_KEY] = seconds
 
@@ -151,7 +152,7 @@ def node_time(
     cost = _cost_of(node) if cost is None else cost
     if cost.is_symbolic:
         if bindings is None:
-            raise ValueError(
+            raise UsageError(
                 f"node_time: the cost of node {node.name!r} is symbolic in "
                 f"{sorted(s.name for s in cost.free_symbols)}; pass bindings={{symbol: value}}"
             )

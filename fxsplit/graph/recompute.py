@@ -54,6 +54,7 @@ import torch.fx
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
+from fxsplit.errors import UsageError
 from fxsplit.graph.ops import MATMULS, is_random, op_name
 
 __all__ = ["MODES", "layer_key", "node_layer", "regions", "worth_checkpointing", "keeps_output", "keep", "call_module", "checkpointed", "policy"]
@@ -211,7 +212,7 @@ def checkpointed(region: Callable, mode: str, *inputs: Any) -> Any:
     preserved: [Note: checkpoint and RNG]); ``mode`` "full" or "selective". Without autograd
     (inference, ``torch.no_grad``) it is a plain call."""
     if mode not in ("full", "selective"):
-        raise ValueError(f"checkpointed: mode must be 'full' or 'selective', got {mode!r}")
+        raise UsageError(f"checkpointed: mode must be 'full' or 'selective', got {mode!r}")
     if not torch.is_grad_enabled():
         return region(*inputs)
     context = _SELECTIVE if mode == "selective" else ckpt.noop_context_fn

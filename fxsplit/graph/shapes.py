@@ -20,6 +20,8 @@ from typing import Any, Mapping
 import sympy
 import torch
 
+from fxsplit.errors import ArgumentTypeError, UsageError
+
 __all__ = ["Dim", "Number", "to_expr", "substitute", "TensorMeta", "tensor_metas"]
 
 Dim = int | sympy.Expr
@@ -31,7 +33,7 @@ def to_expr(x: Any) -> Number:
 
     A static size stays an ``int``; a symbolic value becomes its sympy expression
     (``x.node.expr``); a sympy value that is a plain number comes back as ``int`` (integers) or
-    ``float``. Anything else raises ``TypeError``.
+    ``float``. Anything else raises ``ArgumentTypeError`` (a TypeError).
     """
     if isinstance(x, bool):
         return int(x)
@@ -41,7 +43,7 @@ def to_expr(x: Any) -> Number:
         return _simplify_number(x.node.expr)
     if isinstance(x, sympy.Basic):
         return _simplify_number(x)
-    raise TypeError(
+    raise ArgumentTypeError(
         f"to_expr: cannot turn {x!r} (type {type(x).__name__}) into a number; expected int, float, "
         "torch.SymInt/SymFloat or a sympy expression"
     )
@@ -83,22 +85,22 @@ class TensorMeta:
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, tuple):
-            raise TypeError(f"TensorMeta.shape must be a tuple of ints or sympy expressions, got "
-                            f"{self.shape!r} (type {type(self.shape).__name__})")
+            raise ArgumentTypeError(f"TensorMeta.shape must be a tuple of ints or sympy expressions, got "
+                                    f"{self.shape!r} (type {type(self.shape).__name__})")
         for i, d in enumerate(self.shape):
             if isinstance(d, bool) or not isinstance(d, (int, sympy.Expr)):
-                raise TypeError(f"TensorMeta.shape[{i}] must be an int or a sympy expression, got {d!r} "
-                                f"(type {type(d).__name__}) in shape {self.shape}; convert sizes with "
-                                "fxsplit.graph.meta.to_expr")
+                raise ArgumentTypeError(f"TensorMeta.shape[{i}] must be an int or a sympy expression, got {d!r} "
+                                        f"(type {type(d).__name__}) in shape {self.shape}; convert sizes with "
+                                        "fxsplit.graph.meta.to_expr")
             if isinstance(d, int) and d < 0:
-                raise ValueError(f"TensorMeta.shape[{i}] must be >= 0, got {d} in shape {self.shape}")
+                raise UsageError(f"TensorMeta.shape[{i}] must be >= 0, got {d} in shape {self.shape}")
         if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"TensorMeta.dtype must be a torch.dtype, got {self.dtype!r} "
-                            f"(type {type(self.dtype).__name__})")
+            raise ArgumentTypeError(f"TensorMeta.dtype must be a torch.dtype, got {self.dtype!r} "
+                                    f"(type {type(self.dtype).__name__})")
         if not isinstance(self.requires_grad, bool):
-            raise TypeError(f"TensorMeta.requires_grad must be a bool, got {self.requires_grad!r}")
+            raise ArgumentTypeError(f"TensorMeta.requires_grad must be a bool, got {self.requires_grad!r}")
         if self.requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
-            raise ValueError(f"TensorMeta: requires_grad=True needs a floating or complex dtype, got "
+            raise UsageError(f"TensorMeta: requires_grad=True needs a floating or complex dtype, got "
                              f"dtype={self.dtype} (shape {self.shape})")
 
     @property
@@ -123,7 +125,7 @@ class TensorMeta:
             if isinstance(d, sympy.Expr):
                 val = d.subs({s: by_name[s.name] for s in d.free_symbols if s.name in by_name})
                 if not val.is_Integer:
-                    raise ValueError(f"shape {self.shape}: dimension {d} has unbound symbols {sorted(map(str, val.free_symbols))}")
+                    raise UsageError(f"shape {self.shape}: dimension {d} has unbound symbols {sorted(map(str, val.free_symbols))}")
                 out.append(int(val))
             else:
                 out.append(int(d))

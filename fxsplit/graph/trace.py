@@ -39,7 +39,7 @@ from fxsplit.graph.examples import _WIDE_BATCH, _widen_batch, example_at_batch
 from fxsplit.graph.lazy_code import lazily_recompiled
 from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
 from fxsplit.graph.ops import resolve_path
-from fxsplit.errors import TraceError
+from fxsplit.errors import ArgumentTypeError, TraceError, UsageError
 
 __all__ = ["trace", "TraceError", "flatten_inputs", "example_at_batch"]
 
@@ -63,13 +63,13 @@ _EXPORT_CHECK_OPS = (
 
 def _normalize_args(model: Any, example_args: Any, example_kwargs: Any) -> tuple[tuple, dict]:
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"fxsplit.trace expects a torch.nn.Module, got {type(model).__name__}; wrap a function "
             f"in an nn.Module whose forward calls it"
         )
     if isinstance(example_args, (torch.Tensor, dict)) or not isinstance(example_args, Sequence):
         if isinstance(example_args, dict):
-            raise TypeError(
+            raise ArgumentTypeError(
                 "example_args is a dict; pass positional arguments as a tuple and keyword arguments "
                 "as example_kwargs=dict(...)"
             )
@@ -78,13 +78,13 @@ def _normalize_args(model: Any, example_args: Any, example_kwargs: Any) -> tuple
     if example_kwargs is None:
         example_kwargs = {}
     if not isinstance(example_kwargs, Mapping):
-        raise TypeError(f"example_kwargs must be a dict of keyword arguments, got {type(example_kwargs).__name__}")
+        raise ArgumentTypeError(f"example_kwargs must be a dict of keyword arguments, got {type(example_kwargs).__name__}")
     example_kwargs = dict(example_kwargs)
     sig = inspect.signature(model.forward)
     try:
         sig.bind(*example_args, **example_kwargs)
     except TypeError as exc:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"example arguments do not match {type(model).__name__}.forward{sig}: {exc}. "
             f"Got {len(example_args)} positional argument(s) and keyword(s) {sorted(example_kwargs)}"
         ) from None
@@ -99,7 +99,7 @@ def _given_params(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[str
     for name, p in sig.parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             if name in bound.arguments:
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"{type(model).__name__}.forward takes *{name}/**{name}; fxsplit traces fixed "
                     f"signatures: pass the arguments by name or wrap the model"
                 )
@@ -123,20 +123,20 @@ def flatten_inputs(gm: torch.fx.GraphModule, args: Sequence = (), kwargs: Mappin
             ordered = {k: kwargs[k] for k in in_spec.child(1).context if k in kwargs}
             flat, spec = torch.utils._pytree.tree_flatten((tuple(args), ordered))
             if spec != in_spec:
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"inputs do not have the structure the model was traced with: expected {in_spec}, got {spec}"
                 )
         return flat
     names = list(info.input_names) if info is not None else [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     values = list(args)
     if len(values) > len(names):
-        raise TypeError(f"traced model takes {len(names)} inputs {names}, got {len(values)} positional arguments")
+        raise ArgumentTypeError(f"traced model takes {len(names)} inputs {names}, got {len(values)} positional arguments")
     for name in names[len(values):]:
         if name not in kwargs:
-            raise TypeError(f"traced model input {name!r} is missing; the graph was traced with inputs {names}")
+            raise ArgumentTypeError(f"traced model input {name!r} is missing; the graph was traced with inputs {names}")
         values.append(kwargs.pop(name))
     if kwargs:
-        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; the graph was traced with inputs {names}")
+        raise ArgumentTypeError(f"unexpected keyword arguments {sorted(kwargs)}; the graph was traced with inputs {names}")
     return values
 
 
@@ -229,10 +229,10 @@ def _split_leaves(model: nn.Module, leaf_modules: Iterable[Any]) -> tuple[tuple[
                 import difflib
 
                 close = difflib.get_close_matches(leaf, list(names), n=3)
-                raise ValueError(f"leaf_modules: no module named {leaf!r} in the model" + (f"; did you mean {close}?" if close else ""))
+                raise UsageError(f"leaf_modules: no module named {leaf!r} in the model" + (f"; did you mean {close}?" if close else ""))
             paths.add(leaf)
         else:
-            raise TypeError(f"leaf_modules entries must be module paths (str) or nn.Module classes, got {leaf!r}")
+            raise ArgumentTypeError(f"leaf_modules entries must be module paths (str) or nn.Module classes, got {leaf!r}")
     return tuple(types), frozenset(paths)
 
 
@@ -545,10 +545,10 @@ def trace(
     returns the model's output in the model's own structure (dicts, tuples, HF ``ModelOutput``).
     """
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise UsageError(f"method must be one of {METHODS}, got {method!r}")
     if static_batch is not None and (isinstance(static_batch, bool) or not isinstance(static_batch, int)
                                      or static_batch < 1):
-        raise ValueError(f"static_batch must be an int >= 1 (samples per microbatch) or None, got {static_batch!r}")
+        raise UsageError(f"static_batch must be an int >= 1 (samples per microbatch) or None, got {static_batch!r}")
     args, kwargs = _normalize_args(model, example_args, example_kwargs)
     leaves = _split_leaves(model, tuple(leaf_modules))
     on_meta = any(p.is_meta for p in model.parameters())

@@ -41,6 +41,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from fxsplit.errors import PlanError, ScheduleError, StageBuildError
 from fxsplit.pipeline.stage import StageIO
 from fxsplit.schedule.ir import Action, ActionKind
 
@@ -139,12 +140,12 @@ def _edges(io: Sequence[StageIO]) -> list[tuple[int, int, int, int, bool]]:
             if src.stage is None:
                 continue
             if not 0 <= src.stage < c:
-                raise ValueError(
+                raise StageBuildError(
                     f"stage {c} input {k} ({meta.name}) comes from stage {src.stage}, which is not an "
                     f"earlier stage; stage inputs must come from stages 0..{c - 1} or model inputs"
                 )
             if src.index >= len(io[src.stage].outputs):
-                raise ValueError(
+                raise StageBuildError(
                     f"stage {c} input {k} ({meta.name}) reads output {src.index} of stage "
                     f"{src.stage}, which has {len(io[src.stage].outputs)} outputs"
                 )
@@ -178,7 +179,7 @@ def _logical_steps(rows: list[list[Action]], deps: Callable[[Action], list[Actio
                 f"rank {r} at {rows[r][i]} waits for "
                 + ", ".join(str(d) for d in need[rows[r][i]] if d not in step)
                 for r, i in stuck.items())
-            raise ValueError(
+            raise ScheduleError(
                 "the schedule deadlocks with these stages: no rank can run its next action ("
                 f"{waits}).\n{_schedule_grid(rows, stuck)}\nReorder the actions so each one "
                 "comes after the actions it needs (see fxsplit.schedule.validate)"
@@ -196,7 +197,7 @@ def _rank_rows(schedule: Sequence[Sequence[Action | None]], num_stages: int, num
     """Each rank's actions without idle steps (only the F actions with ``forward_only``), checked
     to name existing stages that live on that rank."""
     if len(schedule) != num_ranks:
-        raise ValueError(f"schedule has {len(schedule)} rank rows, expected num_ranks={num_ranks}")
+        raise ScheduleError(f"schedule has {len(schedule)} rank rows, expected num_ranks={num_ranks}")
     rows: list[list[Action]] = []
     for r, row in enumerate(schedule):
         kept = []
@@ -204,11 +205,11 @@ def _rank_rows(schedule: Sequence[Sequence[Action | None]], num_stages: int, num
             if a is None or (forward_only and a.kind is not F):
                 continue
             if not 0 <= a.stage < num_stages:
-                raise ValueError(f"schedule rank {r}: action {a} names stage {a.stage}, but there are "
-                                 f"{num_stages} stages (0..{num_stages - 1})")
+                raise ScheduleError(f"schedule rank {r}: action {a} names stage {a.stage}, but there are "
+                                    f"{num_stages} stages (0..{num_stages - 1})")
             if rank_of_stage(a.stage) != r:
-                raise ValueError(f"schedule rank {r}: action {a} runs stage {a.stage}, which lives on "
-                                 f"rank {rank_of_stage(a.stage)}; move it to that rank's list")
+                raise ScheduleError(f"schedule rank {r}: action {a} runs stage {a.stage}, which lives on "
+                                    f"rank {rank_of_stage(a.stage)}; move it to that rank's list")
             kept.append(a)
         rows.append(kept)
     return rows
@@ -228,8 +229,8 @@ class _Wiring:
             self.consumers[e[2]].append(e)
         self.max_inputs = max((len(s.inputs) for s in io), default=1) or 1
         if 2 * self.num_microbatches * self.num_stages * self.max_inputs > _MAX_TAG:
-            raise ValueError(f"too many messages for 31-bit tags (m={self.num_microbatches}, stages="
-                             f"{self.num_stages}, inputs={self.max_inputs}); use fewer microbatches")
+            raise PlanError(f"too many messages for 31-bit tags (m={self.num_microbatches}, stages="
+                            f"{self.num_stages}, inputs={self.max_inputs}); use fewer microbatches")
 
     def tag(self, kind: str, c: int, k: int, mb: int) -> int:
         """Distinct per (direction, consumer stage, consumer input, microbatch)."""
@@ -239,8 +240,8 @@ class _Wiring:
         for kind in (B, BI):
             if Action(stage, kind, mb) in self.actions:
                 return Action(stage, kind, mb)
-        raise ValueError(f"stage {stage} microbatch {mb}: the schedule has neither {stage}B{mb} nor "
-                         f"{stage}I{mb}, which the backward of an earlier stage needs")
+        raise ScheduleError(f"stage {stage} microbatch {mb}: the schedule has neither {stage}B{mb} nor "
+                            f"{stage}I{mb}, which the backward of an earlier stage needs")
 
     def deps(self, a: Action) -> list[Action]:
         """The actions ``a`` waits for: producers' forwards, its own forward, consumers' backwards."""
@@ -254,9 +255,9 @@ class _Wiring:
                                          for c in sorted({e[0] for e in self.consumers[s] if e[4]})]
         missing = [d for d in need if d not in self.actions]
         if missing:
-            raise ValueError(f"action {a} needs {', '.join(map(str, missing))}, which the schedule "
-                             "does not contain; every stage needs F (and B, or I and W) for every "
-                             "microbatch")
+            raise ScheduleError(f"action {a} needs {', '.join(map(str, missing))}, which the schedule "
+                                "does not contain; every stage needs F (and B, or I and W) for every "
+                                "microbatch")
         return need
 
     def messages(self, a: Action) -> tuple[list[Message], list[Message]]:
@@ -315,7 +316,7 @@ def plan_all_communication(
 ) -> tuple[CommPlan, ...]:
     """Every pipeline rank's `CommPlan` for ``schedule`` over stages wired by ``io`` (ALL stages),
     from one simulation. ``rank_of_stage`` defaults to ``s % num_ranks``. With ``forward_only``
-    only the F actions are kept (inference). Raises ``ValueError`` naming the action when an
+    only the F actions are kept (inference). Raises ``ScheduleError`` (a ValueError) naming the action when an
     action runs on the wrong rank, a dependency is missing from the schedule, or the schedule
     deadlocks. See [Note: message order].
     """

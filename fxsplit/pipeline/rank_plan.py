@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fxsplit.errors import PlanError
 from fxsplit.pipeline.comm import CommPlan, plan_all_communication
 from fxsplit.pipeline.stage import StageGraphs, StageIO, ValueMeta
 from fxsplit.schedule.ir import Action
@@ -44,16 +45,16 @@ class RankPlan:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_ranks:
-            raise ValueError(f"RankPlan: rank {self.rank} out of range for num_ranks={self.num_ranks}")
+            raise PlanError(f"RankPlan: rank {self.rank} out of range for num_ranks={self.num_ranks}")
         if len(self.stage_ranks) != len(self.io):
-            raise ValueError(f"RankPlan: stage_ranks has {len(self.stage_ranks)} entries for {len(self.io)} stages")
+            raise PlanError(f"RankPlan: stage_ranks has {len(self.stage_ranks)} entries for {len(self.io)} stages")
         bad = [(s, r) for s, r in enumerate(self.stage_ranks) if not 0 <= r < self.num_ranks]
         if bad:
-            raise ValueError(f"RankPlan: stage(s) on ranks outside 0..{self.num_ranks - 1}: {bad}")
+            raise PlanError(f"RankPlan: stage(s) on ranks outside 0..{self.num_ranks - 1}: {bad}")
         for name, comm in (("train", self.train), ("forward", self.forward)):
             if comm.rank != self.rank or comm.num_ranks != self.num_ranks:
-                raise ValueError(f"RankPlan: the {name} CommPlan is for rank {comm.rank} of {comm.num_ranks}, "
-                                 f"not rank {self.rank} of {self.num_ranks}")
+                raise PlanError(f"RankPlan: the {name} CommPlan is for rank {comm.rank} of {comm.num_ranks}, "
+                                f"not rank {self.rank} of {self.num_ranks}")
 
     @classmethod
     def build(cls, io: Sequence[StageIO], schedule: Sequence[Sequence[Action | None]], *, rank: int,

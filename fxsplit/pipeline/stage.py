@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 
 from fxsplit.graph.meta import Dim, TensorMeta, tensor_metas
 from fxsplit.graph.ops import is_random, owner_and_leaf, resolve_path
-from fxsplit.errors import StageBuildError
+from fxsplit.errors import ArgumentTypeError, StageBuildError
 
 __all__ = [
     "StageBuildError",
@@ -76,9 +76,9 @@ class ValueSource:
 
     def __post_init__(self) -> None:
         if self.index < 0:
-            raise ValueError(f"ValueSource.index must be >= 0, got {self.index}")
+            raise StageBuildError(f"ValueSource.index must be >= 0, got {self.index}")
         if self.stage is not None and self.stage < 0:
-            raise ValueError(f"ValueSource.stage must be None or >= 0, got {self.stage}")
+            raise StageBuildError(f"ValueSource.stage must be None or >= 0, got {self.stage}")
 
     def __str__(self) -> str:
         return f"in{self.index}" if self.stage is None else f"s{self.stage}.out{self.index}"
@@ -103,7 +103,7 @@ class ValueMeta:
     def __init__(self, name: str, is_tensor: bool, shape: tuple[Dim, ...] | None = None,
                  dtype: torch.dtype | None = None, requires_grad: bool = False) -> None:
         if not is_tensor and (shape is not None or dtype is not None or requires_grad):
-            raise ValueError(
+            raise StageBuildError(
                 f"ValueMeta {name!r}: a non-tensor value has shape=None, dtype=None and "
                 f"requires_grad=False, got shape={shape}, dtype={dtype}, requires_grad={requires_grad}"
             )
@@ -158,22 +158,22 @@ class StageIO:
 
     def __post_init__(self) -> None:
         if len(self.inputs) != len(self.input_meta):
-            raise ValueError(
+            raise StageBuildError(
                 f"StageIO {self.index}: {len(self.inputs)} inputs but {len(self.input_meta)} input_meta"
             )
         if len(self.outputs) != len(self.consumers):
-            raise ValueError(
+            raise StageBuildError(
                 f"StageIO {self.index}: {len(self.outputs)} outputs but {len(self.consumers)} consumer lists"
             )
         for k, cons in enumerate(self.consumers):
             bad = [c for c in cons if c <= self.index]
             if bad:
-                raise ValueError(
+                raise StageBuildError(
                     f"StageIO {self.index}: output {k} consumed by stages {bad}, which are not later stages"
                 )
         for flat_idx, local in self.model_outputs:
             if not 0 <= local < len(self.outputs):
-                raise ValueError(
+                raise StageBuildError(
                     f"StageIO {self.index}: model output {flat_idx} maps to local output {local}, "
                     f"but the stage has {len(self.outputs)} outputs"
                 )
@@ -191,12 +191,12 @@ class StageGraphs:
 
     def __post_init__(self) -> None:
         if len(self.modules) != len(self.io):
-            raise ValueError(f"StageGraphs: {len(self.modules)} modules but {len(self.io)} StageIO")
+            raise StageBuildError(f"StageGraphs: {len(self.modules)} modules but {len(self.io)} StageIO")
         for k, io in enumerate(self.io):
             if io.index != k:
-                raise ValueError(f"StageGraphs: io[{k}].index is {io.index}, expected {k}")
+                raise StageBuildError(f"StageGraphs: io[{k}].index is {io.index}, expected {k}")
             if io.model_outputs and k != len(self.io) - 1:
-                raise ValueError(f"StageGraphs: stage {k} has model outputs; only the last stage may")
+                raise StageBuildError(f"StageGraphs: stage {k} has model outputs; only the last stage may")
 
     @property
     def num_stages(self) -> int:
@@ -207,7 +207,7 @@ class StageGraphs:
         outputs (`pytree.tree_unflatten(out, self.output_spec)` rebuilds the structure)."""
         if len(flat_inputs) != len(self.input_meta):
             names = [m.name for m in self.input_meta]
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"run_sequential expects {len(self.input_meta)} flat model inputs {names}, "
                 f"got {len(flat_inputs)}"
             )

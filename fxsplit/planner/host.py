@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from fxsplit.errors import UsageError
 from fxsplit.schedule import ActionKind, dependencies, parse_schedule, validate
 
 __all__ = ["shared_makespan", "shared_rate"]
@@ -45,7 +46,7 @@ def shared_makespan(schedule, forward: Sequence[float], backward_input: Sequence
     them share ``cores`` cores ([Note: host sharing]); ``comm[s]`` is the latency of a message
     stage s sends to another rank."""
     if not cores > 0:
-        raise ValueError(f"shared_makespan: cores must be > 0, got {cores!r}")
+        raise UsageError(f"shared_makespan: cores must be > 0, got {cores!r}")
     rows = parse_schedule(schedule)
     info = validate(rows)
     n_s, rank_of = info.num_stages, info.stage_ranks

@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fxsplit import schedule as _schedules
-from fxsplit.errors import PartitionError
+from fxsplit.errors import PartitionError, UsageError
 from fxsplit.graph.hardware import Hardware
 from fxsplit.pipeline.chain import inflight_1f1b
 from fxsplit.pipeline.memory import RankMemory, message_buffers, rank_memory
@@ -175,7 +175,7 @@ class Scorer:
     def __init__(self, workload: Workload, hardware: Hardware, memory_limit: float,
                  calibration: Calibration | None = None, optimizer: str = "adam"):
         if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+            raise UsageError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
         self.w, self.hw, self.limit = workload, hardware, memory_limit
         self.cal = calibration if calibration is not None else Calibration()
         self.optimizer_traffic, self.optimizer_state = OPTIMIZERS[optimizer]

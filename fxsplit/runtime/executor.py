@@ -70,6 +70,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from fxsplit.errors import ArgumentTypeError, PlanError, ScheduleError, StageBuildError, UsageError
 from fxsplit.runtime.microbatch import (
     bind_symbols,
     concrete_shape,
@@ -171,12 +172,12 @@ class PipelineRuntime(GraphActions):
         """Run ``plan`` (this rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan`) with ``modules``
         (stage index -> module, exactly the stages ``plan.stages``) over the pipeline ``group``."""
         if sorted(modules) != list(plan.stages):
-            raise ValueError(
+            raise PlanError(
                 f"pipeline rank {plan.rank} was given stages {sorted(modules)} but holds stages "
                 f"{list(plan.stages)} (stage_ranks {list(plan.stage_ranks)}); pass exactly those"
             )
         if not 0 <= split_dim:
-            raise ValueError(f"split_dim must be >= 0, got {split_dim}")
+            raise UsageError(f"split_dim must be >= 0, got {split_dim}")
         self.plan = plan
         self.rank_of_stage = plan.rank_of_stage
         self.device = torch.device(device)
@@ -261,8 +262,8 @@ class PipelineRuntime(GraphActions):
                 try:
                     p = self.modules[s].get_parameter(fqn)
                 except AttributeError as exc:
-                    raise ValueError(f"shared parameter group {g}: stage {s} has no parameter "
-                                     f"{fqn!r} ({exc})") from exc
+                    raise StageBuildError(f"shared parameter group {g}: stage {s} has no parameter "
+                                          f"{fqn!r} ({exc})") from exc
                 if all(p is not q for q in params):  # stages on one rank may share the object
                     params.append(p)
             out.append((g, holders, params))
@@ -282,7 +283,7 @@ class PipelineRuntime(GraphActions):
         out.
         """
         if self.loss_fn is None:
-            raise ValueError("PipelineRuntime.step needs loss_fn; use forward() for inference")
+            raise UsageError("PipelineRuntime.step needs loss_fn; use forward() for inference")
         self._loss_scale = loss_scale
         try:
             return self._guarded(lambda: self._run(flat_inputs, target, training=True))
@@ -339,8 +340,8 @@ class PipelineRuntime(GraphActions):
 
     def _run(self, flat_inputs: Sequence[Any], target: Any, *, training: bool, all_ranks: bool = False) -> Any:
         if len(flat_inputs) != len(self.input_meta):
-            raise TypeError(f"expected {len(self.input_meta)} flat model inputs "
-                            f"{[m.name for m in self.input_meta]}, got {len(flat_inputs)}")
+            raise ArgumentTypeError(f"expected {len(self.input_meta)} flat model inputs "
+                                    f"{[m.name for m in self.input_meta]}, got {len(flat_inputs)}")
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) and not x.is_meta else x
                 for x in flat_inputs]
         mbs = split_microbatches(flat, self.num_microbatches, dim=self.split_dim, batched=self.batched)
@@ -350,7 +351,7 @@ class PipelineRuntime(GraphActions):
         holds_last = self.last_stage in self.modules
         if training and holds_last:
             if target is None:
-                raise ValueError(f"pipeline rank {self.pp_rank} holds the last stage and needs the "
+                raise UsageError(f"pipeline rank {self.pp_rank} holds the last stage and needs the "
                                  "target: pass step(inputs, target=...)")
             self._targets = split_target(target, mbs.sizes, dim=self.split_dim)
         self._training = training
@@ -396,8 +397,8 @@ class PipelineRuntime(GraphActions):
         if training:
             if self._saved:
                 left = ", ".join(f"{s}F{mb}" for s, mb in sorted(self._saved))
-                raise ValueError(f"pipeline rank {self.pp_rank}: forwards {left} never had their "
-                                 "backward (B, or I then W) in the schedule")
+                raise ScheduleError(f"pipeline rank {self.pp_rank}: forwards {left} never had their "
+                                    "backward (B, or I then W) in the schedule")
             if not self.defer_tied_grads:
                 self._sum_tied_grads()
             return self._broadcast_loss()
@@ -454,7 +455,7 @@ class PipelineRuntime(GraphActions):
             if src.stage is None:
                 x = self._mb.inputs[mb][src.index]
                 if isinstance(x, torch.Tensor) and x.is_meta:
-                    raise ValueError(
+                    raise UsageError(
                         f"pipeline rank {self.pp_rank}: stage {s} reads model input {src.index} "
                         f"({self.input_meta[src.index].name}) but this rank was given a meta tensor; "
                         "pass the real input on every rank whose stages read it")
@@ -480,8 +481,8 @@ class PipelineRuntime(GraphActions):
         if not isinstance(out, (tuple, list)):
             out = (out,)
         if len(out) != len(sio.outputs):
-            raise ValueError(f"stage {s} returned {len(out)} values but its StageIO lists "
-                             f"{len(sio.outputs)} outputs ({[m.name for m in sio.outputs]})")
+            raise StageBuildError(f"stage {s} returned {len(out)} values but its StageIO lists "
+                                  f"{len(sio.outputs)} outputs ({[m.name for m in sio.outputs]})")
         # the last stage differentiates from its loss: do not keep its outputs (logits) alive
         keep = tuple(out) if any(sio.consumers) else ()
         saved = _Saved(args, keep) if self._training else None
@@ -494,7 +495,7 @@ class PipelineRuntime(GraphActions):
                              is not None else flat_out[0] if len(flat_out) == 1 else tuple(flat_out))
                 loss = self._call_loss(model_out, self._targets[mb])
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                    raise UsageError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                      f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
                 saved.loss = loss.reshape(()) * self._mb.weights[mb]
                 self._loss += saved.loss.detach().float()

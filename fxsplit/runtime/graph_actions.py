@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fxsplit.errors import PlanError, UsageError
 from fxsplit.runtime.compiling import CompiledGraph, compile_split, full_backward, inference_runner
 from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage, accumulate_grads, has_selective_region, signature
 from fxsplit.schedule.ir import ActionKind
@@ -30,9 +31,9 @@ class GraphActions:
 
     def _init_graph_actions(self, split_backward: str, compile: bool) -> None:
         if split_backward not in ("graph", "autograd"):
-            raise ValueError(f"split_backward must be 'graph' or 'autograd', got {split_backward!r}")
+            raise UsageError(f"split_backward must be 'graph' or 'autograd', got {split_backward!r}")
         if compile and split_backward != "graph":
-            raise ValueError("compile=True compiles the graph split's F, I and W graphs ([Note: compiled "
+            raise UsageError("compile=True compiles the graph split's F, I and W graphs ([Note: compiled "
                              "stages]); split_backward='autograd' runs autograd's graph, which it cannot compile: "
                              "use split_backward='graph'")
         self.split_backward = split_backward
@@ -69,9 +70,9 @@ class GraphActions:
             except UnsupportedStage as exc:
                 if s in self._split_stages and has_selective_region(self.modules[s]):
                     # autograd would run each region's backward twice
-                    raise ValueError(f"stage {s} has selective checkpointing, which runs with a split backward only "
-                                     f"as graphs, and its graphs cannot be split: {exc}; use "
-                                     "activation_checkpointing='full' or a schedule without a split backward") from exc
+                    raise PlanError(f"stage {s} has selective checkpointing, which runs with a split backward only "
+                                    f"as graphs, and its graphs cannot be split: {exc}; use "
+                                    "activation_checkpointing='full' or a schedule without a split backward") from exc
                 self.split_fallbacks[s] = str(exc)
                 if self.compile:
                     for kind in ("F", "I", "W") if s in self._split_stages or not self.fuse_backward else ("F", "B"):

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fxsplit.errors import ArgumentTypeError, PlanError, RunError, UsageError
+
 __all__ = [
     "MESH_DIMS",
     "MESH_DIMS_SHARDED",
@@ -45,7 +47,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 def _check_degrees(fn: str, dp: int, pp: int, tp: int) -> None:
     for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
+            raise PlanError(
                 f"{fn}: {name}={value!r} must be an int >= 1 (1 means no "
                 f"{'data' if name == 'dp' else 'pipeline' if name == 'pp' else 'tensor'} "
                 "parallelism)"
@@ -80,20 +82,20 @@ def build_mesh(
     _check_degrees("build_mesh", dp, pp, tp)
     _check_shard("build_mesh", dp_shard)
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
+        raise RunError(
             f"build_mesh(dp={dp}, pp={pp}, tp={tp}): the default process group is not "
             "initialized; call fxsplit.runtime.mesh.init_from_env() under torchrun, or "
             "torch.distributed.init_process_group(...) first"
         )
     world = dist.get_world_size()
     if dp_shard > 1 and world != dp * dp_shard * pp * tp:
-        raise ValueError(
+        raise PlanError(
             f"build_mesh: dp*dp_shard*pp*tp = {dp}*{dp_shard}*{pp}*{tp} = {dp * dp_shard * pp * tp}, but "
             f"the default process group has world size {world}; the degrees must multiply to the world "
             f"size: launch {dp * dp_shard * pp * tp} processes, or change the degrees"
         )
     if dp_shard == 1 and world != dp * pp * tp:
-        raise ValueError(
+        raise PlanError(
             f"build_mesh: dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp}, but the default process "
             f"group has world size {world}; the degrees must multiply to the world size. "
             f"Try {_suggest(world, dp, pp, tp)}, or launch {dp * pp * tp} processes"
@@ -108,21 +110,21 @@ def build_mesh(
 
 def _check_shard(fn: str, dp_shard: int) -> None:
     if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1:
-        raise ValueError(f"{fn}: dp_shard={dp_shard!r} must be an int >= 1 (1 means no sharded data parallelism)")
+        raise PlanError(f"{fn}: dp_shard={dp_shard!r} must be an int >= 1 (1 means no sharded data parallelism)")
 
 
 def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int, dp_shard: int = 1) -> None:
-    """Raise ValueError unless `mesh` has dims ("dp", "pp", "tp") and shape (dp, pp, tp), or (any
+    """Raise UsageError (a ValueError) unless `mesh` has dims ("dp", "pp", "tp") and shape (dp, pp, tp), or (any
     ``dp_shard``) dims :data:`MESH_DIMS_SHARDED` and shape (dp, dp_shard, pp, tp)."""
     _check_degrees("check_mesh", dp, pp, tp)
     _check_shard("check_mesh", dp_shard)
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"check_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
+        raise ArgumentTypeError(f"check_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
     shape = tuple(mesh.shape)
     if names == MESH_DIMS_SHARDED or dp_shard > 1:
         if names != MESH_DIMS_SHARDED or shape != (dp, dp_shard, pp, tp):
-            raise ValueError(
+            raise UsageError(
                 f"check_mesh: the mesh has dims {names or 'without names'} with shape {shape}; fxsplit "
                 f"needs dims {MESH_DIMS_SHARDED} with shape ({dp}, {dp_shard}, {pp}, {tp}) for dp={dp}, "
                 f"dp_shard={dp_shard}, pp={pp}, tp={tp}. Build it with fxsplit.runtime.mesh.build_mesh("
@@ -130,7 +132,7 @@ def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int, dp_shard: int = 1) -
             )
         return
     if names != MESH_DIMS or shape != (dp, pp, tp):
-        raise ValueError(
+        raise UsageError(
             f"check_mesh: the mesh has dims {names or 'without names'} with shape {shape}; "
             f"fxsplit needs dims {MESH_DIMS} with shape ({dp}, {pp}, {tp}) for dp={dp}, "
             f"pp={pp}, tp={tp}. Build it with fxsplit.runtime.mesh.build_mesh(dp={dp}, pp={pp}, "
@@ -144,7 +146,7 @@ def mesh_coords(mesh: DeviceMesh) -> dict[str, int]:
     for a sharded mesh)."""
     names = mesh.mesh_dim_names
     if not names:
-        raise ValueError("mesh_coords: the mesh has no dim names; build it with build_mesh(...)")
+        raise UsageError("mesh_coords: the mesh has no dim names; build it with build_mesh(...)")
     return {name: mesh.get_local_rank(name) for name in names}
 
 
@@ -152,7 +154,7 @@ def mesh_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
     """Axis name -> this rank's ProcessGroup along it, for fxsplit.tp.collectives.bind_groups."""
     names = mesh.mesh_dim_names
     if not names:
-        raise ValueError("mesh_groups: the mesh has no dim names; build it with build_mesh(...)")
+        raise UsageError("mesh_groups: the mesh has no dim names; build it with build_mesh(...)")
     return {name: mesh.get_group(name) for name in names}
 
 
@@ -166,22 +168,22 @@ def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> No
     if dist.is_initialized():
         return
     if not dist.is_available():
-        raise RuntimeError("init_from_env: this torch build has no torch.distributed support")
+        raise RunError("init_from_env: this torch build has no torch.distributed support")
     missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
     if missing:
-        raise RuntimeError(
+        raise RunError(
             f"init_from_env: environment variable(s) {', '.join(missing)} not set; launch with "
             "`torchrun --nproc-per-node=N your_script.py` (which sets them), or call "
             "torch.distributed.init_process_group(...) yourself"
         )
     if timeout_s <= 0:
-        raise ValueError(f"init_from_env: timeout_s must be > 0, got {timeout_s!r}")
+        raise UsageError(f"init_from_env: timeout_s must be > 0, got {timeout_s!r}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise RunError(
                 f"init_from_env: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} "
                 "CUDA device(s) are visible; start at most that many processes per node"
             )

@@ -35,6 +35,7 @@ import sympy
 import torch
 from torch.utils import _pytree as pytree
 
+from fxsplit.errors import PlanError, UsageError
 from fxsplit.pipeline.stage import ValueMeta
 
 __all__ = [
@@ -60,10 +61,10 @@ class MicrobatchSplit:
 
     def __post_init__(self) -> None:
         if not (len(self.inputs) == len(self.sizes) == len(self.weights)):
-            raise ValueError(f"MicrobatchSplit: {len(self.inputs)} inputs, {len(self.sizes)} sizes and "
+            raise UsageError(f"MicrobatchSplit: {len(self.inputs)} inputs, {len(self.sizes)} sizes and "
                              f"{len(self.weights)} weights must have one entry per microbatch")
         if sum(self.sizes) != self.batch_size:
-            raise ValueError(f"MicrobatchSplit: sizes {self.sizes} do not add up to batch_size "
+            raise UsageError(f"MicrobatchSplit: sizes {self.sizes} do not add up to batch_size "
                              f"{self.batch_size}")
 
 
@@ -73,7 +74,7 @@ def _batch_size(flat: Sequence[Any], dim: int) -> int:
             return x.shape[dim]
     kinds = [type(x).__name__ if not isinstance(x, torch.Tensor) else f"Tensor{tuple(x.shape)}"
              for x in flat]
-    raise ValueError(f"cannot split into microbatches along dim {dim}: no input tensor has that "
+    raise UsageError(f"cannot split into microbatches along dim {dim}: no input tensor has that "
                      f"dimension (inputs: {kinds}); pass split_dim= for the batch dimension")
 
 
@@ -87,18 +88,18 @@ def split_microbatches(
     """Split every batched input along ``dim`` into ``num_microbatches`` chunks (views, no copy).
 
     ``batched[i]`` forces whether input i is split (default: a tensor whose size along ``dim``
-    equals the batch size). Raises ``ValueError`` when the batch is smaller than
+    equals the batch size). Raises ``UsageError`` (a ValueError) when the batch is smaller than
     ``num_microbatches`` or a forced input has the wrong size.
     """
     flat = list(flat_inputs)
     if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        raise UsageError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if batched is not None and len(batched) != len(flat):
-        raise ValueError(f"batched has {len(batched)} entries but there are {len(flat)} flat inputs")
+        raise UsageError(f"batched has {len(batched)} entries but there are {len(flat)} flat inputs")
     if batched is not None and any(batched):
         first = next(i for i, b in enumerate(batched) if b)
         if not isinstance(flat[first], torch.Tensor) or flat[first].dim() <= dim:
-            raise ValueError(f"input {first} is marked batched but is not a tensor with dim {dim}")
+            raise UsageError(f"input {first} is marked batched but is not a tensor with dim {dim}")
         size = flat[first].shape[dim]
     elif batched is not None:
         size = None
@@ -110,7 +111,7 @@ def split_microbatches(
         if batched is not None:
             if batched[i] and not is_split:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"input {i} is marked batched but its size along dim {dim} is not "
+                raise UsageError(f"input {i} is marked batched but its size along dim {dim} is not "
                                  f"the batch size {size} (got {got})")
             is_split = bool(batched[i])
         mask.append(is_split)
@@ -119,7 +120,7 @@ def split_microbatches(
                                (1,) * num_microbatches, (1.0 / num_microbatches,) * num_microbatches,
                                num_microbatches, tuple(mask))
     if size < num_microbatches:
-        raise ValueError(f"a batch of {size} (dim {dim}) cannot be split into {num_microbatches} "
+        raise UsageError(f"a batch of {size} (dim {dim}) cannot be split into {num_microbatches} "
                          f"microbatches; use num_microbatches <= {size} or a larger batch")
     chunks = [torch.tensor_split(x, num_microbatches, dim=dim) if split else None
               for x, split in zip(flat, mask)]
@@ -177,20 +178,20 @@ def bind_symbols(metas: Sequence[ValueMeta], values: Sequence[Any]) -> dict[symp
     """Bind the sympy symbols in ``metas[i].shape`` to the sizes of the tensors ``values[i]``.
 
     A dimension that is a bare symbol binds it; an expression with one unbound symbol is solved
-    for it; every dimension is then checked. Raises ``ValueError`` naming the input, the dim, the
+    for it; every dimension is then checked. Raises ``PlanError`` (a ValueError) naming the input, the dim, the
     expected and the actual size when they disagree (e.g. a graph traced with fixed shapes fed a
     different microbatch size).
     """
     if len(metas) != len(values):
-        raise ValueError(f"bind_symbols: {len(metas)} metas but {len(values)} values")
+        raise PlanError(f"bind_symbols: {len(metas)} metas but {len(values)} values")
     binding: dict[sympy.Symbol, int] = {}
     pending: list[tuple[int, int, sympy.Expr, int]] = []
     for i, (meta, x) in enumerate(zip(metas, values)):
         if not meta.is_tensor or meta.shape is None or not isinstance(x, torch.Tensor):
             continue
         if len(meta.shape) != x.dim():
-            raise ValueError(f"input {i} ({meta.name}): the plan expects {len(meta.shape)} dims "
-                             f"{tuple(meta.shape)}, got a tensor of shape {tuple(x.shape)}")
+            raise PlanError(f"input {i} ({meta.name}): the plan expects {len(meta.shape)} dims "
+                            f"{tuple(meta.shape)}, got a tensor of shape {tuple(x.shape)}")
         for d, (want, got) in enumerate(zip(meta.shape, x.shape)):
             want = _as_expr(want)
             if isinstance(want, sympy.Symbol) and want not in binding:
@@ -207,7 +208,7 @@ def bind_symbols(metas: Sequence[ValueMeta], values: Sequence[Any]) -> dict[symp
     for i, d, want, got in pending:
         value = concrete_shape((want,), binding)[0] if isinstance(want, sympy.Expr) else want
         if value != got:
-            raise ValueError(
+            raise PlanError(
                 f"input {i} ({metas[i].name}) dim {d}: the plan was traced with size {want} "
                 f"(= {value} here) but the microbatch has {got}. Trace with microbatch-sized "
                 "example inputs, or mark the dimension dynamic when tracing (torch.export Dim), "
@@ -226,7 +227,7 @@ def concrete_shape(shape: Sequence[Any], binding: Mapping[sympy.Symbol, int]) ->
             continue
         value = sympy.sympify(d.xreplace(dict(binding)) if binding else d)
         if value.free_symbols:
-            raise ValueError(
+            raise PlanError(
                 f"shape {tuple(shape)}: dimension {d} uses {sorted(map(str, value.free_symbols))}, "
                 f"which no model input binds (bound: {sorted(map(str, binding))}); the plan's "
                 "boundary shapes must be expressions in the model inputs' dimensions"

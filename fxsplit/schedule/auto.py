@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from fxsplit.errors import ScheduleError
 from fxsplit.schedule.ir import Action, ActionKind, Schedule
 
 __all__ = ["search", "split_backward"]
@@ -55,7 +56,7 @@ def _per_stage(name: str, value, p: int) -> tuple[float, ...]:
     else:
         out = tuple(float(x) for x in value)
     if len(out) != p or not all(x >= 0 for x in out):
-        raise ValueError(f"zb_auto: {name} must be a number >= 0 or {p} of them (one per stage), got {value!r}")
+        raise ScheduleError(f"zb_auto: {name} must be a number >= 0 or {p} of them (one per stage), got {value!r}")
     return out
 
 
@@ -76,7 +77,7 @@ def search(num_ranks: int, num_microbatches: int, *, forward: float | Sequence[f
         max_inflight = p
     limits = (max_inflight,) * p if isinstance(max_inflight, int) else tuple(max_inflight)
     if len(limits) != p or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in limits):
-        raise ValueError(f"zb_auto: max_inflight must be an int >= 1 or {p} of them (one per rank), got {max_inflight!r}")
+        raise ScheduleError(f"zb_auto: max_inflight must be an int >= 1 or {p} of them (one per rank), got {max_inflight!r}")
     limits = tuple(min(x, m) for x in limits)
 
     candidates: list[Schedule] = []

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from fxsplit.errors import ScheduleError
 from fxsplit.schedule.auto import search
 from fxsplit.schedule.ir import Action, ActionKind, Schedule
 
@@ -84,7 +85,7 @@ def _check_sizes(name: str, num_ranks: int, num_microbatches: int, stages_per_ra
     for arg, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
                        ("stages_per_rank", stages_per_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} schedule: {arg} must be an int >= 1, got {value!r}")
+            raise ScheduleError(f"{name} schedule: {arg} must be an int >= 1, got {value!r}")
 
 
 def gpipe(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Schedule:
@@ -155,7 +156,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
     """
     _check_sizes("interleaved_1f1b", num_ranks, num_microbatches, stages_per_rank)
     if remainder not in _REMAINDERS:
-        raise ValueError(f"interleaved_1f1b: remainder must be one of {_REMAINDERS}, got {remainder!r}")
+        raise ScheduleError(f"interleaved_1f1b: remainder must be one of {_REMAINDERS}, got {remainder!r}")
     return _one_forward_one_backward(num_ranks, num_microbatches, stages_per_rank, remainder)
 
 
@@ -184,7 +185,7 @@ def zb_h1(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Sc
     """
     _check_sizes("zb_h1", num_ranks, num_microbatches, stages_per_rank)
     if stages_per_rank != 1:
-        raise ValueError(
+        raise ScheduleError(
             f"zb_h1 supports stages_per_rank=1 only, got {stages_per_rank}; use 'interleaved_1f1b' "
             "for several stages per rank"
         )
@@ -225,7 +226,7 @@ def zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1, *,
     """
     _check_sizes("zb_auto", num_ranks, num_microbatches, stages_per_rank)
     if stages_per_rank != 1:
-        raise ValueError(f"zb_auto supports stages_per_rank=1 only, got {stages_per_rank}; use 'zbv' for two")
+        raise ScheduleError(f"zb_auto supports stages_per_rank=1 only, got {stages_per_rank}; use 'zbv' for two")
     p, m = num_ranks, num_microbatches
     return search(p, m, forward=forward, backward_input=backward_input, backward_weight=backward_weight,
                   comm=comm, max_inflight=max_inflight, baselines=(zb_h1(p, m), one_f_one_b(p, m)))
@@ -249,7 +250,7 @@ def zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Sche
     """
     _check_sizes("zbv", num_ranks, num_microbatches, stages_per_rank)
     if stages_per_rank != 2:
-        raise ValueError(f"zbv places exactly 2 stages per rank in a V, got stages_per_rank={stages_per_rank}")
+        raise ScheduleError(f"zbv places exactly 2 stages per rank in a V, got stages_per_rank={stages_per_rank}")
     p, m = num_ranks, num_microbatches
     n = max(m, 2 * p - 1)  # the pattern's warm-up needs 2p-1 microbatches; extra ones are dropped
     schedule: Schedule = []
@@ -307,7 +308,7 @@ SCHEDULE_BUILDERS: dict[str, Callable[..., Schedule]] = {
 
 def _zbv_placement(num_ranks: int, stages_per_rank: int) -> tuple[int, ...]:
     if stages_per_rank != 2:
-        raise ValueError(f"zbv places exactly 2 stages per rank in a V, got stages_per_rank={stages_per_rank}")
+        raise ScheduleError(f"zbv places exactly 2 stages per rank in a V, got stages_per_rank={stages_per_rank}")
     return v_placement(num_ranks)
 
 
@@ -333,7 +334,7 @@ def _key(name: str) -> str:
     aliases = {"interleaved": "interleaved_1f1b", "zbh1": "zb_h1", "one_f_one_b": "1f1b", "zb_v": "zbv"}
     key = aliases.get(key, key)
     if key not in SCHEDULE_BUILDERS:
-        raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULE_BUILDERS)}")
+        raise ScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULE_BUILDERS)}")
     return key
 
 

@@ -29,6 +29,8 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from fxsplit.errors import ScheduleError
+
 __all__ = [
     "ActionKind",
     "Action",
@@ -75,7 +77,7 @@ class Action:
                 object.__setattr__(self, "kind", ActionKind(self.kind))
             except ValueError:
                 valid = ", ".join(f"{k.value!r} ({k.name})" for k in ActionKind)
-                raise ValueError(
+                raise ScheduleError(
                     f"Action kind {self.kind!r} is not one of {valid}"
                 ) from None
         stage, microbatch = self.stage, self.microbatch
@@ -92,7 +94,7 @@ class Action:
         for field in ("stage", "microbatch"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
+                raise ScheduleError(
                     f"Action {field} must be a non-negative int, got {value!r} "
                     f"(in Action(stage={self.stage!r}, kind={self.kind.value!r}, "
                     f"microbatch={self.microbatch!r}))"
@@ -106,12 +108,12 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Parse ``"2F0"`` into ``Action(2, FORWARD, 0)``; raise ``ValueError`` on bad text."""
+        """Parse ``"2F0"`` into ``Action(2, FORWARD, 0)``; raise ``ScheduleError`` (a ValueError) on bad text."""
         if not isinstance(text, str):
-            raise ValueError(f"Action.parse expects a string like '2F0', got {type(text).__name__} {text!r}")
+            raise ScheduleError(f"Action.parse expects a string like '2F0', got {type(text).__name__} {text!r}")
         match = _ACTION_RE.match(text)
         if match is None:
-            raise ValueError(
+            raise ScheduleError(
                 f"cannot parse action {text!r}: expected <stage><kind><microbatch> with kind one of "
                 "F (forward), B (backward), I (input grad), W (weight grad), e.g. '2F0' or '11B3'"
             )
@@ -131,8 +133,8 @@ def _parse_item(item: object, rank: int, step: int) -> Action | None:
         try:
             return Action.parse(item)
         except ValueError as exc:
-            raise ValueError(f"rank {rank}, step {step}: {exc}") from None
-    raise ValueError(
+            raise ScheduleError(f"rank {rank}, step {step}: {exc}") from None
+    raise ScheduleError(
         f"rank {rank}, step {step}: expected an Action, an action string like '2F0', or None "
         f"for idle, got {type(item).__name__} {item!r}"
     )
@@ -154,7 +156,7 @@ def parse_schedule(text_or_lists: str | Iterable[Iterable[Action | str | None]])
         rows = []
         for rank, row in enumerate(text_or_lists):
             if isinstance(row, (str, bytes)) or not isinstance(row, Iterable):
-                raise ValueError(
+                raise ScheduleError(
                     f"rank {rank}: expected a list of actions, got {type(row).__name__} {row!r}; "
                     "pass either one string for the whole schedule or a list of lists"
                 )
@@ -176,9 +178,9 @@ def format_schedule(schedule: Iterable[Iterable[Action | str | None]]) -> str:
 def stage_to_rank(stage: int, num_ranks: int) -> int:
     """Rank that holds ``stage``: ``stage % num_ranks`` (rank r holds r, r+p, r+2p, ...)."""
     if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        raise ScheduleError(f"num_ranks must be >= 1, got {num_ranks}")
     if stage < 0:
-        raise ValueError(f"stage must be >= 0, got {stage}")
+        raise ScheduleError(f"stage must be >= 0, got {stage}")
     return stage % num_ranks
 
 

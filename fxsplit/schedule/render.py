@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from fxsplit.errors import MissingDependencyError
 from fxsplit.schedule.ir import format_marked_grid
 from fxsplit.schedule.simulate import align_steps
 
@@ -57,7 +58,7 @@ def timeline_png(timeline, path: str | os.PathLike, *, title: str | None = None,
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
+        raise MissingDependencyError(
             "timeline_png needs matplotlib: pip install 'fxsplit[viz]' (or matplotlib>=3.7)"
         ) from exc
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fxsplit.errors import ScheduleError
 from fxsplit.schedule.ir import Action, ActionKind, parse_schedule
 from fxsplit.schedule.validate import dependencies, validate
 
@@ -133,9 +134,9 @@ def _per_stage(name: str, value, n_s: int, v_of_stage: Sequence[int], divide: bo
     try:
         out = [float(x) for x in value]
     except TypeError:
-        raise ValueError(f"simulate: {name} must be a number or one number per stage, got {value!r}") from None
+        raise ScheduleError(f"simulate: {name} must be a number or one number per stage, got {value!r}") from None
     if len(out) != n_s:
-        raise ValueError(f"simulate: {name} has {len(out)} values for {n_s} stages; give one per stage (or a number)")
+        raise ScheduleError(f"simulate: {name} has {len(out)} values for {n_s} stages; give one per stage (or a number)")
     return out
 
 
@@ -147,7 +148,7 @@ def _stage_costs(n_s: int, v_of_stage: Sequence[int], forward, backward, backwar
     bw = None if backward_weight is None else _per_stage("backward_weight", backward_weight, n_s, v_of_stage, True)
     if backward is None:
         if bi is None or bw is None:
-            raise ValueError("simulate: with backward=None give both backward_input and backward_weight")
+            raise ScheduleError("simulate: with backward=None give both backward_input and backward_weight")
         bb = [i + w for i, w in zip(bi, bw)]
     else:
         bb = _per_stage("backward", backward, n_s, v_of_stage, True)
@@ -164,7 +165,7 @@ def _stage_costs(n_s: int, v_of_stage: Sequence[int], forward, backward, backwar
                  ActionKind.BACKWARD_INPUT: bi[s], ActionKind.BACKWARD_WEIGHT: bw[s]}
         for kind, value in costs.items():
             if not value >= 0:
-                raise ValueError(
+                raise ScheduleError(
                     f"simulate: the cost of {kind.name} ({kind.value}) must be >= 0, got {value!r} "
                     f"(stage {s}; forward={forward!r}, backward={backward!r}, backward_input={backward_input!r}, "
                     f"backward_weight={backward_weight!r}); when only one of backward_input / "
@@ -191,7 +192,7 @@ def simulate(schedule, forward: Cost = 1.0, backward: Cost | None = 2.0, comm: C
     v_of_stage = [v[info.stage_ranks[st]] for st in range(n_s)]
     links = _per_stage("comm", comm, n_s, v_of_stage, False)
     if not all(c >= 0 for c in links):
-        raise ValueError(f"simulate: comm must be >= 0, got {comm!r}")
+        raise ScheduleError(f"simulate: comm must be >= 0, got {comm!r}")
     table = _stage_costs(n_s, v_of_stage, forward, backward, backward_input, backward_weight)
     events = _run(rows, info, lambda r, a: table[a.stage][a.kind], links.__getitem__)
     free = [0.0] * p

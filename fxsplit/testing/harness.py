@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fxsplit.errors import DistributedRunError
+from fxsplit.errors import ArgumentTypeError, DistributedRunError, UsageError
 
 __all__ = ["DistributedRunError", "run_distributed"]
 
@@ -128,7 +128,7 @@ def _worker(
         try:
             data = pickle.dumps(("ok", value))
         except Exception as exc:  # the value could not be pickled
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"run_distributed: rank {rank} returned a {type(value).__name__}, which could "
                 f"not be pickled ({exc}); return plain data (numbers, dicts, detached tensors)"
             ) from exc
@@ -210,16 +210,16 @@ def run_distributed(
     costs no torch import (see the module docstring).
     """
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
+        raise UsageError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
     if timeout <= 0:
-        raise ValueError(f"run_distributed: timeout must be > 0 seconds, got {timeout!r}")
+        raise UsageError(f"run_distributed: timeout must be > 0 seconds, got {timeout!r}")
     if start_method is None:
         methods = multiprocessing.get_all_start_methods()
         start_method = "forkserver" if "forkserver" in methods else "spawn"
     try:
         payload = pickle.dumps((fn, args))
     except Exception as exc:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"run_distributed: could not pickle {getattr(fn, '__qualname__', fn)!r} and its "
             f"arguments ({exc}); fn must be a module-level function and args plain data"
         ) from exc

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxsplit.errors import ArgumentTypeError, UsageError
+
 __all__ = [
     "HF_ZOO_NAMES",
     "make_hf",
@@ -86,13 +88,13 @@ def _build(model_cls_name: str, config_cls_name: str, config: dict[str, Any], ov
              | set(getattr(config_cls, "attribute_map", {})) | set(config_cls().to_dict()))
     unknown = sorted(k for k in overrides if k not in known)
     if unknown:
-        raise TypeError(f"{config_cls_name} has no field(s) {unknown}; check the spelling "
-                        f"against transformers.{config_cls_name}")
+        raise ArgumentTypeError(f"{config_cls_name} has no field(s) {unknown}; check the spelling "
+                                f"against transformers.{config_cls_name}")
     cfg = config_cls(**config)
     cfg._attn_implementation = attn
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     if max_pos is not None and seq_len > max_pos:
-        raise ValueError(f"{model_cls_name}: seq_len={seq_len} exceeds the config's "
+        raise UsageError(f"{model_cls_name}: seq_len={seq_len} exceeds the config's "
                          f"{max_pos} positions; pass max_position_embeddings (n_positions for GPT-2)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -154,7 +156,7 @@ def make_hf(name: str, **overrides: Any) -> Example:
     try:
         builder = _HF_BUILDERS[name]
     except KeyError:
-        raise ValueError(f"unknown HF zoo model {name!r}; choose one of {', '.join(HF_ZOO_NAMES)}") from None
+        raise UsageError(f"unknown HF zoo model {name!r}; choose one of {', '.join(HF_ZOO_NAMES)}") from None
     return builder(**overrides)
 
 
@@ -191,7 +193,7 @@ def meta_llama_70b(*, seq_len: int = 4096, batch_size: int = 1, vocab_size: int 
 
     config = llama_70b_config(vocab_size=vocab_size, **overrides)
     if seq_len > config.max_position_embeddings:
-        raise ValueError(f"meta_llama_70b: seq_len={seq_len} exceeds max_position_embeddings="
+        raise UsageError(f"meta_llama_70b: seq_len={seq_len} exceeds max_position_embeddings="
                          f"{config.max_position_embeddings}; pass max_position_embeddings=...")
     config.dtype = dtype
     with torch.device("meta"):

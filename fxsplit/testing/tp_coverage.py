@@ -42,7 +42,7 @@ from torch import nn
 
 from fxsplit.api import plan, verify
 from fxsplit.api.materialize import materialize_stage
-from fxsplit.errors import VerificationError
+from fxsplit.errors import ArgumentTypeError, VerificationError
 from fxsplit.graph.hardware import Hardware
 from fxsplit.tp import collectives as C
 from fxsplit.tp import functional as tpf
@@ -133,7 +133,7 @@ def build(arch: str, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...], dict[st
     known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {})) | set(cls().to_dict()) | {"num_labels"}
     unknown = sorted(k for k in fields if k not in known)
     if unknown:  # configs store any keyword, so a misspelt field would pass silently
-        raise TypeError(f"{config_cls} has no field(s) {unknown}")
+        raise ArgumentTypeError(f"{config_cls} has no field(s) {unknown}")
     cfg = dict(fields)
     for k in _ZERO:
         if k in known:

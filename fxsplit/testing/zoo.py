@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxsplit.errors import ArgumentTypeError, UsageError
+
 __all__ = [
     "MLP",
     "GPT",
@@ -83,7 +85,7 @@ class MLP(nn.Module):
     def __init__(self, sizes: tuple[int, ...] = (32, 64, 64, 32)):
         super().__init__()
         if len(sizes) < 2:
-            raise ValueError(f"MLP needs at least an input and an output size, got sizes={sizes!r}")
+            raise UsageError(f"MLP needs at least an input and an output size, got sizes={sizes!r}")
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
         self.act = nn.GELU()
 
@@ -118,17 +120,17 @@ class GPTConfig:
     def __post_init__(self) -> None:
         kv = self.kv_heads
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
+            raise UsageError(
                 f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}; "
                 "change one of them"
             )
         if kv < 1 or self.n_head % kv != 0:
-            raise ValueError(
+            raise UsageError(
                 f"GPTConfig: n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}; "
                 "use a divisor of n_head (or None for plain multi-head attention)"
             )
         if self.mlp not in ("gelu", "swiglu"):
-            raise ValueError(f"GPTConfig: mlp={self.mlp!r} must be 'gelu' or 'swiglu'")
+            raise UsageError(f"GPTConfig: mlp={self.mlp!r} must be 'gelu' or 'swiglu'")
 
     @property
     def kv_heads(self) -> int:
@@ -515,7 +517,7 @@ def make_gpt(*, seed: int = 0, batch_size: int = 2, seq_len: int = 16, **config:
     """GPT from ``GPTConfig(**config)`` and ``idx: (batch_size, seq_len)`` token ids."""
     cfg = GPTConfig(**config)
     if seq_len > cfg.block_size:
-        raise ValueError(f"make_gpt: seq_len={seq_len} exceeds block_size={cfg.block_size}; "
+        raise UsageError(f"make_gpt: seq_len={seq_len} exceeds block_size={cfg.block_size}; "
                          "pass a larger block_size or a shorter seq_len")
 
     def build(g: torch.Generator) -> Example:
@@ -539,7 +541,7 @@ def make_unet(*, seed: int = 0, batch_size: int = 2, image_size: int = 16, **kwa
     """UNet(**kwargs) and an input ``(batch_size, in_channels, S, S)``, S divisible by 2**depth."""
     depth = kwargs.get("depth", 2)
     if image_size % 2**depth != 0:
-        raise ValueError(f"make_unet: image_size={image_size} must be divisible by 2**depth={2**depth}")
+        raise UsageError(f"make_unet: image_size={image_size} must be divisible by 2**depth={2**depth}")
 
     def build(g: torch.Generator) -> Example:
         model = UNet(**kwargs)
@@ -597,11 +599,11 @@ def make(name: str, **overrides: Any) -> Example:
     try:
         builder = _BUILDERS[name]
     except KeyError:
-        raise ValueError(f"unknown zoo model {name!r}; choose one of {', '.join(ZOO_NAMES)}") from None
+        raise UsageError(f"unknown zoo model {name!r}; choose one of {', '.join(ZOO_NAMES)}") from None
     try:
         return builder(**overrides)
     except TypeError as e:
-        raise TypeError(f"make({name!r}, ...): bad override in {sorted(overrides)}: {e}") from e
+        raise ArgumentTypeError(f"make({name!r}, ...): bad override in {sorted(overrides)}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,7 +624,7 @@ def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def loss_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss to train zoo model ``name`` with: cross-entropy for language models, else MSE."""
     if name not in _BUILDERS:
-        raise ValueError(f"unknown zoo model {name!r}; choose one of {', '.join(ZOO_NAMES)}")
+        raise UsageError(f"unknown zoo model {name!r}; choose one of {', '.join(ZOO_NAMES)}")
     return cross_entropy_loss if name in _LM_NAMES else mse_loss
 
 

@@ -68,6 +68,8 @@ import torch.distributed as dist
 import torch.fx
 from torch.distributed._functional_collectives import _are_we_tracing
 
+from fxsplit.errors import ArgumentTypeError, OutOfRangeError, RunError, ShardingError, UsageError
+
 __all__ = [
     "COLLECTIVE_OPS",
     "CollectiveCall",
@@ -108,15 +110,15 @@ def bind_groups(mapping: Mapping[str, Any]) -> Iterator[None]:
     See [Note: axis binding]. `mapping` is typically `fxsplit.runtime.mesh.mesh_groups(mesh)`.
     """
     if not isinstance(mapping, Mapping):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"bind_groups: expected a mapping from axis name to ProcessGroup, got "
             f"{type(mapping).__name__}; for a DeviceMesh use bind_groups(mesh_groups(mesh))"
         )
     for name, group in mapping.items():
         if not isinstance(name, str):
-            raise TypeError(f"bind_groups: axis names must be str, got {name!r}")
+            raise ArgumentTypeError(f"bind_groups: axis names must be str, got {name!r}")
         if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"bind_groups: axis {name!r} is bound to a {type(group).__name__}, expected a "
                 "torch.distributed.ProcessGroup or None"
             )
@@ -261,7 +263,7 @@ class _Bound:
 def _active(axis: str) -> _Bound | None:
     """The bound group if it has more than one rank, else None (the ops become identities)."""
     if not isinstance(axis, str):
-        raise TypeError(f"collectives: axis must be a mesh axis name (str), got {axis!r}")
+        raise ArgumentTypeError(f"collectives: axis must be a mesh axis name (str), got {axis!r}")
     group = _GROUPS.get().get(axis)
     if group is None or group.size() == 1:
         return None
@@ -285,13 +287,13 @@ def axis_rank(axis: str = "tp") -> int:
 
 def _norm_dim(x: torch.Tensor, dim: int, op: str) -> int:
     if not -x.dim() <= dim < x.dim():
-        raise IndexError(f"{op}: dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+        raise OutOfRangeError(f"{op}: dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
     return dim % x.dim()
 
 
 def _check_divisible(x: torch.Tensor, dim: int, n: int, op: str, axis: str) -> None:
     if x.shape[dim] % n:
-        raise ValueError(
+        raise ShardingError(
             f"{op}: dim {dim} of shape {tuple(x.shape)} has size {x.shape[dim]}, which axis "
             f"{axis!r} (size {n}) cannot split evenly; choose a degree that divides "
             f"{x.shape[dim]} or pad that dimension"
@@ -523,7 +525,7 @@ def all_reduce_sum(x: torch.Tensor, axis: str = "dp", *, inplace: bool = False) 
     if (node := _traced("all_reduce_sum", (x,), {"axis": axis, "inplace": inplace})) is not None:
         return node
     if x.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(
+        raise RunError(
             f"all_reduce_sum: the tensor of shape {tuple(x.shape)} requires grad, and this sum "
             "is not differentiated; use reduce_from_region(x, axis) inside a model, or call "
             "under torch.no_grad() for gradients and metrics"
@@ -533,7 +535,7 @@ def all_reduce_sum(x: torch.Tensor, axis: str = "dp", *, inplace: bool = False) 
         return x if inplace else x.clone()
     if inplace:
         if not x.is_contiguous():
-            raise ValueError(
+            raise UsageError(
                 f"all_reduce_sum: inplace=True needs a contiguous tensor, got shape "
                 f"{tuple(x.shape)} with strides {x.stride()}; call .contiguous() first or use "
                 "inplace=False"

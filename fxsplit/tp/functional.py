@@ -28,6 +28,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import _are_we_tracing
 
+from fxsplit.errors import ArgumentTypeError, ShardingError, UsageError
 from fxsplit.tp.collectives import (
     _active, current_group, gather_from_region, note_collective, reduce_from_region, start_all_reduce,
     wait_collective)
@@ -37,7 +38,7 @@ __all__ = ["column_parallel_linear", "gather_logits", "vocab_parallel_cross_entr
 
 def _group(axis: str) -> dist.ProcessGroup | None:
     if not isinstance(axis, str):
-        raise TypeError(f"tp_ops: axis must be a mesh axis name (str), got {axis!r}")
+        raise ArgumentTypeError(f"tp_ops: axis must be a mesh axis name (str), got {axis!r}")
     group = current_group(axis)
     return None if group is None or group.size() == 1 else group
 
@@ -55,9 +56,9 @@ def _traced(name: str, args: tuple, kwargs: dict) -> torch.fx.Proxy | None:
 
 def _check_vocab(op: str, local: int, t: int, vocab_size: int, what: str) -> None:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"{op}: vocab_size must be a positive int, got {vocab_size!r}")
+        raise ShardingError(f"{op}: vocab_size must be a positive int, got {vocab_size!r}")
     if local * t < vocab_size:
-        raise ValueError(
+        raise ShardingError(
             f"{op}: {what} has {local} vocabulary entries per rank x t={t} ranks = {local * t}, "
             f"fewer than vocab_size={vocab_size}; shard the table with "
             f"ShardSpec(dim=0, num_shards={t}, pad_to=padded_size({vocab_size}, {t}))"
@@ -92,7 +93,7 @@ def vocab_parallel_embedding(
     _check_vocab("vocab_parallel_embedding", local, t, vocab_size, "weight_shard")
     if padding_idx is not None:
         if not -vocab_size <= padding_idx < vocab_size:
-            raise ValueError(
+            raise UsageError(
                 f"vocab_parallel_embedding: padding_idx={padding_idx} is outside the vocabulary "
                 f"[-{vocab_size}, {vocab_size})"
             )
@@ -186,11 +187,11 @@ def vocab_parallel_cross_entropy(
     if node is not None:
         return node
     if reduction not in ("mean", "sum", "none"):
-        raise ValueError(
+        raise UsageError(
             f"vocab_parallel_cross_entropy: reduction={reduction!r}; use 'mean', 'sum' or 'none'"
         )
     if tuple(logits_shard.shape[:-1]) != tuple(target.shape):
-        raise ValueError(
+        raise ShardingError(
             f"vocab_parallel_cross_entropy: logits_shard has shape {tuple(logits_shard.shape)} "
             f"and target {tuple(target.shape)}; target must be logits' shape without the last "
             "(vocabulary) dim"
@@ -314,7 +315,7 @@ def column_parallel_linear(
     if (node := _traced("column_parallel_linear", (x, weights, biases), kwargs)) is not None:
         return node
     if len(weights) != len(biases) or not weights:
-        raise ValueError(f"column_parallel_linear: got {len(weights)} weights and {len(biases)} biases; "
+        raise UsageError(f"column_parallel_linear: got {len(weights)} weights and {len(biases)} biases; "
                          "pass one bias (or None) per weight, and at least one weight")
     bound = _active(axis)
     if bound is None:

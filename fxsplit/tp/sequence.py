@@ -41,6 +41,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxsplit.errors import TPPlanError
 from fxsplit.graph.ops import is_elementwise, op_name, resolve_path
 
 __all__ = ["SequenceParallelPlan", "plan_sequence_parallel", "EDGE_ACTIONS"]
@@ -74,8 +75,8 @@ class SequenceParallelPlan:
     def __post_init__(self) -> None:
         bad = [e for e in self.edges if e[2] not in EDGE_ACTIONS]
         if bad:
-            raise ValueError(f"SequenceParallelPlan: edge {bad[0]} has action {bad[0][2]!r}; "
-                             f"the actions are {EDGE_ACTIONS}")
+            raise TPPlanError(f"SequenceParallelPlan: edge {bad[0]} has action {bad[0][2]!r}; "
+                              f"the actions are {EDGE_ACTIONS}")
 
     def edges_of(self, action: str) -> list[tuple[str, str, int]]:
         """``(consumer, operand, dim)`` of every edge with ``action``, in graph order."""

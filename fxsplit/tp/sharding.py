@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch import nn
-from fxsplit.errors import ShardingError
+from fxsplit.errors import ArgumentTypeError, ShardingError
 from fxsplit.graph.ops import owner_and_leaf, resolve_path
 
 __all__ = [
@@ -58,14 +58,14 @@ __all__ = [
 def valid_degrees(size: int, upto: int = 64) -> list[int]:
     """The degrees t in [1, upto] that split `size` into equal pieces (divisors of size)."""
     if size < 0:
-        raise ValueError(f"valid_degrees: size must be >= 0, got {size}")
+        raise ShardingError(f"valid_degrees: size must be >= 0, got {size}")
     return [t for t in range(1, upto + 1) if size % t == 0]
 
 
 def padded_size(size: int, num_shards: int, multiple_of: int = 1) -> int:
     """The smallest size >= `size` divisible by num_shards * multiple_of (a `pad_to` value)."""
     if num_shards < 1 or multiple_of < 1:
-        raise ValueError(
+        raise ShardingError(
             f"padded_size: num_shards={num_shards} and multiple_of={multiple_of} must be >= 1"
         )
     unit = num_shards * multiple_of
@@ -570,7 +570,7 @@ def _source_tensors(
         return out
     if isinstance(source, Mapping):
         return source
-    raise TypeError(
+    raise ArgumentTypeError(
         f"materialize_module: source must be an nn.Module, a state dict (Mapping[str, Tensor]) "
         f"or None, got {type(source).__name__}"
     )
