@@ -34,7 +34,8 @@ def exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, ti
     else:
         code = _RAISED if in_runtime else _BAD_INPUT
     flag = torch.tensor([code], dtype=torch.int32)
-    failed = _reduce_flag(flag, group, error, timeout=timeout, what=what, watch=watch)
+    failed = _reduce_flag(flag, group, error, timeout=timeout, what=what, watch=watch,
+                          when='at the end of' if in_runtime else 'at the start of')
     if failed is not None:
         return failed
     worst = int(flag.item())
@@ -70,12 +71,12 @@ def exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, ti
 
 
 def _reduce_flag(flag: torch.Tensor, group: Any, error: Exception | None, *, timeout: float, what: str,
-                 watch: Any) -> tuple[int, Exception] | None:
+                 watch: Any, when: str) -> tuple[int, Exception] | None:
     """The MAX all-reduce of the outcome codes; (code, exception) when it could not complete."""
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
     try:
         if watch is not None:
-            watch.wait(work, f"checking for errors with every rank at the end of {what}()",
+            watch.wait(work, f"checking for errors with every rank {when} {what}()",
                        range(dist.get_world_size(group)), until_lost=True)
         else:
             work.wait(datetime.timedelta(seconds=timeout))
