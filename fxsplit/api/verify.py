@@ -15,7 +15,10 @@ The t ranks' stage graphs are one graph (shard offsets come from the tp group at
 each stage is interpreted in lockstep, node by node, computing every node for the t ranks; a
 collective node is evaluated over the t values at once by ``fxsplit.tp.emulate`` (a
 differentiable combine, [Note: emulated collectives]), and other nodes run with ``axis_rank``
-bound to the rank. Stages run in order, fed as the pipeline feeds them (``StageIO``). The loss
+bound to the rank. Stages run in order, fed as the pipeline feeds them (``StageIO``), each value
+handed over in the layout the transfer gives it ([Note: boundary layouts] in
+:mod:`fxsplit.pipeline.layout`), so a stage whose code needs other strides fails here as it
+would in the runtime. The loss
 is ``loss_fn(output, target)`` when given, else a fixed random projection of every floating
 output; each rank's loss is backpropagated (one ``backward`` of their sum: the emulated
 collectives give each rank its own backward), and each rank's gradients are reassembled
@@ -59,6 +62,7 @@ from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.ops import resolve_path
 from fxsplit.graph.recompute import checkpointed
 from fxsplit.graph.trace import flatten_inputs
+from fxsplit.pipeline.layout import hand_over
 from fxsplit.tp import collectives as C
 from fxsplit.tp.emulate import as_rank, emulate, is_emulated
 from fxsplit.tp.random import is_random
@@ -284,8 +288,9 @@ def verify(
     vals: list[dict[str, list[Any]]] = []
     outs: list[list[tuple]] = []
     for s, io in enumerate(plan.stages.io):
-        inputs = [[flat[src.index] if src.stage is None else outs[src.stage][r][src.index] for src in io.inputs]
-                  for r in range(t)]
+        # values cross as the runtime transfers them: same layout ([Note: boundary layouts])
+        inputs = [[flat[src.index] if src.stage is None else hand_over(outs[src.stage][r][src.index], meta.dim_order)
+                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(t)]
         vals.append({})
         outs.append(_run_lockstep(plan.stages.modules[s], stage_modules[s], inputs, vals[-1]))
     rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(t)]

@@ -76,12 +76,15 @@ class TensorMeta:
 
     ``shape`` holds ints and sympy expressions (never ``SymInt``: convert with :func:`to_expr`);
     ``numel`` and ``nbytes`` are symbolic where the shape is. ``requires_grad`` needs a floating
-    or complex dtype.
+    or complex dtype. ``dim_order``: the dims from outermost to innermost in memory when the value
+    is a permutation of a dense layout other than row-major, else None; set on pipeline boundary
+    values only ([Note: boundary layouts] in ``fxsplit.pipeline.layout``).
     """
 
     shape: tuple[Dim, ...]
     dtype: torch.dtype
     requires_grad: bool = False
+    dim_order: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, tuple):
@@ -102,6 +105,10 @@ class TensorMeta:
         if self.requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
             raise UsageError(f"TensorMeta: requires_grad=True needs a floating or complex dtype, got "
                              f"dtype={self.dtype} (shape {self.shape})")
+        if self.dim_order is not None and (not isinstance(self.dim_order, tuple)
+                                           or sorted(self.dim_order) != list(range(len(self.shape)))):
+            raise ValueError(f"TensorMeta.dim_order must be None or a permutation of the {len(self.shape)} dims "
+                             f"of shape {self.shape}, got {self.dim_order!r}")
 
     @property
     def numel(self) -> Dim:
@@ -133,7 +140,8 @@ class TensorMeta:
 
     def __str__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
-        return f"{dt}[{', '.join(map(str, self.shape))}]"
+        order = "" if self.dim_order is None else f"{{order {','.join(map(str, self.dim_order))}}}"
+        return f"{dt}[{', '.join(map(str, self.shape))}]{order}"
 
 
 def tensor_metas(val: Any) -> tuple[TensorMeta, ...]:

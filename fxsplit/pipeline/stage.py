@@ -49,6 +49,7 @@ from torch.utils import _pytree as pytree
 
 from fxsplit.graph.meta import Dim, TensorMeta, tensor_metas
 from fxsplit.graph.ops import is_random, owner_and_leaf, resolve_path
+from fxsplit.pipeline.layout import dim_order_of, hand_over
 from fxsplit.errors import ArgumentTypeError, StageBuildError
 
 __all__ = [
@@ -95,20 +96,24 @@ class ValueMeta:
         ValueMeta("n", False)                                   # a non-tensor value
         ValueMeta.of("h", tensor_meta)                          # from a TensorMeta (or None)
         meta.shape, meta.dtype; meta.tensor.nbytes, meta.tensor.concrete_shape(bindings)
+
+    ``dim_order`` is the memory layout the value crosses in ([Note: boundary layouts] in
+    :mod:`fxsplit.pipeline.layout`); None: contiguous.
     """
 
     name: str
     tensor: TensorMeta | None
 
     def __init__(self, name: str, is_tensor: bool, shape: tuple[Dim, ...] | None = None,
-                 dtype: torch.dtype | None = None, requires_grad: bool = False) -> None:
-        if not is_tensor and (shape is not None or dtype is not None or requires_grad):
+                 dtype: torch.dtype | None = None, requires_grad: bool = False,
+                 dim_order: tuple[int, ...] | None = None) -> None:
+        if not is_tensor and (shape is not None or dtype is not None or requires_grad or dim_order is not None):
             raise StageBuildError(
                 f"ValueMeta {name!r}: a non-tensor value has shape=None, dtype=None and "
                 f"requires_grad=False, got shape={shape}, dtype={dtype}, requires_grad={requires_grad}"
             )
         try:
-            tensor = TensorMeta(shape, dtype, requires_grad) if is_tensor else None
+            tensor = TensorMeta(shape, dtype, requires_grad, dim_order) if is_tensor else None
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"ValueMeta {name!r}: {exc}") from None
         object.__setattr__(self, "name", name)
@@ -118,7 +123,7 @@ class ValueMeta:
     def of(cls, name: str, tensor: TensorMeta | None) -> ValueMeta:
         if tensor is None:
             return cls(name, False)
-        return cls(name, True, tensor.shape, tensor.dtype, tensor.requires_grad)
+        return cls(name, True, tensor.shape, tensor.dtype, tensor.requires_grad, tensor.dim_order)
 
     @property
     def is_tensor(self) -> bool:
@@ -135,6 +140,10 @@ class ValueMeta:
     @property
     def requires_grad(self) -> bool:
         return self.tensor is not None and self.tensor.requires_grad
+
+    @property
+    def dim_order(self) -> tuple[int, ...] | None:
+        return None if self.tensor is None else self.tensor.dim_order
 
     def __str__(self) -> str:
         if self.tensor is None:
@@ -213,9 +222,10 @@ class StageGraphs:
             )
         stage_outputs: list[tuple] = []
         for module, io in zip(self.modules, self.io):
-            args = [
-                flat_inputs[src.index] if src.stage is None else stage_outputs[src.stage][src.index]
-                for src in io.inputs
+            args = [  # handed over as the runtime transfers them ([Note: boundary layouts])
+                flat_inputs[src.index] if src.stage is None
+                else hand_over(stage_outputs[src.stage][src.index], meta.dim_order)
+                for src, meta in zip(io.inputs, io.input_meta)
             ]
             out = module(*args)
             assert isinstance(out, tuple) and len(out) == len(io.outputs), (
@@ -613,7 +623,8 @@ def _value_meta(
     (tensor,) = tensor_metas(val)
     floating = tensor.dtype.is_floating_point or tensor.dtype.is_complex
     grad = floating and not model_input and n in grad_nodes
-    return ValueMeta.of(n.name, dataclasses.replace(tensor, requires_grad=grad))
+    order = None if model_input else dim_order_of(val)  # model inputs are read locally, never sent
+    return ValueMeta.of(n.name, dataclasses.replace(tensor, requires_grad=grad, dim_order=order))
 
 
 def _constant_meta(name: str, value: Any) -> ValueMeta:

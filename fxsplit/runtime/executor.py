@@ -78,7 +78,8 @@ from fxsplit.runtime.microbatch import (
     split_microbatches,
     split_target,
 )
-from fxsplit.pipeline.comm import Message
+from fxsplit.pipeline.comm import ACT, Message
+from fxsplit.pipeline.layout import from_wire, to_wire, wire_shape
 from fxsplit.tp.random import stage_stream
 from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.errors import RankFailedError
@@ -415,13 +416,18 @@ class PipelineRuntime(GraphActions):
     def _meta(self, msg: Message) -> ValueMeta:
         return self.io[msg.stage].input_meta[msg.input]
 
+    def _order(self, msg: Message) -> tuple[int, ...] | None:
+        """The dim order ``msg`` travels in: an activation's planned layout ([Note: boundary
+        layouts] in fxsplit.pipeline.layout); gradients travel contiguous."""
+        return self._meta(msg).dim_order if msg.kind == ACT else None
+
     def _alloc(self, msg: Message) -> torch.Tensor:
         meta = self._meta(msg)
         key = (meta.shape, self._binding_keys[msg.microbatch])
         shape = self._shape_cache.get(key)
         if shape is None:
             shape = self._shape_cache[key] = concrete_shape(meta.shape, self._bindings[msg.microbatch])
-        return torch.empty(shape, dtype=meta.dtype, device=self.device)
+        return torch.empty(wire_shape(shape, self._order(msg)), dtype=meta.dtype, device=self.device)
 
     def _as_planned(self, msg: Message, value: torch.Tensor) -> torch.Tensor:
         """``value`` in the dtype the plan gives its message ([Note: boundary dtypes])."""
@@ -431,12 +437,13 @@ class PipelineRuntime(GraphActions):
         return value
 
     def _take(self, msg: Message, local: bool, action: Action) -> torch.Tensor:
-        if local:
-            return self._mailbox.pop(msg)
-        return self._channel.wait(msg, action)
+        wire = self._mailbox.pop(msg) if local else self._channel.wait(msg, action)
+        return from_wire(wire, self._order(msg))
 
     def _give(self, msg: Message, value: torch.Tensor, local: bool, action: Action) -> None:
-        value = self._as_planned(msg, value)
+        # local handovers take the wire form too, so a stage sees the same strides whichever
+        # rank its producer ran on ([Note: boundary layouts])
+        value = to_wire(self._as_planned(msg, value), self._order(msg))
         if local:
             self._mailbox[msg] = value
         else:

@@ -29,6 +29,14 @@ case a graph splitter must get right:
                   by every layer (non-float tensors crossing stages), a float keyword argument
     skip          the output of layer 0 added after the last layer (a skip crossing every
                   stage) and a non-tensor value (a shape) computed first and used last
+    layout        an attention block returning ``(att @ v).transpose(1, 2)`` (no
+                  ``.contiguous()``) and a next block whose ``.view`` is valid only on those
+                  strides: a boundary value that must cross in its own layout
+                  ([Note: boundary layouts] in ``fxsplit.pipeline.layout``); split at ``mix``
+    alias         parameters reachable under two names: one Linear registered twice and used
+                  as a column both times (sharded alike), and a square weight aliased as the
+                  row half of one MLP and the column half of the next (left whole under TP)
+                  ([Note: one parameter, two names] in ``fxsplit.tp.plan``)
     ============  ==========================================================================
 
 Builders are deterministic: ``make(name, seed=s)`` twice gives identical weights and inputs,
@@ -48,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxsplit.errors import ArgumentTypeError, UsageError
+from fxsplit.testing.zoo_identity import AliasedParamModel, TransposedBoundaryModel
 
 __all__ = [
     "MLP",
@@ -57,6 +66,8 @@ __all__ = [
     "UNet",
     "KwargsModel",
     "SkipModel",
+    "TransposedBoundaryModel",
+    "AliasedParamModel",
     "ZOO_NAMES",
     "make",
     "make_mlp",
@@ -65,6 +76,8 @@ __all__ = [
     "make_unet",
     "make_kwargs_model",
     "make_skip_model",
+    "make_layout_model",
+    "make_alias_model",
     "make_target",
     "loss_fn",
     "cross_entropy_loss",
@@ -577,6 +590,24 @@ def make_skip_model(*, seed: int = 0, batch_size: int = 4, **kwargs: Any) -> Exa
     return _seeded(seed, build)
 
 
+def make_layout_model(*, seed: int = 0, batch_size: int = 4, seq_len: int = 6, **kwargs: Any) -> Example:
+    """TransposedBoundaryModel(**kwargs) and an input ``x: (batch_size, seq_len, dim)``."""
+    def build(g: torch.Generator) -> Example:
+        model = TransposedBoundaryModel(**kwargs)
+        return model, (torch.randn(batch_size, seq_len, model.head.in_features, generator=g),), {}
+
+    return _seeded(seed, build)
+
+
+def make_alias_model(*, seed: int = 0, batch_size: int = 2, seq_len: int = 4, **kwargs: Any) -> Example:
+    """AliasedParamModel(**kwargs) and an input ``x: (batch_size, seq_len, dim)``."""
+    def build(g: torch.Generator) -> Example:
+        model = AliasedParamModel(**kwargs)
+        return model, (torch.randn(batch_size, seq_len, model.down1.out_features, generator=g),), {}
+
+    return _seeded(seed, build)
+
+
 _BUILDERS: dict[str, Callable[..., Example]] = {
     "mlp": make_mlp,
     "gpt": make_gpt,
@@ -584,6 +615,8 @@ _BUILDERS: dict[str, Callable[..., Example]] = {
     "unet": make_unet,
     "kwargs": make_kwargs_model,
     "skip": make_skip_model,
+    "layout": make_layout_model,
+    "alias": make_alias_model,
 }
 ZOO_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 _LM_NAMES = frozenset({"gpt", "kwargs"})

@@ -221,15 +221,23 @@ def find_tp_plan(
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise TPPlanError(f"find_tp_plan: tp must be an int >= 1, got {tp!r}")
-    g = _Graph.of(gm, overrides)
-    excluded = {n for n, l in g.linears.items() if g.forced.get(l.module_path) in ("replicate", "vocab")}
-    vocab = _vocab_parallel(g, vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
-    excluded |= set(vocab.lm_heads)
-    regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters, partials, merged = _find_regions(
-        gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
+    g0 = _Graph.of(gm, overrides)
+    blocked: dict[str, str] = {}  # module path -> why it stays whole ([Note: one parameter, two names])
+    while True:
+        g = dataclasses.replace(g0, forced={**{p: "replicate" for p in blocked}, **g0.forced}) if blocked else g0
+        excluded = {n for n, l in g.linears.items() if g.forced.get(l.module_path) in ("replicate", "vocab")}
+        vocab = _vocab_parallel(g, vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
+        excluded |= set(vocab.lm_heads)
+        regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters, partials, merged = _find_regions(
+            gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
+        styles, specs, replicated, uses = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
+        more = _disagreeing_uses(g0, uses)
+        if not more:
+            break
+        blocked.update(more)
+    replicated = [(path, blocked.get(path, why)) for path, why in replicated]
     no_sums = {(sc[0], sc[1]) for sc in scatters if sc[2] is None}
     scatters = [sc for sc in scatters if sc[2] is not None]
-    styles, specs, replicated = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
     grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(sc[0], sc[1]) for sc in scatters} | no_sums)
     _check_plan(g, tp, styles, replicated, sharded_nodes)
     plan = TPPlan(
@@ -330,8 +338,10 @@ def _styles_and_specs(g: _Graph, tp: int, vocab: _Vocab, regions: list[Region], 
     styles: dict[str, str] = {}
     specs: dict[str, ShardSpec] = {}
     replicated: list[tuple[str, str]] = []
+    uses: list[_Use] = []  # every read of a parameter by a linear or embedding, sharded or not
 
-    def put(fqn: str, spec: ShardSpec) -> None:
+    def put(fqn: str, spec: ShardSpec, path: str, style: str) -> None:
+        uses.append(_Use(fqn, path, style, spec))
         for a in g.aliases.get(fqn, (fqn,)):
             specs[a] = spec
 
@@ -339,22 +349,26 @@ def _styles_and_specs(g: _Graph, tp: int, vocab: _Vocab, regions: list[Region], 
     row = {c for r in regions for c in r.rows}
     vocab_size = vocab.size
     for name, l in g.linears.items():
+        path = l.module_path
         if name in col:
-            styles[l.module_path] = "colwise"
+            styles[path] = "colwise"
             blocks, whole = blocks_of.get(name, (None, ()))
-            put(l.weight, ShardSpec(l.out_dim, tp, blocks, whole=whole))
+            put(l.weight, ShardSpec(l.out_dim, tp, blocks, whole=whole), path, "colwise")
             if l.bias:
-                put(l.bias, ShardSpec(0, tp, blocks, whole=whole))
+                put(l.bias, ShardSpec(0, tp, blocks, whole=whole), path, "colwise")
         elif name in row:
-            styles[l.module_path] = "rowwise"
-            put(l.weight, ShardSpec(l.in_dim, tp))
+            styles[path] = "rowwise"
+            put(l.weight, ShardSpec(l.in_dim, tp), path, "rowwise")
+            if l.bias:  # added once after the sum: whole on every rank
+                uses.append(_Use(l.bias, path, "rowwise", None))
         elif name in vocab.lm_heads:
-            styles[l.module_path] = "vocab"
+            styles[path] = "vocab"
             pad = padded_size(vocab_size, tp) if vocab_size % tp else None
-            put(l.weight, ShardSpec(0, tp, pad_to=pad, size=vocab_size))
+            put(l.weight, ShardSpec(0, tp, pad_to=pad, size=vocab_size), path, "vocab")
             if l.bias:
-                put(l.bias, ShardSpec(0, tp, pad_to=pad, size=vocab_size))
+                put(l.bias, ShardSpec(0, tp, pad_to=pad, size=vocab_size), path, "vocab")
         else:
+            uses.extend(_Use(fqn, path, "replicate", None) for fqn in (l.weight, l.bias) if fqn)
             styles.setdefault(l.module_path, "replicate")
             if l.module_path not in dict(replicated):
                 replicated.append((l.module_path, failures.get(name, "set to replicate" if name in excluded else
@@ -363,12 +377,74 @@ def _styles_and_specs(g: _Graph, tp: int, vocab: _Vocab, regions: list[Region], 
         if e in vocab.embeddings:
             styles[e.module_path] = "vocab"
             pad = padded_size(e.num_embeddings, tp) if e.num_embeddings % tp else None
-            put(e.weight, ShardSpec(0, tp, pad_to=pad, size=e.num_embeddings))
+            put(e.weight, ShardSpec(0, tp, pad_to=pad, size=e.num_embeddings), e.module_path, "vocab")
         else:
+            uses.append(_Use(e.weight, e.module_path, "replicate", None))
             styles[e.module_path] = "replicate"
             replicated.append((e.module_path, "set to replicate" if g.forced.get(e.module_path) == "replicate"
                                else "its indices are not a model input (positions or types)"))
-    return styles, specs, replicated
+    return styles, specs, replicated, uses
+
+
+# [Note: one parameter, two names]
+# A parameter can be reachable under two names (an alias attribute ``self.b.weight =
+# self.a.weight``, one submodule registered twice, tied embedding and LM head) and read by two
+# linears or embeddings. It is ONE tensor on every rank, so its uses must agree: all sharded by
+# the same ShardSpec (tied embedding and LM head both by vocabulary rows; one Linear called twice
+# as a column both times), or all whole. When they disagree (a square weight row-parallel in one
+# region and column-parallel in another, or sharded in one use and replicated in the other),
+# every module reading it is set to replicate and the regions are found again without them
+# (repeated until the uses agree: the set only grows); ``TPPlan.replicated`` names the parameter,
+# its other names and the two uses. Without this, the last use's spec won for both and the other
+# use crashed at run time with a shape error naming no node.
+
+
+@dataclass(frozen=True)
+class _Use:
+    """One read of parameter ``fqn`` by the linear or embedding of module ``path`` with
+    ``style``; ``spec`` None when that use keeps it whole."""
+
+    fqn: str
+    path: str
+    style: str
+    spec: ShardSpec | None
+
+
+def _spec_key(spec: ShardSpec | None, ndim: int) -> Any:
+    return None if spec is None else dataclasses.replace(spec, dim=spec.dim % ndim)
+
+
+def _disagreeing_uses(g: _Graph, uses: list[_Use]) -> dict[str, str]:
+    """Module path -> why it must stay whole, for every parameter whose uses disagree
+    ([Note: one parameter, two names]); empty when they all agree. A user's override that
+    shards such a module raises TPPlanError naming the parameter."""
+    by_param: dict[tuple[str, ...], list[_Use]] = {}
+    for u in uses:
+        by_param.setdefault(g.aliases.get(u.fqn, (u.fqn,)), []).append(u)
+    out: dict[str, str] = {}
+    for names, group in by_param.items():
+        ndim = resolve_path(g.gm, names[0]).dim()
+        keys = {_spec_key(u.spec, ndim) for u in group}
+        if len(keys) < 2:
+            continue
+        a = next(u for u in group if u.spec is not None)
+        b = next(u for u in group if _spec_key(u.spec, ndim) != _spec_key(a.spec, ndim))
+
+        def how(u: _Use) -> str:
+            return (f"{u.path!r} ({u.style}) reads it as {u.fqn!r} and "
+                    + ("keeps it whole" if u.spec is None else f"shards it on {_spec_str(u.spec)}"))
+
+        also = [n for n in names if n != names[0]]
+        why = (f"parameter {names[0]!r}{f' (also reachable as {also})' if also else ''} is one parameter "
+               f"used in two ways: {how(a)}, {how(b)}; a parameter reachable under two names is sharded "
+               "alike for every use or not at all, so every module reading it stays replicated (to shard "
+               "them, give each use its own parameter, or make both uses agree)")
+        for u in group:
+            if g.forced.get(u.path) in ("colwise", "rowwise", "vocab"):
+                raise TPPlanError(f"overrides: {u.path!r} is set to {g.forced[u.path]!r}, but {why}; set "
+                                  f"{sorted({v.path for v in group})} to 'replicate' or to styles that agree")
+            out.setdefault(u.path, why)
+    return out
 
 
 def _check_plan(g: _Graph, tp: int, styles: Mapping[str, str], replicated: list[tuple[str, str]],
