@@ -107,7 +107,7 @@ class TensorMeta:
                              f"dtype={self.dtype} (shape {self.shape})")
         if self.dim_order is not None and (not isinstance(self.dim_order, tuple)
                                            or sorted(self.dim_order) != list(range(len(self.shape)))):
-            raise ValueError(f"TensorMeta.dim_order must be None or a permutation of the {len(self.shape)} dims "
+            raise UsageError(f"TensorMeta.dim_order must be None or a permutation of the {len(self.shape)} dims "
                              f"of shape {self.shape}, got {self.dim_order!r}")
 
     @property
