@@ -23,7 +23,7 @@ from collections.abc import Mapping
 __all__ = [
     "FxsplitError", "TraceError", "UnknownPassError", "TPPlanError", "ShardingError", "PartitionError",
     "SplitError", "StageBuildError", "ScheduleError", "PlanError", "PipelineError", "RankFailedError",
-    "DistributedRunError", "VerificationError", "UsageError", "PathError", "REQUEST_ERRORS",
+    "DistributedRunError", "VerificationError", "UsageError", "PathError", "CheckpointError", "REQUEST_ERRORS",
 ]
 
 
@@ -125,6 +125,14 @@ class VerificationError(FxsplitError, RuntimeError):
         self.node = node
         self.stage = stage
         self.problems = tuple(problems)
+
+
+class CheckpointError(FxsplitError, RuntimeError):
+    """A checkpoint cannot be saved or loaded: no checkpoint at the path, a file damaged since the
+    save (the message names the tensor and its ``.distcp`` file), non-finite values, or a failure
+    inside ``torch.distributed.checkpoint`` (whose ``CheckpointException`` is a ``BaseException``;
+    it is kept as ``__cause__`` and its text is in the message). [Note: checkpoint layout] in
+    :mod:`fxsplit.api.checkpoint`."""
 
 
 class DistributedRunError(FxsplitError, RuntimeError):
