@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fxsplit.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from fxsplit.api.model import ParallelModel
+    from fxsplit.api import ParallelModel
 
-__all__ = ["load_full_checkpoint", "save_checkpoint", "load_checkpoint", "CheckpointError"]
+__all__ = ["load_full_checkpoint", "save_checkpoint", "load_checkpoint", "CheckpointError", "alias_groups", "like_param"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,25 @@ class _TrainState:
     rng_step: int  # the streams' step counter k: step() and forward() calls so far
 
 
+def alias_groups(graph: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The names of each tensor of ``graph`` held under more than one name (saved with a
+    checkpoint; ``ParallelModel.full_state_dict`` gives a tied tensor under each)."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*graph.named_parameters(remove_duplicate=False), *graph.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return tuple(tuple(g) for g in names.values() if len(g) > 1)
+
+
+def like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (whole: this rank's tp shard) laid out as ``param``: cut to this rank's FSDP
+    shard when ``param`` is a DTensor (locally, no communication), else as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor) and not isinstance(value, DTensor):
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value
+
+
 # -- save
 
 
@@ -133,8 +153,6 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, *,
 
 def _state_to_save(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The state dict this rank hands to DCP ([Note: checkpoint layout])."""
-    from fxsplit.api.model import alias_groups
-
     specs = pm.plan.tp_plan.param_specs
     t, tp_rank = pm.plan.config.tp, pm.coords.get("tp", 0)
     tensors: dict[str, torch.Tensor] = dict(pm._local_state())
@@ -292,7 +310,6 @@ def load_checkpoint(pm: ParallelModel, path: str | os.PathLike, *, optimizer: to
 
 def _load_into(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | None,
                allow_nonfinite: bool) -> None:
-    from fxsplit.api.model import like_param
     from fxsplit.runtime.fsdp import local_tensor
 
     names = set()

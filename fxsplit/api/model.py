@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from fxsplit.api.checkpoint import load_full_checkpoint  # public here before it moved
+from fxsplit.api import checkpoint
+from fxsplit.api.checkpoint import alias_groups, like_param, load_full_checkpoint
 from fxsplit.errors import RankFailedError
 from fxsplit.runtime.failures import exchange_errors
 from fxsplit.runtime.microbatch import bind_symbols, split_microbatches
@@ -416,9 +417,7 @@ class ParallelModel(nn.Module):
         only once every rank finished. A checkpoint loads under any (dp, tp, pp) with
         :meth:`load_checkpoint`, or whole in one process with :func:`load_full_checkpoint`.
         Errors: :class:`~fxsplit.errors.CheckpointError` on every rank."""
-        from fxsplit.api.checkpoint import save_checkpoint
-
-        save_checkpoint(self, path, optimizer=optimizer)
+        checkpoint.save_checkpoint(self, path, optimizer=optimizer)
 
     def load_checkpoint(self, path: str, *, optimizer: torch.optim.Optimizer | None = None,
                         allow_nonfinite: bool = False) -> None:
@@ -429,9 +428,7 @@ class ParallelModel(nn.Module):
         layout draws the same dropout masks). Each tensor read is checked against its checksum and
         for NaN/inf (unless ``allow_nonfinite``); a failure on any rank raises on every rank
         (:class:`~fxsplit.errors.CheckpointError` where it failed)."""
-        from fxsplit.api.checkpoint import load_checkpoint
-
-        load_checkpoint(self, path, optimizer=optimizer, allow_nonfinite=allow_nonfinite)
+        checkpoint.load_checkpoint(self, path, optimizer=optimizer, allow_nonfinite=allow_nonfinite)
 
     @property
     def step_count(self) -> int:
@@ -453,25 +450,6 @@ def _with_aliases(state: dict[str, torch.Tensor], graph: nn.Module) -> dict[str,
             for n in group:
                 out.setdefault(n, state[have])
     return out
-
-
-def alias_groups(graph: nn.Module) -> tuple[tuple[str, ...], ...]:
-    """The names of each tensor of ``graph`` held under more than one name (also saved with a
-    checkpoint, fxsplit.api.checkpoint)."""
-    names: dict[int, list[str]] = {}
-    for name, t in [*graph.named_parameters(remove_duplicate=False), *graph.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(t), []).append(name)
-    return tuple(tuple(g) for g in names.values() if len(g) > 1)
-
-
-def like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` (whole: this rank's tp shard) laid out as ``param``: cut to this rank's FSDP
-    shard when ``param`` is a DTensor (locally, no communication), else as it is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor) and not isinstance(value, DTensor):
-        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    return value
 
 
 def _copy_into(t: torch.Tensor, src: torch.Tensor) -> None:
