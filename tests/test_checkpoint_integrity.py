@@ -234,3 +234,36 @@ def test_checkpoint_without_checksums_still_loads(tmp_path, monkeypatch, caplog)
         full = fxsplit.load_full_checkpoint(str(tmp_path / "old"))
     assert torch.equal(full["w"], w) and full.keys() == {"w"}
     assert "loaded unverified" in caplog.text
+
+
+def test_replace_keeps_the_earlier_checkpoint_when_the_rename_fails(tmp_path, monkeypatch):
+    """Rank 0's last step of a save: the earlier checkpoint is moved aside, the new one renamed in;
+    a failing rename puts the earlier one back. Anything but a checkpoint or an empty folder is
+    never replaced."""
+    from fxsplit.api import checkpoint
+
+    path, tmp = tmp_path / "ckpt", tmp_path / "ckpt.tmp-x"
+    for folder, text in ((path, "old"), (tmp, "new")):
+        folder.mkdir()
+        (folder / ".metadata").write_text(text)
+    rename = os.rename
+
+    def failing(src, dst):
+        if os.fspath(src) == str(tmp):
+            raise OSError("injected")
+        rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", failing)
+    with pytest.raises(OSError, match="injected"):
+        checkpoint._replace(str(tmp), str(path), "x")
+    assert (path / ".metadata").read_text() == "old" and not (tmp_path / "ckpt.old-x").exists()
+    monkeypatch.undo()
+    checkpoint._replace(str(tmp), str(path), "x")
+    assert (path / ".metadata").read_text() == "new" and sorted(os.listdir(tmp_path)) == ["ckpt"]
+    checkpoint._check_replaceable(str(path))  # a checkpoint, an empty folder, nothing: fine
+    checkpoint._check_replaceable(str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    checkpoint._check_replaceable(str(tmp_path / "empty"))
+    (tmp_path / "empty" / "notes.txt").write_text("mine")
+    with pytest.raises(fxsplit.CheckpointError, match="is not a checkpoint"):
+        checkpoint._check_replaceable(str(tmp_path / "empty"))

@@ -213,7 +213,12 @@ def _replace(tmp: str, path: str, token: str) -> None:
     if os.path.lexists(path):
         old = f"{path}.old-{token}"
         os.rename(path, old)
-    os.rename(tmp, path)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        if old is not None:
+            os.rename(old, path)  # the earlier checkpoint goes back where it was
+        raise
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
