@@ -297,8 +297,6 @@ def _writer_class() -> type:
     return ChecksumWriter
 
 
-
-
 # -- load
 
 
