@@ -38,7 +38,7 @@ from fxsplit.pipeline.stage import StageGraphs, StageIO, ValueMeta, ValueSource,
 from fxsplit.graph.cost import NodeCost, graph_cost, node_cost
 from fxsplit.runtime import PipelineError, PipelineRuntime
 from fxsplit.testing import run_distributed
-from fxsplit.errors import FxsplitError, VerificationError
+from fxsplit.errors import CheckpointError, FxsplitError, VerificationError
 
 LAYERS: dict[str, tuple[str, ...]] = {
     # unit -> the units directly below it ([Note: layer contract]); imports may go down transitively
@@ -89,6 +89,7 @@ PUBLIC_MODULES = (
     "fxsplit.runtime.failures",
     "fxsplit.api",
     "fxsplit.api.model",
+    "fxsplit.api.checkpoint",
     "fxsplit.testing",
     "fxsplit.testing.zoo",
     "fxsplit.testing.hf_zoo",
@@ -120,6 +121,7 @@ __all__ = [
     "ParallelModel",
     "PlanError",
     "load_full_checkpoint",
+    "CheckpointError",
     "RankFailedError",
     "FxsplitError",
     "VerificationError",

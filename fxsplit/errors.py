@@ -29,7 +29,7 @@ __all__ = [
     "FxsplitError", "TraceError", "UnknownPassError", "TPPlanError", "ShardingError", "PartitionError",
     "SplitError", "StageBuildError", "ScheduleError", "PlanError", "PipelineError", "RankFailedError",
     "DistributedRunError", "VerificationError", "UsageError", "PathError", "ArgumentTypeError",
-    "MissingKeyError", "OutOfRangeError", "RunError", "MissingDependencyError", "REQUEST_ERRORS",
+    "MissingKeyError", "OutOfRangeError", "RunError", "MissingDependencyError", "CheckpointError", "REQUEST_ERRORS",
 ]
 
 
@@ -158,6 +158,14 @@ class VerificationError(FxsplitError, RuntimeError):
         self.node = node
         self.stage = stage
         self.problems = tuple(problems)
+
+
+class CheckpointError(FxsplitError, RuntimeError):
+    """A checkpoint cannot be saved or loaded: no checkpoint at the path, a file damaged since the
+    save (the message names the tensor and its ``.distcp`` file), non-finite values, or a failure
+    inside ``torch.distributed.checkpoint`` (whose ``CheckpointException`` is a ``BaseException``;
+    it is kept as ``__cause__`` and its text is in the message). [Note: checkpoint layout] in
+    :mod:`fxsplit.api.checkpoint`."""
 
 
 class DistributedRunError(FxsplitError, RuntimeError):

@@ -56,6 +56,7 @@ def _run(rank, world, options, start, stop, load_from, save_to):
     opt = _optimizer(pm.parameters())
     if load_from:
         pm.load_checkpoint(load_from, optimizer=opt)
+        assert pm.step_count == start  # the training state comes back at any layout
     losses = []
     for i in range(start, stop):
         loss = pm.step(_batch(i, args[0]), target=_target(i, args[0]))

@@ -41,13 +41,8 @@ ALLOWED_RAISES: dict[tuple[str | None, str, str], str] = {
     ("fxsplit/graph/decompose.py", "_additive", "AssertionError"):
         "mirrors torch's F._canonical_mask, which raises AssertionError for the same mask dtype: the "
         "decomposed nn.MultiheadAttention fails exactly as the original",
-    # The checkpoint functions of fxsplit/api/model.py are moving to their own module on another
-    # branch and are not edited here (None: whichever file holds them). Convert them there
-    # (MissingKeyError, ShardingError or UsageError, and FileNotFoundError -> an FxsplitError that is
-    # also a FileNotFoundError) and delete these three entries: the stale-entry check then insists.
-    (None, "load_full_state_dict", "ValueError"): "pending the checkpoint move (shape mismatch)",
-    (None, "load_full_state_dict", "KeyError"): "pending the checkpoint move (missing keys)",
-    (None, "load_full_checkpoint", "FileNotFoundError"): "pending the checkpoint move (not a checkpoint)",
+    # a malformed checksum file: caught on the next line and raised as a CheckpointError
+    ("fxsplit/api/checkpoint.py", "_read_checksums", "ValueError"): "caught at once, re-raised as CheckpointError",
 }
 
 # Exception classes fxsplit defines that are not FxsplitErrors: control flow that never leaves fxsplit.

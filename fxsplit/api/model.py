@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -18,7 +17,10 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from fxsplit.errors import ArgumentTypeError, PlanError, RankFailedError, RunError, UsageError
+from fxsplit.api import checkpoint
+from fxsplit.api.checkpoint import alias_groups, like_param, load_full_checkpoint
+from fxsplit.errors import (ArgumentTypeError, MissingKeyError, PlanError, RankFailedError, RunError, ShardingError,
+                            UsageError)
 from fxsplit.runtime.failures import exchange_errors
 from fxsplit.runtime.microbatch import bind_symbols, split_microbatches
 from fxsplit.graph.trace import flatten_inputs
@@ -468,10 +470,10 @@ class ParallelModel(nn.Module):
                 if name in specs:
                     src = specs[name].shard(src, tp_rank)
                 if tuple(src.shape) != tuple(t.shape):
-                    raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(src.shape)}, expected {tuple(t.shape)} (after sharding)")
+                    raise ShardingError(f"load_full_state_dict: {name!r} has shape {tuple(src.shape)}, expected {tuple(t.shape)} (after sharding)")
                 _copy_into(t, src)
         if strict and missing:
-            raise KeyError(f"load_full_state_dict: missing {sorted(set(missing))[:10]}")
+            raise MissingKeyError(f"load_full_state_dict: missing {sorted(set(missing))[:10]}")
 
     def _named_local_params(self) -> dict[str, nn.Parameter]:
         out: dict[str, nn.Parameter] = {}
@@ -480,72 +482,32 @@ class ParallelModel(nn.Module):
                 out.setdefault(name, param)
         return out
 
+    # -- checkpoints ([Note: checkpoint layout] in fxsplit.api.checkpoint)
     def save_checkpoint(self, path: str, *, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Sharded save through ``torch.distributed.checkpoint`` ([Note: checkpoint layout]): every
-        rank writes only its own tensors (and, with ``optimizer``, its per-parameter optimizer
-        state, sharded like the parameter); a checkpoint loads under any (dp, tp, pp) with
-        :meth:`load_checkpoint`, or whole in one process with :func:`load_full_checkpoint`."""
-        import torch.distributed.checkpoint as dcp
+        """Sharded save through ``torch.distributed.checkpoint``, on every rank: each rank writes
+        only its own tensors (and, with ``optimizer``, its per-parameter optimizer state, sharded
+        like the parameter), a checksum of each, and the training state (:attr:`step_count`, the
+        RNG streams' seed and counter). Atomic: ``path`` appears, or replaces an earlier checkpoint,
+        only once every rank finished. A checkpoint loads under any (dp, tp, pp) with
+        :meth:`load_checkpoint`, or whole in one process with :func:`load_full_checkpoint`.
+        Errors: :class:`~fxsplit.errors.CheckpointError` on every rank."""
+        checkpoint.save_checkpoint(self, path, optimizer=optimizer)
 
-        specs = self.plan.tp_plan.param_specs
-        t, tp_rank = self.plan.config.tp, self.coords.get("tp", 0)
-        tensors: dict[str, torch.Tensor] = dict(self._local_state())
-        tensor_specs = dict(specs)
-        if optimizer is not None:
-            for name, param in self._named_local_params().items():
-                for key, value in optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        okey = f"{_OPTIM}/{name}/{key}"
-                        tensors[okey] = value
-                        if name in specs and tuple(value.shape) == tuple(param.shape):
-                            tensor_specs[okey] = specs[name]
-        state: dict[str, Any] = {}
-        mine: dict[str, Any] = {}
-        for name, tensor in tensors.items():
-            if name in tensor_specs and t > 1:
-                state[_shard_key(name, tp_rank, t)] = tensor.detach()
-                mine[name] = tensor_specs[name]
-            else:
-                state[name] = tensor.detach()
-        # each (pp, tp) position records the specs of the shards it wrote (replicas write the same)
-        state[f"{_META}/pp{self.coords.get('pp', 0)}-tp{tp_rank}"] = _ShardRecord(t, mine, _alias_groups(self.plan.graph))
-        dcp.save(state, checkpoint_id=path, process_group=self._groups.get("world"),
-                 no_dist=not (dist.is_available() and dist.is_initialized()))
-
-    def load_checkpoint(self, path: str, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def load_checkpoint(self, path: str, *, optimizer: torch.optim.Optimizer | None = None,
+                        allow_nonfinite: bool = False) -> None:
         """Load a checkpoint written by :meth:`save_checkpoint` under any (dp, tp, pp): each rank
         reads only the tensors its stages need and keeps its own shards; with ``optimizer`` (built
-        over ``self.parameters()``), also its per-parameter state, cut to this rank's shards."""
-        names = set()
-        for mod in self.stage_modules.values():
-            names |= set(mod.state_dict(keep_vars=True))  # parameters and persistent buffers
-        params = self._named_local_params()
-        wanted = set(names)
-        if optimizer is not None:
-            wanted |= {f"{_OPTIM}/{n}" for n in params}
-        full = load_full_checkpoint(path, names=wanted)
-        self.load_full_state_dict({k: v for k, v in full.items() if not k.startswith(_OPTIM + "/")})
-        if optimizer is None:
-            return
-        from fxsplit.runtime.fsdp import local_tensor
+        over ``self.parameters()``), also its per-parameter state, cut to this rank's shards. The
+        training state comes back too (:attr:`step_count`, the RNG streams: a resume at the same
+        layout draws the same dropout masks). Each tensor read is checked against its checksum and
+        for NaN/inf (unless ``allow_nonfinite``); a failure on any rank raises on every rank
+        (:class:`~fxsplit.errors.CheckpointError` where it failed)."""
+        checkpoint.load_checkpoint(self, path, optimizer=optimizer, allow_nonfinite=allow_nonfinite)
 
-        specs = self.plan.tp_plan.param_specs
-        tp_rank = self.coords.get("tp", 0)
-        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for name, param in params.items():
-            if id(param) not in mine:
-                continue
-            prefix = f"{_OPTIM}/{name}/"
-            entry = {}
-            for key, value in full.items():
-                if key.startswith(prefix):
-                    if name in specs and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
-                        value = specs[name].shard(value, tp_rank)
-                    if value.dim() > 0:
-                        value = _like(param, value.to(local_tensor(param).device))
-                    entry[key[len(prefix):]] = value
-            if entry:
-                optimizer.state[param] = entry
+    @property
+    def step_count(self) -> int:
+        """Completed :meth:`step` calls, counted across a :meth:`load_checkpoint` resume."""
+        return self._steps
 
 
 def _with_aliases(state: dict[str, torch.Tensor], graph: nn.Module) -> dict[str, torch.Tensor]:
@@ -556,7 +518,7 @@ def _with_aliases(state: dict[str, torch.Tensor], graph: nn.Module) -> dict[str,
     state dicts name it once; the traced graph (``plan.graph``) still holds the model's modules
     at every name, and the names that resolve to one tensor there are its aliases."""
     out = dict(state)
-    for group in _alias_groups(graph):
+    for group in alias_groups(graph):
         have = next((n for n in group if n in state), None)
         if have is not None:
             for n in group:
@@ -564,108 +526,10 @@ def _with_aliases(state: dict[str, torch.Tensor], graph: nn.Module) -> dict[str,
     return out
 
 
-def _alias_groups(graph: nn.Module) -> tuple[tuple[str, ...], ...]:
-    """The names of each tensor of ``graph`` held under more than one name."""
-    names: dict[int, list[str]] = {}
-    for name, t in [*graph.named_parameters(remove_duplicate=False), *graph.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(t), []).append(name)
-    return tuple(tuple(g) for g in names.values() if len(g) > 1)
-
-
-# [Note: checkpoint layout]
-# A checkpoint is a torch.distributed.checkpoint folder. A replicated tensor is stored under its
-# original name (written once, DCP deduplicates replicas); a tensor-parallel shard under
-# "<name>/tp<r>of<t>"; "fxsplit_meta/pp<i>-tp<r>" holds the ShardSpecs of the shards that position
-# wrote, so a reader can reassemble the full tensor and cut it again for any other layout.
-_META = "fxsplit_meta"
-_OPTIM = "optim"  # "optim/<param name>/<state key>": per-parameter optimizer state (Adam's exp_avg, ...)
-
-
-@dataclass(frozen=True)
-class _ShardRecord:
-    """Saved as one object (DCP would flatten a dict into many entries)."""
-
-    tp: int
-    specs: Mapping[str, Any]
-    aliases: tuple[tuple[str, ...], ...] = ()  # every name of a tied tensor (absent in older checkpoints)
-
-
-def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` (whole: this rank's tp shard) laid out as ``param``: cut to this rank's FSDP
-    shard when ``param`` is a DTensor (locally, no communication), else as it is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor) and not isinstance(value, DTensor):
-        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    return value
-
-
 def _copy_into(t: torch.Tensor, src: torch.Tensor) -> None:
     from fxsplit.runtime.fsdp import local_tensor
 
-    local_tensor(t).copy_(local_tensor(_like(t, src.to(local_tensor(t).device))))
-
-
-def _shard_key(name: str, rank: int, t: int) -> str:
-    return f"{name}/tp{rank}of{t}"
-
-
-def load_full_checkpoint(path: str, *, names: set[str] | None = None,
-                         include_optimizer: bool = False) -> dict[str, torch.Tensor]:
-    """The full model state dict (original names and shapes, CPU) of a checkpoint written by
-    :meth:`ParallelModel.save_checkpoint`, read in this process alone (no process group);
-    ``names`` limits it to those tensors; ``include_optimizer`` adds the optimizer state saved
-    with it, as "optim/<param name>/<state key>" entries."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(path)
-    try:
-        meta = reader.read_metadata().state_dict_metadata
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path!r} is not an fxsplit checkpoint (no torch.distributed.checkpoint metadata)") from None
-    specs: dict[str, Any] = {}
-    aliases: set[tuple[str, ...]] = set()
-    meta_keys = [k for k in meta if k.startswith(_META + "/")]
-    objs: dict[str, Any] = {k: None for k in meta_keys}
-    import warnings
-
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-    dcp.load(objs, checkpoint_id=path, no_dist=True)
-    for obj in objs.values():
-        specs.update(obj.specs)
-        aliases.update(obj.aliases)  # a checkpoint from before the field: the class default, ()
-    extra: set[str] = set()  # a tied tensor's name reads it under whichever name it was saved
-    if names is not None:
-        extra = {n for group in aliases if names.intersection(group) for n in group} - set(names)
-        names = set(names) | extra
-    wanted: dict[str, Any] = {}
-    for key, m in meta.items():
-        if not isinstance(m, TensorStorageMetadata):
-            continue
-        base = key.rsplit("/tp", 1)[0] if "/tp" in key else key
-        if names is None and key.startswith(_OPTIM + "/") and not include_optimizer:
-            continue
-        if names is None or base in names or base.rsplit("/", 1)[0] in names:
-            wanted[key] = torch.empty(m.size, dtype=m.properties.dtype)
-    dcp.load(wanted, checkpoint_id=path, no_dist=True)
-    full: dict[str, torch.Tensor] = {}
-    shards: dict[str, dict[int, torch.Tensor]] = {}
-    for key, tensor in wanted.items():
-        if "/tp" in key and key.rsplit("/", 1)[0] in specs:
-            base, tag = key.rsplit("/", 1)
-            shards.setdefault(base, {})[int(tag[2:].split("of")[0])] = tensor
-        else:
-            full[key] = tensor
-    for base, parts in shards.items():
-        full[base] = specs[base].unshard([parts[r] for r in sorted(parts)])
-    for group in aliases:  # a tied tensor is saved once; its other names as the model has them
-        have = next((n for n in group if n in full), None)
-        if have is not None:
-            full.update((n, full[have]) for n in group if n not in full and (names is None or n in names))
-    for n in extra:
-        full.pop(n, None)
-    return full
+    local_tensor(t).copy_(local_tensor(like_param(t, src.to(local_tensor(t).device))))
 
 
 def _launch_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int,
