@@ -3,188 +3,27 @@
     python benchmarks/faults.py                      # the whole matrix, timeout 10 s
     python benchmarks/faults.py --cases tp2pp2-raise-loss,pp4-kill-F --timeout 6
 
-Each case launches the quickstart GPT on 2 or 4 local processes (gloo) with one layout, trains a
-few steps, and at step 3 one rank (the *fault rank*) does the fault: ``kill-F`` / ``kill-B``
-(SIGKILL inside a forward / backward action), ``stop`` (SIGSTOP inside a forward: the process
-stays, silent), ``raise-loss`` (its loss_fn raises), ``raise-model`` (a forward action raises).
-Per case it prints the seconds from the fault to the last survivor's exit, the survivors' exit
-codes, and whether every survivor's error names the fault rank ("global rank N"); the goal is
-every case <= 2 x timeout with every survivor naming it ([Note: failure protocol] in
-fxsplit.runtime.watch).
-
-The launcher is this script: like torchrun it hosts the rendezvous store in the parent (so a
-killed rank 0 does not take the store with it) and gives each rank RANK / WORLD_SIZE /
-MASTER_ADDR / MASTER_PORT; unlike torchrun it does not kill the other ranks when one exits, so it
-measures how each survivor ends on its own (torchrun would end the job at the first exit). A
-SIGSTOPped rank is killed by the launcher once every survivor has exited.
-
-Also measured (``--overhead``): the cost of the per-step input agreement and the watch, as the
-quickstart step time with FXSPLIT_WATCH... see ``overhead()``.
+The cases and the launcher are in :mod:`fxsplit.testing.faults`. Per case it prints the seconds
+from the fault to the last survivor's exit, the survivors' exit codes, and whether every
+survivor's error names the fault rank ("global rank N "); the goal is every case <= 2 x timeout
+with every survivor naming it ([Note: failure protocol] in fxsplit.runtime.watch).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 
-LAYOUTS = {  # name -> (world size, parallelize options, fault rank, fault rank of raise-loss: one with the loss)
-    "tp2pp2": (4, dict(tp=2, pp=2), 2, 2),
-    "pp4": (4, dict(pp=4), 1, 3),
-    "dp2pp2": (4, dict(dp=2, pp=2), 1, 1),
-    "tp2dp2": (4, dict(tp=2, dp=2), 1, 1),
-    "ds2pp2": (4, dict(dp_shard=2, pp=2), 1, 1),
-    "zbv": (2, dict(pp=2, schedule="zbv"), 1, 0),
-}
-
-
-def fault_rank_of(case: str) -> int:
-    layout, fault = case.split("-", 1)
-    return LAYOUTS[layout][3] if fault == "raise-loss" else LAYOUTS[layout][2]
-FAULTS = ("kill-F", "kill-B", "stop", "raise-loss", "raise-model")
-FAULT_STEP = 3
-
-
-def cases() -> list[str]:
-    return [f"{layout}-{fault}" for layout in LAYOUTS for fault in FAULTS]
-
-
-# -------------------------------------------------------------------------------------------- rank
-
-
-def rank_main(case: str, timeout: float, out_dir: str) -> None:
-    import torch
-
-    import fxsplit
-    from fxsplit.testing.zoo import GPT, GPTConfig, cross_entropy_loss
-
-    layout, fault = case.split("-", 1)
-    world, options = LAYOUTS[layout][:2]
-    fault_rank = fault_rank_of(case)
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=64)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    step = [0]
-    mine = rank == fault_rank
-
-    def mark() -> None:  # the fault time, read by the launcher
-        with open(os.path.join(out_dir, "fault"), "w") as f:
-            f.write(repr(time.time()))
-
-    def loss_fn(out, y):
-        if mine and fault == "raise-loss" and step[0] == FAULT_STEP:
-            mark()
-            raise ValueError("the user's loss_fn failed on purpose")
-        return cross_entropy_loss(out, y)
-
-    dp = options.get("dp", 1) * options.get("dp_shard", 1)
-    x = torch.randint(0, cfg.vocab_size, (4 * dp if dp > 1 else 8, cfg.block_size))
-    pm = fxsplit.parallelize(model, (x[: len(x) // dp],), loss_fn=loss_fn, timeout=timeout,
-                             microbatches=4 if options.get("pp", 1) > 1 else 2, **options)
-    runtime = pm._runtime  # fault injection into one action of this rank (a benchmark's hook)
-    if mine and fault in ("kill-F", "kill-B", "stop", "raise-model"):
-        target = "_forward" if fault in ("kill-F", "stop", "raise-model") else "_backward"
-        original = getattr(runtime, target)
-
-        def faulty(ac, _original=original):
-            if step[0] == FAULT_STEP and ac.action.microbatch == 1:
-                mark()
-                if fault.startswith("kill"):
-                    os.kill(os.getpid(), signal.SIGKILL)
-                elif fault == "stop":
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                else:
-                    raise RuntimeError("the model failed on purpose in a forward action")
-            return _original(ac)
-
-        setattr(runtime, target, faulty)
-    opt = torch.optim.SGD(pm.parameters(), lr=0.01)
-    d = pm.coords.get("dp", 0) * options.get("dp_shard", 1) + pm.coords.get("dp_shard", 0)
-    rows = len(x) // dp
-    try:
-        for step[0] in range(FAULT_STEP + 3):
-            xb = x[d * rows: (d + 1) * rows]
-            pm.step(xb, target=xb.roll(-1, 1))
-            opt.step()
-            opt.zero_grad()
-        outcome = dict(kind="ok", text="")
-    except Exception as exc:  # noqa: BLE001 -- what the survivor raised is the measurement
-        outcome = dict(kind=type(exc).__name__, text=str(exc))
-    outcome["t"] = time.time()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(outcome, f)
-    if outcome["kind"] != "ok":
-        raise SystemExit(1)
-
-
-# -------------------------------------------------------------------------------------------- launch
-
-
-def run_case(case: str, timeout: float) -> dict:
-    import torch.distributed as dist
-
-    layout, fault = case.split("-", 1)
-    world = LAYOUTS[layout][0]
-    fault_rank = fault_rank_of(case)
-    out_dir = tempfile.mkdtemp(prefix=f"fxsplit-fault-{case}-")
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=600))
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-case", case, "--timeout", str(timeout),
-                                       "--out", out_dir], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=open(os.path.join(out_dir, f"stderr{r}.txt"), "w")))
-    limit = time.time() + 240 + 4 * timeout
-    exits: dict[int, tuple[int, float]] = {}
-    survivors = [r for r in range(world) if r != fault_rank]
-    while time.time() < limit and any(r not in exits for r in survivors):
-        for r, p in enumerate(procs):
-            if r not in exits and p.poll() is not None:
-                exits[r] = (p.returncode, time.time())
-        time.sleep(0.05)
-    for r, p in enumerate(procs):
-        if p.poll() is None:
-            if fault == "stop" and r == fault_rank:
-                p.send_signal(signal.SIGCONT)
-            p.kill()
-            p.wait()
-    fault_path = os.path.join(out_dir, "fault")
-    t_fault = float(open(fault_path).read()) if os.path.exists(fault_path) else None
-    hung = [r for r in survivors if r not in exits]
-    outcomes = {}
-    for r in survivors:
-        path = os.path.join(out_dir, f"rank{r}.json")
-        outcomes[r] = json.load(open(path)) if os.path.exists(path) else dict(kind="(none)", text="")
-    named = all(f"global rank {fault_rank} " in o["text"] for o in outcomes.values())
-    last = max((exits[r][1] for r in survivors if r in exits), default=float("nan"))
-    return dict(case=case, fault_rank=fault_rank, seconds=(last - t_fault) if t_fault and not hung else None,
-                exit_codes=[exits.get(r, (None,))[0] for r in survivors], hung=hung, named=named,
-                kinds=sorted({o["kind"] for o in outcomes.values()}),
-                sample=next(iter(outcomes.values()))["text"][:300], dir=out_dir)
+from fxsplit.testing.faults import cases, run_case
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(cases()), help="comma-separated; default: the whole matrix")
     p.add_argument("--timeout", type=float, default=10.0, help="parallelize(timeout=...) in seconds")
-    p.add_argument("--rank-case", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--json", help="also write the rows as JSON to this file")
     args = p.parse_args(argv)
-    if args.rank_case:
-        rank_main(args.rank_case, args.timeout, args.out)
-        return 0
     rows = []
     print(f"timeout {args.timeout:g} s; goal: every case ends <= {2 * args.timeout:g} s after the fault, "
           "every survivor naming the fault rank")

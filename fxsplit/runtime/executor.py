@@ -578,10 +578,10 @@ class PipelineRuntime(GraphActions):
 
     # ------------------------------------------------------------------ end of step
 
-    def _wait(self, work: dist.Work, what: str, peer: int | None) -> None:
+    def _wait(self, work: dist.Work, what: str, peer: int | None, *, p2p: bool = True) -> None:
         if self.watch is not None and self.blocking_waits:
             g = self._global(peer) if peer is not None else None
-            self.watch.wait(work, f"{what} with global rank {g}", () if g is None else (g,))  # "summing ...", "broadcasting ..."
+            self.watch.wait(work, f"{what} with global rank {g}", () if g is None else (g,), sliced=not p2p)
             return
         try:
             if self.blocking_waits:
@@ -650,7 +650,7 @@ class PipelineRuntime(GraphActions):
         loss = self._loss
         if self.num_ranks > 1:
             work = dist.broadcast(loss, self._global(self.last_rank), group=self.pp_group, async_op=True)
-            self._wait(work, "broadcasting the loss", self.last_rank)
+            self._wait(work, "broadcasting the loss", self.last_rank, p2p=False)
         return loss
 
     def _gather_outputs(self, all_ranks: bool) -> Any:

@@ -175,7 +175,7 @@ class P2PChannel:
                 g = self._global.get(peer, peer)
                 verb = "receiving" if what == "waited for" else what
                 self.watch.wait(work, f"{verb} the {msg.describe()} {'to' if 'send' in what else 'from'} "
-                                f"global rank {g} in action {action}", (g,))
+                                f"global rank {g} in action {action}", (g,), sliced=False)
             elif self.blocking_waits:
                 work.wait(self.timeout)
             else:

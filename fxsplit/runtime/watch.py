@@ -114,6 +114,7 @@ class Watch:
         self.stale = max(4 * self.interval, 0.5)
         self.doing: Any = "between fxsplit calls (after parallelize())"  # set by the main thread
         self.failed = threading.Event()
+        self.blocked: Any = None  # the point-to-point work the main thread waits on in one piece
         self.store_error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"fxsplit-watch-{rank}", daemon=True)
@@ -141,6 +142,8 @@ class Watch:
                     published = doing
                 if not self.failed.is_set() and self.store.add(self._k("n"), 0) > 0:
                     self.failed.set()
+                if self.failed.is_set() and self.blocked is not None:
+                    self._interrupt()
                 errors = 0
             except Exception as exc:  # noqa: BLE001 -- the store's host may be gone
                 errors += 1
@@ -258,13 +261,54 @@ class Watch:
         return exc
 
     # -- waiting
-    def wait(self, work: Any, what: str, peers: Sequence[int] = (), *, until_lost: bool = False) -> None:
+    def _wait_whole(self, work: Any, what: str, peers: Sequence[int], t0: float) -> None:
+        """One blocking wait of ``timeout`` seconds, for gloo's point-to-point work, where a wait
+        that times out closes the connection to the peer (checked on torch 2.13: "Application
+        timeout caused pair closure"), so it cannot be sliced. The watch thread interrupts it when
+        the board reports a failure, by that very closure: a 1 ms wait on the same work
+        (``_interrupt``); the peer then sees its own transfers with this rank fail, and reads the
+        board."""
+        self.blocked = work
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+            return
+        except Exception as exc:  # noqa: BLE001
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            elapsed = time.monotonic() - t0
+            failure = exc
+        finally:
+            self.blocked = None
+        if self.failed.is_set() and self.store_error is None:
+            cause = self.cause()
+            if cause is not None:
+                raise self.error(cause, what) from failure
+        timed = "imed out" in first and elapsed >= 0.9 * self.timeout
+        why = f"{what} failed after {elapsed:.1f} s ({first[:160]})"
+        raise self.error(self.diagnose(peers, why=why, timed_out=timed), what) from failure
+
+    def _interrupt(self) -> None:
+        """Watch thread: end the main thread's unsliceable wait after a failure elsewhere."""
+        work = self.blocked
+        if work is not None:
+            try:
+                work.wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 -- the timeout closes the connection: the point
+                pass
+
+    def wait(self, work: Any, what: str, peers: Sequence[int] = (), *, until_lost: bool = False,
+             sliced: bool = True) -> None:
         """Wait for ``work``, a slice at a time. Raises :class:`RankFailedError` naming the rank at
         fault when the board holds a report (only a "lost"/"stalled" one with ``until_lost``: the
         end-of-call exchange waits for ranks that raised), when the transfer fails, or after
         ``timeout`` seconds. ``what`` names the wait ("receiving ... from global rank 2")."""
         t0 = time.monotonic()
         prev, self.doing = self.doing, f"waiting: {what}"  # "waiting" marks a victim in `diagnose`
+        if not sliced:
+            try:
+                self._wait_whole(work, what, peers, t0)
+            finally:
+                self.doing = prev
+            return
         try:
             while True:
                 try:
