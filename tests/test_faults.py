@@ -10,11 +10,13 @@ ran past the launcher's limit)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fxsplit.testing.faults import run_case
 
-TIMEOUT = 4.0
+TIMEOUT = 6.0
 
 
 @pytest.mark.dist
@@ -60,3 +62,55 @@ def test_a_slow_but_healthy_rank_is_not_a_fault():
 
     for loss, want in run_distributed(_slow_but_healthy, 2, timeout=120):
         assert loss == pytest.approx(want, rel=1e-5)
+
+
+def _mismatched(rank, world):
+    import torch
+
+    import fxsplit
+    from fxsplit.testing import zoo
+
+    model, (x,), _ = zoo.make("gpt", n_layer=4, batch_size=8, seq_len=16)
+    y = x.roll(-1, 1)
+    out = {}
+
+    def catch(fn):
+        try:
+            value = fn()
+            return ("ok", value)
+        except Exception as exc:  # noqa: BLE001
+            return (type(exc).__name__, str(exc))
+
+    pm = fxsplit.parallelize(model, (x,), loss_fn=zoo.cross_entropy_loss, pp=4, microbatches=4, timeout=10.0)
+    short = x[:6] if rank == 0 else x
+    out["forward"] = catch(lambda: pm(short))
+    out["step"] = catch(lambda: pm.step(short, target=y[: len(short)]))
+    out["after"] = catch(lambda: float(pm.step(x, target=y)))
+    out["want"] = float(zoo.cross_entropy_loss(model(x), y))
+
+    # tp=2 x pp=2: the two tensor-parallel ranks of the last stage run loss_fns that differ
+    model2, (x2,), _ = zoo.make("gpt", n_layer=2, batch_size=4, seq_len=16)
+    y2 = x2.roll(-1, 1)
+    scale = 1.0 + 0.5 * (rank == 3)
+    differ = lambda o, t: zoo.cross_entropy_loss(o, t) * scale  # noqa: E731
+    pm2 = fxsplit.parallelize(model2, (x2,), loss_fn=differ, tp=2, pp=2, microbatches=2, timeout=10.0)
+    out["losses_differ"] = catch(lambda: pm2.step(x2, target=y2))
+    return out
+
+
+@pytest.mark.dist
+def test_inputs_and_losses_that_must_agree_are_checked_on_every_rank():
+    from fxsplit.testing import run_distributed
+
+    results = run_distributed(_mismatched, 4, timeout=240)
+    for rank, res in enumerate(results):
+        for key in ("forward", "step"):
+            kind, text = res[key]
+            assert kind == "UsageError", (rank, key, text)  # never an output, never SIGABRT
+            assert re.search(r"global rank 0 \(dp 0, pp 0, tp 0\) holding [^:]*: inputs \[\(6, 16\)\]", text), (rank, text)
+            assert re.search(r"global rank 1 \(dp 0, pp 1, tp 0\) holding [^:]*: inputs \[\(8, 16\)\]", text), (rank, text)
+        kind, value = res["after"]  # refused before the pipeline: the model stays usable
+        assert kind == "ok" and value == pytest.approx(res["want"], rel=1e-5), (rank, res["after"])
+        kind, text = res["losses_differ"]
+        assert kind == "RunError" and "computed different losses" in text, (rank, text)
+        assert "global rank 3 (dp 0, pp 1, tp 1)" in text, (rank, text)

@@ -7,7 +7,7 @@ Terms as in :mod:`fxsplit.api`.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,23 +22,31 @@ _OK, _BAD_INPUT, _RAISED, _PEER_FAILED = 0, 1, 2, 3
 
 
 def exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, timeout: float,
-                     coords: Mapping[str, int], what: str, watch: Any = None) -> tuple[int, Exception] | None:
+                     coords: Mapping[str, int], what: str, watch: Any = None,
+                     signature: Sequence[int] = (), signatures: list | None = None) -> tuple[int, Exception] | None:
     """All-reduce this rank's outcome code over ``group``; None when every rank succeeded, else
     (the highest code, the exception this rank must raise). Waits at most ``timeout`` seconds;
     with ``watch`` (fxsplit.runtime.watch.Watch) a polled wait that ends as soon as a rank is known
-    to be lost, naming it ([Note: failure protocol])."""
+    to be lost, naming it ([Note: failure protocol]). ``signature``: a few integers of this rank
+    that ride along (every rank's row lands in ``signatures``, indexed by rank in ``group``), so
+    callers can check that ranks agree at no extra collective ([Note: inputs that must agree] in
+    fxsplit.api.model)."""
     if error is None:
         code = _OK
     elif isinstance(error, (PipelineError, RankFailedError)):
         code = _PEER_FAILED  # waited for a rank that failed: an echo, not a cause
     else:
         code = _RAISED if in_runtime else _BAD_INPUT
-    flag = torch.tensor([code], dtype=torch.int32)
-    failed = _reduce_flag(flag, group, error, timeout=timeout, what=what, watch=watch,
+    row = torch.tensor([code, *signature], dtype=torch.int64)
+    rows = torch.zeros(dist.get_world_size(group) * row.numel(), dtype=torch.int64)
+    failed = _reduce_flag(row, rows, group, error, timeout=timeout, what=what, watch=watch,
                           when='at the end of' if in_runtime else 'at the start of')
     if failed is not None:
         return failed
-    worst = int(flag.item())
+    rows = rows.view(-1, row.numel())
+    if signatures is not None:
+        signatures[:] = [tuple(int(v) for v in r[1:]) for r in rows]
+    worst = int(rows[:, 0].max())
     if worst == _OK:
         return None
     me = dist.get_rank()
@@ -70,10 +78,11 @@ def exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, ti
     return (worst, exc)
 
 
-def _reduce_flag(flag: torch.Tensor, group: Any, error: Exception | None, *, timeout: float, what: str,
-                 watch: Any, when: str) -> tuple[int, Exception] | None:
-    """The MAX all-reduce of the outcome codes; (code, exception) when it could not complete."""
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+def _reduce_flag(row: torch.Tensor, rows: torch.Tensor, group: Any, error: Exception | None, *, timeout: float,
+                 what: str, watch: Any, when: str) -> tuple[int, Exception] | None:
+    """The all-gather of every rank's row (outcome code, signature) into ``rows``; (code,
+    exception) when it could not complete."""
+    work = dist.all_gather_single(rows, row, group=group, async_op=True)
     try:
         if watch is not None:
             watch.wait(work, f"checking for errors with every rank {when} {what}()",
