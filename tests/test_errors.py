@@ -41,6 +41,10 @@ ALLOWED_RAISES: dict[tuple[str | None, str, str], str] = {
     ("fxsplit/graph/decompose.py", "_additive", "AssertionError"):
         "mirrors torch's F._canonical_mask, which raises AssertionError for the same mask dtype: the "
         "decomposed nn.MultiheadAttention fails exactly as the original",
+    # fault injection: the faults a test or benchmark provokes on purpose, and a rank's exit status
+    ("fxsplit/testing/faults.py", "loss_fn", "ValueError"): "the injected user error of a fault case",
+    ("fxsplit/testing/faults.py", "faulty", "RuntimeError"): "the injected model error of a fault case",
+    ("fxsplit/testing/faults.py", "rank_main", "SystemExit"): "a fault case's rank exits 1 after its error",
     # a malformed checksum file: caught on the next line and raised as a CheckpointError
     ("fxsplit/api/checkpoint.py", "_read_checksums", "ValueError"): "caught at once, re-raised as CheckpointError",
 }

@@ -55,7 +55,7 @@ def cases() -> list[str]:
 def rank_main(case: str, timeout: float, out_dir: str) -> None:
     import torch
 
-    import fxsplit
+    from fxsplit.api.parallelize import parallelize
     from fxsplit.testing.zoo import GPT, GPTConfig, cross_entropy_loss
 
     layout, fault = case.split("-", 1)
@@ -81,7 +81,7 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
 
     dp = options.get("dp", 1) * options.get("dp_shard", 1)
     x = torch.randint(0, cfg.vocab_size, (4 * dp if dp > 1 else 8, cfg.block_size))
-    pm = fxsplit.parallelize(model, (x[: len(x) // dp],), loss_fn=loss_fn, timeout=timeout,
+    pm = parallelize(model, (x[: len(x) // dp],), loss_fn=loss_fn, timeout=timeout,
                              microbatches=4 if options.get("pp", 1) > 1 else 2, **options)
     runtime = pm._runtime  # fault injection into one action of this rank (a benchmark's hook)
     if mine and fault in ("kill-F", "kill-B", "stop", "raise-model"):
