@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from fxsplit.api import checkpoint
+from fxsplit.api import agreement, checkpoint
 from fxsplit.api.checkpoint import alias_groups, like_param, load_full_checkpoint
 from fxsplit.errors import (ArgumentTypeError, MissingKeyError, PlanError, RankFailedError, RunError, ShardingError,
                             UsageError)
@@ -241,82 +241,28 @@ class ParallelModel(nn.Module):
         self._doing("between fxsplit calls (after forward())")
         return out
 
-    # [Note: inputs that must agree]
-    # The ranks of one data-parallel replica (every tp and pp rank with the same dp, dp_shard
-    # coordinates) split one batch into the same microbatches, and the ranks holding the last
-    # stage read the same target; the transfers between them carry shapes the plan fixed from the
-    # batch each rank was given, and gloo accepts a message shorter than its buffer: a rank given
-    # 6 samples where its peers got 8 would return rows nobody computed. So every step() and
-    # forward() carries five integers per rank in the start-of-call exchange that already runs:
-    # (replica, batch, CRC-32 of every input's shape, holds the last stage, CRC-32 of the target's
-    # shapes); every rank gets every row and raises the same error, naming the ranks and their
-    # sizes, when a replica disagrees. At the end of step() the rows carry the loss's bits (before
-    # the data-parallel mean): the ranks of one replica must return one loss, or loss_fn is not
-    # the same function of the same output everywhere.
+    # [Note: inputs that must agree] in fxsplit.api.agreement: the rows ride in the exchanges
     def _replica(self) -> int:
         return self.coords.get("dp", 0) * self.plan.config.dp_shard + self.coords.get("dp_shard", 0)
 
-    def _input_signature(self, flat: Sequence[Any], target: Any) -> tuple[int, ...]:
-        import zlib
+    def _describe(self, rank: int) -> str:
+        return self._watch.describe(rank) if self._watch is not None else f"global rank {rank}"
 
-        shapes = repr([tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)])
-        batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0), -1)
+    def _input_signature(self, flat: Sequence[Any], target: Any) -> tuple[int, ...]:
         holds_last = self.plan.config.num_stages - 1 in self.local_stage_graphs()
-        leaves = [] if target is None else torch.utils._pytree.tree_leaves(target)
-        tshape = -1 if target is None else zlib.crc32(repr(
-            [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in leaves]).encode())
-        return (self._replica(), int(batch), zlib.crc32(shapes.encode()), int(holds_last), tshape)
+        return agreement.input_signature(flat, target, replica=self._replica(), holds_last=holds_last)
 
     def _check_inputs(self, rows: list, what: str, flat: Sequence[Any], target: Any) -> None:
-        bad_in = {r[0] for r in rows if {s[1:3] for s in rows if s[0] == r[0]} != {r[1:3]}}
-        bad_t = {r[0] for r in rows if r[3] and {s[4] for s in rows if s[0] == r[0] and s[3]} != {r[4]}}
-        if not bad_in and not (bad_t and what == "step"):
-            return
-        mine = ([tuple(x.shape) for x in flat if isinstance(x, torch.Tensor)],
-                None if target is None else [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(target)
-                                             if isinstance(t, torch.Tensor)])
-        every: list = [None] * len(rows)
-        dist.all_gather_object(every, mine, group=self._groups["errors"])  # every rank is here: rows came
-        where = self._watch.describe if self._watch is not None else (lambda r: f"global rank {r}")
-        lines = []
-        for g, (shapes, tshapes) in enumerate(every):
-            if rows[g][0] in bad_in:
-                lines.append(f"{where(g)}: inputs {shapes}")
-            elif rows[g][0] in bad_t and rows[g][3]:
-                lines.append(f"{where(g)}: target {tshapes}")
-        kind = "inputs" if bad_in else "targets"
-        raise UsageError(
-            f"{what}(): the ranks of one data-parallel replica were given {kind} of different shapes, so "
-            "their microbatches would not match (a transfer would carry rows nobody computed): "
-            + "; ".join(lines) + ". Every tensor- and pipeline-parallel rank of a replica must get the same "
-            "batch (and the ranks holding the last stage the same target); only data-parallel replicas "
-            "may differ. Raised on every rank; this model stays usable."
-        )
+        agreement.check_inputs(rows, what, flat, target, group=self._groups["errors"], describe=self._describe)
 
     def _loss_signature(self, loss: Any) -> tuple[int, ...]:
-        if not isinstance(loss, torch.Tensor):
-            return (self._replica(), 0)
-        bits = loss.detach().to(torch.float64).cpu().reshape(1).view(torch.int64)
-        return (self._replica(), int(bits[0]))
+        return agreement.loss_signature(loss, replica=self._replica())
 
     def _check_losses(self, rows: list) -> None:
-        by_replica: dict[int, set[int]] = {}
-        for r in rows:
-            by_replica.setdefault(r[0], set()).add(r[1])
-        bad = sorted(k for k, v in by_replica.items() if len(v) > 1)
-        if not bad:
-            return
-        where = self._watch.describe if self._watch is not None else (lambda r: f"global rank {r}")
-        as_float = lambda b: torch.tensor([b], dtype=torch.int64).view(torch.float64).item()  # noqa: E731
-        lines = [f"{where(g)}: {as_float(r[1])!r}" for g, r in enumerate(rows) if r[0] in bad]
-        self._give_up("step")  # the gradients of this step disagree across ranks too
-        raise RunError(
-            "step(): the ranks of one data-parallel replica computed different losses from the same "
-            "model output: " + "; ".join(lines) + ". loss_fn must be the same function on every rank "
-            "(no rank-dependent state, randomness or inputs): with tensor parallelism each tensor-parallel "
-            "rank of the last stage runs it. Raised on every rank; this step's gradients are not "
-            "consistent and the model cannot run again."
-        )
+        problem = agreement.losses_disagree(rows, describe=self._describe)
+        if problem is not None:
+            self._give_up("step")  # the gradients of this step disagree across ranks too
+            raise RunError(problem)
 
     def _post(self, exc: Exception) -> None:
         """This rank's own code raised inside a call: post it for the ranks it leaves waiting."""
