@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -43,6 +44,8 @@ class ParallelModel(nn.Module):
                  fsdp_units: Mapping[int, nn.Module] | None = None, watch: Any = None):
         super().__init__()
         self._watch = watch  # fxsplit.runtime.watch.Watch when world size > 1 ([Note: failure protocol])
+        if watch is not None:
+            weakref.finalize(self, watch.close)  # its thread stops with this model
         self.plan = plan_
         self.stage_modules = nn.ModuleDict({str(s): m for s, m in stages.items()})
         self._runtime = runtime
@@ -93,13 +96,18 @@ class ParallelModel(nn.Module):
 
         stack = contextlib.ExitStack()
         stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp")}))
-        if self._watch is not None:
+        if self._polled():
             stack.enter_context(bind_waiter(self._watch.wait))
         return stack
 
+    def _polled(self) -> bool:
+        """Waits go through the watch only where they block the host (gloo): NCCL's waits only order
+        streams, and a timed NCCL wait is not a harmless poll (its watchdog bounds them)."""
+        return self._watch is not None and self._runtime.blocking_waits
+
     def _wait(self, work: Any, what: str, group: Any) -> None:
         """A wait on ``group``'s ranks: polled and failure-aware ([Note: failure protocol])."""
-        if self._watch is None:
+        if not self._polled():
             work.wait()
         else:
             self._watch.wait(work, what, dist.get_process_group_ranks(group))
@@ -338,6 +346,8 @@ class ParallelModel(nn.Module):
                 first = (str(exc).splitlines() or [""])[0]
                 cause = f"on this rank ({type(exc).__name__}: {first[:120]}{'...' if len(first) > 120 else ''})"
             self._failure = f"an earlier {what}() failed in the pipeline runtime {cause}"
+        if self._failure is None and self._watch is not None:
+            self._watch.recovered()  # every rank agreed and nothing is left in flight: a fresh board
         raise exc
 
     def _give_up(self, what: str, exc: BaseException | None = None) -> None:
@@ -366,6 +376,12 @@ class ParallelModel(nn.Module):
     def _abort_group(self, axis: str) -> None:
         group = self._groups.get(axis)
         if group is None or group is dist.group.WORLD:
+            return
+        if self._watch is not None:  # it may hold transfers no peer completes ([Note: failure protocol])
+            from fxsplit.runtime.watch import abandon
+
+            abandon(group)
+            self._groups[axis] = None
             return
         try:
             dist.destroy_process_group(group)

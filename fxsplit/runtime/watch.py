@@ -115,6 +115,7 @@ class Watch:
         self.doing: Any = "between fxsplit calls (after parallelize())"  # set by the main thread
         self.failed = threading.Event()
         self.blocked: Any = None  # the point-to-point work the main thread waits on in one piece
+        self.generation = 0  # reports of earlier, recovered failures are not read again
         self.store_error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"fxsplit-watch-{rank}", daemon=True)
@@ -140,7 +141,7 @@ class Watch:
                 if doing != published:
                     self.store.set(self._k("doing", self.rank), doing)
                     published = doing
-                if not self.failed.is_set() and self.store.add(self._k("n"), 0) > 0:
+                if not self.failed.is_set() and self.store.add(self._k("g", self.generation, "n"), 0) > 0:
                     self.failed.set()
                 if self.failed.is_set() and self.blocked is not None:
                     self._interrupt()
@@ -152,6 +153,12 @@ class Watch:
                     self.failed.set()
             self._stop.wait(self.interval)
 
+    def recovered(self) -> None:
+        """Every rank agreed on a failure that left the model usable (no transfer left half done):
+        later waits read a fresh board. Called by every rank at the same point."""
+        self.generation += 1
+        self.failed.clear()
+
     def close(self) -> None:
         self._stop.set()
 
@@ -160,8 +167,8 @@ class Watch:
         body = json.dumps(dict(kind=kind, suspect=suspect, by=self.rank, where=self.describe(suspect),
                                doing=doing, text=text))
         try:
-            n = self.store.add(self._k("n"), 1)
-            self.store.set(self._k("r", n), body)
+            n = self.store.add(self._k("g", self.generation, "n"), 1)
+            self.store.set(self._k("g", self.generation, "r", n), body)
         except Exception:  # noqa: BLE001 -- no store: the peers find the failure by timeout
             pass
         self.failed.set()
@@ -181,9 +188,9 @@ class Watch:
         """Every report on the board, best cause first ([Note: failure protocol] point 3)."""
         out = []
         try:
-            n = self.store.add(self._k("n"), 0)
+            n = self.store.add(self._k("g", self.generation, "n"), 0)
             for i in range(1, n + 1):
-                key = self._k("r", i)
+                key = self._k("g", self.generation, "r", i)
                 self.store.wait([key], datetime.timedelta(seconds=5))
                 out.append(Report(**json.loads(self.store.get(key).decode()), seq=i))
         except Exception:  # noqa: BLE001 -- what could be read
