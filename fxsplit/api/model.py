@@ -160,8 +160,8 @@ class ParallelModel(nn.Module):
             loss_scale = self._loss_scale(scaler)
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
-        sig = self._input_signature(flat, target) if error is None else (0,) * 5
-        self._agree(error, False, "step", sig, lambda rows: self._check_inputs(rows, "step", flat, target))
+        sig = self._input_signature(flat, target, "step") if error is None else (self._replica(), None, None)
+        self._agree(error, False, "step", sig, lambda spans: self._check_inputs(spans, "step", flat, target))
         try:
             if self._fsdp is not None:
                 self._fsdp.begin()
@@ -170,7 +170,8 @@ class ParallelModel(nn.Module):
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
             self._post(exc)
-        self._agree(error, True, "step", self._loss_signature(loss), self._check_losses)
+        self._agree(error, True, "step", agreement.loss_signature(loss, replica=self._replica()),
+                    lambda spans: self._check_losses(spans, loss))
         try:
             loss = self._finish_step(loss, loss_scale, error)
         except RankFailedError:
@@ -233,8 +234,8 @@ class ParallelModel(nn.Module):
             check_batch(flat, self.plan, "forward")
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
-        sig = self._input_signature(flat, None) if error is None else (0,) * 5
-        self._agree(error, False, "forward", sig, lambda rows: self._check_inputs(rows, "forward", flat, None))
+        sig = self._input_signature(flat, None, "forward") if error is None else (self._replica(), None)
+        self._agree(error, False, "forward", sig, lambda spans: self._check_inputs(spans, "forward", flat, None))
         try:
             if self._fsdp is not None:
                 self._fsdp.gather()
@@ -249,25 +250,27 @@ class ParallelModel(nn.Module):
         self._doing("between fxsplit calls (after forward())")
         return out
 
-    # [Note: inputs that must agree] in fxsplit.api.agreement: the rows ride in the exchanges
+    # [Note: inputs that must agree] in fxsplit.api.agreement: the values ride in the exchanges
     def _replica(self) -> int:
         return self.coords.get("dp", 0) * self.plan.config.dp_shard + self.coords.get("dp_shard", 0)
 
     def _describe(self, rank: int) -> str:
         return self._watch.describe(rank) if self._watch is not None else f"global rank {rank}"
 
-    def _input_signature(self, flat: Sequence[Any], target: Any) -> tuple[int, ...]:
-        holds_last = self.plan.config.num_stages - 1 in self.local_stage_graphs()
-        return agreement.input_signature(flat, target, replica=self._replica(), holds_last=holds_last)
+    def _holds_last(self) -> bool:
+        return self.plan.config.num_stages - 1 in self.local_stage_graphs()
 
-    def _check_inputs(self, rows: list, what: str, flat: Sequence[Any], target: Any) -> None:
-        agreement.check_inputs(rows, what, flat, target, group=self._groups["errors"], describe=self._describe)
+    def _input_signature(self, flat: Sequence[Any], target: Any, what: str) -> tuple[int | None, ...]:
+        return agreement.input_signature(flat, target, replica=self._replica(), holds_last=self._holds_last(),
+                                         with_target=what == "step")
 
-    def _loss_signature(self, loss: Any) -> tuple[int, ...]:
-        return agreement.loss_signature(loss, replica=self._replica())
+    def _check_inputs(self, spans: list, what: str, flat: Sequence[Any], target: Any) -> None:
+        agreement.check_inputs(spans, what, flat, target, replica=self._replica(), holds_last=self._holds_last(),
+                               group=self._groups["errors"], describe=self._describe)
 
-    def _check_losses(self, rows: list) -> None:
-        problem = agreement.losses_disagree(rows, describe=self._describe)
+    def _check_losses(self, spans: list, loss: Any) -> None:
+        problem = agreement.losses_disagree(spans, loss, replica=self._replica(), group=self._groups["errors"],
+                                            describe=self._describe)
         if problem is not None:
             self._give_up("step")  # the gradients of this step disagree across ranks too
             raise RunError(problem)
@@ -292,7 +295,7 @@ class ParallelModel(nn.Module):
             )
         self._doing(f"in {what}() (call after {self._steps} step(s))")
 
-    def _agree(self, error: Exception | None, in_runtime: bool, what: str, signature: Sequence[int] = (),
+    def _agree(self, error: Exception | None, in_runtime: bool, what: str, signature: Sequence[int | None] = (),
                check: Callable[[list], None] | None = None) -> None:
         """[Note: failures] Every rank learns whether any rank failed, and all raise together.
 
@@ -311,15 +314,16 @@ class ParallelModel(nn.Module):
             if error is not None:
                 raise error
             return
-        rows: list = []
+        spans: list = []
         failure = exchange_errors(group, error, in_runtime, timeout=self._runtime.timeout,
-                                   coords=self.coords, what=what, watch=self._watch,
-                                   signature=signature, signatures=rows)
+                                   coords=self.coords, what=what, watch=self._watch, signature=signature,
+                                   replicas=self.plan.config.dp * self.plan.config.dp_shard, spans=spans)
         if failure is None:
             if check is not None:
-                check(rows)  # the same rows on every rank: the same answer everywhere
+                check(spans)  # the same spans on every rank: the same answer everywhere
             return
         worst, exc = failure
+        self._name_what_it_did(exc)
         report = getattr(exc, "report", None)
         lost = report is not None and report.kind != "raised"
         cfg = self.plan.config
@@ -349,6 +353,15 @@ class ParallelModel(nn.Module):
         if self._failure is None and self._watch is not None:
             self._watch.recovered()  # every rank agreed and nothing is left in flight: a fresh board
         raise exc
+
+    def _name_what_it_did(self, exc: BaseException) -> None:
+        """A failure agreed in the exchange names ranks by coordinates; the board also knows the first
+        failed rank's stages and what it was running ([Note: failure protocol]): say it too."""
+        if self._watch is None or not isinstance(exc, RankFailedError) or hasattr(exc, "report"):
+            return
+        cause = self._watch.cause()
+        if cause is not None and cause.kind == "raised" and cause.suspect in exc.failed and exc.args:
+            exc.args = (f"{exc.args[0]} First to fail: {cause.where}, while {cause.doing}.", *exc.args[1:])
 
     def _give_up(self, what: str, exc: BaseException | None = None) -> None:
         """Abandon every group this model uses (they may hold operations no peer completes) and

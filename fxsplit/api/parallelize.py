@@ -98,7 +98,9 @@ def parallelize(
                          f"may take), got {timeout!r}")
     config = make_config(config, options, where="parallelize")
     dp, tp, pp, ds = config.dp, config.tp, config.pp, config.dp_shard
-    init_from_env()
+    # the rendezvous waits for every rank to start: bounded by `timeout`, but never below 30 s,
+    # since ranks reach it after importing torch and building the model at their own pace
+    init_from_env(timeout_s=max(float(timeout), 30.0))
     if mesh is None:
         mesh = build_mesh(dp=dp, pp=pp, tp=tp, dp_shard=ds)
     else:

@@ -19,34 +19,52 @@ __all__ = ["RankFailedError", "exchange_errors"]
 
 # codes of a rank's outcome in the error exchange ([Note: failures]); higher wins
 _OK, _BAD_INPUT, _RAISED, _PEER_FAILED = 0, 1, 2, 3
+# the agreement values ride below the outcome code in each int64 of the MAX all-reduce: a gloo
+# all-reduce costs about one round per element on few ranks, so the code takes no element of its
+# own; values are 60-bit hashes; a value with no say leaves its pair (code | 0, code | 0)
+_SHIFT = 60
+_MASK = (1 << _SHIFT) - 1
 
 
 def exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, timeout: float,
                      coords: Mapping[str, int], what: str, watch: Any = None,
-                     signature: Sequence[int] = (), signatures: list | None = None) -> tuple[int, Exception] | None:
+                     signature: Sequence[int | None] = (), replicas: int = 1,
+                     spans: list | None = None) -> tuple[int, Exception] | None:
     """All-reduce this rank's outcome code over ``group``; None when every rank succeeded, else
     (the highest code, the exception this rank must raise). Waits at most ``timeout`` seconds;
     with ``watch`` (fxsplit.runtime.watch.Watch) a polled wait that ends as soon as a rank is known
-    to be lost, naming it ([Note: failure protocol]). ``signature``: a few integers of this rank
-    that ride along (every rank's row lands in ``signatures``, indexed by rank in ``group``), so
-    callers can check that ranks agree at no extra collective ([Note: inputs that must agree] in
-    fxsplit.api.model)."""
+    to be lost, naming it ([Note: failure protocol]).
+
+    ``signature`` = (replica, v1, v2, ...): 60-bit values that ride in the same all-reduce so
+    callers can check that the ranks of one replica agree ([Note: inputs that must agree] in
+    fxsplit.api.agreement); a None value has no say. ``spans`` receives (when every rank
+    succeeded), per replica, the (max, min) of each value over its ranks ((None, None) where no
+    rank had a say)."""
     if error is None:
         code = _OK
     elif isinstance(error, (PipelineError, RankFailedError)):
         code = _PEER_FAILED  # waited for a rank that failed: an echo, not a cause
     else:
         code = _RAISED if in_runtime else _BAD_INPUT
-    row = torch.tensor([code, *signature], dtype=torch.int64)
-    rows = torch.zeros(dist.get_world_size(group) * row.numel(), dtype=torch.int64)
-    failed = _reduce_flag(row, rows, group, error, timeout=timeout, what=what, watch=watch,
+    k = max(len(signature) - 1, 0)
+    if not k:
+        row = torch.tensor([code], dtype=torch.int64)
+    else:  # [Note: inputs that must agree]: per replica and value, (code | v, code | M - v)
+        row = torch.full((2 * k * replicas,), code << _SHIFT, dtype=torch.int64)
+        base = 2 * k * signature[0]
+        for i, v in enumerate(signature[1:]):
+            if v is not None:
+                row[base + 2 * i] |= v & _MASK
+                row[base + 2 * i + 1] |= _MASK - (v & _MASK)
+    failed = _reduce_flag(row, group, error, timeout=timeout, what=what, watch=watch,
                           when='at the end of' if in_runtime else 'at the start of')
     if failed is not None:
         return failed
-    rows = rows.view(-1, row.numel())
-    if signatures is not None:
-        signatures[:] = [tuple(int(v) for v in r[1:]) for r in rows]
-    worst = int(rows[:, 0].max())
+    worst = int(row.max()) >> _SHIFT if k else int(row[0])
+    if spans is not None and k and worst == _OK:
+        vals = (row & _MASK).view(replicas, k, 2).tolist()
+        spans[:] = [[(hi, _MASK - lo) if (hi, lo) != (0, 0) else (None, None) for hi, lo in fields]
+                    for fields in vals]
     if worst == _OK:
         return None
     me = dist.get_rank()
@@ -78,11 +96,11 @@ def exchange_errors(group: Any, error: Exception | None, in_runtime: bool, *, ti
     return (worst, exc)
 
 
-def _reduce_flag(row: torch.Tensor, rows: torch.Tensor, group: Any, error: Exception | None, *, timeout: float,
+def _reduce_flag(row: torch.Tensor, group: Any, error: Exception | None, *, timeout: float,
                  what: str, watch: Any, when: str) -> tuple[int, Exception] | None:
-    """The all-gather of every rank's row (outcome code, signature) into ``rows``; (code,
-    exception) when it could not complete."""
-    work = dist.all_gather_single(rows, row, group=group, async_op=True)
+    """The MAX all-reduce of ``row`` (outcome code, agreement slots) in place; (code, exception)
+    when it could not complete."""
+    work = dist.all_reduce(row, op=dist.ReduceOp.MAX, group=group, async_op=True)
     try:
         if watch is not None:
             watch.wait(work, f"checking for errors with every rank {when} {what}()",
