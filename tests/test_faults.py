@@ -3,10 +3,9 @@ a rank killed with -9, stopped with SIGSTOP, or raising in its loss_fn ends ever
 within 2 x timeout, each naming the rank at fault, and every survivor's process exits.
 
 Each case is 4 gloo processes of the quickstart GPT launched by fxsplit.testing.faults (which,
-unlike the test harness, lets each survivor end on its own). Without the protocol these hang:
-the tp peer of a rank whose loss_fn raised waits in its all-reduce for the group's 30-minute
-default, a SIGSTOPped rank's peers never exit (checked by disabling it: the tp2pp2 raise case
-ran past the launcher's limit)."""
+unlike the test harness, lets each survivor end on its own). Checked by breaking the protocol on
+purpose (parallelize without its watch, the groups' timeouts kept): all three cases failed, no
+survivor named the rank at fault, two survivors died by SIGABRT and the SIGSTOP case took 13 s > 2 x 6 s."""
 
 from __future__ import annotations
 
