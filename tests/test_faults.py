@@ -9,6 +9,7 @@ survivor named the rank at fault, two survivors died by SIGABRT and the SIGSTOP 
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -94,6 +95,14 @@ def _mismatched(rank, world):
     differ = lambda o, t: zoo.cross_entropy_loss(o, t) * scale  # noqa: E731
     pm2 = fxsplit.parallelize(model2, (x2,), loss_fn=differ, tp=2, pp=2, microbatches=2, timeout=10.0)
     out["losses_differ"] = catch(lambda: pm2.step(x2, target=y2))
+
+    # a non-finite loss on one replica (dp=2 x pp=2): one value everywhere, and one norm
+    model3, (x3,), _ = zoo.make("gpt", n_layer=2, batch_size=4, seq_len=16)
+    y3 = x3.roll(-1, 1)
+    nan_on_replica_1 = lambda o, t: zoo.cross_entropy_loss(o, t) * (float("nan") if rank >= 2 else 1.0)  # noqa: E731
+    pm3 = fxsplit.parallelize(model3, (x3,), loss_fn=nan_on_replica_1, dp=2, pp=2, microbatches=2, timeout=10.0)
+    loss3 = pm3.step(x3, target=y3)
+    out["nonfinite"] = (float(loss3), float(pm3.clip_grad_norm_(1.0)))
     return out
 
 
@@ -113,6 +122,8 @@ def test_inputs_and_losses_that_must_agree_are_checked_on_every_rank():
         kind, text = res["losses_differ"]
         assert kind == "RunError" and "computed different losses" in text, (rank, text)
         assert "global rank 3 (dp 0, pp 1, tp 1)" in text, (rank, text)
+        loss, norm = res["nonfinite"]  # replica 1's NaN loss: NaN on every rank of both replicas
+        assert math.isnan(loss) and math.isnan(norm), (rank, res["nonfinite"])
 
 
 def _recover_after_dp_failure(rank, world):
