@@ -19,14 +19,19 @@ group's worker thread until the group's own timeout, and ``ProcessGroup.abort()`
 cancel it (checked on torch 2.13 CPU). A rank blocked in a collective learns nothing of a
 failure two hops away, and a rank killed with -9 is seen only by the ranks it had a socket to.
 So every rank knows of every failure through the store, which every rank already talks to:
-1. *Polled waits.* `Watch.wait` waits ``slice`` seconds at a time (the work stays valid after a
-   timed-out wait, so the next slice resumes it) and between slices reads a flag the watch thread
-   sets when the board holds a report. A transport error (a peer's socket closed) or ``timeout``
-   seconds without completion ends the wait too. Used by the pipeline's point-to-point waits, the
-   tensor-parallel collectives, the data-parallel reductions, tied-weight sums, the loss
-   broadcast and the end-of-call error exchange. Waits fxsplit cannot poll (FSDP2's own
-   collectives, compiled graphs' functional collectives, DCP) are bounded by the groups' timeout,
-   which parallelize sets to ``timeout`` on every group it uses.
+1. *Polled waits.* `Watch.wait` waits ``slice`` seconds at a time on a collective (its work stays
+   valid after a timed-out wait, so the next slice resumes it) and between slices reads a flag the
+   watch thread sets when the board holds a report. A transport error (a peer's socket closed) or
+   ``timeout`` seconds without completion ends the wait too. Used by the tensor-parallel
+   collectives, the data-parallel reductions, the loss broadcast and the end-of-call error
+   exchange. Point-to-point waits (the pipeline's transfers, tied-weight sums) cannot be sliced:
+   on gloo a timed-out wait on them closes the connection to the peer. They wait ``timeout`` in one
+   piece and the watch thread interrupts them when the board holds a report, by that very closure
+   (a 1 ms wait on the same work, ``_interrupt``), which also wakes the peer's transfers with this
+   rank. Only where waits block the host (gloo): a timed NCCL wait is not a harmless poll, and
+   NCCL's own watchdog bounds its waits. Waits fxsplit cannot poll (FSDP2's own collectives,
+   compiled graphs' functional collectives, DCP, object collectives) are bounded by the groups'
+   timeout, which parallelize sets to ``timeout`` on every group it uses.
 2. *Reports.* A rank whose own code raised posts a report ("raised", with its error text and what
    it was doing) before anything else, so the peers it leaves waiting read the cause, not an echo.
    A rank whose wait failed or timed out finds the suspect from the heartbeats: a rank whose
@@ -41,7 +46,8 @@ So every rank knows of every failure through the store, which every rank already
    worker thread stuck in that operation until the group's timeout (measured: exit delayed by
    exactly the group timeout). Safe because such a group is never used again (the model refuses to
    run after such a failure), its sockets close when the process exits, and nothing else of the
-   process waits on it.
+   process waits on it. A failure that leaves the model usable (pp = tp = 1: nothing in flight)
+   moves every rank to a fresh board (``recovered``), so its report cannot end later waits.
 Cost on the happy path: one store ``add`` per rank per ``interval`` (at most one second) from a
 daemon thread, and a check of a flag per slice of a wait that has not finished in one slice.
 """
