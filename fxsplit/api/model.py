@@ -300,14 +300,17 @@ class ParallelModel(nn.Module):
         """[Note: failures] Every rank learns whether any rank failed, and all raise together.
 
         Called twice per step: after the input checks (so that no rank enters the pipeline while a
-        peer it waits for refused its inputs) and after the runtime. Each is one all-reduce of a
-        4-byte flag over every rank on the happy path (over gloo, waited with the runtime's
-        timeout). When some rank failed, every rank gathers the error texts: a rank whose own code
-        raised re-raises its exception (same type) with a note naming the other failed ranks;
-        every other rank raises :class:`RankFailedError` naming the failed global rank(s), their
-        mesh coordinates and their errors. A failure inside the pipeline runtime destroys that
-        rank's pipeline group (so its peers stop waiting at once), after which this model refuses
-        to run again; errors found before the runtime (bad batch, missing target) leave it usable.
+        peer it waits for refused its inputs) and after the runtime. Each is one small MAX
+        all-reduce over every rank on the happy path (gloo), carrying the outcome code and the
+        values ranks must agree on ([Note: inputs that must agree] in fxsplit.api.agreement), waited
+        through the watch ([Note: failure protocol] in fxsplit.runtime.watch: it ends at once when
+        a rank is known lost). When some rank failed, every rank gathers the error texts: a rank
+        whose own code raised re-raises its exception (same type) with a note naming the other
+        failed ranks; every other rank raises :class:`RankFailedError` naming the failed global
+        rank(s), their mesh coordinates, stages, action and errors. A failure inside the pipeline
+        runtime with tp > 1 or pp > 1, or a lost rank, abandons this model's groups (they may hold
+        transfers no peer completes) and it refuses to run again; errors found before the runtime
+        (bad batch, missing target) leave it usable.
         """
         group = self._groups.get("errors")
         if group is None:  # one process: nobody to tell
