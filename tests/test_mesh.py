@@ -118,3 +118,14 @@ def test_meshes_groups_and_errors_on_four_ranks():
         assert "Try (dp=1, pp=2, tp=2), or launch 6 processes" in e
         assert "dims ('x',) with shape (4,)" in out["names"] and "('dp', 'pp', 'tp')" in out["names"]
         assert out["reinit"] == ("gloo", r, 4.0)
+
+
+def test_backend_follows_the_gpus_there_are():
+    from fxsplit.runtime.mesh import choose_backend
+
+    assert choose_backend(local_ranks=4, cuda_devices=0) == ("gloo", "")  # a CPU host: quietly gloo
+    assert choose_backend(local_ranks=4, cuda_devices=4) == ("nccl", "")  # a GPU per rank
+    assert choose_backend(local_ranks=2, cuda_devices=8) == ("nccl", "")
+    backend, why = choose_backend(local_ranks=4, cuda_devices=1)  # make demo on a 1-GPU workstation
+    assert backend == "gloo" and "4 processes" in why and "1 CUDA device" in why
+    assert "--nproc-per-node 1" in why  # the command that runs on the GPU instead

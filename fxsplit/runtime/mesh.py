@@ -21,6 +21,7 @@ error on every rank instead of hanging the job.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 
 import torch
@@ -34,10 +35,13 @@ __all__ = [
     "MESH_DIMS_SHARDED",
     "build_mesh",
     "check_mesh",
+    "choose_backend",
     "init_from_env",
     "mesh_coords",
     "mesh_groups",
 ]
+
+_log = logging.getLogger("fxsplit")
 
 MESH_DIMS: tuple[str, str, str] = ("dp", "pp", "tp")
 MESH_DIMS_SHARDED: tuple[str, str, str, str] = ("dp", "dp_shard", "pp", "tp")
@@ -158,11 +162,26 @@ def mesh_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
     return {name: mesh.get_group(name) for name in names}
 
 
+def choose_backend(*, local_ranks: int, cuda_devices: int) -> tuple[str, str]:
+    """The backend for ``local_ranks`` processes on a host with ``cuda_devices`` GPUs, and a
+    one-line reason when it is not the obvious one: NCCL with one GPU per local rank; gloo on the
+    CPU when there are no GPUs, or fewer GPUs than local ranks (NCCL needs a GPU of its own per
+    rank), e.g. ``make demo``'s 4 processes on a 1-GPU workstation."""
+    if cuda_devices <= 0:
+        return "gloo", ""
+    if local_ranks > cuda_devices:
+        return "gloo", (f"{local_ranks} processes on this host but {cuda_devices} CUDA device(s): running on "
+                        f"the CPU over gloo (NCCL needs one GPU per process; launch at most {cuda_devices} "
+                        f"process(es) per host, e.g. torchrun --nproc-per-node {cuda_devices}, to run on the GPUs)")
+    return "nccl", ""
+
+
 def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> None:
     """Initialize the default process group from torchrun's environment, unless already done.
 
     Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK for the CUDA device).
-    `backend` defaults to "nccl" when CUDA is available, else "gloo". `timeout_s` bounds every
+    `backend` defaults to :func:`choose_backend`'s pick (NCCL with a GPU per local rank, else gloo
+    on the CPU, saying why in one line). `timeout_s` bounds every
     collective, so a rank that never arrives fails the job instead of hanging it.
     """
     if dist.is_initialized():
@@ -179,7 +198,11 @@ def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> No
     if timeout_s <= 0:
         raise UsageError(f"init_from_env: timeout_s must be > 0, got {timeout_s!r}")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        backend, why = choose_backend(local_ranks=local, cuda_devices=count)
+        if why and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            _log.warning("fxsplit: %s", why)
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank >= torch.cuda.device_count():
