@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rows = []
     print(f"timeout {args.timeout:g} s; goal: every case ends <= {2 * args.timeout:g} s after the fault, "
-          "every survivor naming the fault rank")
+          "every survivor naming the fault rank and exiting with code 1 (its error, then a normal exit)")
     print(f"{'case':<22} {'fault->last exit':>16} {'exit codes':<12} {'named':<6} survivors raised")
     for case in args.cases.split(","):
         row = run_case(case, args.timeout)
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         print(f"{case:<22} {secs:>16} {str(row['exit_codes']):<12} {str(row['named']):<6} {', '.join(row['kinds'])}",
               flush=True)
     ok = all(r["seconds"] is not None and r["seconds"] <= 2 * args.timeout and r["named"] and not r["hung"]
-             for r in rows)
+             and all(code == 1 for code in r["exit_codes"]) for r in rows)  # raised, then exited normally
     print("all cases met the goal" if ok else "SOME CASES MISSED THE GOAL")
     if args.json:
         with open(args.json, "w") as f:
