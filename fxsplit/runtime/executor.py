@@ -70,7 +70,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
-from fxsplit.errors import ArgumentTypeError, PlanError, ScheduleError, StageBuildError, UsageError
+from fxsplit.errors import (ArgumentTypeError, PlanError, RankFailedError, ScheduleError, StageBuildError,
+                            UsageError)
 from fxsplit.runtime.microbatch import (
     bind_symbols,
     concrete_shape,
@@ -82,7 +83,6 @@ from fxsplit.pipeline.comm import ACT, Message
 from fxsplit.pipeline.layout import from_wire, to_wire, wire_shape
 from fxsplit.tp.random import stage_stream
 from fxsplit.pipeline.rank_plan import RankPlan
-from fxsplit.errors import RankFailedError
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
 from fxsplit.runtime.watch import abandon
 from fxsplit.runtime.fsdp import local_tensor
