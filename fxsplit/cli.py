@@ -316,11 +316,10 @@ def _cmd_plan_auto(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict
 def _cmd_schedule(ns: argparse.Namespace) -> int:
     from fxsplit import schedule as schedules
 
-    v = ns.stages_per_rank
-    if v is None:
-        key = ns.name.lower().replace("-", "_")
-        v = 2 if (key in ("interleaved_1f1b", "interleaved") and ns.pp > 1) or key in ("zbv", "zb_v") else 1
     try:
+        v = ns.stages_per_rank
+        if v is None:
+            v = schedules.schedule_spec(ns.name).default_stages_per_rank(ns.pp)
         sched = schedules.build(ns.name, ns.pp, ns.microbatches, stages_per_rank=v)
     except (ValueError, TypeError) as exc:  # unknown name, or degrees the builder rejects
         raise UsageError(str(exc)) from None

@@ -25,7 +25,7 @@ from torch import nn
 from fxsplit.testing import zoo
 from fxsplit.runtime import PipelineRuntime
 from fxsplit.pipeline.rank_plan import RankPlan
-from fxsplit.schedule.builders import build
+from fxsplit.schedule import build
 from fxsplit.pipeline.stage import StageIO, ValueMeta, ValueSource
 
 b = sympy.Symbol("b", integer=True, positive=True)

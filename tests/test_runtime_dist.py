@@ -15,7 +15,7 @@ from torch import nn
 
 from fxsplit.runtime import PipelineError, PipelineRuntime
 from fxsplit.pipeline.rank_plan import RankPlan
-from fxsplit.schedule.builders import build
+from fxsplit.schedule import build
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.testing import run_distributed
 

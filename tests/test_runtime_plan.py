@@ -23,7 +23,7 @@ from fxsplit.runtime import (
 )
 from fxsplit.pipeline.comm import plan_communication
 from fxsplit.pipeline.rank_plan import RankPlan
-from fxsplit.schedule.builders import build
+from fxsplit.schedule import build
 from fxsplit.schedule.ir import parse_schedule
 from fxsplit.pipeline.stage import ValueMeta
 

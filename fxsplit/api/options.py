@@ -22,6 +22,7 @@ from typing import Any
 from fxsplit.errors import ArgumentTypeError, PlanError
 from fxsplit.graph.hardware import Hardware
 from fxsplit.schedule import NAMES as SCHEDULES
+from fxsplit.schedule import schedule_spec
 
 __all__ = ["ParallelConfig", "SCHEDULES", "make_config"]
 
@@ -169,20 +170,16 @@ class ParallelConfig:
         """This config with every default filled in (``microbatches``, ``stages_per_rank``, the
         schedule for one pipeline rank); raises PlanError for a combination that cannot run."""
         m = self.microbatches if self.microbatches is not None else (1 if self.pp == 1 else 2 * self.pp)
+        spec = schedule_spec(self.schedule)
         v = self.stages_per_rank
         if v is None:
-            v = 2 if (self.schedule == "interleaved_1f1b" and self.pp > 1) or self.schedule == "zbv" else 1
+            v = spec.default_stages_per_rank(self.pp)
         schedule = self.schedule
-        if self.pp == 1 and schedule == "interleaved_1f1b":
-            schedule = "1f1b"  # one pipeline rank: nothing to interleave
-        if schedule == "interleaved_1f1b" and v < 2:
-            raise PlanError(f"interleaved_1f1b needs stages_per_rank >= 2 (got {v}); use schedule='1f1b' "
-                            "for one stage per rank")
-        if schedule == "zbv" and v != 2:
-            raise PlanError(f"zbv places exactly 2 stages per rank in a V (got stages_per_rank={v}); leave "
-                            "stages_per_rank unset")
-        if schedule in ("zb_h1", "zb_auto") and v != 1:
-            raise PlanError(f"{schedule} runs one stage per rank (got stages_per_rank={v}); use schedule='zbv' for two")
+        if self.pp == 1 and spec.single_rank is not None:
+            schedule, spec = spec.single_rank, schedule_spec(spec.single_rank)  # nothing to interleave
+        reason = spec.check_stages_per_rank(v)
+        if reason is not None:
+            raise PlanError(f"{schedule} {reason} (got stages_per_rank={v}); {spec.stages_fix}")
         if (m, v, schedule) == (self.microbatches, self.stages_per_rank, self.schedule):
             return self
         return dataclasses.replace(self, microbatches=m, stages_per_rank=v, schedule=schedule)

@@ -322,11 +322,7 @@ def _checkpoint_modes(config: ParallelConfig) -> tuple[str, ...]:
     refused there ("auto" chooses between "none" and "full"); ``split_backward="graph"`` traces
     one backward, split afterwards, so every mode runs. ``zb_auto`` is built from the split's
     costs, after it; it splits the backward like the other zero-bubble schedules."""
-    if config.schedule == "zb_auto":
-        split = True
-    else:
-        probe = _schedules.build(config.schedule, config.pp, config.microbatches, stages_per_rank=config.stages_per_rank)
-        split = any(a is not None and a.kind is _schedules.ActionKind.BACKWARD_INPUT for row in probe for a in row)
+    split = _schedules.schedule_spec(config.schedule).splits_backward
     if not split or config.split_backward == "graph":  # one traced backward per region: any mode
         return ("none", "selective", "full")
     if config.activation_checkpointing == "selective":
@@ -375,7 +371,7 @@ def _schedule_options(config: ParallelConfig, split: SplitPlan) -> dict[str, Any
     comm estimates and, per rank, how many microbatches' activations fit: with ``memory_limit``,
     ``(limit - training state of the stage's parameters) // activation bytes per microbatch``
     (the split fitted p of them, so at least p); without it p, 1F1B's peak (ZB-1p)."""
-    if config.schedule != "zb_auto":
+    if not _schedules.schedule_spec(config.schedule).built_from_costs:
         return {}
     costs = stage_costs(split)
     m, p = config.microbatches, config.pp

@@ -20,6 +20,7 @@ from itertools import accumulate, combinations
 from operator import sub
 from typing import Callable, Sequence
 from fxsplit.errors import PartitionError
+from fxsplit.schedule.spec import inflight_1f1b, inflight_gpipe  # re-exported: the partition's callers use them
 
 __all__ = [
     "PartitionProblem", "Partition", "inflight_1f1b", "inflight_gpipe", "Chain", "check_counts", "forward",
@@ -29,20 +30,6 @@ __all__ = [
 INF = math.inf
 NEG = -math.inf
 _MAXF = 1.7976931348623157e308  # a finite stand-in for an infinite bottleneck
-
-
-def inflight_1f1b(num_ranks: int, stages_per_rank: int = 1) -> tuple[float, ...]:
-    """Peak in-flight microbatches per rank for 1F1B (``v == 1``: ``p - r``) and Megatron's
-    interleaved 1F1B (``v > 1``: ``((p-r-1)*2 + (v-1)*p + 1) / v``), in units of the rank's share."""
-    p, v = num_ranks, stages_per_rank
-    if v == 1:
-        return tuple(float(p - r) for r in range(p))
-    return tuple(((p - r - 1) * 2 + (v - 1) * p + 1) / v for r in range(p))
-
-
-def inflight_gpipe(num_ranks: int, num_microbatches: int) -> tuple[float, ...]:
-    """GPipe keeps every microbatch's activations until the backward pass: ``m`` on every rank."""
-    return tuple(float(num_microbatches) for _ in range(num_ranks))
 
 
 def _floats(name: str, values: Sequence[float], length: int, what: str) -> tuple[float, ...]:

@@ -43,8 +43,6 @@ from fxsplit.pipeline.partition import (
     PartitionProblem,
     equal_layer_cuts,
     evaluate,
-    inflight_1f1b,
-    inflight_gpipe,
     parameter_count_cuts,
 )
 from fxsplit.pipeline.checkpointing import choose, unit_modes
@@ -52,6 +50,7 @@ from fxsplit.pipeline.memory import message_buffers, schedule_peaks
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
 from fxsplit.graph.hardware import Hardware
+from fxsplit.schedule import schedule_spec
 
 __all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "example_bindings", "layer_key"]
 
@@ -163,11 +162,10 @@ class SplitPlan:
         buffers = self.message_buffers()
         plain = [s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
                  for s in self.stages]
-        if self.schedule in ("zb_h1", "zbv") and self.num_ranks > 1:
-            from fxsplit.schedule import build
-
+        spec = schedule_spec(self.schedule)
+        if spec.inflight_rule == "simulated" and self.num_ranks > 1:  # walk the order with each W's share
             p, v = self.num_ranks, self.num_stages // self.num_ranks
-            rows = build(self.schedule, p, self.num_microbatches or 2 * p, v)
+            rows = spec.builder(p, self.num_microbatches or 2 * p, v)
             w = [s.weight_bytes for s in self.stages]
             with_ = schedule_peaks(rows, p, [s.activation_bytes for s in self.stages], w)
             without = schedule_peaks(rows, p, plain, w)
@@ -385,7 +383,7 @@ def plan_split(
     keys = [layer_key(node_info(u).module_path) for u in units]
     penalty, allowed = _cut_rules(units, keys, cut_at, inner_cut_penalty)
     forced = _forced_cuts(gm, units, split_points, num_stages)
-    inflight = _inflight(schedule, p, v, num_microbatches)
+    inflight = schedule_spec(schedule).inflight(p, v, num_microbatches)
     problem = PartitionProblem(
         compute=tuple(costs.compute),
         param_bytes=tuple(costs.params),
@@ -425,7 +423,7 @@ def plan_split(
         stage_of=stage_of,
         starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
         stages=_summaries(part, problem, keys, costs, cut_bytes, per_stage, modes,
-                          twice=split_backward == "autograd" and schedule in _SPLIT_SCHEDULES,
+                          twice=split_backward == "autograd" and schedule_spec(schedule).splits_backward,
                           held=StageHeld(gm, units, binds, held, loss_key)),
         partition=part,
         method=method,
@@ -576,23 +574,6 @@ def _baselines(problem: PartitionProblem, keys: Sequence[str]) -> dict[str, floa
     except (PartitionError, ValueError):
         pass
     return baselines
-
-
-def _inflight(schedule: str, p: int, v: int, m: int | None) -> tuple[float, ...]:
-    """Peak in-flight microbatches per rank for the memory cap: GPipe m, the zero-bubble schedules
-    what their own order holds (simulated), else 1F1B's / Megatron's closed form."""
-    if schedule == "gpipe":
-        return inflight_gpipe(p, m or p)
-    if schedule == "zb_auto":  # built after the split, for at least p in flight (ZB-1p)
-        return tuple(float(min(p, m or p)) for _ in range(p))
-    if schedule in ("zb_h1", "zbv"):
-        from fxsplit.schedule import build, simulate
-
-        return simulate(build(schedule, p, m or 2 * p, v)).peak_inflight
-    return inflight_1f1b(p, v)
-
-
-_SPLIT_SCHEDULES = ("zb_h1", "zbv", "zb_auto")  # backward as I and W (fxsplit.schedule)
 
 
 def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], costs: _UnitCosts,

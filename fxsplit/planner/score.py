@@ -47,7 +47,7 @@ Memory per rank (the largest peak decides the fit) is the split's model, one fun
 parameter dtype), Adam m and v (fp32) plus an fp32 master copy when parameters are 16-bit, each
 divided by dp_shard, FSDP's gathered stage, the all-reduce buckets of plain dp, and the larger of
 activations and whole gradients at the peak. Activations: in-flight microbatches (the schedule's
-peak: ``fxsplit.pipeline.chain.inflight_1f1b`` for 1F1B and interleaved; p on every rank for ZB-H1
+peak: ``fxsplit.schedule.spec.inflight_1f1b`` for 1F1B and interleaved; p on every rank for ZB-H1
 and ZB-V, what their orders hold when simulated with m >= 2p) times what the rank's stages hold per
 microbatch under its checkpointing mode (each saved storage once, [Note: saved tensors by
 storage]; the stage's received and sent values; the loss's saved tensor on the last stage), plus
@@ -83,7 +83,6 @@ import numpy as np
 from fxsplit import schedule as _schedules
 from fxsplit.errors import PartitionError, UsageError
 from fxsplit.graph.hardware import Hardware
-from fxsplit.pipeline.chain import inflight_1f1b
 from fxsplit.pipeline.memory import RankMemory, message_buffers, rank_memory
 from fxsplit.pipeline.partition import PartitionProblem, solve
 from fxsplit.planner.host import shared_makespan, shared_rate
@@ -302,13 +301,7 @@ class Scorer:
         return cuts
 
     def inflight(self, c: Candidate) -> tuple[float, ...]:
-        p, v, m = c.pp, c.stages_per_rank, c.microbatches
-        if p == 1:
-            return (1.0,)
-        if c.schedule in ("1f1b", "interleaved_1f1b"):
-            return tuple(min(x, m) for x in inflight_1f1b(p, v))
-        # ZB-H1 and ZB-V (simulated, m >= 2p): p on every rank (ZB-H1's delayed W holds them)
-        return tuple(float(min(p, m)) for _ in range(p))
+        return _schedules.schedule_spec(c.schedule).inflight_bound(c.pp, c.stages_per_rank, c.microbatches)
 
     # -- the score
     def score(self, c: Candidate, *, simulate: bool = False) -> Score:
@@ -424,12 +417,7 @@ class Scorer:
         for s in range(len(F)):
             share[ranks[s]] += F[s] + I[s] + W[s]
         f, i, wg = float(F.max()) * v, float(I.max()) * v, float(W.max()) * v  # a rank's share, largest stage
-        if c.schedule == "zb_h1":
-            bubble = (p - 1) * max(f + i - wg, 0.0)
-        elif c.schedule == "zbv":
-            bubble = max((p - 1) * (f + i - 2 * wg), (p - 1) * f / 2)
-        else:
-            bubble = (p - 1) * (f + i + wg) / v
+        bubble = _schedules.schedule_spec(c.schedule).bubble(p, v, f, i, wg)
         return m * float(share.max()) + bubble + 2 * (len(F) - 1) * float(comm.max(initial=0.0))
 
     @staticmethod

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fxsplit.graph.hardware import Hardware
+from fxsplit.schedule import schedule_spec
 
 __all__ = ["Candidate", "candidates", "divisors", "schedules_for"]
 
@@ -137,7 +138,7 @@ def candidates(*, world_size: int, global_batch: int, hardware: Hardware, num_gr
             for schedule, v in schedules_for(pp, cuttable + 1):
                 for m in ms:
                     for ckpt in ("none", "selective", "full"):
-                        if ckpt == "selective" and schedule in ("zb_h1", "zbv"):
+                        if ckpt == "selective" and schedule_spec(schedule).splits_backward:
                             continue  # split backward: two autograd passes, selective allows one
                         for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
                             for sh in ((1, dp) if shard and dp > 1 else (1,)):

@@ -2,7 +2,7 @@
 
 No processes and no torch: everything here runs on the host before any process group exists.
 Modules: ``ir`` (Action, Schedule, string form), ``builders`` (gpipe, 1f1b, interleaved_1f1b,
-zb_h1, zbv; ``placement`` the stage -> rank map of each), ``auto`` (zb_auto, from per-stage
+zb_h1, zbv), ``spec`` (``ScheduleSpec``: what each schedule is, ``build``, ``placement``), ``auto`` (zb_auto, from per-stage
 costs and a memory limit), ``validate`` (rules and deadlock check), ``simulate`` (Timeline, bubbles, memory),
 ``render`` (text grid, PNG). The public facade is ``fxsplit.schedule``.
 
@@ -16,24 +16,14 @@ Representative use::
     mine = schedule.parse('''0F0 0F1 0B0 0B1
                              -   1F0 1B0 1F1 1B1''')   # a user's own schedule
 
-``SCHEDULE_BUILDERS`` is the one registry of schedule names: ``fxsplit.plan``, ``parallelize``,
-the CLI and the runtime all read it (``NAMES`` is its keys).
+``SPECS`` is the one registry of schedules: ``fxsplit.plan``, ``parallelize``, the planner, the
+split, the CLI and the runtime ask a schedule's ``ScheduleSpec`` (``schedule_spec(name)``) what it
+does instead of comparing names (``NAMES`` is its keys).
 
 May import: ``fxsplit.errors`` and the standard library only (no torch, no other layer).
 """
 
-from fxsplit.schedule.builders import (
-    SCHEDULE_BUILDERS,
-    build,
-    gpipe,
-    interleaved_1f1b,
-    one_f_one_b,
-    placement,
-    v_placement,
-    zb_auto,
-    zb_h1,
-    zbv,
-)
+from fxsplit.schedule.builders import gpipe, interleaved_1f1b, one_f_one_b, v_placement, zb_auto, zb_h1, zbv
 from fxsplit.schedule.ir import (
     Action,
     ActionKind,
@@ -45,12 +35,13 @@ from fxsplit.schedule.ir import (
 )
 from fxsplit.schedule.render import format_grid, timeline_png
 from fxsplit.schedule.simulate import Event, Timeline, align_steps, simulate
+from fxsplit.schedule.spec import SCHEDULE_BUILDERS, SPECS, ScheduleSpec, build, placement, schedule_spec
 from fxsplit.schedule.validate import ScheduleError, ScheduleInfo, dependencies, validate
 
 parse = parse_schedule
 """Alias of ``parse_schedule``: a ``Schedule`` from its string form or per-rank lists."""
 
-NAMES = tuple(SCHEDULE_BUILDERS)
+NAMES = tuple(SPECS)
 """Schedule names accepted by ``build`` (and by ``plan`` / ``parallelize`` / the CLI)."""
 
 __all__ = [
@@ -59,6 +50,8 @@ __all__ = [
     "Event",
     "NAMES",
     "SCHEDULE_BUILDERS",
+    "SPECS",
+    "ScheduleSpec",
     "Schedule",
     "ScheduleError",
     "ScheduleInfo",
@@ -75,6 +68,7 @@ __all__ = [
     "parse",
     "parse_schedule",
     "placement",
+    "schedule_spec",
     "simulate",
     "stage_to_rank",
     "timeline_png",

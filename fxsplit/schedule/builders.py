@@ -66,14 +66,13 @@ method is private).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from fxsplit.errors import ScheduleError
 from fxsplit.schedule.auto import search
 from fxsplit.schedule.ir import Action, ActionKind, Schedule
 
-__all__ = ["build", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "zb_auto", "placement", "v_placement",
-           "SCHEDULE_BUILDERS"]
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "zb_auto", "v_placement"]
 
 F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
@@ -81,7 +80,7 @@ BI = ActionKind.BACKWARD_INPUT
 BW = ActionKind.BACKWARD_WEIGHT
 
 
-def _check_sizes(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> None:
+def check_sizes(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> None:
     for arg, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
                        ("stages_per_rank", stages_per_rank)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -94,7 +93,7 @@ def gpipe(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Sc
     Forwards run chunk by chunk (chunk 0 on every microbatch, then chunk 1, ...); backwards run
     in the reverse chunk order, microbatches in increasing order. Peak in-flight: m microbatches.
     """
-    _check_sizes("gpipe", num_ranks, num_microbatches, stages_per_rank)
+    check_sizes("gpipe", num_ranks, num_microbatches, stages_per_rank)
     p, m, v = num_ranks, num_microbatches, stages_per_rank
     schedule: Schedule = []
     for r in range(p):
@@ -154,7 +153,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
     ``stages_per_rank`` == 1 this is plain 1F1B. Peak in-flight on rank 0 for m % p == 0:
     ``2(p-1) + (v-1)p + 1`` virtual stages, i.e. ``p + (p-1)/v`` microbatches.
     """
-    _check_sizes("interleaved_1f1b", num_ranks, num_microbatches, stages_per_rank)
+    check_sizes("interleaved_1f1b", num_ranks, num_microbatches, stages_per_rank)
     if remainder not in _REMAINDERS:
         raise ScheduleError(f"interleaved_1f1b: remainder must be one of {_REMAINDERS}, got {remainder!r}")
     return _one_forward_one_backward(num_ranks, num_microbatches, stages_per_rank, remainder)
@@ -166,7 +165,7 @@ def one_f_one_b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1)
     Peak in-flight on rank r: ``min(p - r, m)`` microbatches. With ``stages_per_rank`` > 1 this is
     the depth-first (interleaved) 1F1B of ``interleaved_1f1b``.
     """
-    _check_sizes("1f1b", num_ranks, num_microbatches, stages_per_rank)
+    check_sizes("1f1b", num_ranks, num_microbatches, stages_per_rank)
     p, m = num_ranks, num_microbatches
     if stages_per_rank > 1:
         return interleaved_1f1b(p, m, stages_per_rank)
@@ -183,7 +182,7 @@ def zb_h1(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> Sc
     is ``m(F+I+W) + (p-1)(F+I-W)`` (1F1B: ``+ (p-1)(F+I+W)``); every rank holds up to p
     microbatches' activations (until their W). Only ``stages_per_rank`` == 1.
     """
-    _check_sizes("zb_h1", num_ranks, num_microbatches, stages_per_rank)
+    check_sizes("zb_h1", num_ranks, num_microbatches, stages_per_rank)
     if stages_per_rank != 1:
         raise ScheduleError(
             f"zb_h1 supports stages_per_rank=1 only, got {stages_per_rank}; use 'interleaved_1f1b' "
@@ -224,7 +223,7 @@ def zb_auto(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1, *,
     microbatches a rank may hold in flight (a number or one per rank); default p on every rank,
     1F1B's peak (ZB-1p); 2p is ZB-2p's. Only ``stages_per_rank`` == 1.
     """
-    _check_sizes("zb_auto", num_ranks, num_microbatches, stages_per_rank)
+    check_sizes("zb_auto", num_ranks, num_microbatches, stages_per_rank)
     if stages_per_rank != 1:
         raise ScheduleError(f"zb_auto supports stages_per_rank=1 only, got {stages_per_rank}; use 'zbv' for two")
     p, m = num_ranks, num_microbatches
@@ -248,7 +247,7 @@ def zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Sche
     ``6mc + 2(p-1)c`` for the same rank-share costs), and every rank holds at most p microbatches
     of its share in flight (1F1B's rank 0). Only ``stages_per_rank`` == 2.
     """
-    _check_sizes("zbv", num_ranks, num_microbatches, stages_per_rank)
+    check_sizes("zbv", num_ranks, num_microbatches, stages_per_rank)
     if stages_per_rank != 2:
         raise ScheduleError(f"zbv places exactly 2 stages per rank in a V, got stages_per_rank={stages_per_rank}")
     p, m = num_ranks, num_microbatches
@@ -295,57 +294,3 @@ def zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Sche
             take(down, BW)
         schedule.append([Action(s, k, mb) for s, k, mb in row if mb < m])
     return schedule
-
-
-SCHEDULE_BUILDERS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved_1f1b": interleaved_1f1b,
-    "zb_h1": zb_h1,
-    "zbv": zbv,
-    "zb_auto": zb_auto,
-}
-
-def _zbv_placement(num_ranks: int, stages_per_rank: int) -> tuple[int, ...]:
-    if stages_per_rank != 2:
-        raise ScheduleError(f"zbv places exactly 2 stages per rank in a V, got stages_per_rank={stages_per_rank}")
-    return v_placement(num_ranks)
-
-
-_PLACEMENTS: dict[str, Callable[[int, int], tuple[int, ...]]] = {"zbv": _zbv_placement}
-
-
-def placement(name: str, num_ranks: int, stages_per_rank: int | None = None) -> tuple[int, ...]:
-    """The stage -> rank map schedule ``name`` runs with: ``s % p`` (rank r holds r, r+p, ...)
-    for every schedule but ``zbv``, whose V puts stage s on rank s for s < p and on 2p-1-s after.
-    The plan carries it (``Plan.stage_ranks``): the split balances rank memory with it, and the
-    communication plan and the runtime place stages by it."""
-    key = _key(name)
-    if stages_per_rank is None:
-        stages_per_rank = 2 if key == "zbv" else 1
-    _check_sizes(key, num_ranks, 1, stages_per_rank)
-    if key in _PLACEMENTS:
-        return _PLACEMENTS[key](num_ranks, stages_per_rank)
-    return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
-
-
-def _key(name: str) -> str:
-    key = name.lower().replace("-", "_") if isinstance(name, str) else name
-    aliases = {"interleaved": "interleaved_1f1b", "zbh1": "zb_h1", "one_f_one_b": "1f1b", "zb_v": "zbv"}
-    key = aliases.get(key, key)
-    if key not in SCHEDULE_BUILDERS:
-        raise ScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULE_BUILDERS)}")
-    return key
-
-
-def build(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None,
-          **options) -> Schedule:
-    """Build the named schedule; ``name`` is one of ``SCHEDULE_BUILDERS`` (case-insensitive).
-
-    ``stages_per_rank`` defaults to 2 for ``zbv`` (its only value), else 1. ``options`` go to the
-    builder, e.g. ``remainder="pad"`` for ``interleaved_1f1b``.
-    """
-    key = _key(name)
-    if stages_per_rank is None:
-        stages_per_rank = 2 if key == "zbv" else 1
-    return SCHEDULE_BUILDERS[key](num_ranks, num_microbatches, stages_per_rank, **options)
