@@ -1,15 +1,20 @@
-"""Environment switches: the one place fxsplit reads environment variables.
+"""Environment switches: the one place fxsplit reads its own ``FXSPLIT_*`` variables (torchrun's
+``RANK`` / ``LOCAL_RANK`` / ... are torchrun's contract, read where the process group is made, in
+``fxsplit.runtime.mesh``).
 
 Terms:
     FXSPLIT_DEBUG_DIR: when set to a non-empty path, every PassManager run without an explicit
         ``debug=`` argument writes per-pass dumps (graph code before and after, op-count diff,
         graph diff, time) under that folder. See ``fxsplit.graph.debug``.
     FXSPLIT_CACHE_DIR: where ``Hardware.measure()`` caches its JSON (default ``~/.cache/fxsplit``).
+    FXSPLIT_CPU_MATMUL: ``auto`` (default), ``onednn`` or ``aten``: how compiled CPU graphs run
+        fp32 matmuls ([Note: CPU matmuls through oneDNN] in ``fxsplit.runtime.cpu_matmul``).
 
 Signature::
 
     debug_dir_from_env(environ=None) -> Path | None
     cache_dir_from_env(environ=None) -> Path
+    cpu_matmul_from_env(environ=None) -> str
 
 Other modules call these functions instead of reading ``os.environ`` themselves, so a reader finds
 every switch here and tests can pass an explicit mapping instead of patching the process.
@@ -44,3 +49,20 @@ def cache_dir_from_env(environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     value = env.get(CACHE_DIR_ENV, "").strip()
     return Path(value or "~/.cache/fxsplit").expanduser()
+
+
+CPU_MATMUL_ENV = "FXSPLIT_CPU_MATMUL"
+CPU_MATMUL_MODES = ("auto", "onednn", "aten")
+
+
+def cpu_matmul_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``FXSPLIT_CPU_MATMUL`` (one of `CPU_MATMUL_MODES`), ``auto`` when unset or blank; UsageError
+    names the valid values otherwise."""
+    from fxsplit.errors import UsageError
+
+    env = os.environ if environ is None else environ
+    mode = env.get(CPU_MATMUL_ENV, "").strip() or "auto"
+    if mode not in CPU_MATMUL_MODES:
+        raise UsageError(f"{CPU_MATMUL_ENV} must be 'auto', 'onednn' or 'aten', got {mode!r}: set it to one of "
+                         "them or unset it (auto: oneDNN where torch's MKL runs its generic path)")
+    return mode

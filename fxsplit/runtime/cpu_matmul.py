@@ -13,10 +13,10 @@ fixed shape (reported, never deciding).
 torch's CPU wheel sends an fp32 ``aten.mm`` / ``addmm`` to MKL's sgemm. MKL picks its kernels by
 CPU vendor, not by instruction set: on AMD hosts it runs a generic path (``MKL_VERBOSE=1`` names
 no AVX-512 there) although the core has AVX-512, so a (256 x 256) @ (256 x 1024) product takes
-1.4-1.7 ms on one core of this project's EPYC machines where oneDNN, which ships in the same
-wheel and dispatches on the instruction set, takes 0.6 ms (oneDNN 0.44-0.67x MKL's time on every
-F, I and W product of the pipeline benchmark's GPT: benchmarks/cpu_matmul.py, benchmarks/README
-"Session 10"). torch has no switch for this:
+1.4-1.7 ms on one core of an AMD EPYC host where oneDNN, which ships in the same wheel and
+dispatches on the instruction set, takes 0.6 ms (oneDNN 0.44-0.67x MKL's time on every F, I and W
+product of the pipeline benchmark's GPT: ``python benchmarks/cpu_matmul.py``, its table in
+benchmarks/README). torch has no switch for this:
 ``torch.backends.mkldnn.matmul.fp32_precision`` sends fp32 matmuls to oneDNN only when it may
 lower their precision (tf32 / bf16), and inductor lowers oneDNN's linear only for constant
 (frozen) weights, never for training. So compiled stage graphs ([Note: compiled stages]) route
@@ -43,14 +43,13 @@ graph split promises autograd's gradients bit for bit ([Note: graph split backwa
 from __future__ import annotations
 
 import functools
-import os
 import platform
 import time
 
 import torch
 import torch.fx as fx
 
-from fxsplit.errors import UsageError
+from fxsplit.config import cpu_matmul_from_env
 
 __all__ = ["MIN_MACS", "mkl_on_non_intel_x86", "onednn_matmul_chosen", "onednn_min_macs", "onednn_mm", "probe",
            "route_cpu_matmuls"]
@@ -114,10 +113,7 @@ def onednn_min_macs() -> int | None:
     """The smallest m * k * n a compiled CPU graph routes through oneDNN ([Note: CPU matmuls
     through oneDNN]), or None: none. ``FXSPLIT_CPU_MATMUL`` = ``onednn``: 0 (every one); ``aten``:
     None; ``auto`` (default): `MIN_MACS` with MKL on a non-Intel x86-64 CPU, else None."""
-    mode = os.environ.get("FXSPLIT_CPU_MATMUL", "auto")
-    if mode not in ("auto", "onednn", "aten"):
-        raise UsageError(f"FXSPLIT_CPU_MATMUL must be 'auto', 'onednn' or 'aten', got {mode!r}: set it to one of "
-                         "them or unset it (auto: oneDNN where torch's MKL runs its generic path)")
+    mode = cpu_matmul_from_env()
     if not torch.backends.mkldnn.is_available() or mode == "aten":
         return None
     if mode == "onednn":
