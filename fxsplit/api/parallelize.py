@@ -216,7 +216,7 @@ def _verify(model: nn.Module, example_args: Any, example_kwargs: Any, the_plan: 
         if why_not is not None:
             _log.info("fxsplit: not verifying the plan (verify=None): %s", why_not)
             return
-    report = verify(model, example_args, the_plan, example_kwargs)
+    report = verify(model, example_args, the_plan, example_kwargs, reference="graph", quiet=True)
     _log.info("fxsplit: %s", report)
 
 
