@@ -334,7 +334,8 @@ def _cmd_schedule(ns: argparse.Namespace) -> int:
     print(schedules.format_grid(sched))
     print(timeline)
     if ns.timeline:
-        schedules.timeline_png(timeline, ns.timeline, title=title)
+        schedules.timeline_png(timeline, ns.timeline, title=title,
+                               unit=f"unit costs: forward {ns.forward:g}, backward {ns.backward:g}")
         print(f"wrote the simulated schedule to {ns.timeline}")
     return EXIT_OK
 
