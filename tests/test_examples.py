@@ -164,3 +164,11 @@ def test_custom_pass_under_torchrun_through_parallelize():
     for _, a, b in found:  # (tanh GELU moves these small-init logits by ~1e-6 only: the code check above
         assert float(a) == pytest.approx(float(b), rel=1e-5), out  # shows the pass ran inside parallelize)
     assert "OK: largest relative loss difference" in out, out
+
+
+@pytest.mark.dist
+def test_first_steps_from_the_readme_trains():
+    """README's first example, launched as README says: three steps, a finite loss that falls."""
+    out = _torchrun("first_steps.py")
+    losses = [float(x) for x in re.findall(r"^step \d: loss (\S+)$", out, re.M)]
+    assert len(losses) == 3 and losses[2] < losses[0], out
