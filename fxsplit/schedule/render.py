@@ -98,7 +98,7 @@ def timeline_figure(timeline, *, title: str | None = None, unit: str = "unit cos
 
     p, makespan = timeline.num_ranks, timeline.makespan
     scale, xlabel = time_scale(makespan, unit)
-    fig_w = min(max(_MIN_WIDTH_IN, 0.35 * len(timeline.events) / max(p, 1)), _MAX_WIDTH_IN)
+    fig_w = _width_in(timeline)
     fig, ax = plt.subplots(figsize=(fig_w, 0.5 * p + 1.6))
     bars = _draw_bars(ax, timeline, p, scale)
     ax.set_yticks(range(p))
@@ -121,6 +121,16 @@ def timeline_figure(timeline, *, title: str | None = None, unit: str = "unit cos
     if labels:
         _label_bars(ax, fig, bars)
     return fig
+
+
+def _width_in(timeline) -> float:
+    """Wide enough that a short bar (the 25th percentile of durations) is a quarter inch, room for
+    a label such as ``3B1`` at 7 points, within 6 to 20 inches (the axes are about 80% of it)."""
+    durations = sorted(e.end - e.start for e in timeline.events if e.end > e.start)
+    short = durations[len(durations) // 4] if durations else 0.0
+    by_labels = 0.25 * timeline.makespan / short / 0.8 if short > 0 else 0.0
+    by_count = 0.35 * len(timeline.events) / max(timeline.num_ranks, 1)
+    return min(max(_MIN_WIDTH_IN, by_labels, by_count), _MAX_WIDTH_IN)
 
 
 def _draw_bars(ax, timeline, p: int, scale: float) -> list:
