@@ -118,3 +118,27 @@ def test_plan_fails_at_the_pass_not_at_run_time(traced):
     model, args, kwargs = zoo.make("gpt", n_layer=1, seed=0)
     with pytest.raises(PassContractError, match="no_metadata"):
         fxsplit.plan(model, args, kwargs, tp=2, passes=[no_metadata])
+
+
+@pytest.mark.hf
+def test_the_issue_case_naive_silu_to_gelu_on_an_exported_llama():
+    """The rewrite of issue 31: aten.silu -> aten.gelu with no metadata on an exported Llama used to
+    plan, then fail in verify with "The size of tensor a (128) must match the size of tensor b (64)"."""
+    pytest.importorskip("transformers")
+    from fxsplit.testing import hf_zoo
+
+    aten = torch.ops.aten
+
+    def naive_silu_to_gelu(gm, ctx):
+        for node in [n for n in gm.graph.nodes if n.target is aten.silu.default]:
+            with gm.graph.inserting_after(node):
+                new = gm.graph.call_function(aten.gelu.default, node.args)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+        return PassResult(gm, True)
+
+    model, args, kwargs = hf_zoo.tiny_llama()
+    with pytest.raises(PassContractError) as info:
+        fxsplit.plan(model, args, kwargs, tp=2, pp=2, passes=[naive_silu_to_gelu])
+    assert info.value.pass_name == "naive_silu_to_gelu" and info.value.node.startswith("gelu")
+    assert "(call_function gelu.default)" in str(info.value)
