@@ -35,7 +35,7 @@ def example():
 
 def test_a_pass_that_changes_meaning_is_named(example, capsys):
     model, args, kwargs = example
-    plan = fxsplit.plan(model, args, kwargs, tp=2, passes=[count_nodes, gelu_to_silu])
+    plan = fxsplit.plan(model, args, kwargs, passes=[count_nodes, gelu_to_silu])
     with pytest.raises(VerificationError) as info:
         fxsplit.verify(model, args, plan, kwargs)
     msg = str(info.value)
@@ -50,7 +50,7 @@ def test_a_pass_that_changes_meaning_is_named(example, capsys):
 
 def test_a_pass_that_keeps_meaning_verifies_against_the_model(example, capsys):
     model, args, kwargs = example
-    plan = fxsplit.plan(model, args, kwargs, tp=2, passes=[count_nodes])
+    plan = fxsplit.plan(model, args, kwargs, passes=[count_nodes])
     fxsplit.verify(model, args, plan, kwargs)
     assert capsys.readouterr().out.strip().endswith("against the model you gave")
     fxsplit.verify(model, args, plan, kwargs, quiet=True)
@@ -59,6 +59,6 @@ def test_a_pass_that_keeps_meaning_verifies_against_the_model(example, capsys):
 
 def test_unknown_reference_is_a_usage_error(example):
     model, args, kwargs = example
-    plan = fxsplit.plan(model, args, kwargs, tp=2)
+    plan = fxsplit.plan(model, args, kwargs)
     with pytest.raises(UsageError, match="reference='weights'.*'model'"):
         fxsplit.verify(model, args, plan, kwargs, reference="weights")
