@@ -77,12 +77,18 @@ _LAZY: dict[str, str] = {
 }
 
 
+_SUBMODULES = frozenset({"api", "cli", "config", "errors", "graph", "passes", "pipeline", "planner", "runtime",
+                         "schedule", "testing", "tp"})
+
+
 def __getattr__(name: str):
+    import importlib
+
+    if name in _SUBMODULES:  # ``import fxsplit; fxsplit.testing.zoo`` as when everything was imported eagerly
+        return importlib.import_module(f"fxsplit.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'fxsplit' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # the next access skips this function
     return value

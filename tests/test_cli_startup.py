@@ -50,3 +50,12 @@ def test_missing_matplotlib_is_reported_before_the_model_loads(monkeypatch, caps
     assert not (tmp_path / "t.png").exists()
     code = cli.main(["schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--timeline", str(tmp_path / "t.png")])
     assert code == cli.EXIT_FAILURE and "matplotlib" in capsys.readouterr().err
+
+
+def test_package_attributes_load_on_first_use():
+    code = ("import sys, fxsplit; a = 'torch' in sys.modules; names = fxsplit.schedule.NAMES; "
+            "b = 'torch' in sys.modules; fxsplit.plan; c = 'torch' in sys.modules; "
+            "print(a, b, c, hasattr(fxsplit, 'no_such_name'), set(fxsplit.__all__) <= set(dir(fxsplit)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.stdout.split() == ["False", "False", "True", "False", "True"], done.stderr
