@@ -142,3 +142,13 @@ def test_the_issue_case_naive_silu_to_gelu_on_an_exported_llama():
         fxsplit.plan(model, args, kwargs, tp=2, pp=2, passes=[naive_silu_to_gelu])
     assert info.value.pass_name == "naive_silu_to_gelu" and info.value.node.startswith("gelu")
     assert "(call_function gelu.default)" in str(info.value)
+
+
+def test_a_pass_that_returns_a_copied_graph_module_passes(traced):
+    def copies(gm, ctx):  # every node is new; fx's getattr nodes had no meta["val"] before either
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))  # node_copy keeps names and meta
+        return PassResult(torch.fx.GraphModule(gm, graph), True)
+
+    result = _run(traced, copies)
+    assert len(result.graph_module.graph.nodes) == len(traced[0].graph.nodes)

@@ -36,6 +36,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
+import torch.fx.experimental.symbolic_shapes
 from torch.fx.node import map_arg
 
 from fxsplit.errors import PassContractError
@@ -56,6 +57,7 @@ class Snapshot:
     signatures: dict[torch.fx.Node, str]
     shapes: dict[torch.fx.Node, tuple | None]  # None: the node had no meta["val"] (e.g. fx's getattr on a tensor)
     has_info: bool  # the graph carried meta["fxsplit"] as well
+    no_val: frozenset[str]  # names of the nodes without meta["val"]: a copied graph keeps the names
 
 
 def _signature(node: torch.fx.Node) -> str:
@@ -79,6 +81,7 @@ def take_snapshot(gm: torch.fx.GraphModule) -> Snapshot | None:
         signatures={n: _signature(n) for n in nodes},
         shapes={n: _shapes(n.meta["val"]) if "val" in n.meta else None for n in nodes},
         has_info=all("fxsplit" in n.meta for n in placeholders),
+        no_val=frozenset(n.name for n in nodes if "val" not in n.meta),
     )
 
 
@@ -95,8 +98,9 @@ def check_after(gm: torch.fx.GraphModule, snapshot: Snapshot | None, *, pass_nam
         changed = new or snapshot.signatures[node] != _signature(node)
         if not changed and not any(a in dirty for a in node.all_input_nodes):
             continue
-        if not new and snapshot.shapes[node] is None:
-            continue  # the tracer gave it no value (nothing to keep)
+        if (not new and snapshot.shapes[node] is None) or (new and "val" not in node.meta
+                                                              and node.name in snapshot.no_val):
+            continue  # the tracer gave it no value (nothing to keep); a copy of such a node neither
         _check_node(gm, node, snapshot, pass_name, new=new)
         if new or _shapes(node.meta["val"]) != snapshot.shapes[node]:
             dirty.add(node)
@@ -145,17 +149,29 @@ def _recompute(gm: torch.fx.GraphModule, node: torch.fx.Node, where: str, pass_n
     if not _recomputable(node) or any("val" not in a.meta for a in node.all_input_nodes):
         return None
     args, kwargs = map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+    if node.op == "call_method" and not (args and isinstance(args[0], torch.Tensor)):
+        return None  # a method of a non-tensor value (a dict's .items(), ...)
     mode = torch._guards.detect_fake_mode([a.meta["val"] for a in node.all_input_nodes])
     try:
         with mode if mode is not None else contextlib.nullcontext():
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             return node.target(*args, **kwargs)
+    except _UNKNOWABLE:
+        return None  # the output shape depends on the data (nonzero, ...): nothing to compare
     except Exception as exc:
         inputs = ", ".join(f"{a.name}: {_fmt(_shapes(a.meta['val']))}" for a in node.all_input_nodes)
         raise PassContractError(
             f"{where} fails on its inputs' shapes ({inputs}): {type(exc).__name__}: {str(exc).splitlines()[0]}",
             pass_name=pass_name, node=node.name) from exc
+
+
+_UNKNOWABLE = (
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+    torch._subclasses.fake_tensor.DynamicOutputShapeException,
+    torch._subclasses.fake_tensor.UnsupportedOperatorException,
+    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode,
+)
 
 
 def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
