@@ -22,6 +22,15 @@ opaque call: run it after the passes that read costs.
 
 Run ``python examples/custom_pass.py`` (add ``--debug DIR`` for per-pass dumps): it prints the
 graph diff, the node table, and checks the output and every gradient against the model.
+
+Under torchrun the GELU pass goes to ``fxsplit.parallelize(passes=[gelu_to_tanh])`` instead: a
+small GPT split over the launched ranks (``--tp``, ``--pp``; default pp = world size) trains a few
+steps, and rank 0 prints each step's loss next to the same model rewritten by the same pass and
+trained in one process; the exit status is 1 when they differ::
+
+    torchrun --standalone --nproc-per-node 2 examples/custom_pass.py
+
+The contract a pass keeps (metadata, what the PassManager checks) is in docs/passes.md.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ import argparse
 import copy
 import functools
 import operator
+import os
+import sys
 from typing import Any
 
 import torch
@@ -260,7 +271,66 @@ def main(debug_dir: str | None = None, *, verbose: bool = True) -> dict[str, Any
     return summary
 
 
+# --------------------------------------------------------------------------- under torchrun
+
+
+def parallel_main(argv: list[str] | None = None) -> int:
+    """``gelu_to_tanh`` through ``fxsplit.parallelize(passes=...)`` on the launched ranks."""
+    import torch.distributed as dist
+
+    import fxsplit
+    from fxsplit.testing import zoo
+
+    parser = argparse.ArgumentParser(description="custom_pass.py under torchrun")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=None, help="default: world size / tp")
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args(argv)
+    model, example, kwargs = zoo.make("gpt", n_layer=2, seed=0)
+    reference = copy.deepcopy(model)
+    world = int(os.environ.get("WORLD_SIZE", "0")) or dist.get_world_size()
+    pm = fxsplit.parallelize(model, example, kwargs, loss_fn=zoo.cross_entropy_loss, tp=args.tp,
+                             pp=args.pp or world // args.tp, schedule="1f1b", microbatches=2,
+                             passes=[gelu_to_tanh])
+    rank = dist.get_rank()
+    if rank == 0:  # the same pass on the unsplit model, trained in this process
+        gm = fxsplit.trace(reference, example, kwargs)
+        reference = PassManager([gelu_to_tanh])(gm, PassContext(example_args=example)).graph_module
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        print(f"gelu_to_tanh rewrote {pm.plan.pass_report['gelu_to_tanh']}", flush=True)
+        tanh = [s for s, m in pm.local_stage_graphs().items() if "approximate = 'tanh'" in m.code]
+        print(f"rank 0's stages with tanh GELU in their code: {tanh}", flush=True)
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(7)
+    worst = 0.0
+    for i in range(args.steps):
+        x = torch.randint(0, 128, example[0].shape, generator=g)
+        y = zoo.make_target("gpt", torch.empty(*x.shape, 128), seed=i)
+        loss = pm.step(x, target=y)
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:
+            ref_loss = zoo.cross_entropy_loss(reference(x), y)
+            ref_opt.zero_grad()
+            ref_loss.backward()
+            ref_opt.step()
+            a, b = float(loss), ref_loss.item()
+            worst = max(worst, abs(a - b) / abs(b))
+            print(f"step {i}: loss fxsplit {a:.6f}  single {b:.6f}", flush=True)
+    verdict = torch.tensor([int(worst > 1e-5)])
+    dist.broadcast(verdict, src=0)  # every rank exits with the same status
+    if rank == 0:
+        print(f"{'MISMATCH' if verdict.item() else 'OK'}: largest relative loss difference {worst:.2e}", flush=True)
+    return int(verdict.item())
+
+
 if __name__ == "__main__":
+    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        code = parallel_main(sys.argv[1:])
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        sys.exit(code)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--debug", metavar="DIR", help="write per-pass dumps to DIR")
     main(parser.parse_args().debug)

@@ -27,18 +27,76 @@ names), exactly like a user's own pass.
 
 __version__ = "0.1.0"
 
-from fxsplit.graph.meta import NodeInfo, TensorMeta, TraceInfo, annotate_node, annotate_graph, node_info, trace_info
-from fxsplit.graph.trace import TraceError, flatten_inputs, trace
-from fxsplit.graph.marker import pipe_split
-from fxsplit.graph.pass_api import PassContext, PassManager, PassResult, register_pass
-from fxsplit.graph.hardware import Hardware
-from fxsplit.api import ParallelConfig, ParallelModel, Plan, PlanError, RankFailedError, VerifyReport, load_full_checkpoint, parallelize, plan, verify
-from fxsplit.schedule import Action, ActionKind, ScheduleError
-from fxsplit.pipeline.stage import StageGraphs, StageIO, ValueMeta, ValueSource, build_stages
-from fxsplit.graph.cost import NodeCost, graph_cost, node_cost
-from fxsplit.runtime import PipelineError, PipelineRuntime
-from fxsplit.testing import run_distributed
-from fxsplit.errors import CheckpointError, FxsplitError, VerificationError
+# [Note: lazy package attributes] ``fxsplit --help`` and ``fxsplit schedule`` need no torch, and
+# importing torch takes seconds: the public names load their module on first use (PEP 562).
+_LAZY: dict[str, str] = {
+    "NodeInfo": "fxsplit.graph.meta",
+    "TensorMeta": "fxsplit.graph.meta",
+    "TraceInfo": "fxsplit.graph.meta",
+    "annotate_node": "fxsplit.graph.meta",
+    "annotate_graph": "fxsplit.graph.meta",
+    "node_info": "fxsplit.graph.meta",
+    "trace_info": "fxsplit.graph.meta",
+    "TraceError": "fxsplit.graph.trace",
+    "flatten_inputs": "fxsplit.graph.trace",
+    "trace": "fxsplit.graph.trace",
+    "pipe_split": "fxsplit.graph.marker",
+    "PassContext": "fxsplit.graph.pass_api",
+    "PassManager": "fxsplit.graph.pass_api",
+    "PassResult": "fxsplit.graph.pass_api",
+    "register_pass": "fxsplit.graph.pass_api",
+    "Hardware": "fxsplit.graph.hardware",
+    "ParallelConfig": "fxsplit.api",
+    "ParallelModel": "fxsplit.api",
+    "Plan": "fxsplit.api",
+    "PlanError": "fxsplit.api",
+    "RankFailedError": "fxsplit.api",
+    "VerifyReport": "fxsplit.api",
+    "load_full_checkpoint": "fxsplit.api",
+    "parallelize": "fxsplit.api",
+    "plan": "fxsplit.api",
+    "verify": "fxsplit.api",
+    "Action": "fxsplit.schedule",
+    "ActionKind": "fxsplit.schedule",
+    "ScheduleError": "fxsplit.schedule",
+    "StageGraphs": "fxsplit.pipeline.stage",
+    "StageIO": "fxsplit.pipeline.stage",
+    "ValueMeta": "fxsplit.pipeline.stage",
+    "ValueSource": "fxsplit.pipeline.stage",
+    "build_stages": "fxsplit.pipeline.stage",
+    "NodeCost": "fxsplit.graph.cost",
+    "graph_cost": "fxsplit.graph.cost",
+    "node_cost": "fxsplit.graph.cost",
+    "PipelineError": "fxsplit.runtime",
+    "PipelineRuntime": "fxsplit.runtime",
+    "run_distributed": "fxsplit.testing",
+    "CheckpointError": "fxsplit.errors",
+    "FxsplitError": "fxsplit.errors",
+    "VerificationError": "fxsplit.errors",
+    "PassContractError": "fxsplit.errors",
+}
+
+
+_SUBMODULES = frozenset({"api", "cli", "config", "errors", "graph", "passes", "pipeline", "planner", "runtime",
+                         "schedule", "testing", "tp"})
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _SUBMODULES:  # ``import fxsplit; fxsplit.testing.zoo`` as when everything was imported eagerly
+        return importlib.import_module(f"fxsplit.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fxsplit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access skips this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 LAYERS: dict[str, tuple[str, ...]] = {
     # unit -> the units directly below it ([Note: layer contract]); imports may go down transitively
@@ -125,6 +183,7 @@ __all__ = [
     "RankFailedError",
     "FxsplitError",
     "VerificationError",
+    "PassContractError",
     "verify",
     "VerifyReport",
     "LAYERS",

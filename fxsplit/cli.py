@@ -333,16 +333,17 @@ def _cmd_schedule(ns: argparse.Namespace) -> int:
     print(schedules.format_grid(sched))
     print(timeline)
     if ns.timeline:
-        schedules.timeline_png(timeline, ns.timeline, title=title)
+        schedules.timeline_png(timeline, ns.timeline, title=title,
+                               unit=f"unit costs: forward {ns.forward:g}, backward {ns.backward:g}")
         print(f"wrote the simulated schedule to {ns.timeline}")
     return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fxsplit import schedule as schedules
-    from fxsplit.api import SCHEDULES
-    from fxsplit.graph.trace import METHODS
+    from fxsplit import config
+    from fxsplit import schedule as schedules  # torch-free, like everything --help needs
 
+    SCHEDULES, METHODS = schedules.NAMES, config.TRACE_METHODS
     parser = argparse.ArgumentParser(
         prog="fxsplit", description="Plan tensor + pipeline parallelism for an unmodified PyTorch model.",
     )
@@ -407,6 +408,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_optional_dependencies(ns: argparse.Namespace) -> None:
+    """Refuse a request whose output needs a package that is not installed, before any model loads
+    (a plan of a large model takes minutes, and the PNG is written last)."""
+    from fxsplit.errors import MissingDependencyError
+
+    if getattr(ns, "timeline", None) and importlib.util.find_spec("matplotlib") is None:
+        raise MissingDependencyError(
+            "--timeline needs matplotlib, which is not installed: pip install -e '.[viz]' (or "
+            "pip install 'matplotlib>=3.7'), or leave out --timeline")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     parser = build_parser()
@@ -415,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse already printed the usage and the error
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     try:
+        _check_optional_dependencies(ns)
         return ns.run(ns)
     except REQUEST_ERRORS as exc:
         print(f"fxsplit {ns.command}: error: {exc}", file=sys.stderr)

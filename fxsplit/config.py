@@ -1,6 +1,7 @@
 """Environment switches: the one place fxsplit reads its own ``FXSPLIT_*`` variables (torchrun's
 ``RANK`` / ``LOCAL_RANK`` / ... are torchrun's contract, read where the process group is made, in
-``fxsplit.runtime.mesh``).
+``fxsplit.runtime.mesh``); and the option vocabularies that the torch-free command line
+(``fxsplit --help``) must know without importing torch.
 
 Terms:
     FXSPLIT_DEBUG_DIR: when set to a non-empty path, every PassManager run without an explicit
@@ -25,6 +26,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+
+TRACE_METHODS = ("auto", "fx", "export")  # fxsplit.trace(method=...): auto tries fx, then export
 
 DEBUG_DIR_ENV = "FXSPLIT_DEBUG_DIR"
 

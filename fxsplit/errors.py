@@ -28,7 +28,7 @@ from collections.abc import Mapping
 __all__ = [
     "FxsplitError", "TraceError", "UnknownPassError", "TPPlanError", "ShardingError", "PartitionError",
     "SplitError", "StageBuildError", "ScheduleError", "PlanError", "PipelineError", "RankFailedError",
-    "DistributedRunError", "VerificationError", "UsageError", "PathError", "ArgumentTypeError",
+    "DistributedRunError", "VerificationError", "PassContractError", "UsageError", "PathError", "ArgumentTypeError",
     "MissingKeyError", "OutOfRangeError", "RunError", "MissingDependencyError", "CheckpointError", "REQUEST_ERRORS",
 ]
 
@@ -160,6 +160,19 @@ class VerificationError(FxsplitError, RuntimeError):
         self.problems = tuple(problems)
 
 
+class PassContractError(FxsplitError, ValueError):
+    """A graph pass left the graph in a state later passes cannot trust: a node it added or changed
+    has no ``meta["val"]`` / ``meta["fxsplit"]``, or its metadata disagrees with what the node
+    computes on fake tensors ([Note: metadata check after a pass] in :mod:`fxsplit.graph.pass_check`).
+
+    `pass_name` is the pass, `node` the first bad node (graph order)."""
+
+    def __init__(self, message: str, *, pass_name: str, node: str):
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.node = node
+
+
 class CheckpointError(FxsplitError, RuntimeError):
     """A checkpoint cannot be saved or loaded: no checkpoint at the path, a file damaged since the
     save (the message names the tensor and its ``.distcp`` file), non-finite values, or a failure
@@ -185,5 +198,5 @@ class DistributedRunError(FxsplitError, RuntimeError):
 
 
 REQUEST_ERRORS = (PlanError, TPPlanError, ShardingError, PartitionError, SplitError, StageBuildError,
-                  ScheduleError, UsageError, ArgumentTypeError, OutOfRangeError, MissingKeyError, PathError)
+                  ScheduleError, PassContractError, UsageError, ArgumentTypeError, OutOfRangeError, MissingKeyError, PathError)
 """The errors that mean "this request cannot be answered as given" (the CLI's exit code 2)."""

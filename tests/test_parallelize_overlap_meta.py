@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -94,8 +95,11 @@ def _meta_model(rank):
     assert all(p.is_meta for p in model.parameters()) and args[0].is_meta
     assert model.lm_head.weight is model.wte.weight  # tied
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, tp=2, pp=2, microbatches=2,
-                             hardware=HW, timeout=60)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, tp=2, pp=2, microbatches=2,
+                                 hardware=HW, timeout=60)
+    fresh = [str(w.message) for w in caught if "FRESH random values" in str(w.message)]
     local = {}
     for s, mod in pm.stage_modules.items():
         for n, t in [*mod.named_parameters(remove_duplicate=False), *mod.named_buffers(remove_duplicate=False)]:
@@ -111,7 +115,7 @@ def _meta_model(rank):
         opt.zero_grad()
     return dict(coords=dict(pm.coords), local=local, full_shapes=full_shapes,
                 specs=dict(pm.plan.tp_plan.param_specs), shared=pm.plan.stages.shared_params,
-                num_pp=pm.plan.config.pp, losses=losses, grads_finite=grads_finite)
+                num_pp=pm.plan.config.pp, losses=losses, grads_finite=grads_finite, fresh=fresh)
 
 
 def _four_ranks(rank, world):
@@ -163,6 +167,13 @@ def _by_cell(results):
         out[(m["coords"]["pp"], m["coords"]["tp"])] = m
     assert sorted(out) == [(0, 0), (0, 1), (1, 0), (1, 1)], sorted(out)
     return out
+
+
+@pytest.mark.dist
+def test_meta_model_warns_once_that_its_weights_are_fresh(four):
+    fresh = [res["meta"]["fresh"] for res in four]  # results in global rank order
+    assert [len(f) for f in fresh] == [1, 0, 0, 0], fresh
+    assert "parameters are on the meta device" in fresh[0][0] and "pm.load_checkpoint" in fresh[0][0]
 
 
 @pytest.mark.dist

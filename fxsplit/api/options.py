@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fxsplit import config
 from fxsplit.errors import ArgumentTypeError, PlanError
 from fxsplit.graph.hardware import Hardware
 from fxsplit.schedule import NAMES as SCHEDULES
@@ -27,7 +28,7 @@ from fxsplit.schedule import schedule_spec
 __all__ = ["ParallelConfig", "SCHEDULES", "make_config"]
 
 _CUT_AT = ("any", "modules")
-_METHODS = ("auto", "fx", "export")
+_METHODS = config.TRACE_METHODS
 _CHECKPOINTING = ("none", "selective", "full", "auto")
 
 

@@ -16,6 +16,7 @@ import datetime
 import functools
 import itertools
 import logging
+import warnings
 from typing import Any, Callable, Mapping
 
 import torch
@@ -138,6 +139,7 @@ def parallelize(
     the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False),
                     global_batch_size=global_batch_size)
     _verify(model, example_args, example_kwargs, the_plan, config.verify)
+    _warn_fresh_weights(model)
     c = the_plan.config
     pp_rank = coords["pp"]
     mine = the_plan.stages_of(pp_rank)
@@ -204,6 +206,19 @@ def _start_watch(mesh: Any, the_plan: Any, timeout: float) -> Any:
                  describe=lambda r: where.get(r, f"global rank {r}"))
 
 
+def _warn_fresh_weights(model: nn.Module) -> None:
+    """One warning (global rank 0) when the model's parameters are on the meta device: each rank then
+    initializes its shards fresh, and a user who meant to train their weights would not know."""
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if not meta or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    warnings.warn(
+        f"fxsplit.parallelize: {len(meta)} of the model's parameters are on the meta device (e.g. {meta[0]!r}); "
+        "every rank initializes its shards with FRESH random values (fxsplit.tp.sharding.default_init), not "
+        "trained weights. Load weights after with pm.load_checkpoint(dir), or build the model on a real device",
+        UserWarning, stacklevel=3)
+
+
 def _verify(model: nn.Module, example_args: Any, example_kwargs: Any, the_plan: Any, mode: bool | None) -> None:
     """[Note: plan-time verification]: every rank checks the plan in its own process (the same
     deterministic answer everywhere, so a mismatch raises on every rank, before any collective)."""
@@ -216,7 +231,7 @@ def _verify(model: nn.Module, example_args: Any, example_kwargs: Any, the_plan: 
         if why_not is not None:
             _log.info("fxsplit: not verifying the plan (verify=None): %s", why_not)
             return
-    report = verify(model, example_args, the_plan, example_kwargs)
+    report = verify(model, example_args, the_plan, example_kwargs, reference="graph", quiet=True)
     _log.info("fxsplit: %s", report)
 
 

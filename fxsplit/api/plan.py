@@ -129,7 +129,9 @@ class Plan:
         return self.split.to_dot(self.graph, path)
 
     def timeline(self, path: str) -> str:
-        _schedules.timeline_png(self.simulate(), path, title=f"{self.config.schedule}: p={self.config.pp} v={self.config.stages_per_rank} m={self.config.microbatches}")
+        sim, c = self.simulate(), self.config
+        _schedules.timeline_png(sim, path, unit="s", title=f"{c.schedule}: p={c.pp} v={c.stages_per_rank} "
+                                f"m={c.microbatches}; simulated step {sim.makespan * 1e3:.3g} ms")
         return path
 
     def schedule_grid(self) -> str:

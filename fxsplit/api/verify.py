@@ -36,6 +36,15 @@ is compared in graph order (gathered when sharded, also in the block layouts of 
 partial sums before an all-reduce and values of another shape are skipped), and
 :class:`VerificationError` names the first one that diverges, its stage and module path.
 
+[Note: which reference]
+``verify`` compares with the model the user gave (``reference="model"``). A user pass may change
+what the model computes on purpose (an op swap); then the split cannot match the model, and the
+question is which pass moved it: the model is traced with the first k passes for k = 0..n and
+each pass whose outputs differ from those before it (beyond the tolerance) is named in the
+VerificationError, with ``reference="graph"`` offered, which compares with the traced model
+after all the passes (the split alone). ``parallelize`` checks the split alone (its passes are
+the user's request).
+
 ``parallelize`` verifies by default (``verify=None``: auto) when the model has real weights,
 fewer than 1e8 parameters, no random op drawing numbers (dropout with p > 0, whose masks
 differ from the unsplit run by design), no ``mp_policy`` and no ``vocab_parallel_loss`` (not
@@ -57,7 +66,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxsplit.api.materialize import materialize_stage
-from fxsplit.errors import PlanError, VerificationError
+from fxsplit.errors import PlanError, UsageError, VerificationError
 from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.ops import resolve_path
 from fxsplit.graph.recompute import checkpointed
@@ -67,7 +76,10 @@ from fxsplit.tp import collectives as C
 from fxsplit.tp.emulate import as_rank, emulate, is_emulated
 from fxsplit.tp.random import is_random
 
-__all__ = ["VerificationError", "VerifyReport", "auto_verify_reason", "tolerance", "verify"]
+__all__ = ["REFERENCES", "VerificationError", "VerifyReport", "auto_verify_reason", "tolerance", "verify"]
+
+REFERENCES = ("model", "graph")
+_REFERENCE_WORDS = {"model": "model you gave", "graph": "model after the plan's passes"}
 
 AUTO_MAX_PARAMS = 100_000_000  # parallelize verifies models below this size by default
 _TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -250,14 +262,24 @@ def verify(
     target: Any = None,
     rtol: float | None = None,
     stage_modules: Sequence[Sequence[nn.Module]] | None = None,
+    reference: str = "model",
+    quiet: bool = False,
 ) -> VerifyReport:
     """Check ``plan`` (a :class:`fxsplit.Plan` of ``model``) on ``example_args``: outputs and every
     parameter gradient of all tp ranks of all stages, run in this process, against the unsplit
     model ([Note: plan-time verification]). Raises :class:`fxsplit.errors.VerificationError`
     naming the first diverging node, or PlanError when the plan cannot be verified (meta weights,
     random ops). ``stage_modules[s][r]``: rank r's materialized module of stage s to check instead
-    of building them from ``model``. ``rtol`` overrides the dtype's tolerance."""
+    of building them from ``model``. ``rtol`` overrides the dtype's tolerance.
+
+    ``reference="model"`` (default) compares with the model you gave; when the plan's own passes
+    (``passes=...``) change what it computes, the VerificationError names each pass that does
+    ([Note: which reference]). ``reference="graph"`` compares with the model traced and rewritten by
+    those passes, checking the split alone. On success one line is printed unless ``quiet``."""
     t0 = time.perf_counter()
+    if reference not in REFERENCES:
+        raise UsageError(f"verify(reference={reference!r}): choose one of {REFERENCES}: 'model' compares with the "
+                         "model you gave, 'graph' with the model after the plan's passes")
     if not isinstance(example_args, (tuple, list)):
         example_args = (example_args,)
     if any(p.is_meta for p in [*model.parameters(), *model.buffers()]):
@@ -296,19 +318,24 @@ def verify(
     rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(t)]
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # a train-mode forward updates some
     try:
-        return _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat,
-                        loss_fn=loss_fn, target=target, rtol=rtol, t0=t0)
+        report = _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat,
+                          loss_fn=loss_fn, target=target, rtol=rtol, t0=t0, reference=reference)
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():
                 if not torch.equal(b, saved[n]):
                     b.copy_(saved[n])
+    if not quiet:
+        print(f"fxsplit.verify: OK, {report} against the {_REFERENCE_WORDS[reference]}")
+    return report
 
 
 def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat, *, loss_fn, target, rtol,
-             t0) -> VerifyReport:
+             t0, reference) -> VerifyReport:
     t = plan.config.tp
-    reference = _Reference.of(model, example_args, example_kwargs, plan, len(rank_flat[0]))
+    with_passes = reference == "graph"
+    ref_name = reference
+    reference = _Reference.of(model, example_args, example_kwargs, plan, len(rank_flat[0]), with_passes=with_passes)
 
     def loss_of(flat_out):
         if loss_fn is None:
@@ -333,6 +360,8 @@ def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, ran
         grad_problems, max_grad, n_grads = _check_grads(plan, stage_modules, ref_grads, rtol)
         problems += grad_problems
     if problems:
+        if ref_name == "model" and plan.config.passes:
+            _raise_if_passes_changed_meaning(model, example_args, example_kwargs, plan, rtol, problems)
         ref_gm, ref_vals = reference.node_values(model, example_args, example_kwargs, plan)
         raise _diverged(plan, ref_gm, ref_vals, vals, problems, rtol)
     return VerifyReport(outputs=len(reference.flat) * t, gradients=n_grads, max_output_error=max_out,
@@ -349,12 +378,13 @@ class _Reference:
     params: dict[str, torch.Tensor]  # name (every alias) -> the tensor the loss was computed with
 
     @classmethod
-    def of(cls, model: nn.Module, args: Any, kwargs: Any, plan: Any, n_out: int) -> _Reference:
-        if not plan.config.passes:
+    def of(cls, model: nn.Module, args: Any, kwargs: Any, plan: Any, n_out: int, *, with_passes: bool) -> _Reference:
+        if not (with_passes and plan.config.passes):
             flat, _ = pytree.tree_flatten(model(*args, **dict(kwargs or {})))
             if len(flat) == n_out:
                 return cls(flat=flat, params=dict(model.named_parameters(remove_duplicate=False)))
-        gm, mod, io = _reference_graph(model, args, kwargs, plan)
+        passes = plan.config.passes if with_passes else ()
+        gm, mod, io = _reference_graph(model, args, kwargs, plan, passes=passes)
         out = _run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], None)[0]
         flat = [out[local] for _, local in sorted(io.model_outputs)]
         return cls(flat=flat, params=dict(mod.named_parameters(remove_duplicate=False)))
@@ -368,15 +398,43 @@ class _Reference:
 
     @staticmethod
     def node_values(model, args, kwargs, plan) -> tuple[torch.fx.GraphModule, dict[str, list[Any]]]:
-        gm, mod, _ = _reference_graph(model, args, kwargs, plan)
+        gm, mod, _ = _reference_graph(model, args, kwargs, plan, passes=plan.config.passes)
         record: dict[str, list[Any]] = {}
         _run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], record)
         return gm, record
 
 
-def _reference_graph(model: nn.Module, args: Any, kwargs: Any, plan: Any) -> tuple[torch.fx.GraphModule, nn.Module, Any]:
-    """The model traced unsplit with the user's passes (and the mixed-precision pass, as the plan
-    ran them), as one stage GraphModule with real tensors, and its StageIO."""
+def _raise_if_passes_changed_meaning(model: nn.Module, args: Any, kwargs: Any, plan: Any, rtol: float | None,
+                                     problems: Sequence[str]) -> None:
+    """[Note: which reference]: the model traced with the first k of the plan's passes, for k = 0..n;
+    pass k changed the model's meaning when its outputs differ from those before it."""
+    from fxsplit.graph.pass_api import pass_name
+
+    passes = list(plan.config.passes)
+    outputs = []
+    for k in range(len(passes) + 1):
+        gm, mod, io = _reference_graph(model, args, kwargs, plan, passes=passes[:k])
+        with torch.no_grad():
+            out = _run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], None)[0]
+        outputs.append([out[local] for _, local in sorted(io.model_outputs)])
+    changed = []
+    for k, fn in enumerate(passes):
+        errors = [_error(x, ref) for x, ref in zip(outputs[k + 1], outputs[k]) if isinstance(ref, torch.Tensor)]
+        worst = max(errors, default=0.0)
+        if len(outputs[k + 1]) != len(outputs[k]) or worst > (rtol if rtol is not None else 1e-4):
+            changed.append(f"{pass_name(fn)!r} (outputs move by {worst:.3g} relative)")
+    if changed:
+        raise VerificationError(
+            f"verify: the plan's outputs differ from the model you gave because its passes change what the model "
+            f"computes: {', '.join(changed)}; if that is intended, verify(..., reference='graph') checks the split "
+            f"against the model after the passes. Differences: {'; '.join(problems[:4])}",
+            problems=tuple(problems))
+
+
+def _reference_graph(model: nn.Module, args: Any, kwargs: Any, plan: Any, *,
+                     passes: Sequence[Any]) -> tuple[torch.fx.GraphModule, nn.Module, Any]:
+    """The model traced unsplit with ``passes`` (some or all of the user's; and the mixed-precision
+    pass, as the plan ran it), as one stage GraphModule with real tensors, and its StageIO."""
     import functools
 
     from fxsplit.graph.pass_api import PassContext, PassManager
@@ -386,7 +444,7 @@ def _reference_graph(model: nn.Module, args: Any, kwargs: Any, plan: Any) -> tup
     c = plan.config
     gm = trace(model, args, kwargs, method=c.method, leaf_modules=c.leaf_modules, dynamic_sequence=c.dynamic_sequence,
                param_dtype=c.mp_policy.param_dtype if c.mp_policy is not None else None)
-    passes = list(c.passes)
+    passes = list(passes)
     if c.mp_policy is not None and c.mp_policy.param_dtype is not None:
         from fxsplit.passes.mixed_precision import mixed_precision
 

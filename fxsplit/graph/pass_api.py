@@ -16,8 +16,8 @@ Signatures::
     PassResult(graph_module, modified)
     PassContext(example_args=(), example_kwargs={}, options={}, report={}, debug_dir=None,
                 logger=logging.getLogger("fxsplit.passes"))
-    PassManager(passes, *, constraints=(), disabled=(), checks=(), debug=None)(gm, ctx=None)
-        -> PassResult
+    PassManager(passes, *, constraints=(), disabled=(), checks=(), debug=None,
+                check_metadata=True)(gm, ctx=None) -> PassResult
     register_pass(name) / get_pass(name) / registered_passes() / load_entry_point_passes()
     this_before_that(this, that) -> constraint
 
@@ -25,6 +25,11 @@ Signatures::
 re-raises the ORIGINAL exception object with a note (``exc.add_note``) naming the pass that failed
 and the passes that ran before it, so ``except SomeError`` in user code keeps working and the
 traceback still points at the line that failed.
+
+After each pass the manager also holds the pass to the metadata contract when the graph carried it
+before the pass ([Note: metadata check after a pass] in :mod:`fxsplit.graph.pass_check`): a node
+the pass added or changed without ``meta["val"]`` / ``meta["fxsplit"]``, or whose shapes on fake
+tensors disagree with them, raises :class:`PassContractError` naming the pass and the node.
 """
 
 from __future__ import annotations
@@ -42,13 +47,15 @@ from typing import Any, Union
 import torch.fx
 
 from fxsplit import config
-from fxsplit.errors import ArgumentTypeError, UnknownPassError, UsageError
+from fxsplit.errors import ArgumentTypeError, PassContractError, UnknownPassError, UsageError
+from fxsplit.graph.pass_check import check_after, take_snapshot
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Check",
     "Constraint",
     "PassContext",
+    "PassContractError",
     "PassFn",
     "PassManager",
     "PassRecord",
@@ -287,7 +294,10 @@ class PassManager:
     a name that matches no pass is an error. ``checks`` are invariants ``check(gm)`` run on the
     input graph and after every pass, after ``gm.graph.lint()`` and ``gm.recompile()``.
     ``debug``: a folder for per-pass dumps (see ``fxsplit.graph.debug``), False for none, or None to
-    use the ``FXSPLIT_DEBUG_DIR`` environment variable.
+    use the ``FXSPLIT_DEBUG_DIR`` environment variable. ``check_metadata``: hold every pass to the
+    metadata contract (module docstring); fxsplit's built-in passes (``fxsplit.passes``) are not
+    rechecked, since recomputing every node tensor parallelism shards would add seconds to the plan
+    of a large model.
 
     Calling the manager returns ``PassResult(final_gm, modified_by_any_pass)``; failures follow
     [Note: pass failures] in ``fxsplit.graph.pass_api``.
@@ -301,6 +311,7 @@ class PassManager:
         disabled: Iterable[str] = (),
         checks: Sequence[Check] = (),
         debug: str | Path | bool | None = None,
+        check_metadata: bool = True,
     ) -> None:
         if isinstance(passes, (str, bytes)) or not isinstance(passes, Sequence):
             raise ArgumentTypeError(
@@ -342,6 +353,7 @@ class PassManager:
         self.disabled: frozenset[str] = frozenset(disabled)
         self.checks: tuple[Check, ...] = tuple(checks)
         self.constraints: tuple[Constraint, ...] = tuple(constraints)
+        self.check_metadata = bool(check_metadata)
         if debug is None:
             self.debug_dir: Path | None = config.debug_dir_from_env()
         elif debug is False:
@@ -412,6 +424,7 @@ class PassManager:
             token = recorder.begin(len(ran), name, gm)
             ctx.debug_dir = token.folder
         try:
+            snapshot = take_snapshot(gm) if self.check_metadata and not _built_in(fn) else None
             start = time.perf_counter()
             try:
                 result = fn(gm, ctx)
@@ -431,6 +444,11 @@ class PassManager:
                 new_gm.recompile()
             except BaseException as exc:
                 exc.add_note(_failure_note(f"in graph lint/recompile after pass {name!r}", name, ran))
+                raise
+            try:
+                check_after(new_gm, snapshot, pass_name=name)
+            except PassContractError as exc:
+                exc.add_note(_failure_note(f"in the metadata check after pass {name!r}", name, ran))
                 raise
             self._run_checks(new_gm, failed_after=name, ran=ran)
         except BaseException as exc:
@@ -466,6 +484,13 @@ class PassManager:
                     )
                 exc.add_note(note)
                 raise
+
+
+def _built_in(fn: PassFn) -> bool:
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    return (getattr(inner, "__module__", None) or "").startswith("fxsplit.passes.")
 
 
 def _spec_name(spec: PassSpec, fn: PassFn) -> str:

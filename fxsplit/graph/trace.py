@@ -34,6 +34,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxsplit import config
 from fxsplit.graph.decompose import Decomposition, attention_as_ops
 from fxsplit.graph.examples import _WIDE_BATCH, _widen_batch, example_at_batch
 from fxsplit.graph.lazy_code import lazily_recompiled
@@ -45,7 +46,7 @@ __all__ = ["trace", "TraceError", "flatten_inputs", "example_at_batch"]
 
 log = logging.getLogger(__name__)
 
-METHODS = ("auto", "fx", "export")
+METHODS = config.TRACE_METHODS
 
 # ops that export inserts for its own runtime checks; they carry no computation and would tie
 # stages together for nothing, so the traced graph drops them.
