@@ -67,11 +67,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxsplit.api.inputs import check_batch
+from fxsplit.api.inputs import check_batch, inference_microbatches
 from fxsplit.errors import ArgumentTypeError, RunError, UsageError
 
 if TYPE_CHECKING:
-    from fxsplit.api.model import ParallelModel
     from fxsplit.pipeline.stage import ValueMeta
 
 __all__ = ["Sampling", "generate", "generate_unsplit", "model_logits", "next_tokens"]
@@ -241,10 +240,10 @@ def _h60(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 4
 
 
-def generate(pm: ParallelModel, input_ids: torch.Tensor, *, max_new_tokens: int, sampling: Sampling,
+def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, sampling: Sampling,
              eos_token_id: int | None = None) -> torch.Tensor:
-    """:meth:`ParallelModel.generate` ([Note: generation by recompute]); the tokens (B, T + n) on
-    every rank, on ``input_ids``' device."""
+    """:meth:`ParallelModel.generate` of ``pm`` ([Note: generation by recompute]); the tokens (B, T + n)
+    on every rank, on ``input_ids``' device. (``pm`` is typed Any: fxsplit.api.model imports this module.)"""
     runtime = pm._runtime
     options = (tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None, max_new_tokens,
                eos_token_id, sampling)
@@ -253,7 +252,7 @@ def generate(pm: ParallelModel, input_ids: torch.Tensor, *, max_new_tokens: int,
         _check_call(input_ids, max_new_tokens, eos_token_id)
         feed = _Feed.of(pm.plan.stages.input_meta)
         feed.check_fits(input_ids.shape[1], max_new_tokens)
-        m = min(input_ids.shape[0], pm.plan.config.microbatches)  # [Note: fewer microbatches for inference]
+        m = inference_microbatches([input_ids], pm.plan)
         check_batch(feed.inputs(input_ids), pm.plan, "generate", microbatches=m)
         return [feed, input_ids, m]
 
@@ -284,7 +283,7 @@ def generate(pm: ParallelModel, input_ids: torch.Tensor, *, max_new_tokens: int,
     return pm._inference("generate", prepare, body, signature=signature, check=check)
 
 
-def _share(pm: ParallelModel, nxt: torch.Tensor | None, batch: int) -> torch.Tensor:
+def _share(pm: Any, nxt: torch.Tensor | None, batch: int) -> torch.Tensor:
     """The last stage's tokens on every rank of the replica: first from tp rank 0 to the other tp
     ranks of the last stage (each drew its own; one answer wins), then over the pipeline."""
     runtime = pm._runtime

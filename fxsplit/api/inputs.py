@@ -1,6 +1,6 @@
 """Checks of a call's inputs against a plan, on the rank that was given them and before any
 communication: :func:`check_batch` (can the batch be split into the plan's microbatches, with
-shapes the traced graph accepts?).
+shapes the traced graph accepts?) and :func:`inference_microbatches` (how many a forward uses).
 
 Terms as in :mod:`fxsplit.api` (m microbatches; [Note: a static batch] in fxsplit.graph.examples,
 [Note: a static sequence for export] in fxsplit.graph.trace).
@@ -18,7 +18,15 @@ from fxsplit.runtime.microbatch import bind_symbols, split_microbatches
 if TYPE_CHECKING:
     from fxsplit.api import Plan
 
-__all__ = ["check_batch"]
+__all__ = ["check_batch", "inference_microbatches"]
+
+
+def inference_microbatches(flat: Sequence[Any], plan_: Plan) -> int:
+    """m' = min(B, m): the microbatches a forward-only call splits a batch of B into ([Note: fewer
+    microbatches for inference] in fxsplit.api.generate); m when the inputs have no batch dim."""
+    m = plan_.config.microbatches
+    batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0), m)
+    return max(1, min(batch, m))
 
 
 def check_batch(flat: Sequence[Any], plan_: Plan, what: str, *, microbatches: int | None = None) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from fxsplit.api import agreement, checkpoint
 from fxsplit.api.checkpoint import alias_groups, like_param, load_full_checkpoint
-from fxsplit.api.inputs import check_batch
+from fxsplit.api.inputs import check_batch, inference_microbatches
 from fxsplit.errors import (ArgumentTypeError, MissingKeyError, PlanError, RankFailedError, RunError, ShardingError,
                             UsageError)
 from fxsplit.runtime.failures import exchange_errors
@@ -226,14 +226,16 @@ class ParallelModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference through the pipeline; the output in the model's own structure, on every rank.
-        Other batch sizes (>= m) and sequence lengths run without re-planning, as in :meth:`step`."""
-
+        Other batch sizes and sequence lengths run without re-planning, as in :meth:`step`; a batch
+        of B < m samples runs in B microbatches ([Note: fewer microbatches for inference] in
+        :mod:`fxsplit.api.generate`)."""
         def prepare() -> list:
             flat = self._flat(args, kwargs)
-            check_batch(flat, self.plan, "forward")
+            check_batch(flat, self.plan, "forward", microbatches=inference_microbatches(flat, self.plan))
             return flat
 
-        return self._inference("forward", prepare, lambda flat: self._runtime.forward(flat, all_ranks=True))
+        return self._inference("forward", prepare, lambda flat: self._runtime.forward(
+            flat, all_ranks=True, microbatches=inference_microbatches(flat, self.plan)))
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, eos_token_id: int | None = None,

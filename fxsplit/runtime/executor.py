@@ -365,7 +365,7 @@ class PipelineRuntime(GraphActions):
         self._mailbox: dict[Message, torch.Tensor] = {}
         self._outputs: dict[int, list[Any]] = {}
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        key = training if m == self.num_microbatches else m  # one channel per program
+        key = (training, m)  # one channel per program
         if key not in self._channels:
             plan = self.train_plan if training else self.plan.forward_with(m)
             self._channels[key] = P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout,
