@@ -123,7 +123,37 @@ def _generations(rank, world):
                 pm.generate(_prompt(1, 10, 256, 0), max_new_tokens=NEW)
             except UsageError as exc:
                 out[(name, "too_long")] = str(exc)
+    out["fault"] = _fault(rank)
     return out
+
+
+def _fault(rank):
+    """Global rank 3 (tp 1 of the last stage) raises while choosing the third token: every rank
+    raises at once, the others naming it ([Note: failures] in fxsplit.api.model), none hangs."""
+    import time
+
+    from fxsplit.api import generate as gen
+
+    model, args, _ = zoo.make("gpt")
+    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, timeout=60)
+    calls = [0]
+    pick = gen.next_tokens
+
+    def failing(*a, **kw):
+        calls[0] += 1
+        if rank == 3 and calls[0] == 3:
+            raise RuntimeError("injected failure while choosing a token")
+        return pick(*a, **kw)
+
+    gen.next_tokens = failing
+    t0 = time.perf_counter()
+    try:
+        pm.generate(_prompt(2, 5, model.config.vocab_size, 0), max_new_tokens=NEW)
+    except Exception as exc:  # noqa: BLE001 -- the test inspects it
+        return type(exc).__name__, str(exc), time.perf_counter() - t0
+    finally:
+        gen.next_tokens = pick
+    return "ok", "", time.perf_counter() - t0
 
 
 def _hf_reference(name, key):
@@ -141,6 +171,11 @@ def _hf_reference(name, key):
 @pytest.mark.hf
 def test_generate_at_tp2_pp2_equals_one_process():
     results = run_distributed(_generations, 4, timeout=600)
+    for rank, res in enumerate(results):
+        kind, text, seconds = res.pop("fault")
+        want = "RuntimeError" if rank == 3 else "RankFailedError"
+        assert kind == want and seconds < 30, (rank, kind, seconds, text)
+        assert ("injected failure" in text) and (rank == 3 or "global rank 3" in text), (rank, text)
     for key, value in results[0].items():  # every rank returns the same tokens
         for r in results[1:]:
             assert (r[key] == value) if isinstance(value, str) else torch.equal(r[key], value), (key, r[key], value)
