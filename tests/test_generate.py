@@ -108,6 +108,9 @@ def _generations(rank, world):
     except UsageError as exc:
         out[("gpt", "mismatch")] = str(exc)
     out[("gpt", "after")] = pm.generate(_prompt(1, 5, V, 1), max_new_tokens=2)
+    # dp=2 x pp=2: each replica (ranks 0-1, 2-3) continues its own prompt
+    pm = fxsplit.parallelize(model, args, dp=2, pp=2, microbatches=2, timeout=60)
+    dp_out = pm.generate(_prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW)
     for name in HF_FAMILIES:
         model, args, kwargs = _family(name)
         # llama keeps its attention mask as a graph input: generate fills it
@@ -124,7 +127,7 @@ def _generations(rank, world):
             except UsageError as exc:
                 out[(name, "too_long")] = str(exc)
     out["fault"] = _fault(rank)
-    return out
+    return out, dp_out
 
 
 def _fault(rank):
@@ -171,6 +174,11 @@ def _hf_reference(name, key):
 @pytest.mark.hf
 def test_generate_at_tp2_pp2_equals_one_process():
     results = run_distributed(_generations, 4, timeout=600)
+    gpt, _, _ = zoo.make("gpt")
+    V = gpt.config.vocab_size
+    for rank, (_, dp_out) in enumerate(results):
+        assert torch.equal(dp_out, generate_unsplit(gpt, _prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW)), rank
+    results = [res for res, _ in results]
     for rank, res in enumerate(results):
         kind, text, seconds = res.pop("fault")
         want = "RuntimeError" if rank == 3 else "RankFailedError"
@@ -179,8 +187,6 @@ def test_generate_at_tp2_pp2_equals_one_process():
     for key, value in results[0].items():  # every rank returns the same tokens
         for r in results[1:]:
             assert (r[key] == value) if isinstance(value, str) else torch.equal(r[key], value), (key, r[key], value)
-    gpt, _, _ = zoo.make("gpt")
-    V = gpt.config.vocab_size
     for b in (1, 3):
         assert torch.equal(results[0][("gpt", b)], generate_unsplit(gpt, _prompt(b, 5, V, b), max_new_tokens=NEW))
     ref = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, sampling=Sampling(**SAMPLED))
