@@ -55,6 +55,23 @@ def test_sampling_options_are_checked():
     assert next_tokens(logits, s, s.generator(torch.device("cpu"))).tolist() == [1, 0]
 
 
+def test_inputs_generate_cannot_fill_are_refused_with_the_fix():
+    from fxsplit.api.generate import _Feed
+
+    model, args, kwargs = zoo.make("kwargs")  # input_ids, attention_mask, position_ids
+    metas = fxsplit.plan(model, args, kwargs, pp=2, microbatches=2).stages.input_meta
+    with pytest.raises(UsageError, match=r"cannot fill \['position_ids', 'scale'\]\. Plan the model with its token "
+                                         r"ids alone"):
+        _Feed.of(metas)
+    feed = _Feed(ids=0, mask=1, length=6)
+    ids, mask = feed.inputs(torch.tensor([[5, 6, 7], [8, 9, 10]]))
+    assert ids.tolist() == [[5, 6, 7, 0, 0, 0], [8, 9, 10, 0, 0, 0]]  # padded on the right to the traced length
+    assert mask.tolist() == [[1, 1, 1, 0, 0, 0]] * 2
+    feed.check_fits(3, 4)  # 3 + 3 fed tokens fit in 6
+    with pytest.raises(UsageError, match=r"max_new_tokens <= 4.*dynamic_sequence=True"):
+        feed.check_fits(3, 5)
+
+
 def test_unsplit_gpt_loop_equals_argmax_of_full_forwards():
     model, _, _ = zoo.make("gpt")
     prompt = _prompt(2, 5, model.config.vocab_size, 0)

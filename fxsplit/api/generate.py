@@ -209,7 +209,8 @@ class _Feed:
             names = [m.name for m in metas]
             raise UsageError(
                 f"generate(): the plan's model takes the inputs {names}; generate() feeds token ids (the first "
-                "input, integer, (batch, length)) and at most one attention mask (an input named '*mask*'). "
+                "input, integer, (batch, length)) and at most one attention mask (an input named '*mask*'), "
+                f"so it cannot fill {other or names}. "
                 "Plan the model with its token ids alone (e.g. fxsplit.parallelize(model, (input_ids,)))")
         length = metas[0].shape[1]
         return cls(0, mask[0] if mask else None, length if isinstance(length, int) else None)
