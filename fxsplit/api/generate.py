@@ -6,7 +6,23 @@ Terms
 - **step**: one new token for every row: a forward of the whole model over the tokens so far,
   then the next token from the logits of the last real position.
 - **m'**: the microbatches a step is split into: ``min(B, m)``, so a single prompt runs at any pp
-  ([Note: fewer microbatches for inference]).
+  ([Note: what a faster generate needs] (not built; for whoever builds it)
+1. Overlapping steps: treat (step k, microbatch i) as virtual microbatch k * m' + i of one forward
+   program, with one more dependency, F(first stage, j) after F(last stage, j - m') (the token), and
+   the token as a message from the last stage's rank to each rank whose stages read the token ids,
+   so that the communication plan orders it like any activation ([Note: message order] in
+   fxsplit.pipeline.comm; NCCL needs that). Shapes are known up front (step k has T + k tokens),
+   so every other rank binds symbols without the values. Sampling per microbatch draws from the
+   generator in another order than one process does for the whole batch: per-row generators
+   would keep sampled tokens comparable.
+2. A KV cache: a decode graph per stage, derived from the stage graph by a pass: each attention's
+   keys and values become ``cat(cache_in, new)`` with the caches as extra stage inputs and outputs
+   that stay on the rank (per in-flight microbatch), positions offset by the cache length (rotary
+   tables, learned positions, ``position_ids`` / ``cache_position``), and the causal flag of a
+   one-query attention turned off (``is_causal`` is baked in at trace time). Prefill is today's
+   forward that also returns the caches.
+
+[Note: fewer microbatches for inference]).
 - **traced length**: the sequence length the plan's graph fixes (torch.export without
   ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace), or
   none (fx traces, or ``dynamic_sequence=True``: the sequence is a symbol).
