@@ -1,6 +1,6 @@
 """ParallelModel.generate ([Note: generation by recompute] in fxsplit.api.generate): the tokens equal
 the unsplit model's in one process (fxsplit's own loop for the zoo GPT, Hugging Face's ``generate``
-for the transformers families), greedy and sampled, for prompts of one sample and more at tp=2 x pp=2."""
+for the transformers families), greedy and sampled, for prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with pp=2)."""
 
 import pytest
 import torch
@@ -127,7 +127,10 @@ def _generations(rank, world):
     out[("gpt", "after")] = pm.generate(_prompt(1, 5, V, 1), max_new_tokens=2)
     # dp=2 x pp=2: each replica (ranks 0-1, 2-3) continues its own prompt
     pm = fxsplit.parallelize(model, args, dp=2, pp=2, microbatches=2, timeout=60)
-    dp_out = pm.generate(_prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW)
+    dp_out = [pm.generate(_prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW)]
+    # dp_shard=2 x pp=2 (FSDP2 units gathered for the whole call): the same replicas
+    pm = fxsplit.parallelize(model, args, dp_shard=2, pp=2, microbatches=2, timeout=60)
+    dp_out.append(pm.generate(_prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW))
     for name in HF_FAMILIES:
         model, args, kwargs = _family(name)
         # llama keeps its attention mask as a graph input: generate fills it
@@ -194,7 +197,8 @@ def test_generate_at_tp2_pp2_equals_one_process():
     gpt, _, _ = zoo.make("gpt")
     V = gpt.config.vocab_size
     for rank, (_, dp_out) in enumerate(results):
-        assert torch.equal(dp_out, generate_unsplit(gpt, _prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW)), rank
+        want = generate_unsplit(gpt, _prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW)
+        assert torch.equal(dp_out[0], want) and torch.equal(dp_out[1], want), (rank, dp_out, want)
     results = [res for res, _ in results]
     for rank, res in enumerate(results):
         kind, text, seconds = res.pop("fault")
