@@ -43,6 +43,16 @@ def test_forward_with_fewer_microbatches_keeps_the_schedule_order():
         p.rank_plan(0).forward_with(5)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_forward_with_one_microbatch_runs_every_stage_in_order(schedule):
+    model, args, kwargs = zoo.make("gpt")
+    p = fxsplit.plan(model, args, kwargs, pp=2, microbatches=4, schedule=schedule)
+    ranks = p.stage_ranks  # zbv: stages 0, 3 on rank 0 and 1, 2 on rank 1 (a V)
+    for r in (0, 1):
+        got = [str(ac.action) for ac in p.rank_plan(r).forward_with(1).actions]
+        assert got == [f"{s}F0" for s in range(4) if ranks[s] == r], (schedule, r, got)
+
+
 def test_sampling_options_are_checked():
     with pytest.raises(UsageError, match="temperature=0"):
         Sampling(do_sample=True, temperature=0)
