@@ -134,6 +134,10 @@ def _generations(rank, world):
         pm.generate(_prompt(1, 5, V, rank), max_new_tokens=NEW)
     except UsageError as exc:
         out[("gpt", "mismatch")] = str(exc)
+    try:  # a bad option on one rank: raised there, named on the others, before the pipeline
+        pm.generate(_prompt(1, 5, V, 1), max_new_tokens=NEW, do_sample=True, temperature=0.0 if rank == 1 else 1.0)
+    except Exception as exc:  # noqa: BLE001 -- the test inspects it
+        out[("gpt", "bad_option")] = (type(exc).__name__, "temperature=0.0" in str(exc), "global rank" in str(exc))
     out[("gpt", "after")] = pm.generate(_prompt(1, 5, V, 1), max_new_tokens=2)
     # dp=2 x pp=2: each replica (ranks 0-1, 2-3) continues its own prompt
     pm = fxsplit.parallelize(model, args, dp=2, pp=2, microbatches=2, timeout=60)
@@ -215,6 +219,9 @@ def test_generate_at_tp2_pp2_equals_one_process():
         want = "RuntimeError" if rank == 3 else "RankFailedError"
         assert kind == want and seconds < 30, (rank, kind, seconds, text)
         assert ("injected failure" in text) and (rank == 3 or "global rank 3" in text), (rank, text)
+    for rank, res in enumerate(results):
+        got = res.pop(("gpt", "bad_option"))
+        assert got == (("UsageError", True, False) if rank == 1 else ("RankFailedError", True, True)), (rank, got)
     for key, value in results[0].items():  # every rank returns the same tokens
         for r in results[1:]:
             assert (r[key] == value) if isinstance(value, str) else torch.equal(r[key], value), (key, r[key], value)

@@ -257,21 +257,24 @@ def _h60(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 4
 
 
-def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, sampling: Sampling,
-             eos_token_id: int | None = None) -> torch.Tensor:
+def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,
+             **sampling: Any) -> torch.Tensor:
     """:meth:`ParallelModel.generate` of ``pm`` ([Note: generation by recompute]); the tokens (B, T + n)
-    on every rank, on ``input_ids``' device. (``pm`` is typed Any: fxsplit.api.model imports this module.)"""
+    on every rank, on ``input_ids``' device; ``sampling``: the fields of :class:`Sampling`. Bad
+    arguments raise inside the agreed call, so a rank given them does not leave its peers waiting.
+    (``pm`` is typed Any: fxsplit.api.model imports this module.)"""
     runtime = pm._runtime
     options = (tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None, max_new_tokens,
-               eos_token_id, sampling)
+               eos_token_id, sorted(sampling.items()))
 
     def prepare() -> list:
         _check_call(input_ids, max_new_tokens, eos_token_id)
+        rule = Sampling(**sampling)
         feed = _Feed.of(pm.plan.stages.input_meta)
         feed.check_fits(input_ids.shape[1], max_new_tokens)
         m = inference_microbatches([input_ids], pm.plan)
         check_batch(feed.inputs(input_ids), pm.plan, "generate", microbatches=m)
-        return [feed, input_ids, m]
+        return [feed, input_ids, m, rule]
 
     def signature(flat: list) -> tuple:
         # the prompt's values too: ranks of a replica given different prompts would mix them silently
@@ -287,7 +290,7 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, sampling:
                 "Raised on every rank; this model stays usable.")
 
     def body(flat: list) -> torch.Tensor:
-        feed, ids, m = flat
+        feed, ids, m, rule = flat
         holds_last = runtime.last_stage in runtime.modules
 
         def step(tokens: torch.Tensor) -> torch.Tensor | None:
@@ -295,7 +298,7 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, sampling:
             return model_logits(out)[:, tokens.shape[1] - 1, :] if holds_last else None
 
         share = lambda nxt, b: _share(pm, nxt, b)  # noqa: E731
-        return _decode(step, share, ids.to(runtime.device), max_new_tokens, eos_token_id, sampling).to(ids.device)
+        return _decode(step, share, ids.to(runtime.device), max_new_tokens, eos_token_id, rule).to(ids.device)
 
     return pm._inference("generate", prepare, body, signature=signature, check=check)
 

@@ -244,10 +244,10 @@ class ParallelModel(nn.Module):
         (B, T + n) on every rank, as Hugging Face's ``model.generate`` does. Greedy, or sampled with
         ``temperature`` / ``top_k`` from ``seed``; any B >= 1. Call on every rank of a replica with the
         same arguments. Design, terms and limits: :mod:`fxsplit.api.generate`."""
-        from fxsplit.api.generate import Sampling, generate
+        from fxsplit.api.generate import generate
 
         return generate(self, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                        sampling=Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, seed=seed))
+                        do_sample=do_sample, temperature=temperature, top_k=top_k, seed=seed)
 
     def _inference(self, what: str, prepare: Callable[[], list], body: Callable[[list], Any], *,
                    signature: Callable[[list], tuple] | None = None,
