@@ -20,16 +20,16 @@ from torch import nn
 
 from fxsplit.api import agreement, checkpoint
 from fxsplit.api.checkpoint import alias_groups, like_param, load_full_checkpoint
+from fxsplit.api.inputs import check_batch, inference_microbatches
 from fxsplit.errors import (ArgumentTypeError, MissingKeyError, PlanError, RankFailedError, RunError, ShardingError,
                             UsageError)
 from fxsplit.runtime.failures import exchange_errors
-from fxsplit.runtime.microbatch import bind_symbols, split_microbatches
 from fxsplit.graph.trace import flatten_inputs
 
 if TYPE_CHECKING:
     from fxsplit.api import Plan
 
-__all__ = ["ParallelModel", "load_full_checkpoint"]
+__all__ = ["ParallelModel", "check_batch", "load_full_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -226,28 +226,60 @@ class ParallelModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference through the pipeline; the output in the model's own structure, on every rank.
-        Other batch sizes (>= m) and sequence lengths run without re-planning, as in :meth:`step`."""
-        self._check_usable("forward")
-        error, out = None, None
-        try:
+        Other batch sizes and sequence lengths run without re-planning, as in :meth:`step`; a batch
+        of B < m samples runs in B microbatches ([Note: fewer microbatches for inference] in
+        :mod:`fxsplit.api.generate`)."""
+        def prepare() -> list:
             flat = self._flat(args, kwargs)
-            check_batch(flat, self.plan, "forward")
+            check_batch(flat, self.plan, "forward", microbatches=inference_microbatches(flat, self.plan))
+            return flat
+
+        return self._inference("forward", prepare, lambda flat: self._runtime.forward(
+            flat, all_ranks=True, microbatches=inference_microbatches(flat, self.plan)))
+
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int | None = None, eos_token_id: int | None = None,
+                 seed: int | None = None) -> torch.Tensor:
+        """Continue each prompt of ``input_ids`` (B, T) by up to ``max_new_tokens`` tokens; returns
+        (B, T + n) on every rank, as Hugging Face's ``model.generate`` does. Greedy, or sampled with
+        ``temperature`` / ``top_k`` from ``seed``; any B >= 1. Call on every rank of a replica with the
+        same arguments. Design, terms and limits: :mod:`fxsplit.api.generate`."""
+        from fxsplit.api.generate import generate
+
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                        do_sample=do_sample, temperature=temperature, top_k=top_k, seed=seed)
+
+    def _inference(self, what: str, prepare: Callable[[], list], body: Callable[[list], Any], *,
+                   signature: Callable[[list], tuple] | None = None,
+                   check: Callable[[list, list], None] | None = None) -> Any:
+        """One inference call under [Note: failures]: ``prepare()`` (this rank's checks; returns the
+        flat inputs), the agreement on them (``signature(flat)`` and ``check(spans, flat)``; default:
+        the inputs' shapes), ``body(flat)`` without autograd with the groups bound and FSDP units
+        gathered, and the agreement on its outcome. Returns what ``body`` returned."""
+        self._check_usable(what)
+        error, out, flat = None, None, None
+        try:
+            flat = prepare()
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
-        sig = self._input_signature(flat, None, "forward") if error is None else (self._replica(), None)
-        self._agree(error, False, "forward", sig, lambda spans: self._check_inputs(spans, "forward", flat, None))
+        if error is not None:
+            sig = (self._replica(), None)
+        else:
+            sig = signature(flat) if signature is not None else self._input_signature(flat, None, what)
+        self._agree(error, False, what, sig, lambda spans: check(spans, flat) if check is not None
+                    else self._check_inputs(spans, what, flat, None))
         try:
             if self._fsdp is not None:
                 self._fsdp.gather()
             with self._bound(), torch.no_grad():
-                out = self._runtime.forward(flat, all_ranks=True)
+                out = body(flat)
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
             self._post(exc)
         if self._fsdp is not None:
             self._fsdp.reshard()
-        self._agree(error, True, "forward")
-        self._doing("between fxsplit calls (after forward())")
+        self._agree(error, True, what)
+        self._doing(f"between fxsplit calls (after {what}())")
         return out
 
     # [Note: inputs that must agree] in fxsplit.api.agreement: the values ride in the exchanges
@@ -637,40 +669,3 @@ def _finish_all_reduce(pending: list, *, scale: float, wait: Callable[[Any], Non
 def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float,
                          reduce_dtype: torch.dtype | None = None, wait: Callable[[Any], None] | None = None) -> None:
     _finish_all_reduce(_launch_all_reduce(grads, group, bucket_bytes, reduce_dtype), scale=scale, wait=wait)
-
-
-def check_batch(flat: Sequence[Any], plan_: Plan, what: str) -> None:
-    """Raise ValueError naming the sizes, on the rank that was given them and before any
-    communication, when the inputs cannot be split into the plan's microbatches: a batch (dim 0
-    of the first tensor input that has one, as fxsplit.runtime.microbatch splits it) smaller than
-    m, or microbatch shapes the traced graph does not accept (a size fixed at trace time)."""
-    config = plan_.config
-    m = config.microbatches
-    batch = next((x.shape[0] for x in flat if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-    if batch is not None and batch < m:
-        fix = (f"parallelize(..., microbatches=k) with {config.pp} <= k <= {batch}" if batch >= config.pp
-               else f"fewer pipeline ranks (microbatches must be >= pp={config.pp})")
-        raise PlanError(
-            f"{what}(): batch size {batch} (dim 0 of the inputs) is smaller than microbatches={m}, so a "
-            f"microbatch would be empty; pass a batch of at least {m} samples, or use {fix}. (A batch "
-            f"size that {m} does not divide is fine: the microbatches then differ by one sample and their "
-            "losses are weighted by their sizes.)"
-        )
-    if len(flat) != len(plan_.stages.input_meta):
-        return  # the runtime names the inputs it expected
-    split = split_microbatches(flat, m)
-    try:  # microbatch sizes differ by at most one: the first and last cover every shape (~20 us)
-        for inputs in (split.inputs[0], split.inputs[-1]) if m > 1 else split.inputs:
-            bind_symbols(plan_.stages.input_meta, inputs)
-    except ValueError as exc:
-        info = plan_.graph.meta.get("fxsplit")
-        seq = ("" if info is None or info.method != "export" or config.dynamic_sequence is True else
-               " (torch.export traced the sequence at the example's length; plan with dynamic_sequence=True "
-               "to serve other lengths: [Note: a static sequence for export] in fxsplit.graph.trace)")
-        static = (info is not None and info.method == "export" and config.microbatch_size is not None
-                  and config.dynamic_batch is not True)
-        bat = (f" (torch.export traced the batch static at microbatch_size={config.microbatch_size}: pass batches of "
-               f"{config.microbatch_size * m} samples, or plan with dynamic_batch=True to serve any batch size: "
-               "[Note: a static batch] in fxsplit.graph.examples)" if static else "")
-        raise PlanError(f"{what}(): a batch of {batch} in microbatches={m} gives microbatches of "
-                         f"{sorted(set(split.sizes))} samples, which the plan does not accept: {exc}{bat}{seq}") from None

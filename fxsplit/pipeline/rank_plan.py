@@ -82,6 +82,22 @@ class RankPlan:
                          shared_params=graphs.shared_params, output_spec=graphs.output_spec,
                          stage_ranks=stage_ranks)
 
+    def forward_with(self, microbatches: int) -> CommPlan:
+        """This rank's inference CommPlan for ``microbatches`` (1 <= microbatches <= the plan's m):
+        the schedule's F actions of microbatches below that, in the schedule's order. Dropping a
+        microbatch's actions and every backward keeps each rank's order a valid one (a forward
+        waits only on forwards of its own microbatch), so a batch smaller than m still runs
+        pipelined: inference needs no more microbatches than samples."""
+        m = self.forward.num_microbatches
+        if not 1 <= microbatches <= m:
+            raise PlanError(f"RankPlan.forward_with: microbatches={microbatches} is outside 1..{m} "
+                            f"(the plan's schedule has {m})")
+        if microbatches == m:
+            return self.forward
+        rows = [[a for a in row if a is not None and a.microbatch < microbatches] for row in self.schedule]
+        return plan_all_communication(rows, self.io, num_ranks=self.num_ranks, rank_of_stage=self.rank_of_stage,
+                                      forward_only=True)[self.rank]
+
     @property
     def num_stages(self) -> int:
         return len(self.io)

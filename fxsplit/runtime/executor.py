@@ -291,11 +291,13 @@ class PipelineRuntime(GraphActions):
         finally:
             self._loss_scale = None
 
-    def forward(self, flat_inputs: Sequence[Any], *, all_ranks: bool = False) -> Any:
+    def forward(self, flat_inputs: Sequence[Any], *, all_ranks: bool = False, microbatches: int | None = None) -> Any:
         """Inference: run only the F actions without autograd; return the merged model outputs
         (flat list, or rebuilt with ``output_spec``) on the last stage's rank, None elsewhere,
-        or on every rank with ``all_ranks`` (pickled broadcast, for convenience not speed)."""
-        return self._guarded(lambda: self._run(flat_inputs, None, training=False, all_ranks=all_ranks))
+        or on every rank with ``all_ranks`` (pickled broadcast, for convenience not speed).
+        ``microbatches``: split into that many (1..m, ``RankPlan.forward_with``) instead of m."""
+        return self._guarded(lambda: self._run(flat_inputs, None, training=False, all_ranks=all_ranks,
+                                               microbatches=microbatches))
 
     def sum_tied_grads(self) -> None:
         """Sum tied gradients across the stages and ranks holding them (what step() does last
@@ -339,13 +341,15 @@ class PipelineRuntime(GraphActions):
                 pass
         self.abort_on_error = False  # only once
 
-    def _run(self, flat_inputs: Sequence[Any], target: Any, *, training: bool, all_ranks: bool = False) -> Any:
+    def _run(self, flat_inputs: Sequence[Any], target: Any, *, training: bool, all_ranks: bool = False,
+             microbatches: int | None = None) -> Any:
         if len(flat_inputs) != len(self.input_meta):
             raise ArgumentTypeError(f"expected {len(self.input_meta)} flat model inputs "
                                     f"{[m.name for m in self.input_meta]}, got {len(flat_inputs)}")
         flat = [x.to(self.device) if isinstance(x, torch.Tensor) and not x.is_meta else x
                 for x in flat_inputs]
-        mbs = split_microbatches(flat, self.num_microbatches, dim=self.split_dim, batched=self.batched)
+        m = self.num_microbatches if training or microbatches is None else microbatches
+        mbs = split_microbatches(flat, m, dim=self.split_dim, batched=self.batched)
         self._mb = mbs
         self._bindings = [self._bind(inp) for inp in mbs.inputs]
         self._binding_keys = [tuple(sorted((str(k), v) for k, v in b.items())) for b in self._bindings]
@@ -361,12 +365,14 @@ class PipelineRuntime(GraphActions):
         self._mailbox: dict[Message, torch.Tensor] = {}
         self._outputs: dict[int, list[Any]] = {}
         self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        plan = self.train_plan if training else self.forward_plan
-        if training not in self._channels:
-            self._channels[training] = P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout,
-                                                  alloc=self._alloc, blocking_waits=self.blocking_waits,
-                                                  watch=self.watch)
-        self._channel = self._channels[training]
+        key = (training, m)  # one channel per program
+        if key not in self._channels:
+            plan = self.train_plan if training else self.plan.forward_with(m)
+            self._channels[key] = P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout,
+                                             alloc=self._alloc, blocking_waits=self.blocking_waits,
+                                             watch=self.watch)
+        self._channel = self._channels[key]
+        plan = self._channel.plan
         self._channel.reset()
         acts = plan.actions
         # the index of each local stage's last gradient-producing action (its weight grads are final then)
@@ -656,7 +662,7 @@ class PipelineRuntime(GraphActions):
     def _gather_outputs(self, all_ranks: bool) -> Any:
         merged = None
         if self.last_stage in self.modules:
-            merged = merge_microbatches([self._outputs[i] for i in range(self.num_microbatches)],
+            merged = merge_microbatches([self._outputs[i] for i in range(len(self._mb.inputs))],
                                         dim=self.split_dim)
             if self.output_spec is not None:
                 merged = pytree.tree_unflatten(merged, self.output_spec)
