@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fxsplit
+from fxsplit.api.model import ParallelModel
+from fxsplit.api.parallelize import parallelize
 from fxsplit.errors import UsageError
+from fxsplit.graph.hardware import Hardware
 from fxsplit.testing import zoo
 from fxsplit.testing.memory import LiveBytes
 
@@ -42,7 +44,7 @@ BF16_GRAD_RTOL, BF16_WHOLE_RTOL, BF16_LOSS_RTOL = 3e-2, 1e-2, 1e-4  # tests/test
 FP16_PARAM_RTOL, FP16_LOSS_RTOL = 2e-2, 1e-3  # tests/test_grad_scaler.py
 MICRO, M = 2, 2  # samples per microbatch, microbatches per step (a batch of MICRO * M)
 GPT = dict(n_layer=4, seq_len=16)
-_FREE_LINKS = dict(hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))  # tiny stages: split by compute
+_FREE_LINKS = dict(hardware=Hardware(link_bytes_per_s=float("inf")))  # tiny stages: split by compute
 
 
 @contextlib.contextmanager
@@ -96,7 +98,7 @@ def _loss_check(loss: float, ref: float, tol: float) -> dict:
     return _check("loss", abs(loss - ref) / max(abs(ref), 1e-30), tol)
 
 
-def _pm_grads(pm: fxsplit.ParallelModel) -> dict[str, torch.Tensor]:
+def _pm_grads(pm: ParallelModel) -> dict[str, torch.Tensor]:
     """Every gradient under the model's full names: each shard's gradient written over its
     parameter, then gathered by ``full_state_dict`` (this overwrites the weights: call last)."""
     with torch.no_grad():
@@ -147,7 +149,7 @@ def _cast_forward(dtype: torch.dtype) -> Callable[[nn.Module, torch.Tensor], tor
 
 
 @contextlib.contextmanager
-def _measured(device: torch.device, pm: fxsplit.ParallelModel, out: dict) -> Iterator[None]:
+def _measured(device: torch.device, pm: ParallelModel, out: dict) -> Iterator[None]:
     """The peak bytes of the block on top of what was allocated before it, plus this rank's
     parameters: the figure ``plan.memory()``'s ``peak`` predicts without optimizer state. On CUDA
     from the caching allocator's statistics; on the CPU from :class:`LiveBytes` (tensors the ops
@@ -177,10 +179,10 @@ def _measured(device: torch.device, pm: fxsplit.ParallelModel, out: dict) -> Ite
 
 def _parallelize(model: nn.Module, args: tuple, kwargs: dict, device: torch.device, **options: Any):
     opts = {**_FREE_LINKS, "verify": False, "microbatches": M, **options}
-    return fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, device=device, timeout=120, **opts)
+    return parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, device=device, timeout=120, **opts)
 
 
-def _replica(pm: fxsplit.ParallelModel, t: torch.Tensor) -> torch.Tensor:
+def _replica(pm: ParallelModel, t: torch.Tensor) -> torch.Tensor:
     """This data-parallel replica's slice of the global batch (the reference sees all of it)."""
     c = pm.plan.config
     n, i = c.dp * c.dp_shard, pm.coords["dp"] * c.dp_shard + pm.coords.get("dp_shard", 0)

@@ -40,6 +40,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from fxsplit.errors import RunError
+
 __all__ = ["BUDGETS", "SECTIONS", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/ and scripts/ live beside fxsplit/
@@ -67,9 +69,12 @@ def _gpu_tests(lines: Path, deadline: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={xml}", *files]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+        # pytest is one long case: it may use the grace too (the parent kills this process after it)
+        left = deadline + GRACE_S - 5 - time.monotonic()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, left))
         if not xml.exists():
-            raise RuntimeError(f"pytest wrote no report (exit code {proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            raise RunError(f"gpu-check (a): pytest wrote no JUnit report (exit code {proc.returncode}), so no test ran; "
+                           f"its output ends: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
         for case in ET.parse(xml).getroot().iter("testcase"):
             record = {"name": f"{case.get('classname')}::{case.get('name')}", "seconds": float(case.get("time", 0))}
             outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
