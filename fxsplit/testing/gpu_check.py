@@ -215,11 +215,15 @@ def _status(section: dict) -> str:
     return "pass" if records else "FAIL"
 
 
-def _memory_view(parallelize: dict) -> dict:
-    rows = [{"name": r["name"], **r["memory"]} for r in parallelize.get("records", []) if r.get("memory")]
-    return {"seconds": 0.0, "budget": 0, "records": [{"status": "pass", **row} for row in rows],
-            "note": "from (b)'s runs: predicted = plan.memory(optimizer_bytes_per_param=0).peak; measured = "
-                    "this rank's parameters + the step's peak above what was allocated before it"}
+def _memory_view(sections: dict) -> dict:
+    """(c): the memory figures of (b)'s runs and of every rank of (e)'s."""
+    rows = [{"name": r["name"], **r["memory"]} for r in sections.get("parallelize", {}).get("records", [])
+            if r.get("memory")]
+    rows += [{"name": f"{r['name']} rank {rank['rank']}", **rank["memory"]}
+             for r in sections.get("multi_gpu", {}).get("records", []) for rank in r.get("ranks", []) if rank.get("memory")]
+    return {"records": [{"status": "pass", **row} for row in rows],
+            "note": "from the runs of (b) and (e): predicted = plan.memory(optimizer_bytes_per_param=0).peak; "
+                    "measured = this rank's parameters + the step's peak above what was allocated before it"}
 
 
 def run(*, sections: str = "abcde", quick: bool = False, total_budget: float = 480.0,
@@ -233,8 +237,8 @@ def run(*, sections: str = "abcde", quick: bool = False, total_budget: float = 4
     end = time.monotonic() + total_budget
     for letter in sections:
         name = SECTIONS[letter]
-        if name == "memory":
-            report["sections"][name] = _memory_view(report["sections"].get("parallelize", {}))
+        if name == "memory":  # filled in once (e) has run too
+            report["sections"][name] = {}
             continue
         if name == "multi_gpu" and env["gpus"] < 2 and not ranks_on_cpu:
             report["sections"][name] = {"skip": f"needs 2 CUDA devices for NCCL (found {env['gpus']}); "
@@ -245,6 +249,8 @@ def run(*, sections: str = "abcde", quick: bool = False, total_budget: float = 4
             report["sections"][name] = {"skip": "the whole check's budget ran out", "records": []}
             continue
         report["sections"][name] = _run_child(name, budget, device, quick, ranks_on_cpu)
+    if "memory" in report["sections"]:
+        report["sections"]["memory"] = _memory_view(report["sections"])
     for section in report["sections"].values():
         section["status"] = _status(section)
     return report

@@ -36,10 +36,11 @@ def _case_lines(records: list[dict]) -> list[str]:
         text = r.get("reason") or _checks(r) or ""
         if r["status"] == "error":
             text = r.get("error", "")
+        if r.get("backend"):
+            text = f"over {r['backend']}"
         lines.append(f"{head}  {text}"[:400])
         for rank in r.get("ranks", []):
-            if rank["status"] != "pass":
-                lines.append(f"          rank {rank['rank']}: {rank['status']} {rank.get('error') or _checks(rank)}"[:400])
+            lines.append(f"          rank {rank['rank']}: {rank['status']} {rank.get('error') or _checks(rank)}"[:400])
     return lines
 
 
