@@ -322,6 +322,30 @@ def _checkpoint_resume(device: torch.device) -> dict:
     return {"checks": checks}
 
 
+def _hf_llama(device: torch.device) -> dict:
+    """A Hugging Face Llama built and traced on the CPU (torch.export bakes ``device=cpu`` into its
+    position ids and masks: [Note: device literals] in fxsplit.api.materialize), run on ``device``
+    with interleaved 1F1B, v=2, against the unsplit model moved there."""
+    from fxsplit.testing import hf_zoo
+
+    model, args, kwargs = hf_zoo.make_hf("llama", batch_size=MICRO)
+    ref_model = copy.deepcopy(model).to(device)
+    x, y = _batch(0, device)
+    x, y = x % model.config.vocab_size, y % model.config.vocab_size
+    mask = torch.ones_like(x)
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        return zoo.cross_entropy_loss(out.logits.float(), target)
+
+    params = dict(ref_model.named_parameters())
+    ref_loss = loss_fn(ref_model(x, attention_mask=mask), y)
+    ref_grads = dict(zip(params, torch.autograd.grad(ref_loss, list(params.values()))))
+    pm = parallelize(model, args, kwargs, loss_fn=loss_fn, device=device, timeout=120, verify=False, microbatches=M,
+                     schedule="interleaved_1f1b", stages_per_rank=2, **_FREE_LINKS)
+    loss = float(pm.step(x, attention_mask=mask, target=y))
+    return {"checks": [_loss_check(loss, float(ref_loss), FP32_RTOL)] + _grad_checks(_pm_grads(pm), ref_grads, FP32_RTOL)}
+
+
 def _bf16(device: torch.device, policy: bool) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -345,6 +369,7 @@ CASES: dict[str, tuple[str, Callable[[torch.device], dict]]] = {
                            lambda d: _one_step(d, dict(schedule="zbv", activation_checkpointing="full"))),
     "dropout_streams": ("dropout on the RNG stage stream: the masks of the unsplit model", _dropout_streams),
     "checkpoint_resume": ("save_checkpoint / load_checkpoint with Adam, resumed = uninterrupted", _checkpoint_resume),
+    "hf_llama_cpu_traced": ("HF Llama traced on the CPU, run on the device (interleaved, v=2)", _hf_llama),
     "dp_shard_fsdp2": ("dp_shard (FSDP2 units)", None),
 }
 # dp_shard=1 builds no FSDP units (nothing to shard over one rank), so FSDP2 runs at dp_shard >= 2 only
