@@ -149,11 +149,11 @@ def _cast_forward(dtype: torch.dtype) -> Callable[[nn.Module, torch.Tensor], tor
 
 
 @contextlib.contextmanager
-def _measured(device: torch.device, pm: ParallelModel, out: dict) -> Iterator[None]:
+def _measured(device: torch.device, pm: ParallelModel, out: dict, *, compiled: bool = False) -> Iterator[None]:
     """The peak bytes of the block on top of what was allocated before it, plus this rank's
     parameters: the figure ``plan.memory()``'s ``peak`` predicts without optimizer state. On CUDA
     from the caching allocator's statistics; on the CPU from :class:`LiveBytes` (tensors the ops
-    allocate; collective buffers unseen)."""
+    allocate; collective buffers unseen), except for compiled graphs (not measured there)."""
     params = sum(p.numel() * p.element_size() for p in pm.parameters())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -162,6 +162,9 @@ def _measured(device: torch.device, pm: ParallelModel, out: dict) -> Iterator[No
         yield
         torch.cuda.synchronize(device)
         step_peak, how = torch.cuda.max_memory_allocated(device) - base, "torch.cuda.max_memory_allocated"
+    elif compiled:  # torch.compile refuses to run under a dispatch mode such as LiveBytes
+        yield
+        return
     else:
         with LiveBytes() as mem:
             yield
@@ -202,7 +205,7 @@ def _one_step(device: torch.device, options: Mapping[str, Any], *, autocast: tor
         ref_loss, ref_grads = _reference(ref_model, x, y, _cast_forward(cast) if cast is not None else None)
     pm = _parallelize(model, args, kwargs, device, **options)
     memory: dict = {}
-    with _measured(device, pm, memory), amp:
+    with _measured(device, pm, memory, compiled=bool(options.get("compile"))), amp:
         loss = float(pm.step(_replica(pm, x), target=_replica(pm, y)))
     if autocast is None and cast is None:
         checks = [_loss_check(loss, ref_loss, FP32_RTOL)] + _grad_checks(_pm_grads(pm), ref_grads, FP32_RTOL)
