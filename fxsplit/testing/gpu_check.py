@@ -13,7 +13,8 @@ Sections, on a CUDA device (one GPU; NCCL in a process group of one rank):
   (a) ``gpu_tests``   the ``gpu`` test tier (``pytest -m gpu`` over the test files that carry the mark);
   (b) ``parallelize`` :mod:`fxsplit.testing.gpu_cases`: interleaved 1F1B with v=2, ZB-V, compile=True,
                       mp_policy bf16, torch.autocast, fp16 with a GradScaler, activation checkpointing,
-                      dropout streams, a checkpoint saved and resumed, each against the unsplit model;
+                      dropout streams, a checkpoint saved and resumed, an HF Llama traced on the CPU,
+                      each against the unsplit model on the same GPU;
   (c) ``memory``      ``plan.memory()`` against the measured peak of (b)'s runs (no run of its own);
   (d) ``speed``       :mod:`fxsplit.testing.gpu_speed`: a 1.3B Llama in bf16, fxsplit against plain PyTorch
                       eager and torch.compile, alternated: step time, tokens/s, MFU, fxsplit's overhead;

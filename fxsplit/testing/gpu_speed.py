@@ -48,7 +48,8 @@ def _llama(dims: dict, device: torch.device) -> nn.Module:
         num_hidden_layers=dims["num_hidden_layers"], num_attention_heads=dims["num_attention_heads"],
         num_key_value_heads=dims["num_key_value_heads"], vocab_size=dims["vocab_size"],
         max_position_embeddings=dims["seq"], use_cache=False, attention_dropout=0.0,
-        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+        bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"  # as fxsplit.testing.hf_zoo sets it (the keyword differs across versions)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg)
