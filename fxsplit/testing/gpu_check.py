@@ -167,7 +167,11 @@ def _environment() -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    try:  # a copied tree may have no .git, a bare machine no git
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "gpus": torch.cuda.device_count() if cuda else 0,
