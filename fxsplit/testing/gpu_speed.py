@@ -146,7 +146,7 @@ def _alternate(steps: dict[str, Callable], clock: _Clock, rounds: int, per_round
 def measure(device: torch.device, *, quick: bool, deadline: float, on_result: Callable[[dict], None]) -> dict:
     """Run the speed comparison; ``on_result`` gets the record after each pass (eager modes, then
     with the compiled ones), so a run stopped at its budget still reports the first pass."""
-    dims = GPU_LLAMA if device.type == "cuda" else TINY_LLAMA
+    dims = GPU_LLAMA if device.type == "cuda" and not quick else TINY_LLAMA
     model = _llama(dims, device)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, dims["vocab_size"], (dims["batch"], dims["seq"]), generator=g).to(device)
