@@ -3,7 +3,7 @@ VENV := .venv
 STAMP := $(VENV)/.fxsplit-installed
 NPROC ?= 4
 
-.PHONY: demo test test-fast bench install
+.PHONY: demo test test-fast bench install gpu-check
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh
@@ -26,3 +26,12 @@ test: $(STAMP)
 # Only the tests that need no process group.
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests -m "not dist"
+
+# fxsplit's CUDA path in at most 8 minutes on one GPU: the gpu test tier, parallelize at world size 1
+# against the unsplit model, memory, speed against plain PyTorch, and 2-GPU layouts when there are 2
+# GPUs; one report ($(GPU_CHECK_OUT) and .txt beside it), printed at the end. Needs no install: a GPU
+# machine runs it from a plain checkout with its own python3 and torch (no .venv, no network).
+GPU_CHECK_OUT ?= gpu-check-report.json
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+gpu-check:
+	$(GPU_CHECK_PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)

@@ -27,6 +27,38 @@ names), exactly like a user's own pass.
 
 __version__ = "0.1.0"
 
+
+def _passes_from_checkout() -> None:
+    """[Note: passes from a checkout]: the built-in passes live in the folder ``passes/`` beside this
+    package and ship as ``fxsplit.passes`` (pyproject.toml's ``package-dir``), which an installed
+    fxsplit finds. Run from a plain checkout with nothing installed (``PYTHONPATH=<checkout>``, as
+    ``make gpu-check`` runs on a machine with its own torch and no network), no installer maps that
+    name, so a finder for ``fxsplit.passes`` alone points it at the folder beside this package; it
+    goes first, so a checkout never runs the passes of another copy installed in editable mode."""
+    import importlib.abc
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    beside = os.path.join(os.path.dirname(here), "passes")
+    if os.path.isdir(os.path.join(here, "passes")) or not os.path.isfile(os.path.join(beside, "__init__.py")) \
+            or not os.path.isfile(os.path.join(os.path.dirname(here), "pyproject.toml")):
+        return
+
+    class PassesBeside(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):  # noqa: ANN001 -- the finder protocol
+            if name != "fxsplit.passes":
+                return None
+            return importlib.util.spec_from_file_location(name, os.path.join(beside, "__init__.py"),
+                                                          submodule_search_locations=[beside])
+
+    if not any(type(f).__name__ == "PassesBeside" for f in sys.meta_path):
+        sys.meta_path.insert(0, PassesBeside())
+
+
+_passes_from_checkout()
+
 # [Note: lazy package attributes] ``fxsplit --help`` and ``fxsplit schedule`` need no torch, and
 # importing torch takes seconds: the public names load their module on first use (PEP 562).
 _LAZY: dict[str, str] = {

@@ -129,3 +129,12 @@ def test_backend_follows_the_gpus_there_are():
     backend, why = choose_backend(local_ranks=4, cuda_devices=1)  # make demo on a 1-GPU workstation
     assert backend == "gloo" and "4 processes" in why and "1 CUDA device" in why
     assert "--nproc-per-node 1" in why  # the command that runs on the GPU instead
+
+
+def test_ranks_sharing_a_gpu_are_named():
+    # parallelize refuses these before NCCL hangs on them (the GPU id is the device's UUID)
+    from fxsplit.runtime.mesh import shared_gpus
+
+    gpus = [("a", "GPU-0"), ("a", "GPU-0"), ("a", "GPU-1"), ("b", "GPU-0"), ("a", "GPU-0")]
+    assert shared_gpus(gpus) == {("a", "GPU-0"): [0, 1, 4]}
+    assert shared_gpus([("a", "GPU-0"), ("a", "GPU-1"), ("b", "GPU-0")]) == {}

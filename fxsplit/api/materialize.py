@@ -15,11 +15,12 @@ import copy
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.fx
 from torch import nn
 
 from fxsplit.tp.sharding import materialize_module, materialize_tensor
 
-__all__ = ["materialize_sharded_stage", "materialize_stage", "structural_copy"]
+__all__ = ["materialize_sharded_stage", "materialize_stage", "on_device", "structural_copy"]
 
 
 def materialize_stage(plan: Any, stage: int, *, tp_rank: int, source: nn.Module,
@@ -47,11 +48,40 @@ def structural_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+def on_device(gm: nn.Module, device: torch.device | str) -> int:
+    """[Note: device literals]: a trace bakes the devices it saw into the graph: torch.export writes
+    ``aten.arange(..., device=cpu)``, ``aten.to.device(x, cpu)`` and ``to.dtype_layout(device=cpu)``
+    where the model's code said ``device=x.device`` (Hugging Face's position ids, causal masks and
+    rotary tables). Traced on the CPU (or on the meta device, or on another rank's GPU) and run on
+    this rank's GPU, such a node would make its tensor on the wrong device, or move activations
+    off the GPU. A stage runs on one device, so every ``torch.device`` in its graph's arguments
+    becomes that device (in place; returns how many changed). Device strings are left alone."""
+    device = torch.device(device)
+    if not isinstance(gm, torch.fx.GraphModule):
+        return 0
+    changed = 0
+
+    def fix(arg: Any) -> Any:
+        nonlocal changed
+        if isinstance(arg, torch.device) and arg != device:
+            changed += 1
+            return device
+        return arg
+
+    for node in gm.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, fix)
+        node.kwargs = dict(torch.fx.node.map_aggregate(node.kwargs, fix))
+    if changed:
+        gm.recompile()
+    return changed
+
+
 def _materialize(
     module: nn.Module, *, specs: Mapping[str, Any], tp_rank: int, source: nn.Module, device: torch.device,
     full_shapes: Mapping[str, Sequence[int]] | None = None, seed_names: Mapping[str, str] | None = None,
 ) -> nn.Module:
     local = structural_copy(module)
+    on_device(local, device)
     names = {n for n, _ in local.named_parameters(remove_duplicate=False)} | {n for n, _ in local.named_buffers(remove_duplicate=False)}
     mine = {k: v for k, v in specs.items() if k in names}
     materialize_module(
@@ -105,6 +135,7 @@ def materialize_sharded_stage(plan: Any, stage: int, *, tp_rank: int, source: nn
     local = structural_copy(module)
     specs = tp.param_specs
     full_shapes = {k: tuple(v) for k, v in tp.full_shapes.items()}
+    on_device(local, device)
     seeds = _tied_seed_names(plan.stages.shared_params, stage)
     src = _value_sources(module, source)
     opts = dict(source=src, device=device, full_shapes=full_shapes, seed_names=seeds)

@@ -9,7 +9,6 @@ Failures are agreed on by every rank ([Note: failures] in :mod:`fxsplit.runtime.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -24,6 +23,7 @@ from fxsplit.api.inputs import check_batch, inference_microbatches
 from fxsplit.errors import (ArgumentTypeError, MissingKeyError, PlanError, RankFailedError, RunError, ShardingError,
                             UsageError)
 from fxsplit.runtime.failures import exchange_errors
+from fxsplit.runtime.timing import StepTimer
 from fxsplit.graph.trace import flatten_inputs
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ class ParallelModel(nn.Module):
         self._bucket_bytes = bucket_bytes
         self._log_every = log_every
         self._steps = 0
-        self.last_step_seconds = 0.0
-        self.last_bubble = 0.0  # share of the last step this rank spent blocked on its peers
+        self._timer: StepTimer | None = None  # the last step's ([Note: step timing] in fxsplit.runtime.timing)
+        self._waited = 0.0  # host seconds the last step spent blocked on its peers
         self._dp_pending: list = []
         self._dp_done: set[int] = set()
         policy = plan_.config.mp_policy  # gradient reductions in its reduce_dtype (None: the grads' own)
@@ -147,7 +147,7 @@ class ParallelModel(nn.Module):
                 "call pm(inputs) for inference, or pass fxsplit.parallelize(..., loss_fn=...) to train"
             )
         self._check_usable("step")
-        t0 = time.perf_counter()
+        timer = StepTimer(self._runtime.device)
         error, loss, loss_scale = None, None, None
         try:
             flat = self._flat(args, kwargs)
@@ -170,16 +170,17 @@ class ParallelModel(nn.Module):
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
             self._post(exc)
-        self._agree(error, True, "step", agreement.loss_signature(loss, replica=self._replica()),
-                    lambda spans: self._check_losses(spans, loss))
+        # the loss's hash travels only where another rank compares it: reading the loss to the host
+        # waits for the whole step on a GPU, and one process need not (the host may run ahead)
+        sig = agreement.loss_signature(loss, replica=self._replica()) if "errors" in self._groups else ()
+        self._agree(error, True, "step", sig, lambda spans: self._check_losses(spans, loss))
         try:
             loss = self._finish_step(loss, loss_scale, error)
         except RankFailedError:
             self._give_up("step")
             raise
-        self.last_step_seconds = time.perf_counter() - t0
-        waited = getattr(self._runtime, "last_wait_seconds", 0.0)
-        self.last_bubble = waited / self.last_step_seconds if self.last_step_seconds > 0 else 0.0
+        timer.stop()
+        self._timer, self._waited = timer, getattr(self._runtime, "last_wait_seconds", 0.0)
         self._steps += 1
         if self._log_every and self._steps % self._log_every == 0:
             log.info(
@@ -187,6 +188,19 @@ class ParallelModel(nn.Module):
                 self._steps, float(loss), self.last_step_seconds, 100 * self.last_bubble,
             )
         return loss
+
+    @property
+    def last_step_seconds(self) -> float:
+        """Seconds of the last ``step()``: host time on the CPU, the device's (CUDA events) on a GPU,
+        which reading waits for ([Note: step timing] in fxsplit.runtime.timing)."""
+        return self._timer.seconds if self._timer is not None else 0.0
+
+    @property
+    def last_bubble(self) -> float:
+        """Share of the last step this rank's host spent blocked on its pipeline peers (waits that block
+        the host: gloo's; NCCL's only order streams and count nothing)."""
+        seconds = self.last_step_seconds
+        return self._waited / seconds if seconds > 0 else 0.0
 
     def _finish_step(self, loss: torch.Tensor, loss_scale: Any, error: Exception | None) -> torch.Tensor:
         """After the pipeline: data-parallel gradients, tied sums, the inf agreement, the loss mean."""

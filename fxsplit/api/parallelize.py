@@ -99,6 +99,8 @@ def parallelize(
                          f"may take), got {timeout!r}")
     config = make_config(config, options, where="parallelize")
     dp, tp, pp, ds = config.dp, config.tp, config.pp, config.dp_shard
+    if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))  # before the process group and any allocation: see _rank_device
     # the rendezvous waits for every rank to start: bounded by `timeout`, but never below 30 s,
     # since ranks reach it after importing torch and building the model at their own pace
     init_from_env(timeout_s=max(float(timeout), 30.0))
@@ -131,9 +133,8 @@ def parallelize(
         if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
             replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
             groups["data"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    device = torch.device(device)
+    device = _rank_device(device, mesh.device_type)
+    _check_one_gpu_per_rank(device, groups.get("errors"))
     if config.hardware is None and device.type == "cpu":
         config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
     the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False),
@@ -171,6 +172,44 @@ def parallelize(
                                        predicted_memory=searched.best.memory.as_dict(), search=searched)
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
                          groups=groups, loss_fn=loss_fn, log_every=log_every, fsdp_units=units, watch=watch)
+
+
+def _rank_device(device: torch.device | str | None, mesh_device_type: str) -> torch.device:
+    """This rank's device, made torch's current CUDA device: NCCL's object collectives
+    (``all_gather_object``, ``broadcast_object_list``: full_state_dict, checkpoints, outputs gathered
+    to every rank) and the communicators torch creates lazily use the current device, not the
+    tensors', so a current device other than the stages' would put them on another GPU."""
+    if device is None:
+        device = "cuda" if mesh_device_type == "cuda" else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:  # set by init_from_env (LOCAL_RANK), DeviceMesh or the user
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def _check_one_gpu_per_rank(device: torch.device, group: Any) -> None:
+    """Refuse, on every rank, ranks sharing a GPU (a process group the user made without
+    ``torch.cuda.set_device`` puts every rank on cuda:0), before NCCL hangs or fails on it."""
+    if device.type != "cuda" or group is None:
+        return
+    import socket
+
+    from fxsplit.runtime.mesh import shared_gpus
+
+    props = torch.cuda.get_device_properties(device)
+    mine = (socket.gethostname(), str(getattr(props, "uuid", f"cuda:{device.index}")))
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)  # the gloo "errors" group: no GPU involved
+    shared = shared_gpus(every)
+    if shared:
+        lines = "; ".join(f"global ranks {ranks} all use GPU {gpu} on host {host}" for (host, gpu), ranks in shared.items())
+        raise UsageError(
+            f"parallelize: {lines}, but NCCL needs a GPU of its own per rank. Call torch.cuda.set_device(local_rank) "
+            "before parallelize (torchrun sets LOCAL_RANK; fxsplit.runtime.mesh.init_from_env does this when it makes "
+            "the process group), or pass device=f'cuda:{local_rank}'; with fewer GPUs than ranks, run on the CPU "
+            "over gloo (fxsplit.runtime.mesh.choose_backend)")
 
 
 def _set_timeout(group: Any, bound: datetime.timedelta) -> None:

@@ -341,13 +341,19 @@ class PipelineRuntime(GraphActions):
                 pass
         self.abort_on_error = False  # only once
 
+    def _to_device(self, x: Any) -> Any:
+        """``x`` on this rank's device; a batch in pinned memory (``DataLoader(pin_memory=True)``) is
+        copied asynchronously (``non_blocking``), behind the work already queued on the stream."""
+        if not isinstance(x, torch.Tensor) or x.is_meta:
+            return x
+        return x.to(self.device, non_blocking=True)
+
     def _run(self, flat_inputs: Sequence[Any], target: Any, *, training: bool, all_ranks: bool = False,
              microbatches: int | None = None) -> Any:
         if len(flat_inputs) != len(self.input_meta):
             raise ArgumentTypeError(f"expected {len(self.input_meta)} flat model inputs "
                                     f"{[m.name for m in self.input_meta]}, got {len(flat_inputs)}")
-        flat = [x.to(self.device) if isinstance(x, torch.Tensor) and not x.is_meta else x
-                for x in flat_inputs]
+        flat = [self._to_device(x) for x in flat_inputs]
         m = self.num_microbatches if training or microbatches is None else microbatches
         mbs = split_microbatches(flat, m, dim=self.split_dim, batched=self.batched)
         self._mb = mbs
@@ -358,7 +364,9 @@ class PipelineRuntime(GraphActions):
             if target is None:
                 raise UsageError(f"pipeline rank {self.pp_rank} holds the last stage and needs the "
                                  "target: pass step(inputs, target=...)")
-            self._targets = split_target(target, mbs.sizes, dim=self.split_dim)
+            # the target goes where the outputs are, as the inputs do: a CPU target beside CUDA logits
+            # would fail inside the user's loss_fn
+            self._targets = split_target(pytree.tree_map(self._to_device, target), mbs.sizes, dim=self.split_dim)
         self._training = training
         self._rng_step, self.rng_step = self.rng_step, self.rng_step + 1
         self._saved: dict[tuple[int, int], _Saved] = {}

@@ -39,6 +39,7 @@ __all__ = [
     "init_from_env",
     "mesh_coords",
     "mesh_groups",
+    "shared_gpus",
 ]
 
 _log = logging.getLogger("fxsplit")
@@ -214,3 +215,14 @@ def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> No
     dist.init_process_group(
         backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s)
     )
+
+
+def shared_gpus(gpus: list[tuple[str, str]]) -> dict[tuple[str, str], list[int]]:
+    """The GPUs that more than one rank uses: ``gpus[r]`` is global rank r's (host, GPU id: the
+    device's UUID, which stays one name under any CUDA_VISIBLE_DEVICES) -> the ranks sharing it.
+    NCCL needs a GPU of its own per rank; two ranks on one GPU fail NCCL's start-up ("Duplicate GPU
+    detected") or hang in it, so parallelize checks first and names the ranks."""
+    ranks: dict[tuple[str, str], list[int]] = {}
+    for rank, gpu in enumerate(gpus):
+        ranks.setdefault(tuple(gpu), []).append(rank)
+    return {gpu: rs for gpu, rs in ranks.items() if len(rs) > 1}

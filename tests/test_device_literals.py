@@ -1,0 +1,46 @@
+"""[Note: device literals] in fxsplit.api.materialize: the devices a trace baked into a stage's graph
+become the device the stage runs on (an HF model traced on the CPU and run on a GPU)."""
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit.api.materialize import materialize_stage, on_device, structural_copy
+
+
+def _literals(gm):
+    found = []
+    for node in gm.graph.nodes:
+        torch.fx.node.map_aggregate((node.args, node.kwargs),
+                                    lambda a: found.append(a) if isinstance(a, torch.device) else a)
+    return found
+
+
+def test_baked_devices_become_the_stage_device():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    r = graph.call_function(torch.ops.aten.arange.default, (4,), {"device": torch.device("meta")})
+    moved = graph.call_function(torch.ops.aten.to.device, (x, torch.device("meta"), torch.float32))
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (moved, r)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert on_device(gm, "cpu") == 2
+    assert _literals(gm) == [torch.device("cpu")] * 2
+    out = gm(torch.ones(4))  # real tensors now, not meta ones
+    assert not out.is_meta and out.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert on_device(gm, "cpu") == 0  # nothing left to change
+
+
+@pytest.mark.hf
+def test_hf_llama_stages_keep_no_trace_device():
+    from fxsplit.testing import hf_zoo
+
+    model, args, kwargs = hf_zoo.make_hf("llama")
+    plan = fxsplit.plan(model, args, kwargs, pp=2)
+    baked = [d for gm in plan.stages.modules for d in _literals(gm)]
+    assert baked and set(baked) == {torch.device("cpu")}, baked  # export wrote the trace's device
+    stage = structural_copy(plan.stages.modules[1])
+    assert on_device(stage, "meta") == len(_literals(stage)) > 0
+    assert set(_literals(stage)) == {torch.device("meta")}
+    assert _literals(plan.stages.modules[1]) and set(_literals(plan.stages.modules[1])) == {torch.device("cpu")}
+    local = materialize_stage(plan, 1, tp_rank=0, source=model, device="cpu")  # the device it was traced on
+    assert set(_literals(local)) <= {torch.device("cpu")}
