@@ -133,7 +133,7 @@ def __dir__() -> list[str]:
 LAYERS: dict[str, tuple[str, ...]] = {
     # unit -> the units directly below it ([Note: layer contract]); imports may go down transitively
     "fxsplit.errors": (),
-    "fxsplit.config": (),
+    "fxsplit.config": ("fxsplit.errors",),
     "fxsplit.schedule": ("fxsplit.errors",),
     "fxsplit.graph": ("fxsplit.errors", "fxsplit.config"),
     "fxsplit.tp": ("fxsplit.graph",),
