@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 import fxsplit
+import fxsplit.graph.cost
+import fxsplit.graph.trace
+import fxsplit.schedule
 from fxsplit import errors
 from fxsplit.runtime import mesh as meshes
 from fxsplit.runtime.microbatch import split_microbatches
@@ -168,7 +171,7 @@ CASES = [
      ValueError, "schedule must be one of"),
     ("unknown schedule", lambda m: fxsplit.schedule.build("nope", 2, 2), errors.ScheduleError, ValueError,
      "unknown schedule 'nope'; valid names"),
-    ("bad action text", lambda m: fxsplit.Action.parse("2X0"), errors.ScheduleError, ValueError, "cannot parse action"),
+    ("bad action text", lambda m: fxsplit.schedule.Action.parse("2X0"), errors.ScheduleError, ValueError, "cannot parse action"),
     ("unknown option", lambda m: fxsplit.plan(m[0], m[1], tpp=2), errors.ArgumentTypeError, TypeError, "tpp"),
     ("0-sample example", lambda m: fxsplit.plan(m[0], (torch.randn(0, 32),)), errors.PlanError, ValueError,
      "the example has 0 samples: example_args[0] has shape (0, 32)"),
@@ -187,7 +190,7 @@ CASES = [
      "unknown name 'tpu-v9'; presets"),
     ("bad hardware", lambda m: fxsplit.Hardware(matmul_efficiency=2.0), errors.UsageError, ValueError,
      "must be in (0, 1]"),
-    ("negative cost", lambda m: fxsplit.NodeCost(flops=-1), errors.UsageError, ValueError, "must be >= 0"),
+    ("negative cost", lambda m: fxsplit.graph.cost.NodeCost(flops=-1), errors.UsageError, ValueError, "must be >= 0"),
     ("bad loss_fn", lambda m: fxsplit.parallelize(m[0], m[1], loss_fn=3), errors.ArgumentTypeError, TypeError,
      "loss_fn must be callable"),
     ("bad timeout", lambda m: fxsplit.parallelize(m[0], m[1], timeout=0), errors.UsageError, ValueError,

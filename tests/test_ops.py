@@ -224,5 +224,5 @@ def test_one_definition_of_each_vocabulary_name():
                 found.setdefault(node.name, []).append(path.relative_to(root).as_posix())
     assert found == {name: [home] for name, home in homes.items()}
     assert cost.op_name is op_name and cost.to_expr is meta.to_expr is shapes.to_expr
-    assert fxsplit.TensorMeta is meta.TensorMeta is shapes.TensorMeta
+    assert meta.TensorMeta is shapes.TensorMeta
     assert ValueMeta("h", True, (2, 3), torch.float32, True).tensor == shapes.TensorMeta((2, 3), torch.float32, True)

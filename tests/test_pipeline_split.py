@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxsplit
+import fxsplit.graph.trace
 from fxsplit.testing import zoo
 from fxsplit.pipeline.partition import brute_force
 from fxsplit.graph.pass_api import PassContext, PassManager
@@ -27,7 +28,7 @@ def _check_chain(model, gm, args, kwargs, num_stages, num_ranks=None):
     stages = [plan.stage_of[n.name] for n in units]
     assert stages == sorted(stages) and set(stages) == set(range(num_stages))
     sg = plan.build(gm)
-    flat_in = fxsplit.flatten_inputs(gm, args, kwargs)
+    flat_in = fxsplit.graph.trace.flatten_inputs(gm, args, kwargs)
 
     params = dict(model.named_parameters())
     model.zero_grad(set_to_none=True)

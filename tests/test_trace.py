@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxsplit
+import fxsplit.graph.trace
 from fxsplit.testing import zoo
 from fxsplit.graph.meta import NodeInfo, TensorMeta, TraceInfo, tensor_metas
 
@@ -201,7 +202,7 @@ def test_structured_outputs_and_default_arguments(method):
     assert isinstance(out, dict) and isinstance(out["pair"], tuple)
     _outputs_equal(out, model(x))
     assert gm.meta["fxsplit"].input_names == ("x",)
-    flat = fxsplit.flatten_inputs(gm, (x,))
+    flat = fxsplit.graph.trace.flatten_inputs(gm, (x,))
     assert len(flat) == 1
 
 
