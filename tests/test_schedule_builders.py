@@ -89,7 +89,7 @@ def test_1f1b_with_several_stages_is_interleaved_and_gpipe_loops():
 
 def test_build_errors():
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'; valid names: gpipe, 1f1b, "
-                                         "interleaved_1f1b, zb_h1, zbv, zb_auto"):
+                                         "interleaved_1f1b, zb_h1, zbv, dualpipev, zb_auto"):
         build("pipedream", 2, 2)
     with pytest.raises(ValueError, match="num_microbatches must be an int >= 1, got 0"):
         build("1f1b", 2, 0)
@@ -100,7 +100,7 @@ def test_build_errors():
     with pytest.raises(ValueError, match="remainder must be one of"):
         build("interleaved_1f1b", 2, 3, 2, remainder="back")
     assert build("Interleaved-1F1B", 2, 2, 2) == build("interleaved_1f1b", 2, 2, 2)
-    assert schedules.NAMES == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "zb_auto")
+    assert schedules.NAMES == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "zb_auto")
     with pytest.raises(ValueError, match="zbv places exactly 2 stages per rank in a V, got stages_per_rank=3"):
         build("zbv", 2, 4, 3)
     with pytest.raises(ValueError, match="zbv places exactly 2 stages per rank"):

@@ -103,8 +103,10 @@ def _check(results, want, rtol=1e-5, atol=1e-6):
 CASES = {
     2: [("zbv", {"batch_size": 4}, dict(pp=2, schedule="zbv", microbatches=4)),
         ("zb_h1", {"batch_size": 4}, dict(pp=2, schedule="zb_h1", microbatches=4)),
-        ("zb_auto", {"batch_size": 4}, dict(pp=2, schedule="zb_auto", microbatches=4))],
+        ("zb_auto", {"batch_size": 4}, dict(pp=2, schedule="zb_auto", microbatches=4)),
+        ("dualpipev", {"batch_size": 4}, dict(pp=2, schedule="dualpipev", microbatches=4))],
     4: [("zbv", {"batch_size": 8, "n_layer": 4}, dict(pp=4, schedule="zbv", microbatches=8)),
+        ("dualpipev", {"batch_size": 8, "n_layer": 4}, dict(pp=4, schedule="dualpipev", microbatches=8)),
         ("zb_auto", {"batch_size": 8, "n_layer": 4}, dict(pp=4, schedule="zb_auto", microbatches=8))],
 }
 
@@ -119,7 +121,7 @@ def test_zero_bubble_schedules_match_single_process(world):
     results = run_distributed(_cases, world, timeout=400)
     for label, overrides, options in CASES[world]:
         res = [r[label] for r in results]
-        if options["schedule"] == "zbv":  # the V: rank r holds stages r and 2p-1-r; the loss on rank 0
+        if options["schedule"] in ("zbv", "dualpipev"):  # the V: rank r holds stages r and 2p-1-r; the loss on rank 0
             p = options["pp"]
             assert [r["stages"] for r in res] == [[q, 2 * p - 1 - q] for q in range(p)]
         _check(res, _reference(overrides))

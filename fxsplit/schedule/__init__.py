@@ -2,7 +2,7 @@
 
 No processes and no torch: everything here runs on the host before any process group exists.
 Modules: ``ir`` (Action, Schedule, string form), ``builders`` (gpipe, 1f1b, interleaved_1f1b,
-zb_h1, zbv), ``spec`` (``ScheduleSpec``: what each schedule is, ``build``, ``placement``), ``auto`` (zb_auto, from per-stage
+zb_h1, zbv), ``dualpipe`` (DualPipeV), ``spec`` (``ScheduleSpec``: what each schedule is, ``build``, ``placement``), ``auto`` (zb_auto, from per-stage
 costs and a memory limit), ``validate`` (rules and deadlock check), ``simulate`` (Timeline, bubbles, memory),
 ``render`` (text grid, PNG). The public facade is ``fxsplit.schedule``.
 
@@ -24,6 +24,7 @@ May import: ``fxsplit.errors`` and the standard library only (no torch, no other
 """
 
 from fxsplit.schedule.builders import gpipe, interleaved_1f1b, one_f_one_b, v_placement, zb_auto, zb_h1, zbv
+from fxsplit.schedule.dualpipe import dualpipev
 from fxsplit.schedule.ir import (
     Action,
     ActionKind,
@@ -59,6 +60,7 @@ __all__ = [
     "align_steps",
     "build",
     "dependencies",
+    "dualpipev",
     "format_grid",
     "format_marked_grid",
     "format_schedule",

@@ -24,6 +24,7 @@ from typing import Callable
 
 from fxsplit.schedule.builders import (check_sizes, gpipe, interleaved_1f1b, one_f_one_b, v_placement, zb_auto,
                                       zb_h1, zbv)
+from fxsplit.schedule.dualpipe import dualpipev
 from fxsplit.schedule.ir import Schedule
 from fxsplit.errors import ScheduleError
 
@@ -69,7 +70,8 @@ class ScheduleSpec:
     microbatch, GPipe), ``"1f1b"`` (Megatron's closed form), ``"simulated"`` (the schedule's own
     order, walked), ``"p"`` (``min(p, m)``: a cost-built zero-bubble schedule fitted to hold p).
     ``bubble_rule`` names the planner's closed-form bubble: ``"1f1b"`` ``(p-1)(f+i+w)/v``,
-    ``"zb_h1"`` ``(p-1) max(f+i-w, 0)``, ``"zbv"`` ``max((p-1)(f+i-2w), (p-1) f/2)``, where f, i, w
+    ``"zb_h1"`` ``(p-1) max(f+i-w, 0)``, ``"zbv"`` ``max((p-1)(f+i-2w), (p-1) f/2)``, ``"dualpipev"``
+    ``(p-1) max(f, f+i-w) / 2``, where f, i, w
     are a rank's share of the largest stage's forward, input-gradient and weight-gradient times.
     """
 
@@ -134,6 +136,8 @@ class ScheduleSpec:
             return (p - 1) * max(f + i - w, 0.0)
         if self.bubble_rule == "zbv":
             return max((p - 1) * (f + i - 2 * w), (p - 1) * f / 2)
+        if self.bubble_rule == "dualpipev":  # exact when I <= W; below the simulated idle by < 1/3 otherwise (tests)
+            return (p - 1) * max(f, f + i - w) / 2
         return (p - 1) * (f + i + w) / v
 
 
@@ -146,6 +150,9 @@ SPECS: dict[str, ScheduleSpec] = {s.name: s for s in (
                  aliases=("zbh1",), stages_fix="use schedule='zbv' for two"),
     ScheduleSpec("zbv", zbv, _two, 2, splits_backward=True, inflight_rule="simulated", bubble_rule="zbv",
                  aliases=("zb_v",), v_placement=True, stages_fix="leave stages_per_rank unset"),
+    ScheduleSpec("dualpipev", dualpipev, _two, 2, splits_backward=True, inflight_rule="simulated",
+                 bubble_rule="dualpipev", aliases=("dualpipe_v",), v_placement=True,
+                 stages_fix="leave stages_per_rank unset"),
     ScheduleSpec("zb_auto", zb_auto, _one, 1, splits_backward=True, built_from_costs=True, inflight_rule="p",
                  bubble_rule="zb_h1", stages_fix="use schedule='zbv' for two"),
 )}
