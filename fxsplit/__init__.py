@@ -2,6 +2,7 @@
 
 Data flows one way, through subpackages named after their layer::
 
+             hardware/  what one device, its node and its links can do (presets, measure)
     model -> graph/     trace (fx or torch.export), node metadata, op vocabulary, cost model,
                         profile, pass manager, inspection
           -> tp/        tensor-parallel plan, sharding propagation, shard specs, collectives
@@ -72,7 +73,7 @@ _LAZY: dict[str, str] = {
     "PassManager": "fxsplit.graph.pass_api",
     "PassResult": "fxsplit.graph.pass_api",
     "register_pass": "fxsplit.graph.pass_api",
-    "Hardware": "fxsplit.graph.hardware",
+    "Hardware": "fxsplit.hardware",
     "ParallelConfig": "fxsplit.api",
     "ParallelModel": "fxsplit.api",
     "Plan": "fxsplit.api",
@@ -89,7 +90,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-_SUBMODULES = frozenset({"api", "cli", "config", "errors", "graph", "passes", "pipeline", "planner", "runtime",
+_SUBMODULES = frozenset({"api", "cli", "config", "errors", "graph", "hardware", "passes", "pipeline", "planner", "runtime",
                          "schedule", "testing", "tp"})
 
 
@@ -115,7 +116,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "fxsplit.errors": (),
     "fxsplit.config": ("fxsplit.errors",),
     "fxsplit.schedule": ("fxsplit.errors",),
-    "fxsplit.graph": ("fxsplit.errors", "fxsplit.config"),
+    "fxsplit.hardware": ("fxsplit.errors", "fxsplit.config"),
+    "fxsplit.graph": ("fxsplit.errors", "fxsplit.config", "fxsplit.hardware"),
     "fxsplit.tp": ("fxsplit.graph",),
     "fxsplit.pipeline": ("fxsplit.graph", "fxsplit.schedule"),
     "fxsplit.passes": ("fxsplit.tp", "fxsplit.pipeline"),
@@ -136,7 +138,7 @@ PUBLIC_MODULES = (
     "fxsplit.graph.ops",
     "fxsplit.graph.trace",
     "fxsplit.graph.cost",
-    "fxsplit.graph.hardware",
+    "fxsplit.hardware",
     "fxsplit.graph.pass_api",
     "fxsplit.graph.inspection",
     "fxsplit.graph.marker",

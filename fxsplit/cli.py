@@ -102,7 +102,7 @@ def _nonnegative_float(text: str) -> float:
 
 def _hardware_preset(text: str) -> Any:
     """``--hardware NAME`` -> that :class:`fxsplit.Hardware` preset, checked before any model loads."""
-    from fxsplit.graph.hardware import Hardware
+    from fxsplit.hardware import Hardware
 
     try:
         return Hardware.preset(text)
@@ -263,7 +263,7 @@ def _load_passes(specs: Sequence[str]) -> list[Callable]:
 
 def _cmd_plan(ns: argparse.Namespace) -> int:
     from fxsplit.api import ParallelConfig, plan
-    from fxsplit.graph.hardware import Hardware
+    from fxsplit.hardware import Hardware
 
     model, args, kwargs = load_example(ns.factory, meta=ns.meta)
     if ns.auto:

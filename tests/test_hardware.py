@@ -9,8 +9,8 @@ import time
 import pytest
 
 import fxsplit
-from fxsplit.graph import _hardware_measure
-from fxsplit.graph.hardware import PRESETS, Hardware
+from fxsplit.hardware import measure as _hardware_measure
+from fxsplit.hardware import PRESETS, Hardware
 from fxsplit.testing import run_distributed
 
 

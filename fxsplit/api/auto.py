@@ -31,7 +31,7 @@ from torch import nn
 
 from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.errors import PlanError
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.graph.trace import trace
 from fxsplit.planner import SearchResult, analyze, search, shard_supported
 

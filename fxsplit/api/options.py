@@ -21,7 +21,7 @@ from typing import Any
 
 from fxsplit import config
 from fxsplit.errors import ArgumentTypeError, PlanError
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.schedule import NAMES as SCHEDULES
 from fxsplit.schedule import schedule_spec
 

@@ -28,7 +28,7 @@ from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.api.plan import plan
 from fxsplit.errors import ArgumentTypeError, PlanError, UsageError
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 
 __all__ = ["parallelize"]
 

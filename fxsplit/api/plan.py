@@ -32,7 +32,7 @@ from fxsplit import schedule as _schedules
 from fxsplit.api.options import SCHEDULES, ParallelConfig, make_config
 from fxsplit.errors import OutOfRangeError, PlanError
 from fxsplit.graph.examples import batch_of, check_example_batch, example_at_batch
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.graph.trace import trace
 from fxsplit.pipeline.comm import CommPlan, plan_all_communication

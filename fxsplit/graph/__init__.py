@@ -6,10 +6,9 @@ resized along the batch, [Note: a static batch]), node metadata
 (``meta``: ``NodeInfo``, ``TraceInfo``, and ``TensorMeta`` and ``to_expr`` from ``shapes``,
 which sits below the cost model), the op vocabulary (``ops``: one op name
 per node, the op classes, the dotted-path resolver), the cost model (``cost``, ``cost_ops``, ``saved``: what backward keeps, each storage once,
-``profile``, ``hardware`` with its profiler ``_hardware_measure``), the pass manager (``pass_api``, ``debug``), inspection (tables, DOT,
+``profile``; the device and link figures they use are ``fxsplit.hardware``), the pass manager (``pass_api``, ``debug``), inspection (tables, DOT,
 graph diffs) and the ``pipe_split()`` marker.
 
-May import: ``fxsplit.errors``, ``fxsplit.config`` and torch. Nothing here knows about tensor or
-pipeline parallelism, schedules or processes (``Hardware.measure()`` only times torch.distributed
-collectives on a process group the caller already initialized).
+May import: ``fxsplit.errors``, ``fxsplit.config``, ``fxsplit.hardware`` and torch. Nothing here knows about tensor or
+pipeline parallelism, schedules or processes.
 """

@@ -48,7 +48,7 @@ from typing import Mapping, Sequence
 import torch.fx
 
 from fxsplit.errors import PartitionError
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.graph.meta import node_info, substitute
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.saved import base, first_saver_bytes

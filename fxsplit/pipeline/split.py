@@ -49,7 +49,7 @@ from fxsplit.pipeline.checkpointing import choose, unit_modes
 from fxsplit.pipeline.memory import message_buffers, schedule_peaks
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.schedule import schedule_spec
 
 __all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "example_bindings", "layer_key"]

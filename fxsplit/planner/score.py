@@ -82,7 +82,7 @@ import numpy as np
 
 from fxsplit import schedule as _schedules
 from fxsplit.errors import PartitionError, UsageError
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.pipeline.memory import RankMemory, message_buffers, rank_memory
 from fxsplit.pipeline.partition import PartitionProblem, solve
 from fxsplit.planner.host import shared_makespan, shared_rate

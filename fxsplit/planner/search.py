@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch.fx
 
 from fxsplit.errors import PlanError
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.planner.score import SIMULATION_BUDGET, Calibration, Score, Scorer, _gb
 from fxsplit.planner.space import candidates
 from fxsplit.planner.workload import Workload

@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.schedule import schedule_spec
 
 __all__ = ["Candidate", "candidates", "divisors", "schedules_for"]

@@ -33,7 +33,7 @@ from torch import nn
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.parallelize import parallelize
 from fxsplit.errors import UsageError
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.testing import zoo
 from fxsplit.testing.memory import LiveBytes
 

@@ -43,7 +43,7 @@ from torch import nn
 from fxsplit.api import plan, verify
 from fxsplit.api.materialize import materialize_stage
 from fxsplit.errors import ArgumentTypeError, VerificationError
-from fxsplit.graph.hardware import Hardware
+from fxsplit.hardware import Hardware
 from fxsplit.tp import collectives as C
 from fxsplit.tp import functional as tpf
 from fxsplit.tp.emulate import EMULATED_OPS

@@ -182,7 +182,7 @@ def _measure_links(torch: Any, dist: Any, comm_device: Any, sync: Callable[[], N
 
 
 def measure(cls: type, *, cache: bool, budget_s: float) -> Any:
-    """See :meth:`fxsplit.graph.hardware.Hardware.measure`."""
+    """See :meth:`fxsplit.hardware.Hardware.measure`."""
     import torch
     import torch.distributed as dist
 

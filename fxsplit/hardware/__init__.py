@@ -50,6 +50,10 @@ pipeline stages usually cross nodes) or, with no peak given either, take the his
 (100 TFLOP/s, 1.5 TB/s, 25 GB/s). Given both a rate and its peak, they must agree.
 ``flops_per_s`` is the rate at the preset's training dtype: bf16 for the GPU presets, the default
 dtype (fp32) for ``measure()`` and ``cpu()``.
+
+May import: ``fxsplit.errors``, ``fxsplit.config``; torch only inside ``measure`` (``measure()``
+times matmuls, memory traffic and, on a process group the caller already initialized,
+torch.distributed collectives).
 """
 
 from __future__ import annotations
@@ -170,7 +174,7 @@ class Hardware:
         ``~/.cache/fxsplit``), keyed by host, device, torch version and, under a process group, the
         backend and world size.
         """
-        from fxsplit.graph import _hardware_measure as m
+        from fxsplit.hardware import measure as m
 
         return m.measure(cls, cache=cache, budget_s=budget_s)
 
