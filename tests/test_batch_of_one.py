@@ -59,6 +59,7 @@ def _batches(rank, world):
     loss_fn = zoo.loss_fn("gpt")
     for batch, m in ((8, 6), (7, 2)):
         pm = fxsplit.parallelize(model, args, loss_fn=loss_fn, pp=2, microbatches=m, timeout=60,
+                                 verify=None if rank == 0 else False,
                                  hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))
         x, y = _data(model, batch)
         loss = pm.step(x, target=y)

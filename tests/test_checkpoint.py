@@ -52,7 +52,8 @@ def _run(rank, world, options, start, stop, load_from, save_to):
     model, args, kwargs = zoo.make(NAME, **OVERRIDES)
     options = dict(options)
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
-    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60, **options)
+    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60,
+                             verify=None if rank == 0 else False, **options)
     opt = _optimizer(pm.parameters())
     if load_from:
         pm.load_checkpoint(load_from, optimizer=opt)
