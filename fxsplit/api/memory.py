@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fxsplit.errors import PlanError
 from fxsplit.pipeline import memory as _model
 from fxsplit.pipeline.memory import RankMemory
 
@@ -29,8 +30,9 @@ def _mib(x: float) -> str:
 
 
 def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[RankMemory]:
-    """One :class:`RankMemory` per pipeline rank of ``plan`` (``optimizer_bytes_per_param``: 8 for
-    Adam/AdamW's two float32 states)."""
+    """One :class:`RankMemory` per pipeline rank of ``plan`` (``optimizer_bytes_per_param``: float32
+    optimizer state per element, 8 for Adam/AdamW's m and v; a 16-bit parameter adds its float32
+    master copy: ``fxsplit.pipeline.memory.optimizer_bytes_per_element``)."""
     c = plan.config
     s = c.dp_shard
     specs = plan.tp_plan.param_specs
@@ -45,13 +47,16 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
     last = plan.split.stages[-1].rank if plan.split.stages else c.pp - 1
     out = []
     for r in range(c.pp):
-        shard = whole = shard_numel = gathered = grads = 0.0
-        seen: set[int] = set()
+        shard = whole = shard_numel = gathered = grads = optimizer = 0.0
+        seen: set = set()
         for stage in plan.stages_of(r):
             for name, p in plan.stages.modules[stage].named_parameters(remove_duplicate=False):
-                if id(p) in seen:
+                # a parameter two stages of the rank share is one tensor there (share_tied_on_rank
+                # in fxsplit.api.materialize), except under FSDP, which shards each stage apart
+                key = id(p) if s == 1 else (stage, id(p))
+                if key in seen:
                     continue
-                seen.add(id(p))
+                seen.add(key)
                 shape = tuple(p.shape)
                 full = full_shapes.get(name, shape)
                 if name in specs and shape == full:
@@ -67,9 +72,10 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 grads += numel * _size(gdt)
                 pdt = policy.param_dtype if policy is not None and policy.param_dtype is not None else p.dtype
                 gathered += numel * _size(pdt)
+                optimizer += mine * _model.optimizer_bytes_per_element(size, optimizer_bytes_per_param)
         out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel,
                                       grad_itemsize=grads / max(whole, 1), gather_itemsize=gathered / max(whole, 1),
-                                      optimizer_bytes_per_param=optimizer_bytes_per_param, dp=c.dp, dp_shard=s, activations=float(acts[r]) if r < len(acts) else 0.0,
+                                      optimizer_bytes_per_param=optimizer / max(shard_numel, 1), dp=c.dp, dp_shard=s, activations=float(acts[r]) if r < len(acts) else 0.0,
                                       microbatches=c.microbatches, inflight=min(inflight[r], c.microbatches),
                                       loss_bytes=loss if last == r else 0.0, pp_rank=r))
     return out
@@ -89,3 +95,42 @@ def format_memory(rows: list[RankMemory], dp_shard: int) -> str:
         lines.append(f"  pp rank {m.pp_rank}: params {_mib(m.params)}, grads {_mib(m.grads)}, optimizer "
                      f"{_mib(m.optimizer)}, activations {_mib(m.activations)}{extra}; peak {_mib(m.peak)}")
     return "\n".join(lines)
+
+
+def partition_state_factor(config: Any, gm: Any, *, optimizer_bytes_per_param: float = 8.0) -> float:
+    """The partition's training state per parameter byte for ``config`` (its mixed-precision
+    policy and dp_shard) and ``gm``'s parameter dtype, by the memory model's own terms
+    (``fxsplit.pipeline.memory.state_bytes_per_param_byte``)."""
+    itemsize = max((p.element_size() for p in gm.parameters()), default=4)
+    dtype = {4: torch.float32, 2: torch.bfloat16, 8: torch.float64}.get(itemsize, torch.float32)
+    policy = config.mp_policy
+    grad = policy.reduce_dtype if policy is not None and policy.reduce_dtype is not None else dtype
+    gather = policy.param_dtype if policy is not None and policy.param_dtype is not None else dtype
+    return _model.state_bytes_per_param_byte(
+        param_itemsize=itemsize, grad_itemsize=_size(grad), gather_itemsize=_size(gather), dp_shard=config.dp_shard,
+        optimizer_bytes_per_param=_model.optimizer_bytes_per_element(itemsize, optimizer_bytes_per_param))
+
+
+def memory_limit_error(plan: Any) -> PlanError:
+    """The PlanError for a plan over its ``memory_limit`` by ``Plan.memory()``: every rank over it
+    with the terms of its peak, and the fixes."""
+    c = plan.config
+    rows = [m for m in plan.memory() if m.peak > c.memory_limit]
+    what = "; ".join(f"pp rank {m.pp_rank} needs {_gib(m.peak)} ({_terms(m)})" for m in rows)
+    return PlanError(
+        f"memory_limit = {_gib(c.memory_limit)} per rank is not met by any split fxsplit found for dp={c.dp} "
+        f"dp_shard={c.dp_shard} tp={c.tp} pp={c.pp} (v={c.stages_per_rank}, {c.schedule}, m={c.microbatches}, "
+        f"activation_checkpointing={c.activation_checkpointing!r}): {what}. Fix: raise memory_limit, add pipeline "
+        f"or tensor ranks, shard the optimizer state (dp_shard), recompute activations "
+        f"(activation_checkpointing='full'), or use smaller microbatches (more of them).")
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def _terms(m: RankMemory) -> str:
+    parts = [("params", m.params), ("optimizer", m.optimizer), ("activations", m.activations),
+             ("gathered", m.gathered), ("whole gradients", m.whole_grads), ("buckets", m.buckets),
+             ("loss gradients", m.backward)]
+    return ", ".join(f"{k} {_gib(v)}" for k, v in parts if v)

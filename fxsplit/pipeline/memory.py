@@ -47,9 +47,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["RankMemory", "rank_memory", "message_buffers", "schedule_peaks"]
+__all__ = ["RankMemory", "rank_memory", "message_buffers", "schedule_peaks", "optimizer_bytes_per_element",
+           "state_bytes_per_param_byte", "worst"]
 
 _LOSS_GRADIENTS = 2  # tensors the size of the loss's input live at the start of the last stage's backward
+
+
+_MASTER_COPY = 4.0  # a float32 master copy of a 16-bit parameter, per element
+
+
+def optimizer_bytes_per_element(param_itemsize: float, state_bytes: float = 8.0) -> float:
+    """Optimizer bytes per parameter element: ``state_bytes`` of float32 state (Adam/AdamW's m and
+    v: 8; SGD without momentum: 0), plus a float32 master copy when the parameters themselves are
+    16-bit ([Note: memory model]). The one rule for ``Plan.memory()``, the partition's cap and the
+    auto-planner's score."""
+    return state_bytes + (_MASTER_COPY if param_itemsize < 4 else 0.0)
+
+
+def state_bytes_per_param_byte(*, param_itemsize: float, grad_itemsize: float, optimizer_bytes_per_param: float,
+                               gather_itemsize: float, dp_shard: int) -> float:
+    """What ``rank_memory`` charges per byte of a rank's tp-local parameters during the pipeline,
+    at most (the partition's linear cap, ``PartitionProblem.state_bytes_per_param_byte``): the
+    FSDP shard and its optimizer state (1/s of the elements), the whole gradients (held beside the
+    activations when a rank runs more microbatches than it holds) and, with s > 1, the gathered
+    stage. The partition cannot see the other terms (message buffers, the loss's gradients,
+    buckets), so ``plan()`` checks the built plan with ``rank_memory`` itself afterwards."""
+    s = max(dp_shard, 1)
+    per_element = (param_itemsize + optimizer_bytes_per_param) / s + grad_itemsize
+    if s > 1:
+        per_element += gather_itemsize
+    return per_element / param_itemsize
+
+
+def worst(rows: Sequence["RankMemory"]) -> "RankMemory":
+    """The rank with the largest peak (the figure a memory limit is checked against)."""
+    return max(rows, key=lambda m: m.peak)
 
 
 @dataclass(frozen=True)

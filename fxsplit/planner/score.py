@@ -84,7 +84,7 @@ from fxsplit import schedule as _schedules
 from fxsplit.errors import PartitionError, UsageError
 from fxsplit.graph.hardware import Hardware
 from fxsplit.pipeline.chain import inflight_1f1b
-from fxsplit.pipeline.memory import RankMemory, message_buffers, rank_memory
+from fxsplit.pipeline.memory import RankMemory, message_buffers, optimizer_bytes_per_element, rank_memory
 from fxsplit.pipeline.partition import PartitionProblem, solve
 from fxsplit.planner.host import shared_makespan, shared_rate
 from fxsplit.planner.space import Candidate
@@ -395,14 +395,14 @@ class Scorer:
         it, sh = self.w.param_itemsize, c.dp_shard
         numel = param_bytes / it
         return rank_memory(shard_bytes=param_bytes / sh, numel=numel, shard_numel=numel / sh, grad_itemsize=it,
-                           gather_itemsize=it, optimizer_bytes_per_param=self.optimizer_state + (4.0 if it < 4 else 0.0),
+                           gather_itemsize=it, optimizer_bytes_per_param=optimizer_bytes_per_element(it, self.optimizer_state),
                            dp=max(c.dp // sh, 1), dp_shard=sh, activations=acts, recompute=recompute,
                            microbatches=c.microbatches, inflight=inflight, loss_bytes=loss, pp_rank=r)
 
     def _state_factor(self) -> float:
         """Bytes of params + grads + optimizer state per parameter byte."""
         it = self.w.param_itemsize
-        return 2.0 + (self.optimizer_state + (4.0 if it < 4 else 0.0)) / it
+        return 2.0 + optimizer_bytes_per_element(it, self.optimizer_state) / it
 
     def _dp_time(self, c: Candidate, grad_bytes: float) -> float:
         if c.dp == 1:

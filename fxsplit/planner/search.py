@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch.fx
 
@@ -84,6 +85,21 @@ class SearchResult:
     num_candidates: int
     group_paths: tuple[str, ...] = field(default=(), repr=False)
     repartitioned: tuple[int, int] = (0, 0)  # layouts re-partitioned under the limit, and skipped (budget)
+    picked_from: tuple[str, int] | None = None  # set by with_pick: the built pick and its rank in the search
+
+    def with_pick(self, k: int, memory: Any, how: str) -> "SearchResult":
+        """This result with ``scores[k]`` as the pick (first), its memory the built plan's
+        (``Plan.memory()``'s busiest rank: [Note: the pick's memory is its plan's] in
+        fxsplit.api.auto); the candidates it passed over for memory move to ``rejected``."""
+        s = self.scores[k]
+        c = s.candidate
+        pick = replace(s, memory=memory, method=f"{s.method}; {how}: memory is its plan's")
+        skipped = tuple((o.candidate.short(), f"memory: its built plan is over the limit {_gb(self.memory_limit)}")
+                        for o in self.scores[:k])
+        if s.cuts and how.endswith("re-split"):
+            pick = replace(pick, cuts=())
+        return replace(self, best=pick, scores=(pick,) + self.scores[k + 1:], rejected=skipped + self.rejected,
+                       picked_from=(c.short(), k))
 
     def split_points(self) -> tuple[str, ...]:
         """Module paths where the chosen plan's stages 2..S start (``ParallelConfig.split_points``)."""
