@@ -58,8 +58,9 @@ def _options(options: dict) -> dict:
     return out
 
 
-def measure_case(options: dict, gpt: dict, batch: int) -> tuple[float, float]:
-    """(measured, predicted) peak bytes of this rank for one layout (one warm-up step, one measured)."""
+def measure_case(options: dict, gpt: dict, batch: int) -> tuple[float, float, dict]:
+    """(measured, predicted) peak bytes of this rank for one layout (one warm-up step, one measured),
+    and both sides' terms."""
     from fxsplit.testing.memory import measured_step_peak
 
     torch.manual_seed(0)
@@ -74,9 +75,11 @@ def measure_case(options: dict, gpt: dict, batch: int) -> tuple[float, float]:
     pm.step(x, target=y)  # creates the AdamW state
     opt.step()
     opt.zero_grad(set_to_none=True)
-    measured = measured_step_peak(pm, opt, x, target=y)
+    parts: dict = {}
+    measured = measured_step_peak(pm, opt, x, target=y, parts=parts)
     opt.zero_grad(set_to_none=True)
-    return float(measured), float(pm.plan.memory()[pm.coords["pp"]].peak)
+    pred = pm.plan.memory()[pm.coords["pp"]]
+    return float(measured), float(pred.peak), dict(measured=parts, predicted=pred.as_dict())
 
 
 def _rank(rank, world, args):
@@ -88,7 +91,7 @@ def table(results: list[dict], cases_: dict) -> tuple[list[str], float]:
     worst = 0.0
     for label in cases_:
         for rank, res in enumerate(results):
-            meas, pred = res[label]
+            meas, pred, _ = res[label]
             ratio = meas / pred
             worst = max(worst, abs(ratio - 1))
             lines.append(f"| {label} | {rank} | {pred / 2**20:.2f} | {meas / 2**20:.2f} | {ratio:.3f} |")
@@ -104,8 +107,10 @@ def main() -> int:
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--tolerance", type=float, default=0.10)
+    ap.add_argument("--no-bf16", action="store_true", help="leave out the mp_policy bf16 cases")
+    ap.add_argument("--detail", action="store_true", help="print both sides' terms (MiB) per rank")
     args = ap.parse_args()
-    args.cases = cases(args.layouts.split(","))
+    args.cases = cases(args.layouts.split(","), bf16=not args.no_bf16)
     args.gpt = dict(seq_len=args.seq, n_embd=args.n_embd, n_layer=args.n_layer, n_head=4, vocab_size=args.vocab,
                     block_size=args.seq)
     t0 = time.perf_counter()
@@ -114,6 +119,11 @@ def main() -> int:
     print(f"zoo GPT (tied) n_embd={args.n_embd} n_layer={args.n_layer} vocab={args.vocab}, {args.batch}x{args.seq} "
           f"tokens per replica, 4 gloo ranks, AdamW(foreach=False) ({time.perf_counter() - t0:.0f}s)")
     print("\n".join(lines))
+    if args.detail:
+        for label in args.cases:
+            for rank, res in enumerate(results):
+                d = res[label][2]
+                print(label, rank, {k: round(v / 2**20, 2) for k, v in {**d["measured"], **d["predicted"]}.items()})
     print(f"largest |measured / predicted - 1|: {worst:.3f} (goal <= {args.tolerance})")
     return 0 if worst <= args.tolerance else 1
 

@@ -19,14 +19,11 @@ from typing import Any
 import torch
 
 from fxsplit.errors import PlanError
+from fxsplit.graph.units import fmt_bytes
 from fxsplit.pipeline import memory as _model
 from fxsplit.pipeline.memory import RankMemory
 
 __all__ = ["RankMemory", "rank_memory"]
-
-
-def _mib(x: float) -> str:
-    return f"{x / 2**20:.2f} MiB"
 
 
 def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[RankMemory]:
@@ -89,11 +86,11 @@ def format_memory(rows: list[RankMemory], dp_shard: int) -> str:
     """The lines ``plan()`` prints: one per pipeline rank."""
     lines = [f"expected memory per rank (Adam; [Note: memory model] in fxsplit.pipeline.memory; dp_shard={dp_shard}):"]
     for m in rows:
-        extra = f", gathered during the step {_mib(m.gathered)}" if m.gathered else ""
-        extra += f", whole gradients during the step {_mib(m.whole_grads)}"
-        extra += f", all-reduce buckets {_mib(m.buckets)}" if m.buckets else ""
-        lines.append(f"  pp rank {m.pp_rank}: params {_mib(m.params)}, grads {_mib(m.grads)}, optimizer "
-                     f"{_mib(m.optimizer)}, activations {_mib(m.activations)}{extra}; peak {_mib(m.peak)}")
+        extra = f", gathered during the step {fmt_bytes(m.gathered)}" if m.gathered else ""
+        extra += f", whole gradients during the step {fmt_bytes(m.whole_grads)}"
+        extra += f", all-reduce buckets {fmt_bytes(m.buckets)}" if m.buckets else ""
+        lines.append(f"  pp rank {m.pp_rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, optimizer "
+                     f"{fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)}{extra}; peak {fmt_bytes(m.peak)}")
     return "\n".join(lines)
 
 

@@ -135,36 +135,19 @@ class Plan:
     def schedule_grid(self) -> str:
         return _schedules.format_grid(self.schedule)
 
-    def __str__(self) -> str:
-        c = self.config
-        info = self.graph.meta.get("fxsplit")
-        head = [
-            f"fxsplit plan: dp={c.dp}{f' dp_shard={c.dp_shard}' if c.dp_shard > 1 else ''} tp={c.tp} pp={c.pp} "
-            f"(world size {c.world_size}); "
-            f"{c.num_stages} stages (v={c.stages_per_rank}), {c.schedule}, m={c.microbatches}",
-            f"traced with {info.method}: {info.reason}" if info is not None else "",
-        ]
-        if not self.tp_plan.is_identity:
-            head.append(str(self.tp_plan))
-        sim = self.simulate()
-        lines = [h for h in head if h] + [str(self.split)]
-        lines.append(
-            f"simulated step: {sim.makespan * 1e3:.3f} ms; bubble {100 * sim.bubble_fraction:.1f}% of the step "
-            f"(idle/ideal {100 * sim.bubble_ratio:.1f}%); peak in-flight microbatches per rank {list(sim.peak_inflight)}"
-        )
-        if c.pp > 1:
-            sends = [sum(op.is_send for ops in cp.peer_ops.values() for op in ops) for cp in self.comm]
-            lines.append(f"point-to-point per step: {sum(sends)} messages (sends per rank {sends}); "
-                         f"plan.rank_plan(r) prints rank r's in order")
-        from fxsplit.api.memory import format_memory
+    def tp_table(self) -> str:
+        """The full tensor-parallel table: every sharded module with its shards, and why any was left whole."""
+        return str(self.tp_plan)
 
-        lines.append(format_memory(self.memory(), c.dp_shard))
-        if self.predicted_step_time is not None:
-            mem = self.predicted_memory or {}
-            lines.append(f"auto: predicted step {self.predicted_step_time * 1e3:.3f} ms, memory per rank "
-                         f"{mem.get('total', 0) / 1e6:.1f} MB; plan.search has the candidate table")
-        lines.append(f"planned in {self.plan_seconds:.2f}s")
-        return "\n".join(lines)
+    def stage_table(self) -> str:
+        """The full stage table: every stage's modules, nodes, parameters, FLOPs, activations, messages, time."""
+        return str(self.split)
+
+    def __str__(self) -> str:
+        """The plan on one screen ([Note: a plan on one screen] in fxsplit.api.summary)."""
+        from fxsplit.api.summary import plan_lines
+
+        return "\n".join(plan_lines(self))
 
 
 def plan(

@@ -27,6 +27,12 @@ __all__ = ["RankPlan"]
 
 
 @dataclass(frozen=True)
+LEGEND = ("  legend: an action is <stage><kind><microbatch> (2F0: forward of microbatch 0 on stage 2; B full "
+          "backward, I input gradient, W weight gradient); a message is <S send|R receive><a activation|g gradient>"
+          "<stage>.<input>@<microbatch> (Sa1.0@0: send stage 1's input 0 of microbatch 0), per peer in the order "
+          "posted")
+
+
 class RankPlan:
     """Pipeline rank ``rank``'s program: the wiring of ALL stages (every rank derives the same
     message order from it), the whole schedule, and this rank's communication plans for a
@@ -101,4 +107,5 @@ class RankPlan:
             f"pipeline rank {self.rank} of {self.num_ranks}: stages {list(self.stages)} of {self.num_stages}",
             f"  actions: {mine}",
             *("  " + line for line in str(self.train).splitlines()),
+            LEGEND,
         ])

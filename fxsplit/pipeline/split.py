@@ -31,6 +31,7 @@ import sympy
 import torch
 import torch.fx
 
+from fxsplit.graph.units import fmt_bytes, fmt_ms
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.marker import find_pipe_splits
 from fxsplit.graph.meta import node_info, substitute
@@ -81,27 +82,11 @@ class StageSummary:
     weight_bytes: float = 0.0  # of activation_bytes, what a split backward's W still needs after I
 
 
-def _fmt_bytes(x: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(x) < 1024 or unit == "TB":
-            return f"{x:.0f}{unit}" if unit == "B" else f"{x:.1f}{unit}"
-        x /= 1024
-    return str(x)
-
-
 def _fmt_num(x: float) -> str:
     for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(x) >= div:
             return f"{x / div:.2f}{unit}"
     return f"{x:.0f}"
-
-
-def _fmt_time(t: float) -> str:
-    if t >= 1:
-        return f"{t:.2f}s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.2f}ms"
-    return f"{t * 1e6:.2f}us"
 
 
 def _compress_paths(paths: Sequence[str]) -> str:
@@ -216,20 +201,20 @@ class SplitPlan:
         for s in self.stages:
             extra = () if not ckpt else (
                 s.checkpointing,
-                _fmt_bytes(s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked),
-                _fmt_time(s.recompute_time))
+                fmt_bytes(s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked),
+                fmt_ms(s.recompute_time))
             rows.append(
                 (
                     str(s.index),
                     str(s.rank),
                     _compress_paths(s.module_paths),
                     str(s.num_nodes),
-                    _fmt_bytes(s.param_bytes),
+                    fmt_bytes(s.param_bytes),
                     _fmt_num(s.flops),
-                    _fmt_bytes(s.activation_bytes),
-                    _fmt_bytes(s.bytes_in),
-                    _fmt_bytes(s.bytes_out),
-                    _fmt_time(s.time),
+                    fmt_bytes(s.activation_bytes),
+                    fmt_bytes(s.bytes_in),
+                    fmt_bytes(s.bytes_out),
+                    fmt_ms(s.time),
                     *extra,
                 )
             )
@@ -237,7 +222,7 @@ class SplitPlan:
         widths[2] = min(widths[2], 48)
         lines = [
             f"SplitPlan: {self.num_stages} stages on {self.num_ranks} ranks ({self.method}); "
-            f"balance {self.balance:.3f} (bottleneck {_fmt_time(self.bottleneck)} / mean {_fmt_time(self.mean)})"
+            f"balance {self.balance:.3f} (bottleneck {fmt_ms(self.bottleneck)} / mean {fmt_ms(self.mean)})"
             + ("" if self.partition.exact else "; memory-capped, not proven optimal")
         ]
         for r in rows:
@@ -246,7 +231,7 @@ class SplitPlan:
         if ckpt:
             with_, without = self.peak_activations()
             lines.append(f"activation checkpointing {self.activation_checkpointing!r}: peak activations per rank "
-                         f"{[_fmt_bytes(x) for x in with_]} (without: {[_fmt_bytes(x) for x in without]})")
+                         f"{[fmt_bytes(x) for x in with_]} (without: {[fmt_bytes(x) for x in without]})")
         if self.baselines:
             lines.append("baselines (balance): " + ", ".join(f"{k} {v:.3f}" for k, v in self.baselines.items()))
         return "\n".join(lines)

@@ -32,8 +32,9 @@ from typing import Any
 import torch.fx
 
 from fxsplit.errors import PlanError
+from fxsplit.graph.units import fmt_bytes, fmt_ms
 from fxsplit.graph.hardware import Hardware
-from fxsplit.planner.score import SIMULATION_BUDGET, Calibration, Score, Scorer, _gb
+from fxsplit.planner.score import SIMULATION_BUDGET, Calibration, Score, Scorer
 from fxsplit.planner.space import candidates
 from fxsplit.planner.workload import Workload
 from fxsplit.tp.plan import find_tp_plan
@@ -94,7 +95,7 @@ class SearchResult:
         s = self.scores[k]
         c = s.candidate
         pick = replace(s, memory=memory, method=f"{s.method}; {how}: memory is its plan's")
-        skipped = tuple((o.candidate.short(), f"memory: its built plan is over the limit {_gb(self.memory_limit)}")
+        skipped = tuple((o.candidate.short(), f"memory: its built plan is over the limit {fmt_bytes(self.memory_limit)}")
                         for o in self.scores[:k])
         if s.cuts and how.endswith("re-split"):
             pick = replace(pick, cuts=())
@@ -112,7 +113,7 @@ class SearchResult:
             rows.append(_row(str(i + 1), s, s.method))
         lines = []
         lines.append(f"auto plan for {self.world_size} ranks, global batch {self.global_batch}, {self.hardware}, "
-                     f"memory limit {_gb(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
+                     f"memory limit {fmt_bytes(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
                      f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first")
         if any(self.repartitioned):
             done, skipped = self.repartitioned
@@ -147,13 +148,7 @@ def _row(tag: str, s: Score, how: str) -> tuple[str, ...]:
     ckpt = c.activation_checkpointing
     return (tag, str(c.dp) + (f"/{c.dp_shard}" if c.dp_shard != 1 else ""), str(c.tp),
             "y" if c.sequence_parallel else "", str(c.pp), str(c.stages_per_rank), c.schedule, str(c.microbatches),
-            str(c.microbatch_size), ckpt, _fmt_time(s.step_time), _gb(s.memory.total), how)
-
-
-def _fmt_time(t: float) -> str:
-    if math.isinf(t):
-        return "-"
-    return f"{t:.3f}s" if t >= 1 else f"{t * 1e3:.2f}ms"
+            str(c.microbatch_size), ckpt, fmt_ms(s.step_time), fmt_bytes(s.memory.total), how)
 
 
 def search(workload: Workload, *, world_size: int, global_batch: int, hardware: Hardware,
@@ -194,9 +189,9 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
         tight = min(over, key=lambda s: s.memory.total)
         m = tight.memory
         raise PlanError(
-            f"strategy='auto': no layout of {world_size} ranks fits {_gb(limit)} per rank; the tightest, "
-            f"{tight.candidate.short()}, needs {_gb(m.total)} (params {_gb(m.params)}, grads {_gb(m.grads)}, "
-            f"optimizer {_gb(m.optimizer)}, activations {_gb(m.activations)}, recompute {_gb(m.recompute)}); "
+            f"strategy='auto': no layout of {world_size} ranks fits {fmt_bytes(limit)} per rank; the tightest, "
+            f"{tight.candidate.short()}, needs {fmt_bytes(m.total)} (params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
+            f"optimizer {fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)}, recompute {fmt_bytes(m.recompute)}); "
             "use more ranks, a smaller global batch, or a larger memory_limit")
     fitting.sort(key=lambda s: s.step_time)
     simulated, budget = [], SIMULATION_BUDGET

@@ -91,13 +91,15 @@ def fsdp_gathered_bytes(pm: Any) -> int:
     return total
 
 
-def measured_step_peak(pm: Any, opt: torch.optim.Optimizer, *args: Any, target: Any = None) -> int:
+def measured_step_peak(pm: Any, opt: torch.optim.Optimizer, *args: Any, target: Any = None,
+                       parts: dict | None = None) -> int:
     """The most tensor bytes this rank holds during ``pm.step(*args, target=target)`` and
     ``opt.step()``: the parameters and optimizer state held before (run one step first, so the
     state exists, and set the gradients to None), plus the peak of what the ops allocate
     (``LiveBytes``: activations, gradients, messages, buckets), plus, under FSDP, the gathered
     parameters read as each backward starts (``fsdp_gathered_bytes``). The measured side of
-    ``Plan.memory()``'s ``peak`` (benchmarks/memory_truth.py)."""
+    ``Plan.memory()``'s ``peak`` (benchmarks/memory_truth.py). ``parts``, when given, receives
+    the three terms (``held``, ``ops``, ``gathered``)."""
     state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
     held = local_bytes(pm.parameters()) + local_bytes(state)
     gathered = [0]
@@ -115,4 +117,6 @@ def measured_step_peak(pm: Any, opt: torch.optim.Optimizer, *args: Any, target: 
             opt.step()
     finally:
         rt._backward = inner
+    if parts is not None:
+        parts.update(held=held, ops=mem.peak, gathered=gathered[0])
     return held + mem.peak + gathered[0]
