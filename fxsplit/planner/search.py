@@ -43,6 +43,8 @@ from fxsplit.tp.propagate import TPPlanError
 __all__ = ["SearchResult", "analyze", "search"]
 
 _CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+TABLE_ROWS = 12  # fitting candidates print(result) shows ...
+REJECTED_ROWS = 8  # ... and rejected ones: with the header and summaries at most 30 lines
 
 
 def analyze(gm: torch.fx.GraphModule, *, world_size: int, hardware: Hardware) -> Workload:
@@ -106,7 +108,10 @@ class SearchResult:
         """Module paths where the chosen plan's stages 2..S start (``ParallelConfig.split_points``)."""
         return tuple(self.group_paths[k] for k in self.best.cuts[1:-1])
 
-    def table(self, limit: int | None = 20, rejected_limit: int | None = 10) -> str:
+    def table(self, limit: int | None = TABLE_ROWS, rejected_limit: int | None = REJECTED_ROWS) -> str:
+        """The candidate table, best first, and the rejected ones closest to fitting first: at most
+        ``limit`` and ``rejected_limit`` rows of each (None: all), so ``print(result)`` stays within
+        30 lines by default; ``table(None, None)`` is everything."""
         head = ("#", "dp", "tp", "sp", "pp", "v", "schedule", "m", "b", "ckpt", "step", "memory/rank", "how / why not")
         rows = [head]
         for i, s in enumerate(self.scores[:limit]):
@@ -114,7 +119,8 @@ class SearchResult:
         lines = []
         lines.append(f"auto plan for {self.world_size} ranks, global batch {self.global_batch}, {self.hardware}, "
                      f"memory limit {fmt_bytes(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
-                     f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first")
+                     f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first; memory/rank is the search's "
+                     f"estimate{', the pick' + chr(39) + 's its built plan' + chr(39) + 's (Plan.memory())' if self.picked_from else ''}")
         if any(self.repartitioned):
             done, skipped = self.repartitioned
             lines[-1] += (f"; {done} layouts re-partitioned under the memory limit"
@@ -123,7 +129,8 @@ class SearchResult:
         for r in rows:
             lines.append("  ".join(c.rjust(wd) for c, wd in zip(r[:-1], widths)) + "  " + r[-1])
         if len(self.scores) > (limit or len(self.scores)):
-            lines.append(f"... {len(self.scores) - limit} more fitting candidates (SearchResult.table(limit=None))")
+            lines.append(f"... {len(self.scores) - limit} more fitting candidates (.table(limit=None, rejected_limit=None) "
+                         "lists every candidate)")
         rej = list(self.rejected)
         if rej:
             lines.append(f"rejected ({len(rej)}), closest to fitting first:")
