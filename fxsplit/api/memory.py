@@ -6,9 +6,11 @@ pipeline rank, each parameter at its tp-local shape, split by FSDP into s dim-0 
 (``ceil(rows / s)`` rows for the first ranks: the figure is the largest rank's). The model
 itself is [Note: memory model] in :mod:`fxsplit.pipeline.memory` (``rank_memory``), the one the
 auto-planner scores candidates with; this module counts a built plan's parameters for it and
-takes the activations from the split (``SplitPlan.peak_activations``: per microbatch at the
-traced example's sizes, so trace with an example of one microbatch, or pass the batch you step
-with and ``microbatches=1``).
+walks the plan's schedule for the activations and gradients live at the peak ([Note: the
+schedule's walk] in fxsplit.pipeline.memory) with the split's per-stage bytes per microbatch
+([Note: what a stage holds]) and message buffers. The split is costed at one microbatch
+(``microbatch_size`` when known, from ``global_batch_size``; else the example's batch, so trace
+with an example of one microbatch, or pass the batch you step with and ``microbatches=1``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
     full_shapes = {k: tuple(v) for k, v in plan.tp_plan.full_shapes.items()}
     policy = c.mp_policy
     try:
-        acts = plan.split.peak_activations()[0]
         inflight = plan.split.problem.inflight_per_rank()
+        buffers = plan.split.message_buffers()
     except Exception:  # noqa: BLE001 -- a plan without a partition model: no estimate
-        acts, inflight = (), (1.0,) * c.pp
+        inflight, buffers = (1.0,) * c.pp, (0.0,) * c.pp
+    stage_acts = [st.activation_bytes for st in plan.split.stages]
+    after_i = [st.weight_bytes for st in plan.split.stages]
+    stage_grads = [0.0] * len(stage_acts)
     loss = getattr(plan.split, "loss_bytes", 0.0)
     last = plan.split.stages[-1].rank if plan.split.stages else c.pp - 1
     out = []
@@ -67,14 +72,16 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 shard_numel += mine
                 gdt = policy.reduce_dtype if policy is not None and policy.reduce_dtype is not None else p.dtype
                 grads += numel * _size(gdt)
+                stage_grads[stage] += numel * _size(gdt)
                 pdt = policy.param_dtype if policy is not None and policy.param_dtype is not None else p.dtype
                 gathered += numel * _size(pdt)
                 optimizer += mine * _model.optimizer_bytes_per_element(size, optimizer_bytes_per_param)
+        acts, grads_at_peak = _model.schedule_walk(plan.schedule[r], stage_acts, after_i, stage_grads)
         out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel,
                                       grad_itemsize=grads / max(whole, 1), gather_itemsize=gathered / max(whole, 1),
-                                      optimizer_bytes_per_param=optimizer / max(shard_numel, 1), dp=c.dp, dp_shard=s, activations=float(acts[r]) if r < len(acts) else 0.0,
+                                      optimizer_bytes_per_param=optimizer / max(shard_numel, 1), dp=c.dp, dp_shard=s, activations=acts + buffers[r],
                                       microbatches=c.microbatches, inflight=min(inflight[r], c.microbatches),
-                                      loss_bytes=loss if last == r else 0.0, pp_rank=r))
+                                      loss_bytes=loss if last == r else 0.0, pp_rank=r, grads_at_peak=grads_at_peak))
     return out
 
 

@@ -37,7 +37,7 @@ from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.graph.trace import trace
 from fxsplit.pipeline.comm import CommPlan, plan_all_communication
 from fxsplit.pipeline.rank_plan import RankPlan
-from fxsplit.pipeline.split import SplitPlan
+from fxsplit.pipeline.split import SplitPlan, batch_bindings
 from fxsplit.pipeline.stage import StageGraphs
 from fxsplit.tp.plan import TPPlan
 
@@ -250,6 +250,9 @@ def plan(
         cut_at=config.cut_at, stage_ranks=stage_ranks,
         activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
         split_backward=config.split_backward, state_bytes_per_param_byte=partition_state_factor(config, gm),
+        # costs and memory of one microbatch, whatever batch the symbolic trace saw
+        bindings=batch_bindings(gm, config.microbatch_size if config.microbatch_size is not None
+                                else batch_of((example_args, example_kwargs or {}))) or None,
     )
     pipeline.append(split_pass)
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the

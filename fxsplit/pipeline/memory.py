@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["RankMemory", "rank_memory", "message_buffers", "schedule_peaks", "optimizer_bytes_per_element",
-           "state_bytes_per_param_byte", "worst"]
+           "state_bytes_per_param_byte", "schedule_walk", "worst"]
 
 _LOSS_GRADIENTS = 2  # tensors the size of the loss's input live at the start of the last stage's backward
 
@@ -99,6 +99,7 @@ class RankMemory:
     recompute: float = 0.0  # during a checkpointed backward: one region's activations being recomputed
     grads_during_forwards: bool = False  # whole gradients live beside the activations (more microbatches than in flight)
     backward: float = 0.0  # a backward's working memory on top of the activations (the loss's gradients)
+    grads_at_peak: float | None = None  # gradients live at the activation peak, from the schedule's walk (None: not walked)
 
     @property
     def at_rest(self) -> float:
@@ -107,8 +108,11 @@ class RankMemory:
     @property
     def peak(self) -> float:
         """Bytes held at the peak of a step ([Note: memory model])."""
-        pipeline = (self.activations + self.recompute + self.backward
-                    + (self.whole_grads if self.grads_during_forwards else 0.0))
+        if self.grads_at_peak is not None:
+            grads = self.grads_at_peak
+        else:
+            grads = self.whole_grads if self.grads_during_forwards else 0.0
+        pipeline = self.activations + self.recompute + self.backward + grads
         return self.params + self.optimizer + self.gathered + max(pipeline, self.whole_grads + self.buckets)
 
     @property
@@ -119,14 +123,15 @@ class RankMemory:
     def as_dict(self) -> dict:
         return dict(params=self.params, grads=self.grads, optimizer=self.optimizer, activations=self.activations,
                     gathered=self.gathered, whole_grads=self.whole_grads, buckets=self.buckets,
-                    recompute=self.recompute, backward=self.backward, peak=self.peak, total=self.total)
+                    recompute=self.recompute, backward=self.backward, peak=self.peak, total=self.total,
+                    **({} if self.grads_at_peak is None else {"grads_at_peak": self.grads_at_peak}))
 
 
 def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
                 grad_itemsize: float, gather_itemsize: float, optimizer_bytes_per_param: float,
                 dp: int, dp_shard: int, activations: float, recompute: float = 0.0,
                 microbatches: int = 1, inflight: float = 1.0, loss_bytes: float = 0.0,
-                pp_rank: int = 0) -> RankMemory:
+                pp_rank: int = 0, grads_at_peak: float | None = None) -> RankMemory:
     """One rank's :class:`RankMemory` ([Note: memory model]); ``numel``: the
     rank's tp-local parameter elements, ``shard_bytes`` / ``shard_numel``: its FSDP shard of them;
     ``microbatches`` the rank runs per step, ``inflight`` the most it holds at once; ``loss_bytes``
@@ -136,7 +141,8 @@ def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
         pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
         activations=activations, gathered=numel * gather_itemsize if dp_shard > 1 else 0.0,
         whole_grads=whole_grads, buckets=whole_grads if dp > 1 or dp_shard > 1 else 0.0, recompute=recompute,
-        grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes)
+        grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes,
+        grads_at_peak=None if grads_at_peak is None else min(grads_at_peak, whole_grads))
 
 
 # [Note: message buffers]
@@ -193,3 +199,35 @@ def schedule_peaks(schedule: Sequence[Sequence], num_ranks: int, full: Sequence[
             elif kind == "W":
                 live -= min(after_input_grad[s], full[s])
     return tuple(peaks)
+
+
+def schedule_walk(row: Sequence, full: Sequence[float], after_input_grad: Sequence[float],
+                  grad_bytes: Sequence[float]) -> tuple[float, float]:
+    """[Note: the schedule's walk] One rank's (activation bytes, gradient bytes) at the moment
+    their sum peaks, walking its actions in order: a forward of stage s adds ``full[s]``; the
+    first backward of s that computes weight gradients (B, or W when split) allocates its
+    gradients, ``grad_bytes[s]``, while that microbatch's activations are still held (the
+    moment checked), and they stay until the step ends; B frees the microbatch, I all but
+    ``after_input_grad[s]``, W the rest ([Note: split backward memory]). Exact for the order the
+    runtime runs, where the in-flight formulas (``inflight_1f1b``) bound interleaved orders."""
+    live = grads = 0.0
+    have: set = set()
+    best = (0.0, 0.0)
+    for a in row:
+        if a is None:
+            continue
+        kind, s = str(a.kind), a.stage
+        if kind == "F":
+            live += full[s]
+        elif kind in ("B", "W") and s not in have:
+            have.add(s)
+            grads += grad_bytes[s]
+        if live + grads > sum(best):
+            best = (live, grads)
+        if kind == "B":
+            live -= full[s]
+        elif kind == "I":
+            live -= full[s] - min(after_input_grad[s], full[s])
+        elif kind == "W":
+            live -= min(after_input_grad[s], full[s])
+    return best

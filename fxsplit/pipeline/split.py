@@ -54,7 +54,7 @@ from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
 from fxsplit.graph.hardware import Hardware
 
-__all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "example_bindings", "layer_key"]
+__all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "batch_bindings", "example_bindings", "layer_key"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -235,6 +235,22 @@ class SplitPlan:
         if self.baselines:
             lines.append("baselines (balance): " + ", ".join(f"{k} {v:.3f}" for k, v in self.baselines.items()))
         return "\n".join(lines)
+
+
+def batch_bindings(gm: torch.fx.GraphModule, batch: int | None) -> dict[sympy.Symbol, int]:
+    """``{batch symbol: batch}`` when dim 0 of the graph's first tensor input is a symbol traced at
+    another size (a batch of 1 is traced as 2: [Note: batch of one]; an example of the whole batch
+    planned for smaller microbatches), so costs and memory are those of one microbatch; else {}."""
+    if batch is None:
+        return {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and val.dim() >= 1:
+            s = val.shape[0]
+            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol) and s.node.hint != batch:
+                return {s.node.expr: int(batch)}
+            return {}
+    return {}
 
 
 def example_bindings(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
