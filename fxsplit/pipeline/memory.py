@@ -181,7 +181,9 @@ def schedule_peaks(schedule: Sequence[Sequence], num_ranks: int, full: Sequence[
     frees it; a split backward's I frees all but ``after_input_grad[s]`` (what W still needs: the
     inputs of the weight-gradient matmuls and their output gradients) and its W frees the rest.
     So a zero-bubble schedule, whose W runs late, is charged for the W halves it keeps, not for
-    whole microbatches (``Timeline.peak_inflight`` counts a microbatch whole until its W ends)."""
+    whole microbatches (``Timeline.peak_inflight`` counts a microbatch whole until its W ends).
+    ``after_input_grad`` may exceed ``full``: under checkpointing with the graph split backward, I
+    recomputes the region once and keeps what W needs of it until W runs."""
     peaks = [0.0] * num_ranks
     for r, row in enumerate(schedule[:num_ranks]):
         live = 0.0
@@ -194,10 +196,11 @@ def schedule_peaks(schedule: Sequence[Sequence], num_ranks: int, full: Sequence[
                 peaks[r] = max(peaks[r], live)
             elif kind == "B":
                 live -= full[s]
-            elif kind == "I":
-                live -= full[s] - min(after_input_grad[s], full[s])
+            elif kind == "I":  # may grow: a checkpointed region recomputed by I keeps W's inputs
+                live += after_input_grad[s] - full[s]
+                peaks[r] = max(peaks[r], live)
             elif kind == "W":
-                live -= min(after_input_grad[s], full[s])
+                live -= after_input_grad[s]
     return tuple(peaks)
 
 
@@ -226,8 +229,10 @@ def schedule_walk(row: Sequence, full: Sequence[float], after_input_grad: Sequen
             best = (live, grads)
         if kind == "B":
             live -= full[s]
-        elif kind == "I":
-            live -= full[s] - min(after_input_grad[s], full[s])
+        elif kind == "I":  # may grow: a checkpointed region recomputed by I keeps W's inputs
+            live += after_input_grad[s] - full[s]
+            if live + grads > sum(best):
+                best = (live, grads)
         elif kind == "W":
-            live -= min(after_input_grad[s], full[s])
+            live -= after_input_grad[s]
     return best

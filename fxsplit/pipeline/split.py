@@ -79,7 +79,7 @@ class StageSummary:
     checkpointing: str = "none"  # the stage's activation checkpointing mode (fxsplit.graph.recompute)
     activation_bytes_unchecked: float | None = None  # act/mb without checkpointing (None: same)
     recompute_time: float = 0.0  # seconds of forward recomputed in backward per microbatch
-    weight_bytes: float = 0.0  # of activation_bytes, what a split backward's W still needs after I
+    weight_bytes: float = 0.0  # what a split backward's W still needs after I (checkpointed: may exceed activation_bytes)
 
 
 def _fmt_num(x: float) -> str:
@@ -614,7 +614,12 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             last = s == part.num_stages - 1
             plain = held.stage(None, a, b, last)
             acts = plain if um is None else held.stage(um.held, a, b, last)
-            wbytes = min(held.weight(a, b, costs.weight), acts)
+            # what W needs after I: of the saved activations; under checkpointing with the graph
+            # split backward, of the region I recomputed once (kept until W: may exceed ``acts``);
+            # the autograd split's W recomputes again, so it holds no more than ``acts``
+            wbytes = held.weight(a, b, costs.weight)
+            if um is None or twice:
+                wbytes = min(wbytes, acts)
         out.append(StageSummary(
             index=s,
             rank=problem.rank_of(s),
