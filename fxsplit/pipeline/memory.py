@@ -207,32 +207,36 @@ def schedule_peaks(schedule: Sequence[Sequence], num_ranks: int, full: Sequence[
 def schedule_walk(row: Sequence, full: Sequence[float], after_input_grad: Sequence[float],
                   grad_bytes: Sequence[float]) -> tuple[float, float]:
     """[Note: the schedule's walk] One rank's (activation bytes, gradient bytes) at the moment
-    their sum peaks, walking its actions in order: a forward of stage s adds ``full[s]``; the
-    first backward of s that computes weight gradients (B, or W when split) allocates its
-    gradients, ``grad_bytes[s]``, while that microbatch's activations are still held (the
-    moment checked), and they stay until the step ends; B frees the microbatch, I all but
-    ``after_input_grad[s]``, W the rest ([Note: split backward memory]). Exact for the order the
-    runtime runs, where the in-flight formulas (``inflight_1f1b``) bound interleaved orders."""
+    their sum peaks, walking its actions in order: a forward of stage s adds ``full[s]``; I
+    leaves ``after_input_grad[s]`` of it ([Note: split backward memory]); the first backward of
+    s that computes weight gradients (B, or W when split) allocates its gradients,
+    ``grad_bytes[s]``, which stay until the step ends, while it frees its microbatch (B all of
+    it, W the rest): a backward frees activations as it fills gradients (measured:
+    tests/test_memory_model.py), so the sum is checked before and after, not with both whole.
+    Follows the order the runtime runs, where the in-flight formulas (``inflight_1f1b``) bound
+    interleaved orders."""
     live = grads = 0.0
     have: set = set()
     best = (0.0, 0.0)
+
+    def check() -> None:
+        nonlocal best
+        if live + grads > sum(best):
+            best = (live, grads)
+
     for a in row:
         if a is None:
             continue
         kind, s = str(a.kind), a.stage
         if kind == "F":
             live += full[s]
-        elif kind in ("B", "W") and s not in have:
-            have.add(s)
-            grads += grad_bytes[s]
-        if live + grads > sum(best):
-            best = (live, grads)
-        if kind == "B":
-            live -= full[s]
         elif kind == "I":  # may grow: a checkpointed region recomputed by I keeps W's inputs
             live += after_input_grad[s] - full[s]
-            if live + grads > sum(best):
-                best = (live, grads)
-        elif kind == "W":
-            live -= after_input_grad[s]
+        check()
+        if kind in ("B", "W"):  # the backward frees its microbatch as it fills the gradients
+            if s not in have:
+                have.add(s)
+                grads += grad_bytes[s]
+            live -= full[s] if kind == "B" else after_input_grad[s]
+            check()
     return best
