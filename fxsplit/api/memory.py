@@ -120,21 +120,17 @@ def memory_limit_error(plan: Any) -> PlanError:
     with the terms of its peak, and the fixes."""
     c = plan.config
     rows = [m for m in plan.memory() if m.peak > c.memory_limit]
-    what = "; ".join(f"pp rank {m.pp_rank} needs {_gib(m.peak)} ({_terms(m)})" for m in rows)
+    what = "; ".join(f"pp rank {m.pp_rank} needs {fmt_bytes(m.peak)} ({_terms(m)})" for m in rows)
     return PlanError(
-        f"memory_limit = {_gib(c.memory_limit)} per rank is not met by any split fxsplit found for dp={c.dp} "
+        f"memory_limit = {fmt_bytes(c.memory_limit)} per rank is not met by any split fxsplit found for dp={c.dp} "
         f"dp_shard={c.dp_shard} tp={c.tp} pp={c.pp} (v={c.stages_per_rank}, {c.schedule}, m={c.microbatches}, "
         f"activation_checkpointing={c.activation_checkpointing!r}): {what}. Fix: raise memory_limit, add pipeline "
         f"or tensor ranks, shard the optimizer state (dp_shard), recompute activations "
         f"(activation_checkpointing='full'), or use smaller microbatches (more of them).")
 
 
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
-
-
 def _terms(m: RankMemory) -> str:
     parts = [("params", m.params), ("optimizer", m.optimizer), ("activations", m.activations),
              ("gathered", m.gathered), ("whole gradients", m.whole_grads), ("buckets", m.buckets),
              ("loss gradients", m.backward)]
-    return ", ".join(f"{k} {_gib(v)}" for k, v in parts if v)
+    return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts if v)
