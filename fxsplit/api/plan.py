@@ -120,7 +120,9 @@ class Plan:
 
     def memory(self, *, optimizer_bytes_per_param: float = 8.0) -> list:
         """Per pipeline rank, the bytes one rank expects: parameters, gradients, optimizer state
-        (Adam: 2 x float32), activations, FSDP's gathered stages (fxsplit.api.memory.RankMemory)."""
+        (Adam: 2 x float32, plus a float32 master copy of 16-bit parameters), activations and
+        gradients at the peak, FSDP's gathered stages (fxsplit.api.memory.RankMemory). The one
+        figure ``print(plan)``, ``predicted_memory`` and ``memory_limit`` use ([Note: memory model])."""
         from fxsplit.api.memory import rank_memory
 
         return rank_memory(self, optimizer_bytes_per_param=optimizer_bytes_per_param)

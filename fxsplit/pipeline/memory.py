@@ -29,11 +29,13 @@ FSDP leaves it ``shard_numel`` elements, ``shard_bytes`` (the whole with s = 1).
   region's activations a backward holds while it recomputes it (the planner's estimate; 0 when
   not estimated);
 - the peak of a step: parameters + optimizer state at rest, FSDP's gathered parameters, and the
-  larger of two moments. During the pipeline: the activations (+ recompute), plus the whole
-  (tp-local) gradients once a backward has filled them while later forwards still run
-  (``grads_during_forwards``: the rank runs more microbatches than it holds in flight; with one
-  microbatch in flight at a time backward frees the activations while it fills the gradients, so
-  they are not summed). After the pipeline: the whole gradients plus their flat copy for the reduction (``buckets``):
+  larger of two moments. During the pipeline: the activations (+ recompute), plus the gradients
+  live at that moment: for a built plan (``Plan.memory()``) ``grads_at_peak`` from a walk of its
+  schedule ([Note: the schedule's walk]: each stage's gradients from its first backward on);
+  for the planner's estimate the whole (tp-local) gradients once a backward has filled them while
+  later forwards still run (``grads_during_forwards``: the rank runs more microbatches than it
+  holds in flight; with one microbatch in flight at a time backward frees the activations while
+  it fills the gradients, so they are not summed). After the pipeline: the whole gradients plus their flat copy for the reduction (``buckets``):
   with plain data parallelism (d > 1, s = 1) the flat buckets of fxsplit's all-reduce, with
   s > 1 FSDP's reduce-scatter input (it copies the unsharded gradients into one flat tensor),
   allocated when the activations are gone (measured: benchmarks/fsdp_memory.py at 2x64 tokens,
