@@ -135,6 +135,14 @@ def test_the_auto_pick_reports_its_plans_memory_everywhere():
     assert fmt_bytes(mine.peak) in pick_row and "memory is its plan's" in pick_row, pick_row
     assert f"memory {fmt_bytes(mine.peak)} on the busiest rank" in str(p)
     assert mine.peak <= p.search.memory_limit
+    # the next candidates build_pick may try carry their own layout, not the first pick's leftovers
+    from fxsplit.api.auto import config_of
+
+    base = dataclasses.replace(p.config, dp_shard=2, dp=1, microbatch_size=99)
+    for score in p.search.scores[:3]:
+        c = config_of(score, p.search, base, p.config.hardware)
+        assert c.world_size == 2 and c.dp * c.dp_shard == score.candidate.dp, (c, score.candidate)
+        assert c.microbatch_size in (None, score.candidate.microbatch_size)
 
 
 def test_a_plan_under_memory_limit_is_under_it_by_plan_memory():

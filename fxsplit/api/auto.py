@@ -68,8 +68,9 @@ def choose(model: nn.Module, example_args: Any, example_kwargs: Mapping[str, Any
 def config_of(score: Any, result: SearchResult, base: ParallelConfig, hardware: Hardware) -> ParallelConfig:
     """The ParallelConfig of one scored candidate, with the search's stage boundaries."""
     fields = score.candidate.config_fields()
+    fields.setdefault("dp_shard", 1)  # ``base`` may be another candidate's config
     cuts = score.cuts[1:-1]
-    chosen = dataclasses.replace(base, **fields, hardware=hardware, memory_limit=None,
+    chosen = dataclasses.replace(base, **fields, hardware=hardware, memory_limit=None, microbatch_size=None,
                                  split_points=tuple(result.group_paths[k] for k in cuts) or None)
     # the pick's microbatch size is known: its plan traces the batch static at it ([Note: a static batch])
     per = chosen.dp * chosen.dp_shard * chosen.resolved().microbatches
