@@ -190,8 +190,9 @@ def test_tied_parameters_of_one_rank_are_one_tensor():
 
     model, args, _ = zoo.make("gpt", batch_size=4, seq_len=16, n_embd=32, n_layer=2, n_head=2, vocab_size=128,
                               block_size=16)
-    p = fxsplit.plan(model, args, pp=2, schedule="zbv", microbatches=4)
-    assert p.stages_of(0) == (0, 3) and p.stages.shared_params
+    p = fxsplit.plan(model, args, pp=2, schedule="zbv", microbatches=4, split_points=("blocks.0", "blocks.1", "ln_f"))
+    assert p.stages_of(0) == (0, 3)
+    assert {s for group in p.stages.shared_params for s, _ in group} == {0, 3}, p.stages.shared_params
     stages = {s: materialize_stage(p, s, tp_rank=0, source=model) for s in p.stages_of(0)}
     assert share_tied_on_rank(stages, p.stages.shared_params) == 1
     held = {id(t): t.nbytes for m in stages.values() for t in m.parameters()}
