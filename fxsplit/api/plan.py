@@ -252,6 +252,8 @@ def plan(
         cut_at=config.cut_at, stage_ranks=stage_ranks,
         activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
         split_backward=config.split_backward, state_bytes_per_param_byte=partition_state_factor(config, gm),
+        param_casts_free=config.dp_shard > 1 and config.mp_policy is not None
+        and config.mp_policy.param_dtype is not None,
         # costs and memory of one microbatch, whatever batch the symbolic trace saw
         bindings=batch_bindings(gm, config.microbatch_size if config.microbatch_size is not None
                                 else batch_of((example_args, example_kwargs or {}))) or None,

@@ -338,6 +338,7 @@ def plan_split(
     checkpoint_modes: Sequence[str] = ("none", "selective", "full"),
     stage_ranks: Sequence[int] | None = None,
     split_backward: str = "graph",
+    param_casts_free: bool = False,
 ) -> SplitPlan:
     """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
 
@@ -365,6 +366,8 @@ def plan_split(
         split_backward: how the runtime splits a backward into I and W on a zero-bubble schedule
             ("graph": a checkpointed region is recomputed once; "autograd": by I and again by W,
             so W is charged the recompute too: [Note: checkpointing cost model]).
+        param_casts_free: a cast of a parameter holds no storage of its own (FSDP with a
+            mixed-precision ``param_dtype`` gathers the parameters in that dtype already).
     """
     if cut_at not in ("any", "modules"):
         raise SplitError(f'cut_at must be "any" or "modules", got {cut_at!r}')
@@ -379,7 +382,7 @@ def plan_split(
     if not units:
         raise SplitError("the graph has no compute nodes to split")
     costs = _unit_costs(gm, units, binds, hardware, loss_seconds)
-    held = unit_saved(gm, units, binds)
+    held = unit_saved(gm, units, binds, param_casts_free=param_casts_free)
     loss_key = _loss_key(gm, binds)
     costs.acts[:] = _with_loss(first_saver_bytes(held), loss_key)
     cut_bytes = _cut_bytes(units, binds)
