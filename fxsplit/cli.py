@@ -282,6 +282,13 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
     )
     the_plan = plan(model, args, kwargs, config=config)
     print(the_plan)
+    _outputs(ns, the_plan)
+    return EXIT_OK
+
+
+def _outputs(ns: argparse.Namespace, the_plan: Any) -> None:
+    """What ``plan`` writes besides the printed plan, with or without --auto: --grid, --dot,
+    --timeline, and where --debug-dir put its dumps."""
     if ns.grid:
         print(the_plan.schedule_grid())
     if ns.dot:
@@ -292,7 +299,6 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         print(f"wrote the simulated schedule to {ns.timeline}")
     if ns.debug_dir and Path(ns.debug_dir).is_dir():
         print(f"wrote per-pass dumps to {ns.debug_dir} (summary.txt lists the passes)")
-    return EXIT_OK
 
 
 def _cmd_plan_auto(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict) -> int:
@@ -308,8 +314,7 @@ def _cmd_plan_auto(ns: argparse.Namespace, model: Any, args: tuple, kwargs: dict
     print(the_plan.search)
     print()
     print(the_plan)
-    if ns.grid:
-        print(the_plan.schedule_grid())
+    _outputs(ns, the_plan)
     return EXIT_OK
 
 

@@ -110,6 +110,10 @@ def test_plan_auto_builds_the_scored_plan():
     assert c.split_points == (p.search.split_points() or None) and c.num_stages == len(best.cuts) - 1
     assert p.predicted_step_time == best.step_time and p.predicted_memory["total"] <= 1.6e6
     assert "predicted step" in str(p)
+    # the auto table fits 30 lines by default, everything behind table(None, None)
+    assert len(str(p.search).splitlines()) <= 30
+    full = p.search.table(limit=None, rejected_limit=None).splitlines()
+    assert len(full) >= len(str(p.search).splitlines()) and len(full) >= 2 + len(p.search.scores)
     with pytest.raises(PlanError, match="chooses tp itself"):
         fxsplit.plan(model, args, strategy="auto", world_size=4, global_batch_size=8, tp=2)
     with pytest.raises(PlanError, match="needs world_size"):
@@ -122,10 +126,14 @@ def test_cli_plan_auto(tmp_path, capsys):
     f = tmp_path / "m.py"
     f.write_text("from fxsplit.testing import zoo\n\ndef make():\n"
                  f"    return zoo.make_gpt(**{GPT!r})\n")
+    dot, png = tmp_path / "g.dot", tmp_path / "pp.png"
     assert main(["plan", f"{f}:make", "--auto", "--world-size", "4", "--global-batch", "8",
-                 "--hardware", "a100-80gb"]) == 0
+                 "--hardware", "a100-80gb", "--dot", str(dot), "--timeline", str(png)]) == 0
     out = capsys.readouterr().out
     assert "auto plan for 4 ranks" in out and "fxsplit plan:" in out
+    # --auto honours --dot and --timeline like a fixed layout
+    assert dot.read_text().lstrip().startswith("digraph") and png.read_bytes()[:4] == b"\x89PNG"
+    assert f"wrote the graph colored by stage to {dot}" in out
 
 
 def _auto_case(rank, world):

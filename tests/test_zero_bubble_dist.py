@@ -77,9 +77,20 @@ def _train(overrides, options):
         ref_opt.zero_grad()
         rl.backward()
         ref_opt.step()
-    return dict(steps=steps, stages=sorted(int(s) for s in pm.stage_modules), stage_ranks=pm.plan.stage_ranks,
+    peak = None
+    if options.get("schedule") == "zbv" and "tp" not in options and "dp" not in options:
+        # one more step, counted: [Note: memory model]'s peak against the bytes the rank holds
+        from fxsplit.testing.memory import measured_step_peak
+
+        x = _batch(args, STEPS)
+        peak = (measured_step_peak(pm, opt, x, target=zoo.make_target("gpt", ref(x), seed=STEPS)),
+                pm.plan.memory()[pm.coords["pp"]].peak)
+        opt.zero_grad()
+    return dict(steps=steps, stages=sorted(int(s) for s in pm.stage_modules), stage_ranks=pm.plan.stage_ranks, peak=peak,
                 full_state=pm.full_state_dict(), fallbacks=dict(pm._runtime.split_fallbacks),
-                compile_fallbacks=pm.compile_fallbacks, onednn=_onednn_matmuls(pm))
+                compile_fallbacks=pm.compile_fallbacks, onednn=_onednn_matmuls(pm),
+                held=sum(p.numel() * p.element_size() for p in pm.parameters()),  # distinct Parameters only
+                predicted=pm.plan.memory()[pm.coords["pp"]].params)
 
 
 def _onednn_matmuls(pm):
@@ -101,7 +112,8 @@ def _check(results, want, rtol=1e-5, atol=1e-6):
 
 
 CASES = {
-    2: [("zbv", {"batch_size": 4}, dict(pp=2, schedule="zbv", microbatches=4)),
+    # global_batch_size: the plan's memory is costed at the microbatch the step runs ([Note: memory model])
+    2: [("zbv", {"batch_size": 4}, dict(pp=2, schedule="zbv", microbatches=4, global_batch_size=4)),
         ("zb_h1", {"batch_size": 4}, dict(pp=2, schedule="zb_h1", microbatches=4)),
         ("zb_auto", {"batch_size": 4}, dict(pp=2, schedule="zb_auto", microbatches=4)),
         ("dualpipev", {"batch_size": 4}, dict(pp=2, schedule="dualpipev", microbatches=4))],
@@ -124,6 +136,11 @@ def test_zero_bubble_schedules_match_single_process(world):
         if options["schedule"] in ("zbv", "dualpipev"):  # the V: rank r holds stages r and 2p-1-r; the loss on rank 0
             p = options["pp"]
             assert [r["stages"] for r in res] == [[q, 2 * p - 1 - q] for q in range(p)]
+            # rank 0 holds the tied embedding and LM head (stages 0 and 2p-1) as one Parameter,
+            # the bytes Plan.memory() counts ([Note: memory model])
+            assert [r["held"] for r in res] == [r["predicted"] for r in res]
+            # and each rank's measured peak within 10% of Plan.memory()'s (benchmarks/memory_truth.py)
+            assert all(abs(r["peak"][0] / r["peak"][1] - 1) <= 0.10 for r in res), [r["peak"] for r in res]
         _check(res, _reference(overrides))
         assert all(r["fallbacks"] == {} for r in res), [r["fallbacks"] for r in res]
 

@@ -6,7 +6,7 @@ Terms as in :mod:`fxsplit.api.plan`; B the global batch (samples per optimizer s
                         hardware=fxsplit.Hardware.preset("a100-80gb"))
     plan.config                 # the chosen dp, tp, pp, v, schedule, m, checkpointing, sp
     plan.predicted_step_time    # seconds per optimizer step
-    plan.predicted_memory       # bytes on the most loaded rank: params, grads, optimizer, activations, ...
+    plan.predicted_memory       # bytes on the most loaded rank by plan.memory(): params, grads, optimizer, ...
     print(plan.search)          # the candidate table, best first, and why each rejected one was
 
 [Note: auto plan]
@@ -25,7 +25,7 @@ cost by the microbatch size B / (dp * m).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from torch import nn
 
@@ -35,7 +35,7 @@ from fxsplit.hardware import Hardware
 from fxsplit.graph.trace import trace
 from fxsplit.planner import SearchResult, analyze, search, shard_supported
 
-__all__ = ["choose", "SEARCHED"]
+__all__ = ["build_pick", "choose", "config_of", "SEARCHED"]
 
 SEARCHED = ("dp", "tp", "pp", "stages_per_rank", "schedule", "microbatches", "activation_checkpointing",
             "sequence_parallel", "dp_shard", "split_points", "microbatch_size")
@@ -62,11 +62,53 @@ def choose(model: nn.Module, example_args: Any, example_kwargs: Mapping[str, Any
     workload = analyze(gm, world_size=world_size, hardware=hardware)
     result = search(workload, world_size=world_size, global_batch=global_batch_size, hardware=hardware,
                     memory_limit=base.memory_limit, shard=shard_supported(ParallelConfig))
-    fields = result.best.candidate.config_fields()
-    chosen = dataclasses.replace(base, **fields, hardware=hardware, memory_limit=None,
-                                 split_points=result.split_points() or None)
+    return config_of(result.best, result, base, hardware), result
+
+
+def config_of(score: Any, result: SearchResult, base: ParallelConfig, hardware: Hardware) -> ParallelConfig:
+    """The ParallelConfig of one scored candidate, with the search's stage boundaries."""
+    fields = score.candidate.config_fields()
+    fields.setdefault("dp_shard", 1)  # ``base`` may be another candidate's config
+    cuts = score.cuts[1:-1]
+    chosen = dataclasses.replace(base, **fields, hardware=hardware, memory_limit=None, microbatch_size=None,
+                                 split_points=tuple(result.group_paths[k] for k in cuts) or None)
     # the pick's microbatch size is known: its plan traces the batch static at it ([Note: a static batch])
     per = chosen.dp * chosen.dp_shard * chosen.resolved().microbatches
-    if global_batch_size % per == 0:
-        chosen = dataclasses.replace(chosen, microbatch_size=global_batch_size // per)
-    return chosen, result
+    if result.global_batch % per == 0:
+        chosen = dataclasses.replace(chosen, microbatch_size=result.global_batch // per)
+    return chosen
+
+
+_BUILDS = 3  # candidates built, best first, before the auto plan gives up on memory
+
+
+def build_pick(plan_fn: Callable[[ParallelConfig], Any], chosen: ParallelConfig, result: SearchResult) -> Any:
+    """[Note: the pick's memory is its plan's] The search ranks candidates by its own estimate of
+    each one's memory (per layer group, from one trace); the plan it returns is judged by the
+    function every plan is (``Plan.memory()``, [Note: memory model] in fxsplit.pipeline.memory).
+    So the pick is built (``plan_fn(config)``) and kept if it is within the limit by that
+    function; else the same layout is split again under the limit (the partitioner moves the
+    cuts), else the next candidate is built, up to ``_BUILDS`` of them; PlanError names every
+    tried layout and what it needs. The kept plan's ``predicted_memory``, ``print(plan)`` and
+    the search table's pick row all show that plan's figure."""
+    from fxsplit.errors import SplitError
+    from fxsplit.pipeline.memory import worst
+
+    limit, tried = result.memory_limit, []
+    for k, score in enumerate(result.scores[:_BUILDS]):
+        config = chosen if k == 0 else config_of(score, result, chosen, chosen.hardware)
+        attempts = [config, dataclasses.replace(config, split_points=None, memory_limit=limit)]
+        for attempt in attempts:
+            try:
+                built = plan_fn(attempt)
+            except (PlanError, SplitError) as exc:
+                tried.append(f"{score.candidate.short()} split under the limit: {str(exc).split(';')[0][:160]}")
+                continue
+            mem = worst(built.memory())
+            if mem.peak <= limit:
+                return built, result.with_pick(k, mem, "built" if attempt is config else "built, re-split")
+            tried.append(f"{score.candidate.short()}: its plan needs {mem.peak / 2**30:.2f} GiB on pp rank {mem.pp_rank} "
+                         f"(the search estimated {score.memory.peak / 2**30:.2f} GiB)")
+    raise PlanError(f"strategy='auto': the search's best {len(tried)} attempts do not fit memory_limit = "
+                    f"{limit / 2**30:.2f} GiB per rank by their built plans' memory: " + "; ".join(tried)
+                    + ". Fix: raise memory_limit, use more ranks, or a smaller global batch.")

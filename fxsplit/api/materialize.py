@@ -20,7 +20,7 @@ from torch import nn
 
 from fxsplit.tp.sharding import materialize_module, materialize_tensor
 
-__all__ = ["materialize_sharded_stage", "materialize_stage", "on_device", "structural_copy"]
+__all__ = ["materialize_sharded_stage", "materialize_stage", "on_device", "share_tied_on_rank", "structural_copy"]
 
 
 def materialize_stage(plan: Any, stage: int, *, tp_rank: int, source: nn.Module,
@@ -34,6 +34,29 @@ def materialize_stage(plan: Any, stage: int, *, tp_rank: int, source: nn.Module,
         full_shapes={k: tuple(v) for k, v in tp.full_shapes.items()},
         seed_names=_tied_seed_names(plan.stages.shared_params, stage),
     )
+
+
+def share_tied_on_rank(stages: Mapping[int, nn.Module], shared_params: Sequence[Sequence[tuple[int, str]]]) -> int:
+    """Make the stages of one rank that hold the same tied parameter (``StageGraphs.shared_params``:
+    tied embeddings under ZB-V, a weight shared across layers in two interleaved stages) hold one
+    Parameter object, in place; returns how many copies were dropped. Each stage is materialized
+    on its own, so without this a rank would store (and Adam would keep state for) one copy per
+    stage; with one object autograd accumulates both stages' gradients into it, which is the sum
+    the runtime otherwise forms between the copies ([Note: memory model] counts it once)."""
+    from fxsplit.graph.ops import owner_and_leaf
+
+    dropped = 0
+    for group in shared_params:
+        mine = sorted((s, name) for s, name in group if s in stages)
+        if len({s for s, _ in mine}) < 2:
+            continue
+        keep = stages[mine[0][0]].get_parameter(mine[0][1])
+        for s, name in mine[1:]:
+            owner, leaf = owner_and_leaf(stages[s], name)
+            if owner._parameters[leaf] is not keep:
+                owner._parameters[leaf] = keep
+                dropped += 1
+    return dropped
 
 
 def structural_copy(module: nn.Module) -> nn.Module:

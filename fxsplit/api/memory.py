@@ -6,9 +6,11 @@ pipeline rank, each parameter at its tp-local shape, split by FSDP into s dim-0 
 (``ceil(rows / s)`` rows for the first ranks: the figure is the largest rank's). The model
 itself is [Note: memory model] in :mod:`fxsplit.pipeline.memory` (``rank_memory``), the one the
 auto-planner scores candidates with; this module counts a built plan's parameters for it and
-takes the activations from the split (``SplitPlan.peak_activations``: per microbatch at the
-traced example's sizes, so trace with an example of one microbatch, or pass the batch you step
-with and ``microbatches=1``).
+walks the plan's schedule for the activations and gradients live at the peak ([Note: the
+schedule's walk] in fxsplit.pipeline.memory) with the split's per-stage bytes per microbatch
+([Note: what a stage holds]) and message buffers. The split is costed at one microbatch
+(``microbatch_size`` when known, from ``global_batch_size``; else the example's batch, so trace
+with an example of one microbatch, or pass the batch you step with and ``microbatches=1``).
 """
 
 from __future__ import annotations
@@ -18,40 +20,45 @@ from typing import Any
 
 import torch
 
+from fxsplit.errors import PlanError
+from fxsplit.graph.units import fmt_bytes
 from fxsplit.pipeline import memory as _model
 from fxsplit.pipeline.memory import RankMemory
 
 __all__ = ["RankMemory", "rank_memory"]
 
 
-def _mib(x: float) -> str:
-    return f"{x / 2**20:.2f} MiB"
-
-
 def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[RankMemory]:
-    """One :class:`RankMemory` per pipeline rank of ``plan`` (``optimizer_bytes_per_param``: 8 for
-    Adam/AdamW's two float32 states)."""
+    """One :class:`RankMemory` per pipeline rank of ``plan`` (``optimizer_bytes_per_param``: float32
+    optimizer state per element, 8 for Adam/AdamW's m and v; a 16-bit parameter adds its float32
+    master copy: ``fxsplit.pipeline.memory.optimizer_bytes_per_element``)."""
     c = plan.config
     s = c.dp_shard
     specs = plan.tp_plan.param_specs
     full_shapes = {k: tuple(v) for k, v in plan.tp_plan.full_shapes.items()}
     policy = c.mp_policy
     try:
-        acts = plan.split.peak_activations()[0]
         inflight = plan.split.problem.inflight_per_rank()
+        buffers = plan.split.message_buffers()
     except Exception:  # noqa: BLE001 -- a plan without a partition model: no estimate
-        acts, inflight = (), (1.0,) * c.pp
+        inflight, buffers = (1.0,) * c.pp, (0.0,) * c.pp
+    stage_acts = [st.activation_bytes for st in plan.split.stages]
+    after_i = [st.weight_bytes for st in plan.split.stages]
+    stage_grads = [0.0] * len(stage_acts)
     loss = getattr(plan.split, "loss_bytes", 0.0)
     last = plan.split.stages[-1].rank if plan.split.stages else c.pp - 1
     out = []
     for r in range(c.pp):
-        shard = whole = shard_numel = gathered = grads = 0.0
-        seen: set[int] = set()
+        shard = whole = shard_numel = gathered = grads = optimizer = 0.0
+        seen: set = set()
         for stage in plan.stages_of(r):
             for name, p in plan.stages.modules[stage].named_parameters(remove_duplicate=False):
-                if id(p) in seen:
+                # a parameter two stages of the rank share is one tensor there (share_tied_on_rank
+                # in fxsplit.api.materialize), except under FSDP, which shards each stage apart
+                key = id(p) if s == 1 else (stage, id(p))
+                if key in seen:
                     continue
-                seen.add(id(p))
+                seen.add(key)
                 shape = tuple(p.shape)
                 full = full_shapes.get(name, shape)
                 if name in specs and shape == full:
@@ -65,13 +72,16 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 shard_numel += mine
                 gdt = policy.reduce_dtype if policy is not None and policy.reduce_dtype is not None else p.dtype
                 grads += numel * _size(gdt)
+                stage_grads[stage] += numel * _size(gdt)
                 pdt = policy.param_dtype if policy is not None and policy.param_dtype is not None else p.dtype
                 gathered += numel * _size(pdt)
+                optimizer += mine * _model.optimizer_bytes_per_element(size, optimizer_bytes_per_param)
+        acts, grads_at_peak = _model.schedule_walk(plan.schedule[r], stage_acts, after_i, stage_grads)
         out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel,
                                       grad_itemsize=grads / max(whole, 1), gather_itemsize=gathered / max(whole, 1),
-                                      optimizer_bytes_per_param=optimizer_bytes_per_param, dp=c.dp, dp_shard=s, activations=float(acts[r]) if r < len(acts) else 0.0,
+                                      optimizer_bytes_per_param=optimizer / max(shard_numel, 1), dp=c.dp, dp_shard=s, activations=acts + buffers[r],
                                       microbatches=c.microbatches, inflight=min(inflight[r], c.microbatches),
-                                      loss_bytes=loss if last == r else 0.0, pp_rank=r))
+                                      loss_bytes=loss if last == r else 0.0, pp_rank=r, grads_at_peak=grads_at_peak))
     return out
 
 
@@ -83,9 +93,44 @@ def format_memory(rows: list[RankMemory], dp_shard: int) -> str:
     """The lines ``plan()`` prints: one per pipeline rank."""
     lines = [f"expected memory per rank (Adam; [Note: memory model] in fxsplit.pipeline.memory; dp_shard={dp_shard}):"]
     for m in rows:
-        extra = f", gathered during the step {_mib(m.gathered)}" if m.gathered else ""
-        extra += f", whole gradients during the step {_mib(m.whole_grads)}"
-        extra += f", all-reduce buckets {_mib(m.buckets)}" if m.buckets else ""
-        lines.append(f"  pp rank {m.pp_rank}: params {_mib(m.params)}, grads {_mib(m.grads)}, optimizer "
-                     f"{_mib(m.optimizer)}, activations {_mib(m.activations)}{extra}; peak {_mib(m.peak)}")
+        extra = f", gathered during the step {fmt_bytes(m.gathered)}" if m.gathered else ""
+        extra += f", whole gradients during the step {fmt_bytes(m.whole_grads)}"
+        extra += f", all-reduce buckets {fmt_bytes(m.buckets)}" if m.buckets else ""
+        lines.append(f"  pp rank {m.pp_rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, optimizer "
+                     f"{fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)}{extra}; peak {fmt_bytes(m.peak)}")
     return "\n".join(lines)
+
+
+def partition_state_factor(config: Any, gm: Any, *, optimizer_bytes_per_param: float = 8.0) -> float:
+    """The partition's training state per parameter byte for ``config`` (its mixed-precision
+    policy and dp_shard) and ``gm``'s parameter dtype, by the memory model's own terms
+    (``fxsplit.pipeline.memory.state_bytes_per_param_byte``)."""
+    itemsize = max((p.element_size() for p in gm.parameters()), default=4)
+    dtype = {4: torch.float32, 2: torch.bfloat16, 8: torch.float64}.get(itemsize, torch.float32)
+    policy = config.mp_policy
+    grad = policy.reduce_dtype if policy is not None and policy.reduce_dtype is not None else dtype
+    gather = policy.param_dtype if policy is not None and policy.param_dtype is not None else dtype
+    return _model.state_bytes_per_param_byte(
+        param_itemsize=itemsize, grad_itemsize=_size(grad), gather_itemsize=_size(gather), dp_shard=config.dp_shard,
+        optimizer_bytes_per_param=_model.optimizer_bytes_per_element(itemsize, optimizer_bytes_per_param))
+
+
+def memory_limit_error(plan: Any) -> PlanError:
+    """The PlanError for a plan over its ``memory_limit`` by ``Plan.memory()``: every rank over it
+    with the terms of its peak, and the fixes."""
+    c = plan.config
+    rows = [m for m in plan.memory() if m.peak > c.memory_limit]
+    what = "; ".join(f"pp rank {m.pp_rank} needs {fmt_bytes(m.peak)} ({_terms(m)})" for m in rows)
+    return PlanError(
+        f"memory_limit = {fmt_bytes(c.memory_limit)} per rank is not met by any split fxsplit found for dp={c.dp} "
+        f"dp_shard={c.dp_shard} tp={c.tp} pp={c.pp} (v={c.stages_per_rank}, {c.schedule}, m={c.microbatches}, "
+        f"activation_checkpointing={c.activation_checkpointing!r}): {what}. Fix: raise memory_limit, add pipeline "
+        f"or tensor ranks, shard the optimizer state (dp_shard), recompute activations "
+        f"(activation_checkpointing='full'), or use smaller microbatches (more of them).")
+
+
+def _terms(m: RankMemory) -> str:
+    parts = [("params", m.params), ("optimizer", m.optimizer), ("activations", m.activations),
+             ("gathered", m.gathered), ("whole gradients", m.whole_grads), ("buckets", m.buckets),
+             ("loss gradients", m.backward)]
+    return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts if v)

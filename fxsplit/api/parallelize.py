@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxsplit.api.materialize import materialize_sharded_stage, materialize_stage
+from fxsplit.api.materialize import materialize_sharded_stage, materialize_stage, share_tied_on_rank
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.api.plan import plan
@@ -156,6 +156,9 @@ def parallelize(
         stages = {
             s: materialize_stage(the_plan, s, tp_rank=coords["tp"], source=model, device=device) for s in mine
         }
+        # one Parameter per tied group on this rank (FSDP shards each stage as its own unit, so
+        # with dp_shard the copies stay apart and the memory model counts each)
+        share_tied_on_rank(stages, the_plan.stages.shared_params)
     runtime = PipelineRuntime(
         the_plan.rank_plan(pp_rank), stages, group=pipe_group,
         loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
@@ -168,8 +171,12 @@ def parallelize(
     watch = _start_watch(mesh, the_plan, timeout) if dist.get_world_size() > 1 else None
     runtime.watch = watch
     if searched is not None:
+        from fxsplit.pipeline.memory import worst
+
+        mem = worst(the_plan.memory())  # [Note: the pick's memory is its plan's] in fxsplit.api.auto
+        searched = searched.with_pick(0, mem, "built")
         the_plan = dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,
-                                       predicted_memory=searched.best.memory.as_dict(), search=searched)
+                                       predicted_memory=mem.as_dict(), search=searched)
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
                          groups=groups, loss_fn=loss_fn, log_every=log_every, fsdp_units=units, watch=watch)
 

@@ -30,14 +30,14 @@ from torch import nn
 
 from fxsplit import schedule as _schedules
 from fxsplit.api.options import SCHEDULES, ParallelConfig, make_config
-from fxsplit.errors import OutOfRangeError, PlanError
+from fxsplit.errors import OutOfRangeError, PlanError, SplitError
 from fxsplit.graph.examples import batch_of, check_example_batch, example_at_batch
 from fxsplit.hardware import Hardware
 from fxsplit.graph.pass_api import PassContext, PassManager
 from fxsplit.graph.trace import trace
 from fxsplit.pipeline.comm import CommPlan, plan_all_communication
 from fxsplit.pipeline.rank_plan import RankPlan
-from fxsplit.pipeline.split import SplitPlan
+from fxsplit.pipeline.split import SplitPlan, batch_bindings
 from fxsplit.pipeline.stage import StageGraphs
 from fxsplit.tp.plan import TPPlan
 
@@ -120,7 +120,9 @@ class Plan:
 
     def memory(self, *, optimizer_bytes_per_param: float = 8.0) -> list:
         """Per pipeline rank, the bytes one rank expects: parameters, gradients, optimizer state
-        (Adam: 2 x float32), activations, FSDP's gathered stages (fxsplit.api.memory.RankMemory)."""
+        (Adam: 2 x float32, plus a float32 master copy of 16-bit parameters), activations and
+        gradients at the peak, FSDP's gathered stages (fxsplit.api.memory.RankMemory). The one
+        figure ``print(plan)``, ``predicted_memory`` and ``memory_limit`` use ([Note: memory model])."""
         from fxsplit.api.memory import rank_memory
 
         return rank_memory(self, optimizer_bytes_per_param=optimizer_bytes_per_param)
@@ -137,36 +139,19 @@ class Plan:
     def schedule_grid(self) -> str:
         return _schedules.format_grid(self.schedule)
 
-    def __str__(self) -> str:
-        c = self.config
-        info = self.graph.meta.get("fxsplit")
-        head = [
-            f"fxsplit plan: dp={c.dp}{f' dp_shard={c.dp_shard}' if c.dp_shard > 1 else ''} tp={c.tp} pp={c.pp} "
-            f"(world size {c.world_size}); "
-            f"{c.num_stages} stages (v={c.stages_per_rank}), {c.schedule}, m={c.microbatches}",
-            f"traced with {info.method}: {info.reason}" if info is not None else "",
-        ]
-        if not self.tp_plan.is_identity:
-            head.append(str(self.tp_plan))
-        sim = self.simulate()
-        lines = [h for h in head if h] + [str(self.split)]
-        lines.append(
-            f"simulated step: {sim.makespan * 1e3:.3f} ms; bubble {100 * sim.bubble_fraction:.1f}% of the step "
-            f"(idle/ideal {100 * sim.bubble_ratio:.1f}%); peak in-flight microbatches per rank {list(sim.peak_inflight)}"
-        )
-        if c.pp > 1:
-            sends = [sum(op.is_send for ops in cp.peer_ops.values() for op in ops) for cp in self.comm]
-            lines.append(f"point-to-point per step: {sum(sends)} messages (sends per rank {sends}); "
-                         f"plan.rank_plan(r) prints rank r's in order")
-        from fxsplit.api.memory import format_memory
+    def tp_table(self) -> str:
+        """The full tensor-parallel table: every sharded module with its shards, and why any was left whole."""
+        return str(self.tp_plan)
 
-        lines.append(format_memory(self.memory(), c.dp_shard))
-        if self.predicted_step_time is not None:
-            mem = self.predicted_memory or {}
-            lines.append(f"auto: predicted step {self.predicted_step_time * 1e3:.3f} ms, memory per rank "
-                         f"{mem.get('total', 0) / 1e6:.1f} MB; plan.search has the candidate table")
-        lines.append(f"planned in {self.plan_seconds:.2f}s")
-        return "\n".join(lines)
+    def stage_table(self) -> str:
+        """The full stage table: every stage's modules, nodes, parameters, FLOPs, activations, messages, time."""
+        return str(self.split)
+
+    def __str__(self) -> str:
+        """The plan on one screen ([Note: a plan on one screen] in fxsplit.api.summary)."""
+        from fxsplit.api.summary import plan_lines
+
+        return "\n".join(plan_lines(self))
 
 
 def plan(
@@ -212,11 +197,11 @@ def plan(
         if strategy != "auto":
             raise PlanError(f"strategy must be 'auto' or None, got {strategy!r} (world_size and "
                             "global_batch_size go with strategy='auto')")
-        from fxsplit.api.auto import choose
+        from fxsplit.api.auto import build_pick, choose
 
         chosen, found = choose(model, example_args, example_kwargs, config=config, options=options,
                                world_size=world_size, global_batch_size=global_batch_size)
-        picked = plan(model, example_args, example_kwargs, config=chosen)
+        picked, found = build_pick(lambda c: plan(model, example_args, example_kwargs, config=c), chosen, found)
         return dataclasses.replace(picked, predicted_step_time=found.best.step_time,
                                    predicted_memory=found.best.memory.as_dict(), search=found,
                                    plan_seconds=time.perf_counter() - t_auto)
@@ -243,7 +228,6 @@ def plan(
         options={"tp": config.tp, "pp": config.pp, "dp": config.dp},
     )
     pipeline = list(config.passes)
-    tp_result = None
     if config.tp > 1 or config.tp_plan:
         from fxsplit.passes.tensor_parallel import tensor_parallel
 
@@ -261,19 +245,73 @@ def plan(
 
     stage_ranks = _schedules.placement(config.schedule, config.pp, config.stages_per_rank)
     modes = _checkpoint_modes(config)
-    pipeline.append(
-        functools.partial(
-            pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
-            schedule=config.schedule, num_microbatches=config.microbatches,
-            memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
-            cut_at=config.cut_at, stage_ranks=stage_ranks,
-            activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
-            split_backward=config.split_backward,
-        )
+    from fxsplit.api.memory import partition_state_factor
+
+    split_pass = functools.partial(
+        pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
+        schedule=config.schedule, num_microbatches=config.microbatches,
+        memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
+        cut_at=config.cut_at, stage_ranks=stage_ranks,
+        activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
+        split_backward=config.split_backward, state_bytes_per_param_byte=partition_state_factor(config, gm),
+        param_casts_free=config.dp_shard > 1 and config.mp_policy is not None
+        and config.mp_policy.param_dtype is not None,
+        # costs and memory of one microbatch, whatever batch the symbolic trace saw
+        bindings=batch_bindings(gm, config.microbatch_size if config.microbatch_size is not None
+                                else batch_of((example_args, example_kwargs or {}))) or None,
     )
+    pipeline.append(split_pass)
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
     # debug dumps (debug=DIR or FXSPLIT_DEBUG_DIR) show each of them
     gm = PassManager(pipeline, debug=config.debug)(gm, ctx).graph_module
+    result = _assemble(config, gm, ctx, stage_ranks, t0)
+    result = _within_memory_limit(result, split_pass, ctx)
+    if config.verify:  # [Note: plan-time verification]; raises VerificationError on a mismatch
+        from fxsplit.api.verify import verify
+
+        verify(model, example_args, result, example_kwargs)
+    return result
+
+
+_MEMORY_TIGHTENINGS = 3  # re-splits under a tighter cap when the built plan is over memory_limit
+
+
+def _within_memory_limit(result: Plan, split_pass: Any, ctx: PassContext) -> Plan:
+    """[Note: one memory model] ``result``, or its re-split, within ``memory_limit`` by
+    ``Plan.memory()``; PlanError naming the rank and its terms when no split is.
+
+    The partition caps a linear model of the rank memory (training state per parameter byte plus
+    in-flight activations: ``fxsplit.pipeline.memory.state_bytes_per_param_byte``); the terms it
+    cannot see (message buffers, the loss's gradients, all-reduce buckets) are checked here with
+    the function ``Plan.memory()``, ``print(plan)`` and the auto-planner's pick report: when the
+    built plan is over the limit, the split runs again with its cap lowered by the excess."""
+    c = result.config
+    if c.memory_limit is None:
+        return result
+    from fxsplit.api.memory import memory_limit_error
+    from fxsplit.pipeline.memory import worst
+
+    cap = float(c.memory_limit)
+    for _ in range(_MEMORY_TIGHTENINGS):
+        over = worst(result.memory()).peak - c.memory_limit
+        if over <= 0:
+            return result
+        cap -= over
+        if cap <= 0:
+            break
+        try:
+            gm = PassManager([functools.partial(split_pass, memory_limit=cap)], debug=c.debug)(result.graph, ctx).graph_module
+        except (SplitError, PlanError):
+            break  # no split within the lowered cap: the last one's figures name what does not fit
+        result = _assemble(c, gm, ctx, result.stage_ranks, time.perf_counter() - result.plan_seconds)
+    if worst(result.memory()).peak > c.memory_limit:
+        raise memory_limit_error(result)
+    return result
+
+
+def _assemble(config: ParallelConfig, gm: torch.fx.GraphModule, ctx: PassContext, stage_ranks: tuple[int, ...],
+              t0: float) -> Plan:
+    """The Plan of ``gm`` after the split pass: stage graphs (checkpointed), schedule, communication."""
     tp_result = ctx.report.get("tensor_parallel", TPPlan.identity())
     split = ctx.report["pipeline_split"]
     stages = split.build(gm)
@@ -285,16 +323,11 @@ def plan(
         raise PlanError(f"schedule {config.schedule!r} runs stages on ranks {placed}, but its placement is {stage_ranks}")
     comm = {fwd: plan_all_communication(sched, stages.io, num_ranks=config.pp, rank_of_stage=stage_ranks.__getitem__,
                                         forward_only=fwd) for fwd in (False, True)}
-    result = Plan(
+    return Plan(
         config=config, graph=gm, split=split, stages=stages, schedule=sched, tp_plan=tp_result,
         pass_report=dict(ctx.report), plan_seconds=time.perf_counter() - t0, comm=comm[False],
         forward_comm=comm[True], stage_ranks=stage_ranks,
     )
-    if config.verify:  # [Note: plan-time verification]; raises VerificationError on a mismatch
-        from fxsplit.api.verify import verify
-
-        verify(model, example_args, result, example_kwargs)
-    return result
 
 
 def with_global_batch(config: ParallelConfig, global_batch_size: int | None) -> ParallelConfig:

@@ -32,7 +32,7 @@ from torch import nn
 
 from fxsplit.graph.cost_ops import _is_noop_copy, saved_operands, value_bytes
 from fxsplit.graph.meta import node_info, substitute
-from fxsplit.graph.ops import VIEWS, op_name, resolve_path
+from fxsplit.graph.ops import CASTS, VIEWS, op_name, resolve_path
 
 __all__ = ["base", "unit_saved", "first_saver_bytes", "union_bytes", "node_bytes"]
 
@@ -51,8 +51,16 @@ def node_bytes(node: torch.fx.Node, binds: Mapping) -> float:
     return float(substitute(value_bytes(node.meta.get("val")), binds))
 
 
-def base(node: torch.fx.Node, gm: nn.Module | None) -> torch.fx.Node | None:
-    """The node whose storage ``node``'s value is (None for a parameter or buffer)."""
+def base(node: torch.fx.Node, gm: nn.Module | None, *, param_casts_free: bool = False) -> torch.fx.Node | None:
+    """The node whose storage ``node``'s value is (None for a parameter or buffer; with
+    ``param_casts_free`` also for a cast of a parameter: under FSDP with a mixed-precision
+    ``param_dtype`` the parameters arrive gathered in that dtype, so the graph's cast of them
+    (the mixed-precision pass's) returns the gathered parameter itself)."""
+    if param_casts_free and node.op in ("call_function", "call_method") and node.args \
+            and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr" \
+            and op_name(node, gm) in CASTS \
+            and isinstance(resolve_path(gm, str(node.args[0].target), default=None), torch.Tensor):
+        return None
     seen = 0
     while seen < 64:
         seen += 1
@@ -72,9 +80,10 @@ def base(node: torch.fx.Node, gm: nn.Module | None) -> torch.fx.Node | None:
     return node
 
 
-def unit_saved(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: Mapping) -> list[Held]:
+def unit_saved(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: Mapping, *,
+               param_casts_free: bool = False) -> list[Held]:
     """Per unit: the bases of what its ``saved_bytes`` counts (with their bytes) and its own bytes
-    ([Note: saved tensors by storage])."""
+    ([Note: saved tensors by storage]); ``param_casts_free`` as in :func:`base`."""
     out: list[Held] = []
     for u in units:
         cost = node_info(u).cost
@@ -86,7 +95,7 @@ def unit_saved(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: 
         for n in ([*ins, u] if own_out else ins):
             nb = node_bytes(n, binds)
             shared += nb
-            b = base(n, gm)
+            b = base(n, gm, param_casts_free=param_casts_free)
             if b is not None:
                 keys[b] = max(keys.get(b, 0.0), node_bytes(b, binds) if b is not n else nb)
         out.append((keys, max(total - shared, 0.0)))

@@ -29,11 +29,13 @@ FSDP leaves it ``shard_numel`` elements, ``shard_bytes`` (the whole with s = 1).
   region's activations a backward holds while it recomputes it (the planner's estimate; 0 when
   not estimated);
 - the peak of a step: parameters + optimizer state at rest, FSDP's gathered parameters, and the
-  larger of two moments. During the pipeline: the activations (+ recompute), plus the whole
-  (tp-local) gradients once a backward has filled them while later forwards still run
-  (``grads_during_forwards``: the rank runs more microbatches than it holds in flight; with one
-  microbatch in flight at a time backward frees the activations while it fills the gradients, so
-  they are not summed). After the pipeline: the whole gradients plus their flat copy for the reduction (``buckets``):
+  larger of two moments. During the pipeline: the activations (+ recompute), plus the gradients
+  live at that moment: for a built plan (``Plan.memory()``) ``grads_at_peak`` from a walk of its
+  schedule ([Note: the schedule's walk]: each stage's gradients from its first backward on);
+  for the planner's estimate the whole (tp-local) gradients once a backward has filled them while
+  later forwards still run (``grads_during_forwards``: the rank runs more microbatches than it
+  holds in flight; with one microbatch in flight at a time backward frees the activations while
+  it fills the gradients, so they are not summed). After the pipeline: the whole gradients plus their flat copy for the reduction (``buckets``):
   with plain data parallelism (d > 1, s = 1) the flat buckets of fxsplit's all-reduce, with
   s > 1 FSDP's reduce-scatter input (it copies the unsharded gradients into one flat tensor),
   allocated when the activations are gone (measured: benchmarks/fsdp_memory.py at 2x64 tokens,
@@ -47,9 +49,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["RankMemory", "rank_memory", "message_buffers", "schedule_peaks"]
+__all__ = ["RankMemory", "rank_memory", "message_buffers", "schedule_peaks", "optimizer_bytes_per_element",
+           "state_bytes_per_param_byte", "schedule_walk", "worst"]
 
 _LOSS_GRADIENTS = 2  # tensors the size of the loss's input live at the start of the last stage's backward
+
+
+_MASTER_COPY = 4.0  # a float32 master copy of a 16-bit parameter, per element
+
+
+def optimizer_bytes_per_element(param_itemsize: float, state_bytes: float = 8.0) -> float:
+    """Optimizer bytes per parameter element: ``state_bytes`` of float32 state (Adam/AdamW's m and
+    v: 8; SGD without momentum: 0), plus a float32 master copy when the parameters themselves are
+    16-bit ([Note: memory model]). The one rule for ``Plan.memory()``, the partition's cap and the
+    auto-planner's score."""
+    return state_bytes + (_MASTER_COPY if param_itemsize < 4 else 0.0)
+
+
+def state_bytes_per_param_byte(*, param_itemsize: float, grad_itemsize: float, optimizer_bytes_per_param: float,
+                               gather_itemsize: float, dp_shard: int) -> float:
+    """What ``rank_memory`` charges per byte of a rank's tp-local parameters during the pipeline,
+    at most (the partition's linear cap, ``PartitionProblem.state_bytes_per_param_byte``): the
+    FSDP shard and its optimizer state (1/s of the elements), the whole gradients (held beside the
+    activations when a rank runs more microbatches than it holds) and, with s > 1, the gathered
+    stage. The partition cannot see the other terms (message buffers, the loss's gradients,
+    buckets), so ``plan()`` checks the built plan with ``rank_memory`` itself afterwards."""
+    s = max(dp_shard, 1)
+    per_element = (param_itemsize + optimizer_bytes_per_param) / s + grad_itemsize
+    if s > 1:
+        per_element += gather_itemsize
+    return per_element / param_itemsize
+
+
+def worst(rows: Sequence["RankMemory"]) -> "RankMemory":
+    """The rank with the largest peak (the figure a memory limit is checked against)."""
+    return max(rows, key=lambda m: m.peak)
 
 
 @dataclass(frozen=True)
@@ -67,6 +101,7 @@ class RankMemory:
     recompute: float = 0.0  # during a checkpointed backward: one region's activations being recomputed
     grads_during_forwards: bool = False  # whole gradients live beside the activations (more microbatches than in flight)
     backward: float = 0.0  # a backward's working memory on top of the activations (the loss's gradients)
+    grads_at_peak: float | None = None  # gradients live at the activation peak, from the schedule's walk (None: not walked)
 
     @property
     def at_rest(self) -> float:
@@ -75,8 +110,11 @@ class RankMemory:
     @property
     def peak(self) -> float:
         """Bytes held at the peak of a step ([Note: memory model])."""
-        pipeline = (self.activations + self.recompute + self.backward
-                    + (self.whole_grads if self.grads_during_forwards else 0.0))
+        if self.grads_at_peak is not None:
+            grads = self.grads_at_peak
+        else:
+            grads = self.whole_grads if self.grads_during_forwards else 0.0
+        pipeline = self.activations + self.recompute + self.backward + grads
         return self.params + self.optimizer + self.gathered + max(pipeline, self.whole_grads + self.buckets)
 
     @property
@@ -87,14 +125,15 @@ class RankMemory:
     def as_dict(self) -> dict:
         return dict(params=self.params, grads=self.grads, optimizer=self.optimizer, activations=self.activations,
                     gathered=self.gathered, whole_grads=self.whole_grads, buckets=self.buckets,
-                    recompute=self.recompute, backward=self.backward, peak=self.peak, total=self.total)
+                    recompute=self.recompute, backward=self.backward, peak=self.peak, total=self.total,
+                    **({} if self.grads_at_peak is None else {"grads_at_peak": self.grads_at_peak}))
 
 
 def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
                 grad_itemsize: float, gather_itemsize: float, optimizer_bytes_per_param: float,
                 dp: int, dp_shard: int, activations: float, recompute: float = 0.0,
                 microbatches: int = 1, inflight: float = 1.0, loss_bytes: float = 0.0,
-                pp_rank: int = 0) -> RankMemory:
+                pp_rank: int = 0, grads_at_peak: float | None = None) -> RankMemory:
     """One rank's :class:`RankMemory` ([Note: memory model]); ``numel``: the
     rank's tp-local parameter elements, ``shard_bytes`` / ``shard_numel``: its FSDP shard of them;
     ``microbatches`` the rank runs per step, ``inflight`` the most it holds at once; ``loss_bytes``
@@ -104,7 +143,8 @@ def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
         pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
         activations=activations, gathered=numel * gather_itemsize if dp_shard > 1 else 0.0,
         whole_grads=whole_grads, buckets=whole_grads if dp > 1 or dp_shard > 1 else 0.0, recompute=recompute,
-        grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes)
+        grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes,
+        grads_at_peak=None if grads_at_peak is None else min(grads_at_peak, whole_grads))
 
 
 # [Note: message buffers]
@@ -143,7 +183,9 @@ def schedule_peaks(schedule: Sequence[Sequence], num_ranks: int, full: Sequence[
     frees it; a split backward's I frees all but ``after_input_grad[s]`` (what W still needs: the
     inputs of the weight-gradient matmuls and their output gradients) and its W frees the rest.
     So a zero-bubble schedule, whose W runs late, is charged for the W halves it keeps, not for
-    whole microbatches (``Timeline.peak_inflight`` counts a microbatch whole until its W ends)."""
+    whole microbatches (``Timeline.peak_inflight`` counts a microbatch whole until its W ends).
+    ``after_input_grad`` may exceed ``full``: under checkpointing with the graph split backward, I
+    recomputes the region once and keeps what W needs of it until W runs."""
     peaks = [0.0] * num_ranks
     for r, row in enumerate(schedule[:num_ranks]):
         live = 0.0
@@ -156,8 +198,47 @@ def schedule_peaks(schedule: Sequence[Sequence], num_ranks: int, full: Sequence[
                 peaks[r] = max(peaks[r], live)
             elif kind == "B":
                 live -= full[s]
-            elif kind == "I":
-                live -= full[s] - min(after_input_grad[s], full[s])
+            elif kind == "I":  # may grow: a checkpointed region recomputed by I keeps W's inputs
+                live += after_input_grad[s] - full[s]
+                peaks[r] = max(peaks[r], live)
             elif kind == "W":
-                live -= min(after_input_grad[s], full[s])
+                live -= after_input_grad[s]
     return tuple(peaks)
+
+
+def schedule_walk(row: Sequence, full: Sequence[float], after_input_grad: Sequence[float],
+                  grad_bytes: Sequence[float]) -> tuple[float, float]:
+    """[Note: the schedule's walk] One rank's (activation bytes, gradient bytes) at the moment
+    their sum peaks, walking its actions in order: a forward of stage s adds ``full[s]``; I
+    leaves ``after_input_grad[s]`` of it ([Note: split backward memory]); the first backward of
+    s that computes weight gradients (B, or W when split) allocates its gradients,
+    ``grad_bytes[s]``, which stay until the step ends, while it frees its microbatch (B all of
+    it, W the rest): a backward frees activations as it fills gradients (measured:
+    tests/test_memory_model.py), so the sum is checked before and after, not with both whole.
+    Follows the order the runtime runs, where the in-flight formulas (``inflight_1f1b``) bound
+    interleaved orders."""
+    live = grads = 0.0
+    have: set = set()
+    best = (0.0, 0.0)
+
+    def check() -> None:
+        nonlocal best
+        if live + grads > sum(best):
+            best = (live, grads)
+
+    for a in row:
+        if a is None:
+            continue
+        kind, s = str(a.kind), a.stage
+        if kind == "F":
+            live += full[s]
+        elif kind == "I":  # may grow: a checkpointed region recomputed by I keeps W's inputs
+            live += after_input_grad[s] - full[s]
+        check()
+        if kind in ("B", "W"):  # the backward frees its microbatch as it fills the gradients
+            if s not in have:
+                have.add(s)
+                grads += grad_bytes[s]
+            live -= full[s] if kind == "B" else after_input_grad[s]
+            check()
+    return best

@@ -26,6 +26,12 @@ from fxsplit.schedule.ir import Action
 __all__ = ["RankPlan"]
 
 
+LEGEND = ("  legend: an action is <stage><kind><microbatch> (2F0: forward of microbatch 0 on stage 2; B full "
+          "backward, I input gradient, W weight gradient); a message is <S send|R receive><a activation|g gradient>"
+          "<stage>.<input>@<microbatch> (Sa1.0@0: send stage 1's input 0 of microbatch 0), per peer in the order "
+          "posted")
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """Pipeline rank ``rank``'s program: the wiring of ALL stages (every rank derives the same
@@ -117,4 +123,5 @@ class RankPlan:
             f"pipeline rank {self.rank} of {self.num_ranks}: stages {list(self.stages)} of {self.num_stages}",
             f"  actions: {mine}",
             *("  " + line for line in str(self.train).splitlines()),
+            LEGEND,
         ])

@@ -31,6 +31,7 @@ import sympy
 import torch
 import torch.fx
 
+from fxsplit.graph.units import fmt_bytes, fmt_ms
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.marker import find_pipe_splits
 from fxsplit.graph.meta import node_info, substitute
@@ -52,7 +53,7 @@ from fxsplit.errors import SplitError
 from fxsplit.hardware import Hardware
 from fxsplit.schedule import schedule_spec
 
-__all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "example_bindings", "layer_key"]
+__all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "batch_bindings", "example_bindings", "layer_key"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -77,15 +78,7 @@ class StageSummary:
     checkpointing: str = "none"  # the stage's activation checkpointing mode (fxsplit.graph.recompute)
     activation_bytes_unchecked: float | None = None  # act/mb without checkpointing (None: same)
     recompute_time: float = 0.0  # seconds of forward recomputed in backward per microbatch
-    weight_bytes: float = 0.0  # of activation_bytes, what a split backward's W still needs after I
-
-
-def _fmt_bytes(x: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(x) < 1024 or unit == "TB":
-            return f"{x:.0f}{unit}" if unit == "B" else f"{x:.1f}{unit}"
-        x /= 1024
-    return str(x)
+    weight_bytes: float = 0.0  # what a split backward's W still needs after I (checkpointed: may exceed activation_bytes)
 
 
 def _fmt_num(x: float) -> str:
@@ -93,14 +86,6 @@ def _fmt_num(x: float) -> str:
         if abs(x) >= div:
             return f"{x / div:.2f}{unit}"
     return f"{x:.0f}"
-
-
-def _fmt_time(t: float) -> str:
-    if t >= 1:
-        return f"{t:.2f}s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.2f}ms"
-    return f"{t * 1e6:.2f}us"
 
 
 def _compress_paths(paths: Sequence[str]) -> str:
@@ -214,20 +199,20 @@ class SplitPlan:
         for s in self.stages:
             extra = () if not ckpt else (
                 s.checkpointing,
-                _fmt_bytes(s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked),
-                _fmt_time(s.recompute_time))
+                fmt_bytes(s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked),
+                fmt_ms(s.recompute_time))
             rows.append(
                 (
                     str(s.index),
                     str(s.rank),
                     _compress_paths(s.module_paths),
                     str(s.num_nodes),
-                    _fmt_bytes(s.param_bytes),
+                    fmt_bytes(s.param_bytes),
                     _fmt_num(s.flops),
-                    _fmt_bytes(s.activation_bytes),
-                    _fmt_bytes(s.bytes_in),
-                    _fmt_bytes(s.bytes_out),
-                    _fmt_time(s.time),
+                    fmt_bytes(s.activation_bytes),
+                    fmt_bytes(s.bytes_in),
+                    fmt_bytes(s.bytes_out),
+                    fmt_ms(s.time),
                     *extra,
                 )
             )
@@ -235,7 +220,7 @@ class SplitPlan:
         widths[2] = min(widths[2], 48)
         lines = [
             f"SplitPlan: {self.num_stages} stages on {self.num_ranks} ranks ({self.method}); "
-            f"balance {self.balance:.3f} (bottleneck {_fmt_time(self.bottleneck)} / mean {_fmt_time(self.mean)})"
+            f"balance {self.balance:.3f} (bottleneck {fmt_ms(self.bottleneck)} / mean {fmt_ms(self.mean)})"
             + ("" if self.partition.exact else "; memory-capped, not proven optimal")
         ]
         for r in rows:
@@ -244,10 +229,26 @@ class SplitPlan:
         if ckpt:
             with_, without = self.peak_activations()
             lines.append(f"activation checkpointing {self.activation_checkpointing!r}: peak activations per rank "
-                         f"{[_fmt_bytes(x) for x in with_]} (without: {[_fmt_bytes(x) for x in without]})")
+                         f"{[fmt_bytes(x) for x in with_]} (without: {[fmt_bytes(x) for x in without]})")
         if self.baselines:
             lines.append("baselines (balance): " + ", ".join(f"{k} {v:.3f}" for k, v in self.baselines.items()))
         return "\n".join(lines)
+
+
+def batch_bindings(gm: torch.fx.GraphModule, batch: int | None) -> dict[sympy.Symbol, int]:
+    """``{batch symbol: batch}`` when dim 0 of the graph's first tensor input is a symbol traced at
+    another size (a batch of 1 is traced as 2: [Note: batch of one]; an example of the whole batch
+    planned for smaller microbatches), so costs and memory are those of one microbatch; else {}."""
+    if batch is None:
+        return {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and val.dim() >= 1:
+            s = val.shape[0]
+            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol) and s.node.hint != batch:
+                return {s.node.expr: int(batch)}
+            return {}
+    return {}
 
 
 def example_bindings(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
@@ -335,6 +336,7 @@ def plan_split(
     checkpoint_modes: Sequence[str] = ("none", "selective", "full"),
     stage_ranks: Sequence[int] | None = None,
     split_backward: str = "graph",
+    param_casts_free: bool = False,
 ) -> SplitPlan:
     """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
 
@@ -362,6 +364,8 @@ def plan_split(
         split_backward: how the runtime splits a backward into I and W on a zero-bubble schedule
             ("graph": a checkpointed region is recomputed once; "autograd": by I and again by W,
             so W is charged the recompute too: [Note: checkpointing cost model]).
+        param_casts_free: a cast of a parameter holds no storage of its own (FSDP with a
+            mixed-precision ``param_dtype`` gathers the parameters in that dtype already).
     """
     if cut_at not in ("any", "modules"):
         raise SplitError(f'cut_at must be "any" or "modules", got {cut_at!r}')
@@ -376,7 +380,7 @@ def plan_split(
     if not units:
         raise SplitError("the graph has no compute nodes to split")
     costs = _unit_costs(gm, units, binds, hardware, loss_seconds)
-    held = unit_saved(gm, units, binds)
+    held = unit_saved(gm, units, binds, param_casts_free=param_casts_free)
     loss_key = _loss_key(gm, binds)
     costs.acts[:] = _with_loss(first_saver_bytes(held), loss_key)
     cut_bytes = _cut_bytes(units, binds)
@@ -594,7 +598,12 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             last = s == part.num_stages - 1
             plain = held.stage(None, a, b, last)
             acts = plain if um is None else held.stage(um.held, a, b, last)
-            wbytes = min(held.weight(a, b, costs.weight), acts)
+            # what W needs after I: of the saved activations; under checkpointing with the graph
+            # split backward, of the region I recomputed once (kept until W: may exceed ``acts``);
+            # the autograd split's W recomputes again, so it holds no more than ``acts``
+            wbytes = held.weight(a, b, costs.weight)
+            if um is None or twice:
+                wbytes = min(wbytes, acts)
         out.append(StageSummary(
             index=s,
             rank=problem.rank_of(s),

@@ -82,8 +82,9 @@ import numpy as np
 
 from fxsplit import schedule as _schedules
 from fxsplit.errors import PartitionError, UsageError
+from fxsplit.graph.units import fmt_bytes
 from fxsplit.hardware import Hardware
-from fxsplit.pipeline.memory import RankMemory, message_buffers, rank_memory
+from fxsplit.pipeline.memory import RankMemory, message_buffers, optimizer_bytes_per_element, rank_memory
 from fxsplit.pipeline.partition import PartitionProblem, solve
 from fxsplit.planner.host import shared_makespan, shared_rate
 from fxsplit.planner.space import Candidate
@@ -310,8 +311,8 @@ class Scorer:
         state = w.param_bytes_total * self._state_factor() / (c.tp * c.pp * c.dp_shard)
         if state > self.limit:
             return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(params=state), False,
-                         f"memory: the training state alone, {_gb(state)} per rank (params, grads, optimizer "
-                         f"over tp x pp{' x dp_shard' if c.dp_shard > 1 else ''}), > limit {_gb(self.limit)}")
+                         f"memory: the training state alone, {fmt_bytes(state)} per rank (params, grads, optimizer "
+                         f"over tp x pp{' x dp_shard' if c.dp_shard > 1 else ''}), > limit {fmt_bytes(self.limit)}")
         u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
         cuts = self.cuts(c, u)
         if cuts is None:
@@ -352,9 +353,9 @@ class Scorer:
         opt_time = hw.memory_time(self.optimizer_traffic * float(rank_P.max()) / w.param_itemsize / sh)
         if shared:
             opt_time /= shared_rate(c.world_size, cores)  # every rank's optimizer step at once
-        reason = "" if fits else (f"memory {_gb(mem.total)} > limit {_gb(self.limit)} (params {_gb(mem.params)}, "
-                                  f"grads {_gb(mem.grads)}, optimizer {_gb(mem.optimizer)}, activations "
-                                  f"{_gb(mem.activations)}, recompute {_gb(mem.recompute)})")
+        reason = "" if fits else (f"memory {fmt_bytes(mem.total)} > limit {fmt_bytes(self.limit)} (params {fmt_bytes(mem.params)}, "
+                                  f"grads {fmt_bytes(mem.grads)}, optimizer {fmt_bytes(mem.optimizer)}, activations "
+                                  f"{fmt_bytes(mem.activations)}, recompute {fmt_bytes(mem.recompute)})")
         costs = dict(forward=tuple(F), backward_input=tuple(I), backward_weight=tuple(W), comm=tuple(comm))
         step = pipe + dp_time + opt_time
         return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
@@ -388,14 +389,14 @@ class Scorer:
         it, sh = self.w.param_itemsize, c.dp_shard
         numel = param_bytes / it
         return rank_memory(shard_bytes=param_bytes / sh, numel=numel, shard_numel=numel / sh, grad_itemsize=it,
-                           gather_itemsize=it, optimizer_bytes_per_param=self.optimizer_state + (4.0 if it < 4 else 0.0),
+                           gather_itemsize=it, optimizer_bytes_per_param=optimizer_bytes_per_element(it, self.optimizer_state),
                            dp=max(c.dp // sh, 1), dp_shard=sh, activations=acts, recompute=recompute,
                            microbatches=c.microbatches, inflight=inflight, loss_bytes=loss, pp_rank=r)
 
     def _state_factor(self) -> float:
         """Bytes of params + grads + optimizer state per parameter byte."""
         it = self.w.param_itemsize
-        return 2.0 + (self.optimizer_state + (4.0 if it < 4 else 0.0)) / it
+        return 2.0 + optimizer_bytes_per_element(it, self.optimizer_state) / it
 
     def _dp_time(self, c: Candidate, grad_bytes: float) -> float:
         if c.dp == 1:
@@ -448,11 +449,3 @@ class Scorer:
             return span(m), how
         t_a, t_b = span(m_a), span(m_a + p)  # the steady state repeats every p microbatches
         return t_b + (m - m_a - p) * (t_b - t_a) / p, f"{how} at m={m_a} and {m_a + p}, extended"
-
-
-def _gb(x: float) -> str:
-    if math.isinf(x):
-        return "inf"
-    if x >= 1e9:
-        return f"{x / 1e9:.1f}GB"
-    return f"{x / 1e6:.1f}MB"

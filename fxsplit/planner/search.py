@@ -26,13 +26,15 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch.fx
 
 from fxsplit.errors import PlanError
+from fxsplit.graph.units import fmt_bytes, fmt_ms
 from fxsplit.hardware import Hardware
-from fxsplit.planner.score import SIMULATION_BUDGET, Calibration, Score, Scorer, _gb
+from fxsplit.planner.score import SIMULATION_BUDGET, Calibration, Score, Scorer
 from fxsplit.planner.space import candidates
 from fxsplit.planner.workload import Workload
 from fxsplit.tp.plan import find_tp_plan
@@ -41,6 +43,8 @@ from fxsplit.tp.propagate import TPPlanError
 __all__ = ["SearchResult", "analyze", "search"]
 
 _CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+TABLE_ROWS = 12  # fitting candidates print(result) shows ...
+REJECTED_ROWS = 8  # ... and rejected ones: with the header and summaries at most 30 lines
 
 
 def analyze(gm: torch.fx.GraphModule, *, world_size: int, hardware: Hardware) -> Workload:
@@ -84,20 +88,39 @@ class SearchResult:
     num_candidates: int
     group_paths: tuple[str, ...] = field(default=(), repr=False)
     repartitioned: tuple[int, int] = (0, 0)  # layouts re-partitioned under the limit, and skipped (budget)
+    picked_from: tuple[str, int] | None = None  # set by with_pick: the built pick and its rank in the search
+
+    def with_pick(self, k: int, memory: Any, how: str) -> "SearchResult":
+        """This result with ``scores[k]`` as the pick (first), its memory the built plan's
+        (``Plan.memory()``'s busiest rank: [Note: the pick's memory is its plan's] in
+        fxsplit.api.auto); the candidates it passed over for memory move to ``rejected``."""
+        s = self.scores[k]
+        c = s.candidate
+        pick = replace(s, memory=memory, method=f"{s.method}; {how}: memory is its plan's")
+        skipped = tuple((o.candidate.short(), f"memory: its built plan is over the limit {fmt_bytes(self.memory_limit)}")
+                        for o in self.scores[:k])
+        if s.cuts and how.endswith("re-split"):
+            pick = replace(pick, cuts=())
+        return replace(self, best=pick, scores=(pick,) + self.scores[k + 1:], rejected=skipped + self.rejected,
+                       picked_from=(c.short(), k))
 
     def split_points(self) -> tuple[str, ...]:
         """Module paths where the chosen plan's stages 2..S start (``ParallelConfig.split_points``)."""
         return tuple(self.group_paths[k] for k in self.best.cuts[1:-1])
 
-    def table(self, limit: int | None = 20, rejected_limit: int | None = 10) -> str:
+    def table(self, limit: int | None = TABLE_ROWS, rejected_limit: int | None = REJECTED_ROWS) -> str:
+        """The candidate table, best first, and the rejected ones closest to fitting first: at most
+        ``limit`` and ``rejected_limit`` rows of each (None: all), so ``print(result)`` stays within
+        30 lines by default; ``table(None, None)`` is everything."""
         head = ("#", "dp", "tp", "sp", "pp", "v", "schedule", "m", "b", "ckpt", "step", "memory/rank", "how / why not")
         rows = [head]
         for i, s in enumerate(self.scores[:limit]):
             rows.append(_row(str(i + 1), s, s.method))
         lines = []
         lines.append(f"auto plan for {self.world_size} ranks, global batch {self.global_batch}, {self.hardware}, "
-                     f"memory limit {_gb(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
-                     f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first")
+                     f"memory limit {fmt_bytes(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
+                     f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first; memory/rank is the search's "
+                     f"estimate{', the pick' + chr(39) + 's its built plan' + chr(39) + 's (Plan.memory())' if self.picked_from else ''}")
         if any(self.repartitioned):
             done, skipped = self.repartitioned
             lines[-1] += (f"; {done} layouts re-partitioned under the memory limit"
@@ -106,7 +129,8 @@ class SearchResult:
         for r in rows:
             lines.append("  ".join(c.rjust(wd) for c, wd in zip(r[:-1], widths)) + "  " + r[-1])
         if len(self.scores) > (limit or len(self.scores)):
-            lines.append(f"... {len(self.scores) - limit} more fitting candidates (SearchResult.table(limit=None))")
+            lines.append(f"... {len(self.scores) - limit} more fitting candidates (.table(limit=None, rejected_limit=None) "
+                         "lists every candidate)")
         rej = list(self.rejected)
         if rej:
             lines.append(f"rejected ({len(rej)}), closest to fitting first:")
@@ -131,13 +155,7 @@ def _row(tag: str, s: Score, how: str) -> tuple[str, ...]:
     ckpt = c.activation_checkpointing
     return (tag, str(c.dp) + (f"/{c.dp_shard}" if c.dp_shard != 1 else ""), str(c.tp),
             "y" if c.sequence_parallel else "", str(c.pp), str(c.stages_per_rank), c.schedule, str(c.microbatches),
-            str(c.microbatch_size), ckpt, _fmt_time(s.step_time), _gb(s.memory.total), how)
-
-
-def _fmt_time(t: float) -> str:
-    if math.isinf(t):
-        return "-"
-    return f"{t:.3f}s" if t >= 1 else f"{t * 1e3:.2f}ms"
+            str(c.microbatch_size), ckpt, fmt_ms(s.step_time), fmt_bytes(s.memory.total), how)
 
 
 def search(workload: Workload, *, world_size: int, global_batch: int, hardware: Hardware,
@@ -178,9 +196,9 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
         tight = min(over, key=lambda s: s.memory.total)
         m = tight.memory
         raise PlanError(
-            f"strategy='auto': no layout of {world_size} ranks fits {_gb(limit)} per rank; the tightest, "
-            f"{tight.candidate.short()}, needs {_gb(m.total)} (params {_gb(m.params)}, grads {_gb(m.grads)}, "
-            f"optimizer {_gb(m.optimizer)}, activations {_gb(m.activations)}, recompute {_gb(m.recompute)}); "
+            f"strategy='auto': no layout of {world_size} ranks fits {fmt_bytes(limit)} per rank; the tightest, "
+            f"{tight.candidate.short()}, needs {fmt_bytes(m.total)} (params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
+            f"optimizer {fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)}, recompute {fmt_bytes(m.recompute)}); "
             "use more ranks, a smaller global batch, or a larger memory_limit")
     fitting.sort(key=lambda s: s.step_time)
     simulated, budget = [], SIMULATION_BUDGET

@@ -63,3 +63,60 @@ def _ptr(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
     except RuntimeError:
         return 0
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes of the distinct tensors in ``tensors`` as this rank stores them (a DTensor's local
+    shard; a tensor listed twice, as a tied Parameter can be, once)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        seen[id(t)] = local.nbytes
+    return sum(seen.values())
+
+
+def fsdp_gathered_bytes(pm: Any) -> int:
+    """Bytes of FSDP's unsharded parameter storages of ``pm`` (a ``ParallelModel``) now: FSDP2
+    allocates and frees them by resizing a storage in place (``untyped_storage().resize_``), which
+    no dispatcher mode sees, so ``LiveBytes`` misses them; read them off FSDP's own records."""
+    total = 0
+    for m in pm._runtime.modules.values():  # instrumentation only
+        state = getattr(m, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        for fp in (group.fsdp_params if group is not None else ()):
+            t = getattr(fp, "_unsharded_param", None)
+            total += t.untyped_storage().nbytes() if t is not None else 0
+    return total
+
+
+def measured_step_peak(pm: Any, opt: torch.optim.Optimizer, *args: Any, target: Any = None,
+                       parts: dict | None = None) -> int:
+    """The most tensor bytes this rank holds during ``pm.step(*args, target=target)`` and
+    ``opt.step()``: the parameters and optimizer state held before (run one step first, so the
+    state exists, and set the gradients to None), plus the peak of what the ops allocate
+    (``LiveBytes``: activations, gradients, messages, buckets), plus, under FSDP, the gathered
+    parameters read as each backward starts (``fsdp_gathered_bytes``). The measured side of
+    ``Plan.memory()``'s ``peak`` (benchmarks/memory_truth.py). ``parts``, when given, receives
+    the three terms (``held``, ``ops``, ``gathered``)."""
+    state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
+    held = local_bytes(pm.parameters()) + local_bytes(state)
+    gathered = [0]
+    rt = pm._runtime
+    inner = rt._backward
+
+    def backward(action: Any) -> None:
+        gathered[0] = max(gathered[0], fsdp_gathered_bytes(pm))
+        inner(action)
+
+    rt._backward = backward
+    try:
+        with LiveBytes() as mem:
+            pm.step(*args, target=target)
+            opt.step()
+    finally:
+        rt._backward = inner
+    if parts is not None:
+        parts.update(held=held, ops=mem.peak, gathered=gathered[0])
+    return held + mem.peak + gathered[0]
