@@ -67,6 +67,12 @@ class NodeInfo:
     def replace(self, **changes: Any) -> "NodeInfo":
         return dataclasses.replace(self, **changes)
 
+    def output_bytes(self, binds: Mapping[sympy.Symbol, int | float] | None = None) -> float:
+        """Bytes of every output tensor, symbolic sizes evaluated at ``binds`` (the one place a
+        node's output bytes are computed: the split's boundaries, the checkpointing and memory
+        models and the planner's workload all ask it)."""
+        return float(sum(float(substitute(t.nbytes, binds or {})) for t in self.outputs))
+
 
 @dataclass(frozen=True)
 class TraceInfo:

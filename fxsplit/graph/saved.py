@@ -43,11 +43,7 @@ def node_bytes(node: torch.fx.Node, binds: Mapping) -> float:
     """Bytes of ``node``'s tensor value(s) at the sizes ``binds``."""
     info = node.meta.get("fxsplit")
     if info is not None and info.outputs:
-        total = 0.0
-        for t in info.outputs:
-            nb = t.nbytes
-            total += float(substitute(nb, binds))
-        return total
+        return info.output_bytes(binds)
     return float(substitute(value_bytes(node.meta.get("val")), binds))
 
 

@@ -49,7 +49,7 @@ import torch.fx
 
 from fxsplit.errors import PartitionError
 from fxsplit.hardware import Hardware
-from fxsplit.graph.meta import node_info, substitute
+from fxsplit.graph.meta import node_info
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.saved import base, first_saver_bytes
 from fxsplit.graph.recompute import MODES, keeps_output, regions, worth_checkpointing
@@ -71,13 +71,7 @@ class UnitMode:
 
 def _out_bytes(node: torch.fx.Node, binds: Mapping) -> float:
     info = node.meta.get("fxsplit")
-    if info is None:
-        return 0.0
-    total = 0.0
-    for t in info.outputs:
-        nb = t.nbytes
-        total += float(substitute(nb, binds))
-    return total
+    return 0.0 if info is None else info.output_bytes(binds)
 
 
 def mode_held(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: Mapping, base_held: Sequence,

@@ -283,7 +283,7 @@ def _value_bytes(node: torch.fx.Node, bindings: Mapping) -> float:
     if isinstance(val, torch.Tensor):
         info = node.meta.get("fxsplit")
         if info is not None and info.outputs:
-            return _concrete(info.outputs[0].nbytes, bindings)
+            return info.output_bytes(bindings)
         n = 1
         for s in val.shape:
             n *= s

@@ -71,9 +71,7 @@ def _num(x, binds) -> float:
 
 def _out_bytes(node: torch.fx.Node, binds) -> float:
     info = node.meta.get("fxsplit")
-    if info is None:
-        return 0.0
-    return sum(_num(t.nbytes, binds) for t in info.outputs)
+    return 0.0 if info is None else info.output_bytes(binds)
 
 
 @dataclass(frozen=True)
