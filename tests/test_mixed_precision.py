@@ -25,11 +25,15 @@ import fxsplit
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.testing.data import replica_slice
 
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
 GRAD_RTOL = 3e-2  # per tensor (measured worst 0.0096)
 WHOLE_RTOL = 1e-2  # the whole gradient (measured worst 0.0041)
 LOSS_RTOL = 1e-4
+# a global batch of 4: each of the 2 data-parallel replicas trains on its own 2 samples
+# (fxsplit.testing.data), so only a correct data-parallel mean matches one process
+GPT = dict(batch_size=4)
 LAYOUTS = {"tp2-pp2": dict(tp=2, pp=2, microbatches=2), "dp2-pp2": dict(dp=2, pp=2, microbatches=2)}
 
 
@@ -42,7 +46,7 @@ def _batch(model, args):
 def _reference(autocast: bool):
     """Loss and gradients of the unsplit zoo GPT, under autocast or in float32."""
     torch.manual_seed(0)
-    model, args, _ = zoo.make("gpt")
+    model, args, _ = zoo.make("gpt", **GPT)
     x, y = _batch(model, args)
     with torch.autocast(**AUTOCAST, enabled=autocast):
         loss = zoo.loss_fn("gpt")(model(x), y)
@@ -79,14 +83,14 @@ def _autocast_step(rank, world):
     out = {}
     for label, opts in LAYOUTS.items():
         torch.manual_seed(0)
-        model, args, kwargs = zoo.make("gpt")
+        model, args, kwargs = zoo.make("gpt", **GPT)
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60,
                                  hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
         x, y = _batch(model, args)
         with torch.autocast(**AUTOCAST):
             logits = pm.forward(x)  # inference: the same boundary casts, no autograd
         with torch.autocast(**AUTOCAST), _MatmulDtypes() as seen:
-            loss = pm.step(x, target=y)
+            loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
         with torch.no_grad():  # gather the gradients through the state dict: grads in place of weights
             for p in pm.parameters():
                 p.copy_(p.grad)
@@ -99,7 +103,7 @@ def test_user_autocast_matches_one_process():
     ref_loss, ref_grads = _reference(autocast=True)
     floor = 1e-3 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
     torch.manual_seed(0)
-    model, args, _ = zoo.make("gpt")
+    model, args, _ = zoo.make("gpt", **GPT)
     with torch.no_grad(), torch.autocast(**AUTOCAST):
         ref_logits = model(_batch(model, args)[0])
     results = run_distributed(_autocast_step, 4, timeout=300)
@@ -148,7 +152,7 @@ def test_mp_policy_plan_casts_and_boundaries():
     """Plan level, no processes: parameters stay float32, the stage graphs read them through
     casts to bf16, boundary values travel in bf16, the model output is float32."""
     for opts in LAYOUTS.values():
-        model, args, kwargs = zoo.make("gpt")
+        model, args, kwargs = zoo.make("gpt", **GPT)
         p = fxsplit.plan(model, args, kwargs, mp_policy=POLICY, **opts)
         assert all(q.dtype == torch.float32 for q in model.parameters())
         for s, gm in enumerate(p.stages.modules):
@@ -170,12 +174,12 @@ def _mp_step(rank, world):
     out = {}
     for label, opts in MP_LAYOUTS.items():
         torch.manual_seed(0)
-        model, args, kwargs = zoo.make("gpt")
+        model, args, kwargs = zoo.make("gpt", **GPT)
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60, mp_policy=POLICY,
                                  hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
         x, y = _batch(model, args)
         with _MatmulDtypes() as seen:
-            loss = pm.step(x, target=y)
+            loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
         fp32 = all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in pm.parameters())
         with torch.no_grad():
             for p in pm.parameters():
@@ -187,7 +191,7 @@ def _mp_step(rank, world):
 @pytest.mark.dist
 def test_mp_policy_matches_the_same_casts_in_one_process():
     torch.manual_seed(0)
-    model, args, _ = zoo.make("gpt")
+    model, args, _ = zoo.make("gpt", **GPT)
     x, y = _batch(model, args)
     ref_loss, ref_grads = mixed_precision_reference(model, (x,), y, zoo.loss_fn("gpt"))
     floor = 1e-3 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
@@ -230,7 +234,7 @@ def _llama_step(rank, world):
         pm = fxsplit.parallelize(model, (x,), loss_fn=_lm_loss, timeout=60, mp_policy=POLICY,
                                  hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
         with _MatmulDtypes() as seen:
-            loss = pm.step(x, target=y)
+            loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
         with torch.no_grad():
             for p in pm.parameters():
                 p.copy_(p.grad)

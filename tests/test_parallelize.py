@@ -9,6 +9,7 @@ import torch
 import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
+from fxsplit.testing.data import replica_slice
 from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 STEPS = 3
@@ -41,16 +42,6 @@ def _batch(name, model, args, i):
     if x.dtype == torch.long:
         return torch.randint(0, int(x.max()) + 1, x.shape, generator=g)
     return torch.randn(x.shape, generator=g)
-
-
-def _replica_slice(pm, t):
-    """This data-parallel replica's share of the global batch `t`: replica d of D gets the d-th
-    of D equal slices, so the replicas see different data and only a correct data-parallel mean
-    of the gradients reproduces the single process on the whole batch."""
-    d, D = pm.coords["dp"], pm.plan.config.dp
-    B = t.shape[0]
-    assert B % D == 0 and B // D >= 1, (B, D)
-    return t[d * B // D:(d + 1) * B // D]
 
 
 def _local_grads(pm):
@@ -107,7 +98,7 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
     for i in range(steps):
         x = _batch(name, model, args, i)  # the global batch; each dp replica trains on its slice
         y = zoo.make_target(name, ref_model(x), seed=i)
-        loss = pm.step(_replica_slice(pm, x), target=_replica_slice(pm, y))
+        loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
         assert 0.0 <= pm.last_bubble < 1.0 and pm.last_step_seconds > 0
         grads.append(_local_grads(pm))
         opt.step()
@@ -127,15 +118,21 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
 
 
 def _check(results, ref_losses, ref_grads, ref_state):
-    """Every rank: losses and final full state equal the single process. Every data-parallel
-    replica: each step's gradients (tp shards reassembled, replicated ones on every tp rank)
-    equal the single process's on the global batch, and its ranks together hold a gradient for
-    every parameter name of the model."""
+    """Every rank: losses and final full state equal the single process; gradients as
+    :func:`check_grads`."""
     for rank, res in enumerate(results):
         assert res["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"rank {rank}"
         assert set(res["state"]) == set(ref_state), f"rank {rank}: {set(res['state']) ^ set(ref_state)}"
         for k, v in ref_state.items():
             torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {k}")
+    check_grads(results, ref_grads)
+
+
+def check_grads(results, ref_grads, rtol=1e-5, atol=1e-6):
+    """Every data-parallel replica: each step's gradients (tp shards reassembled, replicated ones
+    on every tp rank) equal the single process's on the global batch, and its ranks together hold
+    a gradient for every parameter name of the model. ``results[rank]`` holds "grads" (one
+    {stage-local name: gradient} per step), "coords" and "specs" (the tp plan's param_specs)."""
     specs = results[0]["specs"]
     cells: dict = {}  # (dp, pp) -> [(tp, rank)]
     for rank, res in enumerate(results):
@@ -160,7 +157,7 @@ def _check(results, ref_losses, ref_grads, ref_state):
                     else:
                         got = shards  # replicated: every tp rank holds the full gradient
                     for g in got:
-                        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-6, msg=tag)
+                        torch.testing.assert_close(g, want[n], rtol=rtol, atol=atol, msg=tag)
                 seen |= names
             assert seen == set(want), f"step {step} dp {dp}: no gradient for {sorted(set(want) - seen)}"
 
@@ -200,7 +197,7 @@ def _cases_4(rank, world):
 
 @pytest.mark.dist
 def test_3d_layouts_match_single_process():
-    # each dp replica trains on its own slice of the global batch (see _replica_slice), so the
+    # each dp replica trains on its own slice of the global batch (see fxsplit.testing.data), so the
     # loss and gradients equal one process on the whole batch only through a correct
     # data-parallel mean over the dp group, with a pipeline (dp2-pp2) and without (dp2-tp2,
     # dp4-pp1, where every gradient goes in one all-reduce after the step);
@@ -225,11 +222,11 @@ def _hf_train(rank, world, builder, options, steps=STEPS):
     pm = _parallelize(rank, model, args, kwargs, loss_fn=_hf_loss, timeout=90, **options)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     # each dp replica trains on its slice of the global batch (and of the attention mask)
-    local_kwargs = {k: _replica_slice(pm, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    local_kwargs = {k: replica_slice(pm, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     losses = []
     for i in range(steps):
         ids, y = _hf_batch(model, args, i)
-        loss = pm.step(_replica_slice(pm, ids), target=_replica_slice(pm, y), **local_kwargs)
+        loss = pm.step(replica_slice(pm, ids), target=replica_slice(pm, y), **local_kwargs)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
