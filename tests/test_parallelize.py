@@ -85,7 +85,13 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
     # tiny models: score stages by compute alone (at a real link bandwidth, sending a boundary
     # costs more than these layers compute, and the balancer rightly keeps them on one stage)
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
-    pm = _parallelize(rank, model, args, kwargs, loss_fn=loss_fn, timeout=60, **options)
+    pm_loss = options.pop("loss_fn", loss_fn)  # the split's own loss (vocab_parallel_loss); the reference's is loss_fn
+    pm = _parallelize(rank, model, args, kwargs, loss_fn=pm_loss, timeout=60, **options)
+    forward = None
+    if not pm.plan.config.vocab_parallel_loss:  # pm(x) before training: this replica's slice, as one process
+        x0 = replica_slice(pm, _batch(name, model, args, 0))
+        with torch.no_grad():
+            forward = (pm(x0), zoo.make(name, **overrides)[0](x0))
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     # data-parallel all-reduces start per stage as soon as its last backward ran (overlap)
     ready = []
@@ -113,7 +119,7 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
         ref_opt.step()
     full = pm.full_state_dict()
     specs = dict(getattr(pm.plan.tp_plan, "param_specs", {}) or {})
-    return dict(losses=losses, grads=grads, state={k: v.clone() for k, v in full.items()},
+    return dict(losses=losses, grads=grads, state={k: v.clone() for k, v in full.items()}, forward=forward,
                 coords=dict(pm.coords), specs=specs)
 
 
@@ -122,6 +128,8 @@ def _check(results, ref_losses, ref_grads, ref_state):
     :func:`check_grads`."""
     for rank, res in enumerate(results):
         assert res["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"rank {rank}"
+        if res.get("forward") is not None:
+            torch.testing.assert_close(*res["forward"], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: pm(x)")
         assert set(res["state"]) == set(ref_state), f"rank {rank}: {set(res['state']) ^ set(ref_state)}"
         for k, v in ref_state.items():
             torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {k}")
@@ -180,12 +188,20 @@ def test_pipeline_parallel_matches_single_process():
         _check([r[label] for r in results], *_reference(name, overrides))
 
 
+def _vocab_parallel_loss(logits_shard, target):
+    """The zoo GPT's cross-entropy on this tp rank's vocabulary columns (vocab_parallel_loss=True)."""
+    from fxsplit.tp.functional import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits_shard, target, zoo.GPTConfig().vocab_size)
+
+
 LAYOUTS_4 = {
     "dp2-pp2": dict(dp=2, pp=2, microbatches=2),
     "tp2-pp2": dict(tp=2, pp=2, microbatches=2),
     "dp2-tp2": dict(dp=2, tp=2),
     "dp4-pp1": dict(dp=4, microbatches=1),
     "tp2-pp2-sp": dict(tp=2, pp=2, microbatches=2, sequence_parallel=True),
+    "tp2-pp2-vocab": dict(tp=2, pp=2, microbatches=2, vocab_parallel_loss=True, loss_fn=_vocab_parallel_loss),
 }
 # a global batch of 4: each of 2 (4) data-parallel replicas trains on its own 2 (1) samples
 OVERRIDES_4 = {"batch_size": 4}
