@@ -1,21 +1,22 @@
 """Mixed precision: a user's own ``torch.autocast`` around ``step()`` on every rank ([Note:
 boundary dtypes] in fxsplit.runtime.executor), against the unsplit model under the same autocast.
+Each data-parallel replica trains on its own half of a global batch of 4.
 
 Tolerance, measured (zoo GPT, one step): the split runs round differently from one process
 (microbatch weight gradients are rounded to bfloat16 per microbatch, tensor parallel rounds its
 partial sums), so gradients are compared by relative error norm ``|a - b| / max(|b|, floor)``
 (``floor`` = 1e-3 of the whole gradient's norm: the key biases' gradients are ~1e-7, zero up to
-rounding, as softmax ignores them). Measured worst per-tensor gaps: tp2-pp2 0.0096, dp2-pp2
-0.0042; whole-gradient gaps: tp2-pp2 0.0041, dp2-pp2 0.0023; loss gaps below 1e-6 relative.
+rounding, as softmax ignores them). Measured worst per-tensor gaps: tp2-pp2 0.0074, dp2-pp2
+0.0040; whole-gradient gaps: tp2-pp2 0.0037, dp2-pp2 0.0024; loss gaps below 1e-6 relative.
 On this small model bfloat16 itself moves the gradients little: the pure float32 model is
-0.0040 (whole gradient) and at most 0.0098 (per tensor) from the autocast reference, the same
+0.0038 (whole gradient) and at most 0.0063 (per tensor) from the autocast reference, the same
 size as the split's own rounding, so no tolerance could tell a run that ignored autocast from
 one that used it. That is checked directly instead: every matrix product on every rank, forward
 and backward, ran in bfloat16 (``_MatmulDtypes``).
 
 The same holds for ``mp_policy`` against :func:`mixed_precision_reference` (measured: whole
-gradient tp2-pp2 0.0063, dp2-pp2 0.0024, worst tensor 0.0133 / 0.0040; the float32 model is
-0.0063 / 0.0116 from that reference).
+gradient tp2-pp2 0.0062, dp2-pp2 0.0023, worst tensor 0.0132 / 0.0110; the float32 model is
+0.0059 / 0.0139 from that reference; HF Llama: worst tensor 0.0103 / 0.0052).
 """
 
 import pytest
@@ -28,8 +29,8 @@ from fxsplit.testing import run_distributed, zoo
 from fxsplit.testing.data import replica_slice
 
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
-GRAD_RTOL = 3e-2  # per tensor (measured worst 0.0096)
-WHOLE_RTOL = 1e-2  # the whole gradient (measured worst 0.0041)
+GRAD_RTOL = 3e-2  # per tensor (measured worst 0.0132)
+WHOLE_RTOL = 1e-2  # the whole gradient (measured worst 0.0062)
 LOSS_RTOL = 1e-4
 # a global batch of 4: each of the 2 data-parallel replicas trains on its own 2 samples
 # (fxsplit.testing.data), so only a correct data-parallel mean matches one process
