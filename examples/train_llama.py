@@ -15,7 +15,7 @@ sequence counts up from a random start (token t+1 follows token t), so the loss 
 global batch of step k is drawn from a generator seeded with k and split over the dp replicas, so
 a resumed run, at any (dp, tp, pp), sees exactly the batches the uninterrupted run would have. Per step, rank 0 prints::
 
-    step 3 | loss 4.8123 | lr 1.50e-03 | grad norm 2.314 | 5120 tokens/s | 0.081 s | bubble 21.4%
+    step 3 | loss 4.812317 | lr 1.50e-03 | grad norm 2.314052 | 5120 tokens/s | 0.081 s | bubble 21.4%
 
 (tokens/s over the whole world's batch; bubble is the measured share of the step the rank spent
 blocked on its pipeline peers). ``--save DIR`` writes ``DIR/step-N``: a torch.distributed.checkpoint
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
         if rank == 0:
-            print(f"step {step} | loss {loss.item():.4f} | lr {lr_at(step, args):.2e} | grad norm {norm.item():.3f} | "
+            print(f"step {step} | loss {loss.item():.6f} | lr {lr_at(step, args):.2e} | grad norm {norm.item():.6f} | "
                   f"{tokens_per_step / seconds:.0f} tokens/s | {seconds:.3f} s | bubble {100 * pm.last_bubble:.1f}%",
                   flush=True)
         done = step + 1

@@ -30,6 +30,7 @@ __all__ = [
     "SplitError", "StageBuildError", "ScheduleError", "PlanError", "PipelineError", "RankFailedError",
     "DistributedRunError", "VerificationError", "PassContractError", "UsageError", "PathError", "ArgumentTypeError",
     "MissingKeyError", "OutOfRangeError", "RunError", "MissingDependencyError", "CheckpointError", "REQUEST_ERRORS",
+    "exception_text",
 ]
 
 
@@ -200,3 +201,11 @@ class DistributedRunError(FxsplitError, RuntimeError):
 REQUEST_ERRORS = (PlanError, TPPlanError, ShardingError, PartitionError, SplitError, StageBuildError,
                   ScheduleError, PassContractError, UsageError, ArgumentTypeError, OutOfRangeError, MissingKeyError, PathError)
 """The errors that mean "this request cannot be answered as given" (the CLI's exit code 2)."""
+
+
+def exception_text(exc: BaseException) -> str:
+    """``"<class name>: <the whole message>"`` of ``exc``, for a reason fxsplit records and shows
+    later (``compile_fallbacks``, ``split_fallbacks``): the whole text, as inductor's first line
+    often says only that something failed and the cause follows on later lines."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,4 +1,13 @@
-"""[Note: heaviest files first]
+"""[Note: the dist marker]
+A test that starts a process group, in this process (``dist.init_process_group``) or in others
+(``fxsplit.testing.run_distributed``, a ``torchrun`` / ``torch.distributed.run`` subprocess), is
+marked ``dist``, so that ``make test-fast`` (``pytest -m "not dist"``) starts none. Enforced two
+ways: while a test without the marker runs (its fixtures included, module-scoped ones too, as they
+are set up inside the first test that asks for them), those three entry points fail it, naming the
+marker; and tests/test_markers.py reads every test file for launches a test cannot reach at run
+time here (a skipped test, a test a -k filter left out).
+
+[Note: heaviest files first]
 ``make test`` runs the files in pytest-xdist workers, one file per worker at a time
 (``--dist loadfile``), handing the next file in collection order to whichever worker is free. A
 heavy file handed out last keeps one worker busy while the other idles, so the files measured as
@@ -6,6 +15,69 @@ the heaviest (``pytest --durations``; the multi-process launches and Hugging Fac
 collected first and the light one-process files fill the gaps at the end. The list only orders;
 a file missing from it runs after the listed ones, in its usual order.
 """
+
+import subprocess
+
+import pytest
+import torch.distributed as dist
+
+import fxsplit.testing.harness as harness
+
+_unmarked: list[str] = []  # the node id of the running test when it has no dist marker
+
+
+def _refuse(what: str) -> None:
+    if _unmarked:
+        pytest.fail(f"{_unmarked[-1]} starts {what} but is not marked @pytest.mark.dist: mark it (or its module's "
+                    "pytestmark); `make test-fast` runs -m 'not dist' and must start no process group "
+                    "([Note: the dist marker] in tests/conftest.py)", pytrace=False)
+
+
+class _GuardedDist:
+    """torch.distributed as fxsplit.testing.harness sees it: creating the launch's store refuses
+    while an unmarked test runs (the store is made before any rank starts)."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def TCPStore(self, *args, **kwargs):  # noqa: N802 -- torch's name
+        _refuse("ranks (fxsplit.testing.run_distributed)")
+        return dist.TCPStore(*args, **kwargs)
+
+
+class _GuardedPopen(subprocess.Popen):
+    def __init__(self, args, *rest, **kwargs):
+        words = [args] if isinstance(args, (str, bytes)) else [str(a) for a in args]
+        if any("torch.distributed.run" in w or "torchrun" in w for w in words):
+            _refuse(f"a launcher ({' '.join(words)[:120]})")
+        super().__init__(args, *rest, **kwargs)
+
+
+_init_process_group = dist.init_process_group
+
+
+def _guarded_init_process_group(*args, **kwargs):
+    backend = kwargs.get("backend", args[0] if args else None)
+    if backend != "threaded":  # tests/tp_threaded.py: tp ranks as threads of this process, no launch
+        _refuse("a process group in the pytest process (torch.distributed.init_process_group)")
+    return _init_process_group(*args, **kwargs)
+
+
+harness.dist = _GuardedDist()
+subprocess.Popen = _GuardedPopen
+dist.init_process_group = _guarded_init_process_group
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    marked = item.get_closest_marker("dist") is not None
+    if not marked:
+        _unmarked.append(item.nodeid)
+    try:
+        yield
+    finally:
+        if not marked:
+            _unmarked.pop()
 
 _HEAVIEST_FIRST = (
     "test_zero_bubble_dist.py", "test_tp_rules_views.py", "test_generate.py", "test_runtime_dist.py",

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,3 +237,47 @@ def test_python_dash_m_entry_point(tmp_path):
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2, done.stderr
     assert "unknown name 'tpu-v9'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plan_parallelism_flags_reach_the_plan(model_file, capsys, monkeypatch):
+    """--dp, --sequence-parallel, --vocab-parallel-loss and --link-bandwidth on `plan`: each one's
+    value in the ParallelConfig planned, and in the printed plan where it shows."""
+    import fxsplit.api
+
+    configs = []
+    inner = fxsplit.api.plan
+    monkeypatch.setattr(fxsplit.api, "plan", lambda *a, **k: configs.append(k["config"]) or inner(*a, **k))
+    rc = main(["plan", f"{model_file}:gpt", "--dp", "2", "--tp", "2", "--sequence-parallel", "--vocab-parallel-loss",
+               "--link-bandwidth", "3GB"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    (config,) = configs
+    assert (config.dp, config.tp, config.sequence_parallel, config.vocab_parallel_loss) == (2, 2, True, True), config
+    assert config.hardware.link_bytes_per_s == 3e9, config.hardware
+    assert "fxsplit plan: dp=2 tp=2 pp=1 (world size 4)" in out.out, out.out
+    assert "sequence_parallel=True, vocab_parallel_loss=True" in out.out, out.out
+    assert main(["plan", f"{model_file}:gpt", "--tp", "2"]) == 0  # and without them: the defaults
+    assert (configs[1].dp, configs[1].sequence_parallel, configs[1].vocab_parallel_loss) == (1, False, False)
+    assert "sequence_parallel=False, vocab_parallel_loss=False" in capsys.readouterr().out
+
+
+def test_schedule_comm_cost_reaches_the_simulation(capsys):
+    from fxsplit import schedule as schedules
+
+    rc = main(["schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--forward", "1", "--backward", "1",
+               "--comm", "0.5"])
+    out = capsys.readouterr().out
+    want = schedules.simulate(schedules.build("1f1b", 2, 2), forward=1, backward=1, comm=0.5)
+    free = schedules.simulate(schedules.build("1f1b", 2, 2), forward=1, backward=1, comm=0.0)
+    assert rc == 0 and want.makespan > free.makespan, (want.makespan, free.makespan)
+    assert "comm=0.5" in out and f"makespan {want.makespan:g};" in out, out
+
+
+def test_installed_console_script(tmp_path):
+    """The `fxsplit` command pip installs next to this interpreter (pyproject's [project.scripts])."""
+    script = Path(sys.executable).parent / "fxsplit"
+    assert script.exists(), f"{script} missing: install the package (make install / pip install -e .)"
+    done = subprocess.run([str(script), "schedule", "gpipe", "--pp", "2", "--microbatches", "2"], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "gpipe: p=2 v=1 m=2" in done.stdout, done.stdout

@@ -155,3 +155,21 @@ def test_compiled_loss_error_is_the_eager_one():
     assert "loss_fn" in caller.compile_fallbacks[(3, "loss")]
     caller._training = False  # outside training (or compile=False) the loss is never compiled
     assert caller._call_loss(torch.randn(4, 7), torch.zeros(4, dtype=torch.long)).ndim == 0
+
+
+def test_a_compile_fallback_keeps_the_whole_exception_text(monkeypatch):
+    """compile_fallbacks keeps dynamo's whole message: inductor's first line often says only that
+    compiling failed, and the cause follows on later lines."""
+    from fxsplit.runtime.compiling import CompiledGraph
+
+    def refusing_compile(fn, **kwargs):
+        def run(*args):
+            raise torch._dynamo.exc.TorchRuntimeError("backend='inductor' raised:\nthe cause, on line two\nand three")
+        return run
+
+    monkeypatch.setattr(torch, "compile", refusing_compile)
+    why = []
+    graph = CompiledGraph(lambda x: x * 2, why.append, whole=False, name="loss_fn")
+    assert torch.equal(graph(torch.ones(2)), torch.full((2,), 2.0))  # eagerly, as without compile
+    assert why == ["torch.compile refused loss_fn (TorchRuntimeError: backend='inductor' raised:\n"
+                   "the cause, on line two\nand three)"], why

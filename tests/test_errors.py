@@ -238,6 +238,7 @@ def world_of_one():
         dist.destroy_process_group()
 
 
+@pytest.mark.dist  # a gloo group of one rank in this process
 def test_misuse_of_a_parallel_model(mlp, world_of_one):
     model, args, _ = mlp
     inference = fxsplit.parallelize(model, args)

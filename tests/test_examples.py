@@ -111,13 +111,16 @@ def _train_steps(out):
 @pytest.mark.dist
 @pytest.mark.hf
 def test_train_llama_saves_and_resumes(tmp_path):
-    """examples/train_llama.py (bf16 policy, AdamW, warmup + cosine, clipping, selective
-    checkpointing) at tp=2 x pp=2: a run saved at step 2 and resumed continues exactly as the
-    uninterrupted run (same losses, learning rates and gradient norms at steps 2 and 3: the
-    state, the optimizer, the schedule and the data are all restored); resumed at dp=2 x pp=2 it
-    continues within bf16 rounding."""
+    """examples/train_llama.py (AdamW, warmup + cosine, clipping, selective checkpointing) at
+    tp=2 x pp=2: a run saved at step 2 and resumed continues exactly as the uninterrupted run
+    (same losses, learning rates and gradient norms at steps 2 and 3: the state, the optimizer,
+    the schedule and the data are all restored); resumed at dp=2 x pp=2 it continues within
+    float32 rounding. In float32: under the example's default bf16 policy the two layouts round
+    at different places (tp partial sums, each replica's half batch), which the 2e-2 this test
+    needed there absorbed, and with it a resume that restored, say, the optimizer's moments wrongly (the bf16
+    policy itself: tests/test_mixed_precision.py)."""
     pytest.importorskip("transformers", reason="train_llama needs transformers")
-    common = ["--steps", "4", "--warmup", "2", "--layers", "2"]
+    common = ["--steps", "4", "--warmup", "2", "--layers", "2", "--precision", "fp32"]
     full = _train_steps(_launched("train_llama.py", *common, "--save", str(tmp_path), "--save-every", "2",
                                   timeout=400))
     assert sorted(full) == [0, 1, 2, 3], full
@@ -131,7 +134,8 @@ def test_train_llama_saves_and_resumes(tmp_path):
                                    str(tmp_path / "step-2"), timeout=400))
     for i in (2, 3):
         assert other[i][1] == full[i][1]
-        assert other[i][0] == pytest.approx(full[i][0], rel=2e-2), (i, other[i], full[i])
+        assert other[i][0] == pytest.approx(full[i][0], rel=1e-5), (i, other[i], full[i])  # the loss
+        assert other[i][2] == pytest.approx(full[i][2], rel=1e-5), (i, other[i], full[i])  # the gradient norm
 
 
 @pytest.mark.hf

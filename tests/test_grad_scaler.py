@@ -20,8 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.testing.data import replica_slice
 
 FP16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+# a global batch of 4: each of the 2 data-parallel replicas trains on its own 2 samples
+# (fxsplit.testing.data), so only a correct data-parallel mean matches one process
+GPT = dict(batch_size=4)
 LAYOUTS = {"tp2-pp2": dict(tp=2, pp=2, microbatches=2), "dp2-pp2": dict(dp=2, pp=2, microbatches=2)}
 STEPS = 4
 PARAM_RTOL = 2e-2
@@ -41,7 +45,7 @@ def _reference(scaler_kw: dict):
     """The unsplit GPT, every parameter read cast to float16 (float32 master weights), outputs
     cast to float32 for the loss, under GradScaler + SGD: losses, scales, final parameters."""
     torch.manual_seed(0)
-    model, args, _ = zoo.make("gpt")
+    model, args, _ = zoo.make("gpt", **GPT)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     batches = _batches(model, args)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -64,7 +68,7 @@ def _train(rank, world, scaler_kw):
     out = {}
     for label, opts in LAYOUTS.items():
         torch.manual_seed(0)
-        model, args, kwargs = zoo.make("gpt")
+        model, args, kwargs = zoo.make("gpt", **GPT)
         batches = _batches(model, args)
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60, mp_policy=FP16,
                                  hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
@@ -72,7 +76,7 @@ def _train(rank, world, scaler_kw):
         scaler = torch.amp.GradScaler("cpu", **scaler_kw)
         losses, scales = [], []
         for x, y in batches:
-            loss = pm.step(x, target=y, scaler=scaler)
+            loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y), scaler=scaler)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
@@ -119,7 +123,7 @@ def test_fp16_grad_scaler_matches_one_process(scaler_kw):
 
 def _one_rank_overflows(rank, world):
     torch.manual_seed(0)
-    model, args, kwargs = zoo.make("gpt")
+    model, args, kwargs = zoo.make("gpt", **GPT)
     (x, y), = _batches(model, args)[:1]
     pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60, mp_policy=FP16,
                              dp=2, pp=2, microbatches=2)
@@ -173,7 +177,7 @@ def _autocast_reference():
     """The unsplit GPT in one process under ``torch.autocast("cpu", dtype=torch.float16)`` with
     the same GradScaler + SGD: losses, scales, initial and final parameters."""
     torch.manual_seed(0)
-    model, args, _ = zoo.make("gpt")
+    model, args, _ = zoo.make("gpt", **GPT)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     batches = _batches(model, args)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -195,7 +199,7 @@ def _autocast_train(rank, world):
     out = {}
     for label, opts in LAYOUTS.items():
         torch.manual_seed(0)
-        model, args, kwargs = zoo.make("gpt")
+        model, args, kwargs = zoo.make("gpt", **GPT)
         batches = _batches(model, args)
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60,
                                  hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
@@ -204,7 +208,7 @@ def _autocast_train(rank, world):
         losses, scales = [], []
         for x, y in batches:
             with torch.autocast("cpu", dtype=torch.float16), _MatmulDtypes() as seen:
-                loss = pm.step(x, target=y, scaler=scaler)
+                loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y), scaler=scaler)
             assert seen.dtypes == {torch.float16}, (label, seen.dtypes)  # autocast reached every stage
             scaler.step(opt)
             scaler.update()

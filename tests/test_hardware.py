@@ -145,6 +145,7 @@ def _measure_on_rank(rank, world_size):
     return first.to_dict(), second.to_dict()
 
 
+@pytest.mark.dist
 def test_measure_under_gloo_fits_links_and_agrees_across_ranks(tmp_path):
     results = run_distributed(_measure_on_rank, 2, env={"FXSPLIT_CACHE_DIR": str(tmp_path)}, timeout=60)
     (first0, second0), (first1, second1) = results

@@ -9,6 +9,7 @@ import torch
 import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
+from fxsplit.testing.data import replica_slice
 from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 STEPS = 3
@@ -41,16 +42,6 @@ def _batch(name, model, args, i):
     if x.dtype == torch.long:
         return torch.randint(0, int(x.max()) + 1, x.shape, generator=g)
     return torch.randn(x.shape, generator=g)
-
-
-def _replica_slice(pm, t):
-    """This data-parallel replica's share of the global batch `t`: replica d of D gets the d-th
-    of D equal slices, so the replicas see different data and only a correct data-parallel mean
-    of the gradients reproduces the single process on the whole batch."""
-    d, D = pm.coords["dp"], pm.plan.config.dp
-    B = t.shape[0]
-    assert B % D == 0 and B // D >= 1, (B, D)
-    return t[d * B // D:(d + 1) * B // D]
 
 
 def _local_grads(pm):
@@ -94,7 +85,13 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
     # tiny models: score stages by compute alone (at a real link bandwidth, sending a boundary
     # costs more than these layers compute, and the balancer rightly keeps them on one stage)
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
-    pm = _parallelize(rank, model, args, kwargs, loss_fn=loss_fn, timeout=60, **options)
+    pm_loss = options.pop("loss_fn", loss_fn)  # the split's own loss (vocab_parallel_loss); the reference's is loss_fn
+    pm = _parallelize(rank, model, args, kwargs, loss_fn=pm_loss, timeout=60, **options)
+    forward = None
+    if not pm.plan.config.vocab_parallel_loss:  # pm(x) before training: this replica's slice, as one process
+        x0 = replica_slice(pm, _batch(name, model, args, 0))
+        with torch.no_grad():
+            forward = (pm(x0), zoo.make(name, **overrides)[0](x0))
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     # data-parallel all-reduces start per stage as soon as its last backward ran (overlap)
     ready = []
@@ -107,7 +104,7 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
     for i in range(steps):
         x = _batch(name, model, args, i)  # the global batch; each dp replica trains on its slice
         y = zoo.make_target(name, ref_model(x), seed=i)
-        loss = pm.step(_replica_slice(pm, x), target=_replica_slice(pm, y))
+        loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
         assert 0.0 <= pm.last_bubble < 1.0 and pm.last_step_seconds > 0
         grads.append(_local_grads(pm))
         opt.step()
@@ -122,20 +119,29 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
         ref_opt.step()
     full = pm.full_state_dict()
     specs = dict(getattr(pm.plan.tp_plan, "param_specs", {}) or {})
-    return dict(losses=losses, grads=grads, state={k: v.clone() for k, v in full.items()},
+    return dict(losses=losses, grads=grads, state={k: v.clone() for k, v in full.items()}, forward=forward,
                 coords=dict(pm.coords), specs=specs)
 
 
 def _check(results, ref_losses, ref_grads, ref_state):
-    """Every rank: losses and final full state equal the single process. Every data-parallel
-    replica: each step's gradients (tp shards reassembled, replicated ones on every tp rank)
-    equal the single process's on the global batch, and its ranks together hold a gradient for
-    every parameter name of the model."""
+    """Every rank: losses and final full state equal the single process; gradients as
+    :func:`check_grads`."""
     for rank, res in enumerate(results):
         assert res["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), f"rank {rank}"
+        if res.get("forward") is not None:
+            torch.testing.assert_close(*res["forward"], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: pm(x)")
         assert set(res["state"]) == set(ref_state), f"rank {rank}: {set(res['state']) ^ set(ref_state)}"
         for k, v in ref_state.items():
             torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {k}")
+    check_grads(results, ref_grads)
+
+
+def check_grads(results, ref_grads, rtol=1e-5, atol=1e-6, tied=()):
+    """Every data-parallel replica: each step's gradients (tp shards reassembled, replicated ones
+    on every tp rank) equal the single process's on the global batch, and its ranks together hold
+    a gradient for every parameter name of the model (``tied``: groups of names of one tensor, of
+    which one is enough: an exported graph keeps one). ``results[rank]`` holds "grads" (one
+    {stage-local name: gradient} per step), "coords" and "specs" (the tp plan's param_specs)."""
     specs = results[0]["specs"]
     cells: dict = {}  # (dp, pp) -> [(tp, rank)]
     for rank, res in enumerate(results):
@@ -160,9 +166,10 @@ def _check(results, ref_losses, ref_grads, ref_state):
                     else:
                         got = shards  # replicated: every tp rank holds the full gradient
                     for g in got:
-                        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-6, msg=tag)
+                        torch.testing.assert_close(g, want[n], rtol=rtol, atol=atol, msg=tag)
                 seen |= names
-            assert seen == set(want), f"step {step} dp {dp}: no gradient for {sorted(set(want) - seen)}"
+            missing = {n for n in set(want) - seen if not any(n in g and seen & set(g) for g in tied)}
+            assert not missing, f"step {step} dp {dp}: no gradient for {sorted(missing)}"
 
 
 def _cases_pp2(rank, world):
@@ -183,12 +190,20 @@ def test_pipeline_parallel_matches_single_process():
         _check([r[label] for r in results], *_reference(name, overrides))
 
 
+def _vocab_parallel_loss(logits_shard, target):
+    """The zoo GPT's cross-entropy on this tp rank's vocabulary columns (vocab_parallel_loss=True)."""
+    from fxsplit.tp.functional import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits_shard, target, zoo.GPTConfig().vocab_size)
+
+
 LAYOUTS_4 = {
     "dp2-pp2": dict(dp=2, pp=2, microbatches=2),
     "tp2-pp2": dict(tp=2, pp=2, microbatches=2),
     "dp2-tp2": dict(dp=2, tp=2),
     "dp4-pp1": dict(dp=4, microbatches=1),
     "tp2-pp2-sp": dict(tp=2, pp=2, microbatches=2, sequence_parallel=True),
+    "tp2-pp2-vocab": dict(tp=2, pp=2, microbatches=2, vocab_parallel_loss=True, loss_fn=_vocab_parallel_loss),
 }
 # a global batch of 4: each of 2 (4) data-parallel replicas trains on its own 2 (1) samples
 OVERRIDES_4 = {"batch_size": 4}
@@ -200,7 +215,7 @@ def _cases_4(rank, world):
 
 @pytest.mark.dist
 def test_3d_layouts_match_single_process():
-    # each dp replica trains on its own slice of the global batch (see _replica_slice), so the
+    # each dp replica trains on its own slice of the global batch (see fxsplit.testing.data), so the
     # loss and gradients equal one process on the whole batch only through a correct
     # data-parallel mean over the dp group, with a pipeline (dp2-pp2) and without (dp2-tp2,
     # dp4-pp1, where every gradient goes in one all-reduce after the step);
@@ -216,7 +231,8 @@ def _hf_loss(out, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _hf_train(rank, world, builder, options, steps=STEPS):
+def _hf_train(rank, world, builder, options, steps=STEPS, grads=False):
+    """The losses of ``steps`` SGD steps; with ``grads``, a dict for :func:`check_grads` too."""
     from fxsplit.testing import hf_zoo
 
     model, args, kwargs = _model(lambda b, **ov: getattr(hf_zoo, b)(**ov), builder, {"batch_size": HF_BATCH})
@@ -225,15 +241,18 @@ def _hf_train(rank, world, builder, options, steps=STEPS):
     pm = _parallelize(rank, model, args, kwargs, loss_fn=_hf_loss, timeout=90, **options)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     # each dp replica trains on its slice of the global batch (and of the attention mask)
-    local_kwargs = {k: _replica_slice(pm, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    losses = []
+    local_kwargs = {k: replica_slice(pm, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    losses, step_grads = [], []
     for i in range(steps):
         ids, y = _hf_batch(model, args, i)
-        loss = pm.step(_replica_slice(pm, ids), target=_replica_slice(pm, y), **local_kwargs)
+        loss = pm.step(replica_slice(pm, ids), target=replica_slice(pm, y), **local_kwargs)
+        step_grads.append(_local_grads(pm))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return losses
+    if not grads:
+        return losses
+    return dict(losses=losses, grads=step_grads, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs))
 
 
 def _hf_batch(model, args, i):
@@ -242,20 +261,24 @@ def _hf_batch(model, args, i):
     return torch.randint(0, V, args[0].shape, generator=g), torch.randint(0, V, args[0].shape, generator=g)
 
 
-def _hf_reference(builder, steps=STEPS):
+def _hf_reference(builder, steps=STEPS, grads=False):
+    """The losses of one process on the global batches; with ``grads``, (losses, per-step
+    {name: gradient}, tied names under both)."""
     from fxsplit.testing import hf_zoo
 
     model, args, kwargs = getattr(hf_zoo, builder)(batch_size=HF_BATCH)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
+    params = dict(model.named_parameters(remove_duplicate=False))
+    losses, step_grads = [], []
     for i in range(steps):
         ids, y = _hf_batch(model, args, i)
         loss = _hf_loss(model(ids, **kwargs), y)
         opt.zero_grad()
         loss.backward()
+        step_grads.append({n: p.grad.clone() for n, p in params.items() if p.grad is not None})
         opt.step()
         losses.append(loss.item())
-    return losses
+    return (losses, step_grads) if grads else losses
 
 
 HF_BATCH = 4  # the global batch: 2 samples per data-parallel replica
@@ -264,19 +287,30 @@ HF_LAYOUTS = {"dp2-pp2": dict(dp=2, pp=2, microbatches=2), "tp2-pp2": dict(tp=2,
 
 
 def _hf_cases(rank, world):
-    return {(b, label): _hf_train(rank, world, b, dict(opts))
+    return {(b, label): _hf_train(rank, world, b, dict(opts), grads=True)
             for b in ("tiny_gpt2", "tiny_llama") for label, opts in HF_LAYOUTS.items()}
 
 
 @pytest.mark.dist
 @pytest.mark.hf
 def test_hf_models_in_3d_layouts():
+    """Every step's loss and every gradient of every replica (tp shards reassembled) against one
+    process on the global batch."""
+    from fxsplit.testing import hf_zoo
+
     results = run_distributed(_hf_cases, 4, timeout=600)
     for builder in ("tiny_gpt2", "tiny_llama"):
-        ref = _hf_reference(builder)
+        ref, ref_grads = _hf_reference(builder, grads=True)
+        model = _model(lambda b, **ov: getattr(hf_zoo, b)(**ov), builder, {"batch_size": HF_BATCH})[0]
+        by_tensor = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            by_tensor.setdefault(id(p), []).append(n)
+        tied = [g for g in by_tensor.values() if len(g) > 1]
         for label in HF_LAYOUTS:
             for rank, r in enumerate(results):
-                assert r[(builder, label)] == pytest.approx(ref, rel=1e-5, abs=1e-6), f"{builder} {label} rank {rank}"
+                got = r[(builder, label)]["losses"]
+                assert got == pytest.approx(ref, rel=1e-5, abs=1e-6), f"{builder} {label} rank {rank}"
+            check_grads([r[(builder, label)] for r in results], ref_grads, tied=tied)
 
 
 def _logged_steps(rank, world):

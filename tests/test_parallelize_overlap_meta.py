@@ -10,7 +10,8 @@
 2. tp=2 x pp=2 on a model built under ``torch.device("meta")`` (the tied-weight GPT of
    `fxsplit.testing.zoo`): each rank initializes its own shards (no meta tensor left, finite values,
    local shapes), replicated tensors agree across tp ranks, sharded ones differ, training steps
-   run with a finite loss, and tied tensors agree across the stages that hold them.
+   run with a finite loss, and tied tensors agree across the stages that hold them; and
+   dp=2 x tp=2 from the meta device: the replicas start alike and train as one process.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
+from fxsplit.testing.data import replica_slice
 
 HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))  # tiny models: split by compute alone
 GPT = {"n_layer": 2, "batch_size": 4, "seq_len": 16}
@@ -118,8 +120,25 @@ def _meta_model(rank):
                 num_pp=pm.plan.config.pp, losses=losses, grads_finite=grads_finite, fresh=fresh)
 
 
+def _meta_dp(rank):
+    """dp=2 x tp=2 on a meta-device GPT: the full parameters each rank starts from, and the losses
+    and full parameters after STEPS SGD steps, each replica on its half of the global batch."""
+    with torch.device("meta"):
+        model, args, _ = zoo.make("gpt", **GPT)
+    pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, dp=2, tp=2, hardware=HW, timeout=60)
+    init = pm.full_state_dict()
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _gpt_batch(40 + step, 4, 16, model.config.vocab_size)
+        losses.append(float(pm.step(replica_slice(pm, x), target=replica_slice(pm, y))))
+        opt.step()
+        opt.zero_grad()
+    return dict(coords=dict(pm.coords), init=init, losses=losses, final=pm.full_state_dict())
+
+
 def _four_ranks(rank, world):
-    return {"overlap": _overlap(rank), "meta": _meta_model(rank)}
+    return {"overlap": _overlap(rank), "meta": _meta_model(rank), "meta_dp": _meta_dp(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +253,32 @@ def test_meta_model_tied_weights_agree_across_the_stages_that_hold_them(four):
                     bad.append(f"tp {tp}: stage {s0} {n0} != stage {s} {n} "
                                f"(max diff {(v - v0).abs().max().item():.3g})")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.dist
+def test_meta_model_with_data_parallel_replicas_trains_as_one_process(four):
+    """dp=2 x tp=2 from a meta-device model: every rank starts from the same full parameters (the
+    replicas materialize alike), and one process started from them on the global batch gives
+    the same losses and parameters after the steps."""
+    runs = [r["meta_dp"] for r in four]
+    assert sorted((r["coords"]["dp"], r["coords"]["tp"]) for r in runs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    init = runs[0]["init"]
+    for r in runs[1:]:
+        assert set(r["init"]) == set(init), set(r["init"]) ^ set(init)
+        for k, v in init.items():
+            assert torch.equal(r["init"][k], v), f"{r['coords']}: {k} starts differently on this rank"
+    model, _, _ = zoo.make("gpt", **GPT)
+    model.load_state_dict(init)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _gpt_batch(40 + step, 4, 16, model.config.vocab_size)
+        loss = zoo.cross_entropy_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    for r in runs:
+        assert r["losses"] == pytest.approx(losses, rel=1e-5), (r["coords"], r["losses"], losses)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(r["final"][k], v, rtol=1e-5, atol=1e-6, msg=f"{r['coords']} {k}")

@@ -8,6 +8,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.testing.data import replica_slice
 from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 from fxsplit.tp.random import derive_seed, is_random, stage_stream, tp_stream
 
@@ -278,7 +279,7 @@ def test_one_process_equals_the_model_on_the_stage_stream():
 
 
 # ------------------------------------------------------------------------------------------------
-# more layouts: HF GPT-2 (export: aten.dropout, sdpa dropout_p), sequence parallelism, dp=2
+# more layouts: HF GPT-2 (export: aten.dropout, sdpa dropout_p), sequence parallelism, dp=2 x tp=2
 
 
 def _hf_gpt2(seed, **options):
@@ -312,7 +313,22 @@ def _layouts_worker(rank, world):
     a = _losses(pm)
     out["sp"] = dict(losses=(a, _losses(_parallel(1, sequence_parallel=True, microbatches=2))), coords=pm.coords,
                      replicated=_replicated_grads(pm))
+    out["dp2-tp2"] = _dp_masks()
     return out
+
+
+def _dp_masks():
+    """dp=2 x tp=2, each replica on its own half of the global batch: the dropout masks of two
+    steps on this rank ([Note: RNG streams] 4: the replicas share the streams)."""
+    model, args, _ = _model("gpt", lambda: zoo.make("gpt", **GPT))
+    with shared_traces(_TRACES):
+        pm = fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), dp=2, tp=2, seed=1, timeout=60,
+                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))
+    masks = _record_masks(pm)
+    for i in (0, 1):
+        x, y = _batch(i)
+        pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
+    return dict(masks=masks, coords=pm.coords)
 
 
 def _replicated_grads(pm):
@@ -323,9 +339,14 @@ def _replicated_grads(pm):
             for n, p in sm.named_parameters() if p.grad is not None and n not in sharded}
 
 
+@pytest.fixture(scope="module")
+def layouts():
+    return run_distributed(_layouts_worker, 4, timeout=420)
+
+
 @pytest.mark.dist
-def test_streams_on_hf_gpt2_and_sequence_parallel():
-    ranks = run_distributed(_layouts_worker, 4, timeout=420)
+def test_streams_on_hf_gpt2_and_sequence_parallel(layouts):
+    ranks = layouts
     for label in ("hf-tp2-pp2",):
         for r in ranks:
             a, b, c = r[label]["losses"]
@@ -342,3 +363,25 @@ def test_streams_on_hf_gpt2_and_sequence_parallel():
     for r in ranks:
         a, b = r["sp"]["losses"]
         assert a == b and a[0] != a[1]
+
+
+@pytest.mark.dist
+def test_data_parallel_replicas_share_the_streams(layouts):
+    """[Note: RNG streams] 4 and the README: data-parallel replicas draw the same masks (their data
+    differs, their streams do not); within a replica the tp ranks draw the same masks in
+    replicated regions and their own in tp-sharded ones (attention-probability dropout on heads);
+    the next step draws new masks."""
+    cells = {(r["dp2-tp2"]["coords"]["dp"], r["dp2-tp2"]["coords"]["tp"]): r["dp2-tp2"]["masks"] for r in layouts}
+    assert sorted(cells) == [(0, 0), (0, 1), (1, 0), (1, 1)], sorted(cells)
+    keys = set(cells[0, 0])
+    assert any("attn_drop" in k[1] for k in keys) and any("attn_drop" not in k[1] for k in keys), keys
+    for tp in (0, 1):  # across replicas: the same masks, every module, both steps
+        assert set(cells[1, tp]) == keys
+        for k in keys:
+            assert len(cells[0, tp][k]) == 2, k
+            assert all(torch.equal(a, b) for a, b in zip(cells[0, tp][k], cells[1, tp][k])), (tp, k)
+    for k in keys:
+        first, second = cells[0, 0][k]
+        assert not torch.equal(first, second), k  # a new step draws new masks
+        same_over_tp = all(torch.equal(a, b) for a, b in zip(cells[0, 0][k], cells[0, 1][k]))
+        assert same_over_tp == ("attn_drop" not in k[1]), (k, same_over_tp)

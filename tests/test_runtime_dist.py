@@ -175,9 +175,12 @@ def test_failing_or_silent_rank_makes_peer_raise_naming_it():
     # silent peer: a timeout, named
     assert h0["kind"] == "PipelineError" and h0["peer"] == 1, h0
     assert "timed out after 2 s" in h0["text"] and f"action {h0['action']}" in h0["text"], h0
+    assert "from pipeline rank 1 (global rank 1), which timed out" in h0["text"], h0  # the silent rank, named
+    assert h0["text"].startswith("pipeline rank 0 (global rank 0): "), h0  # and the rank that waited
     assert h0["action"] == "0B1" and h0["microbatch"] == 1, h0  # waits for the gradient of 1B1
     assert h0["seconds"] < 4.5, h0
     assert h1["kind"] == "PipelineError" and h1["peer"] == 0, h1  # the late peer fails too
+    assert "pipeline rank 0 (global rank 0)" in h1["text"], h1
     # crashing peer: its own error carries a note; the other rank fails fast, naming it
     assert c1["kind"] == "RuntimeError" and "injected failure" in c1["text"], c1
     assert any("pipeline rank 1 failed while running action 1F1" in n for n in c1["notes"]), c1

@@ -10,7 +10,7 @@ from fxsplit.testing import run_distributed
 
 from test_runtime_cases import run_case
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.dist]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")

@@ -322,3 +322,26 @@ def test_tp_stream_dropout_splits_as_graphs_with_the_eager_masks(checkpointed):
     assert names.count("enter_tp_stream") == names.count("exit_tp_stream") == 2, names
     replays = [n for g in (split.input_graph, split.weight_graph) for n in g.graph.nodes if "replay_rng" in str(n.target)]
     assert len(replays) == (3 if checkpointed else 0)
+
+
+class _FailsOnFakeTensors(nn.Module):
+    """Runs eagerly; on fake tensors (the graph split's shape pass) raises a two-line error."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(x, FakeTensor):
+            raise RuntimeError("data-dependent shape\nthe cause, on the second line")
+        return self.lin(x)
+
+
+def test_a_split_fallback_keeps_the_whole_exception_text():
+    """split_fallbacks shows UnsupportedStage's text: the whole of the error that made the stage
+    fall back, not its first line."""
+    with pytest.raises(UnsupportedStage) as info:
+        GraphSplit.trace(_FailsOnFakeTensors(), [torch.randn(4, 8)])
+    assert "(RuntimeError: data-dependent shape\nthe cause, on the second line)" in str(info.value), str(info.value)

@@ -213,6 +213,7 @@ def _case(arch, t, pp=1):
 CASES = [_case(a, 2) for a in ALL] + [_case(a, 4) for a in T4] + [_case(a, 2, 2) for a in PP2]
 
 
+@pytest.mark.dist  # the rows are computed on run_distributed's ranks (see `rows`)
 @pytest.mark.parametrize("arch,t,pp", CASES)
 def test_coverage(rows, arch, t, pp):
     row = _get(rows, arch, t, pp)
@@ -248,6 +249,7 @@ def test_coverage(rows, arch, t, pp):
 
 
 @pytest.mark.hf
+@pytest.mark.dist
 def test_layer_collectives_are_counted_per_layer(rows):
     """The measure itself: Llama at t=2 has one g per attention and per MLP in each of its 2 layers,
     and the largest rank's share is about 1/2 (so the bound is not vacuous)."""

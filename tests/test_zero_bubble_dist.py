@@ -12,6 +12,7 @@ import torch
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.testing.data import replica_slice
 from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 STEPS = 3
@@ -48,7 +49,9 @@ _TRACES = SharedTraces()
 _MODELS: dict = {}
 
 
-def _train(overrides, options):
+def _train(overrides, options, states=False):
+    """Trains a parallelized GPT for STEPS AdamW steps; ``states``: also gather the full parameters
+    before each step (for :func:`_grads_at`)."""
     torch.manual_seed(0)
     key = repr(sorted(overrides.items()))
     if key not in _MODELS:
@@ -60,11 +63,14 @@ def _train(overrides, options):
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60,
                                  hardware=INF_LINK, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    steps = []
+    steps, before = [], []
     for i in range(STEPS):
+        if states:
+            before.append(pm.full_state_dict())
         x = _batch(args, i)
         y = zoo.make_target("gpt", ref(x), seed=i)
-        loss = pm.step(x, target=y)
+        # the global batch; each data-parallel replica trains on its own slice of it
+        loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
         grads = {}
         for mod in pm.stage_modules.values():
             for n, p in mod.named_parameters(remove_duplicate=False):
@@ -87,6 +93,7 @@ def _train(overrides, options):
                 pm.plan.memory()[pm.coords["pp"]].peak)
         opt.zero_grad()
     return dict(steps=steps, stages=sorted(int(s) for s in pm.stage_modules), stage_ranks=pm.plan.stage_ranks, peak=peak,
+                grads=[g for _, g in steps], states=before, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs),
                 full_state=pm.full_state_dict(), fallbacks=dict(pm._runtime.split_fallbacks),
                 compile_fallbacks=pm.compile_fallbacks, onednn=_onednn_matmuls(pm),
                 held=sum(p.numel() * p.element_size() for p in pm.parameters()),  # distinct Parameters only
@@ -145,17 +152,18 @@ def test_zero_bubble_schedules_match_single_process(world):
         assert all(r["fallbacks"] == {} for r in res), [r["fallbacks"] for r in res]
 
 
-# ZB-V composed with tensor and data parallelism (4 ranks): the loss of every step and the full
-# parameters after the last step (gathered over tp shards) against one process.
+# ZB-V composed with tensor and data parallelism (4 ranks): the loss and every gradient of every
+# step (tp shards reassembled; each dp replica trained on its own slice of the global batch)
+# against one process, and the full parameters after the last step (gathered over tp shards).
 COMPOSED = {"zbv-tp2": dict(tp=2, pp=2, schedule="zbv", microbatches=4),
             "zbv-dp2": dict(dp=2, pp=2, schedule="zbv", microbatches=4)}
 COMPOSED_GPT = {"batch_size": 8}
 
 
 def _final_state_reference():
-    """Losses, final parameters, and the names whose gradient is zero up to rounding at every
-    step (the key biases: softmax ignores them; AdamW turns their ~1e-9 rounding noise into
-    full-size updates of random sign, so their final values are not comparable)."""
+    """Losses, final parameters, and the names whose gradient is zero up to
+    rounding at every step (the key biases: softmax ignores them; AdamW turns their ~1e-9 rounding
+    noise into full-size updates of random sign, so their final values are not comparable)."""
     torch.manual_seed(0)
     model, args, _ = zoo.make("gpt", **COMPOSED_GPT)
     per_step = _reference(COMPOSED_GPT)
@@ -173,12 +181,56 @@ def _final_state_reference():
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, noise
 
 
+def _grads_at(overrides, states):
+    """Per step: {name: gradient} (tied names under both) of the unsplit GPT at ``states[step]``
+    (the split's own full parameters before that step) on that step's global batch. Two runs that
+    start equal drift apart under AdamW (it turns rounding noise in near-zero gradients into
+    lr-sized updates), so later steps' gradients are compared where the split itself stands."""
+    model, args, _ = zoo.make("gpt", **overrides)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = []
+    for i, state in enumerate(states):
+        model.load_state_dict(state)
+        x = _batch(args, i)
+        logits = model(x)
+        loss = zoo.cross_entropy_loss(logits, zoo.make_target("gpt", logits, seed=i))
+        model.zero_grad()
+        loss.backward()
+        out.append({n: p.grad.detach().clone() for n, p in params.items()})
+    return out
+
+
 def _composed(rank, world):
     out = {}
     for label, options in COMPOSED.items():
-        res = _train(COMPOSED_GPT, options)
-        out[label] = ([loss for loss, _ in res["steps"]], res["full_state"], res["fallbacks"])
+        res = _train(COMPOSED_GPT, options, states=True)
+        out[label] = dict(losses=[loss for loss, _ in res["steps"]], state=res["full_state"], states=res["states"],
+                          fallbacks=res["fallbacks"], grads=res["grads"], coords=res["coords"], specs=res["specs"])
     return out
+
+
+def _check_composed(results, label, ref_losses, ref_state, noise, rtol=1e-5):
+    """Per step, the loss and every gradient of every replica (AdamW hides a gradient's scale from
+    the parameters: a mean taken as a sum moves each element by the same ~lr); the gradients
+    against one process at the split's own parameters of that step (:func:`_grads_at`; the
+    first step's are the common initial ones); then the final parameters."""
+    from test_parallelize import check_grads
+
+    first = results[0]["states"]
+    for rank, r in enumerate(results):
+        assert r["fallbacks"] == {}, (label, rank, r["fallbacks"])  # tp stages too: [Note: traced collectives]
+        assert r["losses"] == pytest.approx(ref_losses, rel=rtol), (label, rank, r["losses"], ref_losses)
+        for step, state in enumerate(r["states"]):  # the full parameters are the same on every rank
+            assert all(torch.equal(v, first[step][k]) for k, v in state.items()), (label, rank, step)
+    check_grads(results, _grads_at(COMPOSED_GPT, first), rtol=rtol, atol=1e-6)
+    for rank, r in enumerate(results):
+        for k, v in ref_state.items():
+            if k in noise:
+                continue
+            # AdamW moves each element by about lr = 1e-2 a step whatever the gradient's size,
+            # so a wrong gradient shows as ~1e-2; rounding on tiny gradients as up to ~1e-4
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=1e-3,
+                                       msg=lambda m, k=k: f"{label} rank {rank} {k}: {m}")
 
 
 @pytest.mark.dist
@@ -187,17 +239,7 @@ def test_zbv_with_tp_and_dp_matches_single_process():
     assert all(".k.bias" in n for n in noise), noise
     results = run_distributed(_composed, 4, timeout=400)
     for label in COMPOSED:
-        for rank, r in enumerate(results):
-            losses, state, fallbacks = r[label]
-            assert fallbacks == {}, fallbacks  # tp stages too: [Note: traced collectives]
-            assert losses == pytest.approx(ref_losses, rel=1e-5), (label, rank, losses, ref_losses)
-            for k, v in ref_state.items():
-                if k in noise:
-                    continue
-                # AdamW moves each element by about lr = 1e-2 a step whatever the gradient's size,
-                # so a wrong gradient shows as ~1e-2; rounding on tiny gradients as up to ~1e-4
-                torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-3,
-                                           msg=lambda m, k=k: f"{label} rank {rank} {k}: {m}")
+        _check_composed([r[label] for r in results], label, ref_losses, ref_state, noise)
 
 
 # The graph split with what the autograd split gets wrong or cannot run: a skip across every layer
@@ -319,7 +361,7 @@ def _compiled_composed(rank, world):
     from test_parallelize import _hf_train
 
     os.environ["FXSPLIT_CPU_MATMUL"] = "onednn" if torch.backends.mkldnn.is_available() else "aten"
-    tp = _train(COMPOSED_GPT, dict(tp=2, microbatches=2, compile=True))
+    tp = _train(COMPOSED_GPT, dict(tp=2, microbatches=2, compile=True), states=True)
     ckpt = _train(CKPT_GPT, dict(pp=2, schedule="zbv", microbatches=4, activation_checkpointing="full", compile=True))
     made = []
     inner = fxsplit.parallelize
@@ -328,7 +370,9 @@ def _compiled_composed(rank, world):
         hf = _hf_train(rank, world, "tiny_gpt2", dict(pp=2, schedule="zbv", microbatches=2, compile=True))
     finally:
         fxsplit.parallelize = inner
-    return dict(tp=([loss for loss, _ in tp["steps"]], tp["full_state"], tp["compile_fallbacks"], tp["fallbacks"]),
+    tp_res = dict(losses=[loss for loss, _ in tp["steps"]], state=tp["full_state"], fallbacks=tp["fallbacks"],
+                  grads=tp["grads"], states=tp["states"], coords=tp["coords"], specs=tp["specs"])
+    return dict(tp=tp_res, tp_not_compiled=tp["compile_fallbacks"],
                 ckpt=ckpt, hf=(hf, made[0].compile_fallbacks, dict(made[0]._runtime.split_fallbacks)),
                 onednn=(tp["onednn"], ckpt["onednn"], _onednn_matmuls(made[0])))
 
@@ -341,13 +385,10 @@ def test_compiled_with_tp_checkpointing_and_hf_match_single_process():
 
     ref_losses, ref_state, noise = _final_state_reference()
     results = run_distributed(_compiled_composed, 2, timeout=900)
+    # tolerances as in test_zbv_with_tp_and_dp_matches_single_process
+    _check_composed([r["tp"] for r in results], "compiled tp2", ref_losses, ref_state, noise)
     for rank, r in enumerate(results):
-        losses, state, not_compiled, fallbacks = r["tp"]
-        assert not_compiled == {} and fallbacks == {}, (rank, not_compiled, fallbacks)
-        assert losses == pytest.approx(ref_losses, rel=1e-5), (rank, losses, ref_losses)
-        for k, v in ref_state.items():
-            if k not in noise:  # tolerances as in test_zbv_with_tp_and_dp_matches_single_process
-                torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-3, msg=lambda m, k=k: f"tp2 rank {rank} {k}: {m}")
+        assert r["tp_not_compiled"] == {}, (rank, r["tp_not_compiled"])
         assert r["ckpt"]["compile_fallbacks"] == {} and r["ckpt"]["fallbacks"] == {}, r["ckpt"]["compile_fallbacks"]
         hf_losses, hf_not_compiled, hf_fallbacks = r["hf"]
         assert hf_not_compiled == {} and hf_fallbacks == {}, (rank, hf_not_compiled, hf_fallbacks)

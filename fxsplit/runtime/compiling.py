@@ -96,6 +96,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxsplit.errors import exception_text
 from fxsplit.graph.ops import is_random
 from fxsplit.runtime.cpu_matmul import onednn_min_macs, route_cpu_matmuls
 from fxsplit.tp.collectives import note_calls
@@ -154,8 +155,7 @@ class CompiledGraph:
         try:
             out = self._fn(*args)
         except torch._dynamo.exc.TorchDynamoException as exc:  # raised while (re)compiling: nothing ran
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            self.reason = f"torch.compile refused {self.name} ({type(exc).__name__}: {first[:300]})"
+            self.reason = f"torch.compile refused {self.name} ({exception_text(exc)})"
             self._fn = None
             self.on_fallback(self.reason)
             return self.gm(*args)  # an error of the function itself is raised here, as without compile

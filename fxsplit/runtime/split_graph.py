@@ -88,6 +88,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fxsplit.errors import exception_text
 from fxsplit.graph.ops import is_random
 from fxsplit.graph.recompute import checkpointed
 from fxsplit.tp.collectives import note_calls, traced_collectives
@@ -446,8 +447,7 @@ class GraphSplit:
                 outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
                 tan_meta = [(o.shape, o.dtype) for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
         except Exception as exc:  # noqa: BLE001 - any failure means: not this way
-            raise UnsupportedStage(f"the stage does not run on fake tensors ({type(exc).__name__}: "
-                                   f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+            raise UnsupportedStage(f"the stage does not run on fake tensors ({exception_text(exc)})") from exc
         tangents = [torch.zeros(s, dtype=d, device=tensors[0].device if tensors else "cpu") for s, d in tan_meta]
 
         def fn(params, buffers, xs, tans):
@@ -462,7 +462,7 @@ class GraphSplit:
                 gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(p_in, b_in, x_in, tangents)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means: not this way
             raise UnsupportedStage(f"make_fx could not trace the stage's forward and backward "
-                                   f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+                                   f"({exception_text(exc)})") from exc
         issued = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _ISSUE]
         if len(issued) != len(calls):
             raise UnsupportedStage(f"the trace issued {len(calls)} fxsplit collectives but holds {len(issued)} "
