@@ -21,7 +21,8 @@ __all__ = ["pipeline_split"]
 
 
 def pipeline_split(gm: torch.fx.GraphModule, ctx: PassContext, *, num_stages: int, **options: Any) -> PassResult:
-    """Assign every compute node to a stage; options as :func:`fxsplit.pipeline.split.plan_split`."""
+    """Assign every compute node to a stage; options as the fields of
+    :class:`fxsplit.pipeline.split.SplitRequest`."""
     plan = plan_split(gm, num_stages=num_stages, **options)
     for node in gm.graph.nodes:
         if node.name in plan.stage_of:

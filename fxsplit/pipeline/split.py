@@ -53,7 +53,7 @@ from fxsplit.errors import SplitError
 from fxsplit.hardware import Hardware
 from fxsplit.schedule import schedule_spec
 
-__all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitError", "plan_split", "batch_bindings", "example_bindings", "layer_key"]
+__all__ = ["Hardware", "StageSummary", "SplitPlan", "SplitRequest", "SplitError", "plan_split", "batch_bindings", "example_bindings", "layer_key"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -317,127 +317,149 @@ def _split_point_positions(units: list[torch.fx.Node], split_points: Sequence[st
     return positions
 
 
-def plan_split(
-    gm: torch.fx.GraphModule,
-    *,
-    num_stages: int,
-    num_ranks: int | None = None,
-    split_points: Sequence[str] | None = None,
-    schedule: str = "1f1b",
-    num_microbatches: int | None = None,
-    memory_limit: float | None = None,
-    hardware: Hardware = Hardware(),
-    bindings: Mapping[str | sympy.Symbol, int] | None = None,
-    inner_cut_penalty: float = 1.5,
-    state_bytes_per_param_byte: float = 4.0,
-    loss_seconds: float = 0.0,
-    cut_at: str = "any",
-    activation_checkpointing: str = "none",
-    checkpoint_modes: Sequence[str] = ("none", "selective", "full"),
-    stage_ranks: Sequence[int] | None = None,
-    split_backward: str = "graph",
-    param_casts_free: bool = False,
-) -> SplitPlan:
-    """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages.
+@dataclass(frozen=True)
+class SplitRequest:
+    """What ``plan_split`` is asked for (every option of the split, frozen).
 
-    Args:
-        num_stages: S = p * v stages. num_ranks: p (default S, i.e. v = 1).
-        split_points: module paths a stage must start at (before that module), in execution
-            order; with S - 1 of them the balancer only checks them, with fewer it fills in the
-            rest. ``fxsplit.pipe_split()`` markers in the model count as split points too.
-        schedule / num_microbatches: how many microbatches' activations a rank holds (GPipe: m,
-            1F1B: p - r, interleaved: about p + (p-1)/v), for the memory cap.
-        memory_limit: bytes per rank: parameters x ``state_bytes_per_param_byte`` (param, grad,
-            Adam m and v) + in-flight activations, summed over the rank's stages.
-        bindings: sizes for symbolic dims (``{"batch": 8}`` or ``{symbol: 8}``); default: the
-            traced example's sizes.
-        loss_seconds: time of the loss (not in the traced graph), charged to the last stage.
-        cut_at: "any" (cuts inside a layer cost ``inner_cut_penalty`` x their bytes) or "modules"
-            (a stage may only start where a module call begins, as ``pipeline()`` split points
-            in torch.distributed.pipelining require).
-        activation_checkpointing: "none", "selective", "full" (every stage) or "auto" (per stage,
-            the cheapest in time within ``memory_limit``); recompute time and saved bytes per
-            [Note: checkpointing cost model] in ``fxsplit.pipeline.checkpointing``.
-            ``checkpoint_modes``: the modes "auto" may choose from.
-        stage_ranks: the rank of every stage (``fxsplit.schedule.placement(schedule, p, v)``);
-            default ``s % p``. Rank memory sums the stages placed on a rank.
-        split_backward: how the runtime splits a backward into I and W on a zero-bubble schedule
-            ("graph": a checkpointed region is recomputed once; "autograd": by I and again by W,
-            so W is charged the recompute too: [Note: checkpointing cost model]).
-        param_casts_free: a cast of a parameter holds no storage of its own (FSDP with a
-            mixed-precision ``param_dtype`` gathers the parameters in that dtype already).
+    num_stages: S = p * v stages. num_ranks: p (default S, i.e. v = 1).
+    split_points: module paths a stage must start at (before that module), in execution order;
+        with S - 1 of them the balancer only checks them, with fewer it fills in the rest.
+        ``fxsplit.pipe_split()`` markers in the model count as split points too.
+    schedule / num_microbatches: how many microbatches' activations a rank holds (the schedule's
+        ``ScheduleSpec.inflight``), for the memory cap.
+    memory_limit: bytes per rank: parameters x ``state_bytes_per_param_byte`` (param, grad, Adam
+        m and v) + in-flight activations, summed over the rank's stages.
+    bindings: sizes for symbolic dims (``{"batch": 8}`` or ``{symbol: 8}``); default: the traced
+        example's sizes.
+    loss_seconds: time of the loss (not in the traced graph), charged to the last stage.
+    cut_at: "any" (cuts inside a layer cost ``inner_cut_penalty`` x their bytes) or "modules" (a
+        stage may only start where a module call begins, as ``pipeline()`` split points in
+        torch.distributed.pipelining require).
+    activation_checkpointing: "none", "selective", "full" (every stage) or "auto" (per stage, the
+        cheapest in time within ``memory_limit``, among ``checkpoint_modes``); recompute time and
+        saved bytes per [Note: checkpointing cost model] in ``fxsplit.pipeline.checkpointing``.
+    stage_ranks: the rank of every stage (``fxsplit.schedule.placement(schedule, p, v)``);
+        default ``s % p``. Rank memory sums the stages placed on a rank.
+    split_backward: how the runtime splits a backward into I and W on a zero-bubble schedule
+        ("graph": a checkpointed region is recomputed once; "autograd": by I and again by W, so W
+        is charged the recompute too).
+    param_casts_free: a cast of a parameter holds no storage of its own (FSDP with a
+        mixed-precision ``param_dtype`` gathers the parameters in that dtype already).
     """
-    if cut_at not in ("any", "modules"):
-        raise SplitError(f'cut_at must be "any" or "modules", got {cut_at!r}')
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise SplitError(f"num_stages must be a positive int, got {num_stages!r}")
-    p = num_stages if num_ranks is None else num_ranks
-    if p < 1 or num_stages % p:
-        raise SplitError(f"num_stages ({num_stages}) must be a multiple of num_ranks ({p}): each rank holds v = S / p stages")
-    v = num_stages // p
-    binds = _bindings(gm, bindings)
+
+    num_stages: int
+    num_ranks: int | None = None
+    split_points: Sequence[str] | None = None
+    schedule: str = "1f1b"
+    num_microbatches: int | None = None
+    memory_limit: float | None = None
+    hardware: Hardware = field(default_factory=Hardware)
+    bindings: Mapping[str | sympy.Symbol, int] | None = None
+    inner_cut_penalty: float = 1.5
+    state_bytes_per_param_byte: float = 4.0
+    loss_seconds: float = 0.0
+    cut_at: str = "any"
+    activation_checkpointing: str = "none"
+    checkpoint_modes: Sequence[str] = ("none", "selective", "full")
+    stage_ranks: Sequence[int] | None = None
+    split_backward: str = "graph"
+    param_casts_free: bool = False
+
+    def checked(self) -> tuple[int, int]:
+        """(p, v); SplitError for a request that cannot be split."""
+        if self.cut_at not in ("any", "modules"):
+            raise SplitError(f'cut_at must be "any" or "modules", got {self.cut_at!r}')
+        S = self.num_stages
+        if not isinstance(S, int) or S < 1:
+            raise SplitError(f"num_stages must be a positive int, got {S!r}")
+        p = S if self.num_ranks is None else self.num_ranks
+        if p < 1 or S % p:
+            raise SplitError(f"num_stages ({S}) must be a multiple of num_ranks ({p}): each rank holds v = S / p stages")
+        return p, S // p
+
+
+def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /, **options: Any) -> SplitPlan:
+    """Plan a balanced contiguous split of ``gm`` (traced by ``fxsplit.trace``) into stages, as
+    ``request`` (a :class:`SplitRequest`) or its fields given as keywords
+    (``plan_split(gm, num_stages=8, num_ranks=4)``) ask."""
+    if request is None:
+        try:
+            request = SplitRequest(**options)
+        except TypeError as exc:  # a misspelled or missing option
+            raise SplitError(f"plan_split: {exc}; the options are SplitRequest's fields") from None
+    elif options:
+        request = replace(request, **options)
+    r = request
+    p, v = r.checked()
+    binds = _bindings(gm, r.bindings)
     units = [n for n in gm.graph.nodes if n.op in _COMPUTE]
     if not units:
         raise SplitError("the graph has no compute nodes to split")
-    costs = _unit_costs(gm, units, binds, hardware, loss_seconds)
-    held = unit_saved(gm, units, binds, param_casts_free=param_casts_free)
+    costs = _unit_costs(gm, units, binds, r.hardware, r.loss_seconds)
+    held = unit_saved(gm, units, binds, param_casts_free=r.param_casts_free)
     loss_key = _loss_key(gm, binds)
     costs.acts[:] = _with_loss(first_saver_bytes(held), loss_key)
     cut_bytes = _cut_bytes(units, binds)
     keys = [layer_key(node_info(u).module_path) for u in units]
-    penalty, allowed = _cut_rules(units, keys, cut_at, inner_cut_penalty)
-    forced = _forced_cuts(gm, units, split_points, num_stages)
-    inflight = schedule_spec(schedule).inflight(p, v, num_microbatches)
-    problem = PartitionProblem(
-        compute=tuple(costs.compute),
-        param_bytes=tuple(costs.params),
-        activation_bytes=tuple(costs.acts),
-        cut_bytes=tuple(cut_bytes),
-        num_stages=num_stages,
-        num_ranks=p,
-        forced=tuple(forced),
-        allowed=tuple(allowed) if allowed is not None else None,
-        cut_penalty=tuple(penalty),
-        bandwidth=hardware.link_bytes_per_s,
-        memory_limit=memory_limit,
-        state_bytes_per_param_byte=state_bytes_per_param_byte,
-        inflight=inflight,
-        stage_ranks=None if stage_ranks is None else tuple(stage_ranks),
-    )
+    forced = _forced_cuts(gm, units, r.split_points, r.num_stages)
+    problem = _problem(r, units, keys, costs, cut_bytes, forced, p, v)
     modes = {"none": None}
-    if activation_checkpointing != "none":
-        modes = unit_modes(gm, units, binds, hardware, held)
-        if activation_checkpointing == "auto":
-            modes = {m: um for m, um in modes.items() if m in checkpoint_modes}
+    if r.activation_checkpointing != "none":
+        modes = unit_modes(gm, units, binds, r.hardware, held)
+        if r.activation_checkpointing == "auto":
+            modes = {m: um for m, um in modes.items() if m in r.checkpoint_modes}
     problems = {m: problem if um is None else replace(
-        problem, compute=tuple(c + r for c, r in zip(costs.compute, um.recompute)),
+        problem, compute=tuple(c + rc for c, rc in zip(costs.compute, um.recompute)),
         activation_bytes=_with_loss(um.acts, loss_key))
         for m, um in modes.items()}
     try:
-        part, per_stage = choose(problems, activation_checkpointing)
+        part, per_stage = choose(problems, r.activation_checkpointing)
     except PartitionError as exc:
         raise SplitError(str(exc)) from None
+    S = r.num_stages
     method = "balanced"
     if forced:
-        method = "user split points" if len(forced) == num_stages - 1 else "user split points + balanced"
-    stage_of = {u.name: s for s in range(num_stages) for u in units[part.cuts[s]:part.cuts[s + 1]]}
+        method = "user split points" if len(forced) == S - 1 else "user split points + balanced"
     return SplitPlan(
-        num_stages=num_stages,
+        num_stages=S,
         num_ranks=p,
-        stage_of=stage_of,
-        starts=tuple(units[part.cuts[s]].name for s in range(num_stages)),
+        stage_of={u.name: s for s in range(S) for u in units[part.cuts[s]:part.cuts[s + 1]]},
+        starts=tuple(units[part.cuts[s]].name for s in range(S)),
         stages=_summaries(part, problem, keys, costs, cut_bytes, per_stage, modes,
-                          twice=split_backward == "autograd" and schedule_spec(schedule).splits_backward,
+                          twice=r.split_backward == "autograd" and schedule_spec(r.schedule).splits_backward,
                           held=StageHeld(gm, units, binds, held, loss_key)),
         partition=part,
         method=method,
         problem=problem,
-        bindings={str(k): v for k, v in binds.items()},
+        bindings={str(k): val for k, val in binds.items()},
         baselines=_baselines(problem, keys),
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=r.activation_checkpointing,
         loss_bytes=sum(loss_key.values()),
-        schedule=schedule,
-        num_microbatches=num_microbatches,
+        schedule=r.schedule,
+        num_microbatches=r.num_microbatches,
+    )
+
+
+def _problem(r: SplitRequest, units: list[torch.fx.Node], keys: Sequence[str], costs: _UnitCosts,
+             cut_bytes: Sequence[float], forced: Sequence[int], p: int, v: int) -> PartitionProblem:
+    """The partition problem of ``r`` over ``units`` (no checkpointing: ``plan_split`` derives
+    one per checkpointing mode from it)."""
+    penalty, allowed = _cut_rules(units, keys, r.cut_at, r.inner_cut_penalty)
+    return PartitionProblem(
+        compute=tuple(costs.compute),
+        param_bytes=tuple(costs.params),
+        activation_bytes=tuple(costs.acts),
+        cut_bytes=tuple(cut_bytes),
+        num_stages=r.num_stages,
+        num_ranks=p,
+        forced=tuple(forced),
+        allowed=tuple(allowed) if allowed is not None else None,
+        cut_penalty=tuple(penalty),
+        bandwidth=r.hardware.link_bytes_per_s,
+        memory_limit=r.memory_limit,
+        state_bytes_per_param_byte=r.state_bytes_per_param_byte,
+        inflight=schedule_spec(r.schedule).inflight(p, v, r.num_microbatches),
+        stage_ranks=None if r.stage_ranks is None else tuple(r.stage_ranks),
     )
 
 
