@@ -28,7 +28,7 @@ size ``H``), and:
   same ``H``, a plain sharded operand with a merged one fails the region (their rows differ);
 - a replicated operand with the merged dim's full size (ALiBi's ``[B * heads, 1, T]``) is read
   through a STRIDED scatter: unflattened to ``[N, H]``, ``scatter_to_region`` on ``H``, flattened
-  back (the pass, from ``TPPlan.scatters``' fourth field), so each rank reads its heads' rows;
+  back (the pass, from ``Scatter.heads`` in ``TPRewrite.scatters``), so each rank reads its heads' rows;
 - a view splitting the merged dim back into ``[N, H]`` puts the shard on ``H`` (plain again);
   one keeping it whole keeps it merged; anything else (merging it further, splitting it
   elsewhere) fails the region;

@@ -7,8 +7,9 @@ a failed try is retried with the attention partners of the failing node ([Note: 
 partners]), then without the seeds that reached the failure, then each seed alone.
 
     found = find_regions(gm, 2, find_linears(gm), forced={}, excluded=set(), claimed=set())
-    found.regions          # [Region(columns=('q', 'k', 'v'), rows=('o',), inputs=('ln',), kind='attention')]
-    found.failures["up"]   # why the region from ``up`` stayed replicated
+    found.regions[0]            # Region(columns=('blocks_0_attn_q', 'blocks_0_attn_k', 'blocks_0_attn_v'),
+                                #        rows=('blocks_0_attn_proj',), inputs=('blocks_0_ln1',), kind='attention')
+    found.failures["lm_head"]   # 'output (output): a sharded value is a model output'
 
 ``fxsplit.tp.plan.find_tp_plan`` turns what is found into the plan and its rewrite.
 """
@@ -175,7 +176,7 @@ def _partners(node: torch.fx.Node | None, linears, unavailable) -> set[str]:
 # rank's heads' k / v exactly. Gradients: rank r's dk is its heads' share only (partial), and
 # stays partial, because it flows back through the column linear into x, whose f sums it over
 # the ranks with dq's; an f on k would sum it there too and count it t times. So no f goes on
-# k (``Propagation.no_sums``); instead the weight (and bias) rows of the whole blocks are read
+# k (``Attempt.no_sums``); instead the weight (and bias) rows of the whole blocks are read
 # through an f (``passes/tp_operands.whole_blocks``), which makes their partial gradient
 # whole. A whole piece read any other way (its gradient would not be partial) fails the try.
 

@@ -11,10 +11,10 @@ A :class:`fxsplit.tp.plan.TPPlan` is what a user reads (styles per module path, 
 shard specs, regions, what stays replicated and why); it holds one :class:`TPRewrite`, found
 with it, that names graph nodes and says what to insert at each:
 
-    plan = find_tp_plan(gm, 2)
-    plan.rewrite.sharded_nodes["q"]   # ShardedValue(dim=2, size=64)
-    plan.rewrite.shape_args[0]        # ShapeArg(node='view', path=(1, 2), value=2)
-    plan.rewrite.grad_sums            # (GradSum(node='mul_1', operand='q_norm_weight'),)
+    plan = find_tp_plan(gm, 2)                        # the zoo's GPT, n_embd=32, 4 heads
+    plan.rewrite.sharded_nodes["blocks_0_attn_q"]    # ShardedValue(dim=2, size=32)
+    plan.rewrite.shape_args[0]                       # ShapeArg(node='view', path=(3,), value=2): 2 heads a rank
+    plan.rewrite.grad_sums                           # (): no replicated operand with a partial gradient
 
 Every record is frozen and prints with its field names, so a plan diff in a test names what
 differs.

@@ -574,7 +574,7 @@ def _pointwise(p, op: Op) -> None:
 # position bias [1, heads, T, T] added to the scores or given to sdpa as its mask, ALiBi). Rank r
 # holds the r-th contiguous range of the sharded dim, so it reads the r-th range of the operand:
 # ``scatter_to_region`` (forward: own range; backward: all-gather, so the replicated operand gets
-# its whole gradient on every rank, and no f is put on it, ``TPPlan.grad_sums``). The sharded
+# its whole gradient on every rank, and no f is put on it, ``TPRewrite.grad_sums``). The sharded
 # value's layout is then fixed as one contiguous range (its origins dropped). Only where the
 # sharded dim is not the last one (heads, not features), or where the operand is a parameter
 # read (OLMo 2's q/k norm weight over the whole projection): a replicated residual added to a
