@@ -43,13 +43,14 @@ the result into the plan; ``fxsplit.passes.tensor_parallel`` applies its shape a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 import torch.fx
 
 from fxsplit.errors import TPPlanError
 from fxsplit.graph.ops import op_name
+from fxsplit.tp.linears import LinearInfo
 from fxsplit.tp.merged import size_read as merged_size_read
 from fxsplit.tp.rewrite import PartialSum, Scatter, ShapeArg
 from fxsplit.tp.rules import RULES, no_rule, rule_for
@@ -162,12 +163,12 @@ class Propagation:
 
     gm: torch.fx.GraphModule
     t: int
-    linears: Mapping[str, Any]
+    linears: Mapping[str, LinearInfo]
     seeds: frozenset[str]
     excluded: frozenset[str] = frozenset()
     forced_rows: frozenset[str] = frozenset()
     order: GraphOrder | None = None
-    search: _Search = field(default_factory=_Search, repr=False)
+    search: _Search = field(default_factory=_Search, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("seeds", "excluded", "forced_rows"):
@@ -187,6 +188,8 @@ class Propagation:
         first), at most ``_MAX_TRIES`` runs. All failing: the first run's reason, or the
         TPPlanError of a heads dim that t does not divide."""
         search = self.search
+        search.skipped.clear()
+        search.indivisible.clear()
         first: RegionFailed | None = None
         choices: list[int] = []
         for _ in range(_MAX_TRIES):
