@@ -25,7 +25,7 @@ counts. Vocabulary embedding: ``tp_ops.vocab_parallel_embedding``. LM head: f, t
 on the vocabulary, then ``tp_ops.gather_logits`` -- or, with ``vocab_parallel_loss=True``, the
 model returns the local logits and the loss must be ``tp_ops.vocab_parallel_cross_entropy``.
 With ``sequence_parallel=True`` (Megatron-3) the activations between regions are sharded along
-the sequence (dim 1 of [B, T, C]; T must divide by t at run time), as ``plan.rewrite.sequence``
+the sequence (dim 1 of [B, T, C]; T must divide by t at run time), as ``plan.rewrite.sequence_plan``
 records (``fxsplit.tp.sequence``): see ``_sequence_parallel``.
 Random ops on a shard (dropout on head-sharded attention probabilities, on column-parallel
 outputs, on sequence shards) run under ``fxsplit.tp.random``'s tp stream, so each tp rank draws
@@ -452,7 +452,7 @@ class _Rewritten:
 
 
 def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: _Rewritten) -> list[torch.fx.Node]:
-    """Apply ``plan.rewrite.sequence``: shard the activations between regions along the sequence.
+    """Apply ``plan.rewrite.sequence_plan``: shard the activations between regions along the sequence.
 
     The residual stream after the vocabulary embedding is scattered along the sequence; f before
     a region becomes an all-gather along the sequence (``gather_to_region``: backward
@@ -463,7 +463,7 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: 
     the plan's ([Note: sequence-parallel plan] in ``fxsplit.tp.sequence``). Returns the nodes
     left on a sequence shard (their random ops then draw from the tp stream).
     """
-    sp = plan.rewrite.sequence
+    sp = plan.rewrite.sequence_plan
     _check_sequence_plan(sp, done)
     orig = _vals_before(gm)
     seq: dict[torch.fx.Node, int] = {}  # node -> sequence dim of its local shard
@@ -482,7 +482,7 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: 
 def _check_sequence_plan(sp: SequenceParallelPlan, done: _Rewritten) -> None:
     """The sequence plan names what this rewrite made (it was found on this graph)."""
     if not sp.scatters:
-        raise TPPlanError("apply_tp_plan: plan.sequence_parallel is True but plan.rewrite.sequence records no "
+        raise TPPlanError("apply_tp_plan: plan.sequence_parallel is True but plan.rewrite.sequence_plan records no "
                           "decisions; find the plan with find_tp_plan(gm, tp, sequence_parallel=True)")
     sources = {s for s, _ in done.fs} | {x for x, _, _ in done.heads.values()}
     unknown = ([e for e in sp.scatters if e not in done.embeddings] + [r for r in sp.reduce_scatters if r not in done.rows]
@@ -507,7 +507,7 @@ def _sp_collectives(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: _Re
     """The conjugate collectives: scatter after the token embeddings, reduce-scatter for the
     recorded g's, all-gather for the recorded f's. Returns traced-graph name -> the node its
     consumers now read (the scatter, the row's reduced output, the gathered logits)."""
-    graph, sp = gm.graph, plan.rewrite.sequence
+    graph, sp = gm.graph, plan.rewrite.sequence_plan
     value = {n.name: n for n in graph.nodes}
     for row, (end, g, out) in done.rows.items():
         value[row] = value[end] = out

@@ -132,7 +132,7 @@ class TPPlan:
 
     @property
     def sequence_plan(self) -> SequenceParallelPlan:
-        return self.rewrite.sequence
+        return self.rewrite.sequence_plan
 
     @classmethod
     def identity(cls) -> TPPlan:
@@ -249,7 +249,7 @@ def find_tp_plan(
     )
     if sequence_parallel:
         sequence = plan_sequence_parallel(gm, plan)
-        plan = dataclasses.replace(plan, rewrite=dataclasses.replace(rewrite, sequence=sequence))
+        plan = dataclasses.replace(plan, rewrite=dataclasses.replace(rewrite, sequence_plan=sequence))
     return plan
 
 

@@ -106,7 +106,7 @@ class TPRewrite:
     their own (see each record). merged: sharded node -> H for values whose sharded dim merges
     the heads as its inner factor ([Note: heads merged as an inner factor] in
     ``fxsplit.tp.merged``; rank r holds its heads' rows of every outer index).
-    sequence: the sequence-parallel decisions (empty unless ``sequence_parallel``).
+    sequence_plan: the sequence-parallel decisions (empty unless ``sequence_parallel``).
     """
 
     sharded_nodes: Mapping[str, ShardedValue] = field(default_factory=dict)
@@ -119,4 +119,4 @@ class TPRewrite:
     scatters: tuple[Scatter, ...] = ()
     partial_sums: tuple[PartialSum, ...] = ()
     merged: Mapping[str, int] = field(default_factory=dict)
-    sequence: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
+    sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)

@@ -14,7 +14,7 @@ Terms (see ``fxsplit.tp.plan`` for t, region, f / g, row, vocab):
   output). ``operand`` is a node name, or a parameter's FQN for parameters.
 
     plan = find_tp_plan(gm, 2, sequence_parallel=True)     # no process group needed
-    sp = plan.rewrite.sequence
+    sp = plan.rewrite.sequence_plan
     print(sp)                       # one line per decision kind
     sp.sharded["blocks_0_ln1"]      # ("layer_norm", 1): runs on the shard, sequence on dim 1
     sp.reduce_scatters              # ("blocks_0_attn_proj", ...): row linears whose g is a reduce-scatter
@@ -118,7 +118,7 @@ def plan_sequence_parallel(gm: torch.fx.GraphModule, plan: Any) -> SequenceParal
 
     ``plan`` is the ``fxsplit.tp.plan.TPPlan`` found on ``gm`` (its regions, rows, vocabulary
     embeddings, LM heads and local shapes); :func:`fxsplit.tp.plan.find_tp_plan` calls this
-    with ``sequence_parallel=True`` and records the result as ``plan.rewrite.sequence``.
+    with ``sequence_parallel=True`` and records the result as ``plan.rewrite.sequence_plan``.
     """
     return _Walk(gm, plan).run()
 
