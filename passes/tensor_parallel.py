@@ -25,7 +25,7 @@ counts. Vocabulary embedding: ``tp_ops.vocab_parallel_embedding``. LM head: f, t
 on the vocabulary, then ``tp_ops.gather_logits`` -- or, with ``vocab_parallel_loss=True``, the
 model returns the local logits and the loss must be ``tp_ops.vocab_parallel_cross_entropy``.
 With ``sequence_parallel=True`` (Megatron-3) the activations between regions are sharded along
-the sequence (dim 1 of [B, T, C]; T must divide by t at run time), as ``plan.sequence_plan``
+the sequence (dim 1 of [B, T, C]; T must divide by t at run time), as ``plan.rewrite.sequence_plan``
 records (``fxsplit.tp.sequence``): see ``_sequence_parallel``.
 Random ops on a shard (dropout on head-sharded attention probabilities, on column-parallel
 outputs, on sequence shards) run under ``fxsplit.tp.random``'s tp stream, so each tp rank draws
@@ -135,7 +135,7 @@ def _is_view(node: Any) -> bool:
 
 
 def _linear_input(node: torch.fx.Node, plan: TPPlan) -> torch.fx.Node:
-    info = plan.linears[node.name]
+    info = plan.rewrite.linears[node.name]
     return node.args[0] if info.kind == "module" else node.args[info.x_index]
 
 
@@ -150,8 +150,8 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     (:func:`_to_tp_stream`); last the metadata contract (:func:`_finish`).
     """
     nodes = _check_applicable(gm, plan)
-    sharded_random = [n for n in gm.graph.nodes if n.name in plan.sharded_nodes and is_random(n, gm)]
-    head_inputs = {h: _linear_input(nodes[h], plan).name for h in plan.lm_heads}  # as traced
+    sharded_random = [n for n in gm.graph.nodes if n.name in plan.rewrite.sharded_nodes and is_random(n, gm)]
+    head_inputs = {h: _linear_input(nodes[h], plan).name for h in plan.rewrite.lm_heads}  # as traced
     matmuls_as_linears(gm, plan, nodes)
     _local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
@@ -183,7 +183,7 @@ def _check_applicable(gm: torch.fx.GraphModule, plan: TPPlan) -> dict[str, torch
         raise TPPlanError("apply_tp_plan: this graph is already tensor parallel (gm.meta['fxsplit_tp'] is set); "
                           "apply a plan to the graph as traced")
     nodes = {n.name: n for n in gm.graph.nodes}
-    missing = [n for n in (*plan.linears, *plan.embeddings) if n not in nodes]
+    missing = [n for n in (*plan.rewrite.linears, *plan.rewrite.embeddings) if n not in nodes]
     if missing:
         raise TPPlanError(f"apply_tp_plan: the plan names nodes {missing[:3]} that this graph lacks; find the "
                           "plan on this graph (find_tp_plan(gm, tp))")
@@ -193,7 +193,8 @@ def _check_applicable(gm: torch.fx.GraphModule, plan: TPPlan) -> dict[str, torch
 def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
     """Step 1: shape arguments and metadata of sharded values become local."""
     t = plan.tp
-    for name, path, value in plan.rewrites:
+    for arg in plan.rewrite.shape_args:
+        name, path, value = arg.node, arg.path, arg.value
         if isinstance(value, LocalSize):  # a size computed at run time: divide it there
             node = nodes[name]
             full = node.args[path[0]] if len(path) == 1 else node.args[path[0]][path[1]]
@@ -201,13 +202,13 @@ def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, to
                 value = _new(gm.graph, operator.floordiv, (full, value.divisor), like=node,
                              val=full.meta.get("val") // value.divisor)
         _set_arg(nodes[name], path, value)
-    for name, (dim, size) in plan.sharded_nodes.items():
-        n = nodes[name]
+    for name, sharded in plan.rewrite.sharded_nodes.items():
+        n, dim, size = nodes[name], sharded.dim, sharded.size
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):  # size -1: symbolic (a merged B * heads), from the traced shape
             n.meta["val"] = _local_val(val, dim, (size if size >= 0 else val.shape[dim]) // t)
         elif isinstance(val, (list, tuple)):  # a split: its pieces kept whole keep their size
-            whole = {u.args[1] for u in n.users if u.target is operator.getitem and u.name not in plan.sharded_nodes}
+            whole = {u.args[1] for u in n.users if u.target is operator.getitem and u.name not in plan.rewrite.sharded_nodes}
             n.meta["val"] = type(val)(v if i in whole else _local_val(v, dim, int(v.shape[dim]) // t)
                                       for i, v in enumerate(val))
 
@@ -244,7 +245,7 @@ def _rewrite_rows(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch
     add = aten.add.Tensor if is_export else operator.add
     for region in plan.regions:
         for r in region.rows:
-            node, info = nodes[r], plan.linears[r]
+            node, info = nodes[r], plan.rewrite.linears[r]
             x = _linear_input(node, plan)
             val = node.meta.get("val")
             if info.kind in ("grouped", "batched"):  # no bias: the expert matmul stays, g after it
@@ -288,8 +289,8 @@ def _rewrite_vocab_embeddings(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Map
     """Step 5: each vocabulary embedding becomes ``tp_ops.vocab_parallel_embedding`` (returned by name)."""
     graph = gm.graph
     done: dict[str, torch.fx.Node] = {}
-    for name in plan.vocab_embeddings:
-        node, e = nodes[name], plan.embeddings[name]
+    for name in plan.rewrite.vocab_embeddings:
+        node, e = nodes[name], plan.rewrite.embeddings[name]
         ids = node.args[0] if e.kind == "module" else node.args[1]
         with graph.inserting_before(node):
             w = graph.get_attr(e.weight)
@@ -307,9 +308,9 @@ def _rewrite_lm_heads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str
     Returns head -> (f, the gather or None)."""
     graph, t = gm.graph, plan.tp
     done: dict[str, tuple[torch.fx.Node, torch.fx.Node | None]] = {}
-    for name in plan.lm_heads:
+    for name in plan.rewrite.lm_heads:
         node = nodes[name]
-        info = plan.linears[name]
+        info = plan.rewrite.linears[name]
         x = _linear_input(node, plan)
         with graph.inserting_before(node):
             f = _new(graph, copy_to_region, (x,), {"axis": axis}, like=node, val=x.meta.get("val"))
@@ -395,7 +396,7 @@ def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis
     if not users:
         return
     for u in users:
-        info = plan.linears.get(u.name)
+        info = plan.rewrite.linears.get(u.name)
         if info is None or info.out_dim != 0 or info.kind not in ("module", "linear", "matmul") or u.kwargs:
             return
         if u.op != "call_module" and any(isinstance(a, torch.fx.Node) and a.op != "get_attr" for a in u.args[1:]):
@@ -408,8 +409,8 @@ def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis
             return
     order = {n: i for i, n in enumerate(graph.nodes)}
     users.sort(key=order.__getitem__)
-    weights = [plan.linears[u.name].weight for u in users]
-    biases = [plan.linears[u.name].bias for u in users]
+    weights = [plan.rewrite.linears[u.name].weight for u in users]
+    biases = [plan.rewrite.linears[u.name].bias for u in users]
     stacks = [list((u.meta.get("nn_module_stack") or {}).items()) for u in users]
     common = stacks[0][:-1] if stacks[0] else []
     for st in stacks[1:]:
@@ -451,7 +452,7 @@ class _Rewritten:
 
 
 def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: _Rewritten) -> list[torch.fx.Node]:
-    """Apply ``plan.sequence_plan``: shard the activations between regions along the sequence.
+    """Apply ``plan.rewrite.sequence_plan``: shard the activations between regions along the sequence.
 
     The residual stream after the vocabulary embedding is scattered along the sequence; f before
     a region becomes an all-gather along the sequence (``gather_to_region``: backward
@@ -462,7 +463,7 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: 
     the plan's ([Note: sequence-parallel plan] in ``fxsplit.tp.sequence``). Returns the nodes
     left on a sequence shard (their random ops then draw from the tp stream).
     """
-    sp = plan.sequence_plan
+    sp = plan.rewrite.sequence_plan
     _check_sequence_plan(sp, done)
     orig = _vals_before(gm)
     seq: dict[torch.fx.Node, int] = {}  # node -> sequence dim of its local shard
@@ -481,7 +482,7 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: 
 def _check_sequence_plan(sp: SequenceParallelPlan, done: _Rewritten) -> None:
     """The sequence plan names what this rewrite made (it was found on this graph)."""
     if not sp.scatters:
-        raise TPPlanError("apply_tp_plan: plan.sequence_parallel is True but plan.sequence_plan records no "
+        raise TPPlanError("apply_tp_plan: plan.sequence_parallel is True but plan.rewrite.sequence_plan records no "
                           "decisions; find the plan with find_tp_plan(gm, tp, sequence_parallel=True)")
     sources = {s for s, _ in done.fs} | {x for x, _, _ in done.heads.values()}
     unknown = ([e for e in sp.scatters if e not in done.embeddings] + [r for r in sp.reduce_scatters if r not in done.rows]
@@ -506,7 +507,7 @@ def _sp_collectives(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: _Re
     """The conjugate collectives: scatter after the token embeddings, reduce-scatter for the
     recorded g's, all-gather for the recorded f's. Returns traced-graph name -> the node its
     consumers now read (the scatter, the row's reduced output, the gathered logits)."""
-    graph, sp = gm.graph, plan.sequence_plan
+    graph, sp = gm.graph, plan.rewrite.sequence_plan
     value = {n.name: n for n in graph.nodes}
     for row, (end, g, out) in done.rows.items():
         value[row] = value[end] = out

@@ -1,8 +1,8 @@
 """The tensor-parallel pass's steps on operands of sharded nodes (``passes/tensor_parallel.py``
 runs them, in this order, after the local shapes and parameters): ``x @ W.T`` linears made
-linears, f on replicated operands whose gradient is partial (``plan.grad_sums``),
-``scatter_to_region`` on per-head biases (``plan.scatters``), g after sums over the sharded dim
-(``plan.partial_sums``). The notes are in ``fxsplit.tp.plan`` ([Note: partial gradients of
+linears, f on replicated operands whose gradient is partial (``plan.rewrite.grad_sums``),
+``scatter_to_region`` on per-head biases (``plan.rewrite.scatters``), g after sums over the sharded dim
+(``plan.rewrite.partial_sums``). The notes are in ``fxsplit.tp.plan`` ([Note: partial gradients of
 replicated operands]) and ``fxsplit.tp.rules`` ([Note: scattered operands], [Note: reductions
 over the sharded dim]). Written only against fxsplit's public API.
 """
@@ -37,7 +37,7 @@ def matmuls_as_linears(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[st
     (the same value; node name kept), so the steps below treat it as any linear."""
     graph = gm.graph
     is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
-    for name, info in plan.linears.items():
+    for name, info in plan.rewrite.linears.items():
         if info.kind != "matmul" or name not in nodes:
             continue
         node = nodes[name]
@@ -52,7 +52,7 @@ def grouped_weights(plan: TPPlan, nodes: Mapping[str, torch.fx.Node], local_val:
     """Step 1b: a grouped linear's expert weight read transposed (``W.transpose(-2, -1)``), a
     batched linear's expert weight gathered per row (``W[ids]``): that read's metadata gets the
     local shape ([Note: experts as grouped linears])."""
-    for name, info in plan.linears.items():
+    for name, info in plan.rewrite.linears.items():
         spec = plan.param_specs.get(info.weight)
         if info.kind == "grouped" and name in nodes:
             wt, flip = nodes[name].args[1], True
@@ -77,7 +77,7 @@ def whole_blocks(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.
     is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
     split = torch.ops.aten.split_with_sizes.default if is_export else torch.split
     cat = torch.ops.aten.cat.default if is_export else torch.cat
-    for name, info in plan.linears.items():
+    for name, info in plan.rewrite.linears.items():
         spec = plan.param_specs.get(info.weight)
         if spec is None or not spec.whole or name not in nodes or info.kind not in ("module", "linear"):
             continue
@@ -129,10 +129,11 @@ def sum_grads(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.
               module_to_function: Callable[[torch.fx.GraphModule, torch.fx.Node], torch.fx.Node]) -> None:
     """Step 2b: a replicated operand of a sharded node that carries a gradient (a per-head norm's
     weight, ``1 + w``, a statistic) gets a partial gradient on each rank: one f on that operand,
-    before its first sharded reader, sums it (``plan.grad_sums``)."""
+    before its first sharded reader, sums it (``plan.rewrite.grad_sums``)."""
     graph = gm.graph
     fs: dict[torch.fx.Node, torch.fx.Node] = {}
-    for name, operand in plan.grad_sums:
+    for gs in plan.rewrite.grad_sums:
+        name, operand = gs.node, gs.operand
         node = nodes[name]
         if operand == "<module>":
             node = nodes[name] = module_to_function(gm, node)
@@ -150,20 +151,20 @@ def scatter_operands(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, to
                      local_val: Callable[[Any, int, int], Any]) -> None:
     """Step 2c: a replicated operand with the sharded dim's full size (a per-head score bias) is
     read through ``scatter_to_region`` on that dim, one per (operand, dim), before its first
-    sharded reader (``plan.scatters``). On a merged dim (a fourth field H: ``[N, H]`` with H
+    sharded reader (``plan.rewrite.scatters``). On a merged dim (``Scatter.heads`` H: ``[N, H]`` with H
     sharded, [Note: heads merged as an inner factor] in ``fxsplit.tp.merged``) the read is
     strided: unflatten to ``[N, H]``, scatter on H, flatten back."""
     graph, t = gm.graph, plan.tp
     order = {n: i for i, n in enumerate(graph.nodes)}
     done: dict[tuple, torch.fx.Node] = {}
-    for name, operand, dim, *merged in sorted(plan.scatters, key=lambda s: order[nodes[s[0]]]):
-        node, a = nodes[name], nodes[operand]
-        key = (operand, dim, *merged)
+    for sc in sorted(plan.rewrite.scatters, key=lambda s: order[nodes[s.node]]):
+        node, a, dim = nodes[sc.node], nodes[sc.operand], sc.dim
+        key = (sc.operand, dim, sc.heads)
         if key not in done:
             val = a.meta.get("val")
             with graph.inserting_before(node):
-                if merged:
-                    done[key] = _strided_scatter(graph, a, dim, merged[0], t, axis, node)
+                if sc.heads:
+                    done[key] = _strided_scatter(graph, a, dim, sc.heads, t, axis, node)
                 else:
                     local = local_val(val, dim, val.shape[dim] // t) if isinstance(val, torch.Tensor) else None
                     done[key] = new_node(graph, scatter_to_region, (a,), {"dim": dim, "axis": axis},
@@ -187,11 +188,11 @@ def _strided_scatter(graph: torch.fx.Graph, a: torch.fx.Node, dim: int, heads: i
 
 def partial_sums(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.fx.Node], axis: str) -> None:
     """Step 2d (after the f's of step 2b): a sum / mean over the sharded dim gets g after it (a
-    mean of local means divided by t), read by all its readers (``plan.partial_sums``)."""
+    mean of local means divided by t), read by all its readers (``plan.rewrite.partial_sums``)."""
     graph = gm.graph
     is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
-    for name, kind in plan.partial_sums:
-        node = nodes[name]
+    for ps in plan.rewrite.partial_sums:
+        node, kind = nodes[ps.node], ps.kind
         val = node.meta.get("val")
         with graph.inserting_after(node):
             g = new_node(graph, reduce_from_region, (node,), {"axis": axis}, like=node, val=val)

@@ -73,7 +73,7 @@ def test_replicated_operand_gradients_are_summed(how, method):
     the_plan = fxsplit.plan(model, args, tp=2, hardware=_HW, method=method)
     report = fxsplit.verify(model, args, the_plan)
     assert report.max_gradient_error < 1e-4, report
-    assert len(plan.grad_sums) >= 2, plan.grad_sums  # one f per layer at least
+    assert len(plan.rewrite.grad_sums) >= 2, plan.rewrite.grad_sums  # one f per layer at least
 
 
 def test_operands_without_a_gradient_get_no_sum():
@@ -89,4 +89,4 @@ def test_operands_without_a_gradient_get_no_sum():
 
     torch.manual_seed(0)
     gm = fxsplit.trace(nn.Sequential(_Buffered()), (torch.randn(B, T, C),))
-    assert find_tp_plan(gm, 2).grad_sums == ()
+    assert find_tp_plan(gm, 2).rewrite.grad_sums == ()

@@ -204,7 +204,7 @@ def test_returned_weights_are_averaged_over_heads_with_an_all_reduce(method):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     p = fxsplit.plan(model, args, tp=2, pp=1, method=method, hardware=_HW)
     assert p.tp_plan.param_specs["attn.in_proj_weight"].blocks == (E, E, E)
-    assert p.tp_plan.partial_sums, str(p.tp_plan)
+    assert p.tp_plan.rewrite.partial_sums, str(p.tp_plan)
     assert p.tp_plan.style_of("up") == "colwise"  # the MLP is sharded too
     report = fxsplit.verify(model, args, p)
     assert report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report

@@ -51,7 +51,7 @@ def test_norm_over_the_whole_projection_is_sharded(how, method):
     gm = fxsplit.trace(model, args, method=method)
     plan = find_tp_plan(gm, 2)
     assert plan.styles["0.q"] == "colwise" and plan.styles["0.o"] == "rowwise", plan
-    assert len(plan.partial_sums) == 4 and len(plan.scatters) == 4, (plan.partial_sums, plan.scatters)
+    assert len(plan.rewrite.partial_sums) == 4 and len(plan.rewrite.scatters) == 4, (plan.rewrite.partial_sums, plan.rewrite.scatters)
     the_plan = fxsplit.plan(model, args, tp=2, hardware=_HW, method=method)
     report = fxsplit.verify(model, args, the_plan)
     assert report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report

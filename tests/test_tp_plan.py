@@ -353,3 +353,44 @@ def test_sequence_parallel_needs_a_token_embedding():
     model, args, kwargs = zoo.make("mlp")
     with pytest.raises(TPPlanError, match="sequence_parallel=True needs a token embedding"):
         find_tp_plan(fxsplit.trace(model, args, kwargs), 2, sequence_parallel=True)
+
+
+# ------------------------------------------------------------------------------ plan and rewrite
+
+
+def test_plan_holds_a_typed_rewrite():
+    """The user's plan and the node-level recipe are two types; the recipe's records are frozen
+    and name their fields (the heads view of q becomes 4 / t = 2 heads a rank)."""
+    from dataclasses import FrozenInstanceError, fields
+
+    from fxsplit.tp.plan import PartialSum, ShapeArg, ShardedValue, TPPlan, TPRewrite
+
+    _, gm = _gpt()
+    plan = find_tp_plan(gm, 2)
+    assert isinstance(plan.rewrite, TPRewrite)
+    assert not {f.name for f in fields(TPPlan)} & {f.name for f in fields(TPRewrite)}
+    assert plan.sharded_nodes is plan.rewrite.sharded_nodes
+    q = plan.rewrite.sharded_nodes["blocks_0_attn_q"]
+    assert q == ShardedValue(dim=2, size=32)
+    views = [a for a in plan.rewrite.shape_args if isinstance(a, ShapeArg) and a.value == 2]
+    assert len(views) >= 3 * 2, plan.rewrite.shape_args  # q, k, v views of both layers
+    with pytest.raises(FrozenInstanceError):
+        views[0].value = 4
+    with pytest.raises(TPPlanError, match=r"kinds are \('sum', 'mean'\)"):
+        PartialSum("x", "max")
+
+
+def test_propagation_inputs_frozen_and_each_run_a_fresh_attempt():
+    from dataclasses import FrozenInstanceError
+
+    from fxsplit.tp.linears import find_linears
+    from fxsplit.tp.propagate import Propagation
+
+    _, gm = _gpt()
+    seeds = ["blocks_0_attn_q", "blocks_0_attn_k", "blocks_0_attn_v"]
+    prop = Propagation(gm, 2, find_linears(gm), seeds)
+    a, b = prop.run(), prop.run()
+    assert a is not b and a.state == b.state and a.shape_args == b.shape_args
+    assert a.rows == b.rows == ["blocks_0_attn_proj"]
+    with pytest.raises(FrozenInstanceError):
+        prop.t = 4

@@ -83,9 +83,9 @@ def _gm(model, method="fx"):
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_reduction_over_head_dim_shards_and_over_heads_replicates(method):
     plan = find_tp_plan(_gm(_PerHeadMean(""), method), 2)
-    assert plan.styles["q"] == "colwise" and plan.styles["o"] == "rowwise" and not plan.partial_sums
+    assert plan.styles["q"] == "colwise" and plan.styles["o"] == "rowwise" and not plan.rewrite.partial_sums
     plan = find_tp_plan(_gm(_PerHeadMean("mean"), method), 2)  # [Note: reductions over the sharded dim]
-    assert plan.styles["q"] == "colwise" and len(plan.partial_sums) == 1, plan
+    assert plan.styles["q"] == "colwise" and len(plan.rewrite.partial_sums) == 1, plan
     plan = find_tp_plan(_gm(_PerHeadMean("var"), method), 2)
     assert plan.styles["q"] == "replicate"
     assert "var over the sharded dim" in dict(plan.replicated)["q"]
@@ -129,7 +129,7 @@ def test_vit_fused_qkv_reshape_permute_is_sharded_by_heads(method):
         find_tp_plan(gm, 8)
     if method == "fx":  # reshape(b, n, c) with c read from x.shape: divided by t in the graph
         plan = find_tp_plan(gm, 2)
-        assert any(isinstance(v, LocalSize) for _, _, v in plan.rewrites)
+        assert any(isinstance(a.value, LocalSize) for a in plan.rewrite.shape_args)
 
 
 def test_neox_heads_outermost_is_a_plain_column_range():
@@ -148,8 +148,9 @@ def test_gqa_split_by_sizes_and_groups_layouts():
     plan = find_tp_plan(_traced("gqa_sliced"), 2)  # the same cut by slices (Phi-3), bounds made local
     assert plan.param_specs["0.attn.qkv.weight"] == ShardSpec(0, 2, (32, 16, 16))
     assert plan.layouts["0.attn.qkv"] == "slice [0:32]; slice [32:48]; slice [48:64]"
-    local = [(v.start, v.stop) for n, _, v in plan.rewrites if isinstance(v, slice) and n.startswith("getitem")]
-    assert local[:3] == [(None, 16), (16, 24), (24, None)], plan.rewrites
+    local = [(a.value.start, a.value.stop) for a in plan.rewrite.shape_args
+             if isinstance(a.value, slice) and a.node.startswith("getitem")]
+    assert local[:3] == [(None, 16), (16, 24), (24, None)], plan.rewrite.shape_args
     plan = find_tp_plan(_traced("gqa_groups"), 2)  # [kv_groups, q_per_kv + 2, hd]: groups outermost
     assert plan.param_specs["0.attn.qkv.weight"] == ShardSpec(0, 2)
     assert plan.styles["0.attn.o"] == "rowwise"
@@ -164,7 +165,7 @@ def test_per_head_qk_norm_weights_sum_their_gradients():
     plan = find_tp_plan(_traced("qknorm_rotary"), 2)
     assert plan.styles["0.attn.q"] == plan.styles["0.attn.k"] == "colwise" and plan.replicated == ()
     nodes = {n.name: n for n in _traced("qknorm_rotary").graph.nodes}
-    summed = {str(nodes[o].target) for _, o in plan.grad_sums}
+    summed = {str(nodes[g.operand].target) for g in plan.rewrite.grad_sums}
     assert {"0.attn.q_norm", "0.attn.k_norm", "1.attn.q_norm"} <= summed
     assert not summed & set(plan.param_specs)
 
@@ -280,7 +281,7 @@ def _check_tp(model, args, kwargs, gm, t, *, min_sharded: float):
         torch.testing.assert_close(after[name], ref_sd[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
     # every column/row weight: 1/t on each rank; the sharded part is most of the linears
-    linear_w = {l.weight for l in plan.linears.values()}
+    linear_w = {l.weight for l in plan.rewrite.linears.values()}
     sharded = local_total = full_total = 0
     for name, p in ranks[0].named_parameters():
         if name in linear_w:
@@ -342,7 +343,7 @@ def test_hf_layouts_match_one_process(name, t, cfg, share):
         spec = plan.param_specs["transformer.h.0.attn.c_attn.weight"]
         assert spec.whole and not any("attn" in p for p, _ in plan.replicated), plan
     if name == "olmo2":
-        assert plan.partial_sums and plan.scatters and not plan.replicated, plan
+        assert plan.rewrite.partial_sums and plan.rewrite.scatters and not plan.replicated, plan
 
 
 # ------------------------------------------------------------------------------ gloo

@@ -50,7 +50,7 @@ def test_per_head_score_bias_is_sharded_with_the_heads(how, method):
     gm = fxsplit.trace(model, args, method=method)
     plan = find_tp_plan(gm, 2)
     assert plan.styles["0.q"] == "colwise" and plan.styles["0.o"] == "rowwise", plan
-    assert len(plan.scatters) == 2, plan.scatters  # one bias per layer
+    assert len(plan.rewrite.scatters) == 2, plan.rewrite.scatters  # one bias per layer
     the_plan = fxsplit.plan(model, args, tp=2, hardware=_HW, method=method)
     report = fxsplit.verify(model, args, the_plan)
     assert report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report
@@ -70,4 +70,4 @@ def test_a_replicated_residual_on_the_features_is_not_scattered():
 
     gm = fxsplit.trace(_Residual(), (torch.randn(B, T, C),))
     plan = find_tp_plan(gm, 2)
-    assert plan.styles["up"] == "replicate" and plan.scatters == ()
+    assert plan.styles["up"] == "replicate" and plan.rewrite.scatters == ()

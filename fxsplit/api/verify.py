@@ -566,7 +566,7 @@ def _diverged(plan: Any, ref_gm: torch.fx.GraphModule, ref_vals: Mapping[str, li
             if not isinstance(ref, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in per_rank):
                 continue
             if node.name in tp.sharded_nodes:
-                dim, size = tp.sharded_nodes[node.name]
+                dim, size = tp.sharded_nodes[node.name].dim, tp.sharded_nodes[node.name].size
                 if ref.dim() == 0 or per_rank[0].dim() != ref.dim():
                     continue
                 dim %= ref.dim()

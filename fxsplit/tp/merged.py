@@ -28,7 +28,7 @@ size ``H``), and:
   same ``H``, a plain sharded operand with a merged one fails the region (their rows differ);
 - a replicated operand with the merged dim's full size (ALiBi's ``[B * heads, 1, T]``) is read
   through a STRIDED scatter: unflattened to ``[N, H]``, ``scatter_to_region`` on ``H``, flattened
-  back (the pass, from ``TPPlan.scatters``' fourth field), so each rank reads its heads' rows;
+  back (the pass, from ``Scatter.heads`` in ``TPRewrite.scatters``), so each rank reads its heads' rows;
 - a view splitting the merged dim back into ``[N, H]`` puts the shard on ``H`` (plain again);
   one keeping it whole keeps it merged; anything else (merging it further, splitting it
   elsewhere) fails the region;
@@ -74,11 +74,11 @@ def _rewrite_size(p, op: Op, j: int, out_size) -> None:
             return
         if value % p.t:
             p.fail(node, f"the merged size {value} does not divide by t={p.t}")
-        p.rewrites.append((node.name, path, value // p.t))
+        p.local_arg(node.name, path, value // p.t)
         return
     traced = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
     if isinstance(traced, (int, torch.SymInt)) and eq(to_expr(traced), out_size):
-        p.rewrites.append((node.name, path, LocalSize(p.t)))  # N * H // t == N * (H / t) exactly
+        p.local_arg(node.name, path, LocalSize(p.t))  # N * H // t == N * (H / t) exactly
         return
     p.fail(node, f"the merged size {out_size} is given as {value}, not traced as that size")
 
@@ -94,7 +94,7 @@ def enter(p, op: Op, outer_in, outer_out, in_shape, out_shape) -> bool:
         return False
     j = outer_out[0]
     _rewrite_size(p, op, j, out_shape[j])
-    p.state[op.node.name] = State(j, frozenset(), h)
+    p.now.state[op.node.name] = State(j, frozenset(), h)
     return True
 
 
@@ -115,7 +115,7 @@ def view(p, op: Op) -> None:
     if len(outer_out) == 1:  # kept whole: still merged
         j = outer_out[0]
         _rewrite_size(p, op, j, out_shape[j])
-        p.state[node.name] = State(j, frozenset(), st.merged)
+        p.now.state[node.name] = State(j, frozenset(), st.merged)
         return
     j0, j1 = outer_out
     if not eq(out_shape[j1], st.merged):
@@ -131,7 +131,7 @@ def view(p, op: Op) -> None:
             lst = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
             path, value = ((1, j1) if lst else (1 + j1,)), sizes[j1]
         if isinstance(value, int) and value != -1:
-            p.rewrites.append((node.name, path, value // p.t))
+            p.local_arg(node.name, path, value // p.t)
         elif value != -1:
             p.fail(node, f"the heads of a merged dim are given as {value}, not a constant")
     p.set(node, j1)
@@ -145,4 +145,4 @@ def size_read(p, node: torch.fx.Node, h: int) -> None:
                         or u.args[1] != h or u.kwargs for u in users):
         p.fail(node, f"reads the size of a dim whose heads are merged as its inner factor (other than as // {h})")
     for u in users:
-        p.rewrites.append((u.name, (1,), h // p.t))
+        p.local_arg(u.name, (1,), h // p.t)

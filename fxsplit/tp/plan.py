@@ -51,7 +51,9 @@ from fxsplit.tp.linears import EmbeddingInfo, LinearInfo, aliases, find_embeddin
 from fxsplit.tp.sequence import SequenceParallelPlan, plan_sequence_parallel
 from fxsplit.graph.ops import CREATION, METADATA, RESHAPES, op_name, resolve_path
 from fxsplit.tp.sharding import ShardSpec, padded_size
-from fxsplit.tp.propagate import GraphOrder, LocalSize, Propagation, RegionFailed, TPPlanError, divisibility_msg, node_shape
+from fxsplit.tp.propagate import LocalSize, TPPlanError, divisibility_msg
+from fxsplit.tp.regions import Region, find_regions
+from fxsplit.tp.rewrite import GradSum, PartialSum, Scatter, ShapeArg, ShardedValue, TPRewrite
 
 __all__ = [
     "STYLES",
@@ -59,6 +61,12 @@ __all__ = [
     "EmbeddingInfo",
     "Region",
     "TPPlan",
+    "TPRewrite",
+    "ShardedValue",
+    "ShapeArg",
+    "GradSum",
+    "Scatter",
+    "PartialSum",
     "SequenceParallelPlan",
     "TPPlanError",
     "LocalSize",
@@ -75,45 +83,22 @@ STYLES = ("colwise", "rowwise", "vocab", "replicate")
 
 
 @dataclass(frozen=True)
-class Region:
-    """Column linears (node names) sharing ``inputs``, and the row linears ending the region."""
-
-    columns: tuple[str, ...]
-    rows: tuple[str, ...]
-    inputs: tuple[str, ...]  # the distinct input nodes of the column linears (f goes there)
-    kind: str  # "attention" or "mlp"
-
-
-@dataclass(frozen=True)
 class TPPlan:
     """A tensor-parallel plan (frozen data; :func:`fxsplit.passes.tensor_parallel` applies it).
 
-    styles: module path -> style for every linear and embedding of the graph. param_specs: FQN
-    (every alias of a tied parameter) -> ShardSpec. regions: the column/row groups.
-    replicated: (module path, why) for linears/embeddings left whole. sharded_nodes: node name
-    -> (global dim sharded, global size of that dim) for every value carrying a shard.
-    rewrites: (node name, argument path, new value) shape arguments rewritten to local sizes (an int,
-    a slice for fx indexing, or LocalSize: a size computed at run time, divided by t there).
-    lm_head: node names of vocabulary-parallel LM heads; vocab_size: V (unpadded).
-    sequence_plan: the sequence-parallel decisions (empty unless ``sequence_parallel``).
-    layouts: module path -> how a fused projection's output is cut into the blocks of its
-    ShardSpec (``"split [64, 32, 32]"``, ``"view [3, 4, 16], shard on factor 1 (4)"``), printed
-    in the plan's note column. grad_sums: (sharded node, replicated operand node) for each
-    operand whose gradient reaches a replicated trainable parameter (a per-head norm's weight,
-    read directly or as ``1 + w``): each rank's gradient is partial (its heads only), so the pass
-    puts one f (``copy_to_region``: backward all-reduce) on that operand for its sharded readers
-    ([Note: partial gradients of replicated operands]); a ``call_module`` node (fx
-    ``nn.LayerNorm``) is named with operand ``"<module>"`` and becomes a function call first.
-    scatters: (sharded node, replicated operand, dim) for a replicated operand with the sharded
-    dim's full size on ``dim`` (a per-head score bias): the pass reads it through
-    ``scatter_to_region`` (each rank its range; [Note: scattered operands] in ``fxsplit.tp.rules``);
-    a fourth field H: the dim is merged (``[N, H]``, H sharded) and the range strided.
-    merged: sharded node -> H for values whose sharded dim merges the heads as its inner factor
-    ([Note: heads merged as an inner factor] in ``fxsplit.tp.merged``; rank r holds its heads'
-    rows of every outer index). A sharded size that is symbolic is recorded as -1 in
-    ``sharded_nodes`` (the local shape comes from the traced one).
-    partial_sums: (node, "sum" | "mean") reductions over the sharded dim, made whole by g after
-    them ([Note: reductions over the sharded dim] in ``fxsplit.tp.rules``).
+    What a user reads: styles: module path -> style for every linear and embedding of the
+    graph. param_specs: FQN (every alias of a tied parameter) -> ShardSpec; full_shapes: FQN ->
+    the global shape of each sharded parameter. regions: the column/row groups.
+    replicated: (module path, why) for linears/embeddings left whole. layouts: module path ->
+    how a fused projection's output is cut into the blocks of its ShardSpec (``"split [64, 32,
+    32]"``, ``"view [3, 4, 16], shard on factor 1 (4)"``), printed in the plan's note column.
+    vocab_size: V (unpadded) of the vocabulary-parallel embedding and LM heads.
+    sequence_parallel, vocab_parallel_loss, overrides: as asked of :func:`find_tp_plan`.
+
+    rewrite: the node-level recipe derived with it (:class:`fxsplit.tp.rewrite.TPRewrite`:
+    sharded values, shape arguments, the collectives on operands and reductions, the
+    sequence-parallel decisions). The cost model and ``verify`` read a few of its fields
+    through the properties below.
     """
 
     tp: int
@@ -121,23 +106,33 @@ class TPPlan:
     param_specs: Mapping[str, ShardSpec]
     regions: tuple[Region, ...]
     replicated: tuple[tuple[str, str], ...]
-    sharded_nodes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
-    rewrites: tuple[tuple[str, tuple, int], ...] = ()
-    linears: Mapping[str, LinearInfo] = field(default_factory=dict)
-    embeddings: Mapping[str, EmbeddingInfo] = field(default_factory=dict)
-    vocab_embeddings: tuple[str, ...] = ()
-    lm_heads: tuple[str, ...] = ()
     vocab_size: int | None = None
     sequence_parallel: bool = False
     vocab_parallel_loss: bool = False
     overrides: Mapping[str, str] = field(default_factory=dict)
     full_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    sequence_plan: SequenceParallelPlan = field(default_factory=SequenceParallelPlan)
     layouts: Mapping[str, str] = field(default_factory=dict)
-    grad_sums: tuple[tuple[str, str], ...] = ()
-    scatters: tuple[tuple, ...] = ()
-    partial_sums: tuple[tuple[str, str], ...] = ()
-    merged: Mapping[str, int] = field(default_factory=dict)
+    rewrite: TPRewrite = field(default_factory=TPRewrite)
+
+    @property
+    def sharded_nodes(self) -> Mapping[str, ShardedValue]:
+        return self.rewrite.sharded_nodes
+
+    @property
+    def vocab_embeddings(self) -> tuple[str, ...]:
+        return self.rewrite.vocab_embeddings
+
+    @property
+    def lm_heads(self) -> tuple[str, ...]:
+        return self.rewrite.lm_heads
+
+    @property
+    def merged(self) -> Mapping[str, int]:
+        return self.rewrite.merged
+
+    @property
+    def sequence_plan(self) -> SequenceParallelPlan:
+        return self.rewrite.sequence_plan
 
     @classmethod
     def identity(cls) -> TPPlan:
@@ -215,7 +210,7 @@ def find_tp_plan(
 
     Steps: the graph's linears and embeddings (:class:`_Graph`), the vocabulary-parallel
     embeddings and LM heads (:func:`_vocab_parallel`), the regions by propagation
-    (:func:`_find_regions`), then styles, specs and the report (:func:`_styles_and_specs`),
+    (:func:`fxsplit.tp.regions.find_regions`), then styles, specs and the report (:func:`_styles_and_specs`),
     checked against the overrides and t (:func:`_check_plan`); with ``sequence_parallel``, the
     sequence-parallel decisions (:func:`fxsplit.tp.sequence.plan_sequence_parallel`).
     """
@@ -228,30 +223,33 @@ def find_tp_plan(
         excluded = {n for n, l in g.linears.items() if g.forced.get(l.module_path) in ("replicate", "vocab")}
         vocab = _vocab_parallel(g, vocab_parallel_loss=vocab_parallel_loss, sequence_parallel=sequence_parallel)
         excluded |= set(vocab.lm_heads)
-        regions, sharded_nodes, rewrites, blocks_of, failures, layouts, scatters, partials, merged = _find_regions(
-            gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
-        styles, specs, replicated, uses = _styles_and_specs(g, tp, vocab, regions, blocks_of, failures, excluded)
+        found = find_regions(gm, tp, g.linears, g.forced, excluded, set(vocab.lm_heads))
+        styles, specs, replicated, uses = _styles_and_specs(g, tp, vocab, found.regions, found.blocks_of,
+                                                            found.failures, excluded)
         more = _disagreeing_uses(g0, uses)
         if not more:
             break
         blocked.update(more)
     replicated = [(path, blocked.get(path, why)) for path, why in replicated]
-    no_sums = {(sc[0], sc[1]) for sc in scatters if sc[2] is None}
-    scatters = [sc for sc in scatters if sc[2] is not None]
-    grad_sums = _grad_sums(gm, sharded_nodes, g.linears, specs, {(sc[0], sc[1]) for sc in scatters} | no_sums)
-    _check_plan(g, tp, styles, replicated, sharded_nodes)
-    plan = TPPlan(
-        tp=tp, styles=styles, param_specs=specs, regions=tuple(regions), replicated=tuple(replicated),
-        sharded_nodes=sharded_nodes, rewrites=tuple(rewrites), linears=g.linears, embeddings=g.embeds,
+    scattered = {(sc.node, sc.operand) for sc in found.scatters} | found.no_sums
+    grad_sums = _grad_sums(gm, found.sharded, g.linears, specs, scattered)
+    _check_plan(g, tp, styles, replicated, found.sharded)
+    rewrite = TPRewrite(
+        sharded_nodes=found.sharded, shape_args=tuple(found.shape_args), linears=g.linears, embeddings=g.embeds,
         vocab_embeddings=tuple(e.node for e in vocab.embeddings), lm_heads=tuple(vocab.lm_heads),
+        grad_sums=tuple(grad_sums), scatters=tuple(found.scatters), partial_sums=tuple(found.partials),
+        merged=found.merged,
+    )
+    plan = TPPlan(
+        tp=tp, styles=styles, param_specs=specs, regions=tuple(found.regions), replicated=tuple(replicated),
         vocab_size=vocab.size, sequence_parallel=sequence_parallel,
         vocab_parallel_loss=vocab_parallel_loss, overrides=dict(overrides or {}),
         full_shapes={n: tuple(int(s) for s in resolve_path(gm, n).shape) for n in specs},
-        layouts=layouts,
-        grad_sums=tuple(grad_sums), scatters=tuple(scatters), partial_sums=tuple(partials), merged=merged,
+        layouts=found.layouts, rewrite=rewrite,
     )
     if sequence_parallel:
-        plan = dataclasses.replace(plan, sequence_plan=plan_sequence_parallel(gm, plan))
+        sequence = plan_sequence_parallel(gm, plan)
+        plan = dataclasses.replace(plan, rewrite=dataclasses.replace(rewrite, sequence_plan=sequence))
     return plan
 
 
@@ -448,163 +446,35 @@ def _disagreeing_uses(g: _Graph, uses: list[_Use]) -> dict[str, str]:
 
 
 def _check_plan(g: _Graph, tp: int, styles: Mapping[str, str], replicated: list[tuple[str, str]],
-                sharded_nodes: Mapping[str, tuple[int, int]]) -> None:
+                sharded_nodes: Mapping[str, ShardedValue]) -> None:
     """Every forced style honoured, and every sharded size divisible by t (else TPPlanError)."""
     for path, style in g.forced.items():
         if style in ("colwise", "rowwise", "vocab") and styles.get(path) != style:
             why = dict(replicated).get(path, f"found {styles.get(path)}")
             raise TPPlanError(f"overrides: {path!r} is set to {style!r} but the graph does not allow it: {why}")
     if tp > 1:
-        for n, (d, size) in sharded_nodes.items():
-            if size > 0 and size % tp:
-                raise TPPlanError(divisibility_msg(g.nodes[n], tp, size, "a sharded value"))
+        for n, v in sharded_nodes.items():
+            if v.size > 0 and v.size % tp:
+                raise TPPlanError(divisibility_msg(g.nodes[n], tp, v.size, "a sharded value"))
 
 
-def _linear_x(node: torch.fx.Node, info: LinearInfo) -> Any:
-    return node.args[0] if info.kind == "module" else node.args[info.x_index]
-
-
-def _find_regions(gm, tp, linears, forced, excluded, claimed):
-    """Try each group of linears sharing an input (then each alone) as a region's columns."""
-    order = GraphOrder(gm.graph)  # one for every propagation of the search
-    nodes = order.by_name
-    regions: list[Region] = []
-    sharded: dict[str, tuple[int, int]] = {}
-    rewrites: list = []
-    blocks_of: dict[str, tuple[int, ...]] = {}
-    layouts: dict[str, str] = {}
-    failures: dict[str, str] = {}
-    scatters: list[tuple[str, str, int]] = []
-    partials: list[tuple[str, str]] = []
-    merged: dict[str, int] = {}
-    by_input: dict[str, list[str]] = {}
-    for name, info in linears.items():
-        by_input.setdefault(_input_source(_linear_x(nodes[name], info)), []).append(name)
-    forced_rows = {n for n, l in linears.items() if forced.get(l.module_path) == "rowwise"}
-    for group in by_input.values():
-        cands = [n for n in group if n not in claimed and n not in excluded and n not in forced_rows]
-        tries, tried = [cands] + ([[c] for c in cands] if len(cands) > 1 else []), set()
-        while tries:
-            seeds = [s for s in tries.pop(0) if s not in claimed]
-            if not seeds or tuple(seeds) in tried:
-                continue
-            tried.add(tuple(seeds))
-            prop = Propagation(gm, tp, linears, seeds, excluded, forced_rows, order)
-            try:
-                prop.run()
-                if not prop.rows:
-                    raise RegionFailed("no row-parallel linear consumes the sharded output")
-                bad = [r for r in prop.rows if r in claimed or forced.get(linears[r].module_path) == "colwise"]
-                if bad:
-                    raise RegionFailed(f"{linears[bad[0]].module_path} would be row-parallel after a column-parallel "
-                                "linear, but it is set to colwise (column after column needs a gather between)")
-            except RegionFailed as exc:
-                culprits = getattr(exc, "seeds", frozenset())
-                for s in seeds:  # a seed's own failure, else its group's (alone it lacks its siblings)
-                    if s not in failures or (s in culprits and len(seeds) > 1):
-                        failures[s] = str(exc)
-                # next: the group without the seeds whose values reached the failure (a router
-                # among the MLP's gate/up), before each seed alone
-                rest = [s for s in seeds if s not in culprits]
-                if 0 < len(rest) < len(seeds):
-                    tries.insert(0, rest)
-                # first: with the linears feeding the attention's other operands ([Note: attention
-                # partners]: cross-attention's q from the decoder, k / v from the encoder)
-                partners = _partners(getattr(exc, "node", None), linears, claimed | excluded | forced_rows)
-                if partners - set(seeds):
-                    tries.insert(0, seeds + sorted(partners - set(seeds)))
-                continue
-            for s in seeds:
-                per = prop.blocks.get(s, (linears[s].out_features,))
-                if any(b % tp for i, b in enumerate(per) if i not in prop.whole.get(s, ())):
-                    raise TPPlanError(divisibility_msg(nodes[s], tp, list(per),
-                                                        f"the output features of {linears[s].module_path!r}"))
-            inputs = tuple(dict.fromkeys(_linear_x(nodes[s], linears[s]).name for s in seeds))
-            attn = any(op_name(nodes[n]) in ("scaled_dot_product_attention", "matmul", "bmm")
-                       for n in prop.state if n in nodes)
-            regions.append(Region(tuple(seeds), tuple(dict.fromkeys(prop.rows)), inputs,
-                                  "attention" if attn else "mlp"))
-            claimed |= set(seeds) | set(prop.rows)
-            blocks_of.update({s: (b, prop.whole.get(s, ())) for s, b in prop.blocks.items()})
-            scatters.extend((n, a, None) for n, a in prop.no_sums)  # excluded from grad_sums, no scatter
-            layouts.update({linears[s].module_path: how for s, how in prop.layouts.items()})
-            rewrites.extend(prop.rewrites)
-            scatters.extend(prop.scatters)
-            partials.extend(prop.partial_sums)
-            for n, st in prop.state.items():
-                if n in nodes:  # split outputs (tuples) and symbolic sizes are marked with size -1
-                    shape = node_shape(nodes[n])
-                    size = shape[st.dim] if shape is not None else -1
-                    sharded[n] = (st.dim, size if isinstance(size, int) else -1)
-                    if st.merged is not None:
-                        merged[n] = st.merged
-            break
-    return regions, sharded, rewrites, blocks_of, failures, layouts, scatters, partials, merged
-
-
-_ATTENTION = ("scaled_dot_product_attention", "matmul", "bmm")
-_PASS_BACK = RESHAPES | {"transpose", "permute", "contiguous", "to", "mul", "div", "clone", "alias"}
-
-
-def _partners(node: torch.fx.Node | None, linears, unavailable) -> set[str]:
-    """The linears whose outputs are an attention node's operands (through views, transposes,
-    casts and scalings): the seeds that must be sharded by heads together with the failed ones."""
-    if node is None or op_name(node) not in _ATTENTION:
-        return set()
-    out: set[str] = set()
-    for x in node.args[:3] if op_name(node) == "scaled_dot_product_attention" else node.args[:2]:
-        for _ in range(16):
-            if not isinstance(x, torch.fx.Node) or x.name in linears:
-                break
-            name, first = op_name(x), x.args[0] if x.args else None
-            scalar = name not in ("mul", "div") or not any(isinstance(a, torch.fx.Node) for a in x.args[1:])
-            if name not in _PASS_BACK or not scalar or not isinstance(first, torch.fx.Node):
-                x = None
-                break
-            x = first
-        if isinstance(x, torch.fx.Node) and x.name in linears and x.name not in unavailable:
-            out.add(x.name)
-    return out
-
-
-# [Note: whole blocks] Multi-query attention (GPTBigCode) fuses q (H heads) and ONE k / v head
-# in one projection, ``[q | k | v]`` split at ``[H*hd, hd, hd]``: q shards by heads, but one
-# head does not. When sharding every block fails, the split's second choice keeps k and v whole
-# (``ShardSpec.whole``): every rank computes the k / v head, and the ``expand`` of it to H
-# heads is rewritten to the local H / t (``fxsplit.tp.rules._broadcast_heads``), which is each
-# rank's heads' k / v exactly. Gradients: rank r's dk is its heads' share only (partial), and
-# stays partial, because it flows back through the column linear into x, whose f sums it over
-# the ranks with dq's; an f on k would sum it there too and count it t times. So no f goes on
-# k (``Propagation.no_sums``); instead the weight (and bias) rows of the whole blocks are read
-# through an f (``passes/tp_operands.whole_blocks``), which makes their partial gradient
-# whole. A whole piece read any other way (its gradient would not be partial) fails the try.
-
-
-# [Note: attention partners] Seeds are first tried by shared input, so the q, k and v of a
-# cross-attention (q from the decoder's stream, k and v from the encoder's output, shared by every
-# decoder layer) are never in one try. When a try fails at an attention node (sdpa, or the
-# scores / values matmul) because another operand is not sharded by heads, the linears feeding
-# its operands join the seeds and the try repeats: the region then has several inputs, each
-# with its f (the encoder output's once for all the cross-attentions that read it).
-
-
-def _grad_sums(gm, sharded_nodes, linears, specs, scattered) -> list[tuple[str, str]]:
-    """``TPPlan.grad_sums``: (sharded node, replicated operand) for every operand of a sharded
+def _grad_sums(gm, sharded_nodes, linears, specs, scattered) -> list[GradSum]:
+    """``TPRewrite.grad_sums``: (sharded node, replicated operand) for every operand of a sharded
     node (linears aside: their weights are the sharded ones, their input gets the region's f)
     whose value carries a gradient (to a parameter or back into the shards) ([Note: partial
     gradients of replicated operands]); ``(node, "<module>")`` for a sharded call_module with
     trainable parameters of its own."""
-    out: list[tuple[str, str]] = []
+    out: list[GradSum] = []
     grads = _carries_grad(gm)
     for node in gm.graph.nodes:
         if node.name not in sharded_nodes or node.name in linears:
             continue
         if node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(str(node.target)).parameters()):
-            out.append((node.name, "<module>"))
+            out.append(GradSum(node.name, "<module>"))
         for a in dict.fromkeys(node.all_input_nodes):
             if (a.name not in sharded_nodes and a.name in grads and (node.name, a.name) not in scattered
                     and not (a.op == "get_attr" and str(a.target) in specs)):
-                out.append((node.name, a.name))
+                out.append(GradSum(node.name, a.name))
     return out
 
 
@@ -655,13 +525,6 @@ def _carries_grad(gm) -> set[str]:
         if own or any(a.name in out for a in node.all_input_nodes):
             out.add(node.name)
     return out
-
-
-def _input_source(x: Any) -> str:
-    """The value a linear reads, seen through views (GPT-2's addmm reads view(ln, [-1, C]))."""
-    while isinstance(x, torch.fx.Node) and x.op != "placeholder" and op_name(x) in ("view", "reshape"):
-        x = x.args[0]
-    return x.name if isinstance(x, torch.fx.Node) else str(x)
 
 
 def _reaches_output(node: torch.fx.Node) -> bool:

@@ -22,7 +22,7 @@ propagation backtracks to the next when a later op fails (sharding ``3`` at t=3 
 slices of a seed's output on its feature dim cut it into blocks the same way (``prop.cut``).
 A use that fixes the layout as one contiguous range (a row linear, or any op whose output is no
 longer free: stack, a norm, attention) records the whole range as a piece, and a piece with a
-cut inside fails the region (``Propagation._blocks``): all uses of one weight agree on its
+cut inside fails the region (``fxsplit.tp.propagate._blocks``): all uses of one weight agree on its
 blocks. Every rule stays exact for any choice, so whatever propagates is right.
 """
 
@@ -61,7 +61,7 @@ def _shape_attr(p, op: Op) -> None:
     """fx ``x.shape`` of a sharded x: remembered, so that reading the sharded size fails."""
     if op.node.args[1] != "shape":
         return no_rule(p, op)
-    p.shape_of[op.node.name] = op.st.dim
+    p.now.shape_of[op.node.name] = op.st.dim
 
 
 def _size(p, op: Op) -> None:
@@ -77,9 +77,9 @@ def _size(p, op: Op) -> None:
 def _getitem(p, op: Op) -> None:
     """A piece of a split (its state was set by :func:`_split`), or fx tensor indexing."""
     node = op.node
-    piece = p.state.get(f"{node.args[0].name}[{node.args[1]}]")
-    if f"{node.args[0].name}[{node.args[1]}]" in p.whole_pieces:
-        p.whole_read.add(f"{node.args[0].name}[{node.args[1]}]")
+    piece = p.now.state.get(f"{node.args[0].name}[{node.args[1]}]")
+    if f"{node.args[0].name}[{node.args[1]}]" in p.now.cuts.whole_pieces:
+        p.now.cuts.whole_read.add(f"{node.args[0].name}[{node.args[1]}]")
         return  # a block kept whole: replicated ([Note: whole blocks])
     if piece is not None:
         return p.set(node, piece.dim, piece.origins)
@@ -145,7 +145,7 @@ def _cut_slice(p, op: Op, start, stop, step, path, slice_obj=False) -> None:
     else:
         for pos, v in ((2, start), (3, stop)):
             if isinstance(v, int) and -size < v < size and v != 0:
-                p.rewrites.append((node.name, (pos,), v // p.t))
+                p.local_arg(node.name, (pos,), v // p.t)
 
 
 def _view(p, op: Op) -> None:
@@ -254,7 +254,8 @@ def _slice(p, op: Op) -> None:
         if not st.origins:
             p.fail(node, "slices the sharded dim of a value that is not a projection's direct output")
         p.cut(st.origins, node, [(start, start + length)], f"narrow [{start}:{start + length}]")
-        p.rewrites.extend([(node.name, (2,), start // p.t), (node.name, (3,), length // p.t)])
+        p.local_arg(node.name, (2,), start // p.t)
+        p.local_arg(node.name, (3,), length // p.t)
     else:
         _cut_slice(p, op, arg(node, 2, "start"), arg(node, 3, "end"), arg(node, 4, "step", 1), None)
     p.set(node, st.dim)
@@ -267,7 +268,7 @@ def _select(p, op: Op) -> None:
     if name == "index":
         indices = list(arg(node, 1, "indices"))
         used = [k for k, i in enumerate(indices) if i is not None]
-        if len(used) != 1 or used[0] == st.dim or getattr(indices[used[0]], "name", None) in p.state:
+        if len(used) != 1 or used[0] == st.dim or getattr(indices[used[0]], "name", None) in p.now.state:
             p.fail(node, "indexes the sharded dim, or with several index tensors")
         k = used[0]
         extra = len(node_shape(indices[k]) or (0,)) - 1
@@ -285,7 +286,7 @@ def _cat(p, op: Op) -> None:
     node = op.node
     tensors = node.args[0]
     d = norm_dim(arg(node, 1, "dim", 0), len(op.out_shape))
-    dims = {p.state[a.name].dim if a.name in p.state else None for a in tensors}
+    dims = {p.now.state[a.name].dim if a.name in p.now.state else None for a in tensors}
     if None in dims or len(dims) != 1:
         p.fail(node, "concatenates sharded and replicated tensors")
     (sd,) = dims
@@ -299,7 +300,7 @@ def _stack(p, op: Op) -> None:
     node = op.node
     tensors = node.args[0]
     d = norm_dim(arg(node, 1, "dim", 0), len(op.out_shape))
-    dims = {p.state[a.name].dim if a.name in p.state else None for a in tensors}
+    dims = {p.now.state[a.name].dim if a.name in p.now.state else None for a in tensors}
     if None in dims or len(dims) != 1:
         p.fail(node, "stacks sharded and replicated tensors")
     (sd,) = dims
@@ -369,12 +370,12 @@ def _layer_norm(p, op: Op) -> None:
     n_in = len(node_shape(op.x))
     if st.dim >= n_in - k:
         p.fail(node, f"a normalization ({op.name}) reads the whole sharded feature dim")
-    if any(a.name in p.state for a in tensor_inputs(node)[1:]):
+    if any(a.name in p.now.state for a in tensor_inputs(node)[1:]):
         p.fail(node, "a normalization with a sharded weight")
     if op.out_shape is None:  # native_layer_norm: (out, mean, rstd), all with the same dims
         for i in range(3):
-            p.state[f"{node.name}[{i}]"] = State(st.dim, frozenset())
-        p.state[node.name] = State(st.dim, frozenset())
+            p.now.state[f"{node.name}[{i}]"] = State(st.dim, frozenset())
+        p.now.state[node.name] = State(st.dim, frozenset())
         return
     p.set(node, st.dim)
 
@@ -392,14 +393,14 @@ def _split(p, op: Op) -> None:
         if d == st.dim:
             p.fail(node, "unbind of the sharded dim")
         for i in range(len(val)):
-            p.state[f"{node.name}[{i}]"] = State(st.dim - (1 if st.dim > d else 0), st.origins)
-        p.state[node.name] = st
+            p.now.state[f"{node.name}[{i}]"] = State(st.dim - (1 if st.dim > d else 0), st.origins)
+        p.now.state[node.name] = st
         return
     sizes = [int(to_expr(v.shape[d])) for v in val]
     if d != st.dim:
         for i in range(len(sizes)):
-            p.state[f"{node.name}[{i}]"] = State(st.dim, st.origins)
-        p.state[node.name] = st
+            p.now.state[f"{node.name}[{i}]"] = State(st.dim, st.origins)
+        p.now.state[node.name] = st
         return
     arg1 = node.args[1]
     dynamic = [a for a in (arg1 if isinstance(arg1, (list, tuple)) else [arg1]) if isinstance(a, torch.fx.Node)]
@@ -421,20 +422,20 @@ def _split(p, op: Op) -> None:
         off += s
     p.cut(st.origins, node, bounds, f"{name} {sizes}" + (", k / v whole" if whole else ""))
     for o in st.origins:
-        p.whole_ranges.setdefault(o, set()).update(bounds[i] for i in whole)
+        p.now.cuts.whole_ranges.setdefault(o, set()).update(bounds[i] for i in whole)
     if name != "chunk":  # chunk(n) gives n local chunks as it is
         if isinstance(arg1, int):
-            p.rewrites.append((node.name, (1,), arg1 // p.t))
+            p.local_arg(node.name, (1,), arg1 // p.t)
         else:
             for i, s in enumerate(arg1):
                 if i not in whole:
-                    p.rewrites.append((node.name, (1, i), s // p.t))
+                    p.local_arg(node.name, (1, i), s // p.t)
     for i in range(len(sizes)):
         if i in whole:
-            p.whole_pieces.add(f"{node.name}[{i}]")
+            p.now.cuts.whole_pieces.add(f"{node.name}[{i}]")
             continue
-        p.state[f"{node.name}[{i}]"] = State(d, frozenset())
-    p.state[node.name] = State(d, frozenset())
+        p.now.state[f"{node.name}[{i}]"] = State(d, frozenset())
+    p.now.state[node.name] = State(d, frozenset())
 
 
 def _sdpa(p, op: Op) -> None:
@@ -442,17 +443,17 @@ def _sdpa(p, op: Op) -> None:
     node, out_shape = op.node, op.out_shape
     q, k, v = node.args[:3]
     for a in (q, k, v):
-        if a is not q and isinstance(a, torch.fx.Node) and a.name not in p.state:
+        if a is not q and isinstance(a, torch.fx.Node) and a.name not in p.now.state:
             _broadcast_heads(p, a, len(node_shape(a)) - 3, out_shape[len(out_shape) - 3])
-        s = p.state.get(a.name) if isinstance(a, torch.fx.Node) else None
+        s = p.now.state.get(a.name) if isinstance(a, torch.fx.Node) else None
         if s is None or s.dim != len(node_shape(a)) - 3:
             p.fail(node, f"{a} is not sharded by heads")
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if isinstance(mask, torch.fx.Node):
         ms = node_shape(mask)
         pos = len(out_shape) - 3 - (len(out_shape) - len(ms))
-        if mask.name in p.state:
-            if p.state[mask.name].dim != pos:
+        if mask.name in p.now.state:
+            if p.now.state[mask.name].dim != pos:
                 p.fail(node, "mask sharded on another dim")
         elif pos >= 0 and eq(ms[pos], out_shape[len(out_shape) - 3]):
             p.scatter(node, mask, pos)  # a per-head bias (T5's relative positions): each rank its heads
@@ -486,8 +487,8 @@ def _broadcast_heads(p, a: torch.fx.Node, hpos: int, heads) -> None:
     for _ in range(8):  # back to the whole block through single-reader views and slices
         if not isinstance(src, torch.fx.Node) or len(src.users) != 1:
             return
-        if op_name(src) == "getitem" and f"{src.args[0].name}[{src.args[1]}]" in p.whole_pieces:
-            p.whole_used.add(f"{src.args[0].name}[{src.args[1]}]")
+        if op_name(src) == "getitem" and f"{src.args[0].name}[{src.args[1]}]" in p.now.cuts.whole_pieces:
+            p.now.cuts.whole_used.add(f"{src.args[0].name}[{src.args[1]}]")
             break
         if op_name(src) not in RESHAPES | {"slice", "alias", "contiguous"}:
             return
@@ -498,7 +499,7 @@ def _broadcast_heads(p, a: torch.fx.Node, hpos: int, heads) -> None:
     lst = len(e.args) == 2 and isinstance(e.args[1], (list, tuple))
     p.rewrite(e, (1, j) if lst else (1 + j,), sizes[j], es[j])
     p.set(e, j)
-    p.no_sums.add((e.name, e.args[0].name))
+    p.now.no_sums.add((e.name, e.args[0].name))
     if view is not None:
         vs = int_args(view, 1)
         vlst = len(view.args) == 2 and isinstance(view.args[1], (list, tuple))
@@ -511,9 +512,9 @@ def _matmul(p, op: Op) -> None:
     node, n = op.node, len(op.out_shape)
     a, b = node.args[:2]
     sa, sb = node_shape(a), node_shape(b)
-    if a.name not in p.state or b.name not in p.state or len(sa) < 3 or len(sb) < 3:
+    if a.name not in p.now.state or b.name not in p.now.state or len(sa) < 3 or len(sb) < 3:
         p.fail(node, "matmul with one sharded operand")
-    da, db = p.state[a.name].dim, p.state[b.name].dim
+    da, db = p.now.state[a.name].dim, p.now.state[b.name].dim
     if da >= len(sa) - 2 or db >= len(sb) - 2 or da + n - len(sa) != db + n - len(sb):
         p.fail(node, "matmul not batched over the sharded dim")
     p.set(node, da + n - len(sa))
@@ -526,13 +527,13 @@ def _baddbmm(p, op: Op) -> None:
     node, out_shape = op.node, op.out_shape
     bias, b1, b2 = arg(node, 0, "input"), arg(node, 1, "batch1"), arg(node, 2, "batch2")
     for a in (b1, b2):
-        if not isinstance(a, torch.fx.Node) or a.name not in p.state or p.state[a.name].dim != 0:
+        if not isinstance(a, torch.fx.Node) or a.name not in p.now.state or p.now.state[a.name].dim != 0:
             p.fail(node, "baddbmm not batched over the sharded dim")
     bs = node_shape(bias) if isinstance(bias, torch.fx.Node) else None
     if bs is not None:
         pos = len(bs) - len(out_shape)
-        if bias.name in p.state:
-            if p.state[bias.name].dim != pos:
+        if bias.name in p.now.state:
+            if p.now.state[bias.name].dim != pos:
                 p.fail(node, "the bias of baddbmm is sharded on another dim")
         elif pos >= 0 and eq(bs[pos], out_shape[0]) and not eq(bs[pos], 1):
             p.scatter(node, bias, pos)
@@ -547,14 +548,14 @@ def _pointwise(p, op: Op) -> None:
     out_dim, origins = None, frozenset()
     for a in tensor_inputs(node):
         s = node_shape(a)
-        if a.name in p.state:
-            d = p.state[a.name].dim + n - len(s)
+        if a.name in p.now.state:
+            d = p.now.state[a.name].dim + n - len(s)
             if out_dim is not None and d != out_dim:
                 p.fail(node, "operands sharded on different dims")
             out_dim = d
-            origins |= p.state[a.name].origins
+            origins |= p.now.state[a.name].origins
     for a in tensor_inputs(node):
-        if a.name in p.state:
+        if a.name in p.now.state:
             continue
         s = node_shape(a)
         pos = out_dim - (n - len(s))
@@ -573,7 +574,7 @@ def _pointwise(p, op: Op) -> None:
 # position bias [1, heads, T, T] added to the scores or given to sdpa as its mask, ALiBi). Rank r
 # holds the r-th contiguous range of the sharded dim, so it reads the r-th range of the operand:
 # ``scatter_to_region`` (forward: own range; backward: all-gather, so the replicated operand gets
-# its whole gradient on every rank, and no f is put on it, ``TPPlan.grad_sums``). The sharded
+# its whole gradient on every rank, and no f is put on it, ``TPRewrite.grad_sums``). The sharded
 # value's layout is then fixed as one contiguous range (its origins dropped). Only where the
 # sharded dim is not the last one (heads, not features), or where the operand is a parameter
 # read (OLMo 2's q/k norm weight over the whole projection): a replicated residual added to a

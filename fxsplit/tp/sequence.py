@@ -14,7 +14,7 @@ Terms (see ``fxsplit.tp.plan`` for t, region, f / g, row, vocab):
   output). ``operand`` is a node name, or a parameter's FQN for parameters.
 
     plan = find_tp_plan(gm, 2, sequence_parallel=True)     # no process group needed
-    sp = plan.sequence_plan
+    sp = plan.rewrite.sequence_plan
     print(sp)                       # one line per decision kind
     sp.sharded["blocks_0_ln1"]      # ("layer_norm", 1): runs on the shard, sequence on dim 1
     sp.reduce_scatters              # ("blocks_0_attn_proj", ...): row linears whose g is a reduce-scatter
@@ -118,7 +118,7 @@ def plan_sequence_parallel(gm: torch.fx.GraphModule, plan: Any) -> SequenceParal
 
     ``plan`` is the ``fxsplit.tp.plan.TPPlan`` found on ``gm`` (its regions, rows, vocabulary
     embeddings, LM heads and local shapes); :func:`fxsplit.tp.plan.find_tp_plan` calls this
-    with ``sequence_parallel=True`` and records the result as ``plan.sequence_plan``.
+    with ``sequence_parallel=True`` and records the result as ``plan.rewrite.sequence_plan``.
     """
     return _Walk(gm, plan).run()
 
@@ -154,7 +154,7 @@ class _Walk:
     # -- the tensor-parallel rewrite, as the walk sees it
 
     def _linear_x(self, name: str) -> torch.fx.Node:
-        info = self.plan.linears[name]
+        info = self.plan.rewrite.linears[name]
         node = self.nodes[name]
         return node.args[0] if info.kind == "module" else node.args[info.x_index]
 
@@ -199,11 +199,12 @@ class _Walk:
         if not isinstance(val, torch.Tensor):
             return None
         shape = list(val.shape)
-        if node.name in plan.sharded_nodes:
-            dim, size = plan.sharded_nodes[node.name]
+        if node.name in plan.rewrite.sharded_nodes:
+            sharded = plan.rewrite.sharded_nodes[node.name]
+            dim, size = sharded.dim, sharded.size
             shape[dim] = (size if size >= 0 else shape[dim]) // plan.tp
-        if node.name in plan.lm_heads and plan.vocab_parallel_loss:
-            info = plan.linears[node.name]
+        if node.name in plan.rewrite.lm_heads and plan.vocab_parallel_loss:
+            info = plan.rewrite.linears[node.name]
             shape[-1] = (plan.param_specs[info.weight].pad_to or info.out_features) // plan.tp
         return tuple(shape)
 
@@ -216,9 +217,9 @@ class _Walk:
         plan = self.plan
         for node in self.gm.graph.nodes:
             name = node.name
-            if name in plan.vocab_embeddings:
+            if name in plan.rewrite.vocab_embeddings:
                 self.stream[name] = 1
-            elif name in plan.lm_heads:
+            elif name in plan.rewrite.lm_heads:
                 x = self._linear_x(name)
                 if x.name in self.stream:
                     self.all_gathers[x.name] = self.stream[x.name]
@@ -229,14 +230,14 @@ class _Walk:
                 if shape is not None and len(shape) >= 3:
                     row = self.row_ends[name]
                     self.reduce_scatters.append(row)
-                    bias = plan.linears[row].bias
+                    bias = plan.rewrite.linears[row].bias
                     if bias is not None and self._grad_param(bias):
                         self.edges.append((row, bias, "sum", 0))
                     self.stream[name] = 1
             if name in self.f_sources and name in self.stream:
                 self.all_gathers[name] = self.stream[name]
         return SequenceParallelPlan(
-            scatters=tuple(plan.vocab_embeddings), all_gathers=self.all_gathers,
+            scatters=tuple(plan.rewrite.vocab_embeddings), all_gathers=self.all_gathers,
             reduce_scatters=tuple(self.reduce_scatters), sharded=self.sharded, edges=tuple(self.edges),
             size_reads=tuple(self.size_reads),
         )
