@@ -75,6 +75,7 @@ call ends when every row has (HF's default ``pad_token_id``).
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -84,12 +85,15 @@ import torch.distributed as dist
 from torch import nn
 
 from fxsplit.api.inputs import check_batch, inference_microbatches
+from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module
 from fxsplit.errors import ArgumentTypeError, RunError, UsageError
 
 if TYPE_CHECKING:
     from fxsplit.pipeline.stage import ValueMeta
 
-__all__ = ["Sampling", "generate", "generate_unsplit", "model_logits", "next_tokens"]
+__all__ = ["Sampling", "cache_path", "generate", "generate_unsplit", "model_logits", "next_tokens"]
+
+_log = logging.getLogger("fxsplit.generate")
 
 
 @dataclass(frozen=True)
@@ -257,15 +261,26 @@ def _h60(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 4
 
 
+def cache_path(pm: Any, *, use_cache: bool = True) -> str | None:
+    """None when :meth:`ParallelModel.generate` of ``pm`` runs with the KV cache ([Note: generation
+    with a KV cache] in fxsplit.api.kv_cache), else the one-line reason it recomputes every step."""
+    if not use_cache:
+        return "use_cache=False"
+    feed = _Feed.of(pm.plan.stages.input_meta)
+    return cache_refusal(pm.plan, traced_length=feed.length, mask_input=feed.mask is not None,
+                         compiled=bool(pm._runtime.compile))
+
+
 def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,
-             **sampling: Any) -> torch.Tensor:
-    """:meth:`ParallelModel.generate` of ``pm`` ([Note: generation by recompute]); the tokens (B, T + n)
-    on every rank, on ``input_ids``' device; ``sampling``: the fields of :class:`Sampling`. Bad
-    arguments raise inside the agreed call, so a rank given them does not leave its peers waiting.
-    (``pm`` is typed Any: fxsplit.api.model imports this module.)"""
+             use_cache: bool = True, **sampling: Any) -> torch.Tensor:
+    """:meth:`ParallelModel.generate` of ``pm``: with the KV cache where :func:`cache_path` allows
+    it, else [Note: generation by recompute] (the reason logged on ``fxsplit.generate`` at INFO);
+    the tokens (B, T + n) on every rank, on ``input_ids``' device; ``sampling``: the fields of
+    :class:`Sampling`. Bad arguments raise inside the agreed call, so a rank given them does not
+    leave its peers waiting. (``pm`` is typed Any: fxsplit.api.model imports this module.)"""
     runtime = pm._runtime
     options = (tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None, max_new_tokens,
-               eos_token_id, sorted(sampling.items()))
+               eos_token_id, use_cache, sorted(sampling.items()))
 
     def prepare() -> list:
         _check_call(input_ids, max_new_tokens, eos_token_id)
@@ -274,7 +289,9 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
         feed.check_fits(input_ids.shape[1], max_new_tokens)
         m = inference_microbatches([input_ids], pm.plan)
         check_batch(feed.inputs(input_ids), pm.plan, "generate", microbatches=m)
-        return [feed, input_ids, m, rule]
+        why = cache_path(pm, use_cache=use_cache)
+        _log.info("generate(): %s", "KV cache" if why is None else f"recomputing every step (no KV cache): {why}")
+        return [feed, input_ids, m, rule, why]
 
     def signature(flat: list) -> tuple:
         # the prompt's values too: ranks of a replica given different prompts would mix them silently
@@ -290,12 +307,17 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
                 "Raised on every rank; this model stays usable.")
 
     def body(flat: list) -> torch.Tensor:
-        feed, ids, m, rule = flat
+        feed, ids, m, rule, why = flat
         holds_last = runtime.last_stage in runtime.modules
+        # built in the call: FSDP has gathered the parameters the decode modules refer to
+        cache = None if why is not None else KVCache({s: decode_module(g) for s, g in runtime.modules.items()})
+        fed = [0]
 
         def step(tokens: torch.Tensor) -> torch.Tensor | None:
-            out = runtime.forward(feed.inputs(tokens), microbatches=m)
-            return model_logits(out)[:, tokens.shape[1] - 1, :] if holds_last else None
+            new = tokens if cache is None else tokens[:, fed[0]:]  # prefill the prompt, then one token
+            fed[0] = tokens.shape[1]
+            out = runtime.forward(feed.inputs(new), microbatches=m, override=cache)
+            return model_logits(out)[:, new.shape[1] - 1, :] if holds_last else None
 
         share = lambda nxt, b: _share(pm, nxt, b)  # noqa: E731
         return _decode(step, share, ids.to(runtime.device), max_new_tokens, eos_token_id, rule).to(ids.device)
