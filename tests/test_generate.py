@@ -1,12 +1,14 @@
 """ParallelModel.generate ([Note: generation by recompute] in fxsplit.api.generate): the tokens equal
 the unsplit model's in one process (fxsplit's own loop for the zoo GPT, Hugging Face's ``generate``
-for the transformers families), greedy and sampled, for prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with pp=2)."""
+for the transformers families), greedy and sampled, for prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with pp=2);
+the zoo GPT through the KV cache ([Note: generation with a KV cache] in fxsplit.api.kv_cache), the
+exported families by recompute (their reason checked)."""
 
 import pytest
 import torch
 
 import fxsplit
-from fxsplit.api.generate import Sampling, generate_unsplit, next_tokens
+from fxsplit.api.generate import Sampling, cache_path, generate_unsplit, next_tokens
 from fxsplit.errors import PlanError, UsageError
 from fxsplit.schedule.ir import ActionKind
 from fxsplit.testing import run_distributed, zoo
@@ -109,6 +111,69 @@ def test_unsplit_loop_equals_hugging_face_generate_greedy_and_sampled():
     assert torch.equal(got, ref)
 
 
+def _through_stages(modules, cache, ids, microbatch=0):
+    out = (ids,)
+    for s, mod in sorted(modules.items()):
+        with cache.context(s, microbatch):
+            out = mod(*out)
+        out = out if isinstance(out, tuple) else (out,)
+    return out[0]
+
+
+@pytest.mark.parametrize("config", [dict(), dict(n_kv_head=2, fused_qkv=True, mlp="swiglu")])
+def test_kv_cache_prefill_then_decode_equals_full_forwards(config):
+    """[Note: generation with a KV cache]: the decode modules of a pp=2 plan, fed the prompt, then
+    two tokens at once (a bottom-right causal mask), then one token (no mask), give the logits the
+    unsplit model gives those positions; a second microbatch keeps its own slot."""
+    from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module
+
+    model = zoo.GPT(zoo.GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=32, **config)).eval()
+    ids = _prompt(2, 16, 128, 0)
+    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2)
+    assert cache_refusal(p, traced_length=None, mask_input=False, compiled=False) is None
+    cache = KVCache({s: decode_module(g) for s, g in enumerate(p.stages.modules)})
+    with torch.no_grad():
+        full = model(ids)
+        other = _through_stages(cache.modules, cache, ids[:1, :3], microbatch=1)  # another slot
+        got = [_through_stages(cache.modules, cache, ids[:, :5]),
+               _through_stages(cache.modules, cache, ids[:, 5:7]),
+               _through_stages(cache.modules, cache, ids[:, 7:8])]
+        later = _through_stages(cache.modules, cache, ids[:1, 3:4], microbatch=1)
+    torch.testing.assert_close(torch.cat(got, dim=1), full[:, :8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([other, later], dim=1), full[:1, :4], rtol=1e-5, atol=1e-5)
+    # outside a slot a decode module is the stage itself
+    with torch.no_grad():
+        torch.testing.assert_close(cache.modules[0](ids)[0], p.stages.modules[0](ids)[0])
+
+
+def test_unsplit_generate_with_the_cache_equals_recompute():
+    model, _, _ = zoo.make("gpt")
+    prompt = _prompt(3, 5, model.config.vocab_size, 4)
+    for sampling in (Sampling(), Sampling(**SAMPLED)):
+        want = generate_unsplit(model, prompt, max_new_tokens=NEW, sampling=sampling)
+        assert torch.equal(generate_unsplit(model, prompt, max_new_tokens=NEW, sampling=sampling, use_cache=True), want)
+    explicit = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16, attn_dropout=0.1))
+    with pytest.raises(UsageError, match=r"not exact for this model: stage 0: arange node .* pass use_cache=False"):
+        generate_unsplit(explicit, prompt % 64, max_new_tokens=2, use_cache=True)
+
+
+def test_kv_cache_refusals_name_the_reason():
+    from fxsplit.api.kv_cache import cache_refusal
+
+    explicit = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16,
+                                     attn_dropout=0.1))
+    p = fxsplit.plan(explicit, (_prompt(2, 8, 64, 0),), pp=2, microbatches=2)
+    why = cache_refusal(p, traced_length=None, mask_input=False, compiled=False)
+    # the explicit attention builds its causal mask from an arange: named first, in graph order
+    assert why is not None and why.startswith("stage 0: arange node") and "not a position embedding" in why, why
+    assert "dynamic_sequence=True" in cache_refusal(p, traced_length=16, mask_input=False, compiled=False)
+    assert "attention mask" in cache_refusal(p, traced_length=None, mask_input=True, compiled=False)
+    assert "compiled" in cache_refusal(p, traced_length=None, mask_input=False, compiled=True)
+    mlp, args, kwargs = zoo.make("mlp")
+    p = fxsplit.plan(mlp, args, kwargs, pp=2, microbatches=2)
+    assert cache_refusal(p, traced_length=None, mask_input=False, compiled=False) == "no attention found in the plan's graphs"
+
+
 # ---------------------------------------------------------------------------------------------
 # tp=2 x pp=2 on gloo
 
@@ -127,8 +192,10 @@ def _generations(rank, world):
     model, args, _ = zoo.make("gpt")
     pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, timeout=60)
     V = model.config.vocab_size
+    out[("gpt", "path")] = cache_path(pm)  # None: the KV cache
     for b in (1, 3):
         out[("gpt", b)] = pm.generate(_prompt(b, 5, V, b), max_new_tokens=NEW)
+    out[("gpt", "recompute")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, use_cache=False)
     out[("gpt", "sampled")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, **SAMPLED)
     try:  # ranks of one replica given different prompts: refused on every rank, the model stays usable
         pm.generate(_prompt(1, 5, V, rank), max_new_tokens=NEW)
@@ -151,6 +218,7 @@ def _generations(rank, world):
         pm = fxsplit.parallelize(model, args, kwargs if name == "llama" else {}, tp=2, pp=2, microbatches=2,
                                  timeout=60)
         eos = model.generation_config.eos_token_id
+        out[(name, "path")] = cache_path(pm)
         for b in (1, 2):
             out[(name, b)] = pm.generate(_prompt(b, 6, 256, b), max_new_tokens=NEW, eos_token_id=eos)
         if name == "llama":
@@ -227,6 +295,10 @@ def test_generate_at_tp2_pp2_equals_one_process():
             assert (r[key] == value) if isinstance(value, str) else torch.equal(r[key], value), (key, r[key], value)
     for b in (1, 3):
         assert torch.equal(results[0][("gpt", b)], generate_unsplit(gpt, _prompt(b, 5, V, b), max_new_tokens=NEW))
+    assert results[0][("gpt", "path")] is None  # the tokens above came from the KV cache
+    assert torch.equal(results[0][("gpt", "recompute")], results[0][("gpt", 3)])
+    for name in HF_FAMILIES:  # exported at a fixed length: recomputed, with the reason
+        assert "torch.export fixed the sequence at 16 tokens" in results[0][(name, "path")], name
     ref = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, sampling=Sampling(**SAMPLED))
     assert torch.equal(results[0][("gpt", "sampled")], ref)
     assert "different prompts or options" in results[0][("gpt", "mismatch")]

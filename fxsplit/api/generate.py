@@ -85,7 +85,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxsplit.api.inputs import check_batch, inference_microbatches
-from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module
+from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module, stage_refusal
 from fxsplit.errors import ArgumentTypeError, RunError, UsageError
 
 if TYPE_CHECKING:
@@ -193,14 +193,30 @@ def _check_call(input_ids: Any, max_new_tokens: Any, eos_token_id: Any) -> None:
 
 
 def generate_unsplit(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
-                     sampling: Sampling = Sampling(), eos_token_id: int | None = None) -> torch.Tensor:
+                     sampling: Sampling = Sampling(), eos_token_id: int | None = None,
+                     use_cache: bool = False) -> torch.Tensor:
     """[Note: generation by recompute] in one process, on the unsplit ``model`` called as
     ``model(tokens)``: the reference :meth:`ParallelModel.generate` equals (and the baseline of
-    ``benchmarks/generate.py``)."""
+    ``benchmarks/generate.py``). ``use_cache``: the model traced by ``torch.fx.symbolic_trace`` and
+    run with the KV cache instead ([Note: generation with a KV cache] in fxsplit.api.kv_cache);
+    a model the cache is not exact for raises, naming why."""
     _check_call(input_ids, max_new_tokens, eos_token_id)
+    cache = None
+    if use_cache:
+        traced = torch.fx.symbolic_trace(model)
+        why = stage_refusal(0, traced)
+        if why is not None:
+            raise UsageError(f"generate_unsplit(use_cache=True): the KV cache is not exact for this model: {why}; "
+                             "pass use_cache=False")
+        cache = KVCache({0: decode_module(traced)})
+    fed = [0]
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
-        return model_logits(model(tokens))[:, -1, :]
+        if cache is None:
+            return model_logits(model(tokens))[:, -1, :]
+        new, fed[0] = tokens[:, fed[0]:], tokens.shape[1]
+        with cache.context(0, 0):
+            return model_logits(cache.modules[0](new))[:, -1, :]
 
     with torch.no_grad():
         return _decode(step, lambda nxt, _: nxt, input_ids, max_new_tokens, eos_token_id, sampling)

@@ -56,7 +56,7 @@ from torch import fx, nn
 
 from fxsplit.graph.ops import op_name
 
-__all__ = ["KVCache", "cache_refusal", "cached_attention", "cached_positions", "decode_module"]
+__all__ = ["KVCache", "cache_refusal", "cached_attention", "cached_positions", "decode_module", "stage_refusal"]
 
 _EMBEDDINGS = ("embedding", "vocab_parallel_embedding", "module:Embedding")
 
@@ -135,7 +135,8 @@ def _attention_refusal(node: fx.Node) -> str | None:
     return None
 
 
-def _stage_refusal(stage: int, gm: fx.GraphModule) -> str | None:
+def stage_refusal(stage: int, gm: fx.GraphModule) -> str | None:
+    """None when :func:`decode_module` of ``gm`` (stage ``stage``) is exact, else why not."""
     for node in gm.graph.nodes:
         name = op_name(node, gm) if node.op in ("call_function", "call_method", "call_module") else ""
         if name == "scaled_dot_product_attention":
@@ -166,7 +167,7 @@ def cache_refusal(plan: Any, *, traced_length: int | None, mask_input: bool, com
     modules = plan.stages.modules
     found = False
     for s in range(len(modules)):
-        why = _stage_refusal(s, modules[s])
+        why = stage_refusal(s, modules[s])
         if why:
             return why
         found |= any(op_name(n, modules[s]) == "scaled_dot_product_attention" for n in modules[s].graph.nodes)
