@@ -3,26 +3,15 @@ at any (dp, tp, pp), and :func:`generate_unsplit`, the same decoding in one proc
 
 Terms
 - **prompt**: ``input_ids`` (B, T), one row per sequence; B >= 1.
-- **step**: one new token for every row: a forward of the whole model over the tokens so far,
-  then the next token from the logits of the last real position.
+- **step**: one new token for every row: a forward of the whole model over the tokens so far
+  (with the cache: over the tokens not yet cached), then the next token from the logits of the
+  last real position.
 - **m'**: the microbatches a step is split into: ``min(B, m)``, so a single prompt runs at any pp
-  ([Note: what a faster generate needs] (not built; for whoever builds it)
-1. Overlapping steps: treat (step k, microbatch i) as virtual microbatch k * m' + i of one forward
-   program, with one more dependency, F(first stage, j) after F(last stage, j - m') (the token), and
-   the token as a message from the last stage's rank to each rank whose stages read the token ids,
-   so that the communication plan orders it like any activation ([Note: message order] in
-   fxsplit.pipeline.comm; NCCL needs that). Shapes are known up front (step k has T + k tokens),
-   so every other rank binds symbols without the values. Sampling per microbatch draws from the
-   generator in another order than one process does for the whole batch: per-row generators
-   would keep sampled tokens comparable.
-2. A KV cache: a decode graph per stage, derived from the stage graph by a pass: each attention's
-   keys and values become ``cat(cache_in, new)`` with the caches as extra stage inputs and outputs
-   that stay on the rank (per in-flight microbatch), positions offset by the cache length (rotary
-   tables, learned positions, ``position_ids`` / ``cache_position``), and the causal flag of a
-   one-query attention turned off (``is_causal`` is baked in at trace time). Prefill is today's
-   forward that also returns the caches.
-
-[Note: fewer microbatches for inference]).
+  ([Note: fewer microbatches for inference]).
+- **cache path**: with a KV cache ([Note: generation with a KV cache] in fxsplit.api.kv_cache:
+  the prompt once, then one token per step, attention reading the keys and values cached on each
+  rank per (stage, microbatch)) where :func:`cache_path` finds it exact, else by recompute (below);
+  the reason is logged on ``fxsplit.generate`` at INFO and returned by :func:`cache_path`.
 - **traced length**: the sequence length the plan's graph fixes (torch.export without
   ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace), or
   none (fx traces, or ``dynamic_sequence=True``: the sequence is a symbol).
@@ -34,25 +23,35 @@ Representative use (inside torchrun, on every rank of a replica with the same ar
     out = pm.generate(prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_k=50, seed=0)
     ref = generate_unsplit(model, prompt, max_new_tokens=20)               # the same, one process
 
+[Note: what a faster generate needs] (not built; for whoever builds it)
+Overlapping steps: treat (step k, microbatch i) as virtual microbatch k * m' + i of one forward
+program, with one more dependency, F(first stage, j) after F(last stage, j - m') (the token), and
+the token as a message from the last stage's rank to each rank whose stages read the token ids,
+so that the communication plan orders it like any activation ([Note: message order] in
+fxsplit.pipeline.comm; NCCL needs that). Shapes are known up front (prefill T tokens, then 1), so
+every other rank binds symbols without the values. Sampling per microbatch draws from the
+generator in another order than one process does for the whole batch unless the draws of a step
+happen in row order: per-row generators would keep sampled tokens comparable. Within one step the
+m' microbatches are already pipelined (microbatch i + 1 on stage s - 1 while i is on stage s, by
+the schedule's forward order); what is missing is step k + 1 of microbatch 0 starting before step
+k of the last microbatch has left the pipeline.
+
 [Note: generation by recompute]
 Each step runs the pipeline's forward (no autograd, no loss: ``PipelineRuntime.forward``, the F
 actions only) over the whole sequence so far and reads the logits of the last real position; the
 rank holding the last stage picks the token, every rank of the replica receives it (a broadcast
 over the tensor-parallel ranks of the last stage, then over the pipeline), and the next step feeds
-the longer sequence. Why not a KV cache: the traced graph has none. The Hugging Face examples are
-built with ``use_cache=False`` because export cannot return a ``DynamicCache`` (DESIGN.md), and
-a graph's attention reads keys and values computed from its own inputs only; a cache needs a
-second graph per stage (a decode step whose inputs are the new token and each layer's cached keys
-and values, whose outputs are the appended caches), planned alongside the training graph. That is
-not built: every step here costs a full forward over the sequence, O(T) work per token instead of
-O(1) layers' worth of new rows, and this module says so rather than pretend otherwise. What it buys:
-exactness with no new graph (the same stage graphs that train, so any model that plans, at any tp
-and pp and schedule, generates), and the failure protocol for free: every wait is the runtime's or
-goes through the Watch (``ParallelModel._wait``), and the call is one agreed inference call
-(``ParallelModel._inference``), so a failed rank is named on every rank instead of hanging.
-Within a step the m' microbatches are pipelined by the schedule's own forward order; steps do not
-overlap (step k+1 of microbatch 0 waits for step k of every microbatch), which a cache-based
-decode schedule would also change.
+the longer sequence. This is the path when the KV cache is not exact for the plan (its reason
+in :func:`cache_path`): the Hugging Face families traced by torch.export at a fixed length, explicit
+softmax attention, masks or rotary tables built in the graph. Every step then costs a full forward
+over the sequence, O(T) work per token. What it buys: exactness with no new graph (the same stage
+graphs that train, so any model that plans, at any tp and pp and schedule, generates), and the
+failure protocol for free: every wait is the runtime's or goes through the Watch
+(``ParallelModel._wait``), and the call is one agreed inference call (``ParallelModel._inference``),
+so a failed rank is named on every rank instead of hanging; both hold for the cache path too, which
+runs the same forward program with other stage modules. Within a step the m' microbatches are
+pipelined by the schedule's own forward order; steps do not overlap (step k+1 of microbatch 0
+waits for step k of every microbatch: [Note: what a faster generate needs]).
 A traced length L fixes every forward at L positions: the tokens are padded on the right to L
 (an attention mask, if the model takes one, is 0 there), which leaves the logits of earlier
 positions as they are in a causal model, so the prompt plus the new tokens must fit in L (the
