@@ -11,11 +11,12 @@ one-process references run on rank 0 (the other ranks wait in the barrier):
 ``fxsplit.api.generate.generate_unsplit`` with ``use_cache=True`` (the unsplit model traced once by
 ``torch.fx`` and run with the same KV cache, [Note: generation with a KV cache] in
 fxsplit.api.kv_cache: the zoo GPT has no Hugging Face ``generate``, and this is its cached decoding
-in one process) and with ``use_cache=False`` (one full forward per token). fxsplit runs with the
-cache (``pm.generate``) and without (``use_cache=False``). Rounds alternate the four (order flipped
-every round), each twice: with ``--new`` new tokens (tokens/s = batch * new / wall seconds) and with
+in one process) and with ``use_cache=False`` (one full forward per token), and a Hugging Face
+GPT-2 of the same size running ``generate(use_cache=True)`` (HF's own cache; its own weights, so its
+tokens are not compared). fxsplit runs with the cache (``pm.generate``) and without
+(``use_cache=False``). Rounds alternate the five (order flipped every round), each twice: with ``--new`` new tokens (tokens/s = batch * new / wall seconds) and with
 one (time to first token: the prompt's forward and the token's broadcast). Each timed call starts
-after a barrier and counts the slowest rank. The greedy tokens of all four are compared (they must
+after a barrier and counts the slowest rank. The greedy tokens of the four zoo GPT variants are compared (they must
 be equal) and printed.
 
 Ratios are medians of per-round ratios: tokens/s of fxsplit over one process (above 1: the pipeline
@@ -56,6 +57,16 @@ class Setup:
     rounds: int = 3
 
 
+def _hf_gpt2(s: Setup):
+    """A Hugging Face GPT-2 of the zoo GPT's size (layers, width, heads, vocab, block), its own
+    random weights: the speed of HF's ``generate`` with its own cache on the same shapes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=s.layers, n_embd=s.width, n_head=s.heads, vocab_size=s.vocab, n_positions=s.seq)
+    return GPT2LMHeadModel(cfg).eval()
+
+
 def _rank(rank: int, world: int, s: Setup) -> dict:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -79,6 +90,14 @@ def _rank(rank: int, world: int, s: Setup) -> dict:
         runs += [(f"fxsplit{tag}", fx(s.new, cache), True), (f"one process{tag}", one(s.new, cache), rank == 0),
                  (f"fxsplit{tag} first token", fx(1, cache), True),
                  (f"one process{tag} first token", one(1, cache), rank == 0)]
+    hf = _hf_gpt2(s) if rank == 0 else None
+
+    def hf_generate(n):
+        mask = torch.ones_like(prompt)
+        return lambda: hf.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                   do_sample=False, use_cache=True, pad_token_id=0)
+
+    runs += [("HF GPT-2 cache", hf_generate(s.new), rank == 0), ("HF GPT-2 cache first token", hf_generate(1), rank == 0)]
     times, _, _ = alternate_rounds(runs, s.warmup, s.rounds, lambda: None)
     ref = out[("fxsplit", True, s.new)]
     same = rank != 0 or all(torch.equal(v, ref) for k, v in out.items() if k[2] == s.new)
@@ -106,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
               f"ratio {round_ratio(t[one], t[fx]):.3f}; first token fxsplit {1e3 * min(t[fx + ' first token']):.1f} "
               f"ms, one process {1e3 * min(t[one + ' first token']):.1f} ms, ratio "
               f"{round_ratio(t[fx + ' first token'], t[one + ' first token']):.3f}")
+    hf = "HF GPT-2 cache"
+    print(f"  Hugging Face GPT-2 of the same size, generate(use_cache=True) in one process: tokens/s "
+          f"{n / min(t[hf]):.1f}, first token {1e3 * min(t[hf + ' first token']):.1f} ms; fxsplit with the cache "
+          f"over it: tokens/s ratio {round_ratio(t[hf], t['fxsplit']):.3f}, first token ratio "
+          f"{round_ratio(t['fxsplit first token'], t[hf + ' first token']):.3f}")
     print(f"  the cache's speedup in tokens/s (recompute time / cache time): fxsplit "
           f"{round_ratio(t['fxsplit recompute'], t['fxsplit']):.3f}, one process "
           f"{round_ratio(t['one process recompute'], t['one process']):.3f}")
