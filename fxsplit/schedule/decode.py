@@ -135,6 +135,6 @@ def _check_progress(rows, where, num_stages: int, microbatches: int) -> None:
 def idle_fraction(schedule) -> float:
     """Idle ticks over all ticks of a unit-time program (the first meaning of bubble in DESIGN.md)."""
     rows = parse_schedule(schedule)
-    ticks = max(len(row) for row in rows) * len(rows)
-    return sum(a is None for row in rows for a in row) / ticks + sum(
-        max(len(r) for r in rows) - len(row) for row in rows) / ticks
+    width = max(len(row) for row in rows)
+    busy = sum(a is not None for row in rows for a in row)
+    return 1.0 - busy / (width * len(rows))
