@@ -63,7 +63,8 @@ def _hf_gpt2(s: Setup):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=s.layers, n_embd=s.width, n_head=s.heads, vocab_size=s.vocab, n_positions=s.seq)
+    cfg = GPT2Config(n_layer=s.layers, n_embd=s.width, n_head=s.heads, vocab_size=s.vocab, n_positions=s.seq,
+                     bos_token_id=0, eos_token_id=None)
     return GPT2LMHeadModel(cfg).eval()
 
 
