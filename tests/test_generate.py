@@ -10,6 +10,7 @@ import torch
 import fxsplit
 from fxsplit.api.generate import Sampling, cache_path, generate_unsplit, next_tokens
 from fxsplit.errors import PlanError, UsageError
+from fxsplit.graph.ops import op_name
 from fxsplit.schedule.ir import ActionKind
 from fxsplit.testing import run_distributed, zoo
 
@@ -120,16 +121,20 @@ def _through_stages(modules, cache, ids, microbatch=0):
     return out[0]
 
 
-@pytest.mark.parametrize("config", [dict(), dict(n_kv_head=2, fused_qkv=True, mlp="swiglu")])
-def test_kv_cache_prefill_then_decode_equals_full_forwards(config):
+@pytest.mark.parametrize("config, split", [(dict(), None), (dict(n_kv_head=2, fused_qkv=True, mlp="swiglu"), None),
+                                           (dict(), ["blocks.0", "blocks.2"])])
+def test_kv_cache_prefill_then_decode_equals_full_forwards(config, split):
     """[Note: generation with a KV cache]: the decode modules of a pp=2 plan, fed the prompt, then
     two tokens at once (a bottom-right causal mask), then one token (no mask), give the logits the
-    unsplit model gives those positions; a second microbatch keeps its own slot."""
+    unsplit model gives those positions; a second microbatch keeps its own slot. The split at
+    ``blocks.0`` leaves the embeddings alone in stage 0: its positions advance with no attention."""
     from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module
 
     model = zoo.GPT(zoo.GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=32, **config)).eval()
     ids = _prompt(2, 16, 128, 0)
-    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2)
+    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2, split_points=split)
+    if split is not None:
+        assert not any(op_name(n) == "scaled_dot_product_attention" for n in p.stages.modules[0].graph.nodes)
     assert cache_refusal(p, traced_length=None, mask_input=False, compiled=False) is None
     cache = KVCache({s: decode_module(g) for s, g in enumerate(p.stages.modules)})
     with torch.no_grad():

@@ -67,6 +67,7 @@ class _Slot:
     values: list[torch.Tensor] = field(default_factory=list)
     past: int = 0  # positions cached before this call
     seen: int = 0  # attentions run in this call
+    new: int = 0  # positions this call adds (from its attentions or position lookups)
 
 
 _SLOT: ContextVar[_Slot | None] = ContextVar("fxsplit_kv_slot", default=None)
@@ -79,7 +80,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     slot = _SLOT.get()
     if slot is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-    i, slot.seen = slot.seen, slot.seen + 1
+    i, slot.seen, slot.new = slot.seen, slot.seen + 1, k.shape[-2]
     if i == len(slot.keys):  # prefill: the first call of this slot
         slot.keys.append(k)
         slot.values.append(v)
@@ -95,8 +96,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 def cached_positions(start: Any, end: Any, **kwargs: Any) -> torch.Tensor:
     """``torch.arange(start, end)`` shifted by the positions cached in the bound slot."""
     slot = _SLOT.get()
-    past = 0 if slot is None else slot.past
-    return torch.arange(start + past, end + past, **kwargs)
+    if slot is None:
+        return torch.arange(start, end, **kwargs)
+    slot.new = end - start  # a stage without attention (embeddings alone) still counts its positions
+    return torch.arange(start + slot.past, end + slot.past, **kwargs)
 
 
 class KVCache:
@@ -110,13 +113,13 @@ class KVCache:
     @contextlib.contextmanager
     def context(self, stage: int, microbatch: int) -> Iterator[None]:
         slot = self._slots.setdefault((stage, microbatch), _Slot())
-        slot.seen = 0
+        slot.seen = slot.new = 0
         token = _SLOT.set(slot)
         try:
             yield
         finally:
             _SLOT.reset(token)
-            slot.past = slot.keys[0].shape[-2] if slot.keys else slot.past
+            slot.past += slot.new
 
 
 def _sdpa_parts(node: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
