@@ -85,6 +85,7 @@ from torch import nn
 
 from fxsplit.api.inputs import check_batch, inference_microbatches
 from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module, stage_refusal
+from fxsplit.api.overlapped_decode import overlapped_decode
 from fxsplit.errors import ArgumentTypeError, RunError, UsageError
 
 if TYPE_CHECKING:
@@ -287,7 +288,7 @@ def cache_path(pm: Any, *, use_cache: bool = True) -> str | None:
 
 
 def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,
-             use_cache: bool = True, **sampling: Any) -> torch.Tensor:
+             use_cache: bool = True, overlap_steps: bool = True, **sampling: Any) -> torch.Tensor:
     """:meth:`ParallelModel.generate` of ``pm``: with the KV cache where :func:`cache_path` allows
     it, else [Note: generation by recompute] (the reason logged on ``fxsplit.generate`` at INFO);
     the tokens (B, T + n) on every rank, on ``input_ids``' device; ``sampling``: the fields of
@@ -295,7 +296,7 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
     leave its peers waiting. (``pm`` is typed Any: fxsplit.api.model imports this module.)"""
     runtime = pm._runtime
     options = (tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None, max_new_tokens,
-               eos_token_id, use_cache, sorted(sampling.items()))
+               eos_token_id, use_cache, overlap_steps, sorted(sampling.items()))
 
     def prepare() -> list:
         _check_call(input_ids, max_new_tokens, eos_token_id)
@@ -326,6 +327,15 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
         holds_last = runtime.last_stage in runtime.modules
         # built in the call: FSDP has gathered the parameters the decode modules refer to
         cache = None if why is not None else KVCache({s: decode_module(g) for s, g in runtime.modules.items()})
+        if cache is not None and overlap_steps:
+            made: list = []
+
+            def pick(logits: torch.Tensor) -> torch.Tensor:
+                if not made:  # one generator for the call, as the stepwise loop has
+                    made.append(rule.generator(logits.device))
+                return next_tokens(logits, rule, made[0])
+
+            return overlapped_decode(pm, ids, m, max_new_tokens, eos_token_id, pick, cache).to(ids.device)
         fed = [0]
 
         def step(tokens: torch.Tensor) -> torch.Tensor | None:

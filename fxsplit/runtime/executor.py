@@ -88,6 +88,7 @@ from fxsplit.runtime.watch import abandon
 from fxsplit.runtime.fsdp import local_tensor
 from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.runtime.graph_actions import GraphActions
+from fxsplit.runtime.program import ProgramRun
 from fxsplit.runtime.split_graph import SplitState
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.pipeline.stage import StageGraphs, ValueMeta
@@ -112,7 +113,7 @@ class _Saved:
     graph: SplitState | None = None  # the forward ran as a graph ([Note: graph split backward])
 
 
-class PipelineRuntime(GraphActions):
+class PipelineRuntime(GraphActions, ProgramRun):
     """Runs one pipeline rank's share of a schedule over ``torch.distributed`` point-to-point.
 
     Arguments (keyword-only):
