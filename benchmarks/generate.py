@@ -11,19 +11,20 @@ one-process references run on rank 0 (the other ranks wait in the barrier):
 ``fxsplit.api.generate.generate_unsplit`` with ``use_cache=True`` (the unsplit model traced once by
 ``torch.fx`` and run with the same KV cache, [Note: generation with a KV cache] in
 fxsplit.api.kv_cache: the zoo GPT has no Hugging Face ``generate``, and this is its cached decoding
-in one process) and with ``use_cache=False`` (one full forward per token), and a Hugging Face
-GPT-2 of the same size running ``generate(use_cache=True)`` (HF's own cache; its own weights, so its
-tokens are not compared). fxsplit runs with the cache (``pm.generate``) and without
-(``use_cache=False``). Rounds alternate the five (order flipped every round), each twice: with ``--new`` new tokens (tokens/s = batch * new / wall seconds) and with
-one (time to first token: the prompt's forward and the token's broadcast). Each timed call starts
-after a barrier and counts the slowest rank. The greedy tokens of the four zoo GPT variants are compared (they must
-be equal) and printed.
+in one process) and with ``use_cache=False`` (one full forward per token), and a Hugging Face GPT-2
+of the same size running ``generate(use_cache=True)`` (HF's own cache; its own weights, so its
+tokens are not compared). fxsplit runs with the cache (``pm.generate``: steps overlapped across
+microbatches), with the cache and one pipeline forward per step (``overlap_steps=False``, tokens/s
+only) and without the cache (``use_cache=False``). Rounds alternate them (order flipped every
+round), each with ``--new`` new tokens (tokens/s = batch * new / wall seconds) and, but for the
+stepwise one, with one (time to first token: the prompt's forward and the token's broadcast). Each
+timed call starts after a barrier and counts the slowest rank. The greedy tokens of the five zoo
+GPT variants are compared (they must be equal) and printed.
 
 Ratios are medians of per-round ratios: tokens/s of fxsplit over one process (above 1: the pipeline
 generates faster), each with the cache and each without, and the cache's own speedup. On CPU ranks
-sharing cores the pipeline cannot beat one process (the ranks compete for the same cores, and the
-steps of one microbatch do not overlap the next step of another), so read the ratio as the cost of
-the split, not a speedup.
+sharing cores the pipeline cannot beat one process (the ranks compete for the same cores), so read
+the ratio as the cost of the split, not a speedup.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ def _rank(rank: int, world: int, s: Setup) -> dict:
         runs += [(f"fxsplit{tag}", fx(s.new, cache), True), (f"one process{tag}", one(s.new, cache), rank == 0),
                  (f"fxsplit{tag} first token", fx(1, cache), True),
                  (f"one process{tag} first token", one(1, cache), rank == 0)]
+    stepwise = lambda: out.__setitem__(("fxsplit stepwise", True, s.new),  # noqa: E731
+                                       pm.generate(prompt, max_new_tokens=s.new, overlap_steps=False))
+    runs.append(("fxsplit stepwise", stepwise, True))
     hf = _hf_gpt2(s) if rank == 0 else None
 
     def hf_generate(n):
@@ -131,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{n / min(t[hf]):.1f}, first token {1e3 * min(t[hf + ' first token']):.1f} ms; fxsplit with the cache "
           f"over it: tokens/s ratio {round_ratio(t[hf], t['fxsplit']):.3f}, first token ratio "
           f"{round_ratio(t['fxsplit first token'], t[hf + ' first token']):.3f}")
+    print(f"  overlapped steps: tokens/s with the cache, steps overlapped {n / min(t['fxsplit']):.1f}, one pipeline "
+          f"forward per step {n / min(t['fxsplit stepwise']):.1f}; ratio {round_ratio(t['fxsplit stepwise'], t['fxsplit']):.3f}")
     print(f"  the cache's speedup in tokens/s (recompute time / cache time): fxsplit "
           f"{round_ratio(t['fxsplit recompute'], t['fxsplit']):.3f}, one process "
           f"{round_ratio(t['one process recompute'], t['one process']):.3f}")
-    print(f"  greedy tokens equal in all four: {all(r['same'] for r in results)}; first row "
+    print(f"  greedy tokens equal in all five: {all(r['same'] for r in results)}; first row "
           f"{r0['tokens'][0][:12]}...")
     print("  " + per_round_line(t))
     return 0 if all(r["same"] for r in results) else 1

@@ -201,6 +201,10 @@ def _generations(rank, world):
     for b in (1, 3):
         out[("gpt", b)] = pm.generate(_prompt(b, 5, V, b), max_new_tokens=NEW)
     out[("gpt", "recompute")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, use_cache=False)
+    out[("gpt", "stepwise")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, overlap_steps=False)
+    eos = int(out[("gpt", 3)][0, 5 + 2])  # row 0's third new token: every row stops by the last step or not
+    out[("gpt", "eos")] = (eos, pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos),
+                           pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos, overlap_steps=False))
     out[("gpt", "sampled")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, **SAMPLED)
     try:  # ranks of one replica given different prompts: refused on every rank, the model stays usable
         pm.generate(_prompt(1, 5, V, rank), max_new_tokens=NEW)
@@ -297,12 +301,18 @@ def test_generate_at_tp2_pp2_equals_one_process():
         assert got == (("UsageError", True, False) if rank == 1 else ("RankFailedError", True, True)), (rank, got)
     for key, value in results[0].items():  # every rank returns the same tokens
         for r in results[1:]:
-            same = torch.equal(r[key], value) if isinstance(value, torch.Tensor) else r[key] == value
+            same = (torch.equal(r[key], value) if isinstance(value, torch.Tensor) else
+                    all(torch.equal(a, b) for a, b in zip(r[key][1:], value[1:])) if key == ("gpt", "eos") else
+                    r[key] == value)
             assert same, (key, r[key], value)
     for b in (1, 3):
         assert torch.equal(results[0][("gpt", b)], generate_unsplit(gpt, _prompt(b, 5, V, b), max_new_tokens=NEW))
     assert results[0][("gpt", "path")] is None  # the tokens above came from the KV cache
     assert torch.equal(results[0][("gpt", "recompute")], results[0][("gpt", 3)])
+    assert torch.equal(results[0][("gpt", "stepwise")], results[0][("gpt", 3)])  # steps not overlapped
+    eos, overlapped, stepwise = results[0][("gpt", "eos")]
+    want = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos)
+    assert torch.equal(overlapped, want) and torch.equal(stepwise, want), (eos, overlapped, stepwise, want)
     for name in HF_FAMILIES:  # exported at a fixed length: recomputed, with the reason
         assert "torch.export fixed the sequence at 16 tokens" in results[0][(name, "path")], name
     ref = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, sampling=Sampling(**SAMPLED))

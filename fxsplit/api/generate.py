@@ -23,18 +23,18 @@ Representative use (inside torchrun, on every rank of a replica with the same ar
     out = pm.generate(prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_k=50, seed=0)
     ref = generate_unsplit(model, prompt, max_new_tokens=20)               # the same, one process
 
-[Note: what a faster generate needs] (not built; for whoever builds it)
-Overlapping steps: treat (step k, microbatch i) as virtual microbatch k * m' + i of one forward
-program, with one more dependency, F(first stage, j) after F(last stage, j - m') (the token), and
-the token as a message from the last stage's rank to each rank whose stages read the token ids,
-so that the communication plan orders it like any activation ([Note: message order] in
-fxsplit.pipeline.comm; NCCL needs that). Shapes are known up front (prefill T tokens, then 1), so
-every other rank binds symbols without the values. Sampling per microbatch draws from the
-generator in another order than one process does for the whole batch unless the draws of a step
-happen in row order: per-row generators would keep sampled tokens comparable. Within one step the
-m' microbatches are already pipelined (microbatch i + 1 on stage s - 1 while i is on stage s, by
-the schedule's forward order); what is missing is step k + 1 of microbatch 0 starting before step
-k of the last microbatch has left the pipeline.
+[Note: overlapped steps]
+With the cache, the steps of the m' microbatches overlap (``overlap_steps=True``, the default):
+(step k, microbatch i) is virtual microbatch k * m' + i of one forward program
+(fxsplit.schedule.decode, lowered by the communication plan like any forward and run by
+``PipelineRuntime.run_program``) with one more dependency, F(first stage, j) after F(last stage,
+j - m'): the token, a message from the last stage's rank to the first's
+(fxsplit.api.overlapped_decode). So while microbatch i's step runs on stage s, microbatch i + 1's
+runs on stage s - 1, and step k + 1 of microbatch 0 starts as soon as its token exists. Shapes are
+known up front (the prompt, then one token), so every rank binds symbols without the values; the
+last stage draws each microbatch's tokens in the order one process draws a step's rows, so seeded
+sampling matches. With one microbatch (B = 1) nothing can overlap. ``overlap_steps=False`` runs
+one pipeline forward per step (the stepwise loop below, with the cache).
 
 [Note: generation by recompute]
 Each step runs the pipeline's forward (no autograd, no loss: ``PipelineRuntime.forward``, the F
@@ -50,8 +50,8 @@ failure protocol for free: every wait is the runtime's or goes through the Watch
 (``ParallelModel._wait``), and the call is one agreed inference call (``ParallelModel._inference``),
 so a failed rank is named on every rank instead of hanging; both hold for the cache path too, which
 runs the same forward program with other stage modules. Within a step the m' microbatches are
-pipelined by the schedule's own forward order; steps do not overlap (step k+1 of microbatch 0
-waits for step k of every microbatch: [Note: what a faster generate needs]).
+pipelined by the schedule's own forward order; on this path steps do not overlap (step k+1 of
+microbatch 0 waits for step k of every microbatch; [Note: overlapped steps] is the cache's).
 A traced length L fixes every forward at L positions: the tokens are padded on the right to L
 (an attention mask, if the model takes one, is 0 there), which leaves the logits of earlier
 positions as they are in a causal model, so the prompt plus the new tokens must fit in L (the

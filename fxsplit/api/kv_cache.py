@@ -21,7 +21,7 @@ so it is the graph pass, in its simplest exact form. Rather than new stage input
 second communication plan), the cache stays beside the stage as state of the call: each
 attention ``sdpa(q, k, v, is_causal=True)`` becomes :func:`cached_attention`, which appends this
 step's ``k`` and ``v`` to the slot the runtime binds for the (stage, microbatch) it runs
-(``PipelineRuntime.forward(override=...)``) and attends over all of them; each position table
+(``PipelineRuntime.forward(override=...)`` or ``run_program``) and attends over all of them; each position table
 lookup ``arange(0, T)`` becomes :func:`cached_positions`, offset by the positions cached. The
 stage's boundary values keep their planned symbolic shapes, with T = 1 in a decode step, so the
 runtime allocates and orders messages as for any forward. Rows of a microbatch are the same at

@@ -23,10 +23,10 @@ none is idle (None). The dependencies are the forward's (``sFj`` after ``(s-1)Fj
 step k has ended), for comparison. With m' >= the number of stages the overlapped program keeps
 every rank busy after the first p ticks, while the stepwise one idles (p - 1) / (m' + p - 1) of
 every step; with m' = 1 nothing can overlap (each token waits for the whole pipeline). The program
-is what the runtime would run as one forward of ``m' * steps`` microbatches (the activations
-lowered like any forward by ``fxsplit.pipeline.comm``), with the token as one more message from the
-last stage's rank to the first's: that message and the runtime's execution are not built
-([Note: what a faster generate needs] in fxsplit.api.generate).
+is what ``ParallelModel.generate`` runs with its KV cache ([Note: overlapped steps] in
+fxsplit.api.generate): one forward of ``m' * steps`` microbatches, the activations lowered like any
+forward by ``fxsplit.pipeline.comm``, the token one more message from the last stage's rank to the
+first's.
 """
 
 from __future__ import annotations
