@@ -330,7 +330,8 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
         if cache is not None and overlap_steps:
             made: list = []
 
-            def pick(logits: torch.Tensor) -> torch.Tensor:
+            def pick(output: Any) -> torch.Tensor:
+                logits = model_logits(output)[:, -1, :]
                 if not made:  # one generator for the call, as the stepwise loop has
                     made.append(rule.generator(logits.device))
                 return next_tokens(logits, rule, made[0])

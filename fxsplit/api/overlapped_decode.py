@@ -10,7 +10,7 @@ Terms
   into the input of virtual microbatch j + m' before its first stage runs; every wait on it is the
   Watch's ([Note: failure protocol]), so a failed peer is named, never waited on forever.
 
-The choice of a token is :func:`fxsplit.api.generate.next_tokens` on the rows of one microbatch,
+The choice of a token is ``next_tokens`` (fxsplit.api.generate) on the rows of one microbatch,
 in the order of the virtual microbatches, which is the order one process draws a step's rows in
 (step by step, rows in order), so seeded sampling draws the same numbers; the tensor-parallel
 ranks of the last stage take tp rank 0's choice, as the stepwise path does. With
@@ -74,17 +74,14 @@ class _Program:
             yield
 
     def _chose(self, out: Any) -> Any:
-        from fxsplit.api.generate import model_logits
-
         rt, j = self.rt, self.j
         flat = out if isinstance(out, (tuple, list)) else (out,)
         model_out = [flat[local] for _, local in sorted(rt.io[rt.last_stage].model_outputs)]
         model_out = (pytree.tree_unflatten(model_out, rt.output_spec) if rt.output_spec is not None
                      else model_out[0] if len(model_out) == 1 else tuple(model_out))
-        logits = model_logits(model_out)[:, -1, :]
         i, k = j % self.m, j // self.m
-        rows = slice(self.starts[i], self.starts[i] + logits.shape[0])
-        nxt = self.pick(logits).to(rt.device)
+        nxt = self.pick(model_out).to(rt.device)
+        rows = slice(self.starts[i], self.starts[i] + nxt.shape[0])
         if self.eos is not None:
             nxt = torch.where(self.unfinished[rows], nxt, torch.full_like(nxt, self.eos))
         tp = self.pm._groups.get("tp")
@@ -107,7 +104,8 @@ class _Program:
 def overlapped_decode(pm: Any, ids: torch.Tensor, m: int, max_new_tokens: int, eos_token_id: int | None,
                       pick: Callable[[torch.Tensor], torch.Tensor], cache: KVCache) -> torch.Tensor:
     """The tokens (B, T + n) on every rank of the replica: prefill and ``max_new_tokens - 1`` decode
-    steps of ``m`` microbatches as one program; ``pick(logits)`` chooses a microbatch's tokens."""
+    steps of ``m`` microbatches as one program; ``pick(output)`` chooses a microbatch's tokens from
+    its model output (the model's own structure)."""
     rt = pm._runtime
     ids = ids.to(rt.device)
     if max_new_tokens == 0:
