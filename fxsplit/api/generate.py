@@ -34,7 +34,9 @@ runs on stage s - 1, and step k + 1 of microbatch 0 starts as soon as its token 
 known up front (the prompt, then one token), so every rank binds symbols without the values; the
 last stage draws each microbatch's tokens in the order one process draws a step's rows, so seeded
 sampling matches. With one microbatch (B = 1) nothing can overlap. ``overlap_steps=False`` runs
-one pipeline forward per step (the stepwise loop below, with the cache).
+one pipeline forward per step (the stepwise loop below, with the cache), as does NCCL: the token
+travels outside the communication plan with a tag of its own, which gloo matches by tag and NCCL
+would match by order (not yet planned as a message; not run on a GPU).
 
 [Note: generation by recompute]
 Each step runs the pipeline's forward (no autograd, no loss: ``PipelineRuntime.forward``, the F
@@ -327,7 +329,7 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
         holds_last = runtime.last_stage in runtime.modules
         # built in the call: FSDP has gathered the parameters the decode modules refer to
         cache = None if why is not None else KVCache({s: decode_module(g) for s, g in runtime.modules.items()})
-        if cache is not None and overlap_steps:
+        if cache is not None and overlap_steps and _tagged_p2p(runtime):
             made: list = []
 
             def pick(output: Any) -> torch.Tensor:
@@ -349,6 +351,13 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
         return _decode(step, share, ids.to(runtime.device), max_new_tokens, eos_token_id, rule).to(ids.device)
 
     return pm._inference("generate", prepare, body, signature=signature, check=check)
+
+
+def _tagged_p2p(runtime: Any) -> bool:
+    """Whether point-to-point messages are matched by tag (gloo), so the token messages of
+    [Note: overlapped steps] may ride beside the planned activations; NCCL matches by order, and
+    there the steps run one pipeline forward each until the token is planned as a message."""
+    return runtime.num_ranks == 1 or not dist.is_initialized() or dist.get_backend(runtime.pp_group) != "nccl"
 
 
 def _share(pm: Any, nxt: torch.Tensor | None, batch: int) -> torch.Tensor:

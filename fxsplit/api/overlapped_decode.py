@@ -8,7 +8,8 @@ Terms
 - **token message**: the (b_i, 1) token ids microbatch i's step k chose, from the last stage's
   rank to the first stage's (tag ``TOKEN_TAG + j``, beside the program's activations), received
   into the input of virtual microbatch j + m' before its first stage runs; every wait on it is the
-  Watch's ([Note: failure protocol]), so a failed peer is named, never waited on forever.
+  Watch's, whole as the channel's point-to-point waits are ([Note: failure protocol]), so a failed
+  peer is named, never waited on forever.
 
 The choice of a token is ``next_tokens`` (fxsplit.api.generate) on the rows of one microbatch,
 in the order of the virtual microbatches, which is the order one process draws a step's rows in
@@ -21,6 +22,7 @@ token, and the result is cut where every row had finished, as the stepwise loop 
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,13 +64,22 @@ class _Program:
     def _peer(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not dist.group.WORLD else group_rank
 
+    def p2p_wait(self, work: Any, what: str, group_rank: int) -> None:
+        """A point-to-point wait as the runtime's channel makes it: gloo's pair breaks when a wait on
+        it times out, so a wait is whole (bounded by the timeout), never polled in slices."""
+        peer = self._peer(group_rank)
+        if self.rt.watch is not None:
+            self.rt.watch.wait(work, what, (peer,), sliced=False)
+        else:
+            work.wait(datetime.timedelta(seconds=self.rt.timeout))
+
     @contextlib.contextmanager
     def context(self, stage: int, j: int) -> Iterator[None]:
         if stage == 0 and j >= self.m and self.first != self.last:
             buf = self.inputs[j][0]
             work = dist.irecv(buf, self._peer(self.last), group=self.group, tag=TOKEN_TAG + j - self.m)
-            self.pm._wait(work, f"in generate(), the token of step {j // self.m - 1} of microbatch {j % self.m} "
-                          "from the last stage's rank", self.group)
+            self.p2p_wait(work, f"in generate(), receiving the token of step {j // self.m - 1} of microbatch "
+                          f"{j % self.m} from the last stage's rank", self.last)
         self.j = j
         with self.cache.context(stage, j % self.m):
             yield
@@ -120,7 +131,7 @@ def overlapped_decode(pm: Any, ids: torch.Tensor, m: int, max_new_tokens: int, e
     run = _Program(pm, cache, inputs, m, max_new_tokens, pick, eos_token_id)
     rt.run_program(program, inputs, override=run)
     for tensor, work in run.sends:
-        pm._wait(work, "in generate(), sending a token to the first stage's rank", run.group)
+        run.p2p_wait(work, "in generate(), sending a token to the first stage's rank", run.first)
         del tensor
     out = run.out
     if rt.num_ranks > 1:
