@@ -1,8 +1,10 @@
-"""ParallelModel.generate ([Note: generation by recompute] in fxsplit.api.generate): the tokens equal
-the unsplit model's in one process (fxsplit's own loop for the zoo GPT, Hugging Face's ``generate``
-for the transformers families), greedy and sampled, for prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with pp=2);
-the zoo GPT through the KV cache ([Note: generation with a KV cache] in fxsplit.api.kv_cache), the
-exported families by recompute (their reason checked)."""
+"""ParallelModel.generate: the tokens equal the unsplit model's in one process (fxsplit's own loop
+for the zoo GPT, Hugging Face's ``generate`` for the transformers families), greedy and sampled, for
+prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with pp=2). The zoo GPT runs
+with the KV cache ([Note: generation with a KV cache] in fxsplit.api.kv_cache), its steps
+overlapped across microbatches ([Note: overlapped steps] in fxsplit.api.generate) and, compared,
+stepwise and by recompute; the exported families by recompute ([Note: generation by recompute]),
+their reason checked."""
 
 import pytest
 import torch
@@ -206,6 +208,7 @@ def _generations(rank, world):
     out[("gpt", "eos")] = (eos, pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos),
                            pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos, overlap_steps=False))
     out[("gpt", "sampled")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, **SAMPLED)
+    out[("gpt", "slow")] = _slow_tokens(pm, _prompt(3, 5, V, 3))
     try:  # ranks of one replica given different prompts: refused on every rank, the model stays usable
         pm.generate(_prompt(1, 5, V, rank), max_new_tokens=NEW)
     except UsageError as exc:
@@ -239,6 +242,26 @@ def _generations(rank, world):
                 out[(name, "too_long")] = str(exc)
     out["fault"] = _fault(rank)
     return out, dp_out
+
+
+def _slow_tokens(pm, prompt):
+    """Tokens that take longer than a polled wait's slice to choose: the first stage's rank waits for
+    them whole (a timed-out wait would break the gloo pair, [Note: overlapped steps])."""
+    import time
+
+    from fxsplit.api import generate as gen
+
+    pick = gen.next_tokens
+
+    def slow(*a, **kw):
+        time.sleep(0.3)
+        return pick(*a, **kw)
+
+    gen.next_tokens = slow
+    try:
+        return pm.generate(prompt, max_new_tokens=3)
+    finally:
+        gen.next_tokens = pick
 
 
 def _fault(rank):
@@ -310,6 +333,7 @@ def test_generate_at_tp2_pp2_equals_one_process():
     assert results[0][("gpt", "path")] is None  # the tokens above came from the KV cache
     assert torch.equal(results[0][("gpt", "recompute")], results[0][("gpt", 3)])
     assert torch.equal(results[0][("gpt", "stepwise")], results[0][("gpt", 3)])  # steps not overlapped
+    assert torch.equal(results[0][("gpt", "slow")], results[0][("gpt", 3)][:, :8])
     eos, overlapped, stepwise = results[0][("gpt", "eos")]
     want = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos)
     assert torch.equal(overlapped, want) and torch.equal(stepwise, want), (eos, overlapped, stepwise, want)
