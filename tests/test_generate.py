@@ -176,6 +176,18 @@ def test_kv_cache_refusals_name_the_reason():
     assert "dynamic_sequence=True" in cache_refusal(p, traced_length=16, mask_input=False, compiled=False)
     assert "attention mask" in cache_refusal(p, traced_length=None, mask_input=True, compiled=False)
     assert "compiled" in cache_refusal(p, traced_length=None, mask_input=False, compiled=True)
+    from fxsplit.api.kv_cache import stage_refusal
+
+    class EvenPositions(torch.nn.Module):  # positions 0, 2, 4, ...: a step the offset would not keep
+        def __init__(self):
+            super().__init__()
+            self.wpe = torch.nn.Embedding(64, 8)
+
+        def forward(self, idx):
+            return self.wpe(torch.arange(0, 2 * idx.shape[1], 2))
+
+    why = stage_refusal(0, torch.fx.symbolic_trace(EvenPositions()))
+    assert why is not None and "has a step or keyword bounds" in why, why
     mlp, args, kwargs = zoo.make("mlp")
     p = fxsplit.plan(mlp, args, kwargs, pp=2, microbatches=2)
     assert cache_refusal(p, traced_length=None, mask_input=False, compiled=False) == "no attention found in the plan's graphs"
@@ -218,6 +230,9 @@ def _generations(rank, world):
     except Exception as exc:  # noqa: BLE001 -- the test inspects it
         out[("gpt", "bad_option")] = (type(exc).__name__, "temperature=0.0" in str(exc), "global rank" in str(exc))
     out[("gpt", "after")] = pm.generate(_prompt(1, 5, V, 1), max_new_tokens=2)
+    # zbv: the last stage sits on the first stage's rank, so the token stays on the rank
+    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, schedule="zbv", timeout=60)
+    out[("gpt", "zbv")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW)
     # dp=2 x pp=2: each replica (ranks 0-1, 2-3) continues its own prompt
     pm = fxsplit.parallelize(model, args, dp=2, pp=2, microbatches=2, timeout=60)
     dp_out = [pm.generate(_prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW)]
@@ -334,6 +349,7 @@ def test_generate_at_tp2_pp2_equals_one_process():
     assert torch.equal(results[0][("gpt", "recompute")], results[0][("gpt", 3)])
     assert torch.equal(results[0][("gpt", "stepwise")], results[0][("gpt", 3)])  # steps not overlapped
     assert torch.equal(results[0][("gpt", "slow")], results[0][("gpt", 3)][:, :8])
+    assert torch.equal(results[0][("gpt", "zbv")], results[0][("gpt", 3)])
     eos, overlapped, stepwise = results[0][("gpt", "eos")]
     want = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos)
     assert torch.equal(overlapped, want) and torch.equal(stepwise, want), (eos, overlapped, stepwise, want)

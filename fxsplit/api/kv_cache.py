@@ -122,7 +122,15 @@ class KVCache:
             slot.past += slot.new
 
 
-def _sdpa_parts(node: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _arange_bounds(node: fx.Node) -> tuple[Any, Any] | None:
+    """(start, end) of ``arange(end)`` or ``arange(start, end)``; None for a step or bounds given
+    by keyword (left to the recompute path)."""
+    if any(k in node.kwargs for k in ("start", "end", "step")) or not 1 <= len(node.args) <= 2:
+        return None
+    return (0, node.args[0]) if len(node.args) == 1 else (node.args[0], node.args[1])
+
+
+def _sdpa_parts(node: fx.Node) -> tuple[dict[str, Any], dict[str, Any]]:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     given = dict(zip(names, node.args))
     given.update(node.kwargs)
@@ -150,6 +158,8 @@ def stage_refusal(stage: int, gm: fx.GraphModule) -> str | None:
             bad = [u.name for u in node.users if op_name(u, gm) not in _EMBEDDINGS]
             why = (f"arange node {node.name!r} feeds {bad}, not a position embedding (the cache offsets "
                    "positions only where they index a table)") if bad else None
+            if why is None and _arange_bounds(node) is None:
+                why = f"arange node {node.name!r} has a step or keyword bounds ({node.args}, {dict(node.kwargs)})"
         else:
             why = None
         if why:
@@ -193,9 +203,8 @@ def decode_module(module: fx.GraphModule) -> fx.GraphModule:
             with graph.inserting_before(node):
                 new = graph.call_function(cached_attention, (given["query"], given["key"], given["value"]), extra)
         elif name == "arange":
-            args = node.args if len(node.args) >= 2 else (0, *node.args)
             with graph.inserting_before(node):
-                new = graph.call_function(cached_positions, tuple(args[:2]), dict(node.kwargs))
+                new = graph.call_function(cached_positions, _arange_bounds(node), dict(node.kwargs))
         else:
             continue
         new.meta = dict(node.meta)
