@@ -1,22 +1,30 @@
 """Generation through the pipeline (issue 31): ``ParallelModel.generate`` against the unsplit model
-generating in one process, tokens per second and time to first token, as ratios.
+generating in one process, each with and without a KV cache: tokens per second and time to first
+token, as ratios.
 
-    .venv/bin/python benchmarks/generate.py                       # pp=2, m=2, batch 4 (~2 min)
+    .venv/bin/python benchmarks/generate.py                       # pp=2, m=2, batch 4 (~3 min)
     .venv/bin/python benchmarks/generate.py --tp 2 --pp 2 --batch 1
 
 Setup: the zoo GPT (``--layers/--width/--heads/--vocab``, block size ``--seq``) on ``tp * pp``
-gloo ranks, one thread each. Every rank builds the model from seed 0 and ``parallelize``s it; the
-one-process reference is ``fxsplit.api.generate.generate_unsplit`` on rank 0 (the same decoding:
-a full forward per new token, no KV cache: [Note: generation by recompute]), the other ranks wait
-in the barrier. Rounds alternate the two (order flipped every round), each variant twice: with
-``--new`` new tokens (tokens/s = batch * new / wall seconds) and with one (time to first token:
-the prompt's forward and the token's broadcast). Each timed call starts after a barrier and counts
-the slowest rank. The greedy tokens of both are compared (they must be equal) and printed.
+gloo ranks, one thread each. Every rank builds the model from seed 0 and ``parallelize``s it. The
+one-process references run on rank 0 (the other ranks wait in the barrier):
+``fxsplit.api.generate.generate_unsplit`` with ``use_cache=True`` (the unsplit model traced once by
+``torch.fx`` and run with the same KV cache, [Note: generation with a KV cache] in
+fxsplit.api.kv_cache: the zoo GPT has no Hugging Face ``generate``, and this is its cached decoding
+in one process) and with ``use_cache=False`` (one full forward per token), and a Hugging Face GPT-2
+of the same size running ``generate(use_cache=True)`` (HF's own cache; its own weights, so its
+tokens are not compared). fxsplit runs with the cache (``pm.generate``: steps overlapped across
+microbatches), with the cache and one pipeline forward per step (``overlap_steps=False``, tokens/s
+only) and without the cache (``use_cache=False``). Rounds alternate them (order flipped every
+round), each with ``--new`` new tokens (tokens/s = batch * new / wall seconds) and, but for the
+stepwise one, with one (time to first token: the prompt's forward and the token's broadcast). Each
+timed call starts after a barrier and counts the slowest rank. The greedy tokens of the five zoo
+GPT variants are compared (they must be equal) and printed.
 
-Ratios are fxsplit over one process, the median of per-round ratios: tokens/s above 1 means the
-pipeline generates faster. On CPU ranks sharing cores the pipeline cannot beat one process (the
-ranks compete for the same cores, and every token waits for every stage in turn: steps do not
-overlap), so read the ratio as the cost of the split, not a speedup.
+Ratios are medians of per-round ratios: tokens/s of fxsplit over one process (above 1: the pipeline
+generates faster), each with the cache and each without, and the cache's own speedup. On CPU ranks
+sharing cores the pipeline cannot beat one process (the ranks compete for the same cores), so read
+the ratio as the cost of the split, not a speedup.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import torch
 from _common import alternate_rounds, launch, load_note, make_gpt, parse_setup, per_round_line, round_ratio, rounds_note
 
 import fxsplit
-from fxsplit.api.generate import generate_unsplit
+from fxsplit.api.generate import cache_path, generate_unsplit
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,17 @@ class Setup:
     rounds: int = 3
 
 
+def _hf_gpt2(s: Setup):
+    """A Hugging Face GPT-2 of the zoo GPT's size (layers, width, heads, vocab, block), its own
+    random weights: the speed of HF's ``generate`` with its own cache on the same shapes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=s.layers, n_embd=s.width, n_head=s.heads, vocab_size=s.vocab, n_positions=s.seq,
+                     bos_token_id=0, eos_token_id=None)
+    return GPT2LMHeadModel(cfg).eval()
+
+
 def _rank(rank: int, world: int, s: Setup) -> dict:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -60,17 +79,34 @@ def _rank(rank: int, world: int, s: Setup) -> dict:
     prompt = torch.randint(0, s.vocab, (s.batch, s.prompt), generator=torch.Generator().manual_seed(1))
     out: dict = {}
 
-    def fx(n):
-        return lambda: out.__setitem__(("fxsplit", n), pm.generate(prompt, max_new_tokens=n))
+    def fx(n, cache):
+        return lambda: out.__setitem__(("fxsplit", cache, n), pm.generate(prompt, max_new_tokens=n, use_cache=cache))
 
-    def one(n):
-        return lambda: out.__setitem__(("one process", n), generate_unsplit(model, prompt, max_new_tokens=n))
+    def one(n, cache):
+        return lambda: out.__setitem__(("one process", cache, n),
+                                       generate_unsplit(model, prompt, max_new_tokens=n, use_cache=cache))
 
-    runs = [("fxsplit", fx(s.new), True), ("one process", one(s.new), rank == 0),
-            ("fxsplit first token", fx(1), True), ("one process first token", one(1), rank == 0)]
+    runs = []
+    for cache in (True, False):
+        tag = "" if cache else " recompute"
+        runs += [(f"fxsplit{tag}", fx(s.new, cache), True), (f"one process{tag}", one(s.new, cache), rank == 0),
+                 (f"fxsplit{tag} first token", fx(1, cache), True),
+                 (f"one process{tag} first token", one(1, cache), rank == 0)]
+    stepwise = lambda: out.__setitem__(("fxsplit stepwise", True, s.new),  # noqa: E731
+                                       pm.generate(prompt, max_new_tokens=s.new, overlap_steps=False))
+    runs.append(("fxsplit stepwise", stepwise, True))
+    hf = _hf_gpt2(s) if rank == 0 else None
+
+    def hf_generate(n):
+        mask = torch.ones_like(prompt)
+        return lambda: hf.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                   do_sample=False, use_cache=True, pad_token_id=0)
+
+    runs += [("HF GPT-2 cache", hf_generate(s.new), rank == 0), ("HF GPT-2 cache first token", hf_generate(1), rank == 0)]
     times, _, _ = alternate_rounds(runs, s.warmup, s.rounds, lambda: None)
-    same = rank != 0 or torch.equal(out[("fxsplit", s.new)], out[("one process", s.new)])
-    return {"times": times, "same": same, "tokens": out[("fxsplit", s.new)][:, s.prompt:].tolist(),
+    ref = out[("fxsplit", True, s.new)]
+    same = rank != 0 or all(torch.equal(v, ref) for k, v in out.items() if k[2] == s.new)
+    return {"times": times, "same": same, "tokens": ref[:, s.prompt:].tolist(), "path": cache_path(pm),
             "setup_s": setup_s}
 
 
@@ -81,19 +117,30 @@ def main(argv: list[str] | None = None) -> int:
     results, load, wall = launch(_rank, s.tp * s.pp, s, timeout=1800)
     r0 = results[0]
     t = r0["times"]
-    tok_ratio = round_ratio(t["one process"], t["fxsplit"])  # tokens/s: the inverse of the time ratio
-    ttft_ratio = round_ratio(t["fxsplit first token"], t["one process first token"])
     n = s.batch * s.new
     print(f"generate: GPT {s.layers} layers, width {s.width}, {s.heads} heads, vocab {s.vocab}, block {s.seq}; "
           f"batch {s.batch}, prompt {s.prompt}, {s.new} new tokens; tp={s.tp} x pp={s.pp}, microbatches "
-          f"{s.microbatches} (used: {min(s.batch, s.microbatches)})")
+          f"{s.microbatches} (used: {min(s.batch, s.microbatches)}); fxsplit's cache path: "
+          f"{'KV cache' if r0['path'] is None else r0['path']}")
     print(f"  {rounds_note(s.warmup, s.rounds)}; {load_note(load)}; launch {wall:.0f} s, setup on rank 0 "
           f"{r0['setup_s']:.1f} s")
-    print(f"  tokens/s: fxsplit {n / min(t['fxsplit']):.1f}, one process {n / min(t['one process']):.1f} "
-          f"(best rounds); ratio fxsplit / one process {tok_ratio:.3f} (median of per-round ratios)")
-    print(f"  time to first token: fxsplit {1e3 * min(t['fxsplit first token']):.1f} ms, one process "
-          f"{1e3 * min(t['one process first token']):.1f} ms; ratio fxsplit / one process {ttft_ratio:.3f}")
-    print(f"  greedy tokens equal to one process: {all(r['same'] for r in results)}; first row "
+    for tag, what in (("", "with the KV cache"), (" recompute", "recomputing every step")):
+        fx, one = f"fxsplit{tag}", f"one process{tag}"
+        print(f"  {what}: tokens/s fxsplit {n / min(t[fx]):.1f}, one process {n / min(t[one]):.1f} (best rounds), "
+              f"ratio {round_ratio(t[one], t[fx]):.3f}; first token fxsplit {1e3 * min(t[fx + ' first token']):.1f} "
+              f"ms, one process {1e3 * min(t[one + ' first token']):.1f} ms, ratio "
+              f"{round_ratio(t[fx + ' first token'], t[one + ' first token']):.3f}")
+    hf = "HF GPT-2 cache"
+    print(f"  Hugging Face GPT-2 of the same size, generate(use_cache=True) in one process: tokens/s "
+          f"{n / min(t[hf]):.1f}, first token {1e3 * min(t[hf + ' first token']):.1f} ms; fxsplit with the cache "
+          f"over it: tokens/s ratio {round_ratio(t[hf], t['fxsplit']):.3f}, first token ratio "
+          f"{round_ratio(t['fxsplit first token'], t[hf + ' first token']):.3f}")
+    print(f"  overlapped steps: tokens/s with the cache, steps overlapped {n / min(t['fxsplit']):.1f}, one pipeline "
+          f"forward per step {n / min(t['fxsplit stepwise']):.1f}; ratio {round_ratio(t['fxsplit stepwise'], t['fxsplit']):.3f}")
+    print(f"  the cache's speedup in tokens/s (recompute time / cache time): fxsplit "
+          f"{round_ratio(t['fxsplit recompute'], t['fxsplit']):.3f}, one process "
+          f"{round_ratio(t['one process recompute'], t['one process']):.3f}")
+    print(f"  greedy tokens equal in all five: {all(r['same'] for r in results)}; first row "
           f"{r0['tokens'][0][:12]}...")
     print("  " + per_round_line(t))
     return 0 if all(r["same"] for r in results) else 1

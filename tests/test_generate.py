@@ -1,13 +1,18 @@
-"""ParallelModel.generate ([Note: generation by recompute] in fxsplit.api.generate): the tokens equal
-the unsplit model's in one process (fxsplit's own loop for the zoo GPT, Hugging Face's ``generate``
-for the transformers families), greedy and sampled, for prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with pp=2)."""
+"""ParallelModel.generate: the tokens equal the unsplit model's in one process (fxsplit's own loop
+for the zoo GPT, Hugging Face's ``generate`` for the transformers families), greedy and sampled, for
+prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with pp=2). The zoo GPT runs
+with the KV cache ([Note: generation with a KV cache] in fxsplit.api.kv_cache), its steps
+overlapped across microbatches ([Note: overlapped steps] in fxsplit.api.generate) and, compared,
+stepwise and by recompute; the exported families by recompute ([Note: generation by recompute]),
+their reason checked."""
 
 import pytest
 import torch
 
 import fxsplit
-from fxsplit.api.generate import Sampling, generate_unsplit, next_tokens
+from fxsplit.api.generate import Sampling, cache_path, generate_unsplit, next_tokens
 from fxsplit.errors import PlanError, UsageError
+from fxsplit.graph.ops import op_name
 from fxsplit.schedule.ir import ActionKind
 from fxsplit.testing import run_distributed, zoo
 
@@ -109,6 +114,85 @@ def test_unsplit_loop_equals_hugging_face_generate_greedy_and_sampled():
     assert torch.equal(got, ref)
 
 
+def _through_stages(modules, cache, ids, microbatch=0):
+    out = (ids,)
+    for s, mod in sorted(modules.items()):
+        with cache.context(s, microbatch):
+            out = mod(*out)
+        out = out if isinstance(out, tuple) else (out,)
+    return out[0]
+
+
+@pytest.mark.parametrize("config, split", [(dict(), None), (dict(n_kv_head=2, fused_qkv=True, mlp="swiglu"), None),
+                                           (dict(), ["blocks.0", "blocks.2"])])
+def test_kv_cache_prefill_then_decode_equals_full_forwards(config, split):
+    """[Note: generation with a KV cache]: the decode modules of a pp=2 plan, fed the prompt, then
+    two tokens at once (a bottom-right causal mask), then one token (no mask), give the logits the
+    unsplit model gives those positions; a second microbatch keeps its own slot. The split at
+    ``blocks.0`` leaves the embeddings alone in stage 0: its positions advance with no attention."""
+    from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module
+
+    model = zoo.GPT(zoo.GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=32, **config)).eval()
+    ids = _prompt(2, 16, 128, 0)
+    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2, split_points=split)
+    if split is not None:
+        assert not any(op_name(n) == "scaled_dot_product_attention" for n in p.stages.modules[0].graph.nodes)
+    assert cache_refusal(p, traced_length=None, mask_input=False, compiled=False) is None
+    cache = KVCache({s: decode_module(g) for s, g in enumerate(p.stages.modules)})
+    with torch.no_grad():
+        full = model(ids)
+        other = _through_stages(cache.modules, cache, ids[:1, :3], microbatch=1)  # another slot
+        got = [_through_stages(cache.modules, cache, ids[:, :5]),
+               _through_stages(cache.modules, cache, ids[:, 5:7]),
+               _through_stages(cache.modules, cache, ids[:, 7:8])]
+        later = _through_stages(cache.modules, cache, ids[:1, 3:4], microbatch=1)
+    torch.testing.assert_close(torch.cat(got, dim=1), full[:, :8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([other, later], dim=1), full[:1, :4], rtol=1e-5, atol=1e-5)
+    # outside a slot a decode module is the stage itself
+    with torch.no_grad():
+        torch.testing.assert_close(cache.modules[0](ids)[0], p.stages.modules[0](ids)[0])
+
+
+def test_unsplit_generate_with_the_cache_equals_recompute():
+    model, _, _ = zoo.make("gpt")
+    prompt = _prompt(3, 5, model.config.vocab_size, 4)
+    for sampling in (Sampling(), Sampling(**SAMPLED)):
+        want = generate_unsplit(model, prompt, max_new_tokens=NEW, sampling=sampling)
+        assert torch.equal(generate_unsplit(model, prompt, max_new_tokens=NEW, sampling=sampling, use_cache=True), want)
+    explicit = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16, attn_dropout=0.1))
+    with pytest.raises(UsageError, match=r"not exact for this model: stage 0: arange node .* pass use_cache=False"):
+        generate_unsplit(explicit, prompt % 64, max_new_tokens=2, use_cache=True)
+
+
+def test_kv_cache_refusals_name_the_reason():
+    from fxsplit.api.kv_cache import cache_refusal
+
+    explicit = zoo.GPT(zoo.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16,
+                                     attn_dropout=0.1))
+    p = fxsplit.plan(explicit, (_prompt(2, 8, 64, 0),), pp=2, microbatches=2)
+    why = cache_refusal(p, traced_length=None, mask_input=False, compiled=False)
+    # the explicit attention builds its causal mask from an arange: named first, in graph order
+    assert why is not None and why.startswith("stage 0: arange node") and "not a position embedding" in why, why
+    assert "dynamic_sequence=True" in cache_refusal(p, traced_length=16, mask_input=False, compiled=False)
+    assert "attention mask" in cache_refusal(p, traced_length=None, mask_input=True, compiled=False)
+    assert "compiled" in cache_refusal(p, traced_length=None, mask_input=False, compiled=True)
+    from fxsplit.api.kv_cache import stage_refusal
+
+    class EvenPositions(torch.nn.Module):  # positions 0, 2, 4, ...: a step the offset would not keep
+        def __init__(self):
+            super().__init__()
+            self.wpe = torch.nn.Embedding(64, 8)
+
+        def forward(self, idx):
+            return self.wpe(torch.arange(0, 2 * idx.shape[1], 2))
+
+    why = stage_refusal(0, torch.fx.symbolic_trace(EvenPositions()))
+    assert why is not None and "has a step or keyword bounds" in why, why
+    mlp, args, kwargs = zoo.make("mlp")
+    p = fxsplit.plan(mlp, args, kwargs, pp=2, microbatches=2)
+    assert cache_refusal(p, traced_length=None, mask_input=False, compiled=False) == "no attention found in the plan's graphs"
+
+
 # ---------------------------------------------------------------------------------------------
 # tp=2 x pp=2 on gloo
 
@@ -127,9 +211,16 @@ def _generations(rank, world):
     model, args, _ = zoo.make("gpt")
     pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, timeout=60)
     V = model.config.vocab_size
+    out[("gpt", "path")] = cache_path(pm)  # None: the KV cache
     for b in (1, 3):
         out[("gpt", b)] = pm.generate(_prompt(b, 5, V, b), max_new_tokens=NEW)
+    out[("gpt", "recompute")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, use_cache=False)
+    out[("gpt", "stepwise")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, overlap_steps=False)
+    eos = int(out[("gpt", 3)][0, 5 + 2])  # row 0's third new token: every row stops by the last step or not
+    out[("gpt", "eos")] = (eos, pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos),
+                           pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos, overlap_steps=False))
     out[("gpt", "sampled")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW, **SAMPLED)
+    out[("gpt", "slow")] = _slow_tokens(pm, _prompt(3, 5, V, 3))
     try:  # ranks of one replica given different prompts: refused on every rank, the model stays usable
         pm.generate(_prompt(1, 5, V, rank), max_new_tokens=NEW)
     except UsageError as exc:
@@ -139,6 +230,9 @@ def _generations(rank, world):
     except Exception as exc:  # noqa: BLE001 -- the test inspects it
         out[("gpt", "bad_option")] = (type(exc).__name__, "temperature=0.0" in str(exc), "global rank" in str(exc))
     out[("gpt", "after")] = pm.generate(_prompt(1, 5, V, 1), max_new_tokens=2)
+    # zbv: the last stage sits on the first stage's rank, so the token stays on the rank
+    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, schedule="zbv", timeout=60)
+    out[("gpt", "zbv")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW)
     # dp=2 x pp=2: each replica (ranks 0-1, 2-3) continues its own prompt
     # the tokens are compared with one process below: plan-time verification (every rank emulating
     # every rank) is the same model's check again, so only the first parallelize runs it
@@ -153,6 +247,7 @@ def _generations(rank, world):
         pm = fxsplit.parallelize(model, args, kwargs if name == "llama" else {}, tp=2, pp=2, microbatches=2,
                                  timeout=60, verify=False)
         eos = model.generation_config.eos_token_id
+        out[(name, "path")] = cache_path(pm)
         for b in (1, 2):
             out[(name, b)] = pm.generate(_prompt(b, 6, 256, b), max_new_tokens=NEW, eos_token_id=eos)
         if name == "llama":
@@ -164,6 +259,26 @@ def _generations(rank, world):
                 out[(name, "too_long")] = str(exc)
     out["fault"] = _fault(rank)
     return out, dp_out
+
+
+def _slow_tokens(pm, prompt):
+    """Tokens that take longer than a polled wait's slice to choose: the first stage's rank waits for
+    them whole (a timed-out wait would break the gloo pair, [Note: overlapped steps])."""
+    import time
+
+    from fxsplit.api import generate as gen
+
+    pick = gen.next_tokens
+
+    def slow(*a, **kw):
+        time.sleep(0.3)
+        return pick(*a, **kw)
+
+    gen.next_tokens = slow
+    try:
+        return pm.generate(prompt, max_new_tokens=3)
+    finally:
+        gen.next_tokens = pick
 
 
 def _fault(rank):
@@ -226,9 +341,22 @@ def test_generate_at_tp2_pp2_equals_one_process():
         assert got == (("UsageError", True, False) if rank == 1 else ("RankFailedError", True, True)), (rank, got)
     for key, value in results[0].items():  # every rank returns the same tokens
         for r in results[1:]:
-            assert (r[key] == value) if isinstance(value, str) else torch.equal(r[key], value), (key, r[key], value)
+            same = (torch.equal(r[key], value) if isinstance(value, torch.Tensor) else
+                    all(torch.equal(a, b) for a, b in zip(r[key][1:], value[1:])) if key == ("gpt", "eos") else
+                    r[key] == value)
+            assert same, (key, r[key], value)
     for b in (1, 3):
         assert torch.equal(results[0][("gpt", b)], generate_unsplit(gpt, _prompt(b, 5, V, b), max_new_tokens=NEW))
+    assert results[0][("gpt", "path")] is None  # the tokens above came from the KV cache
+    assert torch.equal(results[0][("gpt", "recompute")], results[0][("gpt", 3)])
+    assert torch.equal(results[0][("gpt", "stepwise")], results[0][("gpt", 3)])  # steps not overlapped
+    assert torch.equal(results[0][("gpt", "slow")], results[0][("gpt", 3)][:, :8])
+    assert torch.equal(results[0][("gpt", "zbv")], results[0][("gpt", 3)])
+    eos, overlapped, stepwise = results[0][("gpt", "eos")]
+    want = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos)
+    assert torch.equal(overlapped, want) and torch.equal(stepwise, want), (eos, overlapped, stepwise, want)
+    for name in HF_FAMILIES:  # exported at a fixed length: recomputed, with the reason
+        assert "torch.export fixed the sequence at 16 tokens" in results[0][(name, "path")], name
     ref = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, sampling=Sampling(**SAMPLED))
     assert torch.equal(results[0][("gpt", "sampled")], ref)
     assert "different prompts or options" in results[0][("gpt", "mismatch")]

@@ -3,26 +3,15 @@ at any (dp, tp, pp), and :func:`generate_unsplit`, the same decoding in one proc
 
 Terms
 - **prompt**: ``input_ids`` (B, T), one row per sequence; B >= 1.
-- **step**: one new token for every row: a forward of the whole model over the tokens so far,
-  then the next token from the logits of the last real position.
+- **step**: one new token for every row: a forward of the whole model over the tokens so far
+  (with the cache: over the tokens not yet cached), then the next token from the logits of the
+  last real position.
 - **m'**: the microbatches a step is split into: ``min(B, m)``, so a single prompt runs at any pp
-  ([Note: what a faster generate needs] (not built; for whoever builds it)
-1. Overlapping steps: treat (step k, microbatch i) as virtual microbatch k * m' + i of one forward
-   program, with one more dependency, F(first stage, j) after F(last stage, j - m') (the token), and
-   the token as a message from the last stage's rank to each rank whose stages read the token ids,
-   so that the communication plan orders it like any activation ([Note: message order] in
-   fxsplit.pipeline.comm; NCCL needs that). Shapes are known up front (step k has T + k tokens),
-   so every other rank binds symbols without the values. Sampling per microbatch draws from the
-   generator in another order than one process does for the whole batch: per-row generators
-   would keep sampled tokens comparable.
-2. A KV cache: a decode graph per stage, derived from the stage graph by a pass: each attention's
-   keys and values become ``cat(cache_in, new)`` with the caches as extra stage inputs and outputs
-   that stay on the rank (per in-flight microbatch), positions offset by the cache length (rotary
-   tables, learned positions, ``position_ids`` / ``cache_position``), and the causal flag of a
-   one-query attention turned off (``is_causal`` is baked in at trace time). Prefill is today's
-   forward that also returns the caches.
-
-[Note: fewer microbatches for inference]).
+  ([Note: fewer microbatches for inference]).
+- **cache path**: with a KV cache ([Note: generation with a KV cache] in fxsplit.api.kv_cache:
+  the prompt once, then one token per step, attention reading the keys and values cached on each
+  rank per (stage, microbatch)) where :func:`cache_path` finds it exact, else by recompute (below);
+  the reason is logged on ``fxsplit.generate`` at INFO and returned by :func:`cache_path`.
 - **traced length**: the sequence length the plan's graph fixes (torch.export without
   ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace), or
   none (fx traces, or ``dynamic_sequence=True``: the sequence is a symbol).
@@ -34,25 +23,37 @@ Representative use (inside torchrun, on every rank of a replica with the same ar
     out = pm.generate(prompt, max_new_tokens=20, do_sample=True, temperature=0.8, top_k=50, seed=0)
     ref = generate_unsplit(model, prompt, max_new_tokens=20)               # the same, one process
 
+[Note: overlapped steps]
+With the cache, the steps of the m' microbatches overlap (``overlap_steps=True``, the default):
+(step k, microbatch i) is virtual microbatch k * m' + i of one forward program
+(fxsplit.schedule.decode, lowered by the communication plan like any forward and run by
+``PipelineRuntime.run_program``) with one more dependency, F(first stage, j) after F(last stage,
+j - m'): the token, a message from the last stage's rank to the first's
+(fxsplit.api.overlapped_decode). So while microbatch i's step runs on stage s, microbatch i + 1's
+runs on stage s - 1, and step k + 1 of microbatch 0 starts as soon as its token exists. Shapes are
+known up front (the prompt, then one token), so every rank binds symbols without the values; the
+last stage draws each microbatch's tokens in the order one process draws a step's rows, so seeded
+sampling matches. With one microbatch (B = 1) nothing can overlap. ``overlap_steps=False`` runs
+one pipeline forward per step (the stepwise loop below, with the cache), as does NCCL: the token
+travels outside the communication plan with a tag of its own, which gloo matches by tag and NCCL
+would match by order (not yet planned as a message; not run on a GPU).
+
 [Note: generation by recompute]
 Each step runs the pipeline's forward (no autograd, no loss: ``PipelineRuntime.forward``, the F
 actions only) over the whole sequence so far and reads the logits of the last real position; the
 rank holding the last stage picks the token, every rank of the replica receives it (a broadcast
 over the tensor-parallel ranks of the last stage, then over the pipeline), and the next step feeds
-the longer sequence. Why not a KV cache: the traced graph has none. The Hugging Face examples are
-built with ``use_cache=False`` because export cannot return a ``DynamicCache`` (DESIGN.md), and
-a graph's attention reads keys and values computed from its own inputs only; a cache needs a
-second graph per stage (a decode step whose inputs are the new token and each layer's cached keys
-and values, whose outputs are the appended caches), planned alongside the training graph. That is
-not built: every step here costs a full forward over the sequence, O(T) work per token instead of
-O(1) layers' worth of new rows, and this module says so rather than pretend otherwise. What it buys:
-exactness with no new graph (the same stage graphs that train, so any model that plans, at any tp
-and pp and schedule, generates), and the failure protocol for free: every wait is the runtime's or
-goes through the Watch (``ParallelModel._wait``), and the call is one agreed inference call
-(``ParallelModel._inference``), so a failed rank is named on every rank instead of hanging.
-Within a step the m' microbatches are pipelined by the schedule's own forward order; steps do not
-overlap (step k+1 of microbatch 0 waits for step k of every microbatch), which a cache-based
-decode schedule would also change.
+the longer sequence. This is the path when the KV cache is not exact for the plan (its reason
+in :func:`cache_path`): the Hugging Face families traced by torch.export at a fixed length, explicit
+softmax attention, masks or rotary tables built in the graph. Every step then costs a full forward
+over the sequence, O(T) work per token. What it buys: exactness with no new graph (the same stage
+graphs that train, so any model that plans, at any tp and pp and schedule, generates), and the
+failure protocol for free: every wait is the runtime's or goes through the Watch
+(``ParallelModel._wait``), and the call is one agreed inference call (``ParallelModel._inference``),
+so a failed rank is named on every rank instead of hanging; both hold for the cache path too, which
+runs the same forward program with other stage modules. Within a step the m' microbatches are
+pipelined by the schedule's own forward order; on this path steps do not overlap (step k+1 of
+microbatch 0 waits for step k of every microbatch; [Note: overlapped steps] is the cache's).
 A traced length L fixes every forward at L positions: the tokens are padded on the right to L
 (an attention mask, if the model takes one, is 0 there), which leaves the logits of earlier
 positions as they are in a causal model, so the prompt plus the new tokens must fit in L (the
@@ -75,6 +76,7 @@ call ends when every row has (HF's default ``pad_token_id``).
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -84,12 +86,16 @@ import torch.distributed as dist
 from torch import nn
 
 from fxsplit.api.inputs import check_batch, inference_microbatches
+from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module, stage_refusal
+from fxsplit.api.overlapped_decode import overlapped_decode
 from fxsplit.errors import ArgumentTypeError, RunError, UsageError
 
 if TYPE_CHECKING:
     from fxsplit.pipeline.stage import ValueMeta
 
-__all__ = ["Sampling", "generate", "generate_unsplit", "model_logits", "next_tokens"]
+__all__ = ["Sampling", "cache_path", "generate", "generate_unsplit", "model_logits", "next_tokens"]
+
+_log = logging.getLogger("fxsplit.generate")
 
 
 @dataclass(frozen=True)
@@ -189,14 +195,30 @@ def _check_call(input_ids: Any, max_new_tokens: Any, eos_token_id: Any) -> None:
 
 
 def generate_unsplit(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
-                     sampling: Sampling = Sampling(), eos_token_id: int | None = None) -> torch.Tensor:
+                     sampling: Sampling = Sampling(), eos_token_id: int | None = None,
+                     use_cache: bool = False) -> torch.Tensor:
     """[Note: generation by recompute] in one process, on the unsplit ``model`` called as
     ``model(tokens)``: the reference :meth:`ParallelModel.generate` equals (and the baseline of
-    ``benchmarks/generate.py``)."""
+    ``benchmarks/generate.py``). ``use_cache``: the model traced by ``torch.fx.symbolic_trace`` and
+    run with the KV cache instead ([Note: generation with a KV cache] in fxsplit.api.kv_cache);
+    a model the cache is not exact for raises, naming why."""
     _check_call(input_ids, max_new_tokens, eos_token_id)
+    cache = None
+    if use_cache:
+        traced = torch.fx.symbolic_trace(model)
+        why = stage_refusal(0, traced)
+        if why is not None:
+            raise UsageError(f"generate_unsplit(use_cache=True): the KV cache is not exact for this model: {why}; "
+                             "pass use_cache=False")
+        cache = KVCache({0: decode_module(traced)})
+    fed = [0]
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
-        return model_logits(model(tokens))[:, -1, :]
+        if cache is None:
+            return model_logits(model(tokens))[:, -1, :]
+        new, fed[0] = tokens[:, fed[0]:], tokens.shape[1]
+        with cache.context(0, 0):
+            return model_logits(cache.modules[0](new))[:, -1, :]
 
     with torch.no_grad():
         return _decode(step, lambda nxt, _: nxt, input_ids, max_new_tokens, eos_token_id, sampling)
@@ -257,15 +279,26 @@ def _h60(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 4
 
 
+def cache_path(pm: Any, *, use_cache: bool = True) -> str | None:
+    """None when :meth:`ParallelModel.generate` of ``pm`` runs with the KV cache ([Note: generation
+    with a KV cache] in fxsplit.api.kv_cache), else the one-line reason it recomputes every step."""
+    if not use_cache:
+        return "use_cache=False"
+    feed = _Feed.of(pm.plan.stages.input_meta)
+    return cache_refusal(pm.plan, traced_length=feed.length, mask_input=feed.mask is not None,
+                         compiled=bool(pm._runtime.compile))
+
+
 def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,
-             **sampling: Any) -> torch.Tensor:
-    """:meth:`ParallelModel.generate` of ``pm`` ([Note: generation by recompute]); the tokens (B, T + n)
-    on every rank, on ``input_ids``' device; ``sampling``: the fields of :class:`Sampling`. Bad
-    arguments raise inside the agreed call, so a rank given them does not leave its peers waiting.
-    (``pm`` is typed Any: fxsplit.api.model imports this module.)"""
+             use_cache: bool = True, overlap_steps: bool = True, **sampling: Any) -> torch.Tensor:
+    """:meth:`ParallelModel.generate` of ``pm``: with the KV cache where :func:`cache_path` allows
+    it, else [Note: generation by recompute] (the reason logged on ``fxsplit.generate`` at INFO);
+    the tokens (B, T + n) on every rank, on ``input_ids``' device; ``sampling``: the fields of
+    :class:`Sampling`. Bad arguments raise inside the agreed call, so a rank given them does not
+    leave its peers waiting. (``pm`` is typed Any: fxsplit.api.model imports this module.)"""
     runtime = pm._runtime
     options = (tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None, max_new_tokens,
-               eos_token_id, sorted(sampling.items()))
+               eos_token_id, use_cache, overlap_steps, sorted(sampling.items()))
 
     def prepare() -> list:
         _check_call(input_ids, max_new_tokens, eos_token_id)
@@ -274,7 +307,9 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
         feed.check_fits(input_ids.shape[1], max_new_tokens)
         m = inference_microbatches([input_ids], pm.plan)
         check_batch(feed.inputs(input_ids), pm.plan, "generate", microbatches=m)
-        return [feed, input_ids, m, rule]
+        why = cache_path(pm, use_cache=use_cache)
+        _log.info("generate(): %s", "KV cache" if why is None else f"recomputing every step (no KV cache): {why}")
+        return [feed, input_ids, m, rule, why]
 
     def signature(flat: list) -> tuple:
         # the prompt's values too: ranks of a replica given different prompts would mix them silently
@@ -290,17 +325,39 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
                 "Raised on every rank; this model stays usable.")
 
     def body(flat: list) -> torch.Tensor:
-        feed, ids, m, rule = flat
+        feed, ids, m, rule, why = flat
         holds_last = runtime.last_stage in runtime.modules
+        # built in the call: FSDP has gathered the parameters the decode modules refer to
+        cache = None if why is not None else KVCache({s: decode_module(g) for s, g in runtime.modules.items()})
+        if cache is not None and overlap_steps and _tagged_p2p(runtime):
+            made: list = []
+
+            def pick(output: Any) -> torch.Tensor:
+                logits = model_logits(output)[:, -1, :]
+                if not made:  # one generator for the call, as the stepwise loop has
+                    made.append(rule.generator(logits.device))
+                return next_tokens(logits, rule, made[0])
+
+            return overlapped_decode(pm, ids, m, max_new_tokens, eos_token_id, pick, cache).to(ids.device)
+        fed = [0]
 
         def step(tokens: torch.Tensor) -> torch.Tensor | None:
-            out = runtime.forward(feed.inputs(tokens), microbatches=m)
-            return model_logits(out)[:, tokens.shape[1] - 1, :] if holds_last else None
+            new = tokens if cache is None else tokens[:, fed[0]:]  # prefill the prompt, then one token
+            fed[0] = tokens.shape[1]
+            out = runtime.forward(feed.inputs(new), microbatches=m, override=cache)
+            return model_logits(out)[:, new.shape[1] - 1, :] if holds_last else None
 
         share = lambda nxt, b: _share(pm, nxt, b)  # noqa: E731
         return _decode(step, share, ids.to(runtime.device), max_new_tokens, eos_token_id, rule).to(ids.device)
 
     return pm._inference("generate", prepare, body, signature=signature, check=check)
+
+
+def _tagged_p2p(runtime: Any) -> bool:
+    """Whether point-to-point messages are matched by tag (gloo), so the token messages of
+    [Note: overlapped steps] may ride beside the planned activations; NCCL matches by order, and
+    there the steps run one pipeline forward each until the token is planned as a message."""
+    return runtime.num_ranks == 1 or not dist.is_initialized() or dist.get_backend(runtime.pp_group) != "nccl"
 
 
 def _share(pm: Any, nxt: torch.Tensor | None, batch: int) -> torch.Tensor:

@@ -253,15 +253,19 @@ class ParallelModel(nn.Module):
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, eos_token_id: int | None = None,
-                 seed: int | None = None) -> torch.Tensor:
+                 seed: int | None = None, use_cache: bool = True, overlap_steps: bool = True) -> torch.Tensor:
         """Continue each prompt of ``input_ids`` (B, T) by up to ``max_new_tokens`` tokens; returns
         (B, T + n) on every rank, as Hugging Face's ``model.generate`` does. Greedy, or sampled with
         ``temperature`` / ``top_k`` from ``seed``; any B >= 1. Call on every rank of a replica with the
-        same arguments. Design, terms and limits: :mod:`fxsplit.api.generate`."""
+        same arguments. With a KV cache where it is exact (``use_cache=False``: never), else one
+        forward over the whole sequence per token (``fxsplit.api.generate.cache_path(pm)`` says why);
+        with the cache, ``overlap_steps`` runs the steps of microbatches as one pipelined program.
+        Design, terms and limits: :mod:`fxsplit.api.generate`."""
         from fxsplit.api.generate import generate
 
         return generate(self, input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                        do_sample=do_sample, temperature=temperature, top_k=top_k, seed=seed)
+                        do_sample=do_sample, temperature=temperature, top_k=top_k, seed=seed,
+                        use_cache=use_cache, overlap_steps=overlap_steps)
 
     def _inference(self, what: str, prepare: Callable[[], list], body: Callable[[list], Any], *,
                    signature: Callable[[list], tuple] | None = None,

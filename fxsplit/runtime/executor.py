@@ -88,6 +88,7 @@ from fxsplit.runtime.watch import abandon
 from fxsplit.runtime.fsdp import local_tensor
 from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.runtime.graph_actions import GraphActions
+from fxsplit.runtime.program import ProgramRun
 from fxsplit.runtime.split_graph import SplitState
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.pipeline.stage import StageGraphs, ValueMeta
@@ -112,7 +113,7 @@ class _Saved:
     graph: SplitState | None = None  # the forward ran as a graph ([Note: graph split backward])
 
 
-class PipelineRuntime(GraphActions):
+class PipelineRuntime(GraphActions, ProgramRun):
     """Runs one pipeline rank's share of a schedule over ``torch.distributed`` point-to-point.
 
     Arguments (keyword-only):
@@ -291,13 +292,16 @@ class PipelineRuntime(GraphActions):
         finally:
             self._loss_scale = None
 
-    def forward(self, flat_inputs: Sequence[Any], *, all_ranks: bool = False, microbatches: int | None = None) -> Any:
+    def forward(self, flat_inputs: Sequence[Any], *, all_ranks: bool = False, microbatches: int | None = None,
+                override: Any = None) -> Any:
         """Inference: run only the F actions without autograd; return the merged model outputs
         (flat list, or rebuilt with ``output_spec``) on the last stage's rank, None elsewhere,
         or on every rank with ``all_ranks`` (pickled broadcast, for convenience not speed).
-        ``microbatches``: split into that many (1..m, ``RankPlan.forward_with``) instead of m."""
+        ``microbatches``: split into that many (1..m, ``RankPlan.forward_with``) instead of m.
+        ``override``: run stage s as ``override.modules[s]`` inside ``override.context(s, microbatch)``
+        (a KV cache: fxsplit.api.kv_cache), for this call only."""
         return self._guarded(lambda: self._run(flat_inputs, None, training=False, all_ranks=all_ranks,
-                                               microbatches=microbatches))
+                                               microbatches=microbatches, override=override))
 
     def sum_tied_grads(self) -> None:
         """Sum tied gradients across the stages and ranks holding them (what step() does last
@@ -349,7 +353,7 @@ class PipelineRuntime(GraphActions):
         return x.to(self.device, non_blocking=True)
 
     def _run(self, flat_inputs: Sequence[Any], target: Any, *, training: bool, all_ranks: bool = False,
-             microbatches: int | None = None) -> Any:
+             microbatches: int | None = None, override: Any = None) -> Any:
         if len(flat_inputs) != len(self.input_meta):
             raise ArgumentTypeError(f"expected {len(self.input_meta)} flat model inputs "
                                     f"{[m.name for m in self.input_meta]}, got {len(flat_inputs)}")
@@ -368,6 +372,7 @@ class PipelineRuntime(GraphActions):
             # would fail inside the user's loss_fn
             self._targets = split_target(pytree.tree_map(self._to_device, target), mbs.sizes, dim=self.split_dim)
         self._training = training
+        self._override = override
         self._rng_step, self.rng_step = self.rng_step, self.rng_step + 1
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._mailbox: dict[Message, torch.Tensor] = {}
@@ -497,6 +502,9 @@ class PipelineRuntime(GraphActions):
                 out, state = split.forward(*self._state(s), [x for x in args if isinstance(x, torch.Tensor)])
                 if s == self.last_stage:  # the loss differentiates from leaves standing for the outputs
                     out = [o.detach().requires_grad_() if j in split.diff_outputs else o for j, o in enumerate(out)]
+            elif self._override is not None:
+                with self._override.context(s, mb):
+                    out = self._override.modules[s](*args)
             else:
                 out = self._stage_call(s, args)  # the module, or compiled inference ([Note: compiled inference])
         if not isinstance(out, (tuple, list)):

@@ -1,0 +1,70 @@
+"""Forward-only programs given as data: a `CommPlan` over any number of microbatches whose inputs
+are given per microbatch (``PipelineRuntime.run_program``), for generation's decode program
+([Note: decode schedules] in fxsplit.schedule.decode).
+
+Terms
+- **program**: this rank's forward-only `CommPlan` (``plan_all_communication(rows, io,
+  forward_only=True)``), its microbatches numbered as the rows number them.
+- **inputs[j]**: the flat model inputs of microbatch j, tensors whose shapes are final before the
+  program starts (the symbols of every message's shape bind from them), whose values the
+  ``override``'s context may still write in place before the stage that reads them runs.
+
+The stages run as ``override.modules[s]`` inside ``override.context(s, j)``, which consume the
+outputs themselves: nothing is gathered (microbatches of one program may differ in length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fxsplit.errors import ArgumentTypeError
+from fxsplit.pipeline.comm import CommPlan
+from fxsplit.runtime.microbatch import MicrobatchSplit
+from fxsplit.runtime.p2p import P2PChannel
+
+__all__ = ["ProgramRun"]
+
+
+class ProgramRun:
+    """Mixed into `PipelineRuntime`: ``run_program``."""
+
+    def run_program(self, program: CommPlan, inputs: Sequence[Sequence[Any]], *, override: Any) -> None:
+        """Run ``program`` without autograd over ``inputs`` (one flat input list per microbatch) with
+        the stages of ``override``; raises `PipelineError` naming the peer as ``forward`` does."""
+        self._guarded(lambda: self._run_program(program, inputs, override))  # type: ignore[attr-defined]
+
+    def _run_program(self, program: CommPlan, inputs: Sequence[Sequence[Any]], override: Any) -> None:
+        rt: Any = self
+        for j, flat in enumerate(inputs):
+            if len(flat) != len(rt.input_meta):
+                raise ArgumentTypeError(f"run_program: microbatch {j} has {len(flat)} flat inputs, the plan "
+                                        f"takes {len(rt.input_meta)} ({[m.name for m in rt.input_meta]})")
+        sizes = tuple(int(flat[0].shape[0]) for flat in inputs)
+        rt._mb = MicrobatchSplit(inputs=tuple(tuple(f) for f in inputs), sizes=sizes,
+                                 weights=tuple(1.0 for _ in sizes), batch_size=sum(sizes),
+                                 batched=tuple(True for _ in inputs[0]))
+        rt._bindings = [rt._bind(flat) for flat in inputs]
+        rt._binding_keys = [tuple(sorted((str(k), v) for k, v in b.items())) for b in rt._bindings]
+        rt._training, rt._override = False, override
+        rt._rng_step, rt.rng_step = rt.rng_step, rt.rng_step + 1
+        rt._saved, rt._mailbox, rt._outputs = {}, {}, {}
+        rt._channel = P2PChannel(program, group=rt.pp_group, timeout_s=rt.timeout, alloc=rt._alloc,
+                                 blocking_waits=rt.blocking_waits, watch=rt.watch)
+        rt._channel.reset()
+        acts = program.actions
+        with torch.no_grad():
+            for i, ac in enumerate(acts):
+                rt._current = ac.action
+                if rt.watch is not None:
+                    rt.watch.doing = ac.action
+                for nxt in acts[i + 1: i + 1 + rt.prefetch_depth]:
+                    rt._channel.prefetch(nxt.recvs, ac.action)
+                rt._forward(ac)
+                rt._channel.reap()
+            rt._current = None
+            rt._channel.finish()
+        rt.last_wait_seconds = rt._channel.wait_seconds
+        rt._channel, rt._outputs, rt._override = None, {}, None
