@@ -22,7 +22,6 @@ simulated step with its bubble, and how long planning took.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 
@@ -43,26 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-limit", default=None, help="per pipeline rank, e.g. 80GB (see fxsplit.cli.parse_size)")
     p.add_argument("--dot", default=None, help="write the graph colored by stage (Graphviz DOT) here")
     p.add_argument("--timeline", default=None, help="write the simulated schedule (PNG) here")
-    p.add_argument("--full", action="store_true", help="print the tensor-parallel plan of every layer")
+    p.add_argument("--full", action="store_true", help="also print the full tensor-parallel and stage tables (plan.tp_table(), plan.stage_table())")
     return p.parse_args(argv)
-
-
-def compact(text: str) -> str:
-    """``str(plan)`` with the tensor-parallel rows of decoder layers 1, 2, ... folded into one line
-    (every layer gets the same styles as layer 0)."""
-    out, folded, layers = [], 0, set()
-    for line in text.splitlines():
-        match = re.match(r"^\S*\blayers\.(\d+)\.", line)
-        if match and match.group(1) != "0":
-            folded += 1
-            layers.add(int(match.group(1)))
-            continue
-        if folded and not match:
-            out.append(f"... {folded} more rows: the same styles for layers {min(layers)}-{max(layers)} "
-                       "(--full prints them)")
-            folded = 0
-        out.append(line)
-    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -86,7 +67,10 @@ def main(argv=None) -> int:
     world = args.dp * args.tp * args.pp
     print(f"LlamaForCausalLM on the meta device: {n_params / 1e9:.1f}e9 parameters, {args.layers} layers, "
           f"batch {batch} x seq {args.seq_len}, bfloat16; built in {built:.1f}s")
-    print(plan if args.full else compact(str(plan)))
+    print(plan)  # one screen: layers with the same sharding folded into one row
+    if args.full:
+        print(plan.tp_table())
+        print(plan.stage_table())
     print(f"{world} GPUs: planned in {plan.plan_seconds:.1f}s (trace, tensor parallel, split, schedule), "
           f"{time.perf_counter() - t0:.1f}s in all")
     if args.dot:
