@@ -7,14 +7,6 @@ are set up inside the first test that asks for them), those three entry points f
 marker; and tests/test_markers.py reads every test file for launches a test cannot reach at run
 time here (a skipped test, a test a -k filter left out).
 
-[Note: heaviest files first]
-``make test`` runs the files in pytest-xdist workers, one file per worker at a time
-(``--dist loadfile``), handing the next file in collection order to whichever worker is free. A
-heavy file handed out last keeps one worker busy while the other idles, so the files measured as
-the heaviest (``pytest --durations``; the multi-process launches and Hugging Face traces) are
-collected first and the light one-process files fill the gaps at the end (the Makefile passes
-``--no-loadscope-reorder``: xdist would otherwise order files by their number of tests). The list
-only orders; a file missing from it runs after the listed ones, in its usual order.
 """
 
 import subprocess
@@ -79,17 +71,3 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if not marked:
             _unmarked.pop()
-
-_HEAVIEST_FIRST = (  # per-file seconds of a clean `make test` on 2 idle cores, heaviest first
-    "test_zero_bubble_dist.py", "test_examples.py", "test_faults.py", "test_fsdp.py", "test_parallelize.py",
-    "test_generate.py", "test_tensor_parallel.py", "test_tp_coverage.py", "test_tp_mha.py", "test_runtime_dist.py",
-    "test_mixed_precision.py", "test_rng.py", "test_grad_scaler.py", "test_compiling.py",
-    "test_activation_checkpointing.py", "test_activation_checkpointing_dist.py", "test_gpu_check.py",
-    "test_tp_rules_views.py", "test_split_graph.py", "test_memory_model.py", "test_trace.py", "test_verify.py",
-    "test_parallelize_errors.py", "test_checkpoint.py", "test_clip_grad.py", "test_pipeline_split.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    order = {name: i for i, name in enumerate(_HEAVIEST_FIRST)}
-    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a file's tests keep their order
