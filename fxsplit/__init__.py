@@ -150,6 +150,8 @@ PUBLIC_MODULES = (
     "fxsplit.tp.functional",
     "fxsplit.tp.plan",
     "fxsplit.tp.random",
+    "fxsplit.tp.moe",
+    "fxsplit.tp.experts",
     "fxsplit.pipeline",
     "fxsplit.pipeline.stage",
     "fxsplit.pipeline.partition",

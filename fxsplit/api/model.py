@@ -18,6 +18,7 @@ import torch.fx
 from torch import nn
 
 from fxsplit.api import agreement, checkpoint
+from fxsplit.api.grad_buckets import bucketed_all_reduce, finish_all_reduce, launch_all_reduce
 from fxsplit.api.checkpoint import alias_groups, like_param, load_full_checkpoint
 from fxsplit.api.inputs import check_batch, inference_microbatches
 from fxsplit.errors import (ArgumentTypeError, MissingKeyError, PlanError, RankFailedError, RunError, ShardingError,
@@ -69,6 +70,9 @@ class ParallelModel(nn.Module):
             for p in [self.stage_modules[str(s)].get_parameter(name)]
         }
         runtime.on_stage_grads_ready = self._stage_grads_ready
+        # expert weights placed by ep: reduced over their replicas only ([Note: expert gradients])
+        experts = set(plan_.ep_plan.expert_params) if plan_.config.ep > 1 else set()
+        self._expert_ids = {id(p) for m in stages.values() for name, p in m.named_parameters() if name in experts}
         # dp_shard > 1: FSDP2 units, gathered before and reduced after the pipeline ([Note: FSDP
         # collectives outside the pipeline] in fxsplit.runtime.fsdp); it also does the dp mean
         self._fsdp = None
@@ -95,7 +99,8 @@ class ParallelModel(nn.Module):
         from fxsplit.tp.collectives import bind_groups, bind_waiter
 
         stack = contextlib.ExitStack()
-        stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp")}))
+        stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp"),
+                                         "ep": self._groups.get("ep")}))
         if self._polled():
             stack.enter_context(bind_waiter(self._watch.wait))
         return stack
@@ -471,11 +476,30 @@ class ParallelModel(nn.Module):
             return
         scale = 1.0 / dist.get_world_size(dp)
         wait = lambda work: self._wait(work, "in the data-parallel gradient all-reduce", dp)  # noqa: E731
-        _finish_all_reduce(pending, scale=scale, wait=wait)
+        finish_all_reduce(pending, scale=scale, wait=wait)
         done = self._dp_done
         self._dp_done = set()
-        rest = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in done]
-        _bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype, wait=wait)
+        rest = [p.grad for p in self.parameters()
+                if p.grad is not None and id(p) not in done and id(p) not in self._expert_ids]
+        bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype, wait=wait)
+        self._reduce_expert_grads(scale)
+
+    # [Note: expert gradients] An expert's rows come from every rank of its ep group (the exchange's
+    # backward brings each source's gradient home to the expert), so a rank's expert gradient already
+    # sums its ep group's losses; the replicas of that expert (same ep rank, other ep groups) hold the
+    # rest of the global batch. Their sum over the replica group times 1 / (dp * dp_shard) is the
+    # gradient of the mean loss over all data ranks: the unsplit model's on the global batch.
+    def _reduce_expert_grads(self, scale: float) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None and id(p) in self._expert_ids]
+        group = self._groups.get("ep_replica")
+        if not grads:
+            return
+        if group is None or dist.get_world_size(group) == 1:
+            for g in grads:
+                g.mul_(scale)
+            return
+        wait = lambda work: self._wait(work, "in the expert-replica gradient all-reduce", group)  # noqa: E731
+        bucketed_all_reduce(grads, group, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype, wait=wait)
 
     def _stage_grads_ready(self, stage: int) -> None:
         dp = self._groups.get("dp")
@@ -483,9 +507,10 @@ class ParallelModel(nn.Module):
             return  # (one stage: nothing computes after its backward; all-reduce at the end)
         tied = self._tied_ids
         params = [p for p in self.stage_modules[str(stage)].parameters()
-                  if p.grad is not None and id(p) not in tied and id(p) not in self._dp_done]
+                  if p.grad is not None and id(p) not in tied and id(p) not in self._dp_done
+                  and id(p) not in self._expert_ids]
         self._dp_done.update(id(p) for p in params)
-        self._dp_pending += _launch_all_reduce([p.grad for p in params], dp, self._bucket_bytes, self._reduce_dtype)
+        self._dp_pending += launch_all_reduce([p.grad for p in params], dp, self._bucket_bytes, self._reduce_dtype)
 
     # -- gradient clipping
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -642,48 +667,3 @@ def _copy_into(t: torch.Tensor, src: torch.Tensor) -> None:
     from fxsplit.runtime.fsdp import local_tensor
 
     local_tensor(t).copy_(local_tensor(like_param(t, src.to(local_tensor(t).device))))
-
-
-def _launch_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int,
-                       reduce_dtype: torch.dtype | None = None) -> list:
-    """Start asynchronous all-reduces of ``grads`` packed into flat buckets (per dtype, each
-    reduced in ``reduce_dtype`` when given: mp_policy); returns the pending work for
-    :func:`_finish_all_reduce`."""
-    buckets: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for g in grads:
-        if size and size + g.numel() * g.element_size() > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(g)
-        size += g.numel() * g.element_size()
-    pending = []
-    for bucket in buckets:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in bucket:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for gs in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in gs])
-            if reduce_dtype is not None and flat.dtype != reduce_dtype:
-                flat = flat.to(reduce_dtype)
-            pending.append((flat, gs, dist.all_reduce(flat, group=group, async_op=True)))
-    return pending
-
-
-def _finish_all_reduce(pending: list, *, scale: float, wait: Callable[[Any], None] | None = None) -> None:
-    for flat, gs, work in pending:
-        if wait is None:
-            work.wait()
-        else:
-            wait(work)
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for g in gs:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float,
-                         reduce_dtype: torch.dtype | None = None, wait: Callable[[Any], None] | None = None) -> None:
-    _finish_all_reduce(_launch_all_reduce(grads, group, bucket_bytes, reduce_dtype), scale=scale, wait=wait)

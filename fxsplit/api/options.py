@@ -41,6 +41,9 @@ class ParallelConfig:
     # (torch FSDP2's fully_shard over the "dp_shard" mesh axis; HSDP with dp > 1)
     dp_shard: int = 1
     tp: int = 1  # tensor-parallel degree
+    # expert-parallel degree: ranks carved out of the dp * dp_shard data-parallel ranks that each hold
+    # E / ep experts of every MoE layer and exchange tokens by all_to_all (fxsplit.passes.expert_parallel)
+    ep: int = 1
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
     # samples per microbatch, when known (plan(..., global_batch_size=B) sets B / (dp * dp_shard * m)):
@@ -89,7 +92,7 @@ class ParallelConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp", "dp_shard", "tp", "pp", "microbatches", "stages_per_rank", "microbatch_size"):
+        for name in ("dp", "dp_shard", "tp", "pp", "ep", "microbatches", "stages_per_rank", "microbatch_size"):
             value = getattr(self, name)
             if value is None and name in ("microbatches", "stages_per_rank", "microbatch_size"):
                 continue
@@ -119,6 +122,7 @@ class ParallelConfig:
         if self.compile and self.dp_shard > 1:
             raise PlanError("compile=True with dp_shard > 1 (FSDP units) is not supported yet: the compiled "
                             "graphs have not been checked against FSDP's gathered parameters; use compile=False")
+        self._check_ep()
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.dynamic_sequence not in (True, False, None):
@@ -149,6 +153,21 @@ class ParallelConfig:
                 dtype = getattr(self.mp_policy, name)
                 if dtype is not None and not dtype.is_floating_point:
                     raise PlanError(f"mp_policy.{name} must be a floating dtype or None, got {dtype}")
+
+    def _check_ep(self) -> None:
+        """ep is carved out of the data-parallel ranks ([Note: expert-parallel groups] in fxsplit.runtime.mesh)."""
+        if self.ep == 1:
+            return
+        data = self.dp * self.dp_shard
+        if data % self.ep:
+            raise PlanError(f"ep={self.ep} must divide the data-parallel ranks dp * dp_shard = {self.dp} * "
+                            f"{self.dp_shard} = {data} (expert-parallel ranks are carved out of them; the world "
+                            f"size stays dp * dp_shard * tp * pp): use ep in {_divisors(data)}, or raise dp")
+        for name, fix in (("tp", "experts are either sharded by tp or placed by ep: use tp=1"),
+                          ("dp_shard", "FSDP2 over the expert replicas is not built: use dp for the data ranks"),
+                          ("compile", "the exchanged rows have a size known only at run time: use compile=False")):
+            if getattr(self, name) not in (1, False):
+                raise PlanError(f"ep={self.ep} with {name}={getattr(self, name)!r} is not supported: {fix}")
 
     def static_batch(self, example_batch: int | None) -> int | None:
         """The microbatch size torch.export traces the batch at, or None for a symbolic batch
@@ -184,6 +203,10 @@ class ParallelConfig:
         if (m, v, schedule) == (self.microbatches, self.stages_per_rank, self.schedule):
             return self
         return dataclasses.replace(self, microbatches=m, stages_per_rank=v, schedule=schedule)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))

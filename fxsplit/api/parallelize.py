@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxsplit.api.materialize import materialize_sharded_stage, materialize_stage, share_tied_on_rank
+from fxsplit.api.materialize import (keep_own_experts, materialize_sharded_stage, materialize_stage,
+                                     share_tied_on_rank)
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.api.plan import plan
@@ -133,6 +134,10 @@ def parallelize(
         if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
             replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
             groups["data"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
+    if config.ep > 1:  # [Note: expert-parallel groups]
+        from fxsplit.runtime.mesh import expert_groups
+
+        groups["ep"], groups["ep_replica"] = expert_groups(mesh, config.ep, timeout=bound)
     device = _rank_device(device, mesh.device_type)
     _check_one_gpu_per_rank(device, groups.get("errors"))
     if config.hardware is None and device.type == "cpu":
@@ -159,6 +164,8 @@ def parallelize(
         # one Parameter per tied group on this rank (FSDP shards each stage as its own unit, so
         # with dp_shard the copies stay apart and the memory model counts each)
         share_tied_on_rank(stages, the_plan.stages.shared_params)
+    if c.ep > 1:
+        keep_own_experts(stages, the_plan.ep_plan, groups["ep"].rank())
     runtime = PipelineRuntime(
         the_plan.rank_plan(pp_rank), stages, group=pipe_group,
         loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,

@@ -364,6 +364,9 @@ class SplitRequest:
     stage_ranks: Sequence[int] | None = None
     split_backward: str = "graph"
     param_casts_free: bool = False
+    # (first, last) node names no stage boundary may fall between: values inside have sizes known
+    # only at run time (expert-parallel token exchange, fxsplit.passes.expert_parallel)
+    atomic: Sequence[tuple[str, str]] = ()
 
     def checked(self) -> tuple[int, int]:
         """(p, v); SplitError for a request that cannot be split."""
@@ -445,6 +448,7 @@ def _problem(r: SplitRequest, units: list[torch.fx.Node], keys: Sequence[str], c
     """The partition problem of ``r`` over ``units`` (no checkpointing: ``plan_split`` derives
     one per checkpointing mode from it)."""
     penalty, allowed = _cut_rules(units, keys, r.cut_at, r.inner_cut_penalty)
+    allowed = _outside_atomic(units, r.atomic, allowed)
     return PartitionProblem(
         compute=tuple(costs.compute),
         param_bytes=tuple(costs.params),
@@ -556,6 +560,20 @@ def _cut_bytes(units: list[torch.fx.Node], binds: Mapping) -> list[float]:
         run += diff[k]
         cut_bytes[k] = run if 0 < k < n else 0.0
     return cut_bytes
+
+
+def _outside_atomic(units: list[torch.fx.Node], atomic: Sequence[tuple[str, str]],
+                    allowed: list[bool] | None) -> list[bool] | None:
+    """``allowed`` with the cuts inside every ``atomic`` span (after its first node, up to its last) removed."""
+    if not atomic:
+        return allowed
+    index = {u.name: i for i, u in enumerate(units)}
+    allowed = list(allowed) if allowed is not None else [True] * (len(units) + 1)
+    for first, last in atomic:
+        if first in index and last in index:
+            for k in range(index[first] + 1, index[last] + 1):
+                allowed[k] = False
+    return allowed
 
 
 def _cut_rules(units: list[torch.fx.Node], keys: Sequence[str], cut_at: str,

@@ -36,6 +36,7 @@ __all__ = [
     "build_mesh",
     "check_mesh",
     "choose_backend",
+    "expert_groups",
     "init_from_env",
     "mesh_coords",
     "mesh_groups",
@@ -144,6 +145,32 @@ def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int, dp_shard: int = 1) -
             f"tp={tp}), or init_device_mesh(device_type, ({dp}, {pp}, {tp}), "
             f"mesh_dim_names={MESH_DIMS})"
         )
+
+
+# [Note: expert-parallel groups] ep ranks are carved out of the data-parallel ranks, as DeepSpeed-MoE
+# and torchtitan do: the world size stays dp * dp_shard * pp * tp. At one (pp, tp) position the
+# D = dp * dp_shard data ranks (data index i = dp_i * dp_shard + dp_shard_i) form D / ep expert-parallel
+# groups of ep consecutive data indices (they hold different experts and exchange tokens: "ep"), and
+# ep expert-replica groups of the D / ep data indices with the same i % ep (they hold the same experts
+# and reduce those experts' gradients: "ep_replica"). Consecutive indices keep an ep group on one
+# host where the data ranks of a host are consecutive.
+def expert_groups(mesh: DeviceMesh, ep: int, *, timeout: datetime.timedelta | None = None
+                  ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's ("ep", "ep_replica") process groups ([Note: expert-parallel groups]); collective
+    on every rank of the mesh. PlanError when ep does not divide the data-parallel ranks."""
+    names = tuple(mesh.mesh_dim_names or ())
+    shape = dict(zip(names, mesh.shape))
+    data = shape.get("dp", 1) * shape.get("dp_shard", 1)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or data % ep:
+        raise PlanError(f"expert_groups: ep={ep!r} must be an int dividing the {data} data-parallel ranks "
+                        f"(dp * dp_shard) of a mesh of shape {shape}")
+    columns = mesh.mesh.reshape(data, -1).t().tolist()  # per (pp, tp) position: its data ranks in order
+    ep_sets = [col[i:i + ep] for col in columns for i in range(0, data, ep)]
+    replica_sets = [col[e::ep] for col in columns for e in range(ep)]
+    options = {} if timeout is None else {"timeout": timeout}
+    ep_group, _ = dist.new_subgroups_by_enumeration(ep_sets, **options)
+    replica_group, _ = dist.new_subgroups_by_enumeration(replica_sets, **options)
+    return ep_group, replica_group
 
 
 def mesh_coords(mesh: DeviceMesh) -> dict[str, int]:
