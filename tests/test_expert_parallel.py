@@ -1,7 +1,8 @@
 """Expert parallelism on real gloo ranks against one process: every case trains 3 optimizer steps
 (SGD), each data-parallel replica on its own slice of one global batch, and compares the loss of
 every step and every gradient of the last step (an expert weight's gradient on a rank is its block
-of experts) with the unsplit model on the whole batch. All cases run in ONE launch per world size."""
+of experts) with the unsplit model on the whole batch. All cases run in ONE launch per world size: the zoo's torchtitan-style MoE and transformers' Mixtral
+and Qwen2-MoE (grouped_mm experts, built from configs)."""
 
 import pytest
 import torch
@@ -22,10 +23,17 @@ CASES_4 = {
     "moe/dp2-ep2-pp2": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")),
     "moe/dp4-ep4": ("moe", dict(dp=4, ep=4)),
     "moe/dp4-ep2": ("moe", dict(dp=4, ep=2)),
+    "qwen2_moe/dp2-ep2-pp2": ("qwen2_moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")),
+    "mixtral/dp4-ep4": ("mixtral", dict(dp=4, ep=4)),
 }
 
 
 def _model(name):
+    if name in ("mixtral", "qwen2_moe"):  # transformers' grouped_mm experts, 4 experts, top-2
+        from fxsplit.testing import tp_coverage
+
+        model, _, _ = tp_coverage.build(name)
+        return model
     if name == "moe-noshared":
         model, _, _ = zoo.make("moe", shared_expert=False, num_experts=8, top_k=2, seed=1)
     else:
@@ -33,18 +41,24 @@ def _model(name):
     return model
 
 
-def _batch():
+def _loss(out, y):
+    logits = out.logits if hasattr(out, "logits") else out
+    return zoo.cross_entropy_loss(logits, y)
+
+
+def _batch(model):
+    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(3)
-    x = torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g)
-    return x, torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g)
+    x = torch.randint(0, vocab, (GLOBAL_BATCH, 8), generator=g)
+    return x, torch.randint(0, vocab, (GLOBAL_BATCH, 8), generator=g)
 
 
 def _train(rank, world, cases):
     out = {}
     for label, (name, options) in cases.items():
         model = _model(name)
-        x, y = _batch()
-        pm = fxsplit.parallelize(model, (x[:GLOBAL_BATCH // options["dp"]],), loss_fn=zoo.cross_entropy_loss,
+        x, y = _batch(model)
+        pm = fxsplit.parallelize(model, (x[:GLOBAL_BATCH // options["dp"]],), loss_fn=_loss,
                                  hardware=_HW, timeout=60, verify=False, **options)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
         losses = []
@@ -62,12 +76,12 @@ def _train(rank, world, cases):
 
 def _reference(name):
     model = _model(name)
-    x, y = _batch()
+    x, y = _batch(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = zoo.cross_entropy_loss(model(x), y)
+        loss = _loss(model(x), y)
         loss.backward()
         losses.append(float(loss.detach()))
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -97,10 +111,12 @@ def _check(cases, results):
 
 
 @pytest.mark.dist
+@pytest.mark.hf
 def test_expert_parallel_two_ranks():
     _check(CASES_2, run_distributed(_train, 2, CASES_2, timeout=300))
 
 
 @pytest.mark.dist
+@pytest.mark.hf
 def test_expert_parallel_four_ranks():
     _check(CASES_4, run_distributed(_train, 4, CASES_4, timeout=400))

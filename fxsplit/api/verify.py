@@ -25,6 +25,14 @@ collectives give each rank its own backward), and each rank's gradients are reas
 (``ShardSpec.unshard``; replicated parameters must hold the full gradient on every rank;
 parameters tied across stages are summed over their stages, as the runtime does).
 
+With expert parallelism (ep > 1, tp = 1) the lockstep ranks are the ep ranks instead: each is fed
+its own slice of the example batch (dim 0 of every input of the batch's size) and holds its own
+block of every expert weight; the token exchange is emulated over them
+(``fxsplit.tp.experts.emulated_dispatch`` / ``emulated_combine``). Their outputs, joined along the
+batch, are compared with the unsplit model's on the whole batch and one loss is taken of them, so
+an expert's gradient is its ranks' blocks joined on dim 0 and every other gradient the sum of the
+ranks' (each rank computed its slice's share), as the runtime's reductions make them.
+
 Tolerance, relative to the reference's magnitude: a value passes when
 ``max|x - ref| <= rtol * max(max|ref|, 1e-3)`` with ``rtol`` 1e-4 for float32, 1e-9 for float64,
 5e-3 for float16 and 3e-2 for bfloat16 (``tolerance(dtype)``); integer and bool values must be
@@ -65,7 +73,7 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxsplit.api.materialize import materialize_stage
+from fxsplit.api.materialize import keep_own_experts, materialize_stage
 from fxsplit.errors import PlanError, UsageError, VerificationError
 from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.ops import resolve_path
@@ -159,7 +167,7 @@ def _unwrapped(target: Any) -> Any:
 
 
 def _run_lockstep(gm: torch.fx.GraphModule, mods: Sequence[nn.Module], inputs: Sequence[Sequence[Any]],
-                  record: dict[str, list[Any]] | None) -> list[tuple]:
+                  record: dict[str, list[Any]] | None, axis: str = "tp") -> list[tuple]:
     """Run ``gm``'s graph for the t ranks (``mods[r]`` holds rank r's tensors, ``inputs[r]`` its
     stage inputs); returns each rank's outputs; ``record`` gets every node's per-rank values."""
     t = len(mods)
@@ -185,11 +193,11 @@ def _run_lockstep(gm: torch.fx.GraphModule, mods: Sequence[nn.Module], inputs: S
                 regions = [a[0] for a in args]
                 if not isinstance(regions[0], torch.fx.GraphModule):
                     raise VerificationError(f"verify: node {node.name!r} checkpoints a region that is not a graph")
-                vals = _run_lockstep(regions[0], regions, [a[2:] for a in args], None)
+                vals = _run_lockstep(regions[0], regions, [a[2:] for a in args], None, axis)
             else:
                 vals = []
                 for r in range(t):
-                    with as_rank(r, t):
+                    with as_rank(r, t, axis):
                         vals.append(_eval(node, mods[r], args[r], kwargs[r]))
         for r in range(t):
             env[r][node] = vals[r]
@@ -298,24 +306,30 @@ def verify(
     if static is not None:  # the plan runs microbatches of that size ([Note: a static batch]):
         # the example and the loss's target cut (or repeated) to one microbatch together
         key = "\0target"
-        example_args, cut = example_at_batch(tuple(example_args), {**dict(example_kwargs or {}), key: target}, static)
+        example_args, cut = example_at_batch(tuple(example_args), {**dict(example_kwargs or {}), key: target},
+                                             static * c.ep)  # one microbatch per expert-parallel rank
         target = cut.pop(key)
         example_kwargs = cut
     t, num_stages = c.tp, c.num_stages
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     flat = flatten_inputs(plan.graph, example_args, example_kwargs)
+    ranks, axis = (c.ep, "ep") if c.ep > 1 else (t, "tp")
+    rank_inputs = _batch_slices(flat, batch_of((tuple(example_args), dict(example_kwargs or {}))), ranks, c.ep)
     if stage_modules is None:
-        stage_modules = [[materialize_stage(plan, s, tp_rank=r, source=model, device=device) for r in range(t)]
-                         for s in range(num_stages)]
+        stage_modules = [[_materialized(plan, s, r, model, device) for r in range(ranks)] for s in range(num_stages)]
     vals: list[dict[str, list[Any]]] = []
     outs: list[list[tuple]] = []
     for s, io in enumerate(plan.stages.io):
         # values cross as the runtime transfers them: same layout ([Note: boundary layouts])
-        inputs = [[flat[src.index] if src.stage is None else hand_over(outs[src.stage][r][src.index], meta.dim_order)
-                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(t)]
+        inputs = [[rank_inputs[r][src.index] if src.stage is None else
+                   hand_over(outs[src.stage][r][src.index], meta.dim_order)
+                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(ranks)]
         vals.append({})
-        outs.append(_run_lockstep(plan.stages.modules[s], stage_modules[s], inputs, vals[-1]))
-    rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(t)]
+        outs.append(_run_lockstep(plan.stages.modules[s], stage_modules[s], inputs, vals[-1], axis))
+    rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(ranks)]
+    if c.ep > 1:  # the ep ranks' outputs joined along the batch: one model output, one loss
+        rank_flat = [[torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() else vs[0]
+                      for vs in zip(*rank_flat)]]
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # a train-mode forward updates some
     try:
         report = _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat,
@@ -328,6 +342,28 @@ def verify(
     if not quiet:
         print(f"fxsplit.verify: OK, {report} against the {_REFERENCE_WORDS[reference]}")
     return report
+
+
+def _batch_slices(flat: Sequence[Any], batch: int | None, ranks: int, ep: int) -> list[Sequence[Any]]:
+    """The inputs of every lockstep rank: ``flat`` itself for each tp rank (ep == 1); for ep ranks,
+    each its own slice of every input holding the batch (dim 0 of size ``batch``)."""
+    if ep == 1:
+        return [flat] * ranks
+    if batch is None or batch % ep:
+        raise PlanError(f"verify: an example batch of {batch} samples does not split into ep={ep} equal slices (one "
+                        f"per expert-parallel rank); give an example whose batch is a multiple of {ep}")
+    b = batch // ep
+    return [[x[r * b:(r + 1) * b] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
+             for x in flat] for r in range(ep)]
+
+
+def _materialized(plan: Any, stage: int, rank: int, model: nn.Module, device: torch.device) -> nn.Module:
+    """Lockstep rank ``rank``'s module of ``stage``: its tp shards, or (ep > 1) its block of experts."""
+    if plan.config.ep == 1:
+        return materialize_stage(plan, stage, tp_rank=rank, source=model, device=device)
+    module = materialize_stage(plan, stage, tp_rank=0, source=model, device=device)
+    keep_own_experts({stage: module}, plan.ep_plan, rank)
+    return module
 
 
 def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat, *, loss_fn, target, rtol,
@@ -476,6 +512,7 @@ class _OneStage:
 def _check_grads(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], ref_grads: Mapping[str, Any],
                  rtol: float | None) -> tuple[list[str], float, int]:
     specs = plan.tp_plan.param_specs
+    experts = set(plan.ep_plan.expert_params) if plan.config.ep > 1 else None
     group_of = {(s, name): k for k, group in enumerate(plan.stages.shared_params) for s, name in group}
     full: dict[Any, tuple[str, torch.Tensor | None]] = {}  # key (a tied group or (stage, name)) -> grad
     problems: list[str] = []
@@ -490,7 +527,9 @@ def _check_grads(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], ref_gr
                 grads = [torch.zeros_like(dict(m.named_parameters())[name]) if g is None else g
                          for g, m in zip(grads, mods)]
                 spec = specs.get(name)
-                if spec is not None:
+                if experts is not None:  # ep ranks: experts in blocks, the rest each rank's slice's share
+                    g = torch.cat(grads) if name in experts else torch.stack(grads).sum(0)
+                elif spec is not None:
                     shape = plan.tp_plan.full_shapes.get(name)
                     g = spec.unshard(grads, size=None if shape is None else shape[spec.dim])
                 else:

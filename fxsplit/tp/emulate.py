@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fxsplit.tp import collectives as C
+from fxsplit.tp import experts as ep
 from fxsplit.tp import functional as tpf
 
 __all__ = ["EMULATED_OPS", "as_rank", "emulate", "is_emulated"]
@@ -180,7 +181,16 @@ def _vocab_parallel_cross_entropy(bs: list[dict]) -> list:
     return outs
 
 
+def _ep(emulated: Callable, *names: str) -> Callable[[list[dict]], list]:
+    def run(bs: list[dict]) -> list:
+        return emulated(*([b[name] for b in bs] for name in names))
+    return run
+
+
 EMULATED_OPS: dict[Callable, Callable[[list[dict]], list]] = {
+    ep.ep_token_counts: _ep(ep.emulated_token_counts, "offs"),
+    ep.ep_dispatch: _ep(ep.emulated_dispatch, "x", "offs", "recv"),
+    ep.ep_combine: _ep(ep.emulated_combine, "y", "offs", "recv"),
     C.copy_to_region: _region("copy", None),
     C.reduce_from_region: _region("reduce", None),
     C.gather_from_region: _region("gather", "dim"),

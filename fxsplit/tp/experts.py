@@ -42,7 +42,8 @@ import torch.fx
 from fxsplit.errors import ShardingError
 from fxsplit.tp import collectives as C
 
-__all__ = ["EP_OPS", "ep_combine", "ep_dispatch", "ep_local_offsets", "ep_token_counts"]
+__all__ = ["EP_OPS", "emulated_combine", "emulated_dispatch", "emulated_token_counts", "ep_combine", "ep_dispatch",
+           "ep_local_offsets", "ep_token_counts"]
 
 
 def _counts(offs: torch.Tensor) -> torch.Tensor:
@@ -170,6 +171,40 @@ def ep_local_offsets(recv: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if recv.shape[0] == 1 and recv.shape[1] == offs.numel():
         return offs
     return torch.cumsum(recv.sum(0), 0).to(offs.dtype)
+
+
+# ----------------------------------------------------------------------------- one-process emulation
+# Every rank's values at once (index r: rank r's), as fxsplit.verify runs ranks in lockstep ([Note:
+# emulated collectives] in fxsplit.tp.emulate): the exchange written with differentiable torch ops
+# (split, cat, index), so one backward of all ranks' losses gives each rank its real gradient.
+
+
+def emulated_token_counts(offs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``ep_token_counts`` over ``len(offs)`` ranks: rank r's ``recv [n, k]``."""
+    n = len(offs)
+    k = _check(offs[0], n, "ep_token_counts")
+    counts = [_counts(o) for o in offs]
+    return [torch.stack([c[r * k:(r + 1) * k] for c in counts]) for r in range(n)]
+
+
+def emulated_dispatch(xs: list[torch.Tensor], offs: list[torch.Tensor], recvs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``ep_dispatch`` over ``len(xs)`` ranks: rank r's rows of its experts, expert-major."""
+    n = len(xs)
+    k = offs[0].numel() // n
+    pieces = [x.split(_counts(o).view(n, k).sum(1).tolist()) for x, o in zip(xs, offs)]  # [source][dest]
+    return [torch.cat([pieces[s][r] for s in range(n)])[_expert_major(recvs[r].cpu()).to(xs[r].device)]
+            for r in range(n)]
+
+
+def emulated_combine(ys: list[torch.Tensor], offs: list[torch.Tensor], recvs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``ep_combine`` over ``len(ys)`` ranks: every rank's rows back, in the order it dispatched them."""
+    n = len(ys)
+    back = []  # [holder][source]
+    for y, recv in zip(ys, recvs):
+        perm = _expert_major(recv.cpu()).to(y.device)
+        source_major = y[torch.argsort(perm)]
+        back.append(source_major.split(recv.sum(1).tolist()))
+    return [torch.cat([back[r][s] for r in range(n)]) for s in range(n)]
 
 
 EP_OPS = frozenset({ep_token_counts, ep_dispatch, ep_combine, ep_local_offsets})

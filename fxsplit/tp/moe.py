@@ -150,7 +150,7 @@ def find_moe_layers(gm: torch.fx.GraphModule, ep: int) -> EPPlan:
     for name, info in linears.items():
         node = nodes[name]
         if info.kind == "batched":
-            skipped.append((info.module_path, f"batched_mm experts ({name}: W[expert_ids] per row, in token order); "
+            skipped.append((info.module_path, "batched_mm experts (W[expert_ids] per row, in token order); "
                             "use the grouped_mm experts implementation for expert parallelism"))
         elif info.kind == "grouped":
             offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
