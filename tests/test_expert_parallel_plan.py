@@ -134,3 +134,22 @@ def test_transformers_moe_grouped_found_batched_kept_with_reason():
     assert {why for _, why in plan.ep_plan.skipped} == {
         "batched_mm experts (W[expert_ids] per row, in token order); use the grouped_mm experts implementation "
         "for expert parallelism"}
+
+
+def test_memory_counts_each_ranks_block_of_experts():
+    model, args, _ = zoo.make("moe")
+    whole = fxsplit.plan(model, args, dp=2, hardware=_HW).memory()[0]
+    placed = fxsplit.plan(model, args, dp=2, ep=2, hardware=_HW).memory()[0]
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    assert whole.params - placed.params == expert_bytes / 2
+
+
+def test_cli_plans_with_ep(tmp_path, capsys):
+    from fxsplit.cli import main
+
+    factory = tmp_path / "moe_model.py"
+    factory.write_text("from fxsplit.testing import zoo\n\ndef build():\n    return zoo.make('moe')\n")
+    assert main(["plan", f"{factory}:build", "--dp", "2", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fxsplit plan: dp=2 ep=2 tp=1" in out
+    assert "expert parallelism ep=2: 2 MoE layer(s)" in out
