@@ -39,11 +39,24 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxsplit.errors import ShardingError
+from torch.distributed._functional_collectives import _are_we_tracing
+
+from fxsplit.errors import RunError, ShardingError
 from fxsplit.tp import collectives as C
 
 __all__ = ["EP_OPS", "emulated_combine", "emulated_dispatch", "emulated_token_counts", "ep_combine", "ep_dispatch",
            "ep_local_offsets", "ep_token_counts"]
+
+
+def _active(axis: str, op: str):
+    """The bound ep group, or None (identity); RunError under a tracer (make_fx, dynamo): the rows
+    exchanged have counts known only at run time, so a traced stage falls back to autograd (the
+    graph split, ``fxsplit.runtime.split_graph``, catches this as an untraceable stage)."""
+    b = C.active(axis)
+    if b is not None and _are_we_tracing():
+        raise RunError(f"{op}: the expert-parallel exchange over axis {axis!r} cannot be traced (how many rows each "
+                       "rank sends is known only at run time); the stage runs eagerly")
+    return b
 
 
 def _counts(offs: torch.Tensor) -> torch.Tensor:
@@ -136,7 +149,7 @@ def ep_token_counts(offs: torch.Tensor, axis: str = "ep") -> torch.Tensor:
     k experts, from every rank's group ends ``offs``; ``[1, E]`` (this rank's own counts) unbound."""
     if (node := _traced(ep_token_counts, (offs,), {"axis": axis})) is not None:
         return node
-    b = C.active(axis)
+    b = _active(axis, "ep_token_counts")
     counts = _counts(offs)
     if b is None:
         return counts.view(1, -1)
@@ -150,7 +163,7 @@ def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, axis: s
     experts; returns the rows of this rank's experts, expert-major ([Note: expert-parallel exchange])."""
     if (node := _traced(ep_dispatch, (x, offs, recv), {"axis": axis})) is not None:
         return node
-    b = C.active(axis)
+    b = _active(axis, "ep_dispatch")
     return x if b is None else _Dispatch.apply(x, offs, recv, b)
 
 
@@ -159,7 +172,7 @@ def ep_combine(y: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, axis: st
     they came from; returns ``[S, C']`` in the order of the rows ``ep_dispatch`` was given."""
     if (node := _traced(ep_combine, (y, offs, recv), {"axis": axis})) is not None:
         return node
-    b = C.active(axis)
+    b = _active(axis, "ep_combine")
     return y if b is None else _Combine.apply(y, offs, recv, b)
 
 
