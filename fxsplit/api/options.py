@@ -41,6 +41,10 @@ class ParallelConfig:
     # (torch FSDP2's fully_shard over the "dp_shard" mesh axis; HSDP with dp > 1)
     dp_shard: int = 1
     tp: int = 1  # tensor-parallel degree
+    # context-parallel degree: each cp rank keeps 2 of 2*cp chunks of every sequence, attention
+    # all-gathers keys and values ([Note: context parallelism by propagation] in
+    # fxsplit.passes.context_parallel); traced by torch.export with a static sequence
+    cp: int = 1
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
     # samples per microbatch, when known (plan(..., global_batch_size=B) sets B / (dp * dp_shard * m)):
@@ -89,7 +93,7 @@ class ParallelConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp", "dp_shard", "tp", "pp", "microbatches", "stages_per_rank", "microbatch_size"):
+        for name in ("dp", "dp_shard", "cp", "tp", "pp", "microbatches", "stages_per_rank", "microbatch_size"):
             value = getattr(self, name)
             if value is None and name in ("microbatches", "stages_per_rank", "microbatch_size"):
                 continue
@@ -119,6 +123,8 @@ class ParallelConfig:
         if self.compile and self.dp_shard > 1:
             raise PlanError("compile=True with dp_shard > 1 (FSDP units) is not supported yet: the compiled "
                             "graphs have not been checked against FSDP's gathered parameters; use compile=False")
+        if self.cp > 1:
+            self._check_cp()
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.dynamic_sequence not in (True, False, None):
@@ -150,6 +156,17 @@ class ParallelConfig:
                 if dtype is not None and not dtype.is_floating_point:
                     raise PlanError(f"mp_policy.{name} must be a floating dtype or None, got {dtype}")
 
+    def _check_cp(self) -> None:
+        """cp > 1 needs a static sequence under torch.export (the rewrite cuts a known length)."""
+        if self.method == "fx":
+            raise PlanError("cp > 1 rewrites the graph torch.export traces (aten ops with a static sequence); "
+                            "use method='export' or 'auto' (which then traces with export)")
+        if self.dynamic_sequence is True:
+            raise PlanError("cp > 1 cuts a sequence length known at plan time; use dynamic_sequence=None or False "
+                            "(plan with the length you train at, divisible by 2 * cp)")
+        if self.vocab_parallel_loss:
+            raise PlanError("cp > 1 with vocab_parallel_loss=True is not supported yet: use vocab_parallel_loss=False")
+
     def static_batch(self, example_batch: int | None) -> int | None:
         """The microbatch size torch.export traces the batch at, or None for a symbolic batch
         ([Note: a static batch] in fxsplit.graph.examples); ``example_batch``: the example's."""
@@ -165,7 +182,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.dp_shard * self.tp * self.pp
+        return self.dp * self.dp_shard * self.cp * self.tp * self.pp
 
     def resolved(self) -> ParallelConfig:
         """This config with every default filled in (``microbatches``, ``stages_per_rank``, the
