@@ -151,7 +151,7 @@ class _Rewrite:
         self.inputs = set(inputs)
         self.state: dict[torch.fx.Node, Any] = {}  # node -> Seq, or a tuple of Seq | None for tuples
         self.cuts: dict[tuple[torch.fx.Node, int, int], torch.fx.Node] = {}
-        self.order: torch.fx.Node | None = None
+        self.reduced: set[torch.fx.Node] = set()  # full values summed over the cp ranks (losses)
 
     # -- helpers
     def fail(self, node: torch.fx.Node, why: str) -> PlanError:
@@ -200,10 +200,11 @@ class _Rewrite:
 
     def visit(self, node: torch.fx.Node) -> None:
         name = op_name(node)
-        if name == "embedding" and node.args[1] in self.inputs:
+        if name == "embedding" and self.token_ids(node.args[1]):
             ids = node.args[1]
-            node.update_arg(1, self.cut(ids, 1, 1, node))
-            self.state[node] = Seq(1)
+            dim = _ndim(ids) - 1
+            node.update_arg(1, self.cut(ids, dim, 1, node))
+            self.state[node] = Seq(dim)
             return
         if node.target is operator.getitem and isinstance(self.state.get(node.args[0]), tuple):
             self.state[node] = self.state[node.args[0]][node.args[1]]
@@ -218,10 +219,27 @@ class _Rewrite:
         if out is not None:
             self.state[node] = out
 
+    def token_ids(self, ids: Any) -> bool:
+        """Whether ``ids`` (full) are a sequence input, or a view of one, with the sequence last."""
+        while isinstance(ids, torch.fx.Node) and ids not in self.state:
+            if ids in self.inputs:
+                return True
+            if op_name(ids) not in ("view", "reshape", "_unsafe_view", "to", "contiguous", "alias") \
+                    or not _same(_val(ids).shape[-1], self.S):
+                return False
+            ids = ids.args[0]
+        return False
+
     def output(self, node: torch.fx.Node) -> None:
         def fix(a: Any) -> Any:
             s = self.seq_of(a)
             if s is None:
+                v = _val(a)
+                if isinstance(v, torch.Tensor) and v.requires_grad and a not in self.reduced:
+                    raise self.fail(a, "this model output is computed whole on every rank from parameters, not "
+                                       "from the sequence-sharded tokens (the rewrite found no embedding of the token "
+                                       "ids to start from, or a value bypasses it), so its gradient would count "
+                                       "once per cp rank")
                 return a
             if s.inner != 1:
                 raise self.fail(a, "a model output sharded with the sequence merged inside another dim")
@@ -461,6 +479,23 @@ def _matmul(rw: _Rewrite, node: torch.fx.Node) -> Seq:
     return Seq(sa.dim + _ndim(node) - na)
 
 
+def _addmm(rw: _Rewrite, node: torch.fx.Node) -> Seq:
+    """``bias + x @ W`` (GPT-2's Conv1D): x sharded along its rows, bias and W full."""
+    x = node.args[1]
+    s = rw.seq_of(x)
+    if s is None or s.dim != 0 or any(rw.seq_of(a) for a in (node.args[0], node.args[2])) \
+            or _ndim(node.args[0]) > 1:
+        raise rw.fail(node, "an addmm whose sharded operand is not the rows of its input")
+    return s
+
+
+def _mm(rw: _Rewrite, node: torch.fx.Node) -> Seq:
+    s = rw.seq_of(node.args[0])
+    if s is None or s.dim != 0 or rw.seq_of(node.args[1]) is not None:
+        raise rw.fail(node, "an mm whose sharded operand is not the rows of its left input")
+    return s
+
+
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -545,6 +580,7 @@ def _cross_entropy(rw: _Rewrite, node: torch.fx.Node) -> Any:
             last = rw.new(_aten.div.Tensor, (total, counts), like=node)
     node.replace_all_uses_with(last)
     rw.graph.erase_node(node)
+    rw.reduced.add(last)
     rw.plan.losses.append(f"{node.name}: {'mean over every rank' if reduction == 1 else 'sum over every rank'}'s tokens")
     return None
 
@@ -570,7 +606,7 @@ _RULES: dict[str, Callable[[_Rewrite, torch.fx.Node], Any]] = {
     "split": _split, "split_with_sizes": _split, "chunk": _split, "unbind": _split,
     "repeat_interleave": _dim_arg_not_seq(2),
     "cat": _cat,
-    "matmul": _matmul, "bmm": _matmul,
+    "matmul": _matmul, "bmm": _matmul, "addmm": _addmm, "mm": _mm,
     "scaled_dot_product_attention": _sdpa,
     "cross_entropy_loss": _cross_entropy,
 }
