@@ -95,7 +95,8 @@ class ParallelModel(nn.Module):
         from fxsplit.tp.collectives import bind_groups, bind_waiter
 
         stack = contextlib.ExitStack()
-        stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp")}))
+        stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp"),
+                                         "cp": self._groups.get("cp")}))
         if self._polled():
             stack.enter_context(bind_waiter(self._watch.wait))
         return stack
@@ -469,7 +470,9 @@ class ParallelModel(nn.Module):
         dp = self._groups.get("dp")
         if dp is None or dist.get_world_size(dp) == 1:
             return
-        scale = 1.0 / dist.get_world_size(dp)
+        # [Note: cp gradients] each cp rank holds its tokens' share of a gradient: the "dp" group spans
+        # dp x cp ranks (fxsplit.api.parallelize), and the mean over dp is the sum over cp divided by dp
+        scale = self.plan.config.cp / dist.get_world_size(dp)
         wait = lambda work: self._wait(work, "in the data-parallel gradient all-reduce", dp)  # noqa: E731
         _finish_all_reduce(pending, scale=scale, wait=wait)
         done = self._dp_done

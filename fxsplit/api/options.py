@@ -166,6 +166,9 @@ class ParallelConfig:
                             "(plan with the length you train at, divisible by 2 * cp)")
         if self.vocab_parallel_loss:
             raise PlanError("cp > 1 with vocab_parallel_loss=True is not supported yet: use vocab_parallel_loss=False")
+        if self.dp_shard > 1:
+            raise PlanError("cp > 1 with dp_shard > 1 is not supported yet (FSDP2 would reduce-scatter over dp_shard "
+                            "only, not sum over cp): use dp for the data-parallel ranks, or cp=1")
 
     def static_batch(self, example_batch: int | None) -> int | None:
         """The microbatch size torch.export traces the batch at, or None for a symbolic batch
