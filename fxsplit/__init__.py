@@ -146,6 +146,7 @@ PUBLIC_MODULES = (
     "fxsplit.graph.recompute",
     "fxsplit.tp",
     "fxsplit.tp.collectives",
+    "fxsplit.tp.context",
     "fxsplit.tp.sharding",
     "fxsplit.tp.functional",
     "fxsplit.tp.plan",

@@ -100,7 +100,8 @@ class ParallelModel(nn.Module):
 
         stack = contextlib.ExitStack()
         stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp"),
-                                         "ep": self._groups.get("ep")}))
+                                         "ep": self._groups.get("ep"),
+                                         "cp": self._groups.get("cp")}))
         if self._polled():
             stack.enter_context(bind_waiter(self._watch.wait))
         return stack
@@ -474,7 +475,9 @@ class ParallelModel(nn.Module):
         dp = self._groups.get("dp")
         if dp is None or dist.get_world_size(dp) == 1:
             return
-        scale = 1.0 / dist.get_world_size(dp)
+        # [Note: cp gradients] each cp rank holds its tokens' share of a gradient: the "dp" group spans
+        # dp x cp ranks (fxsplit.api.parallelize), and the mean over dp is the sum over cp divided by dp
+        scale = self.plan.config.cp / dist.get_world_size(dp)
         wait = lambda work: self._wait(work, "in the data-parallel gradient all-reduce", dp)  # noqa: E731
         finish_all_reduce(pending, scale=scale, wait=wait)
         done = self._dp_done

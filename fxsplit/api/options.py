@@ -44,6 +44,10 @@ class ParallelConfig:
     # expert-parallel degree: ranks carved out of the dp * dp_shard data-parallel ranks that each hold
     # E / ep experts of every MoE layer and exchange tokens by all_to_all (fxsplit.passes.expert_parallel)
     ep: int = 1
+    # context-parallel degree: each cp rank keeps 2 of 2*cp chunks of every sequence, attention
+    # all-gathers keys and values ([Note: context parallelism by propagation] in
+    # fxsplit.passes.context_parallel); traced by torch.export with a static sequence
+    cp: int = 1
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
     # samples per microbatch, when known (plan(..., global_batch_size=B) sets B / (dp * dp_shard * m)):
@@ -92,7 +96,7 @@ class ParallelConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp", "dp_shard", "tp", "pp", "ep", "microbatches", "stages_per_rank", "microbatch_size"):
+        for name in ("dp", "dp_shard", "cp", "tp", "pp", "ep", "microbatches", "stages_per_rank", "microbatch_size"):
             value = getattr(self, name)
             if value is None and name in ("microbatches", "stages_per_rank", "microbatch_size"):
                 continue
@@ -123,6 +127,8 @@ class ParallelConfig:
             raise PlanError("compile=True with dp_shard > 1 (FSDP units) is not supported yet: the compiled "
                             "graphs have not been checked against FSDP's gathered parameters; use compile=False")
         self._check_ep()
+        if self.cp > 1:
+            self._check_cp()
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.dynamic_sequence not in (True, False, None):
@@ -171,6 +177,23 @@ class ParallelConfig:
             if bad:
                 raise PlanError(f"ep={self.ep} with {name}={getattr(self, name)!r} is not supported: {fix}")
 
+    def _check_cp(self) -> None:
+        """cp > 1 needs a static sequence under torch.export (the rewrite cuts a known length)."""
+        if self.method == "fx":
+            raise PlanError("cp > 1 rewrites the graph torch.export traces (aten ops with a static sequence); "
+                            "use method='export' or 'auto' (which then traces with export)")
+        if self.dynamic_sequence is True:
+            raise PlanError("cp > 1 cuts a sequence length known at plan time; use dynamic_sequence=None or False "
+                            "(plan with the length you train at, divisible by 2 * cp)")
+        if self.vocab_parallel_loss:
+            raise PlanError("cp > 1 with vocab_parallel_loss=True is not supported yet: use vocab_parallel_loss=False")
+        if self.ep > 1:
+            raise PlanError(f"cp={self.cp} with ep={self.ep} is not supported yet (the expert-parallel ranks are "
+                            "carved out of the data ranks, which cp's gradient group joins): use cp=1 or ep=1")
+        if self.dp_shard > 1:
+            raise PlanError("cp > 1 with dp_shard > 1 is not supported yet (FSDP2 would reduce-scatter over dp_shard "
+                            "only, not sum over cp): use dp for the data-parallel ranks, or cp=1")
+
     def static_batch(self, example_batch: int | None) -> int | None:
         """The microbatch size torch.export traces the batch at, or None for a symbolic batch
         ([Note: a static batch] in fxsplit.graph.examples); ``example_batch``: the example's."""
@@ -186,7 +209,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.dp_shard * self.tp * self.pp
+        return self.dp * self.dp_shard * self.cp * self.tp * self.pp
 
     def resolved(self) -> ParallelConfig:
         """This config with every default filled in (``microbatches``, ``stages_per_rank``, the

@@ -99,16 +99,16 @@ def parallelize(
         raise UsageError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
                          f"may take), got {timeout!r}")
     config = make_config(config, options, where="parallelize")
-    dp, tp, pp, ds = config.dp, config.tp, config.pp, config.dp_shard
+    dp, tp, pp, ds, cp = config.dp, config.tp, config.pp, config.dp_shard, config.cp
     if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))  # before the process group and any allocation: see _rank_device
     # the rendezvous waits for every rank to start: bounded by `timeout`, but never below 30 s,
     # since ranks reach it after importing torch and building the model at their own pace
     init_from_env(timeout_s=max(float(timeout), 30.0))
     if mesh is None:
-        mesh = build_mesh(dp=dp, pp=pp, tp=tp, dp_shard=ds)
+        mesh = build_mesh(dp=dp, pp=pp, tp=tp, dp_shard=ds, cp=cp)
     else:
-        check_mesh(mesh, dp, pp, tp, dp_shard=ds)
+        check_mesh(mesh, dp, pp, tp, dp_shard=ds, cp=cp)
     if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
         raise PlanError(
             f"the mesh covers {mesh.mesh.numel()} ranks but the default process group has "
@@ -128,9 +128,12 @@ def parallelize(
         # a group of its own: data-parallel gradient all-reduces run asynchronously during the
         # pipeline and must never interleave with the flags on one group
         groups["errors"] = dist.new_group(backend="gloo", timeout=bound)
-        if pp > 1:  # one group per (dp, dp_shard, tp) coordinate, ordered by pp rank; collective on every rank
-            chains = mesh.mesh.reshape(dp * ds, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
+        if pp > 1:  # one group per (dp, dp_shard, cp, tp) coordinate, ordered by pp rank; collective on every rank
+            chains = mesh.mesh.reshape(dp * ds * cp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
             pipe_group, _ = dist.new_subgroups_by_enumeration(chains, timeout=bound)
+        if cp > 1:  # [Note: cp gradients]: the gradient all-reduce runs over dp x cp, summed over cp
+            replicas = mesh.mesh.reshape(dp * cp, pp * tp).t().tolist()
+            groups["dp"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
         if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
             replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
             groups["data"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)

@@ -225,16 +225,21 @@ def plan(
     # nn.MultiheadAttention / TransformerEncoder(Layer) are traced as ops (fused in_proj chunked
     # into q/k/v, heads, sdpa, out_proj) so the planner shards them by heads: fx would keep each a
     # leaf with no linear in it, export merges the batch into the heads. Same parameter names.
-    gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules,
-               dynamic_sequence=config.dynamic_sequence,
+    gm = trace(model, example_args, example_kwargs, method="export" if config.cp > 1 else config.method,
+               leaf_modules=config.leaf_modules,
+               dynamic_sequence=False if config.cp > 1 else config.dynamic_sequence,
                param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None,
                decompose_attention=config.tp > 1, static_batch=static_batch)
     ctx = PassContext(
         example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
         example_kwargs=dict(example_kwargs or {}),
-        options={"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep},
+        options={"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep, "cp": config.cp},
     )
     pipeline = list(config.passes)
+    if config.cp > 1:  # before tensor parallelism, on the aten graph export traced
+        from fxsplit.passes.context_parallel import context_parallel
+
+        pipeline.append(functools.partial(context_parallel, cp=config.cp))
     if config.tp > 1 or config.tp_plan:
         from fxsplit.passes.tensor_parallel import tensor_parallel
 

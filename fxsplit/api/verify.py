@@ -81,7 +81,7 @@ from fxsplit.graph.recompute import checkpointed
 from fxsplit.graph.trace import flatten_inputs
 from fxsplit.pipeline.layout import hand_over
 from fxsplit.tp import collectives as C
-from fxsplit.tp.emulate import as_rank, emulate, is_emulated
+from fxsplit.tp.emulate import as_ranks, emulate, is_emulated
 from fxsplit.tp.random import is_random
 
 __all__ = ["REFERENCES", "VerificationError", "VerifyReport", "auto_verify_reason", "tolerance", "verify"]
@@ -167,10 +167,15 @@ def _unwrapped(target: Any) -> Any:
 
 
 def _run_lockstep(gm: torch.fx.GraphModule, mods: Sequence[nn.Module], inputs: Sequence[Sequence[Any]],
-                  record: dict[str, list[Any]] | None, axis: str = "tp") -> list[tuple]:
+                  record: dict[str, list[Any]] | None, ranks: Sequence[Mapping[str, tuple[int, int]]] | None = None
+                  ) -> list[tuple]:
     """Run ``gm``'s graph for the t ranks (``mods[r]`` holds rank r's tensors, ``inputs[r]`` its
-    stage inputs); returns each rank's outputs; ``record`` gets every node's per-rank values."""
+    stage inputs); returns each rank's outputs; ``record`` gets every node's per-rank values.
+    ``ranks[r]``: rank r's (rank, size) along each mesh axis (default: tp rank r of t), for
+    several axes at once (cp x tp: [Note: emulated collectives over several axes])."""
     t = len(mods)
+    if ranks is None:
+        ranks = [{"tp": (r, t)} for r in range(t)]
     env: list[dict[torch.fx.Node, Any]] = [{} for _ in range(t)]
     placeholders = iter(range(len(inputs[0])))
     for node in gm.graph.nodes:
@@ -186,18 +191,19 @@ def _run_lockstep(gm: torch.fx.GraphModule, mods: Sequence[nn.Module], inputs: S
             kwargs = [torch.fx.node.map_arg(node.kwargs, lambda n, r=r: env[r][n]) for r in range(t)]
             base = _unwrapped(node.target) if node.op == "call_function" else None
             if base is not None and is_emulated(base):
-                vals = emulate(base, args, kwargs)
+                # one axis: every rank takes part; several (cp x tp): the ranks sharing the other coordinates
+                vals = emulate(base, args, kwargs, ranks if len(ranks[0]) > 1 else None)
             elif base is checkpointed:
                 # an activation-checkpointed layer: its region graph, in lockstep (recomputation
                 # changes no number: the region is run once, without checkpointing)
                 regions = [a[0] for a in args]
                 if not isinstance(regions[0], torch.fx.GraphModule):
                     raise VerificationError(f"verify: node {node.name!r} checkpoints a region that is not a graph")
-                vals = _run_lockstep(regions[0], regions, [a[2:] for a in args], None, axis)
+                vals = _run_lockstep(regions[0], regions, [a[2:] for a in args], None, ranks)
             else:
                 vals = []
                 for r in range(t):
-                    with as_rank(r, t, axis):
+                    with as_ranks(ranks[r]):
                         vals.append(_eval(node, mods[r], args[r], kwargs[r]))
         for r in range(t):
             env[r][node] = vals[r]
@@ -313,20 +319,28 @@ def verify(
     t, num_stages = c.tp, c.num_stages
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     flat = flatten_inputs(plan.graph, example_args, example_kwargs)
-    ranks, axis = (c.ep, "ep") if c.ep > 1 else (t, "tp")
-    rank_inputs = _batch_slices(flat, batch_of((tuple(example_args), dict(example_kwargs or {}))), ranks, c.ep)
+    if c.ep > 1:  # the ep ranks, each its batch slice and block of experts (ep excludes tp and cp)
+        ranks = [{"ep": (r, c.ep)} for r in range(c.ep)]
+        held = c.ep
+    else:  # every (cp, tp) rank; the cp ranks of one tp rank share its modules, so their parameter
+        # gradients add up in one .grad, as the runtime sums them over cp
+        ranks = [{"cp": (k, c.cp), "tp": (r, t)} for k in range(c.cp) for r in range(t)]
+        held = t
+    n = len(ranks)
+    rank_inputs = _batch_slices(flat, batch_of((tuple(example_args), dict(example_kwargs or {}))), n, c.ep)
     if stage_modules is None:
-        stage_modules = [[_materialized(plan, s, r, model, device) for r in range(ranks)] for s in range(num_stages)]
+        stage_modules = [[_materialized(plan, s, r, model, device) for r in range(held)] for s in range(num_stages)]
     vals: list[dict[str, list[Any]]] = []
     outs: list[list[tuple]] = []
     for s, io in enumerate(plan.stages.io):
         # values cross as the runtime transfers them: same layout ([Note: boundary layouts])
         inputs = [[rank_inputs[r][src.index] if src.stage is None else
                    hand_over(outs[src.stage][r][src.index], meta.dim_order)
-                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(ranks)]
+                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(n)]
         vals.append({})
-        outs.append(_run_lockstep(plan.stages.modules[s], stage_modules[s], inputs, vals[-1], axis))
-    rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(ranks)]
+        mods = [stage_modules[s][i % held] for i in range(n)]
+        outs.append(_run_lockstep(plan.stages.modules[s], mods, inputs, vals[-1], ranks))
+    rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(n)]
     if c.ep > 1:  # the ep ranks' outputs joined along the batch: one model output, one loss
         rank_flat = [[torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() else vs[0]
                       for vs in zip(*rank_flat)]]
@@ -380,15 +394,17 @@ def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, ran
 
     problems: list[str] = []
     max_out = 0.0
-    for r in range(t):
+    cp = plan.config.cp
+    for r in range(len(rank_flat)):
         for k, (x, ref) in enumerate(zip(rank_flat[r], reference.flat)):
             if isinstance(ref, torch.Tensor):
                 ok, err = _ok(x, ref, rtol)
                 max_out = max(max_out, err)
                 if not ok:
-                    problems.append(f"model output {k} on tp rank {r}: relative error {err:.3g}")
+                    where = f"tp rank {r % t}" + (f", cp rank {r // t}" if cp > 1 else "")
+                    problems.append(f"model output {k} on {where}: relative error {err:.3g}")
     ref_loss = loss_of(reference.flat)
-    losses = [loss_of(rank_flat[r]) for r in range(t)]
+    losses = [loss_of(flat) for flat in rank_flat]
     max_grad, n_grads = 0.0, 0
     if ref_loss.requires_grad:
         ref_grads = reference.grads(ref_loss)
@@ -400,7 +416,7 @@ def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, ran
             _raise_if_passes_changed_meaning(model, example_args, example_kwargs, plan, rtol, problems)
         ref_gm, ref_vals = reference.node_values(model, example_args, example_kwargs, plan)
         raise _diverged(plan, ref_gm, ref_vals, vals, problems, rtol)
-    return VerifyReport(outputs=len(reference.flat) * t, gradients=n_grads, max_output_error=max_out,
+    return VerifyReport(outputs=len(reference.flat) * len(rank_flat), gradients=n_grads, max_output_error=max_out,
                         max_gradient_error=max_grad, seconds=time.perf_counter() - t0)
 
 
