@@ -19,6 +19,7 @@ CASES_2 = {
     "moe/dp2-ep2": ("moe", dict(dp=2, ep=2)),
     "moe-noshared/dp2-ep2": ("moe-noshared", dict(dp=2, ep=2)),
 }
+STATE_CASES = ("moe/dp2-ep2", "moe/dp4-ep2")  # full state dicts gathered / loaded, checkpoints refused
 CASES_4 = {
     "moe/dp2-ep2-pp2": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")),
     "moe/dp4-ep4": ("moe", dict(dp=4, ep=4)),
@@ -55,13 +56,30 @@ def _batch(model):
     return x, torch.randint(0, vocab, (GLOBAL_BATCH, 8), generator=g)
 
 
-def _train(rank, world, cases):
+def _state_checks(pm, name, tmp):
+    """The trained full state dict (expert blocks joined over ep), a reload of fresh weights, and
+    the sharded checkpoint's refusal."""
+    trained = {k: v.clone() for k, v in pm.full_state_dict().items()}  # on the CPU it shares the live tensors
+    fresh = _model(name).state_dict()
+    pm.load_full_state_dict(fresh)
+    reloaded = pm.full_state_dict()
+    try:
+        pm.save_checkpoint(f"{tmp}/ckpt")
+        refused = ""
+    except fxsplit.errors.CheckpointError as exc:
+        refused = str(exc)
+    return dict(trained=trained, reloaded_equal=all(torch.equal(reloaded[k], v) for k, v in fresh.items()),
+                refused=refused)
+
+
+def _train(rank, world, cases, tmp=None):
     out = {}
     for label, (name, options) in cases.items():
         model = _model(name)
         x, y = _batch(model)
-        pm = fxsplit.parallelize(model, (x[:GLOBAL_BATCH // options["dp"]],), loss_fn=_loss,
-                                 hardware=_HW, timeout=60, verify=False, **options)
+        # the zoo's model is verified on every rank first (ep emulated in one process: verify=None, auto)
+        pm = fxsplit.parallelize(model, (x[:GLOBAL_BATCH // options["dp"]],), loss_fn=_loss, hardware=_HW,
+                                 timeout=60, verify=None if label == "moe/dp2-ep2" else False, **options)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
         losses = []
         for _ in range(STEPS):
@@ -73,6 +91,8 @@ def _train(rank, world, cases):
         d, _ = replica_index(pm)
         out[label] = dict(losses=losses, grads=grads, ep_rank=d % options["ep"],
                           experts=set(pm.plan.ep_plan.expert_params))
+        if label in STATE_CASES:
+            out[label].update(_state_checks(pm, name, tmp))
     return out
 
 
@@ -88,12 +108,12 @@ def _reference(name):
         losses.append(float(loss.detach()))
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
-    return losses, grads
+    return losses, grads, model.state_dict()
 
 
 def _check(cases, results):
     for label, (name, options) in cases.items():
-        losses, grads = _reference(name)
+        losses, grads, state = _reference(name)
         seen = set()
         for rank, res in enumerate(r[label] for r in results):
             tag = f"{label} rank {rank}"
@@ -108,15 +128,23 @@ def _check(cases, results):
                 torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=f"{tag} grad {n}")
                 seen.add(n)
         assert seen == set(grads), f"{label}: gradients missing: {sorted(set(grads) - seen)}"
+        if label in STATE_CASES:
+            for res in (r[label] for r in results):
+                assert set(res["trained"]) == set(state), label
+                for k, v in state.items():
+                    torch.testing.assert_close(res["trained"][k], v, rtol=1e-4, atol=1e-6,
+                                               msg=lambda m, k=k: f"{label} state {k}: {m}")
+                assert res["reloaded_equal"], label
+                assert "full_state_dict" in res["refused"], res["refused"]
 
 
 @pytest.mark.dist
 @pytest.mark.hf
-def test_expert_parallel_two_ranks():
-    _check(CASES_2, run_distributed(_train, 2, CASES_2, timeout=300))
+def test_expert_parallel_two_ranks(tmp_path):
+    _check(CASES_2, run_distributed(_train, 2, CASES_2, str(tmp_path), timeout=300))
 
 
 @pytest.mark.dist
 @pytest.mark.hf
-def test_expert_parallel_four_ranks():
-    _check(CASES_4, run_distributed(_train, 4, CASES_4, timeout=400))
+def test_expert_parallel_four_ranks(tmp_path):
+    _check(CASES_4, run_distributed(_train, 4, CASES_4, str(tmp_path), timeout=400))

@@ -580,6 +580,7 @@ class ParallelModel(nn.Module):
             per_rank: list = [None] * dist.get_world_size(tp)
             dist.all_gather_object(per_rank, local, group=tp)
             local = unshard_state_dict(per_rank, {k: s for k, s in specs.items() if k in local})
+        local = self._joined_experts(local)
         pp = self._groups.get("pp")
         merged = dict(local)
         if pp is not None and dist.get_world_size(pp) > 1:
@@ -593,11 +594,24 @@ class ParallelModel(nn.Module):
             return None
         return _with_aliases(merged, self.plan.graph)
 
+    def _joined_experts(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``local`` with every expert weight placed by ep whole: the ep group's blocks joined on dim 0
+        (every rank of an ep group holds the same stages, so all call this alike)."""
+        group = self._groups.get("ep")
+        names = [k for k in self.plan.ep_plan.expert_params if k in local] if self.plan.config.ep > 1 else []
+        if group is None or not names:
+            return local
+        blocks: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(blocks, {k: local[k] for k in names}, group=group)
+        return {**local, **{k: torch.cat([b[k] for b in blocks]) for k in names}}
+
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
         """Load a full (unsharded) state dict with the original names; each rank keeps its shards."""
         specs = self.plan.tp_plan.param_specs
         tp_rank = self.coords.get("tp", 0)
+        experts = set(self.plan.ep_plan.expert_params) if self.plan.config.ep > 1 else set()
+        ep_rank = self._groups["ep"].rank() if experts else 0
         missing = []
         for mod in self.stage_modules.values():
             # what state_dict() holds: parameters and persistent buffers (non-persistent ones,
@@ -609,6 +623,8 @@ class ParallelModel(nn.Module):
                 src = state_dict[name]
                 if name in specs:
                     src = specs[name].shard(src, tp_rank)
+                if name in experts:  # this rank's block of experts
+                    src = src.chunk(self.plan.config.ep)[ep_rank]
                 if tuple(src.shape) != tuple(t.shape):
                     raise ShardingError(f"load_full_state_dict: {name!r} has shape {tuple(src.shape)}, expected {tuple(t.shape)} (after sharding)")
                 _copy_into(t, src)

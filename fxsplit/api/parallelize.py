@@ -279,11 +279,17 @@ def _verify(model: nn.Module, example_args: Any, example_kwargs: Any, the_plan: 
     """[Note: plan-time verification]: every rank checks the plan in its own process (the same
     deterministic answer everywhere, so a mismatch raises on every rank, before any collective)."""
     from fxsplit.api.verify import auto_verify_reason, verify
+    from fxsplit.graph.examples import batch_of
 
     if mode is False:
         return
     if mode is None:
         why_not = auto_verify_reason(model, the_plan)
+        ep = the_plan.config.ep
+        batch = batch_of((tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
+                          dict(example_kwargs or {})))
+        if why_not is None and ep > 1 and (batch is None or batch % ep):
+            why_not = f"the example batch of {batch} does not split into ep={ep} slices (one per expert-parallel rank)"
         if why_not is not None:
             _log.info("fxsplit: not verifying the plan (verify=None): %s", why_not)
             return
