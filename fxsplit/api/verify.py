@@ -66,6 +66,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxsplit.api.materialize import materialize_stage
+from fxsplit.api.padding import check_padding
 from fxsplit.errors import PlanError, UsageError, VerificationError
 from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.ops import resolve_path
@@ -308,18 +309,14 @@ def verify(
         stage_modules = [[materialize_stage(plan, s, tp_rank=r, source=model, device=device) for r in range(t)]
                          for s in range(num_stages)]
     vals: list[dict[str, list[Any]]] = []
-    outs: list[list[tuple]] = []
-    for s, io in enumerate(plan.stages.io):
-        # values cross as the runtime transfers them: same layout ([Note: boundary layouts])
-        inputs = [[flat[src.index] if src.stage is None else hand_over(outs[src.stage][r][src.index], meta.dim_order)
-                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(t)]
-        vals.append({})
-        outs.append(_run_lockstep(plan.stages.modules[s], stage_modules[s], inputs, vals[-1]))
-    rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(t)]
+    rank_flat = _run_stages(plan, stage_modules, flat, vals)
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # a train-mode forward updates some
     try:
         report = _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat,
                           loss_fn=loss_fn, target=target, rtol=rtol, t0=t0, reference=reference)
+        check_padding(model, tuple(example_args), dict(example_kwargs or {}), plan,
+                      lambda padded: _run_stages(plan, stage_modules, padded, [])[0],
+                      lambda x, ref: _ok(x, ref, rtol))
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():
@@ -328,6 +325,21 @@ def verify(
     if not quiet:
         print(f"fxsplit.verify: OK, {report} against the {_REFERENCE_WORDS[reference]}")
     return report
+
+
+def _run_stages(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], flat: Sequence[Any],
+                vals: list[dict[str, list[Any]]]) -> list[list[Any]]:
+    """Every stage on every tp rank in lockstep on the flat model inputs ``flat``; each stage's node
+    values appended to ``vals``; returns the flat model outputs per tp rank."""
+    outs: list[list[tuple]] = []
+    for s, io in enumerate(plan.stages.io):
+        # values cross as the runtime transfers them: same layout ([Note: boundary layouts])
+        inputs = [[flat[src.index] if src.stage is None else hand_over(outs[src.stage][r][src.index], meta.dim_order)
+                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(plan.config.tp)]
+        vals.append({})
+        outs.append(_run_lockstep(plan.stages.modules[s], stage_modules[s], inputs, vals[-1]))
+    return [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)]
+            for r in range(plan.config.tp)]
 
 
 def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat, *, loss_fn, target, rtol,
