@@ -133,8 +133,8 @@ class ParallelModel(nn.Module):
         (before :meth:`clip_grad_norm_`), ``scaler.step(opt)``, ``scaler.update()``.
 
         Any batch size B >= m and any sequence length the model allows run without re-planning
-        (batch and sequence are traced as symbols; under torch.export the sequence only with
-        ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace), except
+        (batch and sequence are traced as symbols; torch.export fixes the sequence, and shorter ones
+        are padded to it: [Note: padding to the traced length] in fxsplit.api.padding), except
         that a plan with a known microbatch size (``global_batch_size=`` / ``microbatch_size=``) traced
         by torch.export takes microbatches of that size only (``dynamic_batch=True`` for any:
         [Note: a static batch] in fxsplit.graph.examples).
