@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fxsplit
+from fxsplit.api.packing import position_ids_from_documents
 from fxsplit.testing.data import replica_slice
 from fxsplit.testing.hf_zoo import tiny_llama
 
@@ -71,12 +72,7 @@ def pack(docs: list[bytes], rows: int, length: int, start: int) -> tuple[torch.T
     x, nxt, d = tok[:-1].view(rows, length), tok[1:].view(rows, length), ids[:-1].view(rows, length)
     same = ids[1:].view(rows, length) == d
     y = torch.where(same, nxt, torch.full_like(nxt, IGNORE))
-    # positions restart where a document (or a row) begins
-    begins = torch.ones_like(d, dtype=torch.bool)
-    begins[:, 1:] = d[:, 1:] != d[:, :-1]
-    idx_in_row = torch.arange(length).expand(rows, -1)
-    last_begin = torch.cummax(torch.where(begins, idx_in_row, torch.zeros_like(idx_in_row)), dim=1).values
-    pos = idx_in_row - last_begin
+    pos = position_ids_from_documents(d)  # positions restart where a document (or a row) begins
     return x, y, pos, int(d.unique().numel()), (start + need) % len(stream)
 
 

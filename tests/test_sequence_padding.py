@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import fxsplit
+from fxsplit.api.packing import position_ids_from_documents
 from fxsplit.api.padding import outputs_cut, pad_to_traced, traced_length
 from fxsplit.errors import PlanError, VerificationError
 from fxsplit.testing import hf_zoo
@@ -16,7 +17,16 @@ PACKED = ((0, 5), (5, 12), (12, 16))  # three documents in a row of 16
 
 
 def _packed_positions(batch):
-    return torch.cat([torch.arange(b - a) for a, b in PACKED]).expand(batch, -1).clone()
+    docs = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(PACKED)]).expand(batch, -1)
+    return position_ids_from_documents(docs)
+
+
+def test_position_ids_from_documents():
+    docs = torch.tensor([[7, 7, 7, 3, 3, 9], [1, 1, 1, 1, 1, 1]])
+    assert position_ids_from_documents(docs).tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
+    assert _packed_positions(1).tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3]]
+    with pytest.raises(TypeError, match="integer tensor"):
+        position_ids_from_documents(torch.zeros(2, 3))
 
 
 def test_pad_inputs_and_cut_outputs():
