@@ -65,16 +65,27 @@ class _Bidirectional(nn.Module):
         return self.out(nn.functional.scaled_dot_product_attention(q, k, v))
 
 
+def _lm_loss(out, y):
+    return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
 def test_verify_checks_that_padding_is_exact():
     model, args, kwargs = hf_zoo.make_hf("llama", batch_size=2, seq_len=16)
     p = fxsplit.plan(model, args, kwargs, tp=2, pp=2, microbatches=2, schedule="1f1b", method="export")
     fxsplit.verify(model, args, p, kwargs)  # causal: a real position never reads a padded one
+    # shorter examples run padded, as steps do: outputs, loss and every gradient against the model
+    for t in (9, 13):
+        y = torch.randint(0, 256, (2, t), generator=torch.Generator().manual_seed(t))
+        report = fxsplit.verify(model, (args[0][:, :t],), p, {"attention_mask": kwargs["attention_mask"][:, :t]},
+                                loss_fn=_lm_loss, target=y, quiet=True)
+        assert report.gradients > 0
 
     torch.manual_seed(0)
     bi, ids = _Bidirectional(), torch.randint(0, 32, (2, 8))
     p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export")
-    with pytest.raises(VerificationError, match="pad_sequence=False"):
-        fxsplit.verify(bi, (ids,), p)
+    for example in (ids, ids[:, :5]):  # at the traced length (its half is checked), and shorter
+        with pytest.raises(VerificationError, match="pad_sequence=False"):
+            fxsplit.verify(bi, (example,), p)
     p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", pad_sequence=False)
     fxsplit.verify(bi, (ids,), p)
 
@@ -88,3 +99,5 @@ def test_packed_documents_equal_each_document_alone():
     p = fxsplit.plan(model, (ids,), {"position_ids": pos}, tp=2, pp=2, microbatches=2, schedule="1f1b",
                      method="export")
     fxsplit.verify(model, (ids,), p, {"position_ids": pos})
+    y = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    fxsplit.verify(model, (ids[:, :10],), p, {"position_ids": pos[:, :10]}, loss_fn=_lm_loss, target=y, quiet=True)

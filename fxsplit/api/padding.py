@@ -141,8 +141,8 @@ def _shorter(args: tuple, kwargs: dict, length: int, t: int) -> tuple[tuple, dic
 def check_padding(model: torch.nn.Module, example_args: tuple, example_kwargs: dict, plan_: Plan,
                   run_plan: Callable[[list[Any]], list[Any]], close: Callable[[Any, Any], tuple[bool, float]]) -> None:
     """[Note: padding to the traced length]: ``run_plan(flat)`` (the plan's flat outputs on tp rank
-    0) on the example cut to t = L // 2 positions and padded back to L, cut to t, against the model
-    run on the cut example; ``close(x, ref)`` is verify's comparison. Raises VerificationError
+    0) on the example cut to t = L // 2 positions (an example shorter than L as it is) and padded
+    back to L, cut to t, against the model run on the cut example; ``close(x, ref)`` is verify's comparison. Raises VerificationError
     naming the fix when the padding changes an output."""
     from torch.utils import _pytree as pytree
 
@@ -155,8 +155,8 @@ def check_padding(model: torch.nn.Module, example_args: tuple, example_kwargs: d
     args, kwargs = _shorter(tuple(example_args), dict(example_kwargs or {}), length, t)
     with torch.no_grad():
         ref, _ = pytree.tree_flatten(model(*args, **kwargs))
-        padded, got_t = pad_to_traced(flatten_inputs(plan_.graph, args, kwargs), plan_)
-        if got_t is None:
+        padded, t = pad_to_traced(flatten_inputs(plan_.graph, args, kwargs), plan_)  # t: the example's if shorter
+        if t is None:
             return
         outs = outputs_cut(plan_, t)(list(run_plan(padded)))
     bad = []

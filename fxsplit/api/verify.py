@@ -66,7 +66,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxsplit.api.materialize import materialize_stage
-from fxsplit.api.padding import check_padding
+from fxsplit.api.padding import check_padding, outputs_cut, pad_to_traced
 from fxsplit.errors import PlanError, UsageError, VerificationError
 from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.ops import resolve_path
@@ -304,19 +304,27 @@ def verify(
         example_kwargs = cut
     t, num_stages = c.tp, c.num_stages
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    flat = flatten_inputs(plan.graph, example_args, example_kwargs)
+    # an example shorter than the traced length runs padded, as a step would ([Note: padding to the traced length])
+    flat, length = pad_to_traced(flatten_inputs(plan.graph, example_args, example_kwargs), plan)
     if stage_modules is None:
         stage_modules = [[materialize_stage(plan, s, tp_rank=r, source=model, device=device) for r in range(t)]
                          for s in range(num_stages)]
     vals: list[dict[str, list[Any]]] = []
     rank_flat = _run_stages(plan, stage_modules, flat, vals)
+    if length is not None:
+        rank_flat = [outputs_cut(plan, length)(r) for r in rank_flat]
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # a train-mode forward updates some
+    def padding() -> None:
+        check_padding(model, tuple(example_args), dict(example_kwargs or {}), plan,
+                      lambda padded: _run_stages(plan, stage_modules, padded, [])[0], lambda x, ref: _ok(x, ref, rtol))
+
     try:
+        if length is not None:  # a padded example: a padding that changes the model is named as such first
+            padding()
         report = _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat,
                           loss_fn=loss_fn, target=target, rtol=rtol, t0=t0, reference=reference)
-        check_padding(model, tuple(example_args), dict(example_kwargs or {}), plan,
-                      lambda padded: _run_stages(plan, stage_modules, padded, [])[0],
-                      lambda x, ref: _ok(x, ref, rtol))
+        if length is None:
+            padding()
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():
