@@ -21,6 +21,7 @@ from fxsplit.api import agreement, checkpoint
 from fxsplit.api.grad_buckets import bucketed_all_reduce, finish_all_reduce, launch_all_reduce
 from fxsplit.api.checkpoint import alias_groups, like_param, load_full_checkpoint
 from fxsplit.api.inputs import check_batch, inference_microbatches
+from fxsplit.api.padding import outputs_cut, pad_to_traced
 from fxsplit.errors import (ArgumentTypeError, MissingKeyError, PlanError, RankFailedError, RunError, ShardingError,
                             UsageError)
 from fxsplit.runtime.failures import exchange_errors
@@ -138,8 +139,8 @@ class ParallelModel(nn.Module):
         (before :meth:`clip_grad_norm_`), ``scaler.step(opt)``, ``scaler.update()``.
 
         Any batch size B >= m and any sequence length the model allows run without re-planning
-        (batch and sequence are traced as symbols; under torch.export the sequence only with
-        ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace), except
+        (batch and sequence are traced as symbols; torch.export fixes the sequence, and shorter ones
+        are padded to it: [Note: padding to the traced length] in fxsplit.api.padding), except
         that a plan with a known microbatch size (``global_batch_size=`` / ``microbatch_size=``) traced
         by torch.export takes microbatches of that size only (``dynamic_batch=True`` for any:
         [Note: a static batch] in fxsplit.graph.examples).
@@ -157,7 +158,8 @@ class ParallelModel(nn.Module):
         error, loss, loss_scale = None, None, None
         try:
             flat = self._flat(args, kwargs)
-            check_batch(flat, self.plan, "step")
+            run_flat, length = pad_to_traced(flat, self.plan)  # [Note: padding to the traced length]
+            check_batch(run_flat, self.plan, "step")
             if target is None and self.plan.config.num_stages - 1 in self.local_stage_graphs():
                 raise UsageError(
                     "step(): this rank holds the last stage, which computes the loss, and needs the "
@@ -172,7 +174,8 @@ class ParallelModel(nn.Module):
             if self._fsdp is not None:
                 self._fsdp.begin()
             with self._bound():
-                loss = self._runtime.step(flat, target=target, loss_scale=loss_scale)
+                loss = self._runtime.step(run_flat, target=target, loss_scale=loss_scale,
+                                          cut_outputs=outputs_cut(self.plan, length))
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
             self._post(exc)
@@ -251,11 +254,16 @@ class ParallelModel(nn.Module):
         :mod:`fxsplit.api.generate`)."""
         def prepare() -> list:
             flat = self._flat(args, kwargs)
-            check_batch(flat, self.plan, "forward", microbatches=inference_microbatches(flat, self.plan))
+            padded, _ = pad_to_traced(flat, self.plan)  # [Note: padding to the traced length]
+            check_batch(padded, self.plan, "forward", microbatches=inference_microbatches(padded, self.plan))
             return flat
 
-        return self._inference("forward", prepare, lambda flat: self._runtime.forward(
-            flat, all_ranks=True, microbatches=inference_microbatches(flat, self.plan)))
+        def body(flat: list) -> Any:
+            padded, length = pad_to_traced(flat, self.plan)
+            return self._runtime.forward(padded, all_ranks=True, microbatches=inference_microbatches(padded, self.plan),
+                                         cut_outputs=outputs_cut(self.plan, length))
+
+        return self._inference("forward", prepare, body)
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, eos_token_id: int | None = None,

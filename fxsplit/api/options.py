@@ -71,6 +71,10 @@ class ParallelConfig:
     # only; export traces the example's length, several times faster: [Note: a static sequence
     # for export] in fxsplit.graph.trace), False (neither). The batch: dynamic_batch.
     dynamic_sequence: bool | None = None
+    # a plan traced by torch.export at a fixed length serves shorter sequences padded to it on the
+    # right and cut back ([Note: padding to the traced length] in fxsplit.api.padding): None or True
+    # (pad; verify checks it is exact), False (only the traced length runs)
+    pad_sequence: bool | None = None
     leaf_modules: tuple[Any, ...] = ()  # module paths or classes fx keeps as single nodes
     hardware: Hardware | None = None  # what stage times are estimated for; None: Hardware()
     cut_at: str = "any"  # "modules": stages start only where a module call begins
@@ -134,6 +138,9 @@ class ParallelConfig:
         if self.dynamic_sequence not in (True, False, None):
             raise PlanError(f"dynamic_sequence must be True, False or None (symbolic with fx only), got "
                             f"{self.dynamic_sequence!r}")
+        if self.pad_sequence not in (True, False, None):
+            raise PlanError(f"pad_sequence must be True, False or None (pad shorter sequences to the traced length), "
+                            f"got {self.pad_sequence!r}")
         if self.dynamic_batch not in (True, False, None):
             raise PlanError(f"dynamic_batch must be True, False or None (static when microbatch_size is known), got "
                             f"{self.dynamic_batch!r}")

@@ -74,6 +74,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fxsplit.api.materialize import keep_own_experts, materialize_stage
+from fxsplit.api.padding import check_padding, outputs_cut, pad_to_traced
 from fxsplit.errors import PlanError, UsageError, VerificationError
 from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.ops import resolve_path
@@ -318,36 +319,30 @@ def verify(
         example_kwargs = cut
     t, num_stages = c.tp, c.num_stages
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    flat = flatten_inputs(plan.graph, example_args, example_kwargs)
-    if c.ep > 1:  # the ep ranks, each its batch slice and block of experts (ep excludes tp and cp)
-        ranks = [{"ep": (r, c.ep)} for r in range(c.ep)]
-        held = c.ep
-    else:  # every (cp, tp) rank; the cp ranks of one tp rank share its modules, so their parameter
-        # gradients add up in one .grad, as the runtime sums them over cp
-        ranks = [{"cp": (k, c.cp), "tp": (r, t)} for k in range(c.cp) for r in range(t)]
-        held = t
-    n = len(ranks)
-    rank_inputs = _batch_slices(flat, batch_of((tuple(example_args), dict(example_kwargs or {}))), n, c.ep)
+    # an example shorter than the traced length runs padded, as a step would ([Note: padding to the traced length])
+    flat, length = pad_to_traced(flatten_inputs(plan.graph, example_args, example_kwargs), plan)
+    batch = batch_of((tuple(example_args), dict(example_kwargs or {})))
+    held = _lockstep_ranks(c)[1]
     if stage_modules is None:
         stage_modules = [[_materialized(plan, s, r, model, device) for r in range(held)] for s in range(num_stages)]
     vals: list[dict[str, list[Any]]] = []
-    outs: list[list[tuple]] = []
-    for s, io in enumerate(plan.stages.io):
-        # values cross as the runtime transfers them: same layout ([Note: boundary layouts])
-        inputs = [[rank_inputs[r][src.index] if src.stage is None else
-                   hand_over(outs[src.stage][r][src.index], meta.dim_order)
-                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(n)]
-        vals.append({})
-        mods = [stage_modules[s][i % held] for i in range(n)]
-        outs.append(_run_lockstep(plan.stages.modules[s], mods, inputs, vals[-1], ranks))
-    rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(n)]
-    if c.ep > 1:  # the ep ranks' outputs joined along the batch: one model output, one loss
-        rank_flat = [[torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() else vs[0]
-                      for vs in zip(*rank_flat)]]
+    rank_flat = _run_stages(plan, stage_modules, flat, vals, batch)
+    if length is not None:
+        rank_flat = [outputs_cut(plan, length)(r) for r in rank_flat]
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # a train-mode forward updates some
+
+    def padding() -> None:
+        check_padding(model, tuple(example_args), dict(example_kwargs or {}), plan,
+                      lambda padded: _run_stages(plan, stage_modules, padded, [], batch)[0],
+                      lambda x, ref: _ok(x, ref, rtol))
+
     try:
+        if length is not None:  # a padded example: a padding that changes the model is named as such first
+            padding()
         report = _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat,
                           loss_fn=loss_fn, target=target, rtol=rtol, t0=t0, reference=reference)
+        if length is None:
+            padding()
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():
@@ -378,6 +373,41 @@ def _materialized(plan: Any, stage: int, rank: int, model: nn.Module, device: to
     module = materialize_stage(plan, stage, tp_rank=0, source=model, device=device)
     keep_own_experts({stage: module}, plan.ep_plan, rank)
     return module
+
+
+def _lockstep_ranks(c: Any) -> tuple[list[dict[str, tuple[int, int]]], int]:
+    """The ranks verify runs in lockstep (each its (rank, size) per mesh axis), and how many
+    distinct stage modules they hold: the ep ranks, each its batch slice and block of experts (ep
+    excludes tp and cp); else every (cp, tp) rank, the cp ranks of one tp rank sharing its modules,
+    so their parameter gradients add up in one .grad, as the runtime sums them over cp."""
+    if c.ep > 1:
+        return [{"ep": (r, c.ep)} for r in range(c.ep)], c.ep
+    return [{"cp": (k, c.cp), "tp": (r, c.tp)} for k in range(c.cp) for r in range(c.tp)], c.tp
+
+
+def _run_stages(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], flat: Sequence[Any],
+                vals: list[dict[str, list[Any]]], batch: int | None) -> list[list[Any]]:
+    """Every stage on every lockstep rank on the flat model inputs ``flat`` (of ``batch`` samples);
+    each stage's node values appended to ``vals``; returns the flat model outputs per rank (one
+    list, the ep ranks' outputs joined along the batch, with ep)."""
+    c = plan.config
+    ranks, held = _lockstep_ranks(c)
+    n = len(ranks)
+    rank_inputs = _batch_slices(flat, batch, n, c.ep)
+    outs: list[list[tuple]] = []
+    for s, io in enumerate(plan.stages.io):
+        # values cross as the runtime transfers them: same layout ([Note: boundary layouts])
+        inputs = [[rank_inputs[r][src.index] if src.stage is None else
+                   hand_over(outs[src.stage][r][src.index], meta.dim_order)
+                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(n)]
+        vals.append({})
+        mods = [stage_modules[s][i % held] for i in range(n)]
+        outs.append(_run_lockstep(plan.stages.modules[s], mods, inputs, vals[-1], ranks))
+    rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(n)]
+    if c.ep > 1:  # one model output, one loss
+        rank_flat = [[torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() else vs[0]
+                      for vs in zip(*rank_flat)]]
+    return rank_flat
 
 
 def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat, *, loss_fn, target, rtol,
