@@ -141,3 +141,28 @@ def test_llama_sends_only_the_hidden_state_and_its_gradient():
     flat = [*args, *kwargs.values()]
     torch.testing.assert_close(plan.stages.run_sequential(*flat)[0], model(*args, **kwargs).logits,
                                rtol=1e-6, atol=1e-6)
+
+
+def _dot_boxes(text):
+    import re
+
+    return re.findall(r"^\s+(s\d+_\d+) \[label=\"([^\"]*)\"", text, flags=re.M)
+
+
+def test_module_dot_folds_layers_and_marks_collectives_and_messages(tmp_path):
+    sizes = {}
+    for n_layer in (4, 12):
+        model, args, kwargs = zoo.make("gpt", n_layer=n_layer)
+        plan = fxsplit.plan(model, args, kwargs, tp=2, pp=2, microbatches=2, schedule="1f1b")
+        text = plan.to_dot(level="module")
+        boxes = _dot_boxes(text)
+        sizes[n_layer] = len(boxes)
+        assert text.count("subgraph cluster_") == 2
+        assert text.count("style=bold") == 1  # one boundary edge, stage 0 -> stage 1
+        assert any("layers" in label and "TP all-reduce fwd (g)" in label for _, label in boxes), boxes
+        assert "gradients back" in text and "tp=2 pp=2" in text
+    assert sizes[12] == sizes[4] < 20, sizes  # depth folds away: one box per run of alike layers
+    with pytest.raises(fxsplit.FxsplitError, match="level"):
+        plan.to_dot(level="modules")
+    path = tmp_path / "plan.dot"
+    assert plan.to_dot(str(path), level="module") == path.read_text()
