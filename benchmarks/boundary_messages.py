@@ -93,7 +93,7 @@ def time_main(layers: int, steps: int) -> None:
     from fxsplit.testing import run_distributed
 
     setup = dict(model=dict(num_hidden_layers=layers, hidden_size=256, intermediate_size=688, num_attention_heads=8,
-                            num_key_value_heads=4, vocab_size=2048, batch_size=8, seq_len=128),
+                            num_key_value_heads=4, vocab_size=2048, batch_size=8, seq_len=128, max_position_embeddings=128),
                  microbatches=4, warmup=2, steps=steps)
     res = run_distributed(_time_rank, 2, setup, timeout=1800)[0]
     med = {k: sorted(v)[len(v) // 2] for k, v in res["times"].items()}

@@ -166,3 +166,26 @@ def test_module_dot_folds_layers_and_marks_collectives_and_messages(tmp_path):
         plan.to_dot(level="modules")
     path = tmp_path / "plan.dot"
     assert plan.to_dot(str(path), level="module") == path.read_text()
+
+
+class _Mutated(nn.Module):
+    """A mask changed in place after it is made: a copy recomputed elsewhere would miss the change."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x):
+        m = torch.ones_like(x)
+        m.mul_(2.0)
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * m
+        return x
+
+
+def test_a_value_changed_in_place_is_sent_not_recomputed():
+    model, x = _Mutated(), torch.randn(3, 8)
+    gm = fxsplit.trace(model, (x,), method="fx")
+    plan = plan_split(gm, num_stages=4, hardware=fxsplit.Hardware.cpu())
+    assert plan.recomputed == ()
+    torch.testing.assert_close(plan.build(gm).run_sequential(x)[0], model(x), rtol=0, atol=0)

@@ -8,9 +8,10 @@ Terms
 - **recomputable node**: a compute node whose inputs are all free inputs or
   recomputable nodes, that reads no parameter, is no module call and draws no random numbers
   and has no side effects. Its **closure** is it and the recomputable nodes it reads,
-  transitively, back to the free inputs.
+  transitively, back to the free inputs. An in-place op, and a value an in-place op changes, is
+  never recomputable (a copy elsewhere would miss the change).
 - **cheap**: the closure's forward FLOPs are at most ``flops_per_byte`` times the bytes of the
-  value, so recomputing it costs about what receiving it costs to write into memory (a rotary
+  value (at least ``MESSAGE_FLOOR_BYTES``: a message's latency), so recomputing it costs about what receiving it costs to write into memory (a rotary
   table ``b x T x d`` costs about ``b x T x d`` FLOPs; a causal mask ``T x T`` a few per element).
 
 [Note: recompute, don't ship]
@@ -37,9 +38,12 @@ import torch.fx
 from fxsplit.graph.meta import node_info, substitute
 from fxsplit.graph.ops import is_random, resolve_path
 
-__all__ = ["FLOPS_PER_BYTE", "recomputable"]
+__all__ = ["FLOPS_PER_BYTE", "MESSAGE_FLOOR_BYTES", "recomputable"]
 
 FLOPS_PER_BYTE = 16.0  # closure FLOPs per byte of the value at most: an fp32 element at 64 FLOPs
+# a message costs at least its latency, about what 64 KiB take on a link (10 us at 6.5 GB/s): a
+# small value (a 0-d flag, a short position table) is "cheap" up to 16 x 64 KiB = 1 MFLOP
+MESSAGE_FLOOR_BYTES = 65536.0
 
 def _free_attr(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     """A get_attr of a buffer or constant (not a parameter, not a module)."""
@@ -63,13 +67,24 @@ def _flops(node: torch.fx.Node, bindings: Mapping) -> float:
         return float("inf")
 
 
+def _mutates(node: torch.fx.Node) -> bool:
+    """An in-place op (``x.add_(y)``, ``aten.fill_``): recomputing its input elsewhere would miss it."""
+    t = node.target
+    schema = getattr(t, "_schema", None)
+    if schema is not None and getattr(schema, "is_mutable", False):
+        return True
+    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    return node.op in ("call_method", "call_function") and name.endswith("_") and not name.endswith("__")
+
+
 def recomputable(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], bindings: Mapping,
                  *, flops_per_byte: float = FLOPS_PER_BYTE) -> frozenset[str]:
     """Names of the cheap recomputable tensor nodes among ``units`` (see Terms); the split leaves
     them out of its cuts and the stage builder recomputes them where they are read."""
     ok: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}  # recomputable node -> its closure
     for u in units:
-        if u.op == "call_module" or is_random(u, gm) or u.is_impure():
+        if u.op == "call_module" or is_random(u, gm) or u.is_impure() or _mutates(u) \
+                or any(_mutates(x) for x in u.users):
             continue
         closure: set[torch.fx.Node] = {u}
         for m in u.all_input_nodes:
@@ -80,11 +95,12 @@ def recomputable(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], bindi
             closure |= ok[m]
         else:
             ok[u] = frozenset(closure)
+    flops = {n: _flops(n, bindings) for n in ok}
     out = set()
     for u, closure in ok.items():
         if not _is_tensor_value(u):
             continue
-        size = node_info(u).output_bytes(bindings)
-        if size > 0 and sum(_flops(n, bindings) for n in closure) <= flops_per_byte * size:
+        size = max(node_info(u).output_bytes(bindings), MESSAGE_FLOOR_BYTES)
+        if sum(flops[n] for n in closure) <= flops_per_byte * size:
             out.add(u.name)
     return frozenset(out)
