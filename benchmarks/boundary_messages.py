@@ -2,6 +2,7 @@
 ship] in fxsplit.pipeline.recomputable) and, on the same cuts, with every boundary value sent.
 
     python benchmarks/boundary_messages.py                # Llama-3-70B dims on meta, auto plan for 64 H100s
+    python benchmarks/boundary_messages.py --fixed        # the same 70B at tp=8 x pp=8, 1f1b, m=16 (no search)
     python benchmarks/boundary_messages.py --tiny         # a tiny HF Llama, pp=2 (seconds)
     python benchmarks/boundary_messages.py --time         # step time before/after, HF Llama, 2 gloo ranks
 
@@ -107,6 +108,7 @@ def time_main(layers: int, steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="a tiny HF Llama at pp=2 instead of 70B")
+    ap.add_argument("--fixed", action="store_true", help="70B at tp=8 x pp=8, 1f1b, m=16 (no search)")
     ap.add_argument("--time", action="store_true", help="step time before/after on an HF Llama, 2 gloo ranks")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
@@ -120,6 +122,10 @@ def main() -> None:
     if a.tiny:
         model, args, kwargs = hf_zoo.tiny_llama(num_hidden_layers=4)
         plan = fxsplit.plan(model, args, kwargs, pp=2, microbatches=4, schedule="1f1b")
+    elif a.fixed:
+        model, args, kwargs = hf_zoo.meta_llama_70b(seq_len=4096)
+        plan = fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, global_batch_size=16,
+                            hardware=fxsplit.Hardware.preset("h100-sxm"))
     else:
         model, args, kwargs = hf_zoo.meta_llama_70b(seq_len=4096)
         plan = fxsplit.plan(model, args, kwargs, strategy="auto", world_size=64, global_batch_size=64,
