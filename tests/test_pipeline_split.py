@@ -261,4 +261,4 @@ def test_cut_at_modules_starts_stages_only_at_module_calls():
         assert path and path != prev and not (prev + ".").startswith(path + "."), (start, path, prev)
     _check_chain(model, gm, args, kwargs, 5)
     with pytest.raises(SplitError, match="cut_at"):
-        plan_split(gm, num_stages=2, cut_at="layers")
+        plan_split(gm, num_stages=2, cut_at="blocks")

@@ -27,7 +27,7 @@ from fxsplit.schedule import schedule_spec
 
 __all__ = ["ParallelConfig", "SCHEDULES", "make_config"]
 
-_CUT_AT = ("any", "modules")
+_CUT_AT = ("layers", "any", "modules")
 _METHODS = config.TRACE_METHODS
 _CHECKPOINTING = ("none", "selective", "full", "auto")
 
@@ -77,7 +77,7 @@ class ParallelConfig:
     pad_sequence: bool | None = None
     leaf_modules: tuple[Any, ...] = ()  # module paths or classes fx keeps as single nodes
     hardware: Hardware | None = None  # what stage times are estimated for; None: Hardware()
-    cut_at: str = "any"  # "modules": stages start only where a module call begins
+    cut_at: str = "layers"  # layer boundaries unless a cut inside one pays (fxsplit.pipeline.cuts); "any"; "modules"
     debug: str | None = None  # folder for per-pass dumps (else FXSPLIT_DEBUG_DIR)
     seed: int | None = None  # RNG streams ([Note: RNG streams]); None: torch.initial_seed() of global rank 0
     # torch.distributed.fsdp.MixedPrecisionPolicy: the graph computes (and stages exchange

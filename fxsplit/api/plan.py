@@ -30,7 +30,7 @@ from torch import nn
 
 from fxsplit import schedule as _schedules
 from fxsplit.api.options import SCHEDULES, ParallelConfig, make_config
-from fxsplit.errors import OutOfRangeError, PlanError, SplitError
+from fxsplit.errors import OutOfRangeError, PlanError, SplitError, UsageError
 from fxsplit.graph.examples import batch_of, check_example_batch, example_at_batch
 from fxsplit.hardware import Hardware
 from fxsplit.graph.pass_api import PassContext, PassManager
@@ -134,7 +134,17 @@ class Plan:
 
         return rank_memory(self, optimizer_bytes_per_param=optimizer_bytes_per_param)
 
-    def to_dot(self, path: str | None = None) -> str:
+    def to_dot(self, path: str | None = None, *, level: str = "node") -> str:
+        """Graphviz DOT of the plan: ``level="node"`` one box per op coloured by stage;
+        ``level="module"`` stages as clusters of module calls, repeated layers folded into one box,
+        tensor-parallel collectives and point-to-point messages marked (``fxsplit.api.plan_dot``).
+        ``path`` ending in ``.png``/``.svg``/``.pdf`` is rendered when graphviz is installed."""
+        if level == "module":
+            from fxsplit.api.plan_dot import module_dot
+
+            return module_dot(self, path)
+        if level != "node":
+            raise UsageError(f"to_dot(level={level!r}): use 'node' or 'module'")
         return self.split.to_dot(self.graph, path)
 
     def timeline(self, path: str) -> str:

@@ -48,6 +48,9 @@ import torch.fx
 from fxsplit.errors import ArgumentTypeError, UsageError
 
 __all__ = [
+    "PALETTE",
+    "dot_quote",
+    "write_dot",
     "GraphDiff",
     "NodeChange",
     "NodeRow",
@@ -505,7 +508,7 @@ def graph_diff(before: GraphLike, after: GraphLike) -> GraphDiff:
 
 
 # ColorBrewer Set3 and Pastel1: light fills that keep black text readable.
-_PALETTE = (
+PALETTE = (
     "#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
     "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f", "#fbb4ae", "#b3cde3", "#decbe4", "#fed9a6",
 )
@@ -513,7 +516,7 @@ _NO_GROUP = "#ffffff"
 _RENDER_FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf"}
 
 
-def _dot_quote(text: str) -> str:
+def dot_quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
@@ -565,9 +568,9 @@ def to_dot(
         group = group_of(node)
         if group is not None and group not in groups:
             if color_by == "stage":
-                groups[group] = _PALETTE[stage_of[node.name] % len(_PALETTE)]
+                groups[group] = PALETTE[stage_of[node.name] % len(PALETTE)]
             else:
-                groups[group] = _PALETTE[len(groups) % len(_PALETTE)]
+                groups[group] = PALETTE[len(groups) % len(PALETTE)]
         color = groups.get(group, _NO_GROUP) if group is not None else _NO_GROUP
         label_parts = [node.name, node.op if node.op in ("placeholder", "output", "get_attr")
                        else f"{node.op} {target_name(node)}"]
@@ -577,28 +580,30 @@ def to_dot(
         if group is not None:
             label_parts.append(group)
         lines.append(
-            f"  {_dot_quote(node.name)} [label={_dot_quote(chr(10).join(label_parts))}, "
+            f"  {dot_quote(node.name)} [label={dot_quote(chr(10).join(label_parts))}, "
             f'fillcolor="{color}"];'
         )
     for node in graph.nodes:
         for src in node.all_input_nodes:
-            lines.append(f"  {_dot_quote(src.name)} -> {_dot_quote(node.name)};")
+            lines.append(f"  {dot_quote(src.name)} -> {dot_quote(node.name)};")
     if groups:
         lines.append("  subgraph cluster_legend {")
         lines.append('    label="legend"; fontname="monospace";')
         for k, (group, color) in enumerate(groups.items()):
             lines.append(
-                f'    "__legend_{k}" [label={_dot_quote(group)}, fillcolor="{color}"];'
+                f'    "__legend_{k}" [label={dot_quote(group)}, fillcolor="{color}"];'
             )
         lines.append("  }")
     lines.append("}")
     text = "\n".join(lines) + "\n"
     if path is not None:
-        _write_dot(text, Path(path))
+        write_dot(text, Path(path))
     return text
 
 
-def _write_dot(text: str, path: Path) -> None:
+def write_dot(text: str, path: Path) -> None:
+    """Write DOT ``text`` to ``path``; ``.svg``/``.png``/``.pdf`` beside a ``.dot``, rendered by
+    graphviz's ``dot`` when installed (logged and skipped otherwise)."""
     fmt = _RENDER_FORMATS.get(path.suffix.lower())
     if fmt is None:
         path.write_text(text)

@@ -7,8 +7,12 @@ Terms:
 - **position k**: a cut before unit k. **cut bytes** of k: the bytes of every tensor produced
   before k and used at or after k (what crosses that cut, skips included).
 - **layer key**: a unit's module path up to its first numeric component (``blocks.3``,
-  ``model.layers.11``), else its first component; a cut between two layer keys is a *module
-  boundary*. Cuts inside a layer are allowed but cost ``inner_cut_penalty`` times their bytes.
+  ``model.layers.11``), else its first component. Stages start at layer boundaries unless a cut
+  inside a layer lowers the bottleneck by more than 2% ([Note: layer cuts] in
+  ``fxsplit.pipeline.cuts``).
+- **recomputed value**: a boundary value every stage recomputes from its own inputs instead of
+  receiving it (rotary tables, masks; [Note: recompute, don't ship] in
+  ``fxsplit.pipeline.recomputable``); its bytes cross no cut.
 - **S** stages on **p** ranks (stage s on rank s % p, or ``stage_ranks[s]``, the schedule's
   placement, e.g. ZB-V's V; v = S / p stages per rank).
 
@@ -47,6 +51,8 @@ from fxsplit.pipeline.partition import (
     parameter_count_cuts,
 )
 from fxsplit.pipeline.checkpointing import choose, unit_modes
+from fxsplit.pipeline.cuts import CUT_AT, choose_cuts, cut_rules
+from fxsplit.pipeline.recomputable import recomputable
 from fxsplit.pipeline.memory import message_buffers, schedule_peaks
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
@@ -109,6 +115,19 @@ def _compress_paths(paths: Sequence[str]) -> str:
     return ", ".join(out)
 
 
+def _read_later(units: list[torch.fx.Node], names: frozenset[str], cuts: Sequence[int]) -> tuple[str, ...]:
+    """The nodes among ``names`` that a later stage reads (they would cross a cut if sent)."""
+    stage = {}
+    for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        stage.update((u, s) for u in units[a:b])
+    return tuple(u.name for u in units if u.name in names
+                 and any(stage.get(x, stage[u]) > stage[u] for x in u.users))
+
+
+def _compress_names(names: Sequence[str], keep: int = 6) -> str:
+    return ", ".join(names[:keep]) + (f" and {len(names) - keep} more" if len(names) > keep else "")
+
+
 @dataclass(frozen=True)
 class SplitPlan:
     """A contiguous assignment of the graph's compute nodes to ``num_stages`` stages.
@@ -132,6 +151,9 @@ class SplitPlan:
     loss_bytes: float = 0.0  # the loss's input per microbatch (the model outputs), on the last stage
     schedule: str = "1f1b"  # the schedule the memory model walks ([Note: split backward memory])
     num_microbatches: int | None = None
+    recomputed: tuple[str, ...] = ()  # tensor nodes a later stage recomputes instead of receiving (closures whole)
+    recomputed_reads: tuple[str, ...] = ()  # those of them a later stage reads: the values no longer sent
+    cut_reason: str = ""  # why a stage starts inside a layer ("" when every cut is at a layer boundary)
 
     @property
     def checkpointing(self) -> tuple[str, ...]:
@@ -183,7 +205,7 @@ class SplitPlan:
 
     def build(self, gm: torch.fx.GraphModule) -> StageGraphs:
         """The stage GraphModules (sharing ``gm``'s parameters) for this assignment."""
-        return build_stages(gm, dict(self.stage_of), self.num_stages)
+        return build_stages(gm, dict(self.stage_of), self.num_stages, recompute=frozenset(self.recomputed))
 
     def to_dot(self, gm: torch.fx.GraphModule, path: str | None = None) -> str:
         from fxsplit.graph.inspection import to_dot
@@ -230,6 +252,10 @@ class SplitPlan:
             with_, without = self.peak_activations()
             lines.append(f"activation checkpointing {self.activation_checkpointing!r}: peak activations per rank "
                          f"{[fmt_bytes(x) for x in with_]} (without: {[fmt_bytes(x) for x in without]})")
+        if self.cut_reason:
+            lines.append(f"cuts inside layers: {self.cut_reason}")
+        if self.recomputed_reads:
+            lines.append(f"recomputed by each stage that reads them, not sent: {_compress_names(self.recomputed_reads)}")
         if self.baselines:
             lines.append("baselines (balance): " + ", ".join(f"{k} {v:.3f}" for k, v in self.baselines.items()))
         return "\n".join(lines)
@@ -332,9 +358,11 @@ class SplitRequest:
     bindings: sizes for symbolic dims (``{"batch": 8}`` or ``{symbol: 8}``); default: the traced
         example's sizes.
     loss_seconds: time of the loss (not in the traced graph), charged to the last stage.
-    cut_at: "any" (cuts inside a layer cost ``inner_cut_penalty`` x their bytes) or "modules" (a
-        stage may only start where a module call begins, as ``pipeline()`` split points in
-        torch.distributed.pipelining require).
+    cut_at: "layers" (layer boundaries unless a cut inside a layer lowers the bottleneck by more
+        than 2%, the plan saying why), "any" (cuts inside a layer cost ``inner_cut_penalty`` x
+        their bytes) or "modules" (a stage may only start where a module call begins, as
+        ``pipeline()`` split points in torch.distributed.pipelining require); see
+        ``fxsplit.pipeline.cuts``.
     activation_checkpointing: "none", "selective", "full" (every stage) or "auto" (per stage, the
         cheapest in time within ``memory_limit``, among ``checkpoint_modes``); recompute time and
         saved bytes per [Note: checkpointing cost model] in ``fxsplit.pipeline.checkpointing``.
@@ -358,7 +386,7 @@ class SplitRequest:
     inner_cut_penalty: float = 1.5
     state_bytes_per_param_byte: float = 4.0
     loss_seconds: float = 0.0
-    cut_at: str = "any"
+    cut_at: str = "layers"
     activation_checkpointing: str = "none"
     checkpoint_modes: Sequence[str] = ("none", "selective", "full")
     stage_ranks: Sequence[int] | None = None
@@ -370,8 +398,8 @@ class SplitRequest:
 
     def checked(self) -> tuple[int, int]:
         """(p, v); SplitError for a request that cannot be split."""
-        if self.cut_at not in ("any", "modules"):
-            raise SplitError(f'cut_at must be "any" or "modules", got {self.cut_at!r}')
+        if self.cut_at not in CUT_AT:
+            raise SplitError(f"cut_at must be one of {CUT_AT}, got {self.cut_at!r}")
         S = self.num_stages
         if not isinstance(S, int) or S < 1:
             raise SplitError(f"num_stages must be a positive int, got {S!r}")
@@ -402,7 +430,8 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
     held = unit_saved(gm, units, binds, param_casts_free=r.param_casts_free)
     loss_key = _loss_key(gm, binds)
     costs.acts[:] = _with_loss(first_saver_bytes(held), loss_key)
-    cut_bytes = _cut_bytes(units, binds)
+    again = recomputable(gm, units, binds)
+    cut_bytes = _cut_bytes(units, binds, skip=again)
     keys = [layer_key(node_info(u).module_path) for u in units]
     forced = _forced_cuts(gm, units, r.split_points, r.num_stages)
     problem = _problem(r, units, keys, costs, cut_bytes, forced, p, v)
@@ -415,8 +444,13 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
         problem, compute=tuple(c + rc for c, rc in zip(costs.compute, um.recompute)),
         activation_bytes=_with_loss(um.acts, loss_key))
         for m, um in modes.items()}
+    why = ""
     try:
-        part, per_stage = choose(problems, r.activation_checkpointing)
+        if r.cut_at == "layers":
+            part, per_stage, why, free = choose_cuts(choose, problems, r.activation_checkpointing, keys)
+            problem = replace(problem, allowed=None) if free else problem
+        else:
+            part, per_stage = choose(problems, r.activation_checkpointing)
     except PartitionError as exc:
         raise SplitError(str(exc)) from None
     S = r.num_stages
@@ -440,6 +474,9 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
         loss_bytes=sum(loss_key.values()),
         schedule=r.schedule,
         num_microbatches=r.num_microbatches,
+        recomputed=tuple(u.name for u in units if u.name in again),
+        recomputed_reads=_read_later(units, again, part.cuts),
+        cut_reason=why,
     )
 
 
@@ -447,7 +484,7 @@ def _problem(r: SplitRequest, units: list[torch.fx.Node], keys: Sequence[str], c
              cut_bytes: Sequence[float], forced: Sequence[int], p: int, v: int) -> PartitionProblem:
     """The partition problem of ``r`` over ``units`` (no checkpointing: ``plan_split`` derives
     one per checkpointing mode from it)."""
-    penalty, allowed = _cut_rules(units, keys, r.cut_at, r.inner_cut_penalty)
+    penalty, allowed = cut_rules([node_info(u).module_path for u in units], keys, r.cut_at, r.inner_cut_penalty)
     allowed = _outside_atomic(units, r.atomic, allowed)
     return PartitionProblem(
         compute=tuple(costs.compute),
@@ -542,13 +579,14 @@ def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Map
     return out
 
 
-def _cut_bytes(units: list[torch.fx.Node], binds: Mapping) -> list[float]:
-    """Bytes live across each position 0..n (produced before it, used at or after it; the ends 0)."""
+def _cut_bytes(units: list[torch.fx.Node], binds: Mapping, skip: frozenset[str] = frozenset()) -> list[float]:
+    """Bytes live across each position 0..n (produced before it, used at or after it; the ends 0),
+    leaving out the units named in ``skip`` (recomputed where they are read)."""
     n = len(units)
     index = {u: i for i, u in enumerate(units)}
     diff = [0.0] * (n + 2)  # difference array over [producer + 1, last use]
     for i, u in enumerate(units):
-        b = _value_bytes(u, binds)
+        b = 0.0 if u.name in skip else _value_bytes(u, binds)
         if not b:
             continue
         last = max((index.get(user, n) for user in u.users), default=i)
@@ -574,22 +612,6 @@ def _outside_atomic(units: list[torch.fx.Node], atomic: Sequence[tuple[str, str]
             for k in range(index[first] + 1, index[last] + 1):
                 allowed[k] = False
     return allowed
-
-
-def _cut_rules(units: list[torch.fx.Node], keys: Sequence[str], cut_at: str,
-               inner_cut_penalty: float) -> tuple[list[float], list[bool] | None]:
-    """(penalty per position: ``inner_cut_penalty`` inside a layer, else 1; allowed positions with
-    ``cut_at="modules"``: where a module call begins, else None)."""
-    n = len(units)
-    penalty = [1.0] + [1.0 if keys[k - 1] != keys[k] else inner_cut_penalty for k in range(1, n)] + [1.0]
-    if cut_at != "modules":
-        return penalty, None
-    paths = [node_info(u).module_path for u in units]
-    allowed = [True] + [
-        bool(paths[k]) and paths[k] != paths[k - 1] and not (paths[k - 1] + ".").startswith(paths[k] + ".")
-        for k in range(1, n)
-    ] + [True]
-    return penalty, allowed
 
 
 def _forced_cuts(gm: torch.fx.GraphModule, units: list[torch.fx.Node], split_points: Sequence[str] | None,

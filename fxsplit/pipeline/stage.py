@@ -261,7 +261,8 @@ _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
 
 def build_stages(
-    gm: torch.fx.GraphModule, assignment: Mapping[str, int], num_stages: int
+    gm: torch.fx.GraphModule, assignment: Mapping[str, int], num_stages: int,
+    recompute: frozenset[str] = frozenset(),
 ) -> StageGraphs:
     """Cut `gm` into `num_stages` stage GraphModules following `assignment`.
 
@@ -289,13 +290,14 @@ def build_stages(
     plans = [_StagePlan(s) for s in range(num_stages)]
     for n, s in stage_of.items():
         plans[s].local.add(n)
+    again = {n for n in nodes if n.name in recompute}
     for plan in plans:
         for n in list(plan.local):
             for m in n.all_input_nodes:
-                _need(m, plan, stage_of)
+                _need(m, plan, stage_of, again)
     for leaf in flat_outputs:
         if isinstance(leaf, torch.fx.Node):
-            _need(leaf, plans[last], stage_of)
+            _need(leaf, plans[last], stage_of, again)
 
     # 2. Wire: a tensor from stage t read by stage s > t is an output of t consumed by s; the
     #    last stage returns the flat model outputs (each distinct node once).
@@ -410,22 +412,24 @@ def _build_module(
     return module
 
 
-def _need(m: torch.fx.Node, plan: _StagePlan, stage_of: Mapping[torch.fx.Node, int]) -> None:
-    """Make value `m` available in `plan`'s stage: an input, a get_attr, or a recomputed node."""
+def _need(m: torch.fx.Node, plan: _StagePlan, stage_of: Mapping[torch.fx.Node, int],
+          again: frozenset[torch.fx.Node] | set[torch.fx.Node] = frozenset()) -> None:
+    """Make value `m` available in `plan`'s stage: an input, a get_attr, or a recomputed node
+    (a non-tensor value, or a tensor in `again`)."""
     if m in plan.local or m in plan.external or m in plan.attrs:
         return
     if m.op == "placeholder":
         plan.external.add(m)
     elif m.op == "get_attr":
         plan.attrs.add(m)
-    elif _is_tensor(m):
+    elif m not in again and _is_tensor(m):
         assert stage_of[m] < plan.index, f"{m.name} in stage {stage_of[m]} read by {plan.index}"
         plan.external.add(m)
     else:
         _check_recomputable(m, stage_of[m], plan.index)
         plan.local.add(m)
         for i in m.all_input_nodes:
-            _need(i, plan, stage_of)
+            _need(i, plan, stage_of, again)
 
 
 def _check_recomputable(m: torch.fx.Node, producer: int, consumer: int) -> None:
