@@ -50,8 +50,9 @@ def test_keep_local_natural_order_and_causal_rows_agree_with_the_full_values():
 # ------------------------------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("opts", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2)],
-                         ids=["cp2", "cp4", "cp2xtp2", "cp2xpp2"])
+@pytest.mark.parametrize("opts", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2),
+                                  dict(cp=2, pp=2, schedule="zbv"), dict(cp=2, activation_checkpointing="full")],
+                         ids=["cp2", "cp4", "cp2xtp2", "cp2xpp2", "cp2xpp2-zbv", "cp2-checkpointing"])
 def test_zoo_gpt_is_exact(opts):
     model, args, kwargs = zoo.make_gpt(seq_len=16, n_kv_head=2)  # grouped-query attention, positions table
     the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, **opts)
@@ -184,6 +185,14 @@ class _FloatInput(nn.Module):
 def test_a_model_without_token_ids_is_refused():
     with pytest.raises(PlanError, match=r"token inputs"):
         fxsplit.plan(_FloatInput(), (torch.randn(2, 8, 8),), cp=2, hardware=_HW)
+
+
+def test_cp_with_tp_sequence_parallelism_is_refused_not_miscomputed():
+    from fxsplit.errors import TPPlanError
+
+    model, args, kwargs = zoo.make_gpt(seq_len=16)
+    with pytest.raises(TPPlanError, match="sequence_parallel"):
+        fxsplit.plan(model, args, kwargs, cp=2, tp=2, sequence_parallel=True, hardware=_HW)
 
 
 def test_world_size_counts_cp():

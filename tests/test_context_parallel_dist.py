@@ -1,5 +1,5 @@
 """Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4, cp=2 x tp=2
-and cp=2 x pp=2 on the zoo GPT, three SGD steps each, every data-parallel replica fed its own slice
+and cp=2 x pp=2 on the zoo GPT, three SGD steps each, and Llama with its own loss at cp=2 x dp=2, every data-parallel replica fed its own slice
 of the global batch; the loss of every step and every gradient (tp shards reassembled) against one
 process on the whole batch. The one-process checks (verify, emulated) are in test_context_parallel.py."""
 
@@ -38,7 +38,33 @@ def _train(rank, world):
                           for n, p in mod.named_parameters(remove_duplicate=False) if p.grad is not None})
             opt.step()
         out.append(dict(losses=losses, grads=grads, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs)))
+    out.append(_train_llama())
     return out
+
+
+def _llama():
+    from fxsplit.testing import hf_zoo
+
+    model, (ids,), kwargs = hf_zoo.make_hf("llama", seq_len=32, batch_size=4)
+    labels = torch.randint(2, 256, ids.shape, generator=torch.Generator().manual_seed(5))
+    labels[0, :3] = -100  # ignored tokens: the loss is the mean over the counted tokens of every cp rank
+    return model, ids, kwargs["attention_mask"], labels
+
+
+def _model_loss(output, target):
+    return output["loss"]
+
+
+def _train_llama():
+    """Llama's own loss (labels= in the graph: shifted before the cut, a global mean), cp=2 x dp=2."""
+    model, ids, mask, labels = _llama()
+    pm = fxsplit.parallelize(model, (ids[:2],), {"attention_mask": mask[:2], "labels": labels[:2]},
+                             loss_fn=_model_loss, hardware=_HW, timeout=120, cp=2, dp=2)
+    x, m, y = (replica_slice(pm, t) for t in (ids, mask, labels))
+    loss = float(pm.step(x, attention_mask=m, labels=y, target=y))
+    grads = {n: p.grad.detach().clone() for mod in pm.stage_modules.values()
+             for n, p in mod.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return dict(loss=loss, grads=grads)
 
 
 def _reference():
@@ -58,7 +84,8 @@ def _reference():
 
 @pytest.mark.dist
 def test_cp_layouts_train_like_one_process_over_gloo():
-    results = run_distributed(_train, 4, timeout=500)
+    results = run_distributed(_train, 4, timeout=700)
+    _check_llama([r[-1] for r in results])
     ref_losses, ref_grads = _reference()
     for k, opts in enumerate(CASES):
         per_rank = [r[k] for r in results]
@@ -83,3 +110,20 @@ def test_cp_layouts_train_like_one_process_over_gloo():
             missing = set(ref_grads[step]) - seen
             tied = {"wte.weight", "lm_head.weight"}  # one tensor: an exported graph reads it by one name
             assert missing <= tied and not tied <= missing, (opts, step, sorted(missing))
+
+
+def _check_llama(per_rank):
+    """Every rank: the loss of the whole batch (the replicas' mean of their global token means, as the
+    model's loss of each replica's slice averaged) and, after the all-reduce over dp x cp, the gradient
+    of that loss."""
+    model, ids, mask, labels = _llama()
+    model = copy.deepcopy(model)
+    halves = [model(ids[i:i + 2], attention_mask=mask[i:i + 2], labels=labels[i:i + 2]).loss for i in (0, 2)]
+    loss = (halves[0] + halves[1]) / 2  # dp=2: each replica's mean, averaged
+    loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    for rank, res in enumerate(per_rank):
+        assert abs(res["loss"] - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), (rank, res["loss"], loss.item())
+        assert res["grads"], rank
+        for n, g in res["grads"].items():
+            torch.testing.assert_close(g, want[n], rtol=1e-4, atol=1e-6, msg=f"llama cp2xdp2 rank {rank} grad {n}")

@@ -1,0 +1,131 @@
+"""Long context: peak activation memory per rank and step time of a small Llama at growing sequence
+lengths, cp = 1 / 2 / 4 (context parallelism, ``parallelize(..., cp=C)``), on 4 gloo ranks in ONE launch;
+then torch's own ``torch.distributed.tensor.experimental.context_parallel`` on the same model and ranks.
+
+    .venv/bin/python benchmarks/long_context.py                              # 2k and 4k tokens
+    .venv/bin/python benchmarks/long_context.py --lengths 2048,4096,8192,16384 --repeats 3
+
+Layouts, 4 ranks each, each data-parallel replica training on two sequences: cp=1 is dp=4 (each rank
+two whole sequences), cp=2 is dp=2 x cp=2, cp=4 is cp=4 (each rank a quarter of each sequence). The model:
+LlamaForCausalLM from a config (hidden 128, 2 layers, 4 query / 2 key-value heads, vocabulary 256, sdpa),
+its loss from ``labels=`` (the mean over every token of every cp rank). **peak** is the most bytes the
+ops of one training step held at once on a rank (``fxsplit.testing.memory.LiveBytes``: activations,
+their gradients, temporaries; parameters and their gradients, allocated before the step, are not
+counted), the largest over the 4 ranks; **step** is the median wall time of ``pm.step`` over
+``--repeats`` steps, the layouts alternated step by step (one of each, then again) so that machine
+load hits them alike. CPU figures on a shared machine: the ratios between layouts are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+LAYOUTS = {1: dict(dp=4), 2: dict(dp=2, cp=2), 4: dict(cp=4)}
+TORCH_TIMEOUT_S = 60
+
+
+def _llama(seq_len: int):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq_len,
+                                   use_cache=False, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _loss(output, target):  # the model's own loss (labels= in the inputs)
+    return output["loss"]
+
+
+def _worker(rank: int, world: int, lengths: list[int], repeats: int) -> dict:
+    import fxsplit
+    from fxsplit.testing.data import replica_slice
+    from fxsplit.testing.memory import LiveBytes
+
+    hw = fxsplit.Hardware.cpu()
+    rows = {}
+    for S in lengths:
+        model = _llama(S)
+        g = torch.Generator().manual_seed(S)
+        ids = torch.randint(0, 256, (8, S), generator=g)
+        pms, data = {}, {}
+        for cp, layout in LAYOUTS.items():
+            dp = layout.get("dp", 1)
+            batch = ids[:2 * dp]  # two sequences per data-parallel replica
+            pm = fxsplit.parallelize(model, (batch[:2],), {"labels": batch[:2]}, loss_fn=_loss, hardware=hw,
+                                     timeout=600, verify=False, **layout)
+            x = replica_slice(pm, batch)
+            pms[cp], data[cp] = pm, x
+            pm.step(x, labels=x, target=x)  # warm-up: allocates the parameter gradients
+        times = {cp: [] for cp in LAYOUTS}
+        peaks = {}
+        for r in range(repeats):
+            for cp, pm in pms.items():
+                x = data[cp]
+                if r == 0:
+                    with LiveBytes() as mem:
+                        pm.step(x, labels=x, target=x)
+                    peaks[cp] = mem.peak
+                else:
+                    t0 = time.perf_counter()
+                    pm.step(x, labels=x, target=x)
+                    times[cp].append(time.perf_counter() - t0)
+        rows[S] = {cp: (peaks[cp], statistics.median(times[cp]) if times[cp] else float("nan")) for cp in LAYOUTS}
+        del pms
+    rows["torch"] = _torch_cp(rank, world, min(lengths))
+    return rows
+
+
+def _torch_cp(rank: int, world: int, seq_len: int) -> str:
+    """One step of torch's context_parallel (cp=4) on the same model, or why it does not run here."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    model = _llama(seq_len)
+    ids = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    pos = torch.arange(seq_len).unsqueeze(0)
+    # a group of its own with a short timeout: a wait that never completes ends the attempt, not the run
+    group = dist.new_group(timeout=datetime.timedelta(seconds=TORCH_TIMEOUT_S))
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
+    try:
+        t0 = time.perf_counter()
+        with context_parallel(mesh, buffers=[ids, pos], buffer_seq_dims=[1, 1]):
+            loss = model(ids, position_ids=pos, labels=ids).loss
+            loss.backward()
+        return f"ran: {time.perf_counter() - t0:.2f} s"
+    except Exception as exc:  # noqa: BLE001 -- the table says why it does not run
+        return f"does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="2048,4096", help="sequence lengths, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3, help="steps per layout (the first measures memory)")
+    ns = parser.parse_args(argv)
+    lengths = [int(x) for x in ns.lengths.split(",")]
+    from fxsplit.testing import run_distributed
+
+    results = run_distributed(_worker, 4, lengths, max(ns.repeats, 2), timeout=3600)
+    print("| tokens | layout | peak activation memory per rank | vs cp=1 | step (median) |")
+    print("| --- | --- | --- | --- | --- |")
+    for S in lengths:
+        base = max(r[S][1][0] for r in results)
+        for cp, layout in LAYOUTS.items():
+            peak = max(r[S][cp][0] for r in results)
+            step = max(r[S][cp][1] for r in results)
+            name = " x ".join(f"{k}={v}" for k, v in layout.items())
+            print(f"| {S} | cp={cp} ({name}) | {peak / 2**20:.1f} MiB | {peak / base:.2f} | {step:.3f} s |")
+    print(f"\ntorch context_parallel (cp=4, {min(lengths)} tokens, rank 0): {results[0]['torch']}")
+
+
+if __name__ == "__main__":
+    main()
