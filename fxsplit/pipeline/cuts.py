@@ -31,12 +31,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from fxsplit.graph.units import fmt_ms
 from fxsplit.pipeline.chain import Partition, PartitionProblem
 from fxsplit.errors import PartitionError
 
-__all__ = ["CUT_AT", "INNER_GAIN", "choose_cuts", "cut_rules", "layer_boundaries"]
+if TYPE_CHECKING:
+    import torch.fx
+
+__all__ = ["CUT_AT", "INNER_GAIN", "choose_cuts", "cut_rules", "layer_boundaries", "outside_atomic"]
 
 CUT_AT = ("layers", "any", "modules")
 INNER_GAIN = 0.02  # a cut inside a layer must lower the bottleneck by more than this share
@@ -92,12 +96,13 @@ def _inside(cuts: Sequence[int], ok: Sequence[bool], keys: Sequence[str]) -> str
 
 
 def choose_cuts(choose: Choose, problems: Mapping[str, PartitionProblem], request: str, keys: Sequence[str],
-                ) -> tuple[Partition, tuple[str, ...], str, bool]:
+                hard: Sequence[bool] | None = None) -> tuple[Partition, tuple[str, ...], str, bool]:
     """The partition, each stage's checkpointing mode, why a cut lies inside a layer ("" when
     none does) and whether the partition is the free problem's (``allowed=None``: the problem the
     plan records), for ``problems`` built with ``cut_at="layers"`` ([Note: layer cuts]).
     ``choose`` is the checkpointing choice (``fxsplit.pipeline.checkpointing.choose``)."""
-    free = {m: replace(pb, allowed=None) for m, pb in problems.items()}
+    # the free problem keeps the cuts no plan may make (``hard``: inside an expert-parallel exchange)
+    free = {m: replace(pb, allowed=hard) for m, pb in problems.items()}
     loose, loose_modes = choose(free, request)
     ok = next(iter(problems.values())).cut_ok()
     inner = _inside(loose.cuts, ok, keys)
@@ -114,3 +119,17 @@ def choose_cuts(choose: Choose, problems: Mapping[str, PartitionProblem], reques
             f"{fmt_ms(layered.bottleneck)} at layer boundaries ({100 * gain:.1f}% lower, more than "
             f"{100 * INNER_GAIN:.0f}%)"), True
     return layered, modes, "", False
+
+
+def outside_atomic(units: Sequence[torch.fx.Node], atomic: Sequence[tuple[str, str]],
+                    allowed: list[bool] | None) -> list[bool] | None:
+    """``allowed`` with the cuts inside every ``atomic`` span (after its first node, up to its last) removed."""
+    if not atomic:
+        return allowed
+    index = {u.name: i for i, u in enumerate(units)}
+    allowed = list(allowed) if allowed is not None else [True] * (len(units) + 1)
+    for first, last in atomic:
+        if first in index and last in index:
+            for k in range(index[first] + 1, index[last] + 1):
+                allowed[k] = False
+    return allowed

@@ -51,7 +51,7 @@ from fxsplit.pipeline.partition import (
     parameter_count_cuts,
 )
 from fxsplit.pipeline.checkpointing import choose, unit_modes
-from fxsplit.pipeline.cuts import CUT_AT, choose_cuts, cut_rules
+from fxsplit.pipeline.cuts import CUT_AT, choose_cuts, cut_rules, outside_atomic
 from fxsplit.pipeline.recomputable import recomputable
 from fxsplit.pipeline.memory import message_buffers, schedule_peaks
 from fxsplit.pipeline.stage import StageGraphs, build_stages
@@ -447,8 +447,10 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
     why = ""
     try:
         if r.cut_at == "layers":
-            part, per_stage, why, free = choose_cuts(choose, problems, r.activation_checkpointing, keys)
-            problem = replace(problem, allowed=None) if free else problem
+            hard = outside_atomic(units, r.atomic, None)
+            hard = tuple(hard) if hard is not None else None
+            part, per_stage, why, free = choose_cuts(choose, problems, r.activation_checkpointing, keys, hard)
+            problem = replace(problem, allowed=hard) if free else problem
         else:
             part, per_stage = choose(problems, r.activation_checkpointing)
     except PartitionError as exc:
@@ -485,7 +487,7 @@ def _problem(r: SplitRequest, units: list[torch.fx.Node], keys: Sequence[str], c
     """The partition problem of ``r`` over ``units`` (no checkpointing: ``plan_split`` derives
     one per checkpointing mode from it)."""
     penalty, allowed = cut_rules([node_info(u).module_path for u in units], keys, r.cut_at, r.inner_cut_penalty)
-    allowed = _outside_atomic(units, r.atomic, allowed)
+    allowed = outside_atomic(units, r.atomic, allowed)
     return PartitionProblem(
         compute=tuple(costs.compute),
         param_bytes=tuple(costs.params),
@@ -598,20 +600,6 @@ def _cut_bytes(units: list[torch.fx.Node], binds: Mapping, skip: frozenset[str] 
         run += diff[k]
         cut_bytes[k] = run if 0 < k < n else 0.0
     return cut_bytes
-
-
-def _outside_atomic(units: list[torch.fx.Node], atomic: Sequence[tuple[str, str]],
-                    allowed: list[bool] | None) -> list[bool] | None:
-    """``allowed`` with the cuts inside every ``atomic`` span (after its first node, up to its last) removed."""
-    if not atomic:
-        return allowed
-    index = {u.name: i for i, u in enumerate(units)}
-    allowed = list(allowed) if allowed is not None else [True] * (len(units) + 1)
-    for first, last in atomic:
-        if first in index and last in index:
-            for k in range(index[first] + 1, index[last] + 1):
-                allowed[k] = False
-    return allowed
 
 
 def _forced_cuts(gm: torch.fx.GraphModule, units: list[torch.fx.Node], split_points: Sequence[str] | None,
