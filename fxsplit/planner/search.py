@@ -47,14 +47,16 @@ TABLE_ROWS = 12  # fitting candidates print(result) shows ...
 REJECTED_ROWS = 8  # ... and rejected ones: with the header and summaries at most 30 lines
 
 
-def analyze(gm: torch.fx.GraphModule, *, world_size: int, hardware: Hardware) -> Workload:
+def analyze(gm: torch.fx.GraphModule, *, world_size: int, hardware: Hardware, tp: int | None = None) -> Workload:
     """The workload of a traced graph: its TP structure at the largest degree <= the node size
-    that divides the world size and the model's sizes (tried downwards), with sequence
-    parallelism when the plan can start a sequence-sharded stream."""
+    that divides the world size and the model's sizes (tried downwards; ``tp``: that degree,
+    for scoring one given layout), with sequence parallelism when the plan can start a
+    sequence-sharded stream."""
     tp_plan, sp_plan = None, None
     t = 1
     while 2 * t <= min(hardware.devices_per_node, world_size) and world_size % (2 * t) == 0:
         t *= 2
+    t = t if tp is None else tp
     while t > 1 and tp_plan is None:
         try:
             found = find_tp_plan(gm, t)

@@ -61,7 +61,15 @@ class PublishedRun:
     kv_heads: int = 0  # key/value heads (0: heads)
     shard: bool = False  # the data-parallel degree is FSDP (parameters and state sharded)
     checkpointing: tuple[str, ...] = ("full",)  # modes the published layout is scored with (fastest that fits)
-    schedules: tuple[tuple[str, int], ...] = (("1f1b", 1), ("interleaved_1f1b", 2))
+    # (schedule, v) the published layout is scored with: the source's software's, v unstated
+    schedules: tuple[tuple[str, int], ...] = (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3),
+                                              ("interleaved_1f1b", 4))
+    sequence_parallel: tuple[bool, ...] = (False,)  # Megatron-LM 2021 had none (Korthikanti et al. 2022)
+    # dropout on the residual stream and the attention probabilities: Megatron-LM's GPT default,
+    # 0.1 (``--hidden-dropout``, ``--attention-dropout`` in megatron/arguments.py): the attention
+    # then materializes its scores (softmax and dropout over b x heads x s x s), as Megatron-LM's
+    # fused scale-mask-softmax did before FlashAttention
+    dropout: float = 0.1
 
     @property
     def d(self) -> int:
@@ -107,7 +115,8 @@ for _gpus, _t, _p, _tf in _LLAMA3:
     RUNS[f"llama3-405b-{_gpus}"] = PublishedRun(
         name=f"Llama 3 405B, {_gpus} GPUs", source=_LLAMA, family="llama", layers=126, hidden=16384, heads=128,
         seq=8192, vocab=128256, gpus=_gpus, global_batch=2048, t=_t, p=_p, tflops=_tf, hardware="h100-sxm",
-        ffn=53248, kv_heads=8, shard=True, checkpointing=("none", "selective", "full"))
+        ffn=53248, kv_heads=8, shard=True, dropout=0.0, checkpointing=("none", "selective", "full"), sequence_parallel=(False, True),
+        schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_1f1b", 8)))
 
 
 def _model(run: PublishedRun, layers: int) -> tuple[Any, tuple, dict]:
@@ -117,7 +126,8 @@ def _model(run: PublishedRun, layers: int) -> tuple[Any, tuple, dict]:
 
         with torch.device("meta"):
             model = zoo.GPT(zoo.GPTConfig(n_layer=layers, n_embd=run.hidden, n_head=run.heads, vocab_size=run.vocab,
-                                          block_size=run.seq, tie_weights=True, bias=True)).to(torch.bfloat16)
+                                          block_size=run.seq, tie_weights=True, bias=True, dropout=run.dropout,
+                                          attn_dropout=run.dropout)).to(torch.bfloat16)
         return model, (torch.zeros(1, run.seq, dtype=torch.long, device="meta"),), {}
     from fxsplit.testing import hf_zoo
 
@@ -154,24 +164,33 @@ def tflops_per_gpu(run: PublishedRun, w: Workload, step_time: float) -> float:
     return model_flops(run, w) / (step_time * run.gpus) / 1e12
 
 
+_SIMULATED = 3  # published-layout variants simulated after the closed form ranks them
+
+
 def published_score(run: PublishedRun, w: Workload, scorer: Scorer) -> Score:
     """The published layout scored: the fastest that fits over the microbatch sizes, the
     schedules and checkpointing modes of ``run`` ([Note: published runs])."""
     d, out = run.d, []
     per_replica = run.global_batch // d
+    # microbatch size: 1 under a pipeline (the smallest bubble), else the best of a few
+    sizes = (1,) if run.p > 1 else tuple(b for b in (1, 2, 4, 8) if per_replica % b == 0)
     for sched, v in (run.schedules if run.p > 1 else (("1f1b", 1),)):
         if v * run.p > w.num_groups - 2:
             continue
-        for b in (b for b in (1, 2, 4, 8) if per_replica % b == 0 and per_replica // b >= run.p):
+        for b in sizes:
             m = per_replica // b
             if sched == "interleaved_1f1b" and m % run.p:
                 continue  # Megatron's interleaved schedule needs m a multiple of p
             for ckpt in run.checkpointing:
-                c = Candidate(dp=d, tp=run.t, pp=run.p, stages_per_rank=v, schedule=sched, microbatches=m,
-                              microbatch_size=b, activation_checkpointing=ckpt, sequence_parallel=False,
-                              dp_shard=d if run.shard else 1)
-                out.append(scorer.score(c, simulate=True))
-    return min(out, key=lambda s: (not s.fits, s.step_time))
+                for sp in (run.sequence_parallel if run.t > 1 else (False,)):
+                    c = Candidate(dp=d, tp=run.t, pp=run.p, stages_per_rank=v, schedule=sched, microbatches=m,
+                                  microbatch_size=b, activation_checkpointing=ckpt, sequence_parallel=sp,
+                                  dp_shard=d if run.shard else 1)
+                    out.append(scorer.score(c))
+    # ranked by the closed form, the best few simulated (as the search does: [Note: search strategy])
+    out.sort(key=lambda s: (not s.fits, s.step_time))
+    return min((scorer.score(s.candidate, simulate=True) for s in out[:_SIMULATED]),
+               key=lambda s: (not s.fits, s.step_time))
 
 
 @dataclass(frozen=True)
@@ -193,11 +212,13 @@ class Prediction:
         return self.predicted / self.run.tflops - 1.0
 
 
-def predict(run: PublishedRun, *, cache: dict | None = None, search_layouts: bool = True) -> Prediction:
-    """The planner's prediction for ``run``'s published layout and (``search_layouts``) its own pick."""
+def predict(run: PublishedRun, *, cache: dict | None = None, search_layouts: bool = True,
+            hardware: Hardware | None = None) -> Prediction:
+    """The planner's prediction for ``run``'s published layout and (``search_layouts``) its own
+    pick, on ``hardware`` (default: the run's preset)."""
     import time
 
-    hw = Hardware.preset(run.hardware)
+    hw = hardware if hardware is not None else Hardware.preset(run.hardware)
     w = workload(run, cache)
     pub = published_score(run, w, Scorer(w, hw, hw.memory_bytes))
     pred = tflops_per_gpu(run, w, pub.step_time)
