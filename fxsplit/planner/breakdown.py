@@ -16,11 +16,12 @@ The predicted step is split, on the busiest rank, into parts that add up to it e
 - ``tp_comm``: tensor-parallel all-reduces and all-gathers of its work. Exposed: fxsplit's TP
   collectives sit between the ops that produce and consume them, so the model puts them on the
   critical path (``tp_overlapped`` is 0);
-- ``pp_comm``: point-to-point messages on the critical path: the makespan less the same schedule
-  with free messages; ``pp_overlapped``: the rest of the rank's message time (messages sent while
-  it computes, asynchronous);
-- ``bubble``: the pipeline's idle time on the busiest rank with free messages (the makespan less
-  its work), or under ranks sharing one host's cores the time it loses to them;
+- ``pp_comm``: point-to-point messages on the critical path: the 2(S-1) messages of the fill and
+  drain (the closed form's count, at the slowest link; at most the rank's idle time);
+  ``pp_overlapped``: the rest of the rank's message time (messages sent while it computes,
+  asynchronous);
+- ``bubble``: the rest of the busiest rank's idle time (the makespan less its work and the
+  exposed messages), or under ranks sharing one host's cores the time it loses to them;
 - ``dp_comm``: the data-parallel gradient reduction (and dp_shard's all-gathers) after the
   pipeline; exposed in this model (``dp_overlapped`` is 0), as Megatron-LM's 2021 runs reduced
   after the backward;

@@ -311,15 +311,34 @@ class Scorer:
     def inflight(self, c: Candidate) -> tuple[float, ...]:
         return _schedules.schedule_spec(c.schedule).inflight_bound(c.pp, c.stages_per_rank, c.microbatches)
 
+    # -- bounds ([Note: search strategy]: what lets the search skip candidates it need not score)
+    def state_rejection(self, c: Candidate) -> Score | None:
+        """The rejection of ``c`` when its rank's share of the training state alone, evenly split,
+        is over the limit (a memory lower bound; None: it may fit)."""
+        state = self.w.param_bytes_total * self._state_factor() / (c.tp * c.pp * c.dp_shard)
+        if state <= self.limit:
+            return None
+        return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(params=state), False,
+                     f"memory: the training state alone, {fmt_bytes(state)} per rank (params, grads, optimizer "
+                     f"over tp x pp{' x dp_shard' if c.dp_shard > 1 else ''}), > limit {fmt_bytes(self.limit)}")
+
+    def lower_bound(self, c: Candidate) -> float:
+        """A step time ``score(c)`` cannot be under, without the partition: the work spread evenly
+        over the pipeline ranks (no bubble, no messages), and the data-parallel reduction and
+        optimizer step of an even share of the parameters (both grow with the busiest rank's
+        share). With ranks sharing one host's cores the closed form is only ever larger."""
+        u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
+        share = float(u.params.sum()) / c.pp
+        work = c.microbatches * float(u.F.sum() + u.I.sum() + u.W.sum()) / c.pp
+        opt = self.hw.memory_time(self.optimizer_traffic * share / self.w.param_itemsize / c.dp_shard)
+        return work + self._dp_time(c, share) + opt
+
     # -- the score
     def score(self, c: Candidate, *, simulate: bool = False) -> Score:
         w, hw = self.w, self.hw
-        # a lower bound first: the rank's share of the training state alone, evenly split
-        state = w.param_bytes_total * self._state_factor() / (c.tp * c.pp * c.dp_shard)
-        if state > self.limit:
-            return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(params=state), False,
-                         f"memory: the training state alone, {fmt_bytes(state)} per rank (params, grads, optimizer "
-                         f"over tp x pp{' x dp_shard' if c.dp_shard > 1 else ''}), > limit {fmt_bytes(self.limit)}")
+        rejected = self.state_rejection(c)  # a lower bound first
+        if rejected is not None:
+            return rejected
         u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
         cuts = self.cuts(c, u)
         if cuts is None:
@@ -351,8 +370,7 @@ class Scorer:
                 pipe, method = pipe / shared_rate(copies, cores), "closed form, host-shared"
         elif simulate:
             pipe, method = self._simulate(c, F, I, W, comm, ranks, cores=cores, copies=copies)
-            free = self._simulate(c, F, I, W, 0.0 * comm, ranks, cores=cores, copies=copies)[0] \
-                if comm.any() else pipe
+            free = pipe - 2 * (S - 1) * float(comm.max(initial=0.0))  # [Note: step breakdown]
         else:
             pipe = self._closed_form(c, F, I, W, comm, ranks)
             free = pipe - 2 * (S - 1) * float(comm.max(initial=0.0))

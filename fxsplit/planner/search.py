@@ -12,7 +12,12 @@ Terms as in :mod:`fxsplit.planner.space` and :mod:`fxsplit.planner.score`.
 Every candidate of the space is scored with the closed-form makespan (cheap: per-unit arrays are
 cached per (t, SP, b, checkpointing) and cuts per (t, SP, checkpointing, S, placement)); those
 that do not fit the memory limit are rejected with their numbers (after a re-partition under the
-limit where the balanced cuts were over it: [Note: partition under the memory limit]). The ``top_k`` fastest fitting
+limit where the balanced cuts were over it: [Note: partition under the memory limit]). The
+partition is most of a score's cost, so candidates are scored in the order of a lower bound that
+needs none (``Scorer.lower_bound``: the work spread evenly over the pipeline ranks, no bubble, no
+messages), and once ``top_k`` fitting ones are known, a candidate whose bound is over the
+``top_k``-th fastest is not scored (``SearchResult.pruned``): it could not have been among the
+``top_k``, so the pick and the simulated rows are those of scoring everything. The ``top_k`` fastest fitting
 ones are then re-scored with the schedule simulator (within ``SIMULATION_BUDGET`` actions in all:
 a very long pipeline keeps its closed form, and the table says which), and the fastest is the pick
 (ties: fewer ranks per pipeline, then fewer tensor ranks, then less recompute: the simpler
@@ -23,6 +28,7 @@ returned: when nothing fits, PlanError names the tightest candidate and what it 
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import Counter
@@ -43,6 +49,7 @@ from fxsplit.tp.propagate import TPPlanError
 __all__ = ["SearchResult", "analyze", "search"]
 
 _CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+TOP_K = 8  # fitting candidates re-scored with the simulator
 TABLE_ROWS = 12  # fitting candidates print(result) shows ...
 REJECTED_ROWS = 8  # ... and rejected ones: with the header and summaries at most 30 lines
 
@@ -91,6 +98,7 @@ class SearchResult:
     group_paths: tuple[str, ...] = field(default=(), repr=False)
     repartitioned: tuple[int, int] = (0, 0)  # layouts re-partitioned under the limit, and skipped (budget)
     picked_from: tuple[str, int] | None = None  # set by with_pick: the built pick and its rank in the search
+    pruned: int = 0  # candidates not scored: their lower bound is over the top_k-th fastest ([Note: search strategy])
 
     def with_pick(self, k: int, memory: Any, how: str) -> "SearchResult":
         """This result with ``scores[k]`` as the pick (first), its memory the built plan's
@@ -123,6 +131,8 @@ class SearchResult:
                      f"memory limit {fmt_bytes(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
                      f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first; memory/rank is the search's "
                      f"estimate{', the pick' + chr(39) + 's its built plan' + chr(39) + 's (Plan.memory())' if self.picked_from else ''}")
+        if self.pruned:
+            lines[-1] += f"; {self.pruned} not scored (slower than the {TOP_K}th fastest by a lower bound)"
         if any(self.repartitioned):
             done, skipped = self.repartitioned
             lines[-1] += (f"; {done} layouts re-partitioned under the memory limit"
@@ -161,7 +171,7 @@ def _row(tag: str, s: Score, how: str) -> tuple[str, ...]:
 
 
 def search(workload: Workload, *, world_size: int, global_batch: int, hardware: Hardware,
-           memory_limit: float | None = None, top_k: int = 8, shard: bool = False,
+           memory_limit: float | None = None, top_k: int = TOP_K, shard: bool = False,
            calibration: Calibration | None = None, optimizer: str = "adam") -> SearchResult:
     """Search the space for ``workload`` ([Note: search strategy]); raises PlanError when no
     candidate fits ``memory_limit`` (default ``hardware.memory_bytes``), naming the tightest.
@@ -178,15 +188,28 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
     structural: list[tuple[str, str]] = []
     fitting: list[Score] = []
     over: list[Score] = []
-    n = 0
-    for c in candidates(world_size=world_size, global_batch=global_batch, hardware=hardware,
-                        num_groups=workload.num_groups, max_tp=workload.max_tp,
-                        sequence_parallel=workload.sequence_parallel, cuttable=cuttable, shard=shard,
-                        rejected=structural):
-        n += 1
+    space = list(candidates(world_size=world_size, global_batch=global_batch, hardware=hardware,
+                            num_groups=workload.num_groups, max_tp=workload.max_tp,
+                            sequence_parallel=workload.sequence_parallel, cuttable=cuttable, shard=shard,
+                            rejected=structural))
+    n, pruned = len(space), 0
+    bounded = []  # (lower bound, candidate) of those the training state alone does not rule out
+    for c in space:
+        s = scorer.state_rejection(c)
+        if s is None:
+            bounded.append((scorer.lower_bound(c), c))
+        else:
+            over.append(s)
+    bounded.sort(key=lambda x: x[0])
+    kth: list[float] = []  # the top_k fastest fitting step times so far, sorted
+    for i, (bound, c) in enumerate(bounded):
+        if len(kth) >= top_k and bound > kth[top_k - 1]:
+            pruned = len(bounded) - i  # sorted: every one left is slower than the top_k by its bound alone
+            break
         s = scorer.score(c)
         if s.fits:
             fitting.append(s)
+            bisect.insort(kth, s.step_time)
         elif s.reason.startswith("memory"):
             over.append(s)
         else:
@@ -218,7 +241,7 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
     return SearchResult(best=scores[0], scores=scores, rejected=rejected, world_size=world_size,
                         global_batch=global_batch, hardware=hardware.name, memory_limit=limit,
                         seconds=time.perf_counter() - t0, num_candidates=n, group_paths=workload.group_paths,
-                        repartitioned=(scorer.capped_solves, scorer.capped_skipped))
+                        repartitioned=(scorer.capped_solves, scorer.capped_skipped), pruned=pruned)
 
 
 def _desc(s: Score) -> str:
