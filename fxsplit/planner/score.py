@@ -235,14 +235,15 @@ class Scorer:
     def _pp_intra(self, c: Candidate, a: int, b: int) -> bool:
         return self.hw.same_node(a * c.tp, b * c.tp)
 
-    def cuts(self, c: Candidate, u: _Units) -> tuple[int, ...] | None:
+    def cuts(self, c: Candidate, u: _Units, capped: bool = True) -> tuple[int, ...] | None:
         """The partitioner's cuts over the groups ([Note: partition under the memory limit]): the
-        time-balanced cuts when their rank memory fits the limit, else the fastest cuts that do."""
+        time-balanced cuts when their rank memory fits the limit, else the fastest cuts that do
+        (``capped=False``: the balanced cuts whatever their memory)."""
         S = c.num_stages
         if S == 1:
             return (0, self.w.num_groups)
         balanced = self._solve(c, u, None)
-        if balanced is None or not math.isfinite(self.limit):
+        if balanced is None or not math.isfinite(self.limit) or not capped:
             return balanced
         cap = self._partition_cap(c, u)
         if cap is None or self._memory(c, u, balanced)[0].total <= self.limit:
@@ -334,13 +335,15 @@ class Scorer:
         return work + self._dp_time(c, share) + opt
 
     # -- the score
-    def score(self, c: Candidate, *, simulate: bool = False) -> Score:
+    def score(self, c: Candidate, *, simulate: bool = False, capped: bool = True) -> Score:
+        """``c`` scored; ``capped=False`` judges it by its time-balanced cuts alone (no re-partition
+        under the memory limit: [Note: search strategy]'s first pass)."""
         w, hw = self.w, self.hw
         rejected = self.state_rejection(c)  # a lower bound first
         if rejected is not None:
             return rejected
         u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
-        cuts = self.cuts(c, u)
+        cuts = self.cuts(c, u, capped)
         if cuts is None:
             return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(), False,
                          f"no partition of {w.num_groups} layer groups into {c.num_stages} stages")

@@ -15,9 +15,12 @@ that do not fit the memory limit are rejected with their numbers (after a re-par
 limit where the balanced cuts were over it: [Note: partition under the memory limit]). The
 partition is most of a score's cost, so candidates are scored in the order of a lower bound that
 needs none (``Scorer.lower_bound``: the work spread evenly over the pipeline ranks, no bubble, no
-messages), and once ``top_k`` fitting ones are known, a candidate whose bound is over the
-``top_k``-th fastest is not scored (``SearchResult.pruned``): it could not have been among the
-``top_k``, so the pick and the simulated rows are those of scoring everything. The ``top_k`` fastest fitting
+messages), in two passes: first every candidate by its time-balanced cuts alone (the solves
+shared by candidates of one shape), then those over the memory limit by those cuts again with
+the re-partition under the limit, while they could still matter: once ``top_k`` fitting ones are
+known, one whose bound is over the ``top_k``-th fastest is not re-partitioned
+(``SearchResult.pruned``; it stays rejected with its balanced cuts' memory): it could not have
+been among the ``top_k``, so the pick and the simulated rows are those of scoring everything. The ``top_k`` fastest fitting
 ones are then re-scored with the schedule simulator (within ``SIMULATION_BUDGET`` actions in all:
 a very long pipeline keeps its closed form, and the table says which), and the fastest is the pick
 (ties: fewer ranks per pipeline, then fewer tensor ranks, then less recompute: the simpler
@@ -98,7 +101,7 @@ class SearchResult:
     group_paths: tuple[str, ...] = field(default=(), repr=False)
     repartitioned: tuple[int, int] = (0, 0)  # layouts re-partitioned under the limit, and skipped (budget)
     picked_from: tuple[str, int] | None = None  # set by with_pick: the built pick and its rank in the search
-    pruned: int = 0  # candidates not scored: their lower bound is over the top_k-th fastest ([Note: search strategy])
+    pruned: int = 0  # not re-partitioned: their lower bound is over the top_k-th fastest ([Note: search strategy])
 
     def with_pick(self, k: int, memory: Any, how: str) -> "SearchResult":
         """This result with ``scores[k]`` as the pick (first), its memory the built plan's
@@ -132,7 +135,7 @@ class SearchResult:
                      f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first; memory/rank is the search's "
                      f"estimate{', the pick' + chr(39) + 's its built plan' + chr(39) + 's (Plan.memory())' if self.picked_from else ''}")
         if self.pruned:
-            lines[-1] += f"; {self.pruned} not scored (slower than the {TOP_K}th fastest by a lower bound)"
+            lines[-1] += f"; {self.pruned} over the limit not re-partitioned (slower than the {TOP_K}th by a bound)"
         if any(self.repartitioned):
             done, skipped = self.repartitioned
             lines[-1] += (f"; {done} layouts re-partitioned under the memory limit"
@@ -202,9 +205,20 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
             over.append(s)
     bounded.sort(key=lambda x: x[0])
     kth: list[float] = []  # the top_k fastest fitting step times so far, sorted
-    for i, (bound, c) in enumerate(bounded):
+    deferred = []  # over the limit by their balanced cuts: scored again with a re-partition
+    for bound, c in bounded:  # first pass: balanced cuts only (cheap, solves shared by shape)
+        s = scorer.score(c, capped=False)
+        if s.fits:
+            fitting.append(s)
+            bisect.insort(kth, s.step_time)
+        elif s.reason.startswith("memory"):
+            deferred.append((bound, c))
+        else:
+            structural.append((c.short(), s.reason))
+    for i, (bound, c) in enumerate(deferred):  # second pass: the re-partitions, while they could matter
         if len(kth) >= top_k and bound > kth[top_k - 1]:
-            pruned = len(bounded) - i  # sorted: every one left is slower than the top_k by its bound alone
+            pruned = len(deferred) - i  # sorted: every one left is slower than the top_k by its bound alone
+            over += [scorer.score(c, capped=False) for _, c in deferred[i:]]
             break
         s = scorer.score(c)
         if s.fits:
