@@ -45,11 +45,11 @@ def _equal(a, b) -> bool:
 
 
 def test_repeat_layers_equals_the_workload_of_a_full_trace():
-    full, extended = _workload(6), repeat_layers(_workload(2), 6)
+    full, extended = _workload(4, 8), repeat_layers(_workload(2, 8), 4)
     diff = [f.name for f in dataclasses.fields(full) if not _equal(getattr(full, f.name), getattr(extended, f.name))]
     assert not diff, diff
-    a = search(full, world_size=16, global_batch=64, hardware=A100)
-    b = search(extended, world_size=16, global_batch=64, hardware=A100)
+    a = search(full, world_size=8, global_batch=32, hardware=A100)
+    b = search(extended, world_size=8, global_batch=32, hardware=A100)
     assert a.best.candidate == b.best.candidate and a.best.step_time == b.best.step_time
 
 
@@ -81,28 +81,28 @@ def test_breakdown_adds_up_to_the_step_and_names_each_part():
 
 
 def test_a_given_layout_carries_its_prediction_and_compares_with_the_pick():
-    model, args = _meta_gpt(8)
-    auto = fxsplit.plan(model, args, strategy="auto", world_size=8, global_batch_size=32, hardware=A100)
+    model, args = _meta_gpt(4)
+    auto = fxsplit.plan(model, args, strategy="auto", world_size=4, global_batch_size=16, hardware=A100)
     assert auto.predicted_breakdown.step == pytest.approx(auto.predicted_step_time)
     c = auto.config
     # the pick's layout planned by hand: the same prediction, from the same model of the step
     mine = fxsplit.plan(model, args, dp=c.dp, tp=c.tp, pp=c.pp, stages_per_rank=c.stages_per_rank,
                         schedule=c.schedule, microbatches=c.microbatches,
                         activation_checkpointing=c.activation_checkpointing, sequence_parallel=c.sequence_parallel,
-                        world_size=8, global_batch_size=32, hardware=A100)
+                        world_size=4, global_batch_size=16, hardware=A100)
     assert mine.predicted_step_time == pytest.approx(auto.predicted_step_time, rel=1e-9)
-    other = fxsplit.plan(model, args, tp=2, pp=2, dp=2, microbatches=8, stages_per_rank=2,
-                         schedule="interleaved_1f1b", activation_checkpointing="full", world_size=8,
-                         global_batch_size=32, hardware=A100)
+    other = fxsplit.plan(model, args, tp=2, pp=2, microbatches=4, stages_per_rank=2,
+                         schedule="interleaved_1f1b", activation_checkpointing="full", world_size=4,
+                         global_batch_size=16, hardware=A100)
     b = other.predicted_breakdown
     assert b.step == pytest.approx(other.predicted_step_time) and b.recompute > 0 and b.tp_comm > 0 and b.bubble > 0
     assert other.predicted_step_time >= auto.predicted_step_time  # the pick is the fastest the search saw
     assert other.predicted_memory["peak"] == max(m.peak for m in other.memory())
     text = str(other)
     assert "planner: predicted step" in text and "where the step goes" in text and len(text.splitlines()) <= 60
-    assert fxsplit.plan(model, args, tp=2, pp=2).predicted_step_time is None  # no hardware / batch: no prediction
-    with pytest.raises(PlanError, match="world_size=16 but the layout .* uses 8 ranks"):
-        fxsplit.plan(model, args, tp=2, pp=2, dp=2, world_size=16, global_batch_size=32, hardware=A100)
+    assert fxsplit.plan(model, args, pp=2).predicted_step_time is None  # no hardware / batch: no prediction
+    with pytest.raises(PlanError, match="world_size=8 but the layout .* uses 4 ranks"):
+        fxsplit.plan(model, args, tp=2, pp=2, world_size=8, global_batch_size=16, hardware=A100)
 
 
 # the extremes of each source and the issue's own example layout (145.6B: t=8, p=8, d=24); every
