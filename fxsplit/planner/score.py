@@ -373,6 +373,8 @@ class Scorer:
                 pipe, method = pipe / shared_rate(copies, cores), "closed form, host-shared"
         elif simulate:
             pipe, method = self._simulate(c, F, I, W, comm, ranks, cores=cores, copies=copies)
+            if not shared:  # an extension from a short schedule that is not yet steady can fall under
+                pipe = max(pipe, c.microbatches * self._busiest_share(F, I, W, ranks, p))  # the rank's own work
             free = pipe - 2 * (S - 1) * float(comm.max(initial=0.0))  # [Note: step breakdown]
         else:
             pipe = self._closed_form(c, F, I, W, comm, ranks)
@@ -392,6 +394,14 @@ class Scorer:
         parts = self._breakdown(c, u, cuts, F, I, W, comm, ranks, pipe, free, dp_time, opt_time)
         return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
                      tuple(cuts), costs, parts)
+
+    @staticmethod
+    def _busiest_share(F, I, W, ranks, p: int) -> float:
+        """The busiest pipeline rank's F + I + W per microbatch."""
+        share = np.zeros(p)
+        for s in range(len(F)):
+            share[ranks[s]] += F[s] + I[s] + W[s]
+        return float(share.max())
 
     def _breakdown(self, c: Candidate, u: _Units, cuts, F, I, W, comm, ranks, pipe: float, free: float | None,
                    dp_time: float, opt_time: float) -> Breakdown:
