@@ -126,3 +126,20 @@ def test_published_figures_are_the_cited_tables():
     for run in published.RUNS.values():
         assert run.gpus == run.t * run.p * run.d and run.global_batch % run.d == 0, run.name
     assert published.RUNS["gpt-1008b"].tflops == 163 and published.RUNS["llama3-405b-16384"].tflops == 400
+
+
+def test_the_search_bound_prunes_only_what_could_not_be_picked():
+    # a tight memory limit, so that layouts need re-partitions, and the bound decides which do
+    w = _workload(8, 16)
+    limit = 0.6 * search(w, world_size=16, global_batch=64, hardware=A100).best.memory.total
+    scorer = Scorer(w, A100, limit)
+    exact = search(w, world_size=16, global_batch=64, hardware=A100, memory_limit=limit, top_k=10**6)
+    fast = search(w, world_size=16, global_batch=64, hardware=A100, memory_limit=limit)
+    assert exact.pruned == 0 and fast.pruned > 0
+    closed = lambda s: scorer.score(s.candidate).step_time  # noqa: E731
+    eighth = sorted(closed(s) for s in fast.scores)[7]
+    kept = {s.candidate for s in fast.scores}
+    missing = [s for s in exact.scores if s.candidate not in kept]  # fitting, but not re-partitioned by fast
+    assert missing and all(closed(s) >= eighth for s in missing)
+    for s in exact.scores:  # the bound is under every closed-form score
+        assert scorer.lower_bound(s.candidate) <= closed(s) * (1 + 1e-9), s.candidate

@@ -324,15 +324,25 @@ class Scorer:
                      f"over tp x pp{' x dp_shard' if c.dp_shard > 1 else ''}), > limit {fmt_bytes(self.limit)}")
 
     def lower_bound(self, c: Candidate) -> float:
-        """A step time ``score(c)`` cannot be under, without the partition: the work spread evenly
-        over the pipeline ranks (no bubble, no messages), and the data-parallel reduction and
-        optimizer step of an even share of the parameters (both grow with the busiest rank's
-        share). With ranks sharing one host's cores the closed form is only ever larger."""
+        """A step time the closed-form ``score(c)`` cannot be under, without the partition: the
+        work spread evenly over the pipeline ranks, the schedule's bubble at the mean stage's
+        costs where it grows with every cost (1F1B, interleaved, GPipe: (p-1)(F+I+W); ZB-V and
+        DualPipeV: (p-1)F/2 of a rank's share; ZB-H1's falls as W grows: none), no messages, and
+        the data-parallel reduction and optimizer step of an even share of the parameters (both
+        grow with the busiest rank's share). With ranks sharing one host's cores the closed form
+        is only ever larger."""
         u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
         share = float(u.params.sum()) / c.pp
-        work = c.microbatches * float(u.F.sum() + u.I.sum() + u.W.sum()) / c.pp
+        total = float(u.F.sum() + u.I.sum() + u.W.sum())
+        bubble, p, S = 0.0, c.pp, c.num_stages
+        if p > 1:
+            rule = _schedules.schedule_spec(c.schedule).bubble_rule
+            if rule in ("zbv", "dualpipev"):
+                bubble = (p - 1) * float(u.F.sum()) / S * c.stages_per_rank / 2
+            elif rule != "zb_h1":
+                bubble = (p - 1) * total / S
         opt = self.hw.memory_time(self.optimizer_traffic * share / self.w.param_itemsize / c.dp_shard)
-        return work + self._dp_time(c, share) + opt
+        return c.microbatches * total / p + bubble + self._dp_time(c, share) + opt
 
     # -- the score
     def score(self, c: Candidate, *, simulate: bool = False, capped: bool = True) -> Score:
