@@ -17,15 +17,13 @@
    the final calibration (timed against the best layout in rounds of its own if it is another).
    Reported: mean absolute error of the predicted step time, Kendall tau of the ranking, the
    pick's measured time vs the best measured.
-2. paper: GPT configurations of Narayanan et al. 2021, "Efficient Large-Scale Language Model
-   Training on GPU Clusters Using Megatron-LM" (arXiv:2104.04473), Table 1, on the a100-80gb
-   preset, and Llama 3 405B (arXiv:2407.21783, Tables 3 and 4: 8K context on 8192 and 16384
-   H100s) on the h100-sxm preset: the planner's search for each run's GPU count and batch, next
-   to the published layout and throughput (TFLOP/s per GPU), with the published layout scored by
-   the same model. Model FLOPs per step: for Megatron the paper's eq. (3), 96 B s l h^2 (1 + s / 6h
-   + V / (16 l h)); for Llama B s (6 N + 12 l h s).
-3. speed: the search time (analysis + search, trace excluded and reported) of the 1T GPT for 3072
-   GPUs, and a Llama-70B config planned for tp=8 x pp=8 vs a bare torch.export of it: 1F1B,
+2. paper: published large-scale runs (fxsplit.testing.published: Megatron-LM's Table 1, GPT 1.7B to
+   1T on A100s, arXiv:2104.04473; Llama 3 405B on 8K and 16K H100s, arXiv:2407.21783 Table 4),
+   each figure cited there: the planner's prediction for the published layout next to the
+   published TFLOP/s per GPU, the search's own pick for the same GPUs and batch, and where each
+   step goes (the breakdown of [Note: step breakdown]).
+3. speed: the search time of the 1T GPT for 3072 GPUs (its workload from 2 traced layers,
+   ``repeat_layers``, timed with the search), and a Llama-70B config planned for tp=8 x pp=8 vs a bare torch.export of it: 1F1B,
    m = 16, global batch 16 (so one sample per microbatch, and the plan traces the batch static
    at it: [Note: a static batch] in fxsplit.graph.examples; ``--dynamic-batch`` times the plan
    with the batch symbolic too; ``--dynamic-sequence`` times it with the sequence symbolic, which
@@ -34,7 +32,7 @@
    timed call pays torch's one-time warm-up.
 
     .venv/bin/python benchmarks/planner.py here [--steps 5]
-    .venv/bin/python benchmarks/planner.py paper [--runs 145.6B,1008B]
+    .venv/bin/python benchmarks/planner.py paper [--runs gpt-145.6b,llama3-405b-8192]
     .venv/bin/python benchmarks/planner.py speed [--skip-70b] [--skip-1t] [--dynamic-batch] [--dynamic-sequence]
 """
 
@@ -235,53 +233,7 @@ def here(steps: int) -> None:
           f"measured ({best * 1e3:.1f} ms); load {load[0]:.1f} -> {load[1]:.1f}, wall {wall:.0f}s")
 
 
-# -- at scale, on paper
-# Narayanan et al. 2021 (arXiv:2104.04473) Table 1: (params, heads, hidden, layers, t, p, GPUs,
-# global batch, achieved TFLOP/s per GPU). Sequence 2048, vocabulary 51200, A100 80GB (Selene).
-TABLE1 = {
-    "145.6B": (96, 12288, 80, 8, 8, 1536, 2304, 148),
-    "310.1B": (128, 16384, 96, 8, 16, 1920, 2160, 155),
-    "529.6B": (128, 20480, 105, 8, 35, 2520, 2520, 163),
-    "1008B": (160, 25600, 128, 8, 64, 3072, 3072, 163),
-}
-S_PAPER, V_PAPER = 2048, 51200
-# Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", arXiv:2407.21783): the model of
-# its Table 3 (126 layers, model dim 16384, FFN 53248, 128 heads, 8 key/value heads, vocabulary
-# 128256) and the 8K-context rows of its Table 4 (GPUs, TP, PP, DP, sequence, global batch in
-# sequences = DP x batch per DP, achieved BF16 TFLOP/s per GPU), on H100 80GB (8 per server, NVLink).
-# Their "DP" is FSDP (parameters, gradients and optimizer state sharded): dp_shard here.
-LLAMA3 = {
-    "405B-8192": (8192, 8, 16, 64, 8192, 2048, 430),
-    "405B-16384": (16384, 8, 16, 128, 8192, 2048, 400),
-}
-
-
-def _paper_gpt(heads: int, hidden: int, layers: int):
-    with torch.device("meta"):
-        model = zoo.GPT(zoo.GPTConfig(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=V_PAPER,
-                                      block_size=S_PAPER, tie_weights=True, bias=True))
-    return model, (torch.zeros(1, S_PAPER, dtype=torch.long, device="meta"),)
-
-
-def _model_flops(B: int, l: int, h: int) -> float:
-    return 96 * B * S_PAPER * l * h * h * (1 + S_PAPER / (6 * h) + V_PAPER / (16 * l * h))
-
-
-def _published_score(scorer, w, *, d, t, p, B, modes, shard=1):
-    """The published layout (b = 1) scored by the planner's model: 1F1B or interleaved (v=2), each
-    checkpointing mode of ``modes``; the fastest that fits (else the fastest)."""
-    out = []
-    for sched, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
-        if v * p > w.num_groups - 2:
-            continue
-        for ckpt in modes:
-            c = Candidate(dp=d, tp=t, pp=p, stages_per_rank=v, schedule=sched, microbatches=B // d,
-                          microbatch_size=1, activation_checkpointing=ckpt, sequence_parallel=False,
-                          dp_shard=shard)
-            out.append(scorer.score(c, simulate=True))
-    return min(out, key=lambda s: (not s.fits, s.step_time))
-
-
+# -- at scale, on paper: the runs and their cited figures are fxsplit.testing.published ([Note: published runs])
 def _layout(c) -> str:
     shard = f" (dp_shard {c.dp_shard})" if c.dp_shard > 1 else ""
     return (f"t={c.tp}{'+sp' if c.sequence_parallel else ''}, p={c.pp}, d={c.dp}{shard}, v={c.stages_per_rank} "
@@ -289,63 +241,26 @@ def _layout(c) -> str:
 
 
 def paper(runs) -> None:
+    from fxsplit.testing.published import RUNS, predict
+
     print("| run | GPUs | batch | published t, p, d | published TFLOP/s/GPU | predicted for the published layout "
-          "| planner's pick | predicted for the pick | search s (trace s) |")
+          "| planner's pick | predicted for the pick | search s |")
     print("| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |")
-    traced: dict = {}  # the Llama 405B graph, traced once for both of its runs
+    cache: dict = {}  # one workload per model shape
+    explained = []
     for name in runs:
-        if name in LLAMA3:
-            _paper_llama(name, traced)
-            continue
-        hw = fxsplit.Hardware.preset("a100-80gb")
-        heads, h, l, t, p, n, B, tflops = TABLE1[name]
-        model, args = _paper_gpt(heads, h, l)
-        t0 = time.perf_counter()
-        gm = trace(model, args)
-        trace_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        w = analyze(gm, world_size=n, hardware=hw)
-        r = search(w, world_size=n, global_batch=B, hardware=hw)
-        search_s = time.perf_counter() - t0
-        F = _model_flops(B, l, h)
-        d = n // (t * p)
-        pub = _published_score(Scorer(w, hw, hw.memory_bytes), w, d=d, t=t, p=p, B=B, modes=("full",))
-        tf = lambda s: F / (s.step_time * n) / 1e12  # noqa: E731
-        print(f"| GPT {name} (Megatron Table 1) | {n} | {B} | t={t}, p={p}, d={d} | {tflops} | {tf(pub):.0f} "
-              f"({pub.candidate.schedule}, ckpt full, b=1{'' if pub.fits else ', does not fit'}) | {_layout(r.best.candidate)} "
-              f"| {tf(r.best):.0f} | {search_s:.1f} ({trace_s:.0f}) |")
+        run = RUNS[name]
+        row = predict(run, cache=cache)
+        pub, pick = row.published, row.pick
+        same = (pick.candidate.tp, pick.candidate.pp, pick.candidate.dp) == (run.t, run.p, run.d)
+        print(f"| {run.name} ({run.source}) | {run.gpus} | {run.global_batch} | t={run.t}, p={run.p}, d={run.d}"
+              f"{' (FSDP)' if run.shard else ''} | {run.tflops:g} | {row.predicted:.0f} ({100 * row.error:+.0f}%; "
+              f"{_layout(pub.candidate)}) | {_layout(pick.candidate)}{' (the published t, p, d)' if same else ''} "
+              f"| {row.pick_tflops:.0f} | {row.search_seconds:.1f} |")
+        explained.append(f"- {run.name}: published layout {pub.breakdown}\n  pick {pick.breakdown}")
         sys.stdout.flush()
-
-
-def _paper_llama(name: str, traced: dict) -> None:
-    from fxsplit.testing import hf_zoo
-
-    n, t, p, d, seq, B, tflops = LLAMA3[name]
-    hw = fxsplit.Hardware.preset("h100-sxm")
-    if seq not in traced:
-        model, args, kwargs = hf_zoo.meta_llama_70b(
-            seq_len=seq, vocab_size=128256, num_hidden_layers=126, hidden_size=16384, intermediate_size=53248,
-            num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=seq)
-        t0 = time.perf_counter()
-        traced[seq] = trace(model, args, kwargs), time.perf_counter() - t0
-    gm, trace_s = traced[seq]
-    t0 = time.perf_counter()
-    w = analyze(gm, world_size=n, hardware=hw)
-    r = search(w, world_size=n, global_batch=B, hardware=hw, shard=True)
-    search_s = time.perf_counter() - t0
-    # model FLOPs per step: 6 N per token (forward + backward of every weight) plus the attention
-    # score and value matmuls, 12 l h s per token (non-causal count, as MFU is usually quoted)
-    numel = w.param_numel
-    l, h = 126, 16384
-    F = B * seq * (6 * numel + 12 * l * h * seq)
-    pub = _published_score(Scorer(w, hw, hw.memory_bytes), w, d=d, t=t, p=p, B=B, modes=("none", "selective", "full"),
-                           shard=d)
-    tf = lambda s: F / (s.step_time * n) / 1e12  # noqa: E731
-    pc = pub.candidate
-    print(f"| Llama 3 {name} (Llama 3 Table 4) | {n} | {B} | t={t}, p={p}, d={d} (FSDP) | {tflops} | {tf(pub):.0f} "
-          f"({pc.schedule}, ckpt {pc.activation_checkpointing}, b=1{'' if pub.fits else ', does not fit'}) "
-          f"| {_layout(r.best.candidate)} | {tf(r.best):.0f} | {search_s:.1f} ({trace_s:.0f}) |")
-    sys.stdout.flush()
+    print("\nWhere each step goes (busiest rank; [Note: step breakdown] in fxsplit.planner.breakdown):")
+    print("\n".join(explained))
 
 
 def speed(skip_70b: bool, skip_1t: bool, dynamic_batch: bool = False, dynamic_sequence: bool = False) -> None:
@@ -356,20 +271,22 @@ def speed(skip_70b: bool, skip_1t: bool, dynamic_batch: bool = False, dynamic_se
 
 
 def _speed_1t() -> None:
-    heads, h, l, _, _, n, B, _ = TABLE1["1008B"]
-    model, args = _paper_gpt(heads, h, l)
+    from fxsplit.testing.published import RUNS, workload
+
+    run = RUNS["gpt-1008b"]
+    n, B = run.gpus, run.global_batch
+    hw = fxsplit.Hardware.preset(run.hardware)
+    # the workload of 2 traced layers extended to 128 (repeat_layers: the layers are identical; a
+    # trace of all 128 on the meta device takes minutes here and gives the same arrays)
     t0 = time.perf_counter()
-    gm = trace(model, args)
+    w = workload(run)
     trace_s = time.perf_counter() - t0
-    hw = fxsplit.Hardware.preset("a100-80gb")
-    t0 = time.perf_counter()
-    w = analyze(gm, world_size=n, hardware=hw)
-    analyze_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     r = search(w, world_size=n, global_batch=B, hardware=hw)
     search_s = time.perf_counter() - t0
-    print(f"1T GPT (128 layers, h 25600) for {n} GPUs: trace {trace_s:.1f}s (once), analysis {analyze_s:.1f}s, "
-          f"search {search_s:.1f}s ({r.num_candidates} candidates); searched in {analyze_s + search_s:.1f}s; "
+    print(f"1T GPT (128 layers, h 25600) for {n} GPUs: trace of 2 layers + analysis + extension {trace_s:.1f}s, "
+          f"search {search_s:.1f}s ({r.num_candidates} candidates, {r.pruned} not scored by their bound); "
+          f"searched in {trace_s + search_s:.1f}s; "
           f"peak RSS {peak_rss_mb():.0f} MB; pick {r.best.candidate.short()}; re-partitioned under the memory limit "
           f"{r.repartitioned[0]} (skipped past the cap {r.repartitioned[1]})")
 
@@ -419,7 +336,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=("here", "paper", "speed"))
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--runs", default=",".join(list(TABLE1) + list(LLAMA3)))
+    ap.add_argument("--runs", default="", help="names of fxsplit.testing.published.RUNS (default: all)")
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--skip-1t", action="store_true")
     ap.add_argument("--dynamic-batch", action="store_true")
@@ -428,6 +345,8 @@ if __name__ == "__main__":
     if ns.what == "here":
         here(ns.steps)
     elif ns.what == "paper":
-        paper([r for r in ns.runs.split(",") if r])
+        from fxsplit.testing.published import RUNS
+
+        paper([r for r in ns.runs.split(",") if r] or list(RUNS))
     else:
         speed(ns.skip_70b, ns.skip_1t, ns.dynamic_batch, ns.dynamic_sequence)

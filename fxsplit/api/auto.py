@@ -35,7 +35,7 @@ from fxsplit.hardware import Hardware
 from fxsplit.graph.trace import trace
 from fxsplit.planner import SearchResult, analyze, search, shard_supported
 
-__all__ = ["build_pick", "choose", "config_of", "SEARCHED"]
+__all__ = ["build_pick", "choose", "config_of", "score_layout", "SEARCHED"]
 
 SEARCHED = ("dp", "tp", "pp", "stages_per_rank", "schedule", "microbatches", "activation_checkpointing",
             "sequence_parallel", "dp_shard", "split_points", "microbatch_size")
@@ -77,6 +77,34 @@ def config_of(score: Any, result: SearchResult, base: ParallelConfig, hardware: 
     if result.global_batch % per == 0:
         chosen = dataclasses.replace(chosen, microbatch_size=result.global_batch // per)
     return chosen
+
+
+def score_layout(gm: Any, config: ParallelConfig, hardware: Hardware, global_batch_size: int) -> Any:
+    """[Note: a layout's prediction] The auto-planner's score (``fxsplit.planner.Score``: step
+    time and its breakdown, [Note: step breakdown]) of the layout ``config`` names, for
+    ``global_batch_size`` samples per step on ``hardware``: the same model the search ranks its
+    candidates by, so a layout of the user's own and the search's pick compare. ``gm`` is the
+    traced model before any pass. The score's stages are the planner's own cuts at layer
+    boundaries (the plan's split may cut elsewhere: its ``simulate()`` times those). None when
+    the layout is outside what the planner models (the TP structure not found at ``config.tp``,
+    a microbatch size that does not divide)."""
+    from fxsplit.planner import Candidate, Scorer
+
+    c = config.resolved()
+    data = c.dp * c.dp_shard
+    if global_batch_size % (data * c.microbatches):
+        return None
+    world = data * c.tp * c.pp
+    workload = analyze(gm, world_size=world, hardware=hardware, tp=c.tp)
+    if c.tp > 1 and workload.max_tp % c.tp:
+        return None
+    cand = Candidate(dp=data, tp=c.tp, pp=c.pp, stages_per_rank=c.stages_per_rank, schedule=c.schedule,
+                     microbatches=c.microbatches, microbatch_size=global_batch_size // (data * c.microbatches),
+                     activation_checkpointing=c.activation_checkpointing if isinstance(c.activation_checkpointing, str)
+                     and c.activation_checkpointing in ("none", "selective", "full") else "none",
+                     sequence_parallel=bool(c.sequence_parallel), dp_shard=c.dp_shard)
+    limit = float(c.memory_limit) if c.memory_limit is not None else hardware.memory_bytes
+    return Scorer(workload, hardware, limit).score(cand, simulate=True)
 
 
 _BUILDS = 3  # candidates built, best first, before the auto plan gives up on memory

@@ -186,7 +186,8 @@ def parallelize(
         mem = worst(the_plan.memory())  # [Note: the pick's memory is its plan's] in fxsplit.api.auto
         searched = searched.with_pick(0, mem, "built")
         the_plan = dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,
-                                       predicted_memory=mem.as_dict(), search=searched)
+                                       predicted_memory=mem.as_dict(), search=searched,
+                                       predicted_breakdown=searched.best.breakdown)
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
                          groups=groups, loss_fn=loss_fn, log_every=log_every, fsdp_units=units, watch=watch)
 

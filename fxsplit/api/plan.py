@@ -73,6 +73,9 @@ class Plan:
     predicted_step_time: float | None = None
     predicted_memory: Mapping[str, float] | None = None
     search: Any = None
+    # the planner's breakdown of predicted_step_time (fxsplit.planner.Breakdown, [Note: step
+    # breakdown]): an auto plan's, or any plan's given hardware= and global_batch_size=
+    predicted_breakdown: Any = None
 
     def __post_init__(self) -> None:
         if not self.stage_ranks:
@@ -209,11 +212,10 @@ def plan(
     """
     check_example_batch(example_args if isinstance(example_args, (tuple, list)) else (example_args,),
                         example_kwargs, "plan")
-    if strategy is not None or world_size is not None:
+    if strategy is not None:
         t_auto = time.perf_counter()
         if strategy != "auto":
-            raise PlanError(f"strategy must be 'auto' or None, got {strategy!r} (world_size and "
-                            "global_batch_size go with strategy='auto')")
+            raise PlanError(f"strategy must be 'auto' or None, got {strategy!r}")
         from fxsplit.api.auto import build_pick, choose
 
         chosen, found = choose(model, example_args, example_kwargs, config=config, options=options,
@@ -221,9 +223,11 @@ def plan(
         picked, found = build_pick(lambda c: plan(model, example_args, example_kwargs, config=c), chosen, found)
         return dataclasses.replace(picked, predicted_step_time=found.best.step_time,
                                    predicted_memory=found.best.memory.as_dict(), search=found,
+                                   predicted_breakdown=found.best.breakdown,
                                    plan_seconds=time.perf_counter() - t_auto)
     t0 = time.perf_counter()
     config = with_global_batch(make_config(config, options, where="plan").resolved(), global_batch_size)
+    _check_world_size(config, world_size)
     hardware = config.hardware if config.hardware is not None else Hardware()
     static_batch = config.static_batch(batch_of((example_args, example_kwargs or {})))
     if static_batch is not None:  # [Note: a static batch]: the example at the microbatch size
@@ -240,6 +244,11 @@ def plan(
                dynamic_sequence=False if config.cp > 1 else config.dynamic_sequence,
                param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None,
                decompose_attention=config.tp > 1, static_batch=static_batch)
+    scored = None  # [Note: a layout's prediction], from the graph before any pass rewrites it
+    if config.hardware is not None and global_batch_size is not None:
+        from fxsplit.api.auto import score_layout
+
+        scored = score_layout(gm, config, hardware, global_batch_size)
     ctx = PassContext(
         example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
         example_kwargs=dict(example_kwargs or {}),
@@ -292,11 +301,27 @@ def plan(
     gm = PassManager(pipeline, debug=config.debug)(gm, ctx).graph_module
     result = _assemble(config, gm, ctx, stage_ranks, t0)
     result = _within_memory_limit(result, split_pass, ctx)
+    if scored is not None:
+        from fxsplit.pipeline.memory import worst
+
+        result = dataclasses.replace(result, predicted_step_time=scored.step_time, predicted_breakdown=scored.breakdown,
+                                     predicted_memory=worst(result.memory()).as_dict())
     if config.verify:  # [Note: plan-time verification]; raises VerificationError on a mismatch
         from fxsplit.api.verify import verify
 
         verify(model, example_args, result, example_kwargs)
     return result
+
+
+def _check_world_size(config: ParallelConfig, world_size: int | None) -> None:
+    """``world_size`` given with a layout must be the layout's own."""
+    if world_size is None:
+        return
+    own = config.dp * config.dp_shard * config.tp * config.pp
+    if world_size != own:
+        raise PlanError(f"world_size={world_size} but the layout dp={config.dp} x dp_shard={config.dp_shard} x "
+                        f"tp={config.tp} x pp={config.pp} uses {own} ranks; give matching degrees, or "
+                        "strategy='auto' to search a layout for world_size")
 
 
 _MEMORY_TIGHTENINGS = 3  # re-splits under a tighter cap when the built plan is over memory_limit

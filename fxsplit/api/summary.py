@@ -160,8 +160,11 @@ def plan_lines(plan: Any) -> list[str]:
     lines += memory_summary(plan.memory(), c.dp_shard)
     if plan.predicted_step_time is not None:
         mem = plan.predicted_memory or {}
-        lines.append(f"auto: predicted step {fmt_ms(plan.predicted_step_time)}, memory {fmt_bytes(mem.get('peak', 0))} "
-                     f"on the busiest rank (this plan's, by Plan.memory()); print(plan.search) has the candidate table")
+        more = "; print(plan.search) has the candidate table" if plan.search is not None else ""
+        lines.append(f"{'auto' if plan.search is not None else 'planner'}: predicted step {fmt_ms(plan.predicted_step_time)}, "
+                     f"memory {fmt_bytes(mem.get('peak', 0))} on the busiest rank (this plan's, by Plan.memory()){more}")
+        if plan.predicted_breakdown is not None:
+            lines.append(f"  where the step goes (busiest rank): {plan.predicted_breakdown}")
     lines.append(f"planned in {plan.plan_seconds:.2f}s")
     return lines
 

@@ -86,6 +86,7 @@ from fxsplit.graph.units import fmt_bytes
 from fxsplit.hardware import Hardware
 from fxsplit.pipeline.memory import RankMemory, message_buffers, optimizer_bytes_per_element, rank_memory
 from fxsplit.pipeline.partition import PartitionProblem, solve
+from fxsplit.planner.breakdown import Breakdown
 from fxsplit.planner.host import shared_makespan, shared_rate
 from fxsplit.planner.space import Candidate
 from fxsplit.planner.workload import Workload
@@ -156,6 +157,7 @@ class Score:
     method: str = "closed form"  # "closed form", "simulated", "simulated at m'=..., extended"
     cuts: tuple[int, ...] = ()  # group positions of the stage boundaries
     stage_costs: dict = field(default_factory=dict)  # forward / backward_input / backward_weight / comm
+    breakdown: Breakdown = field(default_factory=Breakdown)  # [Note: step breakdown]
 
 
 @dataclass
@@ -167,6 +169,8 @@ class _Units:
     saved: np.ndarray  # per group bytes per microbatch
     transient: float  # largest group's un-checkpointed activations (recompute peak)
     cut: np.ndarray  # bytes crossing each group position
+    tp: np.ndarray  # per group seconds of TP collectives (in F and I)
+    rec: np.ndarray  # per group seconds of recomputed forwards (in I)
 
 
 class Scorer:
@@ -204,12 +208,15 @@ class Scorer:
         fw, bwd = fw * cal.compute_scale + cal.node_overhead_s, bwd * cal.compute_scale
         W = np.where(w.reads_params, bwd / 2, 0.0)
         I = bwd - W + cal.node_overhead_s
+        tp_f = tp_i = np.zeros(w.num_units)
         if tp > 1:
             a0 = hw.allreduce_time(0.0, tp, True)
             slope = hw.allreduce_time(1.0, tp, True) - a0
-            fw = fw + w.tp_fwd_count * a0 + slope * w.tp_fwd_bytes.at(b)
-            I = I + w.tp_bwd_count * a0 + slope * w.tp_bwd_bytes.at(b)
-        I = I + np.where(w.recompute[ckpt], fw, 0.0)
+            tp_f = w.tp_fwd_count * a0 + slope * w.tp_fwd_bytes.at(b)
+            tp_i = w.tp_bwd_count * a0 + slope * w.tp_bwd_bytes.at(b)
+            fw, I = fw + tp_f, I + tp_i
+        rec = np.where(w.recompute[ckpt], fw, 0.0)
+        I = I + rec
         saved = w.saved[ckpt].at(b) / div
         gs = w.group_sum
         F_g, I_g, W_g = gs(fw), gs(I), gs(W)
@@ -217,7 +224,7 @@ class Scorer:
         I_g[-1] += loss
         transient = float(gs(w.saved["none"].at(b) / div).max()) if ckpt != "none" else 0.0
         cut = w.cut.at(b) / (tp if sp else 1)
-        out = _Units(F_g, I_g, W_g, gs(w.params / pdiv), gs(saved), transient, cut)
+        out = _Units(F_g, I_g, W_g, gs(w.params / pdiv), gs(saved), transient, cut, gs(tp_f + tp_i), gs(rec))
         self._units[key] = out
         return out
 
@@ -228,14 +235,15 @@ class Scorer:
     def _pp_intra(self, c: Candidate, a: int, b: int) -> bool:
         return self.hw.same_node(a * c.tp, b * c.tp)
 
-    def cuts(self, c: Candidate, u: _Units) -> tuple[int, ...] | None:
+    def cuts(self, c: Candidate, u: _Units, capped: bool = True) -> tuple[int, ...] | None:
         """The partitioner's cuts over the groups ([Note: partition under the memory limit]): the
-        time-balanced cuts when their rank memory fits the limit, else the fastest cuts that do."""
+        time-balanced cuts when their rank memory fits the limit, else the fastest cuts that do
+        (``capped=False``: the balanced cuts whatever their memory)."""
         S = c.num_stages
         if S == 1:
             return (0, self.w.num_groups)
         balanced = self._solve(c, u, None)
-        if balanced is None or not math.isfinite(self.limit):
+        if balanced is None or not math.isfinite(self.limit) or not capped:
             return balanced
         cap = self._partition_cap(c, u)
         if cap is None or self._memory(c, u, balanced)[0].total <= self.limit:
@@ -304,17 +312,48 @@ class Scorer:
     def inflight(self, c: Candidate) -> tuple[float, ...]:
         return _schedules.schedule_spec(c.schedule).inflight_bound(c.pp, c.stages_per_rank, c.microbatches)
 
-    # -- the score
-    def score(self, c: Candidate, *, simulate: bool = False) -> Score:
-        w, hw = self.w, self.hw
-        # a lower bound first: the rank's share of the training state alone, evenly split
-        state = w.param_bytes_total * self._state_factor() / (c.tp * c.pp * c.dp_shard)
-        if state > self.limit:
-            return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(params=state), False,
-                         f"memory: the training state alone, {fmt_bytes(state)} per rank (params, grads, optimizer "
-                         f"over tp x pp{' x dp_shard' if c.dp_shard > 1 else ''}), > limit {fmt_bytes(self.limit)}")
+    # -- bounds ([Note: search strategy]: what lets the search skip candidates it need not score)
+    def state_rejection(self, c: Candidate) -> Score | None:
+        """The rejection of ``c`` when its rank's share of the training state alone, evenly split,
+        is over the limit (a memory lower bound; None: it may fit)."""
+        state = self.w.param_bytes_total * self._state_factor() / (c.tp * c.pp * c.dp_shard)
+        if state <= self.limit:
+            return None
+        return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(params=state), False,
+                     f"memory: the training state alone, {fmt_bytes(state)} per rank (params, grads, optimizer "
+                     f"over tp x pp{' x dp_shard' if c.dp_shard > 1 else ''}), > limit {fmt_bytes(self.limit)}")
+
+    def lower_bound(self, c: Candidate) -> float:
+        """A step time the closed-form ``score(c)`` cannot be under, without the partition: the
+        work spread evenly over the pipeline ranks, the schedule's bubble at the mean stage's
+        costs where it grows with every cost (1F1B, interleaved, GPipe: (p-1)(F+I+W); ZB-V and
+        DualPipeV: (p-1)F/2 of a rank's share; ZB-H1's falls as W grows: none), no messages, and
+        the data-parallel reduction and optimizer step of an even share of the parameters (both
+        grow with the busiest rank's share). With ranks sharing one host's cores the closed form
+        is only ever larger."""
         u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
-        cuts = self.cuts(c, u)
+        share = float(u.params.sum()) / c.pp
+        total = float(u.F.sum() + u.I.sum() + u.W.sum())
+        bubble, p, S = 0.0, c.pp, c.num_stages
+        if p > 1:
+            rule = _schedules.schedule_spec(c.schedule).bubble_rule
+            if rule in ("zbv", "dualpipev"):
+                bubble = (p - 1) * float(u.F.sum()) / S * c.stages_per_rank / 2
+            elif rule != "zb_h1":
+                bubble = (p - 1) * total / S
+        opt = self.hw.memory_time(self.optimizer_traffic * share / self.w.param_itemsize / c.dp_shard)
+        return c.microbatches * total / p + bubble + self._dp_time(c, share) + opt
+
+    # -- the score
+    def score(self, c: Candidate, *, simulate: bool = False, capped: bool = True) -> Score:
+        """``c`` scored; ``capped=False`` judges it by its time-balanced cuts alone (no re-partition
+        under the memory limit: [Note: search strategy]'s first pass)."""
+        w, hw = self.w, self.hw
+        rejected = self.state_rejection(c)  # a lower bound first
+        if rejected is not None:
+            return rejected
+        u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
+        cuts = self.cuts(c, u, capped)
         if cuts is None:
             return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(), False,
                          f"no partition of {w.num_groups} layer groups into {c.num_stages} stages")
@@ -337,18 +376,22 @@ class Scorer:
         cores = self.cal.host_cores
         shared = math.isfinite(cores)
         copies = c.dp * c.tp  # processes that run each pipeline rank's actions at once
-        method = "closed form"
+        method, free = "closed form", None  # free: the makespan with free messages (None: no pipeline)
         if p == 1:
             pipe = c.microbatches * float(F.sum() + I.sum() + W.sum())
             if shared:
                 pipe, method = pipe / shared_rate(copies, cores), "closed form, host-shared"
         elif simulate:
             pipe, method = self._simulate(c, F, I, W, comm, ranks, cores=cores, copies=copies)
+            if not shared:  # an extension from a short schedule that is not yet steady can fall under
+                pipe = max(pipe, c.microbatches * self._busiest_share(F, I, W, ranks, p))  # the rank's own work
+            free = pipe - 2 * (S - 1) * float(comm.max(initial=0.0))  # [Note: step breakdown]
         else:
             pipe = self._closed_form(c, F, I, W, comm, ranks)
+            free = pipe - 2 * (S - 1) * float(comm.max(initial=0.0))
             work = copies * c.microbatches * float(F.sum() + I.sum() + W.sum())
             if shared and work / cores > pipe:  # the closed form: at least the total work over the cores
-                pipe, method = work / cores, "closed form, host-bound"
+                pipe, free, method = work / cores, work / cores, "closed form, host-bound"
         dp_time = self._dp_time(c, float(rank_P.max()))
         opt_time = hw.memory_time(self.optimizer_traffic * float(rank_P.max()) / w.param_itemsize / sh)
         if shared:
@@ -358,8 +401,40 @@ class Scorer:
                                   f"{fmt_bytes(mem.activations)}, recompute {fmt_bytes(mem.recompute)})")
         costs = dict(forward=tuple(F), backward_input=tuple(I), backward_weight=tuple(W), comm=tuple(comm))
         step = pipe + dp_time + opt_time
+        parts = self._breakdown(c, u, cuts, F, I, W, comm, ranks, pipe, free, dp_time, opt_time)
         return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
-                     tuple(cuts), costs)
+                     tuple(cuts), costs, parts)
+
+    @staticmethod
+    def _busiest_share(F, I, W, ranks, p: int) -> float:
+        """The busiest pipeline rank's F + I + W per microbatch."""
+        share = np.zeros(p)
+        for s in range(len(F)):
+            share[ranks[s]] += F[s] + I[s] + W[s]
+        return float(share.max())
+
+    def _breakdown(self, c: Candidate, u: _Units, cuts, F, I, W, comm, ranks, pipe: float, free: float | None,
+                   dp_time: float, opt_time: float) -> Breakdown:
+        """[Note: step breakdown] of one score, on the busiest pipeline rank."""
+        idx, m = np.asarray(cuts), c.microbatches
+        per_stage = lambda x: np.diff(np.concatenate(([0.0], np.cumsum(x)))[idx])  # noqa: E731
+        tp_s, rec_s = per_stage(u.tp), per_stage(u.rec)
+        share, tpw, recw, msgs = np.zeros(c.pp), np.zeros(c.pp), np.zeros(c.pp), np.zeros(c.pp)
+        S = len(F)
+        for s in range(S):
+            r = ranks[s]
+            share[r] += F[s] + I[s] + W[s]
+            tpw[r] += tp_s[s]
+            recw[r] += rec_s[s]
+            msgs[r] += (comm[s] if s < S - 1 else 0.0) + (comm[s - 1] if s > 0 else 0.0)
+        r = int(np.argmax(share))
+        work = m * float(share[r])
+        exposed = 0.0 if free is None else max(pipe - free, 0.0)
+        if pipe - work - exposed < 0:  # host-shared closed forms: the step is the work over the cores
+            exposed = max(pipe - work, 0.0)
+        return Breakdown(compute=work - m * float(tpw[r] + recw[r]), recompute=m * float(recw[r]),
+                         tp_comm=m * float(tpw[r]), pp_comm=exposed, bubble=pipe - work - exposed, dp_comm=dp_time,
+                         optimizer=opt_time, pp_overlapped=max(m * float(msgs[r]) - exposed, 0.0))
 
     def _memory(self, c: Candidate, u: _Units, cuts) -> tuple[Memory, np.ndarray]:
         """The busiest rank's memory under ``cuts`` by the split's model ([Note: memory model] in

@@ -12,7 +12,15 @@ Terms as in :mod:`fxsplit.planner.space` and :mod:`fxsplit.planner.score`.
 Every candidate of the space is scored with the closed-form makespan (cheap: per-unit arrays are
 cached per (t, SP, b, checkpointing) and cuts per (t, SP, checkpointing, S, placement)); those
 that do not fit the memory limit are rejected with their numbers (after a re-partition under the
-limit where the balanced cuts were over it: [Note: partition under the memory limit]). The ``top_k`` fastest fitting
+limit where the balanced cuts were over it: [Note: partition under the memory limit]). The
+partition is most of a score's cost, so candidates are scored in the order of a lower bound that
+needs none (``Scorer.lower_bound``: the work spread evenly over the pipeline ranks, no bubble, no
+messages), in two passes: first every candidate by its time-balanced cuts alone (the solves
+shared by candidates of one shape), then those over the memory limit by those cuts again with
+the re-partition under the limit, while they could still matter: once ``top_k`` fitting ones are
+known, one whose bound is over the ``top_k``-th fastest is not re-partitioned
+(``SearchResult.pruned``; it stays rejected with its balanced cuts' memory): it could not have
+been among the ``top_k``, so the pick and the simulated rows are those of scoring everything. The ``top_k`` fastest fitting
 ones are then re-scored with the schedule simulator (within ``SIMULATION_BUDGET`` actions in all:
 a very long pipeline keeps its closed form, and the table says which), and the fastest is the pick
 (ties: fewer ranks per pipeline, then fewer tensor ranks, then less recompute: the simpler
@@ -23,6 +31,7 @@ returned: when nothing fits, PlanError names the tightest candidate and what it 
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import Counter
@@ -43,18 +52,21 @@ from fxsplit.tp.propagate import TPPlanError
 __all__ = ["SearchResult", "analyze", "search"]
 
 _CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+TOP_K = 8  # fitting candidates re-scored with the simulator
 TABLE_ROWS = 12  # fitting candidates print(result) shows ...
 REJECTED_ROWS = 8  # ... and rejected ones: with the header and summaries at most 30 lines
 
 
-def analyze(gm: torch.fx.GraphModule, *, world_size: int, hardware: Hardware) -> Workload:
+def analyze(gm: torch.fx.GraphModule, *, world_size: int, hardware: Hardware, tp: int | None = None) -> Workload:
     """The workload of a traced graph: its TP structure at the largest degree <= the node size
-    that divides the world size and the model's sizes (tried downwards), with sequence
-    parallelism when the plan can start a sequence-sharded stream."""
+    that divides the world size and the model's sizes (tried downwards; ``tp``: that degree,
+    for scoring one given layout), with sequence parallelism when the plan can start a
+    sequence-sharded stream."""
     tp_plan, sp_plan = None, None
     t = 1
     while 2 * t <= min(hardware.devices_per_node, world_size) and world_size % (2 * t) == 0:
         t *= 2
+    t = t if tp is None else tp
     while t > 1 and tp_plan is None:
         try:
             found = find_tp_plan(gm, t)
@@ -89,6 +101,7 @@ class SearchResult:
     group_paths: tuple[str, ...] = field(default=(), repr=False)
     repartitioned: tuple[int, int] = (0, 0)  # layouts re-partitioned under the limit, and skipped (budget)
     picked_from: tuple[str, int] | None = None  # set by with_pick: the built pick and its rank in the search
+    pruned: int = 0  # not re-partitioned: their lower bound is over the top_k-th fastest ([Note: search strategy])
 
     def with_pick(self, k: int, memory: Any, how: str) -> "SearchResult":
         """This result with ``scores[k]`` as the pick (first), its memory the built plan's
@@ -121,6 +134,8 @@ class SearchResult:
                      f"memory limit {fmt_bytes(self.memory_limit)}/rank: {self.num_candidates} candidates scored "
                      f"({len(self.scores)} fit) in {self.seconds:.2f}s; best first; memory/rank is the search's "
                      f"estimate{', the pick' + chr(39) + 's its built plan' + chr(39) + 's (Plan.memory())' if self.picked_from else ''}")
+        if self.pruned:
+            lines[-1] += f"; {self.pruned} over the limit not re-partitioned (slower than the {TOP_K}th by a bound)"
         if any(self.repartitioned):
             done, skipped = self.repartitioned
             lines[-1] += (f"; {done} layouts re-partitioned under the memory limit"
@@ -159,7 +174,7 @@ def _row(tag: str, s: Score, how: str) -> tuple[str, ...]:
 
 
 def search(workload: Workload, *, world_size: int, global_batch: int, hardware: Hardware,
-           memory_limit: float | None = None, top_k: int = 8, shard: bool = False,
+           memory_limit: float | None = None, top_k: int = TOP_K, shard: bool = False,
            calibration: Calibration | None = None, optimizer: str = "adam") -> SearchResult:
     """Search the space for ``workload`` ([Note: search strategy]); raises PlanError when no
     candidate fits ``memory_limit`` (default ``hardware.memory_bytes``), naming the tightest.
@@ -176,15 +191,39 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
     structural: list[tuple[str, str]] = []
     fitting: list[Score] = []
     over: list[Score] = []
-    n = 0
-    for c in candidates(world_size=world_size, global_batch=global_batch, hardware=hardware,
-                        num_groups=workload.num_groups, max_tp=workload.max_tp,
-                        sequence_parallel=workload.sequence_parallel, cuttable=cuttable, shard=shard,
-                        rejected=structural):
-        n += 1
+    space = list(candidates(world_size=world_size, global_batch=global_batch, hardware=hardware,
+                            num_groups=workload.num_groups, max_tp=workload.max_tp,
+                            sequence_parallel=workload.sequence_parallel, cuttable=cuttable, shard=shard,
+                            rejected=structural))
+    n, pruned = len(space), 0
+    bounded = []  # (lower bound, candidate) of those the training state alone does not rule out
+    for c in space:
+        s = scorer.state_rejection(c)
+        if s is None:
+            bounded.append((scorer.lower_bound(c), c))
+        else:
+            over.append(s)
+    bounded.sort(key=lambda x: x[0])
+    kth: list[float] = []  # the top_k fastest fitting step times so far, sorted
+    deferred = []  # over the limit by their balanced cuts: scored again with a re-partition
+    for bound, c in bounded:  # first pass: balanced cuts only (cheap, solves shared by shape)
+        s = scorer.score(c, capped=False)
+        if s.fits:
+            fitting.append(s)
+            bisect.insort(kth, s.step_time)
+        elif s.reason.startswith("memory"):
+            deferred.append((bound, c))
+        else:
+            structural.append((c.short(), s.reason))
+    for i, (bound, c) in enumerate(deferred):  # second pass: the re-partitions, while they could matter
+        if len(kth) >= top_k and bound > kth[top_k - 1]:
+            pruned = len(deferred) - i  # sorted: every one left is slower than the top_k by its bound alone
+            over += [scorer.score(c, capped=False) for _, c in deferred[i:]]
+            break
         s = scorer.score(c)
         if s.fits:
             fitting.append(s)
+            bisect.insort(kth, s.step_time)
         elif s.reason.startswith("memory"):
             over.append(s)
         else:
@@ -216,7 +255,7 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
     return SearchResult(best=scores[0], scores=scores, rejected=rejected, world_size=world_size,
                         global_batch=global_batch, hardware=hardware.name, memory_limit=limit,
                         seconds=time.perf_counter() - t0, num_candidates=n, group_paths=workload.group_paths,
-                        repartitioned=(scorer.capped_solves, scorer.capped_skipped))
+                        repartitioned=(scorer.capped_solves, scorer.capped_skipped), pruned=pruned)
 
 
 def _desc(s: Score) -> str:

@@ -13,7 +13,7 @@ Pruned before scoring, each for a stated reason: t must divide the world size an
 node (t <= devices_per_node: TP's per-layer all-reduces need the intra-node link) and divide the
 degree the TP structure was found at; S = p * v stages need S layer groups to cut between; d must
 divide B and m must divide B / d (no ragged microbatches), with m >= p under a pipeline. The
-schedules are 1F1B, interleaved 1F1B (v = 2, and 4 where the layers allow), ZB-H1 and ZB-V;
+schedules are 1F1B, interleaved 1F1B (v = 2, and 4 and 8 where the layers allow), ZB-H1 and ZB-V;
 GPipe (1F1B's time, more memory) and zb_auto (built from the split's costs after it) are not
 searched. Checkpointing is "none", "selective" and "full"; a split backward (ZB-H1, ZB-V) cannot
 run "selective" ([Note: checkpointing cost model]). Sequence parallelism is tried with t > 1 when
@@ -86,6 +86,8 @@ def schedules_for(pp: int, num_groups: int) -> list[tuple[str, int]]:
         out += [("interleaved_1f1b", 2), ("zbv", 2)]
     if 4 * pp <= num_groups:
         out.append(("interleaved_1f1b", 4))
+    if 8 * pp <= num_groups:  # deep models (Llama 3 405B: 126 layers on 16 ranks) gain from more chunks
+        out.append(("interleaved_1f1b", 8))
     return out
 
 

@@ -33,6 +33,8 @@ structure is taken from ``find_tp_plan`` at one degree and reused for the degree
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -40,6 +42,7 @@ import numpy as np
 import sympy
 import torch.fx
 
+from fxsplit.errors import UsageError
 from fxsplit.graph.meta import node_info
 from fxsplit.graph.recompute import MODES, layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
@@ -47,7 +50,7 @@ from fxsplit.pipeline.checkpointing import mode_held
 from fxsplit.pipeline.split import _cut_bytes as _unit_cut_bytes
 from fxsplit.tp.plan import TPPlan
 
-__all__ = ["Workload", "Linear"]
+__all__ = ["Workload", "Linear", "repeat_layers"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -281,3 +284,71 @@ def _example_batch(gm: torch.fx.GraphModule) -> int:
                 s = val.shape[0]
                 return int(s.node.hint) if hasattr(s, "node") and s.node.hint is not None else int(s)
     return 1
+
+
+_LAYER = re.compile(r"(.+)\.(\d+)")
+
+
+def repeat_layers(w: Workload, num_layers: int) -> Workload:
+    """The workload of the same model with ``num_layers`` layers: ``w``'s last layer group repeated.
+
+    A transformer's layers are identical, so the workload of a model traced with a few of them is
+    the full model's with the last layer's units copied (their costs, memory, TP collectives and
+    the layer-to-layer boundary bytes): the planner then needs no trace of a 126-layer model
+    (fx or torch.export cost seconds per layer on the meta device; the planner's arrays are the
+    same). The layers are the groups ``<prefix>.0`` .. ``<prefix>.<L-1>`` in order (``layers.3``,
+    ``model.layers.3``); ``w`` needs L >= 2, so that the boundary between two layers is a
+    measured one (a value every layer reads, such as a mask or rotary table, crosses it), and its
+    last two layers must cost the same (else UsageError: the layers are not identical)."""
+    paths = w.group_paths
+    found = [(g, m.group(1), int(m.group(2))) for g, p in enumerate(paths) if (m := _LAYER.fullmatch(p))]
+    if not found:
+        raise UsageError(f"repeat_layers: no layer groups (paths '<name>.<index>') among {list(paths)[:8]}")
+    prefix = found[0][1]
+    layers = [(g, k) for g, pre, k in found if pre == prefix]
+    L = len(layers)
+    if [k for _, k in layers] != list(range(L)) or [g for g, _ in layers] != list(range(layers[0][0], layers[0][0] + L)):
+        raise UsageError(f"repeat_layers: the groups of '{prefix}' are not layers 0..{L - 1} in order: "
+                         f"{[paths[g] for g, _ in layers][:8]}")
+    if L < 2 or num_layers < L:
+        raise UsageError(f"repeat_layers: needs a workload of >= 2 layers and num_layers >= its {L}, got "
+                         f"num_layers={num_layers} (trace the model with 2 layers)")
+    last = layers[-1][0]
+    ends = list(w.group_starts) + [w.num_units]
+    s, e = ends[last], ends[last + 1]
+    ps, pe = ends[last - 1], ends[last]
+    extra = num_layers - L
+
+    def splice(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a[:e], np.tile(a[s:e], extra), a[e:]])
+
+    def same(a: np.ndarray) -> bool:
+        return pe - ps == e - s and np.allclose(a[ps:pe], a[s:e], rtol=1e-9, atol=0)
+
+    fields: dict = {}
+    for f in dataclasses.fields(w):
+        v = getattr(w, f.name)
+        if f.name in ("group_of", "cut"):
+            continue
+        if isinstance(v, Linear):
+            if not (same(v.const) and same(v.lin)):
+                raise UsageError(f"repeat_layers: layers {L - 2} and {L - 1} of '{prefix}' differ in {f.name}")
+            fields[f.name] = Linear(splice(v.const), splice(v.lin))
+        elif isinstance(v, np.ndarray) and v.shape == (w.num_units,):
+            fields[f.name] = splice(v)
+        elif isinstance(v, dict):
+            fields[f.name] = {k: (Linear(splice(x.const), splice(x.lin)) if isinstance(x, Linear) else splice(x))
+                              for k, x in v.items()}
+    size = e - s
+    starts = list(w.group_starts[:last + 1]) + [e + k * size for k in range(extra)] \
+        + [st + extra * size for st in w.group_starts[last + 1:]]
+    group_paths = paths[:last + 1] + tuple(f"{prefix}.{L + k}" for k in range(extra)) + paths[last + 1:]
+    n = w.num_units + extra * size
+    group_of = np.zeros(n, dtype=np.int64)
+    for g, st in enumerate(starts):
+        group_of[st:] = g
+    between = lambda a: np.concatenate([a[:last + 1], np.full(extra, a[last]), a[last + 1:]])  # noqa: E731
+    numel = w.param_numel + extra * float(w.params[s:e].sum()) / w.param_itemsize
+    return dataclasses.replace(w, **fields, num_units=n, group_of=group_of, group_starts=tuple(starts),
+                               group_paths=group_paths, cut=Linear(between(w.cut.const), between(w.cut.lin)),
+                               param_numel=numel)
