@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 
@@ -125,12 +126,28 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
 
 def _rank_process(env: dict[str, str], case: str, timeout: float, out_dir: str) -> None:
     """One rank, as ``python -m fxsplit.testing.faults --rank-case ...`` runs it: its environment,
-    stdout discarded, stderr to ``out_dir/stderr<rank>.txt``; exits 1 when it raised."""
+    stdout discarded, stderr to ``out_dir/stderr<rank>.txt``; exits 1 when it raised, the way an
+    interpreter exits (below)."""
+    import atexit
+    import ctypes
+
     os.environ.update(env)
     with open(os.devnull, "w") as null, open(os.path.join(out_dir, f"stderr{env['RANK']}.txt"), "w") as err:
         os.dup2(null.fileno(), 1)
         os.dup2(err.fileno(), 2)
-    rank_main(case, timeout, out_dir)
+    code = 0
+    try:
+        rank_main(case, timeout, out_dir)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    # A forked child ends with os._exit, which skips what a survivor's exit must survive under
+    # torchrun: Python's atexit hooks (fxsplit's watch threads stop there) and C's exit, whose
+    # static destructors abort a process that left a C++ thread running (SIGABRT, "terminate
+    # called without an active exception"). Both run here, as at the end of an interpreter.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    ctypes.CDLL(None).exit(code)
 
 
 def run_case(case: str, timeout: float) -> dict:
