@@ -4,11 +4,13 @@ Llama, and examples/custom_pass.py under torchrun (its pass given to ``fxsplit.p
 
 Launching: the documented command, ``torchrun --nproc-per-node=4 examples/X.py``, runs for the
 quickstart (the process group from torchrun's environment, ``fxsplit.runtime.mesh.init_from_env``).
-The other runs, train_llama's included (its torchrun launch added interpreter start-up over the
-quickstart's, not a path of its own), call the same script's ``main(argv)`` on the ranks of
+The other runs, train_llama's, first_steps' and custom_pass's included (their torchrun launches
+added interpreter start-up over the quickstart's, not a path of their own), run on the ranks of
 ``fxsplit.testing.run_distributed`` (the group already set up; its ranks fork from a server that
-imported torch, fxsplit and transformers once): four fresh interpreters per torchrun launch cost
-about 20 s of start-up on 2 cores, which is what these runs would add, not coverage."""
+imported torch, fxsplit and transformers once): the script's ``main(argv)``, or the whole file as
+``python X.py`` runs it (``__name__ == "__main__"``, its ``sys.exit`` status kept) for the
+scripts the README and their docstrings launch as files. Four fresh interpreters per torchrun
+launch cost about 8 CPU-s each of start-up, which is what these runs would add, not coverage."""
 
 import contextlib
 import importlib.util
@@ -59,10 +61,30 @@ def _main_on_rank(rank, world, script, argv):
     return code, out.getvalue()
 
 
-def _launched(script, *args, nproc=4, timeout=240):
-    """``script``'s ``main(args)`` on ``nproc`` gloo ranks (see the module docstring); every rank
-    must return 0; returns rank 0's printed output (the examples print on rank 0)."""
-    results = run_distributed(_main_on_rank, nproc, script, list(args), timeout=timeout)
+def _script_on_rank(rank, world, script, argv):
+    """examples/``script`` run whole, as ``python script argv`` would run it on this rank: its exit
+    status (``sys.exit``'s, 0 when it ends normally) and what it printed."""
+    import runpy
+
+    out, saved = io.StringIO(), sys.argv
+    sys.argv = [str(EXAMPLES / script), *argv]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved
+    return code, out.getvalue()
+
+
+def _launched(script, *args, nproc=4, timeout=240, as_file=False):
+    """``script``'s ``main(args)`` (``as_file``: the whole file as ``__main__``) on ``nproc`` gloo
+    ranks (see the module docstring); every rank must return 0; returns rank 0's printed output
+    (the examples print on rank 0)."""
+    runner = _script_on_rank if as_file else _main_on_rank
+    results = run_distributed(runner, nproc, script, list(args), timeout=timeout)
     assert [code for code, _ in results] == [0] * nproc, results
     return results[0][1]
 
@@ -160,11 +182,14 @@ def test_train_llama_saves_and_resumes(tmp_path):
 def test_inspect_plan_shallow_meta_llama(tmp_path):
     pytest.importorskip("transformers", reason="inspect_plan needs transformers")
     png = tmp_path / "pp.png"
-    cmd = [sys.executable, str(EXAMPLES / "inspect_plan.py"), "--layers", "2", "--pp", "2", "--tp", "8",
-           "--schedule", "1f1b", "--seq-len", "256", "--timeline", str(png)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = done.stdout
+    # main(argv) in this process: the script's whole body but its `sys.exit(main())` line, without an
+    # interpreter start-up that imports torch and transformers again
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = _example_module("inspect_plan.py").main(["--layers", "2", "--pp", "2", "--tp", "8", "--schedule",
+                                                        "1f1b", "--seq-len", "256", "--timeline", str(png)])
+    assert code == 0
+    out = out.getvalue()
     assert "fxsplit plan: dp=1 tp=8 pp=2 (world size 16); 2 stages (v=1), 1f1b, m=4" in out
     # both layers in one row ([Note: a plan on one screen] in fxsplit/api/summary.py)
     assert "model.layers.0-1: q/k/v colwise, o rowwise, gate/up colwise, down rowwise" in out, out
@@ -173,12 +198,13 @@ def test_inspect_plan_shallow_meta_llama(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# examples/custom_pass.py through parallelize(passes=...), launched as its docstring says
+# examples/custom_pass.py through parallelize(passes=...), run as a file on 2 launched ranks (its
+# launched branch, as under its docstring's torchrun command)
 
 
 @pytest.mark.dist
-def test_custom_pass_under_torchrun_through_parallelize():
-    out = _torchrun("custom_pass.py", nproc=2)
+def test_custom_pass_on_launched_ranks_through_parallelize():
+    out = _launched("custom_pass.py", nproc=2, as_file=True)
     assert re.search(r"gelu_to_tanh rewrote \['gelu(_\d+)?', 'gelu(_\d+)?'\]", out), out
     assert "rank 0's stages with tanh GELU in their code: [0]" in out, out
     found = STEP_LINE.findall(out)
@@ -190,7 +216,7 @@ def test_custom_pass_under_torchrun_through_parallelize():
 
 @pytest.mark.dist
 def test_first_steps_from_the_readme_trains():
-    """README's first example, launched as README says: three steps, a finite loss that falls."""
-    out = _torchrun("first_steps.py")
+    """README's first example, the whole file on 4 launched ranks: three steps, a finite loss that falls."""
+    out = _launched("first_steps.py", as_file=True)
     losses = [float(x) for x in re.findall(r"^step \d: loss (\S+)$", out, re.M)]
     assert len(losses) == 3 and losses[2] < losses[0], out

@@ -209,7 +209,9 @@ def _family(name):
 def _generations(rank, world):
     out = {}
     model, args, _ = zoo.make("gpt")
-    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, timeout=60)
+    # the tokens are compared with one process below, and every rank computes the same plan:
+    # rank 0 verifies it (the default), the others do not repeat that check
+    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, timeout=60, verify=None if rank == 0 else False)
     V = model.config.vocab_size
     out[("gpt", "path")] = cache_path(pm)  # None: the KV cache
     for b in (1, 3):
@@ -231,7 +233,8 @@ def _generations(rank, world):
         out[("gpt", "bad_option")] = (type(exc).__name__, "temperature=0.0" in str(exc), "global rank" in str(exc))
     out[("gpt", "after")] = pm.generate(_prompt(1, 5, V, 1), max_new_tokens=2)
     # zbv: the last stage sits on the first stage's rank, so the token stays on the rank
-    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, schedule="zbv", timeout=60)
+    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, schedule="zbv", timeout=60,
+                             verify=None if rank == 0 else False)
     out[("gpt", "zbv")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW)
     # dp=2 x pp=2: each replica (ranks 0-1, 2-3) continues its own prompt
     # the tokens are compared with one process below: plan-time verification (every rank emulating

@@ -49,6 +49,15 @@ _TRACES = SharedTraces()
 _MODELS: dict = {}
 
 
+def _verify_here():
+    """parallelize's verify on this rank: every case compares with one process, and every rank
+    computes the same plan, so rank 0 verifies it (the default, auto) and the others skip the
+    repeat ([Note: one model and trace per launch] in tests/test_parallelize.py)."""
+    import torch.distributed as dist
+
+    return None if dist.get_rank() == 0 else False
+
+
 def _train(overrides, options, states=False):
     """Trains a parallelized GPT for STEPS AdamW steps; ``states``: also gather the full parameters
     before each step (for :func:`_grads_at`)."""
@@ -61,7 +70,7 @@ def _train(overrides, options, states=False):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     with shared_traces(_TRACES):
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60,
-                                 hardware=INF_LINK, **options)
+                                 hardware=INF_LINK, verify=_verify_here(), **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     steps, before = [], []
     for i in range(STEPS):
@@ -301,7 +310,7 @@ def _compiled(rank, world):
         model, args, kwargs = zoo.make("gpt", **COMPILED_GPT)
         ref, _, _ = zoo.make("gpt", **COMPILED_GPT)
         built[label] = (fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=300,
-                                            hardware=INF_LINK, **options), args, ref)
+                                            hardware=INF_LINK, verify=_verify_here(), **options), args, ref)
     out = {}
     for label, (pm, args, ref) in built.items():
         with torch.no_grad():

@@ -11,7 +11,7 @@ Cases are ``<layout>-<fault>``: layouts in :data:`LAYOUTS`, faults in :data:`FAU
 process stays, silent), ``raise-loss`` (its loss_fn raises), ``raise-model`` (a forward action
 raises). The launcher is :func:`run_case`: like torchrun it hosts the rendezvous store in the
 parent (a killed rank 0 does not take the store with it) and gives each rank RANK / WORLD_SIZE /
-MASTER_ADDR / MASTER_PORT; unlike torchrun it does not kill the other ranks when one exits, so it
+MASTER_ADDR / MASTER_PORT (each rank a process forked from the test harness's forkserver); unlike torchrun it does not kill the other ranks when one exits, so it
 measures how each survivor ends on its own. A SIGSTOPped rank is killed once every survivor exited.
 """
 
@@ -21,10 +21,11 @@ import datetime
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+
+from fxsplit.testing.harness import rank_context
 
 __all__ = ["FAULTS", "LAYOUTS", "cases", "run_case"]
 
@@ -81,8 +82,9 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
 
     dp = options.get("dp", 1) * options.get("dp_shard", 1)
     x = torch.randint(0, cfg.vocab_size, (4 * dp if dp > 1 else 8, cfg.block_size))
-    pm = parallelize(model, (x[: len(x) // dp],), loss_fn=loss_fn, timeout=timeout,
-                             microbatches=4 if options.get("pp", 1) > 1 else 2, **options)
+    # every rank computes the same plan: rank 0 verifies it (the default), the others do not repeat it
+    pm = parallelize(model, (x[: len(x) // dp],), loss_fn=loss_fn, timeout=timeout, verify=None if rank == 0 else False,
+                     microbatches=4 if options.get("pp", 1) > 1 else 2, **options)
     runtime = pm._runtime  # fault injection into one action of this rank (a benchmark's hook)
     if mine and fault in ("kill-F", "kill-B", "stop", "raise-model"):
         target = "_forward" if fault in ("kill-F", "stop", "raise-model") else "_backward"
@@ -122,6 +124,32 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
 # -------------------------------------------------------------------------------------------- launch
 
 
+def _rank_process(env: dict[str, str], case: str, timeout: float, out_dir: str) -> None:
+    """One rank, as ``python -m fxsplit.testing.faults --rank-case ...`` runs it: its environment,
+    stdout discarded, stderr to ``out_dir/stderr<rank>.txt``; exits 1 when it raised, the way an
+    interpreter exits (below)."""
+    import atexit
+    import ctypes
+
+    os.environ.update(env)
+    with open(os.devnull, "w") as null, open(os.path.join(out_dir, f"stderr{env['RANK']}.txt"), "w") as err:
+        os.dup2(null.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    code = 0
+    try:
+        rank_main(case, timeout, out_dir)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    # A forked child ends with os._exit, which skips what a survivor's exit must survive under
+    # torchrun: Python's atexit hooks (fxsplit's watch threads stop there) and C's exit, whose
+    # static destructors abort a process that left a C++ thread running (SIGABRT, "terminate
+    # called without an active exception"). Both run here, as at the end of an interpreter.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    ctypes.CDLL(None).exit(code)
+
+
 def run_case(case: str, timeout: float) -> dict:
     import torch.distributed as dist
 
@@ -131,28 +159,32 @@ def run_case(case: str, timeout: float) -> dict:
     out_dir = tempfile.mkdtemp(prefix=f"fxsplit-fault-{case}-")
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=600))
+    # ranks fork from the test harness's forkserver (torch, fxsplit and what a first parallelize
+    # imports, imported once: a fork, not an interpreter start-up of about 4 CPU-s per rank); each
+    # rank is still a process of its own that nothing ends while it runs: a survivor exits on its
+    # own, as under torchrun
+    ctx = rank_context()
     procs = []
     for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+        env = dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "fxsplit.testing.faults", "--rank-case", case, "--timeout", str(timeout),
-                                       "--out", out_dir], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=open(os.path.join(out_dir, f"stderr{r}.txt"), "w")))
+        procs.append(ctx.Process(target=_rank_process, args=(env, case, timeout, out_dir), name=f"fxsplit-fault-rank{r}"))
+        procs[-1].start()
     limit = time.time() + 240 + 4 * timeout
     exits: dict[int, tuple[int, float]] = {}
     survivors = [r for r in range(world) if r != fault_rank]
     while time.time() < limit and any(r not in exits for r in survivors):
         for r, p in enumerate(procs):
-            if r not in exits and p.poll() is not None:
-                exits[r] = (p.returncode, time.time())
+            if r not in exits and p.exitcode is not None:
+                exits[r] = (p.exitcode, time.time())
         time.sleep(0.05)
     for r, p in enumerate(procs):
-        if p.poll() is None:
+        if p.exitcode is None:
             if fault == "stop" and r == fault_rank:
-                p.send_signal(signal.SIGCONT)
+                os.kill(p.pid, signal.SIGCONT)
             p.kill()
-            p.wait()
+        p.join()
     fault_path = os.path.join(out_dir, "fault")
     t_fault = float(open(fault_path).read()) if os.path.exists(fault_path) else None
     hung = [r for r in survivors if r not in exits]

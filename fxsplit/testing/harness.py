@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from fxsplit.errors import ArgumentTypeError, DistributedRunError, UsageError
 
-__all__ = ["DistributedRunError", "run_distributed"]
+__all__ = ["DistributedRunError", "rank_context", "run_distributed"]
 
 # [Note: rank start-up]: what the forkserver imports once, so that no rank imports it again.
 # Besides torch and fxsplit: the parts of torch that tracing and planning import lazily on the
@@ -89,6 +89,18 @@ _PG_TIMEOUT_MARGIN_S = 30.0
 _ERROR_GRACE_S = 0.05
 # After every rank has returned, how long each may take to exit before it is killed.
 _EXIT_GRACE_S = 10.0
+
+
+def rank_context(start_method: str | None = None) -> Any:
+    """The multiprocessing context ranks start from: ``start_method``, by default "forkserver"
+    where the platform has it (its server preloading :func:`_preload`'s modules: a rank is a fork,
+    [Note: rank start-up]), else "spawn"."""
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_preload())
+    return ctx
 
 
 def _worker(
@@ -213,9 +225,7 @@ def run_distributed(
         raise UsageError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
     if timeout <= 0:
         raise UsageError(f"run_distributed: timeout must be > 0 seconds, got {timeout!r}")
-    if start_method is None:
-        methods = multiprocessing.get_all_start_methods()
-        start_method = "forkserver" if "forkserver" in methods else "spawn"
+    ctx = rank_context(start_method)
     try:
         payload = pickle.dumps((fn, args))
     except Exception as exc:
@@ -223,9 +233,6 @@ def run_distributed(
             f"run_distributed: could not pickle {getattr(fn, '__qualname__', fn)!r} and its "
             f"arguments ({exc}); fn must be a module-level function and args plain data"
         ) from exc
-    ctx = multiprocessing.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(_preload())
     # The parent hosts the store: port 0 lets the OS pick a free port with no race.
     store = dist.TCPStore(
         "127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False
