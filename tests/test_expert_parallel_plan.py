@@ -96,10 +96,13 @@ def test_exchange_is_the_identity_without_a_group():
     assert ep_local_offsets(recv, offs) is offs
 
 
-@pytest.mark.parametrize("options", [dict(dp=2, ep=2), dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")],
-                         ids=["dp2-ep2", "dp2-ep2-pp2"])
-def test_verify_emulates_the_all_to_all(options):
-    model, args, _ = zoo.make("moe", num_experts=4, top_k=2)
+@pytest.mark.parametrize("options, model_options", [
+    (dict(dp=2, ep=2), dict(num_experts=4, top_k=2)),
+    (dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b"), dict(num_experts=8, top_k=2, score="sigmoid",
+                                                                    shared_expert=False)),
+], ids=["dp2-ep2", "dp2-ep2-pp2-sigmoid-8experts"])
+def test_verify_emulates_the_all_to_all(options, model_options):
+    model, args, _ = zoo.make("moe", **model_options)
     report = fxsplit.verify(model, args, fxsplit.plan(model, args, hardware=_HW, **options), quiet=True)
     assert report.gradients == len(list(model.parameters()))
     assert report.max_gradient_error < 1e-5
