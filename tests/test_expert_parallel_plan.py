@@ -52,7 +52,7 @@ def test_stages_never_cut_between_dispatch_and_combine():
 @pytest.mark.parametrize("options, words", [
     (dict(dp=2, ep=3), "must divide the data-parallel ranks"),
     (dict(dp=2, ep=2, tp=2), "use tp=1"),
-    (dict(dp=1, dp_shard=2, ep=2), "dp_shard"),
+    (dict(dp=1, dp_shard=2, ep=4), "dp \\* dp_shard = 1 \\* 2 = 2"),
     (dict(dp=2, ep=2, compile=True), "compile=False"),
     (dict(dp=2, ep=0), "ep must be an int >= 1"),
 ])
@@ -156,3 +156,12 @@ def test_cli_plans_with_ep(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fxsplit plan: dp=2 ep=2 tp=1" in out
     assert "expert parallelism ep=2: 2 MoE layer(s)" in out
+
+
+def test_memory_with_dp_shard_keeps_the_expert_block_whole():
+    model, args, _ = zoo.make("moe")
+    placed = fxsplit.plan(model, args, dp_shard=2, ep=2, hardware=_HW).memory()[0]
+    sizes = [(".experts." in n, p.numel() * p.element_size()) for n, p in model.named_parameters()]
+    experts = sum(b for e, b in sizes if e)
+    rest = sum(b for e, b in sizes if not e)
+    assert placed.params == pytest.approx(experts / 2 + rest / 2, rel=0.01)  # FSDP halves the rest only
