@@ -32,6 +32,9 @@ CASES_4 = {
     "qwen2_moe/dp2-ep2-pp2": ("qwen2_moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")),
     "mixtral/dp4-ep4": ("mixtral", dict(dp=4, ep=4)),
     "moe/dp2-ds2-ep2": ("moe", dict(dp=2, dp_shard=2, ep=2)),
+    "moe/dp2-ep2-pp2-dualpipev": ("moe", dict(dp=2, ep=2, pp=2, microbatches=4, schedule="dualpipev")),
+    "moe/dp2-ep2-pp2-full-checkpointing": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b",
+                                                        activation_checkpointing="full")),
 }
 
 
