@@ -18,6 +18,9 @@ STEPS, LR, GLOBAL_BATCH = 3, 0.05, 8
 CASES_2 = {
     "moe/dp2-ep2": ("moe", dict(dp=2, ep=2)),
     "moe-noshared/dp2-ep2": ("moe-noshared", dict(dp=2, ep=2)),
+    "mixtral/dp2-ep2": ("mixtral", dict(dp=2, ep=2)),
+    "qwen2_moe/dp2-ep2": ("qwen2_moe", dict(dp=2, ep=2)),
+    "moe/ds2-ep2": ("moe", dict(dp_shard=2, ep=2)),
 }
 STATE_CASES = ("moe/dp2-ep2", "moe/dp4-ep2")  # full state dicts gathered / loaded, checkpoints refused
 CASES_4 = {
@@ -28,6 +31,10 @@ CASES_4 = {
     "moe/dp2-ep2-pp2-interleaved": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2)),
     "qwen2_moe/dp2-ep2-pp2": ("qwen2_moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")),
     "mixtral/dp4-ep4": ("mixtral", dict(dp=4, ep=4)),
+    "moe/dp2-ds2-ep2": ("moe", dict(dp=2, dp_shard=2, ep=2)),
+    "moe/dp2-ep2-pp2-dualpipev": ("moe", dict(dp=2, ep=2, pp=2, microbatches=4, schedule="dualpipev")),
+    "moe/dp2-ep2-pp2-full-checkpointing": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b",
+                                                        activation_checkpointing="full")),
 }
 
 
@@ -56,6 +63,13 @@ def _batch(model):
     return x, torch.randint(0, vocab, (GLOBAL_BATCH, 8), generator=g)
 
 
+def _whole(grad):
+    """An FSDP-sharded gradient gathered whole (a collective over its mesh, in the same order on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
 def _state_checks(pm, name, tmp):
     """The trained full state dict (expert blocks joined over ep), a reload of fresh weights, and
     the sharded checkpoint's refusal."""
@@ -78,14 +92,15 @@ def _train(rank, world, cases, tmp=None):
         model = _model(name)
         x, y = _batch(model)
         # the zoo's model is verified on every rank first (ep emulated in one process: verify=None, auto)
-        pm = fxsplit.parallelize(model, (x[:GLOBAL_BATCH // options["dp"]],), loss_fn=_loss, hardware=_HW,
+        data = options.get("dp", 1) * options.get("dp_shard", 1)
+        pm = fxsplit.parallelize(model, (x[:GLOBAL_BATCH // data],), loss_fn=_loss, hardware=_HW,
                                  timeout=60, verify=None if label == "moe/dp2-ep2" else False, **options)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
         losses = []
         for _ in range(STEPS):
             opt.zero_grad()
             losses.append(float(pm.step(replica_slice(pm, x), target=replica_slice(pm, y))))
-            grads = {n: p.grad.detach().clone() for m in pm.stage_modules.values()
+            grads = {n: _whole(p.grad).detach().clone() for m in pm.stage_modules.values()
                      for n, p in m.named_parameters() if p.grad is not None}
             opt.step()
         d, _ = replica_index(pm)

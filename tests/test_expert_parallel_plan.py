@@ -52,7 +52,7 @@ def test_stages_never_cut_between_dispatch_and_combine():
 @pytest.mark.parametrize("options, words", [
     (dict(dp=2, ep=3), "must divide the data-parallel ranks"),
     (dict(dp=2, ep=2, tp=2), "use tp=1"),
-    (dict(dp=1, dp_shard=2, ep=2), "dp_shard"),
+    (dict(dp=1, dp_shard=2, ep=4), "dp \\* dp_shard = 1 \\* 2 = 2"),
     (dict(dp=2, ep=2, compile=True), "compile=False"),
     (dict(dp=2, ep=0), "ep must be an int >= 1"),
 ])
@@ -96,10 +96,13 @@ def test_exchange_is_the_identity_without_a_group():
     assert ep_local_offsets(recv, offs) is offs
 
 
-@pytest.mark.parametrize("options", [dict(dp=2, ep=2), dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")],
-                         ids=["dp2-ep2", "dp2-ep2-pp2"])
-def test_verify_emulates_the_all_to_all(options):
-    model, args, _ = zoo.make("moe", num_experts=4, top_k=2)
+@pytest.mark.parametrize("options, model_options", [
+    (dict(dp=2, ep=2), dict(num_experts=4, top_k=2)),
+    (dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b"), dict(num_experts=8, top_k=2, score="sigmoid",
+                                                                    shared_expert=False)),
+], ids=["dp2-ep2", "dp2-ep2-pp2-sigmoid-8experts"])
+def test_verify_emulates_the_all_to_all(options, model_options):
+    model, args, _ = zoo.make("moe", **model_options)
     report = fxsplit.verify(model, args, fxsplit.plan(model, args, hardware=_HW, **options), quiet=True)
     assert report.gradients == len(list(model.parameters()))
     assert report.max_gradient_error < 1e-5
@@ -153,3 +156,12 @@ def test_cli_plans_with_ep(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fxsplit plan: dp=2 ep=2 tp=1" in out
     assert "expert parallelism ep=2: 2 MoE layer(s)" in out
+
+
+def test_memory_with_dp_shard_keeps_the_expert_block_whole():
+    model, args, _ = zoo.make("moe")
+    placed = fxsplit.plan(model, args, dp_shard=2, ep=2, hardware=_HW).memory()[0]
+    sizes = [(".experts." in n, p.numel() * p.element_size()) for n, p in model.named_parameters()]
+    experts = sum(b for e, b in sizes if e)
+    rest = sum(b for e, b in sizes if not e)
+    assert placed.params == pytest.approx(experts / 2 + rest / 2, rel=0.01)  # FSDP halves the rest only

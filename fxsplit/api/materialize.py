@@ -155,7 +155,7 @@ def _tied_seed_names(shared_params: Sequence[Sequence[tuple[int, str]]], stage: 
 
 
 def materialize_sharded_stage(plan: Any, stage: int, *, tp_rank: int, source: nn.Module, mesh: Any,
-                              device: torch.device | str = "cpu", mp_policy: Any = None) -> nn.Module:
+                              device: torch.device | str = "cpu", mp_policy: Any = None, ep_rank: int = 0) -> nn.Module:
     """Stage ``stage`` as :func:`materialize_stage` makes it, wrapped with FSDP over ``mesh``
     (:func:`fxsplit.runtime.fsdp.shard_stages`), holding only this rank's FSDP shard of its tp
     shard of each parameter.
@@ -166,7 +166,10 @@ def materialize_sharded_stage(plan: Any, stage: int, *, tp_rank: int, source: nn
     (``to_empty``). Then one tensor at a time: the tp-local tensor is made exactly as
     :func:`materialize_stage` would make it (sliced from the model's real weights, or freshly
     initialized under the same per-name seeds for a meta model, so values do not depend on
-    dp_shard), this rank's FSDP slice is copied out, and the tensor is dropped. Peak memory is
+    dp_shard), this rank's FSDP slice is copied out, and the tensor is dropped. Expert weights placed
+by ep (``plan.ep_plan``) are left out of FSDP (``ignored_params``: their gradients are reduced over
+their replicas only, [Note: expert gradients] in fxsplit.api.model) and hold ep rank ``ep_rank``'s
+block of experts, whole. Peak memory is
     the stage's FSDP shards plus one tp-local tensor. Buffers are materialized whole (FSDP does
     not shard buffers)."""
     from fxsplit.graph.ops import owner_and_leaf
@@ -194,18 +197,23 @@ def materialize_sharded_stage(plan: Any, stage: int, *, tp_rank: int, source: nn
             buffers.setdefault(id(t), []).append(name)
             objects[id(t)] = t
     originals = {key: objects[key] for key in (*params, *buffers)}
-    # 1. parameters at their tp-local shape, still on the meta device (tied names: one object)
+    ep = plan.config.ep
+    experts = {key for key, names in params.items() if ep > 1 and set(names) & set(plan.ep_plan.expert_params)}
+    # 1. parameters at their tp-local shape (experts: ep_rank's block), still on the meta device (tied names: one object)
     for key, names in params.items():
         old = objects[key]
         spec = next((specs[n] for n in names if n in specs), None)
         full = next((tuple(full_shapes[n]) for n in names if n in full_shapes), tuple(old.shape))
         shape = tuple(old.shape) if spec is None or tuple(old.shape) != full else spec.local_shape(full)
+        if key in experts:
+            shape = (shape[0] // ep, *shape[1:])
         new = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"), requires_grad=old.requires_grad)
         for n in names:
             owner, leaf = owner_and_leaf(local, n)
             owner._parameters[leaf] = new
     # 2. FSDP shards on the meta device, then storage for them only
-    local = shard_stages({stage: local}, mesh, mp_policy=mp_policy)[stage]
+    ignored = {local.get_parameter(params[key][0]) for key in experts}
+    local = shard_stages({stage: local}, mesh, mp_policy=mp_policy, ignored={stage: ignored})[stage]
     local.to_empty(device=device)
     with torch.no_grad():
         for key, names in buffers.items():
@@ -217,6 +225,9 @@ def materialize_sharded_stage(plan: Any, stage: int, *, tp_rank: int, source: nn
         for key, names in params.items():
             value = materialize_tensor(names, originals[key], specs, tp_rank, **opts)
             param = local.get_parameter(names[0])
+            if key in experts:
+                param.detach().copy_(value.chunk(ep)[ep_rank])
+                continue
             piece = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
             local_tensor(param).copy_(local_tensor(piece))
             del value, piece

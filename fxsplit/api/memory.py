@@ -69,7 +69,8 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                     shape = (shape[0] // c.ep, *shape[1:])
                 numel = math.prod(shape)
                 rows = shape[0] if shape else 1
-                mine = numel if s == 1 or not shape else math.ceil(rows / s) * (numel // max(rows, 1))
+                # (FSDP leaves the expert weights placed by ep whole: its ignored_params)
+                mine = numel if s == 1 or not shape or name in experts else math.ceil(rows / s) * (numel // max(rows, 1))
                 size = p.element_size()
                 shard += mine * size
                 whole += numel

@@ -478,6 +478,7 @@ class ParallelModel(nn.Module):
         (the tensor-parallel pass reads them through Megatron's f)."""
         if self._fsdp is not None:
             self._fsdp.reduce()  # the dp_shard (and dp) mean: reduce-scatter, FSDP's own
+            self._reduce_expert_grads(1.0 / (self.plan.config.dp * self.plan.config.dp_shard))  # FSDP ignores them
             return
         pending, self._dp_pending = self._dp_pending, []
         dp = self._groups.get("dp")

@@ -177,8 +177,6 @@ class ParallelConfig:
                             f"{self.dp_shard} = {data} (expert-parallel ranks are carved out of them; the world "
                             f"size stays dp * dp_shard * tp * pp): use ep in {_divisors(data)}, or raise dp")
         for name, bad, fix in (("tp", self.tp > 1, "experts are either sharded by tp or placed by ep: use tp=1"),
-                               ("dp_shard", self.dp_shard > 1,
-                                "FSDP2 over the expert replicas is not built: use dp for the data ranks"),
                                ("compile", self.compile is True,
                                 "the exchanged rows have a size known only at run time: use compile=False")):
             if bad:

@@ -158,7 +158,8 @@ def parallelize(
         fsdp_mesh = mesh["dp", "dp_shard"] if dp > 1 else mesh["dp_shard"]
         units = stages = {
             s: materialize_sharded_stage(the_plan, s, tp_rank=coords["tp"], source=model, mesh=fsdp_mesh,
-                                         device=device, mp_policy=c.mp_policy) for s in mine
+                                         device=device, mp_policy=c.mp_policy,
+                                         ep_rank=groups["ep"].rank() if c.ep > 1 else 0) for s in mine
         }
     else:
         stages = {
@@ -167,7 +168,7 @@ def parallelize(
         # one Parameter per tied group on this rank (FSDP shards each stage as its own unit, so
         # with dp_shard the copies stay apart and the memory model counts each)
         share_tied_on_rank(stages, the_plan.stages.shared_params)
-    if c.ep > 1:
+    if c.ep > 1 and units is None:  # (with dp_shard, materialized as their blocks already)
         keep_own_experts(stages, the_plan.ep_plan, groups["ep"].rank())
     runtime = PipelineRuntime(
         the_plan.rank_plan(pp_rank), stages, group=pipe_group,

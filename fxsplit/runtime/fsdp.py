@@ -81,10 +81,12 @@ def fsdp_policy(mp_policy: Any) -> Any:
                                 output_dtype=None, cast_forward_inputs=False)
 
 
-def shard_stages(modules: Mapping[int, nn.Module], mesh: Any, *, mp_policy: Any = None) -> dict[int, nn.Module]:
+def shard_stages(modules: Mapping[int, nn.Module], mesh: Any, *, mp_policy: Any = None,
+                 ignored: Mapping[int, set] | None = None) -> dict[int, nn.Module]:
     """Wrap each stage module with ``fully_shard`` over ``mesh`` (1-D: dp_shard; 2-D (dp,
     dp_shard): HSDP), one unit per stage ([Note: FSDP units and reshard_after_forward]); the
-    modules are changed in place (their parameters become DTensor shards) and returned."""
+    modules are changed in place (their parameters become DTensor shards) and returned.
+    ``ignored[s]``: parameters of stage s FSDP leaves whole and unreduced (expert weights placed by ep)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = fsdp_policy(mp_policy)
@@ -93,6 +95,8 @@ def shard_stages(modules: Mapping[int, nn.Module], mesh: Any, *, mp_policy: Any 
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": False}
         if policy is not None:
             kwargs["mp_policy"] = policy
+        if ignored and ignored.get(s):
+            kwargs["ignored_params"] = set(ignored[s])
         out[s] = fully_shard(module, **kwargs)
     return out
 

@@ -36,6 +36,7 @@ LAYOUTS = {  # name -> (world size, parallelize options, fault rank, fault rank 
     "tp2dp2": (4, dict(tp=2, dp=2), 1, 1),
     "ds2pp2": (4, dict(dp_shard=2, pp=2), 1, 1),
     "zbv": (2, dict(pp=2, schedule="zbv"), 1, 0),
+    "ep2": (2, dict(dp=2, ep=2), 1, 1),  # the zoo's MoE: a survivor waits in the experts' all-to-all
 }
 
 
@@ -66,7 +67,13 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=4, n_head=4, n_embd=64)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    if options.get("ep", 1) > 1:
+        from fxsplit.testing.zoo_moe import MoEConfig, MoEGPT
+
+        cfg = MoEConfig(vocab_size=128, block_size=32)
+        model = MoEGPT(cfg)
+    else:
+        model = GPT(cfg)
     step = [0]
     mine = rank == fault_rank
 

@@ -7,7 +7,7 @@ expert (``cumsum`` of the per-expert counts, int32, length E).
 
     model, args, kwargs = fxsplit.testing.zoo.make("moe", num_experts=4, top_k=2, shared_expert=True)
 
-Each MoE layer: a router (``nn.Linear(C, E)``, softmax scores, top-k), the routed rows sorted by
+Each MoE layer: a router (``nn.Linear(C, E)``, softmax or sigmoid scores, top-k), the routed rows sorted by
 expert, the experts as fused 3-D weights ``w1`` / ``w3`` ``[E, H, C]`` and ``w2`` ``[E, C, H]``
 run as grouped matmuls over ``offs`` (SwiGLU), the outputs weighted by their scores and summed back
 per token, plus an optional shared expert (a dense SwiGLU every token goes through). The grouped
@@ -91,10 +91,15 @@ class MoEConfig:
     top_k: int = 2  # k
     expert_hidden: int = 48  # H, each expert's SwiGLU width
     shared_expert: bool = True  # a dense SwiGLU beside the routed experts
+    # "softmax" (Mixtral: softmax scores, the top-k weights as they are) or "sigmoid" (DeepSeek-V3:
+    # sigmoid scores, the top-k weights normalized to sum to 1)
+    score: str = "softmax"
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise UsageError(f"MoEConfig: top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.score not in ("softmax", "sigmoid"):
+            raise UsageError(f"MoEConfig: score={self.score!r} must be 'softmax' or 'sigmoid'")
         if self.n_embd % self.n_head:
             raise UsageError(f"MoEConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
 
@@ -130,7 +135,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
-        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.num_experts, self.top_k, self.score = cfg.num_experts, cfg.top_k, cfg.score
         self.router = nn.Linear(cfg.n_embd, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.n_embd, cfg.expert_hidden, cfg.num_experts)
         self.shared = SwiGLU(cfg.n_embd, cfg.expert_hidden) if cfg.shared_expert else None
@@ -138,8 +143,11 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
         B, T, C = x.shape
         flat = x.reshape(-1, C)  # (N, C)
-        scores = F.softmax(self.router(flat), dim=-1)  # (N, E)
+        logits = self.router(flat)  # (N, E)
+        scores = F.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
         top_w, top_i = torch.topk(scores, self.top_k, dim=-1)  # (N, k)
+        if self.score == "sigmoid":
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         ids = top_i.reshape(-1)  # (S,)
         order = torch.argsort(ids, stable=True)  # rows sorted by expert
         counts = torch.histc(ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
