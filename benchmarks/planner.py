@@ -28,12 +28,14 @@
    GPUs, and a Llama-70B config planned for tp=8 x pp=8 vs a bare torch.export of it: 1F1B,
    m = 16, global batch 16 (so one sample per microbatch, and the plan traces the batch static
    at it: [Note: a static batch] in fxsplit.graph.examples; ``--dynamic-batch`` times the plan
-   with the batch symbolic too). A 2-layer config is exported first, so that neither timed call
-   pays torch's one-time warm-up.
+   with the batch symbolic too; ``--dynamic-sequence`` times it with the sequence symbolic, which
+   the default plan does not need: it serves every length up to 4096 padded, [Note: padding to
+   the traced length] in fxsplit.api.padding). A 2-layer config is exported first, so that neither
+   timed call pays torch's one-time warm-up.
 
     .venv/bin/python benchmarks/planner.py here [--steps 5]
     .venv/bin/python benchmarks/planner.py paper [--runs 145.6B,1008B]
-    .venv/bin/python benchmarks/planner.py speed [--skip-70b] [--skip-1t] [--dynamic-batch]
+    .venv/bin/python benchmarks/planner.py speed [--skip-70b] [--skip-1t] [--dynamic-batch] [--dynamic-sequence]
 """
 
 from __future__ import annotations
@@ -346,11 +348,11 @@ def _paper_llama(name: str, traced: dict) -> None:
     sys.stdout.flush()
 
 
-def speed(skip_70b: bool, skip_1t: bool, dynamic_batch: bool = False) -> None:
+def speed(skip_70b: bool, skip_1t: bool, dynamic_batch: bool = False, dynamic_sequence: bool = False) -> None:
     if not skip_1t:
         _speed_1t()
     if not skip_70b:
-        _speed_70b(dynamic_batch)
+        _speed_70b(dynamic_batch, dynamic_sequence)
 
 
 def _speed_1t() -> None:
@@ -372,7 +374,8 @@ def _speed_1t() -> None:
           f"{r.repartitioned[0]} (skipped past the cap {r.repartitioned[1]})")
 
 
-def _speed_70b(dynamic_batch: bool = False) -> None:
+def _speed_70b(dynamic_batch: bool = False, dynamic_sequence: bool = False) -> None:
+    from fxsplit.api.padding import traced_length
     from fxsplit.testing import hf_zoo
 
     hw = fxsplit.Hardware.preset("a100-80gb")
@@ -393,14 +396,22 @@ def _speed_70b(dynamic_batch: bool = False) -> None:
     info = p.graph.meta["fxsplit"]
     print(f"Llama-70B on meta: bare torch.export {export_s:.1f}s; fxsplit.plan tp=8 x pp=8, global batch 16 in "
           f"16 microbatches {plan_s:.1f}s = {plan_s / export_s:.2f}x (traced with {info.method}, batch "
-          f"{'symbolic' if 'batch' in info.symbols else f'static at {p.config.microbatch_size}'}); "
-          f"peak RSS {peak_rss_mb():.0f} MB")
+          f"{'symbolic' if 'batch' in info.symbols else f'static at {p.config.microbatch_size}'}; serves every "
+          f"sequence length up to {traced_length(p)}); peak RSS {peak_rss_mb():.0f} MB")
     if dynamic_batch:
         gc.collect()
         t0 = time.perf_counter()
         fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, hardware=hw)
         dyn_s = time.perf_counter() - t0
         print(f"  the same with the batch symbolic (no global batch): {dyn_s:.1f}s = {dyn_s / export_s:.2f}x; "
+              f"peak RSS {peak_rss_mb():.0f} MB")
+    if dynamic_sequence:
+        gc.collect()
+        t0 = time.perf_counter()
+        fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, global_batch_size=16,
+                     hardware=hw, dynamic_sequence=True)
+        seq_s = time.perf_counter() - t0
+        print(f"  the same with the sequence symbolic (dynamic_sequence=True): {seq_s:.1f}s = {seq_s / export_s:.2f}x; "
               f"peak RSS {peak_rss_mb():.0f} MB")
 
 
@@ -412,10 +423,11 @@ if __name__ == "__main__":
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--skip-1t", action="store_true")
     ap.add_argument("--dynamic-batch", action="store_true")
+    ap.add_argument("--dynamic-sequence", action="store_true")
     ns = ap.parse_args()
     if ns.what == "here":
         here(ns.steps)
     elif ns.what == "paper":
         paper([r for r in ns.runs.split(",") if r])
     else:
-        speed(ns.skip_70b, ns.skip_1t, ns.dynamic_batch)
+        speed(ns.skip_70b, ns.skip_1t, ns.dynamic_batch, ns.dynamic_sequence)

@@ -23,6 +23,9 @@ __all__ = ["pipeline_split"]
 def pipeline_split(gm: torch.fx.GraphModule, ctx: PassContext, *, num_stages: int, **options: Any) -> PassResult:
     """Assign every compute node to a stage; options as the fields of
     :class:`fxsplit.pipeline.split.SplitRequest`."""
+    ep_plan = ctx.report.get("expert_parallel")  # its token exchanges stay inside one stage
+    if ep_plan is not None and ep_plan.spans and "atomic" not in options:
+        options = {**options, "atomic": ep_plan.spans}
     plan = plan_split(gm, num_stages=num_stages, **options)
     for node in gm.graph.nodes:
         if node.name in plan.stage_of:

@@ -262,6 +262,13 @@ def test_plan_parallelism_flags_reach_the_plan(model_file, capsys, monkeypatch):
     assert "sequence parallel" not in tp_line and "vocabulary-parallel loss" not in tp_line, tp_line
 
 
+def test_plan_cp_flag_reaches_the_plan_and_its_print(model_file, capsys):
+    assert main(["plan", f"{model_file}:gpt", "--cp", "2", "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fxsplit plan: dp=2 cp=2 tp=1 pp=1 (world size 4)" in out, out
+    assert "context parallel cp=2" in out and "all-gather of K/V" in out, out
+
+
 def test_schedule_comm_cost_reaches_the_simulation(capsys):
     from fxsplit import schedule as schedules
 

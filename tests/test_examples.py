@@ -1,4 +1,4 @@
-"""The examples run as documented: quickstart, hf_llama and train_llama on 4 gloo processes
+"""The examples run as documented: quickstart, hf_llama, train_llama and train_packed_text on 4 gloo processes
 (their own check against one process decides the exit status), inspect_plan on a shallow meta
 Llama, and examples/custom_pass.py under torchrun (its pass given to ``fxsplit.parallelize(passes=...)``).
 
@@ -98,6 +98,24 @@ def test_hf_llama_tp2_pp2():
     out = _launched("hf_llama.py", "--steps", "2", "--quiet")
     _check_steps(out, 2)
     assert "LlamaForCausalLM, dp=1 tp=2 pp=2" in out
+
+
+PACKED_LINE = re.compile(r"^step (\d+): length (\d+), (\d+) documents, loss fxsplit (\S+)  single (\S+) ", re.M)
+
+
+@pytest.mark.dist
+@pytest.mark.hf
+def test_train_packed_text_changing_lengths():
+    """examples/train_packed_text.py at tp=2 x pp=2: standard-library source packed into rows, the
+    row length changing between steps on one plan, each step's loss equal to one process's."""
+    pytest.importorskip("transformers", reason="train_packed_text needs transformers")
+    out = _launched("train_packed_text.py", "--steps", "3", "--seq-len", "64", "--batch-size", "4")
+    found = PACKED_LINE.findall(out)
+    assert [(int(i), int(t)) for i, t, _, _, _ in found] == [(0, 64), (1, 48), (2, 32)], out
+    assert any(int(n) > 1 for _, _, n, _, _ in found), out  # rows that hold several documents
+    for *_, a, b in found:
+        assert float(a) == pytest.approx(float(b), rel=1e-5), out
+    assert "OK: largest relative loss difference" in out, out
 
 
 TRAIN_LINE = re.compile(r"^step (\d+) \| loss (\S+) \| lr (\S+) \| grad norm (\S+) \| \d+ tokens/s \| \S+ s \| "

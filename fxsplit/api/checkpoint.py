@@ -151,8 +151,17 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, *,
         raise
 
 
+def _refuse_ep(pm: ParallelModel, what: str) -> None:
+    """Sharded checkpoints store a tensor's replicas once; expert blocks placed by ep are not replicas."""
+    if pm.plan.config.ep > 1:
+        raise CheckpointError(f"{what}: sharded checkpoints of a model with ep={pm.plan.config.ep} are not supported "
+                              "yet (each ep rank holds other experts under the same name); save "
+                              "pm.full_state_dict() with torch.save and load it with pm.load_full_state_dict(...)")
+
+
 def _state_to_save(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The state dict this rank hands to DCP ([Note: checkpoint layout])."""
+    _refuse_ep(pm, "save_checkpoint")
     specs = pm.plan.tp_plan.param_specs
     t, tp_rank = pm.plan.config.tp, pm.coords.get("tp", 0)
     tensors: dict[str, torch.Tensor] = dict(pm._local_state())
@@ -315,6 +324,7 @@ def _load_into(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | 
                allow_nonfinite: bool) -> None:
     from fxsplit.runtime.fsdp import local_tensor
 
+    _refuse_ep(pm, "load_checkpoint")
     names = set()
     for mod in pm.stage_modules.values():
         names |= set(mod.state_dict(keep_vars=True))  # parameters and persistent buffers

@@ -74,8 +74,9 @@ def norm_parameters(
     counting each parameter once]): distinct Parameters of ``stage_modules`` (stage -> module,
     this rank's stages), dropping the non-first holders of each ``shared_params`` group, the
     parameters not in ``sharded`` (FQNs of tp-sharded parameters) unless ``coords["tp"] == 0``,
-    and everything unless ``coords["dp"] == 0``."""
-    if coords.get("dp", 0) != 0:
+    and everything unless ``coords["dp"] == 0`` and ``coords["cp"] == 0`` (context-parallel ranks hold the
+    same gradients after the step's all-reduce, as replicas do)."""
+    if coords.get("dp", 0) != 0 or coords.get("cp", 0) != 0:
         return []
     later_holders = {tuple(entry) for group in shared_params for entry in list(group)[1:]}
     first_tp = coords.get("tp", 0) == 0

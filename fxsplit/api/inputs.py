@@ -56,8 +56,9 @@ def check_batch(flat: Sequence[Any], plan_: Plan, what: str, *, microbatches: in
     except ValueError as exc:
         info = plan_.graph.meta.get("fxsplit")
         seq = ("" if info is None or info.method != "export" or config.dynamic_sequence is True else
-               " (torch.export traced the sequence at the example's length; plan with dynamic_sequence=True "
-               "to serve other lengths: [Note: a static sequence for export] in fxsplit.graph.trace)")
+               " (torch.export traced the sequence at the example's length, which serves shorter ones padded "
+               "unless pad_sequence=False; plan with dynamic_sequence=True to serve any length: [Note: a "
+               "static sequence for export] in fxsplit.graph.trace)")
         static = (info is not None and info.method == "export" and config.microbatch_size is not None
                   and config.dynamic_batch is not True)
         bat = (f" (torch.export traced the batch static at microbatch_size={config.microbatch_size}: pass batches of "

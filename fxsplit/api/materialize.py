@@ -20,7 +20,7 @@ from torch import nn
 
 from fxsplit.tp.sharding import materialize_module, materialize_tensor
 
-__all__ = ["materialize_sharded_stage", "materialize_stage", "on_device", "share_tied_on_rank", "structural_copy"]
+__all__ = ["keep_own_experts", "materialize_sharded_stage", "materialize_stage", "on_device", "share_tied_on_rank", "structural_copy"]
 
 
 def materialize_stage(plan: Any, stage: int, *, tp_rank: int, source: nn.Module,
@@ -57,6 +57,27 @@ def share_tied_on_rank(stages: Mapping[int, nn.Module], shared_params: Sequence[
                 owner._parameters[leaf] = keep
                 dropped += 1
     return dropped
+
+
+def keep_own_experts(stages: Mapping[int, nn.Module], ep_plan: Any, ep_rank: int) -> int:
+    """Replace every fused expert weight of ``ep_plan`` (``EPPlan.expert_params``) in ``stages`` by
+    ep rank ``ep_rank``'s block of experts, rows ``[r * E / ep, (r + 1) * E / ep)`` of dim 0, in
+    place ([Note: expert-parallel exchange] in fxsplit.tp.experts); returns how many were replaced.
+    The block is copied, so the full tensor materialized before is freed with the old Parameter."""
+    from fxsplit.graph.ops import owner_and_leaf
+
+    ep, replaced = ep_plan.ep, 0
+    names = set(ep_plan.expert_params)
+    for module in stages.values():
+        for name, p in list(module.named_parameters()):
+            if name not in names:
+                continue
+            k = p.shape[0] // ep
+            owner, leaf = owner_and_leaf(module, name)
+            owner._parameters[leaf] = nn.Parameter(p.detach()[ep_rank * k:(ep_rank + 1) * k].clone(),
+                                                   requires_grad=p.requires_grad)
+            replaced += 1
+    return replaced
 
 
 def structural_copy(module: nn.Module) -> nn.Module:

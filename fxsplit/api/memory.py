@@ -2,7 +2,8 @@
 with tensor, pipeline and sharded data parallelism (``Plan.memory()``, printed by ``plan()``).
 
 Terms as in :mod:`fxsplit.api.plan` (d, s = dp_shard, t, p). A rank holds the stages of its
-pipeline rank, each parameter at its tp-local shape, split by FSDP into s dim-0 chunks
+pipeline rank, each parameter at its tp-local shape (a fused expert weight placed by ep: its E / ep
+experts), split by FSDP into s dim-0 chunks
 (``ceil(rows / s)`` rows for the first ranks: the figure is the largest rank's). The model
 itself is [Note: memory model] in :mod:`fxsplit.pipeline.memory` (``rank_memory``), the one the
 auto-planner scores candidates with; this module counts a built plan's parameters for it and
@@ -36,6 +37,7 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
     s = c.dp_shard
     specs = plan.tp_plan.param_specs
     full_shapes = {k: tuple(v) for k, v in plan.tp_plan.full_shapes.items()}
+    experts = set(plan.ep_plan.expert_params) if c.ep > 1 else set()  # E / ep experts per rank
     policy = c.mp_policy
     try:
         inflight = plan.split.problem.inflight_per_rank()
@@ -63,6 +65,8 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 full = full_shapes.get(name, shape)
                 if name in specs and shape == full:
                     shape = specs[name].local_shape(full)
+                if name in experts:
+                    shape = (shape[0] // c.ep, *shape[1:])
                 numel = math.prod(shape)
                 rows = shape[0] if shape else 1
                 mine = numel if s == 1 or not shape else math.ceil(rows / s) * (numel // max(rows, 1))

@@ -18,8 +18,10 @@ import torch.fx
 from torch import nn
 
 from fxsplit.api import agreement, checkpoint
+from fxsplit.api.grad_buckets import bucketed_all_reduce, finish_all_reduce, launch_all_reduce
 from fxsplit.api.checkpoint import alias_groups, like_param, load_full_checkpoint
 from fxsplit.api.inputs import check_batch, inference_microbatches
+from fxsplit.api.padding import outputs_cut, pad_to_traced
 from fxsplit.errors import (ArgumentTypeError, MissingKeyError, PlanError, RankFailedError, RunError, ShardingError,
                             UsageError)
 from fxsplit.runtime.failures import exchange_errors
@@ -69,6 +71,9 @@ class ParallelModel(nn.Module):
             for p in [self.stage_modules[str(s)].get_parameter(name)]
         }
         runtime.on_stage_grads_ready = self._stage_grads_ready
+        # expert weights placed by ep: reduced over their replicas only ([Note: expert gradients])
+        experts = set(plan_.ep_plan.expert_params) if plan_.config.ep > 1 else set()
+        self._expert_ids = {id(p) for m in stages.values() for name, p in m.named_parameters() if name in experts}
         # dp_shard > 1: FSDP2 units, gathered before and reduced after the pipeline ([Note: FSDP
         # collectives outside the pipeline] in fxsplit.runtime.fsdp); it also does the dp mean
         self._fsdp = None
@@ -95,7 +100,9 @@ class ParallelModel(nn.Module):
         from fxsplit.tp.collectives import bind_groups, bind_waiter
 
         stack = contextlib.ExitStack()
-        stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp")}))
+        stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp"),
+                                         "ep": self._groups.get("ep"),
+                                         "cp": self._groups.get("cp")}))
         if self._polled():
             stack.enter_context(bind_waiter(self._watch.wait))
         return stack
@@ -132,8 +139,8 @@ class ParallelModel(nn.Module):
         (before :meth:`clip_grad_norm_`), ``scaler.step(opt)``, ``scaler.update()``.
 
         Any batch size B >= m and any sequence length the model allows run without re-planning
-        (batch and sequence are traced as symbols; under torch.export the sequence only with
-        ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace), except
+        (batch and sequence are traced as symbols; torch.export fixes the sequence, and shorter ones
+        are padded to it: [Note: padding to the traced length] in fxsplit.api.padding), except
         that a plan with a known microbatch size (``global_batch_size=`` / ``microbatch_size=``) traced
         by torch.export takes microbatches of that size only (``dynamic_batch=True`` for any:
         [Note: a static batch] in fxsplit.graph.examples).
@@ -151,7 +158,8 @@ class ParallelModel(nn.Module):
         error, loss, loss_scale = None, None, None
         try:
             flat = self._flat(args, kwargs)
-            check_batch(flat, self.plan, "step")
+            run_flat, length = pad_to_traced(flat, self.plan)  # [Note: padding to the traced length]
+            check_batch(run_flat, self.plan, "step")
             if target is None and self.plan.config.num_stages - 1 in self.local_stage_graphs():
                 raise UsageError(
                     "step(): this rank holds the last stage, which computes the loss, and needs the "
@@ -166,7 +174,8 @@ class ParallelModel(nn.Module):
             if self._fsdp is not None:
                 self._fsdp.begin()
             with self._bound():
-                loss = self._runtime.step(flat, target=target, loss_scale=loss_scale)
+                loss = self._runtime.step(run_flat, target=target, loss_scale=loss_scale,
+                                          cut_outputs=outputs_cut(self.plan, length))
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank by _agree
             error = exc
             self._post(exc)
@@ -245,11 +254,16 @@ class ParallelModel(nn.Module):
         :mod:`fxsplit.api.generate`)."""
         def prepare() -> list:
             flat = self._flat(args, kwargs)
-            check_batch(flat, self.plan, "forward", microbatches=inference_microbatches(flat, self.plan))
+            padded, _ = pad_to_traced(flat, self.plan)  # [Note: padding to the traced length]
+            check_batch(padded, self.plan, "forward", microbatches=inference_microbatches(padded, self.plan))
             return flat
 
-        return self._inference("forward", prepare, lambda flat: self._runtime.forward(
-            flat, all_ranks=True, microbatches=inference_microbatches(flat, self.plan)))
+        def body(flat: list) -> Any:
+            padded, length = pad_to_traced(flat, self.plan)
+            return self._runtime.forward(padded, all_ranks=True, microbatches=inference_microbatches(padded, self.plan),
+                                         cut_outputs=outputs_cut(self.plan, length))
+
+        return self._inference("forward", prepare, body)
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, eos_token_id: int | None = None,
@@ -469,13 +483,34 @@ class ParallelModel(nn.Module):
         dp = self._groups.get("dp")
         if dp is None or dist.get_world_size(dp) == 1:
             return
-        scale = 1.0 / dist.get_world_size(dp)
+        # [Note: cp gradients] each cp rank holds its tokens' share of a gradient: the "dp" group spans
+        # dp x cp ranks (fxsplit.api.parallelize), and the mean over dp is the sum over cp divided by dp
+        scale = self.plan.config.cp / dist.get_world_size(dp)
         wait = lambda work: self._wait(work, "in the data-parallel gradient all-reduce", dp)  # noqa: E731
-        _finish_all_reduce(pending, scale=scale, wait=wait)
+        finish_all_reduce(pending, scale=scale, wait=wait)
         done = self._dp_done
         self._dp_done = set()
-        rest = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in done]
-        _bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype, wait=wait)
+        rest = [p.grad for p in self.parameters()
+                if p.grad is not None and id(p) not in done and id(p) not in self._expert_ids]
+        bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype, wait=wait)
+        self._reduce_expert_grads(scale)
+
+    # [Note: expert gradients] An expert's rows come from every rank of its ep group (the exchange's
+    # backward brings each source's gradient home to the expert), so a rank's expert gradient already
+    # sums its ep group's losses; the replicas of that expert (same ep rank, other ep groups) hold the
+    # rest of the global batch. Their sum over the replica group times 1 / (dp * dp_shard) is the
+    # gradient of the mean loss over all data ranks: the unsplit model's on the global batch.
+    def _reduce_expert_grads(self, scale: float) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None and id(p) in self._expert_ids]
+        group = self._groups.get("ep_replica")
+        if not grads:
+            return
+        if group is None or dist.get_world_size(group) == 1:
+            for g in grads:
+                g.mul_(scale)
+            return
+        wait = lambda work: self._wait(work, "in the expert-replica gradient all-reduce", group)  # noqa: E731
+        bucketed_all_reduce(grads, group, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype, wait=wait)
 
     def _stage_grads_ready(self, stage: int) -> None:
         dp = self._groups.get("dp")
@@ -483,9 +518,10 @@ class ParallelModel(nn.Module):
             return  # (one stage: nothing computes after its backward; all-reduce at the end)
         tied = self._tied_ids
         params = [p for p in self.stage_modules[str(stage)].parameters()
-                  if p.grad is not None and id(p) not in tied and id(p) not in self._dp_done]
+                  if p.grad is not None and id(p) not in tied and id(p) not in self._dp_done
+                  and id(p) not in self._expert_ids]
         self._dp_done.update(id(p) for p in params)
-        self._dp_pending += _launch_all_reduce([p.grad for p in params], dp, self._bucket_bytes, self._reduce_dtype)
+        self._dp_pending += launch_all_reduce([p.grad for p in params], dp, self._bucket_bytes, self._reduce_dtype)
 
     # -- gradient clipping
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -552,6 +588,7 @@ class ParallelModel(nn.Module):
             per_rank: list = [None] * dist.get_world_size(tp)
             dist.all_gather_object(per_rank, local, group=tp)
             local = unshard_state_dict(per_rank, {k: s for k, s in specs.items() if k in local})
+        local = self._joined_experts(local)
         pp = self._groups.get("pp")
         merged = dict(local)
         if pp is not None and dist.get_world_size(pp) > 1:
@@ -565,11 +602,24 @@ class ParallelModel(nn.Module):
             return None
         return _with_aliases(merged, self.plan.graph)
 
+    def _joined_experts(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``local`` with every expert weight placed by ep whole: the ep group's blocks joined on dim 0
+        (every rank of an ep group holds the same stages, so all call this alike)."""
+        group = self._groups.get("ep")
+        names = [k for k in self.plan.ep_plan.expert_params if k in local] if self.plan.config.ep > 1 else []
+        if group is None or not names:
+            return local
+        blocks: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(blocks, {k: local[k] for k in names}, group=group)
+        return {**local, **{k: torch.cat([b[k] for b in blocks]) for k in names}}
+
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
         """Load a full (unsharded) state dict with the original names; each rank keeps its shards."""
         specs = self.plan.tp_plan.param_specs
         tp_rank = self.coords.get("tp", 0)
+        experts = set(self.plan.ep_plan.expert_params) if self.plan.config.ep > 1 else set()
+        ep_rank = self._groups["ep"].rank() if experts else 0
         missing = []
         for mod in self.stage_modules.values():
             # what state_dict() holds: parameters and persistent buffers (non-persistent ones,
@@ -581,6 +631,8 @@ class ParallelModel(nn.Module):
                 src = state_dict[name]
                 if name in specs:
                     src = specs[name].shard(src, tp_rank)
+                if name in experts:  # this rank's block of experts
+                    src = src.chunk(self.plan.config.ep)[ep_rank]
                 if tuple(src.shape) != tuple(t.shape):
                     raise ShardingError(f"load_full_state_dict: {name!r} has shape {tuple(src.shape)}, expected {tuple(t.shape)} (after sharding)")
                 _copy_into(t, src)
@@ -642,48 +694,3 @@ def _copy_into(t: torch.Tensor, src: torch.Tensor) -> None:
     from fxsplit.runtime.fsdp import local_tensor
 
     local_tensor(t).copy_(local_tensor(like_param(t, src.to(local_tensor(t).device))))
-
-
-def _launch_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int,
-                       reduce_dtype: torch.dtype | None = None) -> list:
-    """Start asynchronous all-reduces of ``grads`` packed into flat buckets (per dtype, each
-    reduced in ``reduce_dtype`` when given: mp_policy); returns the pending work for
-    :func:`_finish_all_reduce`."""
-    buckets: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for g in grads:
-        if size and size + g.numel() * g.element_size() > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(g)
-        size += g.numel() * g.element_size()
-    pending = []
-    for bucket in buckets:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in bucket:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for gs in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in gs])
-            if reduce_dtype is not None and flat.dtype != reduce_dtype:
-                flat = flat.to(reduce_dtype)
-            pending.append((flat, gs, dist.all_reduce(flat, group=group, async_op=True)))
-    return pending
-
-
-def _finish_all_reduce(pending: list, *, scale: float, wait: Callable[[Any], None] | None = None) -> None:
-    for flat, gs, work in pending:
-        if wait is None:
-            work.wait()
-        else:
-            wait(work)
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for g in gs:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def _bucketed_all_reduce(grads: Sequence[torch.Tensor], group: Any, bucket_bytes: int, *, scale: float,
-                         reduce_dtype: torch.dtype | None = None, wait: Callable[[Any], None] | None = None) -> None:
-    _finish_all_reduce(_launch_all_reduce(grads, group, bucket_bytes, reduce_dtype), scale=scale, wait=wait)

@@ -41,6 +41,13 @@ class ParallelConfig:
     # (torch FSDP2's fully_shard over the "dp_shard" mesh axis; HSDP with dp > 1)
     dp_shard: int = 1
     tp: int = 1  # tensor-parallel degree
+    # expert-parallel degree: ranks carved out of the dp * dp_shard data-parallel ranks that each hold
+    # E / ep experts of every MoE layer and exchange tokens by all_to_all (fxsplit.passes.expert_parallel)
+    ep: int = 1
+    # context-parallel degree: each cp rank keeps 2 of 2*cp chunks of every sequence, attention
+    # all-gathers keys and values ([Note: context parallelism by propagation] in
+    # fxsplit.passes.context_parallel); traced by torch.export with a static sequence
+    cp: int = 1
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
     # samples per microbatch, when known (plan(..., global_batch_size=B) sets B / (dp * dp_shard * m)):
@@ -64,6 +71,10 @@ class ParallelConfig:
     # only; export traces the example's length, several times faster: [Note: a static sequence
     # for export] in fxsplit.graph.trace), False (neither). The batch: dynamic_batch.
     dynamic_sequence: bool | None = None
+    # a plan traced by torch.export at a fixed length serves shorter sequences padded to it on the
+    # right and cut back ([Note: padding to the traced length] in fxsplit.api.padding): None or True
+    # (pad; verify checks it is exact), False (only the traced length runs)
+    pad_sequence: bool | None = None
     leaf_modules: tuple[Any, ...] = ()  # module paths or classes fx keeps as single nodes
     hardware: Hardware | None = None  # what stage times are estimated for; None: Hardware()
     cut_at: str = "layers"  # layer boundaries unless a cut inside one pays (fxsplit.pipeline.cuts); "any"; "modules"
@@ -89,7 +100,7 @@ class ParallelConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp", "dp_shard", "tp", "pp", "microbatches", "stages_per_rank", "microbatch_size"):
+        for name in ("dp", "dp_shard", "cp", "tp", "pp", "ep", "microbatches", "stages_per_rank", "microbatch_size"):
             value = getattr(self, name)
             if value is None and name in ("microbatches", "stages_per_rank", "microbatch_size"):
                 continue
@@ -119,11 +130,17 @@ class ParallelConfig:
         if self.compile and self.dp_shard > 1:
             raise PlanError("compile=True with dp_shard > 1 (FSDP units) is not supported yet: the compiled "
                             "graphs have not been checked against FSDP's gathered parameters; use compile=False")
+        self._check_ep()
+        if self.cp > 1:
+            self._check_cp()
         if self.cut_at not in _CUT_AT:
             raise PlanError(f"cut_at must be one of {_CUT_AT}, got {self.cut_at!r}")
         if self.dynamic_sequence not in (True, False, None):
             raise PlanError(f"dynamic_sequence must be True, False or None (symbolic with fx only), got "
                             f"{self.dynamic_sequence!r}")
+        if self.pad_sequence not in (True, False, None):
+            raise PlanError(f"pad_sequence must be True, False or None (pad shorter sequences to the traced length), "
+                            f"got {self.pad_sequence!r}")
         if self.dynamic_batch not in (True, False, None):
             raise PlanError(f"dynamic_batch must be True, False or None (static when microbatch_size is known), got "
                             f"{self.dynamic_batch!r}")
@@ -150,6 +167,40 @@ class ParallelConfig:
                 if dtype is not None and not dtype.is_floating_point:
                     raise PlanError(f"mp_policy.{name} must be a floating dtype or None, got {dtype}")
 
+    def _check_ep(self) -> None:
+        """ep is carved out of the data-parallel ranks ([Note: expert-parallel groups] in fxsplit.runtime.mesh)."""
+        if self.ep == 1:
+            return
+        data = self.dp * self.dp_shard
+        if data % self.ep:
+            raise PlanError(f"ep={self.ep} must divide the data-parallel ranks dp * dp_shard = {self.dp} * "
+                            f"{self.dp_shard} = {data} (expert-parallel ranks are carved out of them; the world "
+                            f"size stays dp * dp_shard * tp * pp): use ep in {_divisors(data)}, or raise dp")
+        for name, bad, fix in (("tp", self.tp > 1, "experts are either sharded by tp or placed by ep: use tp=1"),
+                               ("dp_shard", self.dp_shard > 1,
+                                "FSDP2 over the expert replicas is not built: use dp for the data ranks"),
+                               ("compile", self.compile is True,
+                                "the exchanged rows have a size known only at run time: use compile=False")):
+            if bad:
+                raise PlanError(f"ep={self.ep} with {name}={getattr(self, name)!r} is not supported: {fix}")
+
+    def _check_cp(self) -> None:
+        """cp > 1 needs a static sequence under torch.export (the rewrite cuts a known length)."""
+        if self.method == "fx":
+            raise PlanError("cp > 1 rewrites the graph torch.export traces (aten ops with a static sequence); "
+                            "use method='export' or 'auto' (which then traces with export)")
+        if self.dynamic_sequence is True:
+            raise PlanError("cp > 1 cuts a sequence length known at plan time; use dynamic_sequence=None or False "
+                            "(plan with the length you train at, divisible by 2 * cp)")
+        if self.vocab_parallel_loss:
+            raise PlanError("cp > 1 with vocab_parallel_loss=True is not supported yet: use vocab_parallel_loss=False")
+        if self.ep > 1:
+            raise PlanError(f"cp={self.cp} with ep={self.ep} is not supported yet (the expert-parallel ranks are "
+                            "carved out of the data ranks, which cp's gradient group joins): use cp=1 or ep=1")
+        if self.dp_shard > 1:
+            raise PlanError("cp > 1 with dp_shard > 1 is not supported yet (FSDP2 would reduce-scatter over dp_shard "
+                            "only, not sum over cp): use dp for the data-parallel ranks, or cp=1")
+
     def static_batch(self, example_batch: int | None) -> int | None:
         """The microbatch size torch.export traces the batch at, or None for a symbolic batch
         ([Note: a static batch] in fxsplit.graph.examples); ``example_batch``: the example's."""
@@ -165,7 +216,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.dp_shard * self.tp * self.pp
+        return self.dp * self.dp_shard * self.cp * self.tp * self.pp
 
     def resolved(self) -> ParallelConfig:
         """This config with every default filled in (``microbatches``, ``stages_per_rank``, the
@@ -184,6 +235,10 @@ class ParallelConfig:
         if (m, v, schedule) == (self.microbatches, self.stages_per_rank, self.schedule):
             return self
         return dataclasses.replace(self, microbatches=m, stages_per_rank=v, schedule=schedule)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxsplit.api.materialize import materialize_sharded_stage, materialize_stage, share_tied_on_rank
+from fxsplit.api.materialize import (keep_own_experts, materialize_sharded_stage, materialize_stage,
+                                     share_tied_on_rank)
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
 from fxsplit.api.plan import plan
@@ -98,16 +99,16 @@ def parallelize(
         raise UsageError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
                          f"may take), got {timeout!r}")
     config = make_config(config, options, where="parallelize")
-    dp, tp, pp, ds = config.dp, config.tp, config.pp, config.dp_shard
+    dp, tp, pp, ds, cp = config.dp, config.tp, config.pp, config.dp_shard, config.cp
     if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))  # before the process group and any allocation: see _rank_device
     # the rendezvous waits for every rank to start: bounded by `timeout`, but never below 30 s,
     # since ranks reach it after importing torch and building the model at their own pace
     init_from_env(timeout_s=max(float(timeout), 30.0))
     if mesh is None:
-        mesh = build_mesh(dp=dp, pp=pp, tp=tp, dp_shard=ds)
+        mesh = build_mesh(dp=dp, pp=pp, tp=tp, dp_shard=ds, cp=cp)
     else:
-        check_mesh(mesh, dp, pp, tp, dp_shard=ds)
+        check_mesh(mesh, dp, pp, tp, dp_shard=ds, cp=cp)
     if dist.is_initialized() and mesh.mesh.numel() != dist.get_world_size():
         raise PlanError(
             f"the mesh covers {mesh.mesh.numel()} ranks but the default process group has "
@@ -127,12 +128,19 @@ def parallelize(
         # a group of its own: data-parallel gradient all-reduces run asynchronously during the
         # pipeline and must never interleave with the flags on one group
         groups["errors"] = dist.new_group(backend="gloo", timeout=bound)
-        if pp > 1:  # one group per (dp, dp_shard, tp) coordinate, ordered by pp rank; collective on every rank
-            chains = mesh.mesh.reshape(dp * ds, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
+        if pp > 1:  # one group per (dp, dp_shard, cp, tp) coordinate, ordered by pp rank; collective on every rank
+            chains = mesh.mesh.reshape(dp * ds * cp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
             pipe_group, _ = dist.new_subgroups_by_enumeration(chains, timeout=bound)
+        if cp > 1:  # [Note: cp gradients]: the gradient all-reduce runs over dp x cp, summed over cp
+            replicas = mesh.mesh.reshape(dp * cp, pp * tp).t().tolist()
+            groups["dp"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
         if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
             replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
             groups["data"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
+    if config.ep > 1:  # [Note: expert-parallel groups]
+        from fxsplit.runtime.mesh import expert_groups
+
+        groups["ep"], groups["ep_replica"] = expert_groups(mesh, config.ep, timeout=bound)
     device = _rank_device(device, mesh.device_type)
     _check_one_gpu_per_rank(device, groups.get("errors"))
     if config.hardware is None and device.type == "cpu":
@@ -159,6 +167,8 @@ def parallelize(
         # one Parameter per tied group on this rank (FSDP shards each stage as its own unit, so
         # with dp_shard the copies stay apart and the memory model counts each)
         share_tied_on_rank(stages, the_plan.stages.shared_params)
+    if c.ep > 1:
+        keep_own_experts(stages, the_plan.ep_plan, groups["ep"].rank())
     runtime = PipelineRuntime(
         the_plan.rank_plan(pp_rank), stages, group=pipe_group,
         loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
@@ -269,11 +279,17 @@ def _verify(model: nn.Module, example_args: Any, example_kwargs: Any, the_plan: 
     """[Note: plan-time verification]: every rank checks the plan in its own process (the same
     deterministic answer everywhere, so a mismatch raises on every rank, before any collective)."""
     from fxsplit.api.verify import auto_verify_reason, verify
+    from fxsplit.graph.examples import batch_of
 
     if mode is False:
         return
     if mode is None:
         why_not = auto_verify_reason(model, the_plan)
+        ep = the_plan.config.ep
+        batch = batch_of((tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
+                          dict(example_kwargs or {})))
+        if why_not is None and ep > 1 and (batch is None or batch % ep):
+            why_not = f"the example batch of {batch} does not split into ep={ep} slices (one per expert-parallel rank)"
         if why_not is not None:
             _log.info("fxsplit: not verifying the plan (verify=None): %s", why_not)
             return

@@ -39,6 +39,7 @@ from fxsplit.pipeline.comm import CommPlan, plan_all_communication
 from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.pipeline.split import SplitPlan, batch_bindings
 from fxsplit.pipeline.stage import StageGraphs
+from fxsplit.tp.moe import EPPlan
 from fxsplit.tp.plan import TPPlan
 
 __all__ = ["Plan", "plan", "ParallelConfig", "PlanError", "SCHEDULES"]
@@ -94,6 +95,12 @@ class Plan:
                         forward=self.forward_comm[pp_rank])
 
     # -- inspection
+    @property
+    def ep_plan(self) -> EPPlan:
+        """The expert-parallel plan ([Note: MoE regions] in fxsplit.tp.moe): the MoE layers whose
+        experts are placed over ``ep`` ranks, and those kept as they are with the reason."""
+        return self.pass_report.get("expert_parallel", EPPlan(ep=self.config.ep))
+
     def stage_graph(self, stage: int, tp_rank: int = 0) -> torch.fx.GraphModule:
         """The fx GraphModule of ``stage``. Every tp rank runs the same graph on its own shards
         (its offsets come from the tp group at run time), so ``tp_rank`` only checks the range."""
@@ -228,16 +235,21 @@ def plan(
     # nn.MultiheadAttention / TransformerEncoder(Layer) are traced as ops (fused in_proj chunked
     # into q/k/v, heads, sdpa, out_proj) so the planner shards them by heads: fx would keep each a
     # leaf with no linear in it, export merges the batch into the heads. Same parameter names.
-    gm = trace(model, example_args, example_kwargs, method=config.method, leaf_modules=config.leaf_modules,
-               dynamic_sequence=config.dynamic_sequence,
+    gm = trace(model, example_args, example_kwargs, method="export" if config.cp > 1 else config.method,
+               leaf_modules=config.leaf_modules,
+               dynamic_sequence=False if config.cp > 1 else config.dynamic_sequence,
                param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None,
                decompose_attention=config.tp > 1, static_batch=static_batch)
     ctx = PassContext(
         example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
         example_kwargs=dict(example_kwargs or {}),
-        options={"tp": config.tp, "pp": config.pp, "dp": config.dp},
+        options={"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep, "cp": config.cp},
     )
     pipeline = list(config.passes)
+    if config.cp > 1:  # before tensor parallelism, on the aten graph export traced
+        from fxsplit.passes.context_parallel import context_parallel
+
+        pipeline.append(functools.partial(context_parallel, cp=config.cp))
     if config.tp > 1 or config.tp_plan:
         from fxsplit.passes.tensor_parallel import tensor_parallel
 
@@ -247,6 +259,10 @@ def plan(
                 sequence_parallel=config.sequence_parallel, vocab_parallel_loss=config.vocab_parallel_loss,
             )
         )
+    if config.ep > 1:
+        from fxsplit.passes.expert_parallel import expert_parallel
+
+        pipeline.append(functools.partial(expert_parallel, ep=config.ep))
     if config.mp_policy is not None and config.mp_policy.param_dtype is not None:
         from fxsplit.passes.mixed_precision import mixed_precision
 

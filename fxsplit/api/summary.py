@@ -136,13 +136,18 @@ def plan_lines(plan: Any) -> list[str]:
     hw = c.hardware.name if c.hardware is not None else "generic (Hardware(): no hardware= given)"
     info = plan.graph.meta.get("fxsplit")
     lines = [
-        f"fxsplit plan: dp={c.dp}{f' dp_shard={c.dp_shard}' if c.dp_shard > 1 else ''} tp={c.tp} pp={c.pp} "
+        f"fxsplit plan: dp={c.dp}{f' dp_shard={c.dp_shard}' if c.dp_shard > 1 else ''}"
+        f"{f' ep={c.ep}' if c.ep > 1 else ''}{f' cp={c.cp}' if c.cp > 1 else ''} tp={c.tp} pp={c.pp} "
         f"(world size {c.world_size}); {c.num_stages} stages (v={c.stages_per_rank}), {c.schedule}, "
         f"m={c.microbatches}; times for hardware {hw}; {UNITS}",
     ]
     if info is not None:
         lines.append(f"traced with {info.method}: {info.reason}")
+    if "context_parallel" in plan.pass_report:
+        lines.append(str(plan.pass_report["context_parallel"]))
     lines += tp_summary(plan.tp_plan)
+    if c.ep > 1:
+        lines += str(plan.ep_plan).splitlines()
     lines += stage_summary(plan.split)
     sim = plan.simulate()
     lines.append(f"simulated step: {fmt_ms(sim.makespan)}; bubble {100 * sim.bubble_fraction:.1f}% of the step "

@@ -25,6 +25,14 @@ collectives give each rank its own backward), and each rank's gradients are reas
 (``ShardSpec.unshard``; replicated parameters must hold the full gradient on every rank;
 parameters tied across stages are summed over their stages, as the runtime does).
 
+With expert parallelism (ep > 1, tp = 1) the lockstep ranks are the ep ranks instead: each is fed
+its own slice of the example batch (dim 0 of every input of the batch's size) and holds its own
+block of every expert weight; the token exchange is emulated over them
+(``fxsplit.tp.experts.emulated_dispatch`` / ``emulated_combine``). Their outputs, joined along the
+batch, are compared with the unsplit model's on the whole batch and one loss is taken of them, so
+an expert's gradient is its ranks' blocks joined on dim 0 and every other gradient the sum of the
+ranks' (each rank computed its slice's share), as the runtime's reductions make them.
+
 Tolerance, relative to the reference's magnitude: a value passes when
 ``max|x - ref| <= rtol * max(max|ref|, 1e-3)`` with ``rtol`` 1e-4 for float32, 1e-9 for float64,
 5e-3 for float16 and 3e-2 for bfloat16 (``tolerance(dtype)``); integer and bool values must be
@@ -65,7 +73,8 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fxsplit.api.materialize import materialize_stage
+from fxsplit.api.materialize import keep_own_experts, materialize_stage
+from fxsplit.api.padding import check_padding, outputs_cut, pad_to_traced
 from fxsplit.errors import PlanError, UsageError, VerificationError
 from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.ops import resolve_path
@@ -73,7 +82,7 @@ from fxsplit.graph.recompute import checkpointed
 from fxsplit.graph.trace import flatten_inputs
 from fxsplit.pipeline.layout import hand_over
 from fxsplit.tp import collectives as C
-from fxsplit.tp.emulate import as_rank, emulate, is_emulated
+from fxsplit.tp.emulate import as_ranks, emulate, is_emulated
 from fxsplit.tp.random import is_random
 
 __all__ = ["REFERENCES", "VerificationError", "VerifyReport", "auto_verify_reason", "tolerance", "verify"]
@@ -159,10 +168,15 @@ def _unwrapped(target: Any) -> Any:
 
 
 def _run_lockstep(gm: torch.fx.GraphModule, mods: Sequence[nn.Module], inputs: Sequence[Sequence[Any]],
-                  record: dict[str, list[Any]] | None) -> list[tuple]:
+                  record: dict[str, list[Any]] | None, ranks: Sequence[Mapping[str, tuple[int, int]]] | None = None
+                  ) -> list[tuple]:
     """Run ``gm``'s graph for the t ranks (``mods[r]`` holds rank r's tensors, ``inputs[r]`` its
-    stage inputs); returns each rank's outputs; ``record`` gets every node's per-rank values."""
+    stage inputs); returns each rank's outputs; ``record`` gets every node's per-rank values.
+    ``ranks[r]``: rank r's (rank, size) along each mesh axis (default: tp rank r of t), for
+    several axes at once (cp x tp: [Note: emulated collectives over several axes])."""
     t = len(mods)
+    if ranks is None:
+        ranks = [{"tp": (r, t)} for r in range(t)]
     env: list[dict[torch.fx.Node, Any]] = [{} for _ in range(t)]
     placeholders = iter(range(len(inputs[0])))
     for node in gm.graph.nodes:
@@ -178,18 +192,19 @@ def _run_lockstep(gm: torch.fx.GraphModule, mods: Sequence[nn.Module], inputs: S
             kwargs = [torch.fx.node.map_arg(node.kwargs, lambda n, r=r: env[r][n]) for r in range(t)]
             base = _unwrapped(node.target) if node.op == "call_function" else None
             if base is not None and is_emulated(base):
-                vals = emulate(base, args, kwargs)
+                # one axis: every rank takes part; several (cp x tp): the ranks sharing the other coordinates
+                vals = emulate(base, args, kwargs, ranks if len(ranks[0]) > 1 else None)
             elif base is checkpointed:
                 # an activation-checkpointed layer: its region graph, in lockstep (recomputation
                 # changes no number: the region is run once, without checkpointing)
                 regions = [a[0] for a in args]
                 if not isinstance(regions[0], torch.fx.GraphModule):
                     raise VerificationError(f"verify: node {node.name!r} checkpoints a region that is not a graph")
-                vals = _run_lockstep(regions[0], regions, [a[2:] for a in args], None)
+                vals = _run_lockstep(regions[0], regions, [a[2:] for a in args], None, ranks)
             else:
                 vals = []
                 for r in range(t):
-                    with as_rank(r, t):
+                    with as_ranks(ranks[r]):
                         vals.append(_eval(node, mods[r], args[r], kwargs[r]))
         for r in range(t):
             env[r][node] = vals[r]
@@ -298,28 +313,36 @@ def verify(
     if static is not None:  # the plan runs microbatches of that size ([Note: a static batch]):
         # the example and the loss's target cut (or repeated) to one microbatch together
         key = "\0target"
-        example_args, cut = example_at_batch(tuple(example_args), {**dict(example_kwargs or {}), key: target}, static)
+        example_args, cut = example_at_batch(tuple(example_args), {**dict(example_kwargs or {}), key: target},
+                                             static * c.ep)  # one microbatch per expert-parallel rank
         target = cut.pop(key)
         example_kwargs = cut
     t, num_stages = c.tp, c.num_stages
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    flat = flatten_inputs(plan.graph, example_args, example_kwargs)
+    # an example shorter than the traced length runs padded, as a step would ([Note: padding to the traced length])
+    flat, length = pad_to_traced(flatten_inputs(plan.graph, example_args, example_kwargs), plan)
+    batch = batch_of((tuple(example_args), dict(example_kwargs or {})))
+    held = _lockstep_ranks(c)[1]
     if stage_modules is None:
-        stage_modules = [[materialize_stage(plan, s, tp_rank=r, source=model, device=device) for r in range(t)]
-                         for s in range(num_stages)]
+        stage_modules = [[_materialized(plan, s, r, model, device) for r in range(held)] for s in range(num_stages)]
     vals: list[dict[str, list[Any]]] = []
-    outs: list[list[tuple]] = []
-    for s, io in enumerate(plan.stages.io):
-        # values cross as the runtime transfers them: same layout ([Note: boundary layouts])
-        inputs = [[flat[src.index] if src.stage is None else hand_over(outs[src.stage][r][src.index], meta.dim_order)
-                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(t)]
-        vals.append({})
-        outs.append(_run_lockstep(plan.stages.modules[s], stage_modules[s], inputs, vals[-1]))
-    rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(t)]
+    rank_flat = _run_stages(plan, stage_modules, flat, vals, batch)
+    if length is not None:
+        rank_flat = [outputs_cut(plan, length)(r) for r in rank_flat]
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}  # a train-mode forward updates some
+
+    def padding() -> None:
+        check_padding(model, tuple(example_args), dict(example_kwargs or {}), plan,
+                      lambda padded: _run_stages(plan, stage_modules, padded, [], batch)[0],
+                      lambda x, ref: _ok(x, ref, rtol))
+
     try:
+        if length is not None:  # a padded example: a padding that changes the model is named as such first
+            padding()
         report = _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat,
                           loss_fn=loss_fn, target=target, rtol=rtol, t0=t0, reference=reference)
+        if length is None:
+            padding()
     finally:
         with torch.no_grad():
             for n, b in model.named_buffers():
@@ -328,6 +351,63 @@ def verify(
     if not quiet:
         print(f"fxsplit.verify: OK, {report} against the {_REFERENCE_WORDS[reference]}")
     return report
+
+
+def _batch_slices(flat: Sequence[Any], batch: int | None, ranks: int, ep: int) -> list[Sequence[Any]]:
+    """The inputs of every lockstep rank: ``flat`` itself for each tp rank (ep == 1); for ep ranks,
+    each its own slice of every input holding the batch (dim 0 of size ``batch``)."""
+    if ep == 1:
+        return [flat] * ranks
+    if batch is None or batch % ep:
+        raise PlanError(f"verify: an example batch of {batch} samples does not split into ep={ep} equal slices (one "
+                        f"per expert-parallel rank); give an example whose batch is a multiple of {ep}")
+    b = batch // ep
+    return [[x[r * b:(r + 1) * b] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
+             for x in flat] for r in range(ep)]
+
+
+def _materialized(plan: Any, stage: int, rank: int, model: nn.Module, device: torch.device) -> nn.Module:
+    """Lockstep rank ``rank``'s module of ``stage``: its tp shards, or (ep > 1) its block of experts."""
+    if plan.config.ep == 1:
+        return materialize_stage(plan, stage, tp_rank=rank, source=model, device=device)
+    module = materialize_stage(plan, stage, tp_rank=0, source=model, device=device)
+    keep_own_experts({stage: module}, plan.ep_plan, rank)
+    return module
+
+
+def _lockstep_ranks(c: Any) -> tuple[list[dict[str, tuple[int, int]]], int]:
+    """The ranks verify runs in lockstep (each its (rank, size) per mesh axis), and how many
+    distinct stage modules they hold: the ep ranks, each its batch slice and block of experts (ep
+    excludes tp and cp); else every (cp, tp) rank, the cp ranks of one tp rank sharing its modules,
+    so their parameter gradients add up in one .grad, as the runtime sums them over cp."""
+    if c.ep > 1:
+        return [{"ep": (r, c.ep)} for r in range(c.ep)], c.ep
+    return [{"cp": (k, c.cp), "tp": (r, c.tp)} for k in range(c.cp) for r in range(c.tp)], c.tp
+
+
+def _run_stages(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], flat: Sequence[Any],
+                vals: list[dict[str, list[Any]]], batch: int | None) -> list[list[Any]]:
+    """Every stage on every lockstep rank on the flat model inputs ``flat`` (of ``batch`` samples);
+    each stage's node values appended to ``vals``; returns the flat model outputs per rank (one
+    list, the ep ranks' outputs joined along the batch, with ep)."""
+    c = plan.config
+    ranks, held = _lockstep_ranks(c)
+    n = len(ranks)
+    rank_inputs = _batch_slices(flat, batch, n, c.ep)
+    outs: list[list[tuple]] = []
+    for s, io in enumerate(plan.stages.io):
+        # values cross as the runtime transfers them: same layout ([Note: boundary layouts])
+        inputs = [[rank_inputs[r][src.index] if src.stage is None else
+                   hand_over(outs[src.stage][r][src.index], meta.dim_order)
+                   for src, meta in zip(io.inputs, io.input_meta)] for r in range(n)]
+        vals.append({})
+        mods = [stage_modules[s][i % held] for i in range(n)]
+        outs.append(_run_lockstep(plan.stages.modules[s], mods, inputs, vals[-1], ranks))
+    rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(n)]
+    if c.ep > 1:  # one model output, one loss
+        rank_flat = [[torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() else vs[0]
+                      for vs in zip(*rank_flat)]]
+    return rank_flat
 
 
 def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, rank_flat, *, loss_fn, target, rtol,
@@ -344,15 +424,17 @@ def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, ran
 
     problems: list[str] = []
     max_out = 0.0
-    for r in range(t):
+    cp = plan.config.cp
+    for r in range(len(rank_flat)):
         for k, (x, ref) in enumerate(zip(rank_flat[r], reference.flat)):
             if isinstance(ref, torch.Tensor):
                 ok, err = _ok(x, ref, rtol)
                 max_out = max(max_out, err)
                 if not ok:
-                    problems.append(f"model output {k} on tp rank {r}: relative error {err:.3g}")
+                    where = f"tp rank {r % t}" + (f", cp rank {r // t}" if cp > 1 else "")
+                    problems.append(f"model output {k} on {where}: relative error {err:.3g}")
     ref_loss = loss_of(reference.flat)
-    losses = [loss_of(rank_flat[r]) for r in range(t)]
+    losses = [loss_of(flat) for flat in rank_flat]
     max_grad, n_grads = 0.0, 0
     if ref_loss.requires_grad:
         ref_grads = reference.grads(ref_loss)
@@ -364,7 +446,7 @@ def _compare(model, example_args, example_kwargs, plan, stage_modules, vals, ran
             _raise_if_passes_changed_meaning(model, example_args, example_kwargs, plan, rtol, problems)
         ref_gm, ref_vals = reference.node_values(model, example_args, example_kwargs, plan)
         raise _diverged(plan, ref_gm, ref_vals, vals, problems, rtol)
-    return VerifyReport(outputs=len(reference.flat) * t, gradients=n_grads, max_output_error=max_out,
+    return VerifyReport(outputs=len(reference.flat) * len(rank_flat), gradients=n_grads, max_output_error=max_out,
                         max_gradient_error=max_grad, seconds=time.perf_counter() - t0)
 
 
@@ -476,6 +558,7 @@ class _OneStage:
 def _check_grads(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], ref_grads: Mapping[str, Any],
                  rtol: float | None) -> tuple[list[str], float, int]:
     specs = plan.tp_plan.param_specs
+    experts = set(plan.ep_plan.expert_params) if plan.config.ep > 1 else None
     group_of = {(s, name): k for k, group in enumerate(plan.stages.shared_params) for s, name in group}
     full: dict[Any, tuple[str, torch.Tensor | None]] = {}  # key (a tied group or (stage, name)) -> grad
     problems: list[str] = []
@@ -490,7 +573,9 @@ def _check_grads(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], ref_gr
                 grads = [torch.zeros_like(dict(m.named_parameters())[name]) if g is None else g
                          for g, m in zip(grads, mods)]
                 spec = specs.get(name)
-                if spec is not None:
+                if experts is not None:  # ep ranks: experts in blocks, the rest each rank's slice's share
+                    g = torch.cat(grads) if name in experts else torch.stack(grads).sum(0)
+                elif spec is not None:
                     shape = plan.tp_plan.full_shapes.get(name)
                     g = spec.unshard(grads, size=None if shape is None else shape[spec.dim])
                 else:

@@ -294,9 +294,10 @@ def _dynamic_dims(t: torch.Tensor, sequence: bool = True, batch: bool = True) ->
 # So ``dynamic_sequence=None`` (what ``plan`` / ``parallelize`` pass by default,
 # ``ParallelConfig.dynamic_sequence``) keeps the sequence symbolic for torch.fx, whose graph code
 # reads sizes at run time and whose fake propagation is cheap, and traces it at the example's
-# length for torch.export; a step at another length is then refused with the traced size
-# (``fxsplit.runtime.microbatch.bind_symbols``), never run wrongly. ``True`` (the default of
-# ``trace`` itself) makes it symbolic for both.
+# length for torch.export; a plan then serves shorter steps padded to that length and cut back
+# ([Note: padding to the traced length] in fxsplit.api.padding), and refuses a longer one (or,
+# with ``pad_sequence=False``, any other) with the traced size, never running it wrongly. ``True``
+# (the default of ``trace`` itself) makes it symbolic for both.
 
 
 def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequence: bool = True) -> None:

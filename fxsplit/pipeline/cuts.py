@@ -36,7 +36,7 @@ from fxsplit.graph.units import fmt_ms
 from fxsplit.pipeline.chain import Partition, PartitionProblem
 from fxsplit.errors import PartitionError
 
-__all__ = ["CUT_AT", "INNER_GAIN", "choose_cuts", "cut_rules", "layer_boundaries"]
+__all__ = ["CUT_AT", "INNER_GAIN", "choose_cuts", "cut_rules", "layer_boundaries", "outside_atomic"]
 
 CUT_AT = ("layers", "any", "modules")
 INNER_GAIN = 0.02  # a cut inside a layer must lower the bottleneck by more than this share
@@ -83,6 +83,22 @@ def cut_rules(paths: Sequence[str], keys: Sequence[str], cut_at: str,
     return penalty, allowed
 
 
+def outside_atomic(names: Sequence[str], atomic: Sequence[tuple[str, str]],
+                   allowed: list[bool] | None) -> list[bool] | None:
+    """``allowed`` (per position; None: all) with the cuts inside every ``atomic`` span of unit
+    names (after its first unit, up to its last) removed: values inside have sizes known only at
+    run time (expert-parallel token exchange, ``fxsplit.passes.expert_parallel``)."""
+    if not atomic:
+        return allowed
+    index = {name: i for i, name in enumerate(names)}
+    allowed = list(allowed) if allowed is not None else [True] * (len(names) + 1)
+    for first, last in atomic:
+        if first in index and last in index:
+            for k in range(index[first] + 1, index[last] + 1):
+                allowed[k] = False
+    return allowed
+
+
 Choose = Callable[[Mapping[str, PartitionProblem], str], tuple[Partition, tuple[str, ...]]]
 
 
@@ -92,12 +108,13 @@ def _inside(cuts: Sequence[int], ok: Sequence[bool], keys: Sequence[str]) -> str
 
 
 def choose_cuts(choose: Choose, problems: Mapping[str, PartitionProblem], request: str, keys: Sequence[str],
-                ) -> tuple[Partition, tuple[str, ...], str, bool]:
+                loose: Sequence[bool] | None = None) -> tuple[Partition, tuple[str, ...], str, bool]:
     """The partition, each stage's checkpointing mode, why a cut lies inside a layer ("" when
-    none does) and whether the partition is the free problem's (``allowed=None``: the problem the
-    plan records), for ``problems`` built with ``cut_at="layers"`` ([Note: layer cuts]).
+    none does) and whether the partition is the free problem's (``allowed=loose``: the problem the
+    plan records), for ``problems`` built with ``cut_at="layers"`` ([Note: layer cuts]); ``loose``
+    is what the free problem allows (None: every position; spans that must not be cut removed).
     ``choose`` is the checkpointing choice (``fxsplit.pipeline.checkpointing.choose``)."""
-    free = {m: replace(pb, allowed=None) for m, pb in problems.items()}
+    free = {m: replace(pb, allowed=None if loose is None else tuple(loose)) for m, pb in problems.items()}
     loose, loose_modes = choose(free, request)
     ok = next(iter(problems.values())).cut_ok()
     inner = _inside(loose.cuts, ok, keys)

@@ -51,7 +51,7 @@ from fxsplit.pipeline.partition import (
     parameter_count_cuts,
 )
 from fxsplit.pipeline.checkpointing import choose, unit_modes
-from fxsplit.pipeline.cuts import CUT_AT, choose_cuts, cut_rules
+from fxsplit.pipeline.cuts import CUT_AT, choose_cuts, cut_rules, outside_atomic
 from fxsplit.pipeline.recomputable import recomputable
 from fxsplit.pipeline.memory import message_buffers, schedule_peaks
 from fxsplit.pipeline.stage import StageGraphs, build_stages
@@ -392,6 +392,9 @@ class SplitRequest:
     stage_ranks: Sequence[int] | None = None
     split_backward: str = "graph"
     param_casts_free: bool = False
+    # (first, last) node names no stage boundary may fall between: values inside have sizes known
+    # only at run time (expert-parallel token exchange, fxsplit.passes.expert_parallel)
+    atomic: Sequence[tuple[str, str]] = ()
 
     def checked(self) -> tuple[int, int]:
         """(p, v); SplitError for a request that cannot be split."""
@@ -444,8 +447,9 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
     why = ""
     try:
         if r.cut_at == "layers":
-            part, per_stage, why, free = choose_cuts(choose, problems, r.activation_checkpointing, keys)
-            problem = replace(problem, allowed=None) if free else problem
+            loose = outside_atomic([u.name for u in units], r.atomic, None)
+            part, per_stage, why, free = choose_cuts(choose, problems, r.activation_checkpointing, keys, loose)
+            problem = replace(problem, allowed=None if loose is None else tuple(loose)) if free else problem
         else:
             part, per_stage = choose(problems, r.activation_checkpointing)
     except PartitionError as exc:
@@ -482,6 +486,7 @@ def _problem(r: SplitRequest, units: list[torch.fx.Node], keys: Sequence[str], c
     """The partition problem of ``r`` over ``units`` (no checkpointing: ``plan_split`` derives
     one per checkpointing mode from it)."""
     penalty, allowed = cut_rules([node_info(u).module_path for u in units], keys, r.cut_at, r.inner_cut_penalty)
+    allowed = outside_atomic([u.name for u in units], r.atomic, allowed)
     return PartitionProblem(
         compute=tuple(costs.compute),
         param_bytes=tuple(costs.params),

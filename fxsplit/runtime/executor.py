@@ -203,6 +203,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
         self.reduce_dtype = reduce_dtype
         self._init_graph_actions(split_backward, compile)
         self._loss_scale: torch.Tensor | None = None  # set for one step() (GradScaler)
+        self._cut_outputs: Callable[[list[Any]], list[Any]] | None = None  # set for one call (padded sequence)
         self.last_stage = self.num_stages - 1
         self.last_rank = self.rank_of_stage(self.last_stage)
         backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
@@ -274,34 +275,41 @@ class PipelineRuntime(GraphActions, ProgramRun):
     # ------------------------------------------------------------------ public API
 
     def step(self, flat_inputs: Sequence[Any], target: Any = None, *,
-             loss_scale: torch.Tensor | None = None) -> torch.Tensor:
+             loss_scale: torch.Tensor | None = None,
+             cut_outputs: Callable[[list[Any]], list[Any]] | None = None) -> torch.Tensor:
         """One training step over all microbatches ([Note: pipeline step]).
 
         Returns the full-batch loss (float32 scalar) on every pipeline rank; gradients are left
         (accumulated) in the stage parameters' ``.grad``. ``target`` is only read on the rank of
         the last stage. ``loss_scale`` (a 0-dim tensor, a GradScaler's scale): backward starts
         from ``loss * loss_scale``, so every gradient is scaled; the returned loss is not.
+        ``cut_outputs``: applied to each microbatch's flat model outputs before ``loss_fn`` ([Note:
+        padding to the traced length] in fxsplit.api.padding).
         Raises `PipelineError` naming the peer, action and microbatch when a peer fails or times
         out.
         """
         if self.loss_fn is None:
             raise UsageError("PipelineRuntime.step needs loss_fn; use forward() for inference")
-        self._loss_scale = loss_scale
+        self._loss_scale, self._cut_outputs = loss_scale, cut_outputs
         try:
             return self._guarded(lambda: self._run(flat_inputs, target, training=True))
         finally:
-            self._loss_scale = None
+            self._loss_scale, self._cut_outputs = None, None
 
     def forward(self, flat_inputs: Sequence[Any], *, all_ranks: bool = False, microbatches: int | None = None,
-                override: Any = None) -> Any:
+                override: Any = None, cut_outputs: Callable[[list[Any]], list[Any]] | None = None) -> Any:
         """Inference: run only the F actions without autograd; return the merged model outputs
         (flat list, or rebuilt with ``output_spec``) on the last stage's rank, None elsewhere,
         or on every rank with ``all_ranks`` (pickled broadcast, for convenience not speed).
         ``microbatches``: split into that many (1..m, ``RankPlan.forward_with``) instead of m.
         ``override``: run stage s as ``override.modules[s]`` inside ``override.context(s, microbatch)``
-        (a KV cache: fxsplit.api.kv_cache), for this call only."""
-        return self._guarded(lambda: self._run(flat_inputs, None, training=False, all_ranks=all_ranks,
-                                               microbatches=microbatches, override=override))
+        (a KV cache: fxsplit.api.kv_cache), for this call only. ``cut_outputs``: as in :meth:`step`."""
+        self._cut_outputs = cut_outputs
+        try:
+            return self._guarded(lambda: self._run(flat_inputs, None, training=False, all_ranks=all_ranks,
+                                                   microbatches=microbatches, override=override))
+        finally:  # per call, like _loss_scale
+            self._cut_outputs = None
 
     def sum_tied_grads(self) -> None:
         """Sum tied gradients across the stages and ranks holding them (what step() does last
@@ -519,6 +527,8 @@ class PipelineRuntime(GraphActions, ProgramRun):
             saved.graph, saved.outputs = state, tuple(out) if s == self.last_stage else keep
         if s == self.last_stage:
             flat_out = [out[local] for _, local in sorted(sio.model_outputs)]
+            if self._cut_outputs is not None:
+                flat_out = self._cut_outputs(flat_out)
             if self._training:
                 model_out = (pytree.tree_unflatten(flat_out, self.output_spec) if self.output_spec
                              is not None else flat_out[0] if len(flat_out) == 1 else tuple(flat_out))

@@ -1,5 +1,5 @@
 """The ("dp", "pp", "tp") device mesh fxsplit runs on (("dp", "dp_shard", "pp", "tp") with
-sharded data parallelism), and process-group start-up.
+sharded data parallelism, a "cp" dim before "pp" with context parallelism), and process-group start-up.
 
 Terms: **d, p, t** -- data-, pipeline- and tensor-parallel degrees; **s** -- the sharded
 data-parallel degree (``dp_shard``: FSDP2 shards parameters over those ranks); **world size** --
@@ -11,7 +11,8 @@ this rank's index along each mesh dimension.
     with bind_groups(mesh_groups(mesh)):  # fxsplit.tp.collectives resolves "tp" etc. here
         ...
 
-Layout: global rank = ((dp_i * s + dp_shard_i) * p + pp_i) * t + tp_i, so tp is innermost (a
+Layout: global rank = ((dp_i * s + dp_shard_i) * p + pp_i) * t + tp_i (with cp degree c > 1:
+(((dp_i * s + dp_shard_i) * c + cp_i) * p + pp_i) * t + tp_i), so tp is innermost (a
 tensor-parallel group is t consecutive ranks, which keeps it inside one host for t <= GPUs per
 host) and dp is outermost. With s == 1 the mesh keeps its three dims ("dp", "pp", "tp"), exactly
 as without sharding; with s > 1 it has the four of :data:`MESH_DIMS_SHARDED`. Every check below runs before any collective, so a wrong request raises the same
@@ -36,8 +37,10 @@ __all__ = [
     "build_mesh",
     "check_mesh",
     "choose_backend",
+    "expert_groups",
     "init_from_env",
     "mesh_coords",
+    "mesh_dims",
     "mesh_groups",
     "shared_gpus",
 ]
@@ -75,17 +78,29 @@ def _suggest(world: int, dp: int, pp: int, tp: int) -> str:
     return " or ".join(f"({o})" for o in options)
 
 
+def mesh_dims(*, dp_shard: int = 1, cp: int = 1) -> tuple[str, ...]:
+    """The mesh's dim names, outermost first: ("dp", ["dp_shard",] ["cp",] "pp", "tp") -- "dp_shard"
+    with dp_shard > 1, "cp" with cp > 1 (context parallelism: the ranks that split every sequence;
+    between the data-parallel dims and pp, as torchtitan's [dp_replicate, dp_shard, cp, tp] keeps
+    tp innermost)."""
+    return ("dp",) + (("dp_shard",) if dp_shard > 1 else ()) + (("cp",) if cp > 1 else ()) + ("pp", "tp")
+
+
 def build_mesh(
-    *, dp: int = 1, pp: int = 1, tp: int = 1, dp_shard: int = 1, device_type: str | None = None
+    *, dp: int = 1, pp: int = 1, tp: int = 1, dp_shard: int = 1, cp: int = 1, device_type: str | None = None
 ) -> DeviceMesh:
     """A DeviceMesh of shape (dp, pp, tp) with dims ("dp", "pp", "tp") over the default group;
-    with ``dp_shard`` > 1, of shape (dp, dp_shard, pp, tp) with dims :data:`MESH_DIMS_SHARDED`.
+    with ``dp_shard`` > 1, of shape (dp, dp_shard, pp, tp) with dims :data:`MESH_DIMS_SHARDED`;
+    with ``cp`` > 1, a "cp" dim before "pp" (:func:`mesh_dims`).
 
     Collective on every rank (it creates the sub-groups). `device_type` defaults to "cuda"
     when CUDA is available and the default group runs NCCL, else "cpu".
     """
     _check_degrees("build_mesh", dp, pp, tp)
     _check_shard("build_mesh", dp_shard)
+    _check_cp("build_mesh", cp)
+    if cp > 1:
+        return _build_cp_mesh(dp, dp_shard, cp, pp, tp, device_type)
     if not dist.is_available() or not dist.is_initialized():
         raise RunError(
             f"build_mesh(dp={dp}, pp={pp}, tp={tp}): the default process group is not "
@@ -113,20 +128,52 @@ def build_mesh(
     return init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=MESH_DIMS)
 
 
+def _check_cp(fn: str, cp: int) -> None:
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise PlanError(f"{fn}: cp={cp!r} must be an int >= 1 (1 means no context parallelism)")
+
+
+def _build_cp_mesh(dp: int, ds: int, cp: int, pp: int, tp: int, device_type: str | None) -> DeviceMesh:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RunError(f"build_mesh(dp={dp}, cp={cp}, pp={pp}, tp={tp}): the default process group is not "
+                       "initialized; call fxsplit.runtime.mesh.init_from_env() under torchrun first")
+    world, want = dist.get_world_size(), dp * ds * cp * pp * tp
+    if world != want:
+        raise PlanError(f"build_mesh: dp*dp_shard*cp*pp*tp = {dp}*{ds}*{cp}*{pp}*{tp} = {want}, but the default "
+                        f"process group has world size {world}; launch {want} processes, or change the degrees")
+    if device_type is None:
+        nccl = "nccl" in str(dist.get_backend()).lower()
+        device_type = "cuda" if torch.cuda.is_available() and nccl else "cpu"
+    dims = mesh_dims(dp_shard=ds, cp=cp)
+    sizes = {"dp": dp, "dp_shard": ds, "cp": cp, "pp": pp, "tp": tp}
+    return init_device_mesh(device_type, tuple(sizes[d] for d in dims), mesh_dim_names=dims)
+
+
 def _check_shard(fn: str, dp_shard: int) -> None:
     if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1:
         raise PlanError(f"{fn}: dp_shard={dp_shard!r} must be an int >= 1 (1 means no sharded data parallelism)")
 
 
-def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int, dp_shard: int = 1) -> None:
+def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int, dp_shard: int = 1, cp: int = 1) -> None:
     """Raise UsageError (a ValueError) unless `mesh` has dims ("dp", "pp", "tp") and shape (dp, pp, tp), or (any
-    ``dp_shard``) dims :data:`MESH_DIMS_SHARDED` and shape (dp, dp_shard, pp, tp)."""
+    ``dp_shard``) dims :data:`MESH_DIMS_SHARDED` and shape (dp, dp_shard, pp, tp); with ``cp`` > 1, the dims
+    of :func:`mesh_dims`."""
     _check_degrees("check_mesh", dp, pp, tp)
     _check_shard("check_mesh", dp_shard)
+    _check_cp("check_mesh", cp)
     if not isinstance(mesh, DeviceMesh):
         raise ArgumentTypeError(f"check_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
     shape = tuple(mesh.shape)
+    if cp > 1 or "cp" in names:
+        dims = mesh_dims(dp_shard=dp_shard, cp=cp)
+        sizes = {"dp": dp, "dp_shard": dp_shard, "cp": cp, "pp": pp, "tp": tp}
+        want = tuple(sizes[d] for d in dims)
+        if names != dims or shape != want:
+            raise UsageError(f"check_mesh: the mesh has dims {names or 'without names'} with shape {shape}; fxsplit "
+                             f"needs dims {dims} with shape {want}. Build it with fxsplit.runtime.mesh.build_mesh("
+                             f"dp={dp}, dp_shard={dp_shard}, cp={cp}, pp={pp}, tp={tp})")
+        return
     if names == MESH_DIMS_SHARDED or dp_shard > 1:
         if names != MESH_DIMS_SHARDED or shape != (dp, dp_shard, pp, tp):
             raise UsageError(
@@ -144,6 +191,32 @@ def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int, dp_shard: int = 1) -
             f"tp={tp}), or init_device_mesh(device_type, ({dp}, {pp}, {tp}), "
             f"mesh_dim_names={MESH_DIMS})"
         )
+
+
+# [Note: expert-parallel groups] ep ranks are carved out of the data-parallel ranks, as DeepSpeed-MoE
+# and torchtitan do: the world size stays dp * dp_shard * pp * tp. At one (pp, tp) position the
+# D = dp * dp_shard data ranks (data index i = dp_i * dp_shard + dp_shard_i) form D / ep expert-parallel
+# groups of ep consecutive data indices (they hold different experts and exchange tokens: "ep"), and
+# ep expert-replica groups of the D / ep data indices with the same i % ep (they hold the same experts
+# and reduce those experts' gradients: "ep_replica"). Consecutive indices keep an ep group on one
+# host where the data ranks of a host are consecutive.
+def expert_groups(mesh: DeviceMesh, ep: int, *, timeout: datetime.timedelta | None = None
+                  ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's ("ep", "ep_replica") process groups ([Note: expert-parallel groups]); collective
+    on every rank of the mesh. PlanError when ep does not divide the data-parallel ranks."""
+    names = tuple(mesh.mesh_dim_names or ())
+    shape = dict(zip(names, mesh.shape))
+    data = shape.get("dp", 1) * shape.get("dp_shard", 1)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or data % ep:
+        raise PlanError(f"expert_groups: ep={ep!r} must be an int dividing the {data} data-parallel ranks "
+                        f"(dp * dp_shard) of a mesh of shape {shape}")
+    columns = mesh.mesh.reshape(data, -1).t().tolist()  # per (pp, tp) position: its data ranks in order
+    ep_sets = [col[i:i + ep] for col in columns for i in range(0, data, ep)]
+    replica_sets = [col[e::ep] for col in columns for e in range(ep)]
+    options = {} if timeout is None else {"timeout": timeout}
+    ep_group, _ = dist.new_subgroups_by_enumeration(ep_sets, **options)
+    replica_group, _ = dist.new_subgroups_by_enumeration(replica_sets, **options)
+    return ep_group, replica_group
 
 
 def mesh_coords(mesh: DeviceMesh) -> dict[str, int]:

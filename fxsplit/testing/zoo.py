@@ -33,6 +33,9 @@ case a graph splitter must get right:
                   ``.contiguous()``) and a next block whose ``.view`` is valid only on those
                   strides: a boundary value that must cross in its own layout
                   ([Note: boundary layouts] in ``fxsplit.pipeline.layout``); split at ``mix``
+    moe           a mixture of experts (torchtitan's grouped experts: softmax router, top-k,
+                  tokens sorted by expert, fused 3-D expert weights run as grouped matmuls,
+                  an optional shared expert; :mod:`fxsplit.testing.zoo_moe`)
     alias         parameters reachable under two names: one Linear registered twice and used
                   as a column both times (sharded alike), and a square weight aliased as the
                   row half of one MLP and the column half of the next (left whole under TP)
@@ -608,6 +611,14 @@ def make_alias_model(*, seed: int = 0, batch_size: int = 2, seq_len: int = 4, **
     return _seeded(seed, build)
 
 
+def make_moe(*, seed: int = 0, batch_size: int = 4, seq_len: int = 8, **config: Any) -> Example:
+    """MoEGPT from ``MoEConfig(**config)`` and ``idx: (batch_size, seq_len)`` token ids."""
+    from fxsplit.testing.zoo_moe import MoEConfig, MoEGPT
+
+    cfg = MoEConfig(**config)
+    return _seeded(seed, lambda g: (MoEGPT(cfg), (torch.randint(0, cfg.vocab_size, (batch_size, seq_len), generator=g),), {}))
+
+
 _BUILDERS: dict[str, Callable[..., Example]] = {
     "mlp": make_mlp,
     "gpt": make_gpt,
@@ -617,9 +628,10 @@ _BUILDERS: dict[str, Callable[..., Example]] = {
     "skip": make_skip_model,
     "layout": make_layout_model,
     "alias": make_alias_model,
+    "moe": make_moe,
 }
 ZOO_NAMES: tuple[str, ...] = tuple(_BUILDERS)
-_LM_NAMES = frozenset({"gpt", "kwargs"})
+_LM_NAMES = frozenset({"gpt", "kwargs", "moe"})
 
 
 def make(name: str, **overrides: Any) -> Example:

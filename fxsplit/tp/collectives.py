@@ -73,6 +73,7 @@ from fxsplit.errors import ArgumentTypeError, OutOfRangeError, RunError, Shardin
 __all__ = [
     "COLLECTIVE_OPS",
     "CollectiveCall",
+    "active",
     "all_reduce_sum",
     "axis_rank",
     "axis_size",
@@ -247,7 +248,7 @@ class _Bound:
         if self.waiter is None:
             work.wait()
         else:
-            self.waiter(work, f"in the tensor-parallel {kind} over axis {self.axis!r} (global ranks "
+            self.waiter(work, f"in the {_PARALLELISM.get(self.axis, 'mesh-axis')} {kind} over axis {self.axis!r} (global ranks "
                         f"{dist.get_process_group_ranks(self.group)})", dist.get_process_group_ranks(self.group))
 
     def note(self, op: str, kind: str, phase: str, x: torch.Tensor) -> None:
@@ -260,6 +261,9 @@ class _Bound:
             self.log.append(call)
 
 
+_PARALLELISM = {"tp": "tensor-parallel", "dp": "data-parallel", "ep": "expert-parallel"}  # wait messages
+
+
 def _active(axis: str) -> _Bound | None:
     """The bound group if it has more than one rank, else None (the ops become identities)."""
     if not isinstance(axis, str):
@@ -268,6 +272,12 @@ def _active(axis: str) -> _Bound | None:
     if group is None or group.size() == 1:
         return None
     return _Bound(axis, group, _LOG.get(), _WAITER.get())
+
+
+def active(axis: str) -> _Bound | None:
+    """What an op issuing its own collective over ``axis`` needs (the group, the log, the bounded
+    waiter), or None when the axis is unbound or has one rank (the op is then the identity)."""
+    return _active(axis)
 
 
 def axis_size(axis: str = "tp") -> int:

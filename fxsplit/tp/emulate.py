@@ -27,7 +27,7 @@ wrong number. Used by ``fxsplit.api.verify``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,9 +35,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fxsplit.tp import collectives as C
+from fxsplit.tp import experts as ep
 from fxsplit.tp import functional as tpf
 
-__all__ = ["EMULATED_OPS", "as_rank", "emulate", "is_emulated"]
+__all__ = ["EMULATED_OPS", "as_rank", "as_ranks", "emulate", "is_emulated"]
 
 
 @contextlib.contextmanager
@@ -45,6 +46,13 @@ def as_rank(rank: int, size: int, axis: str = "tp") -> Iterator[None]:
     """Inside the block ``axis_rank(axis) == rank`` and ``axis_size(axis) == size`` (a stand-in
     group with no backend: any real collective over it raises)."""
     with C.bind_groups({axis: dist.ProcessGroup(rank, size)}):
+        yield
+
+
+@contextlib.contextmanager
+def as_ranks(ranks: Mapping[str, tuple[int, int]]) -> Iterator[None]:
+    """:func:`as_rank` along every axis of ``ranks`` (axis -> (rank, size)) at once."""
+    with C.bind_groups({axis: dist.ProcessGroup(r, n) for axis, (r, n) in ranks.items()}):
         yield
 
 
@@ -180,7 +188,16 @@ def _vocab_parallel_cross_entropy(bs: list[dict]) -> list:
     return outs
 
 
+def _ep(emulated: Callable, *names: str) -> Callable[[list[dict]], list]:
+    def run(bs: list[dict]) -> list:
+        return emulated(*([b[name] for b in bs] for name in names))
+    return run
+
+
 EMULATED_OPS: dict[Callable, Callable[[list[dict]], list]] = {
+    ep.ep_token_counts: _ep(ep.emulated_token_counts, "offs"),
+    ep.ep_dispatch: _ep(ep.emulated_dispatch, "x", "offs", "recv"),
+    ep.ep_combine: _ep(ep.emulated_combine, "y", "offs", "recv"),
     C.copy_to_region: _region("copy", None),
     C.reduce_from_region: _region("reduce", None),
     C.gather_from_region: _region("gather", "dim"),
@@ -203,8 +220,27 @@ def is_emulated(target: Any) -> bool:
         return False
 
 
-def emulate(target: Callable, args: Sequence[tuple], kwargs: Sequence[dict]) -> list:
+def emulate(target: Callable, args: Sequence[tuple], kwargs: Sequence[dict],
+            ranks: Sequence[Mapping[str, tuple[int, int]]] | None = None) -> list:
     """The per-rank results of collective ``target`` called with each rank's ``args[r]`` and
-    ``kwargs[r]`` (see [Note: emulated collectives])."""
+    ``kwargs[r]`` (see [Note: emulated collectives]). ``ranks[r]``: rank r's (rank, size) along
+    each mesh axis, when the ranks span several ([Note: emulated collectives over several axes]).
+
+    [Note: emulated collectives over several axes]
+    With cp x tp, the per-rank lists hold every (cp, tp) rank; a collective over one axis (its
+    ``axis`` argument) combines the ranks that share every OTHER coordinate, in the order of their
+    rank along that axis, as the mesh's sub-groups do."""
     bound = [_bind(target, a, k) for a, k in zip(args, kwargs)]
-    return EMULATED_OPS[target](bound)
+    if ranks is None:
+        return EMULATED_OPS[target](bound)
+    axis = bound[0].get("axis", "tp")
+    groups: dict[tuple, list[int]] = {}
+    for i, coords in enumerate(ranks):
+        key = tuple(sorted((a, c) for a, c in coords.items() if a != axis))
+        groups.setdefault(key, []).append(i)
+    out: list = [None] * len(bound)
+    for members in groups.values():
+        members.sort(key=lambda i: ranks[i].get(axis, (0, 1))[0])
+        for i, v in zip(members, EMULATED_OPS[target]([bound[i] for i in members])):
+            out[i] = v
+    return out

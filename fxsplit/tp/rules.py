@@ -598,6 +598,20 @@ def _param_read(a: torch.fx.Node) -> bool:
 
 _POINTWISE_RULE = Rule(_pointwise, any_operand=True, merged="carry")
 
+
+def _sequence_op(p, op: Op) -> None:
+    """Context parallelism's ops along the sequence (``fxsplit.tp.context``: a cut to the local
+    tokens, an all-gather over ``"cp"``): a shard on another dim (heads) stays."""
+    node = op.node
+    d = norm_dim(arg(node, 1, "dim", 0), len(op.out_shape))
+    if d == op.st.dim:
+        p.fail(node, f"{op.name} along the sharded dim")
+    p.set(node, op.st.dim)
+
+
+def _reads_device(p, op: Op) -> None:
+    """Context parallelism's positions and masks read only their ``like`` operand's device: replicated."""
+
 # The one registry of propagation rules: op names -> rule. Ops with aten's pointwise tag and no
 # entry here use the pointwise rule (:func:`rule_for`); anything else has no rule (:func:`no_rule`).
 _RULE_TABLE: tuple[tuple[Iterable[str], Rule], ...] = (
@@ -620,6 +634,8 @@ _RULE_TABLE: tuple[tuple[Iterable[str], Rule], ...] = (
     (("matmul", "bmm"), Rule(_matmul, any_operand=True, merged="carry")),
     (("baddbmm",), Rule(_baddbmm, any_operand=True, merged="carry")),
     (sorted(ELEMENTWISE), _POINTWISE_RULE),
+    (("keep_local", "gather_to_region", "gather_from_region"), Rule(_sequence_op, merged="carry")),
+    (("natural_order", "causal_rows", "local_positions"), Rule(_reads_device, "any")),
 )
 RULES: dict[str, Rule] = {name: rule for names, rule in _RULE_TABLE for name in names}
 assert len(RULES) == sum(len(list(names)) for names, _ in _RULE_TABLE), "an op name has two propagation rules"

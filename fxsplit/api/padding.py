@@ -1,0 +1,174 @@
+"""One plan for every sequence length: a plan whose graph torch.export traced at a fixed length
+serves every shorter length by padding the step's inputs on the right to the traced length and
+cutting the outputs back, exactly ([Note: padding to the traced length]).
+
+Terms
+- **traced length** ``L``: dim 1 of the token ids (the first integer tensor input with two or more
+  dims) in a plan traced by torch.export with the sequence static ([Note: a static sequence for
+  export] in fxsplit.graph.trace); None for fx traces and ``dynamic_sequence=True`` (the sequence is
+  a symbol there, every length runs as it is) and with ``pad_sequence=False``.
+- **step length** ``t``: dim 1 of the token ids a call is given, ``1 <= t <= L``.
+- **sequence input**: a tensor input whose traced dim 1 is ``L`` (token ids, attention mask,
+  position ids, labels, embeddings); **sequence output**: a model output with two or more dims
+  whose dim 1 is ``L``.
+
+[Note: padding to the traced length]
+Tracing the sequence as a symbol costs torch.export several times the static trace (the 70B plan
+would miss its time goal), so a static plan serves a shorter step by padding: every sequence input
+is extended on the right from t to L positions with a value that the model reads as nothing
+(``attention_mask``: 0, the padded keys masked; ``labels``: -100, the index Hugging Face's losses
+ignore; ``position_ids``: counting on from the last position, so that a packed row's last document
+simply continues into the padding; anything else: 0), the stages run at L as planned (their
+boundary shapes are the plan's: no per-step handshake, every schedule as it is), and on the last
+stage every sequence output is cut back to its first t positions before ``loss_fn`` sees it (and
+before ``pm(x)`` returns it). The backward then starts from zero gradients at the padded positions.
+
+This is exact when no real position reads a padded one: a causal model (each position sees only
+earlier ones), or a bidirectional one given an ``attention_mask`` (the padded keys are masked out).
+The padded positions' own outputs are garbage and are thrown away. A model where a real position
+sees a later one without a mask (an encoder called without ``attention_mask``, a mean over the
+sequence) would be changed by the padding: :func:`check_padding`, run by ``fxsplit.verify`` (which
+``parallelize`` runs by default on small models), compares the plan padded from a shorter length
+with the model run at that length, and raises naming ``pad_sequence=False`` (only the traced length
+runs, as before) or ``dynamic_sequence=True`` (a symbolic sequence) when they differ. The padded
+work is real work: a step at t costs what a step at L costs.
+
+    x, t = pad_to_traced(flat, plan)         # padded flat inputs, the step length (None: no padding)
+    trim = outputs_cut(plan, t)              # flat outputs -> the first t positions (None: no cut)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fxsplit.errors import PlanError, VerificationError
+
+if TYPE_CHECKING:
+    from fxsplit.api import Plan
+
+__all__ = ["check_padding", "outputs_cut", "pad_to_traced", "traced_length"]
+
+# what a padded position holds, by input name ([Note: padding to the traced length]); every other
+# sequence input is padded with zeros
+_PAD_VALUE = {"attention_mask": 0, "labels": -100}
+_COUNTING = ("position_ids",)
+
+
+def _static(d: Any) -> int | None:
+    try:
+        return int(d)
+    except TypeError:
+        return None
+
+
+def traced_length(plan_: Plan) -> int | None:
+    """``L`` of the Terms, or None when the plan takes every length as it is or must not pad."""
+    info = plan_.graph.meta.get("fxsplit")
+    if plan_.config.pad_sequence is False or info is None or info.method != "export" or "seq" in info.symbols:
+        return None
+    for meta in plan_.stages.input_meta:
+        if meta.is_tensor and meta.dtype is not None and not meta.dtype.is_floating_point and len(meta.shape) >= 2:
+            return _static(meta.shape[1])
+    return None
+
+
+def _pad(x: torch.Tensor, name: str, t: int, length: int) -> torch.Tensor:
+    extra = list(x.shape)
+    extra[1] = length - t
+    if name in _COUNTING and not x.is_floating_point():
+        steps = torch.arange(1, length - t + 1, dtype=x.dtype, device=x.device)
+        tail = x[:, -1:] + steps.view(1, -1, *([1] * (x.dim() - 2)))
+    else:
+        tail = torch.full(extra, _PAD_VALUE.get(name, 0), dtype=x.dtype, device=x.device)
+    return torch.cat([x, tail.expand(extra)], dim=1)
+
+
+def pad_to_traced(flat: Sequence[Any], plan_: Plan) -> tuple[list[Any], int | None]:
+    """The flat inputs with every sequence input padded from the step length t to L, and t; the
+    inputs as given and None when nothing is padded (no traced length, or t = L). Raises PlanError
+    naming the fix when t > L, or when the sequence inputs disagree on t."""
+    length = traced_length(plan_)
+    metas = plan_.stages.input_meta
+    if length is None or len(flat) != len(metas):
+        return list(flat), None
+    seq = [i for i, (m, x) in enumerate(zip(metas, flat)) if isinstance(x, torch.Tensor) and m.is_tensor
+           and len(m.shape) >= 2 and _static(m.shape[1]) == length and x.dim() == len(m.shape)]
+    if not seq:
+        return list(flat), None
+    lengths = {metas[i].name: flat[i].shape[1] for i in seq}
+    if len(set(lengths.values())) > 1:
+        raise PlanError(f"the sequence inputs have different lengths (dim 1): {lengths}; give every sequence "
+                        "input the same length")
+    t = next(iter(lengths.values()))
+    if t == length:
+        return list(flat), None
+    if t > length or t < 1:
+        raise PlanError(
+            f"a sequence of {t} positions (dim 1 of {sorted(lengths)}) does not fit the plan, which torch.export "
+            f"traced at {length}: a plan serves every length up to the traced one ([Note: padding to the traced "
+            f"length] in fxsplit.api.padding). Plan with an example of the longest length you will run, or with "
+            "dynamic_sequence=True (a symbolic sequence, a slower trace)")
+    out = list(flat)
+    for i in seq:
+        out[i] = _pad(flat[i], metas[i].name, t, length)
+    return out, t
+
+
+def outputs_cut(plan_: Plan, t: int | None) -> Callable[[list[Any]], list[Any]] | None:
+    """A function of the flat model outputs that cuts every sequence output back to its first t
+    positions; None when ``t`` is None (nothing was padded)."""
+    length = traced_length(plan_)
+    if t is None or length is None:
+        return None
+
+    def cut(flat_out: list[Any]) -> list[Any]:
+        return [x[:, :t] if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == length else x
+                for x in flat_out]
+
+    return cut
+
+
+def _shorter(args: tuple, kwargs: dict, length: int, t: int) -> tuple[tuple, dict]:
+    def cut(x: Any) -> Any:
+        return x[:, :t] if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == length else x
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def check_padding(model: torch.nn.Module, example_args: tuple, example_kwargs: dict, plan_: Plan,
+                  run_plan: Callable[[list[Any]], list[Any]], close: Callable[[Any, Any], tuple[bool, float]]) -> None:
+    """[Note: padding to the traced length]: ``run_plan(flat)`` (the plan's flat outputs on tp rank
+    0) on the example cut to t = L // 2 positions (an example shorter than L as it is) and padded
+    back to L, cut to t, against the model run on the cut example; ``close(x, ref)`` is verify's comparison. Raises VerificationError
+    naming the fix when the padding changes an output."""
+    from torch.utils import _pytree as pytree
+
+    from fxsplit.graph.trace import flatten_inputs
+
+    length = traced_length(plan_)
+    if length is None or length < 2:
+        return
+    t = length // 2
+    args, kwargs = _shorter(tuple(example_args), dict(example_kwargs or {}), length, t)
+    with torch.no_grad():
+        ref, _ = pytree.tree_flatten(model(*args, **kwargs))
+        padded, t = pad_to_traced(flatten_inputs(plan_.graph, args, kwargs), plan_)  # t: the example's if shorter
+        if t is None:
+            return
+        outs = outputs_cut(plan_, t)(list(run_plan(padded)))
+    bad = []
+    for k, (x, r) in enumerate(zip(outs, ref)):
+        if isinstance(r, torch.Tensor) and r.is_floating_point():
+            ok, err = close(x, r) if isinstance(x, torch.Tensor) and x.shape == r.shape else (False, float("inf"))
+            if not ok:
+                bad.append(f"output {k} (relative error {err:.3g})")
+    if bad:
+        raise VerificationError(
+            f"padding a sequence of {t} positions to the traced {length} changes the model's "
+            f"{', '.join(bad)}: a real position reads a padded one (a model that is not causal, called without an "
+            "attention_mask), so a plan traced at a fixed length cannot serve shorter sequences exactly ([Note: "
+            "padding to the traced length] in fxsplit.api.padding). Plan with pad_sequence=False (only the traced "
+            "length runs) or dynamic_sequence=True (a symbolic sequence), or pass the model its attention_mask")

@@ -1,0 +1,228 @@
+"""Expert-parallel token exchange: dispatch the rows of a mixture of experts to the ranks that hold
+their experts and combine them back, as graph-friendly functions of a mesh axis name ("ep").
+
+Terms: **n** -- ranks on the ep axis; **E** -- experts of the layer; **k** -- experts per rank
+(E / n; rank r holds experts ``[r * k, (r + 1) * k)``, a contiguous block of the fused 3-D expert
+weight); **rows** -- the routed rows ``[S, C]`` sorted by expert (one per token and chosen expert);
+**offs** -- the end row of each expert's group (int, length E); **recv** -- ``[n, k]``: how many rows
+each source rank sends to each of this rank's experts; **source-major** / **expert-major** -- the
+received rows ordered by source then expert (as all_to_all delivers them) / by expert then source
+(as a grouped matmul over the local experts reads them).
+
+    recv = ep_token_counts(offs, axis="ep")              # all_to_all of the per-expert counts
+    local = ep_dispatch(rows, offs, recv, axis="ep")     # rows of this rank's experts, expert-major
+    local_offs = ep_local_offsets(recv, offs)            # their group ends (length k)
+    ... grouped matmuls of ``local`` over the local expert weights ``W[r*k:(r+1)*k]`` ...
+    out = ep_combine(local_out, offs, recv, axis="ep")   # back to this rank's rows, in its order
+
+[Note: expert-parallel exchange]
+The rows are already sorted by expert and each rank owns a contiguous block of k experts, so the
+rows for rank j are one contiguous run: the send split sizes are the per-owner sums of the
+per-expert counts. The counts go first (an all_to_all of E integers, k to each rank), so every
+rank knows how many rows it receives from each source for each of its experts (``recv``). The rows
+then travel with ``all_to_all_single`` (variable splits) and are regrouped source-major ->
+expert-major (a permutation computed from ``recv``); the local group ends are the cumulative sums
+of ``recv`` over sources. ``ep_combine`` is the exact inverse (un-permute, the reverse
+all_to_all), so dispatch's backward is combine's forward and vice versa: every row comes home in
+its place and no row is dropped (dropless: no capacity factor). The ops are their own autograd
+Functions rather than torch's ``_functional_collectives.all_to_all_single_autograd`` (which does
+take variable splits) because every wait here goes through the runtime's bounded, failure-aware
+waiter ([Note: failure protocol] in fxsplit.runtime.watch, ``bind_waiter``): a functional
+collective's ``wait_tensor`` blocks without a bound a peer's death could end. With the axis
+unbound or of size 1 every op is the identity (``ep_local_offsets`` gives back ``offs``), so a
+plan's graph runs unchanged in one process, and the fake tensors of a trace see plain shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from torch.distributed._functional_collectives import _are_we_tracing
+
+from fxsplit.errors import RunError, ShardingError
+from fxsplit.tp import collectives as C
+
+__all__ = ["EP_OPS", "emulated_combine", "emulated_dispatch", "emulated_token_counts", "ep_combine", "ep_dispatch",
+           "ep_local_offsets", "ep_token_counts"]
+
+
+def _active(axis: str, op: str):
+    """The bound ep group, or None (identity); RunError under a tracer (make_fx, dynamo): the rows
+    exchanged have counts known only at run time, so a traced stage falls back to autograd (the
+    graph split, ``fxsplit.runtime.split_graph``, catches this as an untraceable stage)."""
+    b = C.active(axis)
+    if b is not None and _are_we_tracing():
+        raise RunError(f"{op}: the expert-parallel exchange over axis {axis!r} cannot be traced (how many rows each "
+                       "rank sends is known only at run time); the stage runs eagerly")
+    return b
+
+
+def _counts(offs: torch.Tensor) -> torch.Tensor:
+    """Rows per expert from the group ends ``offs`` (int64, length E)."""
+    ends = offs.to(torch.int64)
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
+def _check(offs: torch.Tensor, n: int, op: str) -> int:
+    if offs.dim() != 1 or offs.numel() % n:
+        raise ShardingError(f"{op}: {offs.numel()} experts (offs of shape {tuple(offs.shape)}) cannot be split into "
+                            f"blocks for {n} expert-parallel ranks; choose ep dividing the number of experts")
+    return offs.numel() // n
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], b, phase: str) -> torch.Tensor:
+    b.note("ep_exchange", "all_to_all", phase, x)
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=b.group, async_op=True)
+    b.wait(work, "all-to-all")
+    return out
+
+
+def _expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """The permutation that reorders rows received source-major (``recv [n, k]`` rows from source s
+    for local expert e) into expert-major order: ``expert_major = source_major[perm]``."""
+    flat = recv.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view_as(recv).t().reshape(-1)  # start of block (s, e), e-major
+    sizes = recv.t().reshape(-1)
+    total = int(flat.sum())
+    block_start = torch.repeat_interleave(starts, sizes)
+    offset_in_block = torch.arange(total) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    return (block_start + offset_in_block).to(recv.device)
+
+
+def _route(offs: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor]:
+    """(rows sent to each rank, rows received from each rank, the expert-major permutation)."""
+    n, k = recv.shape
+    send = _counts(offs).view(n, k).sum(1).tolist()
+    return send, recv.sum(1).tolist(), _expert_major(recv.cpu())
+
+
+def _to_experts(x: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, b, phase: str) -> torch.Tensor:
+    send, got, perm = _route(offs, recv)
+    return _all_to_all(x, got, send, b, phase)[perm.to(x.device)]
+
+
+def _from_experts(y: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, b, phase: str) -> torch.Tensor:
+    send, got, perm = _route(offs, recv)
+    source_major = torch.empty_like(y)
+    source_major[perm.to(y.device)] = y
+    return _all_to_all(source_major, send, got, b, phase)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, offs, recv, b):
+        ctx.save_for_backward(offs, recv)
+        ctx.b = b
+        return _to_experts(x, offs, recv, b, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        offs, recv = ctx.saved_tensors
+        return _from_experts(grad, offs, recv, ctx.b, "backward"), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, offs, recv, b):
+        ctx.save_for_backward(offs, recv)
+        ctx.b = b
+        return _from_experts(y, offs, recv, b, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        offs, recv = ctx.saved_tensors
+        return _to_experts(grad, offs, recv, ctx.b, "backward"), None, None, None
+
+
+def _traced(fn, args: tuple, kwargs: dict):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.fx.Proxy):
+            return a.tracer.create_proxy("call_function", fn, args, kwargs)
+    return None
+
+
+def ep_token_counts(offs: torch.Tensor, axis: str = "ep") -> torch.Tensor:
+    """``recv [n, k]`` (int64): the rows each source rank of ``axis`` routes to each of this rank's
+    k experts, from every rank's group ends ``offs``; ``[1, E]`` (this rank's own counts) unbound."""
+    if (node := _traced(ep_token_counts, (offs,), {"axis": axis})) is not None:
+        return node
+    b = _active(axis, "ep_token_counts")
+    counts = _counts(offs)
+    if b is None:
+        return counts.view(1, -1)
+    n = b.group.size()
+    k = _check(offs, n, "ep_token_counts")
+    return _all_to_all(counts, [k] * n, [k] * n, b, "no_grad").view(n, k)
+
+
+def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, axis: str = "ep") -> torch.Tensor:
+    """The rows ``x [S, C]`` (sorted by expert, group ends ``offs``) sent to the ranks holding their
+    experts; returns the rows of this rank's experts, expert-major ([Note: expert-parallel exchange])."""
+    if (node := _traced(ep_dispatch, (x, offs, recv), {"axis": axis})) is not None:
+        return node
+    b = _active(axis, "ep_dispatch")
+    return x if b is None else _Dispatch.apply(x, offs, recv, b)
+
+
+def ep_combine(y: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, axis: str = "ep") -> torch.Tensor:
+    """The inverse of :func:`ep_dispatch`: this rank's experts' output rows sent back to the ranks
+    they came from; returns ``[S, C']`` in the order of the rows ``ep_dispatch`` was given."""
+    if (node := _traced(ep_combine, (y, offs, recv), {"axis": axis})) is not None:
+        return node
+    b = _active(axis, "ep_combine")
+    return y if b is None else _Combine.apply(y, offs, recv, b)
+
+
+def ep_local_offsets(recv: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The group ends of the rows :func:`ep_dispatch` returns (length k, ``offs``' dtype): the
+    cumulative rows per local expert over every source. With ``recv`` of one source, ``offs``."""
+    if (node := _traced(ep_local_offsets, (recv, offs), {})) is not None:
+        return node
+    if recv.shape[0] == 1 and recv.shape[1] == offs.numel():
+        return offs
+    return torch.cumsum(recv.sum(0), 0).to(offs.dtype)
+
+
+# ----------------------------------------------------------------------------- one-process emulation
+# Every rank's values at once (index r: rank r's), as fxsplit.verify runs ranks in lockstep ([Note:
+# emulated collectives] in fxsplit.tp.emulate): the exchange written with differentiable torch ops
+# (split, cat, index), so one backward of all ranks' losses gives each rank its real gradient.
+
+
+def emulated_token_counts(offs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``ep_token_counts`` over ``len(offs)`` ranks: rank r's ``recv [n, k]``."""
+    n = len(offs)
+    k = _check(offs[0], n, "ep_token_counts")
+    counts = [_counts(o) for o in offs]
+    return [torch.stack([c[r * k:(r + 1) * k] for c in counts]) for r in range(n)]
+
+
+def emulated_dispatch(xs: list[torch.Tensor], offs: list[torch.Tensor], recvs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``ep_dispatch`` over ``len(xs)`` ranks: rank r's rows of its experts, expert-major."""
+    n = len(xs)
+    k = offs[0].numel() // n
+    pieces = [x.split(_counts(o).view(n, k).sum(1).tolist()) for x, o in zip(xs, offs)]  # [source][dest]
+    return [torch.cat([pieces[s][r] for s in range(n)])[_expert_major(recvs[r].cpu()).to(xs[r].device)]
+            for r in range(n)]
+
+
+def emulated_combine(ys: list[torch.Tensor], offs: list[torch.Tensor], recvs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``ep_combine`` over ``len(ys)`` ranks: every rank's rows back, in the order it dispatched them."""
+    n = len(ys)
+    back = []  # [holder][source]
+    for y, recv in zip(ys, recvs):
+        perm = _expert_major(recv.cpu()).to(y.device)
+        source_major = y[torch.argsort(perm)]
+        back.append(source_major.split(recv.sum(1).tolist()))
+    return [torch.cat([back[r][s] for r in range(n)]) for s in range(n)]
+
+
+EP_OPS = frozenset({ep_token_counts, ep_dispatch, ep_combine, ep_local_offsets})
+
+torch.fx.wrap("ep_token_counts")
+torch.fx.wrap("ep_dispatch")
+torch.fx.wrap("ep_combine")
+torch.fx.wrap("ep_local_offsets")

@@ -1,0 +1,155 @@
+"""Expert parallelism in one process: the MoE layers found from the graph, the exchange inserted
+around each, stages never cut inside it, the options refused with their fix, and ``verify``
+emulating the all-to-all over the ep ranks (each fed its own slice of the batch) against the
+unsplit model. The real gloo runs are in tests/test_expert_parallel.py."""
+
+import importlib
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit.errors import PlanError, VerificationError
+from fxsplit.testing import zoo
+from fxsplit.tp.experts import (emulated_combine, emulated_dispatch, emulated_token_counts, ep_combine, ep_dispatch,
+                                ep_local_offsets, ep_token_counts)
+
+_HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_plan_wraps_every_moe_layer_in_one_exchange():
+    model, args, _ = zoo.make("moe", n_layer=3)
+    plan = fxsplit.plan(model, args, dp=2, ep=2, hardware=_HW)
+    ep = plan.ep_plan
+    assert [layer.module_path for layer in ep.layers] == [f"blocks.{i}.moe.experts" for i in range(3)]
+    assert set(ep.expert_params) == {f"blocks.{i}.moe.experts.w{j}" for i in range(3) for j in (1, 2, 3)}
+    assert not ep.skipped
+    assert "3 MoE layer(s)" in str(ep) and "(2 per rank)" in str(ep)
+    ops = _targets(plan.stages.modules[0])
+    for op in (ep_token_counts, ep_dispatch, ep_local_offsets, ep_combine):
+        assert ops.count(op) == 3, op
+    # every grouped matmul reads the local group ends, the first ones the dispatched rows
+    for node in plan.stages.modules[0].graph.nodes:
+        if node.op == "call_function" and "grouped_mm" in str(node.target):
+            assert node.args[2].target is ep_local_offsets, node.name
+
+
+def test_stages_never_cut_between_dispatch_and_combine():
+    model, args, _ = zoo.make("moe", n_layer=2)
+    plan = fxsplit.plan(model, args, dp=2, ep=2, pp=4, microbatches=4, schedule="1f1b", hardware=_HW)
+    counted = 0
+    for gm in plan.stages.modules:
+        ops = _targets(gm)
+        assert ops.count(ep_dispatch) == ops.count(ep_combine), gm.code
+        counted += ops.count(ep_dispatch)
+    assert counted == 2
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(dp=2, ep=3), "must divide the data-parallel ranks"),
+    (dict(dp=2, ep=2, tp=2), "use tp=1"),
+    (dict(dp=1, dp_shard=2, ep=2), "dp_shard"),
+    (dict(dp=2, ep=2, compile=True), "compile=False"),
+    (dict(dp=2, ep=0), "ep must be an int >= 1"),
+])
+def test_bad_ep_options_name_the_fix(options, words):
+    with pytest.raises(PlanError, match=words):
+        fxsplit.ParallelConfig(**options)
+
+
+def test_world_size_is_unchanged_by_ep():
+    assert fxsplit.ParallelConfig(dp=4, ep=2, pp=2).world_size == 8
+
+
+def test_emulated_exchange_routes_rows_to_their_experts_and_back():
+    n, E = 2, 4
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.sort(torch.randint(0, E, (s,), generator=g)).values for s in (7, 5)]
+    offs = [torch.cumsum(torch.bincount(i, minlength=E), 0).to(torch.int32) for i in ids]
+    xs = [i.double().unsqueeze(1).repeat(1, 3).requires_grad_() for i in ids]  # each row holds its expert id
+    recv = emulated_token_counts(offs)
+    local = emulated_dispatch(xs, offs, recv)
+    k = E // n
+    for r in range(n):
+        local_offs = torch.cumsum(recv[r].sum(0), 0)
+        starts = torch.cat([local_offs.new_zeros(1), local_offs[:-1]])
+        for e in range(k):  # expert-major: the rows of local expert e are one group
+            assert (local[r][starts[e]:local_offs[e], 0] == r * k + e).all()
+    back = emulated_combine([y * 2 for y in local], offs, recv)
+    for x, y in zip(xs, back):
+        torch.testing.assert_close(y, 2 * x)
+    sum(y.sum() for y in back).backward()
+    for x in xs:
+        torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+def test_exchange_is_the_identity_without_a_group():
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32)
+    x = torch.randn(5, 3)
+    recv = ep_token_counts(offs)
+    assert recv.tolist() == [[2, 0, 3]]
+    assert ep_dispatch(x, offs, recv) is x and ep_combine(x, offs, recv) is x
+    assert ep_local_offsets(recv, offs) is offs
+
+
+@pytest.mark.parametrize("options", [dict(dp=2, ep=2), dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")],
+                         ids=["dp2-ep2", "dp2-ep2-pp2"])
+def test_verify_emulates_the_all_to_all(options):
+    model, args, _ = zoo.make("moe", num_experts=4, top_k=2)
+    report = fxsplit.verify(model, args, fxsplit.plan(model, args, hardware=_HW, **options), quiet=True)
+    assert report.gradients == len(list(model.parameters()))
+    assert report.max_gradient_error < 1e-5
+
+
+def test_verify_catches_experts_on_the_wrong_rank(monkeypatch):
+    verify_module = importlib.import_module("fxsplit.api.verify")
+    keep = verify_module.keep_own_experts
+    monkeypatch.setattr(verify_module, "keep_own_experts", lambda stages, plan, rank: keep(stages, plan, 0))
+    model, args, _ = zoo.make("moe")
+    with pytest.raises(VerificationError, match="experts"):
+        fxsplit.verify(model, args, fxsplit.plan(model, args, dp=2, ep=2, hardware=_HW), quiet=True)
+
+
+def test_verify_needs_a_batch_that_splits_over_ep():
+    model, args, _ = zoo.make("moe", batch_size=3)
+    with pytest.raises(PlanError, match="multiple of 2"):
+        fxsplit.verify(model, args, fxsplit.plan(model, args, dp=2, ep=2, hardware=_HW), quiet=True)
+
+
+@pytest.mark.hf
+def test_transformers_moe_grouped_found_batched_kept_with_reason():
+    from fxsplit.testing import tp_coverage
+
+    model, args, kwargs = tp_coverage.build("qwen2_moe")
+    plan = fxsplit.plan(model, args, kwargs, dp=2, ep=2, hardware=_HW)
+    assert [layer.module_path for layer in plan.ep_plan.layers] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    fxsplit.verify(model, args, plan, kwargs, quiet=True)
+    model, args, kwargs = tp_coverage.build("mixtral+batched_mm")
+    plan = fxsplit.plan(model, args, kwargs, dp=2, ep=2, hardware=_HW)
+    assert not plan.ep_plan.layers
+    assert {why for _, why in plan.ep_plan.skipped} == {
+        "batched_mm experts (W[expert_ids] per row, in token order); use the grouped_mm experts implementation "
+        "for expert parallelism"}
+
+
+def test_memory_counts_each_ranks_block_of_experts():
+    model, args, _ = zoo.make("moe")
+    whole = fxsplit.plan(model, args, dp=2, hardware=_HW).memory()[0]
+    placed = fxsplit.plan(model, args, dp=2, ep=2, hardware=_HW).memory()[0]
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    assert whole.params - placed.params == expert_bytes / 2
+
+
+def test_cli_plans_with_ep(tmp_path, capsys):
+    from fxsplit.cli import main
+
+    factory = tmp_path / "moe_model.py"
+    factory.write_text("from fxsplit.testing import zoo\n\ndef build():\n    return zoo.make('moe')\n")
+    assert main(["plan", f"{factory}:build", "--dp", "2", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fxsplit plan: dp=2 ep=2 tp=1" in out
+    assert "expert parallelism ep=2: 2 MoE layer(s)" in out
