@@ -31,14 +31,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from fxsplit.graph.units import fmt_ms
 from fxsplit.pipeline.chain import Partition, PartitionProblem
 from fxsplit.errors import PartitionError
-
-if TYPE_CHECKING:
-    import torch.fx
 
 __all__ = ["CUT_AT", "INNER_GAIN", "choose_cuts", "cut_rules", "layer_boundaries", "outside_atomic"]
 
@@ -87,6 +83,22 @@ def cut_rules(paths: Sequence[str], keys: Sequence[str], cut_at: str,
     return penalty, allowed
 
 
+def outside_atomic(names: Sequence[str], atomic: Sequence[tuple[str, str]],
+                   allowed: list[bool] | None) -> list[bool] | None:
+    """``allowed`` (per position; None: all) with the cuts inside every ``atomic`` span of unit
+    names (after its first unit, up to its last) removed: values inside have sizes known only at
+    run time (expert-parallel token exchange, ``fxsplit.passes.expert_parallel``)."""
+    if not atomic:
+        return allowed
+    index = {name: i for i, name in enumerate(names)}
+    allowed = list(allowed) if allowed is not None else [True] * (len(names) + 1)
+    for first, last in atomic:
+        if first in index and last in index:
+            for k in range(index[first] + 1, index[last] + 1):
+                allowed[k] = False
+    return allowed
+
+
 Choose = Callable[[Mapping[str, PartitionProblem], str], tuple[Partition, tuple[str, ...]]]
 
 
@@ -96,13 +108,13 @@ def _inside(cuts: Sequence[int], ok: Sequence[bool], keys: Sequence[str]) -> str
 
 
 def choose_cuts(choose: Choose, problems: Mapping[str, PartitionProblem], request: str, keys: Sequence[str],
-                hard: Sequence[bool] | None = None) -> tuple[Partition, tuple[str, ...], str, bool]:
+                loose: Sequence[bool] | None = None) -> tuple[Partition, tuple[str, ...], str, bool]:
     """The partition, each stage's checkpointing mode, why a cut lies inside a layer ("" when
-    none does) and whether the partition is the free problem's (``allowed=None``: the problem the
-    plan records), for ``problems`` built with ``cut_at="layers"`` ([Note: layer cuts]).
+    none does) and whether the partition is the free problem's (``allowed=loose``: the problem the
+    plan records), for ``problems`` built with ``cut_at="layers"`` ([Note: layer cuts]); ``loose``
+    is what the free problem allows (None: every position; spans that must not be cut removed).
     ``choose`` is the checkpointing choice (``fxsplit.pipeline.checkpointing.choose``)."""
-    # the free problem keeps the cuts no plan may make (``hard``: inside an expert-parallel exchange)
-    free = {m: replace(pb, allowed=hard) for m, pb in problems.items()}
+    free = {m: replace(pb, allowed=None if loose is None else tuple(loose)) for m, pb in problems.items()}
     loose, loose_modes = choose(free, request)
     ok = next(iter(problems.values())).cut_ok()
     inner = _inside(loose.cuts, ok, keys)
@@ -119,17 +131,3 @@ def choose_cuts(choose: Choose, problems: Mapping[str, PartitionProblem], reques
             f"{fmt_ms(layered.bottleneck)} at layer boundaries ({100 * gain:.1f}% lower, more than "
             f"{100 * INNER_GAIN:.0f}%)"), True
     return layered, modes, "", False
-
-
-def outside_atomic(units: Sequence[torch.fx.Node], atomic: Sequence[tuple[str, str]],
-                    allowed: list[bool] | None) -> list[bool] | None:
-    """``allowed`` with the cuts inside every ``atomic`` span (after its first node, up to its last) removed."""
-    if not atomic:
-        return allowed
-    index = {u.name: i for i, u in enumerate(units)}
-    allowed = list(allowed) if allowed is not None else [True] * (len(units) + 1)
-    for first, last in atomic:
-        if first in index and last in index:
-            for k in range(index[first] + 1, index[last] + 1):
-                allowed[k] = False
-    return allowed

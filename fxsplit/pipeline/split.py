@@ -447,10 +447,9 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
     why = ""
     try:
         if r.cut_at == "layers":
-            hard = outside_atomic(units, r.atomic, None)
-            hard = tuple(hard) if hard is not None else None
-            part, per_stage, why, free = choose_cuts(choose, problems, r.activation_checkpointing, keys, hard)
-            problem = replace(problem, allowed=hard) if free else problem
+            loose = outside_atomic([u.name for u in units], r.atomic, None)
+            part, per_stage, why, free = choose_cuts(choose, problems, r.activation_checkpointing, keys, loose)
+            problem = replace(problem, allowed=None if loose is None else tuple(loose)) if free else problem
         else:
             part, per_stage = choose(problems, r.activation_checkpointing)
     except PartitionError as exc:
@@ -487,7 +486,7 @@ def _problem(r: SplitRequest, units: list[torch.fx.Node], keys: Sequence[str], c
     """The partition problem of ``r`` over ``units`` (no checkpointing: ``plan_split`` derives
     one per checkpointing mode from it)."""
     penalty, allowed = cut_rules([node_info(u).module_path for u in units], keys, r.cut_at, r.inner_cut_penalty)
-    allowed = outside_atomic(units, r.atomic, allowed)
+    allowed = outside_atomic([u.name for u in units], r.atomic, allowed)
     return PartitionProblem(
         compute=tuple(costs.compute),
         param_bytes=tuple(costs.params),
