@@ -200,7 +200,8 @@ def test_a_layout_whose_balanced_split_is_over_the_limit_is_partitioned_to_fit(w
     capped = Scorer(workload, toy(), limit).score(c)
     assert capped.fits and capped.memory.total <= limit < balanced.memory.total
     assert capped.cuts != balanced.cuts and capped.step_time >= balanced.step_time
-    r = search(workload, world_size=4, global_batch=16, hardware=toy(), memory_limit=limit)
+    # top_k past the space: no candidate is skipped by its bound ([Note: search strategy]), so c is scored
+    r = search(workload, world_size=4, global_batch=16, hardware=toy(), memory_limit=limit, top_k=10**6)
     assert c in {s.candidate for s in r.scores}
     assert all(s.fits and s.memory.total <= limit for s in r.scores)
     assert r.repartitioned[0] >= 1 and "re-partitioned under the memory limit" in r.table()

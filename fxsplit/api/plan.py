@@ -202,6 +202,9 @@ def plan(
     ``global_batch_size=B`` without ``strategy`` plans the given layout for B samples per step:
     ``microbatch_size`` = B / (dp * dp_shard * m), and torch.export traces the batch static at it
     (``dynamic_batch=True`` keeps it symbolic: [Note: a static batch] in fxsplit.graph.examples).
+    With ``hardware=`` too, the plan carries the auto-planner's prediction of the layout:
+    ``predicted_step_time``, ``predicted_breakdown`` and ``predicted_memory`` ([Note: a layout's
+    prediction] in fxsplit.api.auto). ``world_size`` with a layout must be its own.
 
     ``strategy="auto"`` searches the layout for ``world_size`` ranks and ``global_batch_size``
     samples per step instead ([Note: auto plan] in :mod:`fxsplit.api.auto`): ``Plan.config`` is
