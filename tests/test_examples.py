@@ -1,6 +1,6 @@
 """The examples run as documented: quickstart, hf_llama, train_llama and train_packed_text on 4 gloo processes
 (their own check against one process decides the exit status), inspect_plan on a shallow meta
-Llama, and examples/custom_pass.py under torchrun (its pass given to ``fxsplit.parallelize(passes=...)``).
+Llama, and examples/custom_pass.py on launched ranks (its pass given to ``fxsplit.parallelize(passes=...)``).
 
 Launching: the documented command, ``torchrun --nproc-per-node=4 examples/X.py``, runs for the
 quickstart (the process group from torchrun's environment, ``fxsplit.runtime.mesh.init_from_env``).
