@@ -1,5 +1,6 @@
 """Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4, cp=2 x tp=2,
-cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1) on the zoo GPT, three SGD steps each,
+cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1) and cp=2 x dp=2 with compile=True
+(every stage graph through inductor, none falling back) on the zoo GPT, three SGD steps each,
 and Llama with its own loss at cp=2 x dp=2, every data-parallel replica fed its own slice of the global
 batch; the loss of every step and every gradient (tp shards reassembled) against one process on the whole
 batch. In the same launch: mp_policy (bf16 parameters, fp32 reductions) at cp=2 x dp=2 against the same
@@ -19,7 +20,7 @@ from fxsplit.testing.data import replica_slice
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2),
          dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
-         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4)]
+         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4), dict(cp=2, dp=2, compile=True)]
 SAVED = 0  # the case whose state after the last step is saved: cp=2 x dp=2
 STEPS, LR = 3, 0.1
 
@@ -46,11 +47,20 @@ def _train(rank, world, ckpt):
             opt.step()
         if k == SAVED:
             pm.save_checkpoint(ckpt, optimizer=opt)
-        out.append(dict(losses=losses, grads=grads, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs)))
+        out.append(dict(losses=losses, grads=grads, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs),
+                        **_compiled(pm)))
     out.append(_train_llama())
     out.append(_mp_step())
     out.append(_reload(ckpt))
     return out
+
+
+def _compiled(pm):
+    """What compile=True compiled (stage, graph) and what fell back to eager, with why."""
+    rt = pm._runtime
+    return dict(compiled=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
+                                for kind, r in split.runners.items() if r.compiled),
+                fallbacks={**rt.split_fallbacks, **pm.compile_fallbacks})
 
 
 def _reload(ckpt):
@@ -137,6 +147,10 @@ def test_cp_layouts_train_like_one_process_over_gloo(tmp_path):
         for rank, res in enumerate(per_rank):
             c = res["coords"]
             cells.setdefault((c["dp"], c.get("cp", 0), c["pp"]), []).append((c["tp"], rank))
+        if opts.get("compile"):  # every stage graph through inductor, nothing left eager
+            for rank, res in enumerate(per_rank):
+                assert res["fallbacks"] == {} and {kind for _, kind in res["compiled"]} == {"F", "B"}, (
+                    rank, res["fallbacks"], res["compiled"])
         specs = per_rank[0]["specs"]
         for step in range(STEPS):
             seen = set()
