@@ -51,8 +51,11 @@ def test_keep_local_natural_order_and_causal_rows_agree_with_the_full_values():
 
 
 @pytest.mark.parametrize("opts", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2),
-                                  dict(cp=2, pp=2, schedule="zbv"), dict(cp=2, activation_checkpointing="full")],
-                         ids=["cp2", "cp4", "cp2xtp2", "cp2xpp2", "cp2xpp2-zbv", "cp2-checkpointing"])
+                                  dict(cp=2, pp=2, schedule="zbv"), dict(cp=2, activation_checkpointing="full"),
+                                  dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
+                                  dict(cp=2, pp=2, schedule="zb_h1", microbatches=4)],
+                         ids=["cp2", "cp4", "cp2xtp2", "cp2xpp2", "cp2xpp2-zbv", "cp2-checkpointing",
+                              "cp2xpp2-interleaved", "cp2xpp2-zbh1"])
 def test_zoo_gpt_is_exact(opts):
     model, args, kwargs = zoo.make_gpt(seq_len=16, n_kv_head=2)  # grouped-query attention, positions table
     the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, **opts)

@@ -1,7 +1,12 @@
-"""Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4, cp=2 x tp=2
-and cp=2 x pp=2 on the zoo GPT, three SGD steps each, and Llama with its own loss at cp=2 x dp=2, every data-parallel replica fed its own slice
-of the global batch; the loss of every step and every gradient (tp shards reassembled) against one
-process on the whole batch. The one-process checks (verify, emulated) are in test_context_parallel.py."""
+"""Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4, cp=2 x tp=2,
+cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1) and cp=2 x dp=2 with compile=True
+(every stage graph through inductor, none falling back) on the zoo GPT, three SGD steps each,
+and Llama with its own loss at cp=2 x dp=2, every data-parallel replica fed its own slice of the global
+batch; the loss of every step and every gradient (tp shards reassembled) against one process on the whole
+batch. In the same launch: mp_policy (bf16 parameters, fp32 reductions) at cp=2 x dp=2 against the same
+casts in one process, to bf16's tolerance (test_mixed_precision.py), and a checkpoint saved at cp=2 x dp=2
+after the three steps, loaded at tp=2 x pp=2 and read whole in this process (cp=1), equal to the one-process
+model after three steps. The one-process checks (verify, emulated) are in test_context_parallel.py."""
 
 import copy
 
@@ -13,7 +18,10 @@ from fxsplit.testing import run_distributed, zoo
 from fxsplit.testing.data import replica_slice
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
-CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2)]
+CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2),
+         dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
+         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4), dict(cp=2, dp=2, compile=True)]
+SAVED = 0  # the case whose state after the last step is saved: cp=2 x dp=2
 STEPS, LR = 3, 0.1
 
 
@@ -23,9 +31,9 @@ def _example():
     return model, idx, target
 
 
-def _train(rank, world):
+def _train(rank, world, ckpt):
     out = []
-    for opts in CASES:
+    for k, opts in enumerate(CASES):
         model, idx, target = _example()
         pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60, **opts)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
@@ -37,9 +45,46 @@ def _train(rank, world):
             grads.append({n: p.grad.detach().clone() for mod in pm.stage_modules.values()
                           for n, p in mod.named_parameters(remove_duplicate=False) if p.grad is not None})
             opt.step()
-        out.append(dict(losses=losses, grads=grads, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs)))
+        if k == SAVED:
+            pm.save_checkpoint(ckpt, optimizer=opt)
+        out.append(dict(losses=losses, grads=grads, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs),
+                        **_compiled(pm)))
     out.append(_train_llama())
+    out.append(_mp_step())
+    out.append(_reload(ckpt))
     return out
+
+
+def _compiled(pm):
+    """What compile=True compiled (stage, graph) and what fell back to eager, with why."""
+    rt = pm._runtime
+    return dict(compiled=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
+                                for kind, r in split.runners.items() if r.compiled),
+                fallbacks={**rt.split_fallbacks, **pm.compile_fallbacks})
+
+
+def _reload(ckpt):
+    """The cp=2 x dp=2 checkpoint loaded at another layout without cp: its full state dict."""
+    model, idx, _ = _example()
+    pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60,
+                             tp=2, pp=2, microbatches=2)
+    pm.load_checkpoint(ckpt, optimizer=torch.optim.SGD(pm.parameters(), lr=LR))
+    return dict(steps=pm.step_count, state=pm.full_state_dict())
+
+
+def _mp_step():
+    """One step under mp_policy at cp=2 x dp=2: the loss and the full gradients (as a state dict)."""
+    from test_mixed_precision import POLICY
+
+    model, idx, target = _example()
+    pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60,
+                             mp_policy=POLICY, cp=2, dp=2)
+    loss = float(pm.step(replica_slice(pm, idx), target=replica_slice(pm, target)))
+    fp32 = all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in pm.parameters())
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.copy_(p.grad)
+    return dict(loss=loss, grads=pm.full_state_dict(), fp32=fp32)
 
 
 def _llama():
@@ -67,7 +112,7 @@ def _train_llama():
     return dict(loss=loss, grads=grads)
 
 
-def _reference():
+def _reference(state=None):
     model, idx, target = _example()
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -79,14 +124,20 @@ def _reference():
         losses.append(loss.item())
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
         opt.step()
+    if state is not None:
+        state.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     return losses, grads
 
 
 @pytest.mark.dist
-def test_cp_layouts_train_like_one_process_over_gloo():
-    results = run_distributed(_train, 4, timeout=700)
-    _check_llama([r[-1] for r in results])
-    ref_losses, ref_grads = _reference()
+def test_cp_layouts_train_like_one_process_over_gloo(tmp_path):
+    ckpt = str(tmp_path / "cp-ckpt")
+    results = run_distributed(_train, 4, ckpt, timeout=900)
+    _check_llama([r[len(CASES)] for r in results])
+    _check_mp([r[len(CASES) + 1] for r in results])
+    ref_state: dict = {}
+    ref_losses, ref_grads = _reference(ref_state)
+    _check_reload([r[len(CASES) + 2] for r in results], fxsplit.load_full_checkpoint(ckpt), ref_state)
     for k, opts in enumerate(CASES):
         per_rank = [r[k] for r in results]
         for rank, res in enumerate(per_rank):
@@ -96,6 +147,10 @@ def test_cp_layouts_train_like_one_process_over_gloo():
         for rank, res in enumerate(per_rank):
             c = res["coords"]
             cells.setdefault((c["dp"], c.get("cp", 0), c["pp"]), []).append((c["tp"], rank))
+        if opts.get("compile"):  # every stage graph through inductor, nothing left eager
+            for rank, res in enumerate(per_rank):
+                assert res["fallbacks"] == {} and {kind for _, kind in res["compiled"]} == {"F", "B"}, (
+                    rank, res["fallbacks"], res["compiled"])
         specs = per_rank[0]["specs"]
         for step in range(STEPS):
             seen = set()
@@ -127,3 +182,30 @@ def _check_llama(per_rank):
         assert res["grads"], rank
         for n, g in res["grads"].items():
             torch.testing.assert_close(g, want[n], rtol=1e-4, atol=1e-6, msg=f"llama cp2xdp2 rank {rank} grad {n}")
+
+
+def _check_mp(per_rank):
+    from test_mixed_precision import GRAD_RTOL, LOSS_RTOL, WHOLE_RTOL, _gap, _whole_gap, mixed_precision_reference
+
+    model, idx, target = _example()
+    ref_loss, ref_grads = mixed_precision_reference(model, (idx,), target, zoo.cross_entropy_loss)
+    floor = 1e-3 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
+    for rank, res in enumerate(per_rank):
+        where = f"mp_policy cp2xdp2 rank {rank}"
+        assert res["fp32"], f"{where}: optimizer-visible parameters or their grads are not float32"
+        assert abs(res["loss"] - ref_loss) <= LOSS_RTOL * abs(ref_loss), (where, res["loss"], ref_loss)
+        gaps = {k: _gap(res["grads"][k], g, floor) for k, g in ref_grads.items()}
+        worst = max(gaps, key=gaps.get)
+        assert gaps[worst] <= GRAD_RTOL, f"{where}: gradient {worst} off by {gaps[worst]:.3g}"
+        assert _whole_gap(res["grads"], ref_grads) <= WHOLE_RTOL, where
+
+
+def _check_reload(per_rank, full, ref_state):
+    """The checkpoint of cp=2 x dp=2 after STEPS steps: loaded at tp=2 x pp=2 on every rank, and read whole
+    in one process, it is the one-process model after STEPS steps."""
+    for where, state in [*((f"tp2xpp2 rank {r}", res["state"]) for r, res in enumerate(per_rank)),
+                         ("load_full_checkpoint", full)]:
+        assert set(ref_state) <= set(state), (where, sorted(set(ref_state) - set(state)))
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=f"{where}: {k}")
+    assert all(res["steps"] == STEPS for res in per_rank), [res["steps"] for res in per_rank]
