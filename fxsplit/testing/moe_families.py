@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FAMILIES", "FIELDS", "build"]
+__all__ = ["FAMILIES", "FIELDS", "SLOW", "build"]
 
 FIELDS: dict[str, Any] = dict(
     vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -33,7 +33,8 @@ FIELDS: dict[str, Any] = dict(
 FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {}, "olmoe": {}, "flex_olmo": {}, "granitemoe": {},
     "granitemoeshared": {}, "minimax": {}, "minimax_m2": {}, "glm4_moe": {}, "hunyuan_v1_moe": {},
-    "ernie4_5_moe": {}, "jetmoe": {}, "llama4": {},
+    "ernie4_5_moe": {}, "jetmoe": {}, "llama4": {}, "solar_open": {}, "qwen3_5_moe": {}, "qwen3_next": {},
+    "jamba": {}, "granitemoehybrid": {}, "nemotron_h": {},
     "phimoe": dict(router_jitter_noise=0.0, input_jitter_noise=0.0),  # the jitter draws random numbers
     "deepseek_v2": dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
                         v_head_dim=8),
@@ -51,6 +52,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
 }
+# families whose other layers (Mamba, gated delta rule) run their slow reference kernels on the CPU:
+# 30 to 120 s each, too slow for the test suite
+SLOW = ("qwen3_5_moe", "qwen3_next", "jamba", "granitemoehybrid", "nemotron_h")
 _ZERO = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
          "activation_dropout", "router_aux_loss_coef_dropout", "ffn_dropout")
 
