@@ -22,7 +22,9 @@ routing weights, the combine over top-k, shared experts, expert biases gathered 
 last matmul and auxiliary losses are outside the region and stay as they are (replicated, data
 parallel). Anything else keeps today's behaviour, with the reason in ``skipped``: ``batched_mm``
 experts (each row gathers its expert's matrix, ``W[expert_ids]``, in token order: no sorted rows
-to exchange), a region with another op or a value escaping it, E not divisible by ep.
+to exchange), dense experts (``bmm`` of every token with every expert's matrix, Llama 4's form),
+a region with another op or a value escaping it (gpt-oss's expert biases gathered per row between
+its matmuls), E not divisible by ep.
 """
 
 from __future__ import annotations
