@@ -1,11 +1,13 @@
 """Expert parallelism on real gloo ranks against one process: every case trains 3 optimizer steps
 (SGD), each data-parallel replica on its own slice of one global batch, and compares the loss of
 every step and every gradient of the last step (an expert weight's gradient on a rank is its block
-of experts) with the unsplit model on the whole batch. All cases run in ONE launch per world size: the zoo's torchtitan-style MoE and transformers' Mixtral
+of experts) with the unsplit model on the whole batch (under mp_policy, the unsplit model under the same
+policy). All cases run in ONE launch per world size: the zoo's torchtitan-style MoE and transformers' Mixtral
 and Qwen2-MoE (grouped_mm experts, built from configs)."""
 
 import pytest
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
@@ -13,6 +15,12 @@ from fxsplit.testing.data import replica_index, replica_slice
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 STEPS, LR, GLOBAL_BATCH = 3, 0.05, 8
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+# bfloat16 against the unsplit model under the same policy: the tolerances of tests/test_mixed_precision.py
+# (per tensor relative to max(|g|, 1e-3 |whole gradient|), and over the whole gradient). Measured for
+# moe/dp2-ep2-pp2-bf16: loss 6.1e-5 from that reference and 2.7e-4 from the float32 model (so the loss
+# tells a run that ignored the policy apart), worst tensor 0.0125
+MP_GRAD_RTOL, MP_WHOLE_RTOL, MP_LOSS_RTOL = 3e-2, 1e-2, 1e-4
 
 # label -> (model builder, options); the world size is dp * dp_shard * pp * tp
 CASES_2 = {
@@ -35,6 +43,10 @@ CASES_4 = {
     "moe/dp2-ep2-pp2-dualpipev": ("moe", dict(dp=2, ep=2, pp=2, microbatches=4, schedule="dualpipev")),
     "moe/dp2-ep2-pp2-full-checkpointing": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b",
                                                         activation_checkpointing="full")),
+    "moe/dp2-ep2-pp2-zbh1": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="zb_h1")),
+    "moe/dp2-ep2-pp2-selective-checkpointing": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b",
+                                                             activation_checkpointing="selective")),
+    "moe/dp2-ep2-pp2-bf16": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b", mp_policy=BF16)),
 }
 
 
@@ -111,14 +123,21 @@ def _train(rank, world, cases, tmp=None):
     return out
 
 
-def _reference(name):
+def _reference(name, param_dtype=None):
+    """The unsplit model on the whole batch; under ``param_dtype`` its forward reads every parameter
+    cast to it (the float32 parameters get the gradients) and the logits go to the loss in float32."""
     model = _model(name)
     x, y = _batch(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = _loss(model(x), y)
+        if param_dtype is None:
+            out = model(x)
+        else:
+            cast = {k: p.to(param_dtype) for k, p in model.named_parameters()}
+            out = torch.func.functional_call(model, cast, (x,), tie_weights=True).float()
+        loss = _loss(out, y)
         loss.backward()
         losses.append(float(loss.detach()))
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -128,20 +147,26 @@ def _reference(name):
 
 def _check(cases, results):
     for label, (name, options) in cases.items():
-        losses, grads, state = _reference(name)
+        mp = options.get("mp_policy")
+        losses, grads, state = _reference(name, mp and mp.param_dtype)
         seen = set()
         for rank, res in enumerate(r[label] for r in results):
             tag = f"{label} rank {rank}"
             assert res["experts"], f"{tag}: no MoE layer was placed by ep"
-            assert res["losses"] == pytest.approx(losses, rel=1e-5), tag
+            assert res["losses"] == pytest.approx(losses, rel=MP_LOSS_RTOL if mp else 1e-5), tag
+            got, wanted = {}, {}
             for n, g in res["grads"].items():
                 want = grads[n]
                 if n in res["experts"]:
                     k = want.shape[0] // options["ep"]
                     assert g.shape[0] == k, f"{tag}: {n} holds {g.shape[0]} experts, not {k}"
                     want = want[res["ep_rank"] * k:(res["ep_rank"] + 1) * k]
-                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=f"{tag} grad {n}")
+                got[n], wanted[n] = g, want
+                if not mp:
+                    torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=f"{tag} grad {n}")
                 seen.add(n)
+            if mp:
+                _check_mixed_precision(got, wanted, tag)
         assert seen == set(grads), f"{label}: gradients missing: {sorted(set(grads) - seen)}"
         if label in STATE_CASES:
             for res in (r[label] for r in results):
@@ -151,6 +176,16 @@ def _check(cases, results):
                                                msg=lambda m, k=k: f"{label} state {k}: {m}")
                 assert res["reloaded_equal"], label
                 assert "full_state_dict" in res["refused"], res["refused"]
+
+
+def _check_mixed_precision(got, want, tag):
+    whole = torch.cat([g.flatten() for g in want.values()])
+    diff = torch.cat([(got[n] - g).flatten() for n, g in want.items()])
+    assert float(diff.norm() / whole.norm()) < MP_WHOLE_RTOL, tag
+    floor = 1e-3 * float(whole.norm())
+    for n, g in want.items():
+        gap = float((got[n] - g).norm()) / max(float(g.norm()), floor)
+        assert gap < MP_GRAD_RTOL, (tag, n, gap)
 
 
 @pytest.mark.dist

@@ -100,7 +100,11 @@ def test_exchange_is_the_identity_without_a_group():
     (dict(dp=2, ep=2), dict(num_experts=4, top_k=2)),
     (dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b"), dict(num_experts=8, top_k=2, score="sigmoid",
                                                                     shared_expert=False)),
-], ids=["dp2-ep2", "dp2-ep2-pp2-sigmoid-8experts"])
+    (dict(dp=2, ep=2, pp=2, microbatches=2, schedule="zb_h1"), {}),
+    (dict(dp=2, ep=2, pp=2, microbatches=4, schedule="zb_auto"), {}),
+    (dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b", activation_checkpointing="selective"), {}),
+], ids=["dp2-ep2", "dp2-ep2-pp2-sigmoid-8experts", "dp2-ep2-pp2-zbh1", "dp2-ep2-pp2-zb_auto",
+        "dp2-ep2-pp2-selective"])
 def test_verify_emulates_the_all_to_all(options, model_options):
     model, args, _ = zoo.make("moe", **model_options)
     report = fxsplit.verify(model, args, fxsplit.plan(model, args, hardware=_HW, **options), quiet=True)

@@ -22,7 +22,9 @@ routing weights, the combine over top-k, shared experts, expert biases gathered 
 last matmul and auxiliary losses are outside the region and stay as they are (replicated, data
 parallel). Anything else keeps today's behaviour, with the reason in ``skipped``: ``batched_mm``
 experts (each row gathers its expert's matrix, ``W[expert_ids]``, in token order: no sorted rows
-to exchange), a region with another op or a value escaping it, E not divisible by ep.
+to exchange), dense experts (``bmm`` of every token with every expert's matrix, Llama 4's form),
+a region with another op or a value escaping it (gpt-oss's expert biases gathered per row between
+its matmuls), E not divisible by ep.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.fx
 
 from fxsplit.errors import PlanError
+from fxsplit.graph.inspection import module_path
 from fxsplit.graph.ops import op_name
 from fxsplit.tp.linears import find_linears
 
@@ -40,9 +43,9 @@ __all__ = ["EPPlan", "MoELayer", "find_moe_layers"]
 
 # ops that act on each row alone (dim 0 untouched): what may sit between the grouped linears
 _ROW_WISE = frozenset({"silu", "gelu", "relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "neg", "to",
-                       "type_as", "clamp", "pow", "getitem", "chunk", "split", "split_with_sizes", "contiguous",
+                       "type_as", "clamp", "pow", "square", "getitem", "slice", "chunk", "split", "split_with_sizes", "contiguous",
                        "_to_copy", "clone", "alias"})
-_SPLITS = frozenset({"chunk", "split", "split_with_sizes"})
+_SPLITS = frozenset({"chunk", "split", "split_with_sizes", "slice"})  # row-wise unless along dim 0
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,9 @@ def _why_not(region: set[torch.fx.Node], group: set[torch.fx.Node], rows: torch.
 
 
 def _split_dim(node: torch.fx.Node) -> int:
-    """The dim a chunk / split node splits its 2-D input along (0 or 1)."""
-    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    """The dim a chunk / split / slice node splits its 2-D input along (0 or 1)."""
+    at = 1 if op_name(node) == "slice" else 2  # slice(x, dim, start, end, step); split(x, size, dim)
+    dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
     return dim % 2 if isinstance(dim, int) else 0
 
 
@@ -156,6 +160,7 @@ def find_moe_layers(gm: torch.fx.GraphModule, ep: int) -> EPPlan:
             offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
             if isinstance(offs, torch.fx.Node):
                 by_offs.setdefault(offs, []).append(node)
+    skipped += _dense_experts(gm, linears)
     layers = []
     for offs, group in by_offs.items():
         layer, why = _layer(gm, linears, offs, group)
@@ -166,6 +171,21 @@ def find_moe_layers(gm: torch.fx.GraphModule, ep: int) -> EPPlan:
         else:
             layers.append(layer)
     return EPPlan(ep=ep, layers=tuple(layers), skipped=tuple(dict.fromkeys(skipped)))
+
+
+def _dense_experts(gm: torch.fx.GraphModule, linears: dict) -> list[tuple[str, str]]:
+    """Experts that every token goes through (``bmm`` of a ``[E, rows, C]`` view with a 3-D
+    parameter, Llama 4's form): no routed rows to exchange, so they stay whole on every rank."""
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.name in linears or op_name(n) != "bmm" or len(n.args) < 2:
+            continue
+        w = n.args[1]
+        val = w.meta.get("val") if isinstance(w, torch.fx.Node) else None
+        if _weight_read(w) and isinstance(val, torch.Tensor) and val.dim() == 3:
+            found.append((module_path(n), "dense experts: every token runs through every expert (bmm over "
+                          "[experts, tokens, features]), so there are no routed rows to exchange"))
+    return found
 
 
 def _layer(gm: torch.fx.GraphModule, linears: dict, offs: torch.fx.Node,

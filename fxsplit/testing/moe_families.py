@@ -1,0 +1,79 @@
+"""The mixture-of-experts families transformers ships, as tiny configs for the expert-parallel
+coverage test (tests/test_expert_parallel_families.py) and the table in docs/training.md.
+
+Terms: **family** -- a transformers model type with routed experts, built as its ``*ForCausalLM``
+from ``FIELDS`` (hidden 32, 2 layers, 4 heads, 4 experts, top-2, vocabulary 256) plus the
+family's own fields in ``FAMILIES``; the config's fields that a family does not have are left out,
+so one dict serves every family.
+
+    model, args, kwargs = build("olmoe")      # dropout 0, no cache, default experts implementation
+
+``transformers`` is imported inside :func:`build`, so importing this module does not need it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FAMILIES", "FIELDS", "SLOW", "build"]
+
+FIELDS: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+    num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    first_k_dense_replace=0, n_group=1, topk_group=1, sliding_window=None, use_cache=False, bos_token_id=0,
+    eos_token_id=0, pad_token_id=0)
+
+# family -> its own fields (over FIELDS)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {}, "olmoe": {}, "flex_olmo": {}, "granitemoe": {},
+    "granitemoeshared": {}, "minimax": {}, "minimax_m2": {}, "glm4_moe": {}, "hunyuan_v1_moe": {},
+    "ernie4_5_moe": {}, "jetmoe": {}, "llama4": {}, "solar_open": {}, "qwen3_5_moe": {}, "qwen3_next": {},
+    "jamba": {}, "granitemoehybrid": {}, "nemotron_h": {},
+    "phimoe": dict(router_jitter_noise=0.0, input_jitter_noise=0.0),  # the jitter draws random numbers
+    "deepseek_v2": dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                        v_head_dim=8),
+    "deepseek_v3": dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                        v_head_dim=8),
+    "gpt_oss": dict(sliding_window=8),
+    "dots1": dict(sliding_window=8, n_shared_experts=1),
+    "glm4_moe_lite": dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                          qk_nope_head_dim=8, v_head_dim=8),
+    "longcat_flash": dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                          qk_nope_head_dim=8, v_head_dim=8, ffn_hidden_size=64, expert_ffn_hidden_size=32),
+    "cohere2_moe": dict(sliding_window=8),
+    "exaone_moe": dict(sliding_window=8),
+    "lfm2_moe": dict(num_dense_layers=0, layer_types=["full_attention", "full_attention"]),
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
+}
+# families whose other layers (Mamba, gated delta rule) run their slow reference kernels on the CPU:
+# 30 to 120 s each, too slow for the test suite
+SLOW = ("qwen3_5_moe", "qwen3_next", "jamba", "granitemoehybrid", "nemotron_h")
+_ZERO = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
+         "activation_dropout", "router_aux_loss_coef_dropout", "ffn_dropout")
+
+
+def build(family: str, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """(model, args, kwargs) for ``family``: dropout 0, no cache, sdpa attention (eager where the
+    model has none), random weights from ``seed``, token ids of batch 2 x 16."""
+    module = importlib.import_module(f"transformers.models.{family}")
+    model_cls = next(getattr(module, n) for n in module.__all__ if n.endswith("ForCausalLM"))
+    cls = model_cls.config_class
+    known = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {})) \
+        | set(cls().to_dict())
+    fields = {**FIELDS, **FAMILIES[family]}
+    cfg = {k: v for k, v in fields.items() if k in known and v is not None}
+    cfg.update({k: 0.0 for k in _ZERO if k in known})
+    config = cls(**cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config._attn_implementation = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
+        model = model_cls(config)
+    ids = torch.randint(2, 256, (2, 16), generator=torch.Generator().manual_seed(seed + 1))
+    return model, (ids,), {}
