@@ -3,6 +3,8 @@
 ``fxsplit.verify`` with the cp collectives emulated, against the unsplit model: outputs and every
 parameter gradient (cp ranks' gradients summed). Rewrites that cannot be exact are refused."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from torch import nn
 import fxsplit
 from fxsplit.errors import PlanError, VerificationError
 from fxsplit.testing import hf_zoo, zoo
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 from fxsplit.tp.context import causal_rows, keep_local, natural_order, positions_of
 from fxsplit.tp.emulate import as_ranks
 
@@ -50,6 +53,14 @@ def test_keep_local_natural_order_and_causal_rows_agree_with_the_full_values():
 # ------------------------------------------------------------------------------------- exactness
 
 
+_TRACES = SharedTraces()
+
+
+@functools.cache
+def _gpt():
+    return zoo.make_gpt(seq_len=16, n_kv_head=2)  # grouped-query attention, positions table
+
+
 @pytest.mark.parametrize("opts", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2),
                                   dict(cp=2, pp=2, schedule="zbv"), dict(cp=2, activation_checkpointing="full"),
                                   dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
@@ -57,8 +68,9 @@ def test_keep_local_natural_order_and_causal_rows_agree_with_the_full_values():
                          ids=["cp2", "cp4", "cp2xtp2", "cp2xpp2", "cp2xpp2-zbv", "cp2-checkpointing",
                               "cp2xpp2-interleaved", "cp2xpp2-zbh1"])
 def test_zoo_gpt_is_exact(opts):
-    model, args, kwargs = zoo.make_gpt(seq_len=16, n_kv_head=2)  # grouped-query attention, positions table
-    the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, **opts)
+    model, args, kwargs = _gpt()
+    with shared_traces(_TRACES):  # every layout planned from one torch.export trace of the one model
+        the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, **opts)
     cp_plan = the_plan.pass_report["context_parallel"]
     assert len(cp_plan.attention) == model.config.n_layer and cp_plan.gathered_outputs
     report = fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
@@ -123,8 +135,9 @@ def test_llama_stays_exact_over_three_optimizer_steps():
 
 def test_verify_catches_causal_rows_at_the_wrong_positions():
     """The check can fail: queries reading every key (no causal rows) diverge at the first attention."""
-    model, args, kwargs = zoo.make_gpt(seq_len=16)
-    the_plan = fxsplit.plan(model, args, kwargs, cp=2, hardware=_HW)
+    model, args, kwargs = _gpt()
+    with shared_traces(_TRACES):
+        the_plan = fxsplit.plan(model, args, kwargs, cp=2, hardware=_HW)
     gm = the_plan.stages.modules[0]
     rows = next(n for n in gm.graph.nodes if n.target is causal_rows)
     rows.target = _every_key
@@ -193,8 +206,8 @@ def test_a_model_without_token_ids_is_refused():
 def test_cp_with_tp_sequence_parallelism_is_refused_not_miscomputed():
     from fxsplit.errors import TPPlanError
 
-    model, args, kwargs = zoo.make_gpt(seq_len=16)
-    with pytest.raises(TPPlanError, match="sequence_parallel"):
+    model, args, kwargs = _gpt()
+    with shared_traces(_TRACES), pytest.raises(TPPlanError, match="sequence_parallel"):
         fxsplit.plan(model, args, kwargs, cp=2, tp=2, sequence_parallel=True, hardware=_HW)
 
 

@@ -16,6 +16,7 @@ import torch
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
 from fxsplit.testing.data import replica_slice
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2),
@@ -31,11 +32,21 @@ def _example():
     return model, idx, target
 
 
+_TRACES = SharedTraces()
+
+
 def _train(rank, world, ckpt):
+    # one model object, its weights restored in place before each layout, so that every layout plans
+    # from one torch.export trace; verify=False: this test compares every step with one process
+    # itself (each layout's verify runs in test_context_parallel.py)
+    model, idx, target = _example()
+    initial = copy.deepcopy(model.state_dict())
     out = []
     for k, opts in enumerate(CASES):
-        model, idx, target = _example()
-        pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60, **opts)
+        model.load_state_dict(initial)
+        with shared_traces(_TRACES):
+            pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60,
+                                     verify=False, **opts)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
         x, y = replica_slice(pm, idx), replica_slice(pm, target)
         losses, grads = [], []
@@ -104,7 +115,7 @@ def _train_llama():
     """Llama's own loss (labels= in the graph: shifted before the cut, a global mean), cp=2 x dp=2."""
     model, ids, mask, labels = _llama()
     pm = fxsplit.parallelize(model, (ids[:2],), {"attention_mask": mask[:2], "labels": labels[:2]},
-                             loss_fn=_model_loss, hardware=_HW, timeout=120, cp=2, dp=2)
+                             loss_fn=_model_loss, hardware=_HW, timeout=120, cp=2, dp=2, verify=False)
     x, m, y = (replica_slice(pm, t) for t in (ids, mask, labels))
     loss = float(pm.step(x, attention_mask=m, labels=y, target=y))
     grads = {n: p.grad.detach().clone() for mod in pm.stage_modules.values()

@@ -6,6 +6,8 @@ documents (position ids restarting per document) at tp2 x pp2; the loss and ever
 the unsplit model's in one process, each data-parallel replica fed its own slice of the global
 batch."""
 
+import copy
+
 import pytest
 import torch
 
@@ -90,9 +92,23 @@ def _reference(kind):
 _TRACES = SharedTraces()
 
 
+_BUILT: dict = {}  # kind -> (model, args, kwargs, initial weights), one per rank process
+
+
+def _fresh(kind):
+    """``kind``'s model at its initial weights: one model object (and example inputs) per kind,
+    its weights restored in place, so that the layouts of a kind plan from one shared trace."""
+    if kind not in _BUILT:
+        torch.manual_seed(0)
+        model, args, kwargs = _model(kind)
+        _BUILT[kind] = (model, args, kwargs, copy.deepcopy(model.state_dict()))
+    model, args, kwargs, initial = _BUILT[kind]
+    model.load_state_dict(initial)
+    return model, args, kwargs
+
+
 def _train(kind, options):
-    torch.manual_seed(0)
-    model, args, kwargs = _model(kind)
+    model, args, kwargs = _fresh(kind)
     vocab = int(model.config.vocab_size) if kind != "gpt" else model.config.vocab_size
     with shared_traces(_TRACES):
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=_loss(kind), method="export", verify=False,

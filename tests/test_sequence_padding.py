@@ -3,6 +3,8 @@ fixed length serves every shorter length, padded on the right and cut back, exac
 a model the padding would change; packed documents (position ids restarting per document) run as
 each document alone. One process; the gloo runs are in tests/test_sequence_lengths_dist.py."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -12,8 +14,15 @@ from fxsplit.api.packing import position_ids_from_documents
 from fxsplit.api.padding import outputs_cut, pad_to_traced, traced_length
 from fxsplit.errors import PlanError, VerificationError
 from fxsplit.testing import hf_zoo
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 PACKED = ((0, 5), (5, 12), (12, 16))  # three documents in a row of 16
+_TRACES = SharedTraces()  # a plan of the same model and inputs in two tests: one torch.export trace
+
+
+@functools.cache
+def _llama():
+    return hf_zoo.make_hf("llama", batch_size=2, seq_len=16)
 
 
 def _packed_positions(batch):
@@ -30,7 +39,7 @@ def test_position_ids_from_documents():
 
 
 def test_pad_inputs_and_cut_outputs():
-    model, args, kwargs = hf_zoo.make_hf("llama", batch_size=2, seq_len=16)
+    model, args, kwargs = _llama()
     pos = torch.arange(16).expand(2, -1).clone()
     p = fxsplit.plan(model, args, {**kwargs, "position_ids": pos}, pp=2, microbatches=2, schedule="1f1b",
                      method="export")
@@ -47,7 +56,8 @@ def test_pad_inputs_and_cut_outputs():
         pad_to_traced([torch.zeros(2, 20, dtype=torch.long)] * 3, p)
     with pytest.raises(PlanError, match="different lengths"):
         pad_to_traced([ids, mask[:, :9], pos[:, :10]], p)
-    off = fxsplit.plan(model, args, kwargs, pp=2, microbatches=2, schedule="1f1b", method="export", pad_sequence=False)
+    with shared_traces(_TRACES):
+        off = fxsplit.plan(model, args, kwargs, pp=2, microbatches=2, schedule="1f1b", method="export", pad_sequence=False)
     assert traced_length(off) is None
 
 
@@ -70,8 +80,9 @@ def _lm_loss(out, y):
 
 
 def test_verify_checks_that_padding_is_exact():
-    model, args, kwargs = hf_zoo.make_hf("llama", batch_size=2, seq_len=16)
-    p = fxsplit.plan(model, args, kwargs, tp=2, pp=2, microbatches=2, schedule="1f1b", method="export")
+    model, args, kwargs = _llama()
+    with shared_traces(_TRACES):
+        p = fxsplit.plan(model, args, kwargs, tp=2, pp=2, microbatches=2, schedule="1f1b", method="export")
     fxsplit.verify(model, args, p, kwargs)  # causal: a real position never reads a padded one
     # shorter examples run padded, as steps do: outputs, loss and every gradient against the model
     for t in (9, 13):
@@ -82,11 +93,13 @@ def test_verify_checks_that_padding_is_exact():
 
     torch.manual_seed(0)
     bi, ids = _Bidirectional(), torch.randint(0, 32, (2, 8))
-    p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export")
+    with shared_traces(_TRACES):
+        p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export")
     for example in (ids, ids[:, :5]):  # at the traced length (its half is checked), and shorter
         with pytest.raises(VerificationError, match="pad_sequence=False"):
             fxsplit.verify(bi, (example,), p)
-    p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", pad_sequence=False)
+    with shared_traces(_TRACES):
+        p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", pad_sequence=False)
     fxsplit.verify(bi, (ids,), p)
 
 
