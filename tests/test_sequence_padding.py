@@ -95,9 +95,19 @@ def test_verify_checks_that_padding_is_exact():
     bi, ids = _Bidirectional(), torch.randint(0, 32, (2, 8))
     with shared_traces(_TRACES):
         p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export")
-    for example in (ids, ids[:, :5]):  # at the traced length (its half is checked), and shorter
-        with pytest.raises(VerificationError, match="pad_sequence=False"):
-            fxsplit.verify(bi, (example,), p)
+    # at the traced length the plan is right: verify passes and refuses padding for this plan (its
+    # half is checked), so a shorter step raises naming the fix; a shorter example fails verify
+    fxsplit.verify(bi, (ids,), p, quiet=True)
+    with pytest.raises(PlanError, match="pad_sequence=False"):
+        pad_to_traced([ids[:, :5]], p)
+    with pytest.raises(PlanError, match="pad_sequence=False"):  # the plan refuses shorter steps now
+        fxsplit.verify(bi, (ids[:, :5],), p)
+    with shared_traces(_TRACES):  # padding asked for explicitly: verify at the traced length raises
+        p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", pad_sequence=True)
+    with pytest.raises(VerificationError, match="pad_sequence=False"):
+        fxsplit.verify(bi, (ids,), p)
+    with pytest.raises(VerificationError, match="pad_sequence=False"):  # a shorter example, checked first
+        fxsplit.verify(bi, (ids[:, :5],), p)
     with shared_traces(_TRACES):
         p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", pad_sequence=False)
     fxsplit.verify(bi, (ids,), p)

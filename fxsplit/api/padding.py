@@ -29,8 +29,10 @@ The padded positions' own outputs are garbage and are thrown away. A model where
 sees a later one without a mask (an encoder called without ``attention_mask``, a mean over the
 sequence) would be changed by the padding: :func:`check_padding`, run by ``fxsplit.verify`` (which
 ``parallelize`` runs by default on small models), compares the plan padded from a shorter length
-with the model run at that length, and raises naming ``pad_sequence=False`` (only the traced length
-runs, as before) or ``dynamic_sequence=True`` (a symbolic sequence) when they differ. The padded
+with the model run at that length; when they differ, a shorter step on that plan raises naming
+``pad_sequence=False`` (only the traced length runs, as before) or ``dynamic_sequence=True`` (a
+symbolic sequence), and verify itself raises so when the user asked for padding
+(``pad_sequence=True``) or gave an example shorter than the traced length. The padded
 work is real work: a step at t costs what a step at L costs.
 
     x, t = pad_to_traced(flat, plan)         # padded flat inputs, the step length (None: no padding)
@@ -105,6 +107,8 @@ def pad_to_traced(flat: Sequence[Any], plan_: Plan) -> tuple[list[Any], int | No
     t = next(iter(lengths.values()))
     if t == length:
         return list(flat), None
+    if t < length and (why := getattr(plan_, "_padding_refused", None)):
+        raise PlanError(f"a sequence of {t} positions: {why}")
     if t > length or t < 1:
         raise PlanError(
             f"a sequence of {t} positions (dim 1 of {sorted(lengths)}) does not fit the plan, which torch.export "
@@ -139,11 +143,14 @@ def _shorter(args: tuple, kwargs: dict, length: int, t: int) -> tuple[tuple, dic
 
 
 def check_padding(model: torch.nn.Module, example_args: tuple, example_kwargs: dict, plan_: Plan,
-                  run_plan: Callable[[list[Any]], list[Any]], close: Callable[[Any, Any], tuple[bool, float]]) -> None:
+                  run_plan: Callable[[list[Any]], list[Any]], close: Callable[[Any, Any], tuple[bool, float]],
+                  strict: bool = True) -> None:
     """[Note: padding to the traced length]: ``run_plan(flat)`` (the plan's flat outputs on tp rank
     0) on the example cut to t = L // 2 positions (an example shorter than L as it is) and padded
-    back to L, cut to t, against the model run on the cut example; ``close(x, ref)`` is verify's comparison. Raises VerificationError
-    naming the fix when the padding changes an output."""
+    back to L, cut to t, against the model run on the cut example; ``close(x, ref)`` is verify's comparison. When
+    the padding changes an output: raises VerificationError naming the fix (``strict``: the user asked for
+    padding, or the example itself is shorter than L), else refuses padding for this plan (a shorter
+    step then raises PlanError with the same words) and returns: the plan is right at its traced length."""
     from torch.utils import _pytree as pytree
 
     from fxsplit.graph.trace import flatten_inputs
@@ -165,10 +172,15 @@ def check_padding(model: torch.nn.Module, example_args: tuple, example_kwargs: d
             ok, err = close(x, r) if isinstance(x, torch.Tensor) and x.shape == r.shape else (False, float("inf"))
             if not ok:
                 bad.append(f"output {k} (relative error {err:.3g})")
-    if bad:
-        raise VerificationError(
-            f"padding a sequence of {t} positions to the traced {length} changes the model's "
-            f"{', '.join(bad)}: a real position reads a padded one (a model that is not causal, called without an "
-            "attention_mask), so a plan traced at a fixed length cannot serve shorter sequences exactly ([Note: "
-            "padding to the traced length] in fxsplit.api.padding). Plan with pad_sequence=False (only the traced "
-            "length runs) or dynamic_sequence=True (a symbolic sequence), or pass the model its attention_mask")
+    if not bad:
+        return
+    why = (f"padding a sequence of {t} positions to the traced {length} changes the model's "
+           f"{', '.join(bad)}: a real position reads a padded one (a model that is not causal, called without an "
+           "attention_mask), so a plan traced at a fixed length cannot serve shorter sequences exactly ([Note: "
+           "padding to the traced length] in fxsplit.api.padding). Plan with pad_sequence=False (only the traced "
+           "length runs) or dynamic_sequence=True (a symbolic sequence), or pass the model its attention_mask")
+    if strict:
+        raise VerificationError(why)
+    # Plan is frozen (what the user inspects does not change under them); this mark is not part of
+    # the plan's meaning, only what verify learned about shorter steps, so it is set past the freeze
+    object.__setattr__(plan_, "_padding_refused", why)
