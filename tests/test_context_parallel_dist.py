@@ -15,7 +15,7 @@ import torch
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
-from fxsplit.testing.data import replica_slice
+from fxsplit.testing.data import local_grads, replica_slice
 from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
@@ -53,8 +53,7 @@ def _train(rank, world, ckpt):
         for _ in range(STEPS):
             opt.zero_grad()
             losses.append(float(pm.step(x, target=y)))
-            grads.append({n: p.grad.detach().clone() for mod in pm.stage_modules.values()
-                          for n, p in mod.named_parameters(remove_duplicate=False) if p.grad is not None})
+            grads.append(local_grads(pm))
             opt.step()
         if k == SAVED:
             pm.save_checkpoint(ckpt, optimizer=opt)
@@ -118,8 +117,7 @@ def _train_llama():
                              loss_fn=_model_loss, hardware=_HW, timeout=120, cp=2, dp=2, verify=False)
     x, m, y = (replica_slice(pm, t) for t in (ids, mask, labels))
     loss = float(pm.step(x, attention_mask=m, labels=y, target=y))
-    grads = {n: p.grad.detach().clone() for mod in pm.stage_modules.values()
-             for n, p in mod.named_parameters(remove_duplicate=False) if p.grad is not None}
+    grads = local_grads(pm)
     return dict(loss=loss, grads=grads)
 
 

@@ -13,7 +13,7 @@ import torch
 
 import fxsplit
 from fxsplit.testing import hf_zoo, run_distributed, zoo
-from fxsplit.testing.data import replica_slice
+from fxsplit.testing.data import local_grads, replica_slice
 from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 TRACED = 16
@@ -120,11 +120,7 @@ def _train(kind, options):
         ids, kw, y = _batch(kind, step, vocab)
         loss = pm.step(replica_slice(pm, ids), target=replica_slice(pm, y),
                        **{k: replica_slice(pm, v) for k, v in kw.items()})
-        grads = {}
-        for mod in pm.stage_modules.values():
-            for n, p in mod.named_parameters(remove_duplicate=False):
-                if p.grad is not None:
-                    grads.setdefault(n, p.grad.detach().clone())
+        grads = local_grads(pm)
         steps.append((float(loss), grads))
         opt.step()
         opt.zero_grad()

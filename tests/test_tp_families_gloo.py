@@ -11,6 +11,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit.testing import run_distributed
+from fxsplit.testing.data import local_grads
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 
@@ -58,11 +59,7 @@ def _real_steps(rank, world):
         with torch.no_grad():
             output = pm(*args)
         loss = float(pm.step(*args, target=y))
-        grads = {}
-        for mod in pm.stage_modules.values():
-            for n, p in mod.named_parameters(remove_duplicate=False):
-                if p.grad is not None:
-                    grads.setdefault(n, p.grad.detach().clone())
+        grads = local_grads(pm)
         out[label] = dict(loss=loss, output=output, grads=[grads], coords=dict(pm.coords),
                           specs=dict(pm.plan.tp_plan.param_specs), sharded=len(pm.plan.tp_plan.param_specs))
     return out

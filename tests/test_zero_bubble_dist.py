@@ -12,7 +12,7 @@ import torch
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
-from fxsplit.testing.data import replica_slice
+from fxsplit.testing.data import local_grads, replica_slice
 from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 STEPS = 3
@@ -80,11 +80,7 @@ def _train(overrides, options, states=False):
         y = zoo.make_target("gpt", ref(x), seed=i)
         # the global batch; each data-parallel replica trains on its own slice of it
         loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
-        grads = {}
-        for mod in pm.stage_modules.values():
-            for n, p in mod.named_parameters(remove_duplicate=False):
-                if p.grad is not None:
-                    grads.setdefault(n, p.grad.detach().clone())
+        grads = local_grads(pm)
         steps.append((float(loss), grads))
         opt.step()
         opt.zero_grad()
@@ -321,11 +317,7 @@ def _compiled(rank, world):
         for i in range(STEPS):
             x = _batch(args, i)
             loss = pm.step(x, target=zoo.make_target("gpt", ref(x), seed=i))
-            grads = {}
-            for mod in pm.stage_modules.values():
-                for n, p in mod.named_parameters(remove_duplicate=False):
-                    if p.grad is not None:
-                        grads.setdefault(n, p.grad.detach().clone())
+            grads = local_grads(pm)
             steps.append((float(loss), grads))
             opt.step()
             opt.zero_grad()
@@ -459,11 +451,7 @@ def _dropout_zbv(rank, world):
     for i in range(STEPS):
         x = _batch(args, i)
         loss = pm.step(x, target=zoo.make_target("gpt", torch.empty(*x.shape, 128), seed=i))
-        grads = {}
-        for mod in pm.stage_modules.values():
-            for n, p in mod.named_parameters(remove_duplicate=False):
-                if p.grad is not None:
-                    grads.setdefault(n, p.grad.detach().clone())
+        grads = local_grads(pm)
         steps.append((float(loss), grads))
         opt.step()
         opt.zero_grad()

@@ -26,3 +26,14 @@ def replica_slice(pm: Any, t: torch.Tensor) -> torch.Tensor:
         raise UsageError(f"a global batch of {b} does not split into {n} equal data-parallel slices; "
                          f"make it a multiple of {n}")
     return t[d * b // n:(d + 1) * b // n]
+
+
+def local_grads(pm: Any) -> dict[str, torch.Tensor]:
+    """A copy of every gradient this rank holds, by its stage-local parameter name (the first of
+    tied names wins): what a test compares, step by step, with the one-process model's."""
+    grads: dict[str, torch.Tensor] = {}
+    for mod in pm.stage_modules.values():
+        for n, p in mod.named_parameters(remove_duplicate=False):
+            if p.grad is not None:
+                grads.setdefault(n, p.grad.detach().clone())
+    return grads
