@@ -91,12 +91,12 @@ class ParallelConfig:
     # each layer's inputs) or "auto" (per stage, the cheapest in time within memory_limit);
     # fxsplit.pipeline.checkpointing's [Note: checkpointing cost model]
     activation_checkpointing: str = "none"
-    # how a split backward (I, W) runs: "graph" (three fx graphs; fxsplit.runtime.split_graph) or "autograd"
+    # how a split backward (I, W) runs: "graph" (three fx graphs; fxsplit.runtime.compile.split_graph) or "autograd"
     split_backward: str = "graph"
     # torch.compile (inductor) of what each rank runs: every training forward as the graph
     # split's F graph, and the F, I and W graphs compiled once per input signature
     # and the loss through torch.compile ([Note: compiled stages], [Note: compiled loss] in
-    # fxsplit.runtime.compiling)
+    # fxsplit.runtime.compile.compiling)
     compile: bool = False
 
     def __post_init__(self) -> None:

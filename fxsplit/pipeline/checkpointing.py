@@ -21,7 +21,7 @@ inside a region makes two regions at run time; the model charges the region's in
 first unit. Not modelled: the one region's activations a backward holds while it recomputes it
 (transient, one layer per rank). The recompute is part of the stage's I estimate
 (``StageSummary.input_grad_time``), so the simulator's B = I + W and I both pay it. A split
-backward on graphs (``split_backward="graph"``, fxsplit.runtime.split_graph) recomputes a region
+backward on graphs (``split_backward="graph"``, fxsplit.runtime.compile.split_graph) recomputes a region
 once (what W needs of it is carried from I, or recomputed by W alone), so it is charged once, in I;
 on autograd (two autograd calls) it recomputes twice, so W is charged the recompute again
 (``StageSummary.weight_grad_time``). Stage 0 is the exception on both: it has no I (its inputs

@@ -34,7 +34,7 @@ broadcast of the loss), never creates groups, so no collective group creation is
    backward the schedule splits (I, W), F runs the stage's traced forward graph instead (no
    autograd graph; the last stage's loss differentiates from leaves standing for its outputs),
    I runs the input-gradient graph and W the weight-gradient graph ([Note: graph split
-   backward] in fxsplit.runtime.split_graph); with ``split_backward="autograd"`` (or a stage the
+   backward] in fxsplit.runtime.compile.split_graph); with ``split_backward="autograd"`` (or a stage the
    graph split refuses) F runs the module, I the input gradients only (``autograd.grad``, graph
    kept) and W the weight gradients from what I captured ([Note: split backward]).
 3. After the last action: wait for every send, sum the gradients of tied parameters across the
@@ -89,7 +89,7 @@ from fxsplit.runtime.fsdp import local_tensor
 from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.runtime.graph_actions import GraphActions
 from fxsplit.runtime.program import ProgramRun
-from fxsplit.runtime.split_graph import SplitState
+from fxsplit.runtime.compile.split_graph import SplitState
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.pipeline.stage import StageGraphs, ValueMeta
 
@@ -149,7 +149,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
       the graphs are compiled with ``torch.compile`` (inductor), once per input signature; a
       forward-only call runs compiled inference graphs; ``compile_fallbacks[(stage, "F" | "I" |
       "W" | "B" | "inference")]`` says why a graph runs uncompiled ([Note: compiled stages] in
-      fxsplit.runtime.compiling).
+      fxsplit.runtime.compile.compiling).
     """
 
     def __init__(

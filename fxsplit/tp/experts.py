@@ -51,7 +51,7 @@ __all__ = ["EP_OPS", "emulated_combine", "emulated_dispatch", "emulated_token_co
 def _active(axis: str, op: str):
     """The bound ep group, or None (identity); RunError under a tracer (make_fx, dynamo): the rows
     exchanged have counts known only at run time, so a traced stage falls back to autograd (the
-    graph split, ``fxsplit.runtime.split_graph``, catches this as an untraceable stage)."""
+    graph split, ``fxsplit.runtime.compile.split_graph``, catches this as an untraceable stage)."""
     b = C.active(axis)
     if b is not None and _are_we_tracing():
         raise RunError(f"{op}: the expert-parallel exchange over axis {axis!r} cannot be traced (how many rows each "
