@@ -145,8 +145,8 @@ def _recover_after_dp_failure(rank, world):
 
     pm = fxsplit.parallelize(model, (x,), loss_fn=loss_fn, dp=2, pp=1, tp=1, microbatches=2, timeout=10.0)
     if rank == 1:  # late into the gradient all-reduce: the other replica waits ~6 slices in it
-        sync = pm._sync_grads
-        pm._sync_grads = lambda: (time.sleep(0.6), sync())
+        sync = pm._grads.finish
+        pm._grads.finish = lambda: (time.sleep(0.6), sync())
     try:
         pm.step(x, target=y)
         first = "ok"

@@ -133,7 +133,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, *,
         dist.broadcast_object_list(box, src=0)
     tmp = f"{path}.tmp-{box[0]}"
     try:
-        _dcp_save(state, tmp, distributed=distributed, group=pm._groups.get("world"), path=path)
+        _dcp_save(state, tmp, distributed=distributed, path=path)
     except Exception as exc:  # noqa: BLE001 -- raised on every rank by _agree
         error = exc
     try:
@@ -203,12 +203,12 @@ def _check_replaceable(path: str) -> None:
     )
 
 
-def _dcp_save(state: dict[str, Any], tmp: str, *, distributed: bool, group: Any, path: str) -> None:
+def _dcp_save(state: dict[str, Any], tmp: str, *, distributed: bool, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(state, storage_writer=_writer_class()(tmp), process_group=group, no_dist=not distributed)
+        dcp.save(state, storage_writer=_writer_class()(tmp), no_dist=not distributed)  # every rank: the default group
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
         raise CheckpointError(f"save_checkpoint({path!r}): torch.distributed.checkpoint failed: {exc}") from exc
     except Exception as exc:

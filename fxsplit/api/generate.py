@@ -366,7 +366,7 @@ def _share(pm: Any, nxt: torch.Tensor | None, batch: int) -> torch.Tensor:
     runtime = pm._runtime
     tokens = nxt if nxt is not None else torch.empty(batch, dtype=torch.long, device=runtime.device)
     tokens = tokens.to(runtime.device)
-    tp = pm._groups.get("tp")
+    tp = pm._groups.tp
     if nxt is not None and tp is not None and dist.get_world_size(tp) > 1:
         work = dist.broadcast(tokens, dist.get_global_rank(tp, 0), group=tp, async_op=True)
         pm._wait(work, "in generate(), sharing the next tokens over the tensor-parallel ranks of the last stage", tp)

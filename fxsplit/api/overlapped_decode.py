@@ -95,7 +95,7 @@ class _Program:
         rows = slice(self.starts[i], self.starts[i] + nxt.shape[0])
         if self.eos is not None:
             nxt = torch.where(self.unfinished[rows], nxt, torch.full_like(nxt, self.eos))
-        tp = self.pm._groups.get("tp")
+        tp = self.pm._groups.tp
         if tp is not None and dist.get_world_size(tp) > 1:
             work = dist.broadcast(nxt, dist.get_global_rank(tp, 0), group=tp, async_op=True)
             self.pm._wait(work, "in generate(), sharing a token over the tensor-parallel ranks of the last stage", tp)

@@ -27,9 +27,15 @@ from fxsplit.api.materialize import (keep_own_experts, materialize_sharded_stage
                                      share_tied_on_rank)
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
-from fxsplit.api.plan import plan
+from fxsplit.api.plan import Plan, plan
 from fxsplit.errors import ArgumentTypeError, PlanError, UsageError
 from fxsplit.hardware import Hardware
+from fxsplit.pipeline.rank_plan import RankPlan
+from fxsplit.runtime import PipelineRuntime
+from fxsplit.runtime.data_parallel import DataParallelGrads
+from fxsplit.runtime.fsdp import ShardedGradSync
+from fxsplit.runtime.mesh import Groups
+from fxsplit.runtime.watch import Watch, group_wait, host_blocking
 
 __all__ = ["parallelize"]
 
@@ -75,8 +81,7 @@ def parallelize(
     ([Note: auto plan] in :mod:`fxsplit.api.auto`), on ``hardware`` or, by default, this
     machine's ``Hardware.measure()`` (collective: every rank gets rank 0's figures, so every rank
     picks the same plan); ``ParallelModel.plan`` then carries the prediction and the search."""
-    from fxsplit.runtime.mesh import build_mesh, check_mesh, init_from_env, mesh_coords, mesh_groups
-    from fxsplit.runtime import PipelineRuntime
+    from fxsplit.runtime.mesh import build_groups, build_mesh, check_mesh, init_from_env, mesh_coords
 
     searched = None
     if strategy is not None:
@@ -116,33 +121,11 @@ def parallelize(
             f"over all of them (fxsplit.runtime.mesh.build_mesh(dp=..., pp=..., tp=...))"
         )
     coords = mesh_coords(mesh)
-    groups = mesh_groups(mesh)
-    bound = datetime.timedelta(seconds=timeout)
-    for group in groups.values():  # every wait fxsplit cannot poll is bounded by `timeout` too
-        _set_timeout(group, bound)
-    # [Note: failures]: flag all-reduces over every rank, on the CPU (gloo); the runtime gets a
-    # pipeline group of its own, which it destroys on a failure (the mesh's "pp" group may be the
-    # world group itself, and the mesh stays usable for the next parallelize)
-    pipe_group = None
-    if dist.get_world_size() > 1:
-        # a group of its own: data-parallel gradient all-reduces run asynchronously during the
-        # pipeline and must never interleave with the flags on one group
-        groups["errors"] = dist.new_group(backend="gloo", timeout=bound)
-        if pp > 1:  # one group per (dp, dp_shard, cp, tp) coordinate, ordered by pp rank; collective on every rank
-            chains = mesh.mesh.reshape(dp * ds * cp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
-            pipe_group, _ = dist.new_subgroups_by_enumeration(chains, timeout=bound)
-        if cp > 1:  # [Note: cp gradients]: the gradient all-reduce runs over dp x cp, summed over cp
-            replicas = mesh.mesh.reshape(dp * cp, pp * tp).t().tolist()
-            groups["dp"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
-        if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
-            replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
-            groups["data"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
-    if config.ep > 1:  # [Note: expert-parallel groups]
-        from fxsplit.runtime.mesh import expert_groups
-
-        groups["ep"], groups["ep_replica"] = expert_groups(mesh, config.ep, timeout=bound)
+    # [Note: process groups] in fxsplit.runtime.mesh; [Note: failures]: flag all-reduces over every
+    # rank on a group of their own, and the runtime its own pipeline group, which it gives up on a failure
+    groups = build_groups(mesh, ep=config.ep, timeout=datetime.timedelta(seconds=timeout))
     device = _rank_device(device, mesh.device_type)
-    _check_one_gpu_per_rank(device, groups.get("errors"))
+    _check_one_gpu_per_rank(device, groups.errors)
     if config.hardware is None and device.type == "cpu":
         config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
     the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False),
@@ -159,7 +142,7 @@ def parallelize(
         units = stages = {
             s: materialize_sharded_stage(the_plan, s, tp_rank=coords["tp"], source=model, mesh=fsdp_mesh,
                                          device=device, mp_policy=c.mp_policy,
-                                         ep_rank=groups["ep"].rank() if c.ep > 1 else 0) for s in mine
+                                         ep_rank=groups.ep.rank() if c.ep > 1 else 0) for s in mine
         }
     else:
         stages = {
@@ -169,18 +152,18 @@ def parallelize(
         # with dp_shard the copies stay apart and the memory model counts each)
         share_tied_on_rank(stages, the_plan.stages.shared_params)
     if c.ep > 1 and units is None:  # (with dp_shard, materialized as their blocks already)
-        keep_own_experts(stages, the_plan.ep_plan, groups["ep"].rank())
-    runtime = PipelineRuntime(
-        the_plan.rank_plan(pp_rank), stages, group=pipe_group,
-        loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
-        abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
-        seed=_agreed_seed(c.seed, groups.get("errors")),
-        reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None,
-        split_backward=c.split_backward,
-        compile=c.compile,
-    )
+        keep_own_experts(stages, the_plan.ep_plan, groups.ep.rank())
+    seed = _agreed_seed(c.seed, groups.errors)  # collective: before the watch starts, as every rank does
     watch = _start_watch(mesh, the_plan, timeout) if dist.get_world_size() > 1 else None
-    runtime.watch = watch
+    sharded = None
+    if units:  # FSDP2 units, gathered before and reduced after the pipeline ([Note: FSDP collectives
+        # outside the pipeline] in fxsplit.runtime.fsdp); they also do the dp mean
+        from fxsplit.runtime.fsdp import ShardedGradSync
+
+        sharded = ShardedGradSync(units)
+    grads = _data_parallel(the_plan, stages, groups, watch, sharded)
+    runtime = _runtime(the_plan.rank_plan(pp_rank), stages, groups, watch, grads, loss_fn=loss_fn, device=device,
+                       timeout=timeout, seed=seed, deferred=sharded is not None, c=c)
     if searched is not None:
         from fxsplit.pipeline.memory import worst
 
@@ -190,7 +173,39 @@ def parallelize(
                                        predicted_memory=mem.as_dict(), search=searched,
                                        predicted_breakdown=searched.best.breakdown)
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
-                         groups=groups, loss_fn=loss_fn, log_every=log_every, fsdp_units=units, watch=watch)
+                         groups=groups, loss_fn=loss_fn, grads=grads, log_every=log_every, sharded=sharded,
+                         watch=watch)
+
+
+def _data_parallel(the_plan: Plan, stages: Mapping[int, nn.Module], groups: Groups, watch: Watch | None,
+                   sharded: ShardedGradSync | None) -> DataParallelGrads:
+    """This rank's data-parallel gradient mean (fxsplit.runtime.data_parallel), the runtime's hooks."""
+    c = the_plan.config
+    # parameters shared between stages (tied weights): their gradients are final only after the
+    # runtime sums them across stages, so their data-parallel all-reduce waits for the end
+    tied = [stages[s].get_parameter(name) for grp in the_plan.stages.shared_params for s, name in grp if s in stages]
+    # expert weights placed by ep: reduced over their replicas only ([Note: expert gradients])
+    names = set(the_plan.ep_plan.expert_params) if c.ep > 1 else set()
+    experts = [p for m in stages.values() for name, p in m.named_parameters() if name in names]
+    return DataParallelGrads(stages, dp=groups.dp, ep_replica=groups.ep_replica, tied=tied, experts=experts,
+                             wait=group_wait(watch, polled=host_blocking(groups.pipe)), cp=c.cp,
+                             data_ranks=c.dp * c.dp_shard, sharded=sharded, overlap=c.num_stages > 1,
+                             reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None)
+
+
+def _runtime(rank_plan: RankPlan, stages: Mapping[int, nn.Module], groups: Groups, watch: Watch | None,
+             grads: DataParallelGrads, *, loss_fn: Callable | None, device: torch.device, timeout: float,
+             seed: int, deferred: bool, c: ParallelConfig) -> PipelineRuntime:
+    """This rank's pipeline runtime over its stages."""
+    return PipelineRuntime(
+        rank_plan, stages, group=groups.pipe,
+        loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
+        abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
+        seed=seed,
+        reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None,
+        split_backward=c.split_backward, compile=c.compile, watch=watch, grad_hooks=grads,
+        defer_tied_grads=deferred,  # summed once FSDP has reduced them
+    )
 
 
 def _rank_device(device: torch.device | str | None, mesh_device_type: str) -> torch.device:
@@ -229,14 +244,6 @@ def _check_one_gpu_per_rank(device: torch.device, group: Any) -> None:
             "before parallelize (torchrun sets LOCAL_RANK; fxsplit.runtime.mesh.init_from_env does this when it makes "
             "the process group), or pass device=f'cuda:{local_rank}'; with fewer GPUs than ranks, run on the CPU "
             "over gloo (fxsplit.runtime.mesh.choose_backend)")
-
-
-def _set_timeout(group: Any, bound: datetime.timedelta) -> None:
-    """``group``'s own timeout (every collective on it, e.g. FSDP2's, ends by then)."""
-    try:
-        group.set_timeout(bound)
-    except (AttributeError, RuntimeError):  # a backend without it keeps its own (NCCL's watchdog)
-        pass
 
 
 _WATCHES = [0]  # parallelize calls in this process: every rank makes the same calls in one order

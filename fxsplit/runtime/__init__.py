@@ -12,8 +12,12 @@
   backward]), for stages the graph split refuses and ``split_backward="autograd"``.
 - `graph_actions`: the executor's F / I / W / B actions on stages that run as those graphs, and
   their per-signature cache.
-- `mesh`: process-group set-up from torchrun's environment and the ("dp", "pp", "tp") DeviceMesh
-  (("dp", "dp_shard", "pp", "tp") with sharded data parallelism).
+- `mesh`: process-group set-up from torchrun's environment, the ("dp", "pp", "tp") DeviceMesh
+  (("dp", "dp_shard", "pp", "tp") with sharded data parallelism) and every process group of a run
+  as one typed `Groups` (``build_groups``, [Note: process groups]).
+- `pipe_group`: the pipeline group's bounded waits; `tied`: tied parameters' gradient sums.
+- `data_parallel`: the data-parallel gradient mean in buckets, started per stage through the
+  runtime's ``grad_hooks`` while the pipeline still runs.
 - `fsdp`: sharded data parallelism on one rank: FSDP2 ``fully_shard`` over its stages and the
   once-per-step gather / reduce-scatter around the pipeline.
 - `failures`: the end-of-call error exchange that makes every rank fail together ([Note: failures]).
