@@ -246,7 +246,7 @@ def plan(
                leaf_modules=config.leaf_modules,
                dynamic_sequence=False if config.cp > 1 else config.dynamic_sequence,
                param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None,
-               decompose_attention=config.tp > 1, static_batch=static_batch)
+               decompose_attention=config.tp > 1, dynamic_batch=config.dynamic_batch, microbatch_size=static_batch)
     scored = None  # [Note: a layout's prediction], from the graph before any pass rewrites it
     if config.hardware is not None and global_batch_size is not None:
         from fxsplit.api.auto import score_layout

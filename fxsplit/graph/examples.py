@@ -4,6 +4,7 @@
 plan on the example at the traced size).
 
     args, kwargs = example_at_batch(args, kwargs, 4)   # every tensor whose dim 0 is the batch, at 4
+    static_batch_size(dynamic_batch=None, microbatch_size=4, example_batch=8)   # 4: export traces it static
     check_example_batch(args, kwargs, "plan")          # PlanError on an example of 0 samples
 """
 
@@ -15,7 +16,7 @@ import torch
 
 from fxsplit.errors import PlanError
 
-__all__ = ["example_at_batch", "batch_of", "check_example_batch"]
+__all__ = ["example_at_batch", "batch_of", "check_example_batch", "static_batch_size"]
 
 
 # [Note: a static batch]
@@ -24,7 +25,7 @@ __all__ = ["example_at_batch", "batch_of", "check_example_batch"]
 # and everything downstream (the TP pass's local fake tensors, cost expressions, saved bytes) pays
 # for the symbol again. A plan whose batch is known needs none of it: with an explicit config and
 # a known global batch B (``plan(..., global_batch_size=B)``, or ``microbatch_size=b`` directly)
-# every microbatch has b = B / (dp * dp_shard * m) samples, so ``trace(static_batch=b)`` exports
+# every microbatch has b = B / (dp * dp_shard * m) samples, so ``trace(microbatch_size=b)`` exports
 # at exactly that size, fully static, the way the sequence already is: the example's tensors whose
 # dim 0 is the example's batch are cut or repeated along it to b (values do not matter for the
 # shapes; a meta example stays meta). A step whose microbatches differ from b is refused by
@@ -35,6 +36,20 @@ __all__ = ["example_at_batch", "batch_of", "check_example_batch"]
 # microbatches (PlanError: they would differ by one sample); and ``strategy="auto"``'s search
 # trace, which prices every microbatch size from the one symbolic graph (the plan of its pick
 # then traces static at the pick's size). ``trace`` itself keeps the symbolic batch by default.
+
+
+def static_batch_size(*, dynamic_batch: bool | None, microbatch_size: int | None,
+                      example_batch: int | None) -> int | None:
+    """The batch torch.export traces static ([Note: a static batch]), or None for a symbolic one:
+    ``dynamic_batch`` True keeps the symbol; None (the default of ``trace`` and
+    ``ParallelConfig``) is static at ``microbatch_size`` when it is known, else symbolic; False
+    is static at ``microbatch_size``, or else at the example's batch. torch.fx keeps the batch
+    symbolic either way."""
+    if dynamic_batch is True:
+        return None
+    if microbatch_size is not None:
+        return microbatch_size
+    return example_batch if dynamic_batch is False else None
 
 
 def example_at_batch(args: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict]:

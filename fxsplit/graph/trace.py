@@ -10,9 +10,10 @@ Terms:
 - **dynamic dimensions**: dim 0 of every tensor input (the batch) and dim 1 of every integer tensor
   input (the sequence of token ids) are traced as sympy symbols where the model allows, so shapes
   and costs are expressions and one plan serves several batch sizes; an example batch of one
-  sample is traced as two ([Note: batch of one]). ``dynamic_sequence=None`` keeps the sequence
-  static under torch.export ([Note: a static sequence for export]); ``static_batch=b`` traces the
-  batch static at b samples under torch.export, the example resized to it ([Note: a static batch]).
+  sample is traced as two ([Note: batch of one]). The switches are ``ParallelConfig``'s:
+  ``dynamic_sequence=None`` keeps the sequence static under torch.export ([Note: a static sequence
+  for export]); ``microbatch_size=b`` traces the batch static at b samples under torch.export, the
+  example resized to it, and ``dynamic_batch=True`` keeps it symbolic ([Note: a static batch]).
 
     gm = fxsplit.trace(model, (idx,))                  # fx, or export when fx cannot trace it
     gm.meta["fxsplit"]                                 # TraceInfo(method=..., reason=..., symbols=...)
@@ -28,6 +29,7 @@ import contextlib
 import inspect
 import linecache
 import logging
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -36,7 +38,7 @@ from torch import nn
 
 from fxsplit import config
 from fxsplit.graph.decompose import Decomposition, attention_as_ops
-from fxsplit.graph.examples import _WIDE_BATCH, _widen_batch, example_at_batch
+from fxsplit.graph.examples import _WIDE_BATCH, _widen_batch, batch_of, example_at_batch, static_batch_size
 from fxsplit.graph.lazy_code import lazily_recompiled
 from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
 from fxsplit.graph.ops import resolve_path
@@ -503,6 +505,31 @@ def _name_symbols(gm: torch.fx.GraphModule, input_names: Sequence[str]) -> dict[
     return symbols
 
 
+def _old_spellings(old: Mapping[str, Any], dynamic_batch: bool | None,
+                   microbatch_size: int | None) -> tuple[bool, bool | None, int | None]:
+    """``(dynamic, dynamic_batch, microbatch_size)`` from the keywords ``trace`` spelled before it
+    shared ``ParallelConfig``'s: ``static_batch=b`` is ``microbatch_size=b``; ``dynamic=False``
+    traces no symbol at all (fx included), which ``dynamic_batch=False, dynamic_sequence=False``
+    does under torch.export (torch.fx keeps the batch symbolic there). A FutureWarning names the
+    new spelling; any other keyword is a TypeError, as Python raises it."""
+    unknown = sorted(set(old) - {"dynamic", "static_batch"})
+    if unknown:
+        raise ArgumentTypeError(f"trace() got an unexpected keyword argument {unknown[0]!r}")
+    if "static_batch" in old:
+        warnings.warn("fxsplit.trace(static_batch=b) is spelled microbatch_size=b (as in ParallelConfig)",
+                      FutureWarning, stacklevel=3)
+        if microbatch_size is not None:
+            raise UsageError("give microbatch_size= only (static_batch= is its former spelling), not both")
+        microbatch_size = old["static_batch"]
+    dynamic = old.get("dynamic", True)
+    if "dynamic" in old:
+        warnings.warn("fxsplit.trace(dynamic=...) is spelled dynamic_batch= and dynamic_sequence= (as in "
+                      "ParallelConfig); dynamic=True is the default, dynamic=False traces no symbol, fx included "
+                      "(dynamic_batch=False, dynamic_sequence=False: the same under torch.export)",
+                      FutureWarning, stacklevel=3)
+    return bool(dynamic), dynamic_batch, microbatch_size
+
+
 def trace(
     model: nn.Module,
     example_args: Any = (),
@@ -510,11 +537,12 @@ def trace(
     *,
     method: str = "auto",
     leaf_modules: Iterable[Any] = (),
-    dynamic: bool = True,
+    dynamic_batch: bool | None = None,
     dynamic_sequence: bool | None = True,
+    microbatch_size: int | None = None,
     param_dtype: torch.dtype | None = None,
     decompose_attention: bool = False,
-    static_batch: int | None = None,
+    **deprecated: Any,
 ) -> torch.fx.GraphModule:
     """Trace ``model`` into a GraphModule whose every node carries fxsplit metadata.
 
@@ -524,12 +552,16 @@ def trace(
             tensors may be on the meta device. Arguments not given are fixed to their defaults.
         method: ``"fx"``, ``"export"`` or ``"auto"`` (fx first, then export).
         leaf_modules: module paths or classes that fx keeps as single ``call_module`` nodes.
-        dynamic: trace batch (dim 0) and sequence (dim 1 of integer inputs) as symbols; an
-            example batch of one sample is traced as two so that it does not fix the batch size
-            ([Note: batch of one]).
-        dynamic_sequence: with ``dynamic``, whether the sequence is symbolic too: True (both
+        dynamic_batch: whether the batch (dim 0) is a symbol under torch.export: None (default:
+            static when ``microbatch_size`` is given, else symbolic), True (symbolic), False
+            (static at ``microbatch_size``, or else at the example's batch); torch.fx keeps it
+            symbolic ([Note: a static batch]). A symbolic batch of one sample is traced as two so
+            that it does not fix the batch size ([Note: batch of one]).
+        dynamic_sequence: whether the sequence (dim 1 of integer inputs) is a symbol: True (both
             methods), None (torch.fx only; torch.export traces it at the example's length, which
             makes export several times faster: [Note: a static sequence for export]) or False.
+        microbatch_size: the samples per microbatch, when known: torch.export traces the batch
+            static at it, the example's batch cut or repeated to it (:func:`example_at_batch`).
         param_dtype: the compute dtype of mixed precision (``MixedPrecisionPolicy.param_dtype``):
             torch.export traces the model with its parameters and floating inputs in it, then
             puts the originals back ([Note: tracing under a parameter dtype]); fx needs nothing.
@@ -538,9 +570,9 @@ def trace(
             out_proj) instead of one leaf or torch's head-merging views, so tensor parallelism can
             shard them by heads ([Note: attention modules as ops] in ``fxsplit.graph.decompose``);
             calls it does not cover stay torch's module, and the trace reason names them.
-        static_batch: under torch.export, trace the batch static at this many samples (the
-            example's batch cut or repeated to it: :func:`example_at_batch`); torch.fx keeps it
-            symbolic ([Note: a static batch]). None (default): symbolic with ``dynamic``.
+        deprecated: ``static_batch=b`` (now ``microbatch_size=b``) and ``dynamic=`` (now
+            ``dynamic_batch`` and ``dynamic_sequence``) still work, with a ``FutureWarning``
+            naming the new spelling.
 
     Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.graph.meta.TraceInfo` and whose
     nodes have ``meta["fxsplit"]`` (:class:`fxsplit.graph.meta.NodeInfo`) and ``meta["val"]``. Calling it
@@ -548,10 +580,17 @@ def trace(
     """
     if method not in METHODS:
         raise UsageError(f"method must be one of {METHODS}, got {method!r}")
-    if static_batch is not None and (isinstance(static_batch, bool) or not isinstance(static_batch, int)
-                                     or static_batch < 1):
-        raise UsageError(f"static_batch must be an int >= 1 (samples per microbatch) or None, got {static_batch!r}")
+    dynamic, dynamic_batch, microbatch_size = _old_spellings(deprecated, dynamic_batch, microbatch_size)
+    if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int)
+                                        or microbatch_size < 1):
+        raise UsageError(f"microbatch_size must be an int >= 1 (samples per microbatch) or None, "
+                         f"got {microbatch_size!r}")
+    if dynamic_batch not in (True, False, None):
+        raise UsageError(f"dynamic_batch must be True, False or None (static when microbatch_size is given), "
+                         f"got {dynamic_batch!r}")
     args, kwargs = _normalize_args(model, example_args, example_kwargs)
+    static_batch = static_batch_size(dynamic_batch=dynamic_batch, microbatch_size=microbatch_size,
+                                     example_batch=batch_of((args, kwargs)))
     leaves = _split_leaves(model, tuple(leaf_modules))
     on_meta = any(p.is_meta for p in model.parameters())
     wide_args, wide_kwargs, widened = _widen_batch(args, kwargs) if dynamic else (args, kwargs, False)
