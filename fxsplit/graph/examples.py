@@ -1,7 +1,8 @@
-"""Example inputs resized along the batch (dim 0) for tracing: a batch of one widened to two
-([Note: batch of one]) and the example cut or repeated to a plan's static microbatch size
-([Note: a static batch]). Used by :mod:`fxsplit.graph.trace` (and by ``verify``, which runs the
-plan on the example at the traced size).
+"""Example inputs for tracing: which dims are traced as symbols (``dynamic_dims``), a batch of
+one widened to two ([Note: batch of one]), and the example cut or repeated to a plan's static
+microbatch size (``static_batch_size`` decides it, for ``trace`` and ``ParallelConfig`` alike:
+[Note: a static batch]). Used by :mod:`fxsplit.graph.trace` and :mod:`fxsplit.graph.export` (and
+by ``verify``, which runs the plan on the example at the traced size).
 
     args, kwargs = example_at_batch(args, kwargs, 4)   # every tensor whose dim 0 is the batch, at 4
     static_batch_size(dynamic_batch=None, microbatch_size=4, example_batch=8)   # 4: export traces it static
@@ -16,7 +17,8 @@ import torch
 
 from fxsplit.errors import PlanError
 
-__all__ = ["example_at_batch", "batch_of", "check_example_batch", "static_batch_size"]
+__all__ = ["example_at_batch", "batch_of", "check_example_batch", "static_batch_size", "dynamic_dims", "widen_batch",
+           "WIDE_NOTE"]
 
 
 # [Note: a static batch]
@@ -83,6 +85,18 @@ def example_at_batch(args: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict
 # batch symbol (valid for sizes >= 1: the traced graph does not depend on the hint) whose example
 # value (hint) is 2. A static fallback traces the example as given.
 _WIDE_BATCH = 2
+WIDE_NOTE = f" (the example batch of 1 traced as {_WIDE_BATCH}, so the batch size stays symbolic)"  # in the trace reason
+
+
+def dynamic_dims(t: torch.Tensor, sequence: bool = True, batch: bool = True) -> list[int]:
+    """Which dims of an example input to trace as symbols: with ``batch``, batch (0) and, with
+    ``sequence``, sequence (1 of int inputs)."""
+    dims = []
+    if batch and t.dim() >= 1 and t.shape[0] >= 2:
+        dims.append(0)
+    if sequence and t.dim() >= 2 and not t.is_floating_point() and t.shape[1] >= 2:
+        dims.append(1)
+    return dims
 
 
 def batch_of(values: Any) -> int | None:
@@ -111,7 +125,7 @@ def check_example_batch(args: Any, kwargs: Any, where: str) -> None:
             return
 
 
-def _widen_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+def widen_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
     """``(args, kwargs, widened)``: the example with a batch of 1 repeated to 2 ([Note: batch of one])."""
     if batch_of((args, kwargs)) != 1:
         return args, kwargs, False
