@@ -62,7 +62,6 @@ run), ``verify=False`` turns it off.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass

@@ -32,7 +32,6 @@ returned: when nothing fits, PlanError names the tightest candidate and what it 
 from __future__ import annotations
 
 import bisect
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
