@@ -508,8 +508,9 @@ def _read_checksums(path: str) -> dict[str, int] | None:
                               f"{exc}); the checkpoint was damaged after the save") from exc
 
 
-# Checkpoints written before this module existed pickled their _ShardRecord under
-# fxsplit.api.model; the loader reads them as this module's class.
+# A checkpoint may name _ShardRecord under fxsplit.api.model in its pickle (the module that held
+# the class when that checkpoint was saved); the loader reads it as this module's class, so such
+# checkpoints still load.
 _MOVED = {("fxsplit.api.model", "_ShardRecord"): _ShardRecord}
 
 

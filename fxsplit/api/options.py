@@ -202,11 +202,10 @@ class ParallelConfig:
     def static_batch(self, example_batch: int | None) -> int | None:
         """The microbatch size torch.export traces the batch at, or None for a symbolic batch
         ([Note: a static batch] in fxsplit.graph.examples); ``example_batch``: the example's."""
-        if self.dynamic_batch is True:
-            return None
-        if self.microbatch_size is not None:
-            return self.microbatch_size
-        return example_batch if self.dynamic_batch is False else None
+        from fxsplit.graph.examples import static_batch_size
+
+        return static_batch_size(dynamic_batch=self.dynamic_batch, microbatch_size=self.microbatch_size,
+                                 example_batch=example_batch)
 
     @property
     def num_stages(self) -> int:

@@ -81,32 +81,75 @@ def parallelize(
     ([Note: auto plan] in :mod:`fxsplit.api.auto`), on ``hardware`` or, by default, this
     machine's ``Hardware.measure()`` (collective: every rank gets rank 0's figures, so every rank
     picks the same plan); ``ParallelModel.plan`` then carries the prediction and the search."""
-    from fxsplit.runtime.mesh import build_groups, build_mesh, check_mesh, init_from_env, mesh_coords
-
     searched = None
     if strategy is not None:
-        from fxsplit.api.auto import choose
-        from fxsplit.errors import PlanError
-
-        if strategy != "auto":
-            raise PlanError(f"strategy must be 'auto' or None, got {strategy!r}")
-        init_from_env()
-        if "hardware" not in options and (config is None or config.hardware is None):
-            options = {**options, "hardware": Hardware.measure()}
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        config, searched = choose(model, example_args, example_kwargs, config=config, options=options,
-                                  world_size=world, global_batch_size=global_batch_size, where="parallelize")
+        config, searched = _searched_config(model, example_args, example_kwargs, strategy=strategy, config=config,
+                                            options=options, global_batch_size=global_batch_size)
         options, global_batch_size = {}, None  # the pick carries its microbatch_size
+    _check_arguments(loss_fn, timeout)
+    config = make_config(config, options, where="parallelize")
+    if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))  # before the process group and any allocation: see _rank_device
+    mesh, coords, groups = _process_groups(config, mesh, timeout)
+    device = _rank_device(device, mesh.device_type)
+    _check_one_gpu_per_rank(device, groups.errors)
+    if config.hardware is None and device.type == "cpu":
+        config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
+    the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False),
+                    global_batch_size=global_batch_size)
+    _verify(model, example_args, example_kwargs, the_plan, config.verify)
+    _warn_fresh_weights(model)
+    c = the_plan.config
+    pp_rank = coords["pp"]
+    stages, units = _materialized(the_plan, model, mesh, coords, groups, device)
+    seed = _agreed_seed(c.seed, groups.errors)  # collective: before the watch starts, as every rank does
+    watch = _start_watch(mesh, the_plan, timeout) if dist.get_world_size() > 1 else None
+    sharded = None
+    if units:  # FSDP2 units, gathered before and reduced after the pipeline ([Note: FSDP collectives
+        # outside the pipeline] in fxsplit.runtime.fsdp); they also do the dp mean
+        sharded = ShardedGradSync(units)
+    grads = _data_parallel(the_plan, stages, groups, watch, sharded)
+    runtime = _runtime(the_plan.rank_plan(pp_rank), stages, groups, watch, grads, loss_fn=loss_fn, device=device,
+                       timeout=timeout, seed=seed, deferred=sharded is not None, c=c)
+    if searched is not None:
+        the_plan = _with_search(the_plan, searched)
+    return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
+                         groups=groups, loss_fn=loss_fn, grads=grads, log_every=log_every, sharded=sharded,
+                         watch=watch)
 
+
+def _searched_config(model: nn.Module, example_args: Any, example_kwargs: Any, *, strategy: str,
+                     config: ParallelConfig | None, options: Mapping[str, Any],
+                     global_batch_size: int | None) -> tuple[ParallelConfig, Any]:
+    """``strategy="auto"``: ``(the picked config, the search)`` for the launched world size, on
+    ``hardware`` or this machine's ``Hardware.measure()`` ([Note: auto plan] in fxsplit.api.auto)."""
+    from fxsplit.api.auto import choose
+    from fxsplit.runtime.mesh import init_from_env
+
+    if strategy != "auto":
+        raise PlanError(f"strategy must be 'auto' or None, got {strategy!r}")
+    init_from_env()
+    if "hardware" not in options and (config is None or config.hardware is None):
+        options = {**options, "hardware": Hardware.measure()}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return choose(model, example_args, example_kwargs, config=config, options=options,
+                  world_size=world, global_batch_size=global_batch_size, where="parallelize")
+
+
+def _check_arguments(loss_fn: Any, timeout: Any) -> None:
     if loss_fn is not None and not callable(loss_fn):
         raise ArgumentTypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise UsageError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
                          f"may take), got {timeout!r}")
-    config = make_config(config, options, where="parallelize")
+
+
+def _process_groups(config: ParallelConfig, mesh: Any, timeout: float) -> tuple[Any, dict, Groups]:
+    """``(mesh, coords, groups)``: the process group joined, the mesh built (or the given one
+    checked), and every group this rank's runtime and model use, each wait bounded by ``timeout``."""
+    from fxsplit.runtime.mesh import build_groups, build_mesh, check_mesh, init_from_env, mesh_coords
+
     dp, tp, pp, ds, cp = config.dp, config.tp, config.pp, config.dp_shard, config.cp
-    if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
-        torch.cuda.set_device(torch.device(device))  # before the process group and any allocation: see _rank_device
     # the rendezvous waits for every rank to start: bounded by `timeout`, but never below 30 s,
     # since ranks reach it after importing torch and building the model at their own pace
     init_from_env(timeout_s=max(float(timeout), 30.0))
@@ -124,21 +167,19 @@ def parallelize(
     # [Note: process groups] in fxsplit.runtime.mesh; [Note: failures]: flag all-reduces over every
     # rank on a group of their own, and the runtime its own pipeline group, which it gives up on a failure
     groups = build_groups(mesh, ep=config.ep, timeout=datetime.timedelta(seconds=timeout))
-    device = _rank_device(device, mesh.device_type)
-    _check_one_gpu_per_rank(device, groups.errors)
-    if config.hardware is None and device.type == "cpu":
-        config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
-    the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False),
-                    global_batch_size=global_batch_size)
-    _verify(model, example_args, example_kwargs, the_plan, config.verify)
-    _warn_fresh_weights(model)
+    return mesh, coords, groups
+
+
+def _materialized(the_plan: Any, model: nn.Module, mesh: Any, coords: Mapping[str, int], groups: Groups,
+                  device: torch.device) -> tuple[dict, dict | None]:
+    """``(stages, FSDP units or None)``: this rank's stages of ``the_plan``, each holding only its
+    shards ([Note: what every rank does])."""
     c = the_plan.config
-    pp_rank = coords["pp"]
-    mine = the_plan.stages_of(pp_rank)
+    mine = the_plan.stages_of(coords["pp"])
     units = None
-    if ds > 1:  # FSDP units ([Note: FSDP units and reshard_after_forward] in fxsplit.runtime.fsdp),
+    if c.dp_shard > 1:  # FSDP units ([Note: FSDP units and reshard_after_forward] in fxsplit.runtime.fsdp),
         # each rank materializing only its shards ([Note: materializing FSDP shards])
-        fsdp_mesh = mesh["dp", "dp_shard"] if dp > 1 else mesh["dp_shard"]
+        fsdp_mesh = mesh["dp", "dp_shard"] if c.dp > 1 else mesh["dp_shard"]
         units = stages = {
             s: materialize_sharded_stage(the_plan, s, tp_rank=coords["tp"], source=model, mesh=fsdp_mesh,
                                          device=device, mp_policy=c.mp_policy,
@@ -153,28 +194,19 @@ def parallelize(
         share_tied_on_rank(stages, the_plan.stages.shared_params)
     if c.ep > 1 and units is None:  # (with dp_shard, materialized as their blocks already)
         keep_own_experts(stages, the_plan.ep_plan, groups.ep.rank())
-    seed = _agreed_seed(c.seed, groups.errors)  # collective: before the watch starts, as every rank does
-    watch = _start_watch(mesh, the_plan, timeout) if dist.get_world_size() > 1 else None
-    sharded = None
-    if units:  # FSDP2 units, gathered before and reduced after the pipeline ([Note: FSDP collectives
-        # outside the pipeline] in fxsplit.runtime.fsdp); they also do the dp mean
-        from fxsplit.runtime.fsdp import ShardedGradSync
+    return stages, units
 
-        sharded = ShardedGradSync(units)
-    grads = _data_parallel(the_plan, stages, groups, watch, sharded)
-    runtime = _runtime(the_plan.rank_plan(pp_rank), stages, groups, watch, grads, loss_fn=loss_fn, device=device,
-                       timeout=timeout, seed=seed, deferred=sharded is not None, c=c)
-    if searched is not None:
-        from fxsplit.pipeline.memory import worst
 
-        mem = worst(the_plan.memory())  # [Note: the pick's memory is its plan's] in fxsplit.api.auto
-        searched = searched.with_pick(0, mem, "built")
-        the_plan = dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,
-                                       predicted_memory=mem.as_dict(), search=searched,
-                                       predicted_breakdown=searched.best.breakdown)
-    return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
-                         groups=groups, loss_fn=loss_fn, grads=grads, log_every=log_every, sharded=sharded,
-                         watch=watch)
+def _with_search(the_plan: Any, searched: Any) -> Any:
+    """The plan of an automatic layout, carrying the search and its prediction, the memory figure
+    its own (built) plan's ([Note: the pick's memory is its plan's] in fxsplit.api.auto)."""
+    from fxsplit.pipeline.memory import worst
+
+    mem = worst(the_plan.memory())
+    searched = searched.with_pick(0, mem, "built")
+    return dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,
+                               predicted_memory=mem.as_dict(), search=searched,
+                               predicted_breakdown=searched.best.breakdown)
 
 
 def _data_parallel(the_plan: Plan, stages: Mapping[int, nn.Module], groups: Groups, watch: Watch | None,
@@ -244,9 +276,6 @@ def _check_one_gpu_per_rank(device: torch.device, group: Any) -> None:
             "before parallelize (torchrun sets LOCAL_RANK; fxsplit.runtime.mesh.init_from_env does this when it makes "
             "the process group), or pass device=f'cuda:{local_rank}'; with fewer GPUs than ranks, run on the CPU "
             "over gloo (fxsplit.runtime.mesh.choose_backend)")
-
-
-_WATCHES = [0]  # parallelize calls in this process: every rank makes the same calls in one order
 
 
 def _start_watch(mesh: Any, the_plan: Any, timeout: float) -> Any:

@@ -62,7 +62,6 @@ run), ``verify=False`` turns it off.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -292,31 +291,11 @@ def verify(
     ([Note: which reference]). ``reference="graph"`` compares with the model traced and rewritten by
     those passes, checking the split alone. On success one line is printed unless ``quiet``."""
     t0 = time.perf_counter()
-    if reference not in REFERENCES:
-        raise UsageError(f"verify(reference={reference!r}): choose one of {REFERENCES}: 'model' compares with the "
-                         "model you gave, 'graph' with the model after the plan's passes")
+    _check_verifiable(model, plan, reference)
     if not isinstance(example_args, (tuple, list)):
         example_args = (example_args,)
-    if any(p.is_meta for p in [*model.parameters(), *model.buffers()]):
-        raise PlanError("verify: the model is on the meta device; verification needs real weights "
-                        "(build the model on a real device, or plan without verify=True)")
-    if plan.config.vocab_parallel_loss:
-        raise PlanError("verify: a plan with vocab_parallel_loss=True is not verified yet (the model's outputs "
-                        "stay vocabulary-sharded into the runtime's parallel cross-entropy); verify the same "
-                        "plan with vocab_parallel_loss=False")
-    for s, gm in enumerate(plan.stages.modules):
-        if (node := _draws_random(gm)) is not None:
-            raise PlanError(f"verify: stage {s} draws random numbers at node {node!r} (dropout with p > 0), "
-                            "which the unsplit run draws differently; verify with the model in eval() mode or p=0")
     c = plan.config
-    static = c.static_batch(batch_of((tuple(example_args), dict(example_kwargs or {}))))
-    if static is not None:  # the plan runs microbatches of that size ([Note: a static batch]):
-        # the example and the loss's target cut (or repeated) to one microbatch together
-        key = "\0target"
-        example_args, cut = example_at_batch(tuple(example_args), {**dict(example_kwargs or {}), key: target},
-                                             static * c.ep)  # one microbatch per expert-parallel rank
-        target = cut.pop(key)
-        example_kwargs = cut
+    example_args, example_kwargs, target = _at_microbatch(c, example_args, example_kwargs, target)
     t, num_stages = c.tp, c.num_stages
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     # an example shorter than the traced length runs padded, as a step would ([Note: padding to the traced length])
@@ -351,6 +330,41 @@ def verify(
     if not quiet:
         print(f"fxsplit.verify: OK, {report} against the {_REFERENCE_WORDS[reference]}")
     return report
+
+
+
+def _check_verifiable(model: nn.Module, plan: Any, reference: str) -> None:
+    """UsageError / PlanError when ``plan`` cannot be verified against ``model`` here: an unknown
+    reference, meta weights, vocabulary-sharded outputs, or random draws the unsplit run draws
+    differently."""
+    if reference not in REFERENCES:
+        raise UsageError(f"verify(reference={reference!r}): choose one of {REFERENCES}: 'model' compares with the "
+                         "model you gave, 'graph' with the model after the plan's passes")
+    if any(p.is_meta for p in [*model.parameters(), *model.buffers()]):
+        raise PlanError("verify: the model is on the meta device; verification needs real weights "
+                        "(build the model on a real device, or plan without verify=True)")
+    if plan.config.vocab_parallel_loss:
+        raise PlanError("verify: a plan with vocab_parallel_loss=True is not verified yet (the model's outputs "
+                        "stay vocabulary-sharded into the runtime's parallel cross-entropy); verify the same "
+                        "plan with vocab_parallel_loss=False")
+    for s, gm in enumerate(plan.stages.modules):
+        if (node := _draws_random(gm)) is not None:
+            raise PlanError(f"verify: stage {s} draws random numbers at node {node!r} (dropout with p > 0), "
+                            "which the unsplit run draws differently; verify with the model in eval() mode or p=0")
+
+
+def _at_microbatch(c: Any, example_args: Any, example_kwargs: Any, target: Any) -> tuple[Any, Any, Any]:
+    """``(example_args, example_kwargs, target)``: a plan with a static batch runs microbatches of
+    that size ([Note: a static batch]), so the example and the loss's target are cut (or
+    repeated) to one microbatch per expert-parallel rank together."""
+    static = c.static_batch(batch_of((tuple(example_args), dict(example_kwargs or {}))))
+    if static is None:
+        return example_args, example_kwargs, target
+    key = "\0target"
+    example_args, cut = example_at_batch(tuple(example_args), {**dict(example_kwargs or {}), key: target},
+                                         static * c.ep)
+    target = cut.pop(key)
+    return example_args, cut, target
 
 
 def _batch_slices(flat: Sequence[Any], batch: int | None, ranks: int, ep: int) -> list[Sequence[Any]]:

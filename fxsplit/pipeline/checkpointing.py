@@ -53,7 +53,7 @@ from fxsplit.graph.meta import node_info
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.saved import base, first_saver_bytes
 from fxsplit.graph.recompute import MODES, keeps_output, regions, worth_checkpointing
-from fxsplit.pipeline.chain import Chain, Partition, PartitionProblem
+from fxsplit.pipeline.partition.chain import Chain, Partition, PartitionProblem
 from fxsplit.pipeline.partition import solve
 
 __all__ = ["UnitMode", "unit_modes", "mode_held", "choose", "REQUESTS"]

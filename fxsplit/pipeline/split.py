@@ -41,7 +41,6 @@ from fxsplit.graph.marker import find_pipe_splits
 from fxsplit.graph.meta import node_info, substitute
 from fxsplit.graph.recompute import layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
-from fxsplit.pipeline.held import StageHeld, loss_key as _loss_key, with_loss as _with_loss
 from fxsplit.pipeline.partition import (
     Partition,
     PartitionError,
@@ -53,7 +52,8 @@ from fxsplit.pipeline.partition import (
 from fxsplit.pipeline.checkpointing import choose, unit_modes
 from fxsplit.pipeline.cuts import CUT_AT, choose_cuts, cut_rules, outside_atomic
 from fxsplit.pipeline.recomputable import recomputable
-from fxsplit.pipeline.memory import message_buffers, schedule_peaks
+from fxsplit.pipeline.memory import StageHeld, message_buffers, schedule_peaks
+from fxsplit.pipeline.memory import loss_key as _loss_key, with_loss as _with_loss
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
 from fxsplit.hardware import Hardware
@@ -165,7 +165,7 @@ class SplitPlan:
         act/mb, the partition's memory model; on a zero-bubble schedule the schedule's order walked
         with each W's share: [Note: split backward memory] in fxsplit.pipeline.memory), plus its
         message buffers, with this plan's checkpointing and without ([Note: what a stage holds] in
-        fxsplit.pipeline.held)."""
+        fxsplit.pipeline.memory)."""
         buffers = self.message_buffers()
         plain = [s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
                  for s in self.stages]

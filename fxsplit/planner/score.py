@@ -447,7 +447,7 @@ class Scorer:
         rank_P, rank_A = np.zeros(p), np.zeros(p)
         cut_in = np.array([float(u.cut[cuts[s]]) for s in range(S)])
         cut_out = np.array([float(u.cut[cuts[s + 1]]) for s in range(S)])
-        A = A + cut_in + cut_out  # received and sent values ([Note: what a stage holds] in fxsplit.pipeline.held)
+        A = A + cut_in + cut_out  # received and sent values ([Note: what a stage holds] in fxsplit.pipeline.memory)
         A[-1] += w.loss_saved_per_sample * c.microbatch_size  # what the loss keeps
         for s in range(S):
             rank_P[ranks[s]] += P[s]

@@ -24,8 +24,8 @@ Findings (torch 2.13, transformers 5.24; each checked by tests/test_zoo.py):
       ``DynamicCache`` in ``past_key_values``, which is not a registered pytree type, so export
       fails ("Found <class 'transformers.cache_utils.DynamicCache'> in output, which is not a
       known type"). BERT exports either way (no cache returned by ``BertForMaskedLM``).
-    * ``torch.fx.symbolic_trace`` does not work on transformers 5 models (they have no fx
-      tracer of their own any more); use export.
+    * ``torch.fx.symbolic_trace`` does not work on transformers 5 models (transformers 5 has no
+      fx tracer of its own); use export.
     * An ``attention_mask`` with padding (the examples pad the end of the second row) exports
       too: the 2D integer mask becomes a graph input that the mask-building code reads.
     * Dropout probabilities are 0 in every config, so train mode (the default after building;
