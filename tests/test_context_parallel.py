@@ -64,15 +64,20 @@ def _gpt():
 @pytest.mark.parametrize("opts", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2),
                                   dict(cp=2, pp=2, schedule="zbv"), dict(cp=2, activation_checkpointing="full"),
                                   dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
-                                  dict(cp=2, pp=2, schedule="zb_h1", microbatches=4)],
+                                  dict(cp=2, pp=2, schedule="zb_h1", microbatches=4),
+                                  dict(cp=4, cp_kv="ring"), dict(cp=2, tp=2, cp_kv="ring"),
+                                  dict(cp=2, pp=2, schedule="zbv", activation_checkpointing="full", cp_kv="ring")],
                          ids=["cp2", "cp4", "cp2xtp2", "cp2xpp2", "cp2xpp2-zbv", "cp2-checkpointing",
-                              "cp2xpp2-interleaved", "cp2xpp2-zbh1"])
+                              "cp2xpp2-interleaved", "cp2xpp2-zbh1", "cp4-ring", "cp2xtp2-ring",
+                              "cp2xpp2-zbv-checkpointing-ring"])
 def test_zoo_gpt_is_exact(opts):
     model, args, kwargs = _gpt()
     with shared_traces(_TRACES):  # every layout planned from one torch.export trace of the one model
         the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, **opts)
     cp_plan = the_plan.pass_report["context_parallel"]
     assert len(cp_plan.attention) == model.config.n_layer and cp_plan.gathered_outputs
+    if opts.get("cp_kv") == "ring":
+        assert all("ring attention" in a for a in cp_plan.attention), cp_plan.attention
     report = fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
     assert report.gradients > 0 and report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report
 

@@ -48,6 +48,9 @@ class ParallelConfig:
     # all-gathers keys and values ([Note: context parallelism by propagation] in
     # fxsplit.passes.context_parallel); traced by torch.export with a static sequence
     cp: int = 1
+    # how the local queries read every rank's keys and values under cp > 1: "allgather", "ring", or
+    # None (per attention, by a memory rule: [Note: all-gather or ring] in fxsplit.passes.cp_attention)
+    cp_kv: str | None = None
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
     # samples per microbatch, when known (plan(..., global_batch_size=B) sets B / (dp * dp_shard * m)):
@@ -131,6 +134,8 @@ class ParallelConfig:
             raise PlanError("compile=True with dp_shard > 1 (FSDP units) is not supported yet: the compiled "
                             "graphs have not been checked against FSDP's gathered parameters; use compile=False")
         self._check_ep()
+        if self.cp_kv not in (None, "allgather", "ring"):
+            raise PlanError(f"cp_kv must be 'allgather', 'ring' or None (chosen per attention), got {self.cp_kv!r}")
         if self.cp > 1:
             self._check_cp()
         if self.cut_at not in _CUT_AT:

@@ -261,7 +261,7 @@ def plan(
     if config.cp > 1:  # before tensor parallelism, on the aten graph export traced
         from fxsplit.passes.context_parallel import context_parallel
 
-        pipeline.append(functools.partial(context_parallel, cp=config.cp))
+        pipeline.append(functools.partial(context_parallel, cp=config.cp, kv=config.cp_kv))
     if config.tp > 1 or config.tp_plan:
         from fxsplit.passes.tensor_parallel import tensor_parallel
 
