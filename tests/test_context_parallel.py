@@ -66,10 +66,11 @@ def _gpt():
                                   dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
                                   dict(cp=2, pp=2, schedule="zb_h1", microbatches=4),
                                   dict(cp=4, cp_kv="ring"), dict(cp=2, tp=2, cp_kv="ring"),
-                                  dict(cp=2, pp=2, schedule="zbv", activation_checkpointing="full", cp_kv="ring")],
+                                  dict(cp=2, pp=2, schedule="zbv", activation_checkpointing="full", cp_kv="ring"),
+                                  dict(cp=2, tp=2, sequence_parallel=True, cp_kv="ring")],
                          ids=["cp2", "cp4", "cp2xtp2", "cp2xpp2", "cp2xpp2-zbv", "cp2-checkpointing",
                               "cp2xpp2-interleaved", "cp2xpp2-zbh1", "cp4-ring", "cp2xtp2-ring",
-                              "cp2xpp2-zbv-checkpointing-ring"])
+                              "cp2xpp2-zbv-checkpointing-ring", "cp2xtp2-sequence-parallel-ring"])
 def test_zoo_gpt_is_exact(opts):
     model, args, kwargs = _gpt()
     with shared_traces(_TRACES):  # every layout planned from one torch.export trace of the one model
@@ -208,12 +209,13 @@ def test_a_model_without_token_ids_is_refused():
         fxsplit.plan(_FloatInput(), (torch.randn(2, 8, 8),), cp=2, hardware=_HW)
 
 
-def test_cp_with_tp_sequence_parallelism_is_refused_not_miscomputed():
-    from fxsplit.errors import TPPlanError
-
+def test_cp_keeps_the_token_embedding_vocabulary_parallel_under_tp():
+    """The embedding reads this rank's tokens of the input ids (keep_local): still the token ids, so tp
+    splits its vocabulary, and sequence parallelism has its residual stream to start from."""
     model, args, kwargs = _gpt()
-    with shared_traces(_TRACES), pytest.raises(TPPlanError, match="sequence_parallel"):
-        fxsplit.plan(model, args, kwargs, cp=2, tp=2, sequence_parallel=True, hardware=_HW)
+    with shared_traces(_TRACES):
+        the_plan = fxsplit.plan(model, args, kwargs, cp=2, tp=2, sequence_parallel=True, hardware=_HW)
+    assert the_plan.tp_plan.styles["wte"] == "vocab" and the_plan.tp_plan.rewrite.sequence_plan.scatters
 
 
 def test_world_size_counts_cp():

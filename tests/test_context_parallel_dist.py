@@ -1,5 +1,6 @@
-"""Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4, cp=2 x tp=2,
-cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1) and cp=2 x dp=2 with compile=True
+"""Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4 (K/V by ring, the
+plan's own choice), cp=2 x tp=2 (ring), cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1 by
+ring: its traced graph split runs the ring's functional all-to-all) and cp=2 x dp=2 with compile=True
 (every stage graph through inductor, none falling back) on the zoo GPT, three SGD steps each,
 and Llama with its own loss at cp=2 x dp=2, every data-parallel replica fed its own slice of the global
 batch; the loss of every step and every gradient (tp shards reassembled) against one process on the whole
@@ -19,9 +20,10 @@ from fxsplit.testing.data import local_grads, replica_slice
 from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
-CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2),
+CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2, cp_kv="ring"), dict(cp=2, pp=2, microbatches=2),
          dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
-         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4), dict(cp=2, dp=2, compile=True)]
+         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4, cp_kv="ring"), dict(cp=2, dp=2, compile=True)]
+RING = (1, 2, 5)  # the cases whose attention runs by ring (cp=4 by the plan's memory rule)
 SAVED = 0  # the case whose state after the last step is saved: cp=2 x dp=2
 STEPS, LR = 3, 0.1
 
@@ -57,8 +59,9 @@ def _train(rank, world, ckpt):
             opt.step()
         if k == SAVED:
             pm.save_checkpoint(ckpt, optimizer=opt)
+        ring = sum("ring attention" in a for a in pm.plan.pass_report["context_parallel"].attention)
         out.append(dict(losses=losses, grads=grads, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs),
-                        **_compiled(pm)))
+                        ring=ring, **_compiled(pm)))
     out.append(_train_llama())
     out.append(_mp_step())
     out.append(_reload(ckpt))
@@ -149,6 +152,7 @@ def test_cp_layouts_train_like_one_process_over_gloo(tmp_path):
     _check_reload([r[len(CASES) + 2] for r in results], fxsplit.load_full_checkpoint(ckpt), ref_state)
     for k, opts in enumerate(CASES):
         per_rank = [r[k] for r in results]
+        assert all((res["ring"] > 0) == (k in RING) for res in per_rank), (opts, [res["ring"] for res in per_rank])
         for rank, res in enumerate(per_rank):
             torch.testing.assert_close(res["losses"], ref_losses, rtol=1e-5, atol=1e-6,
                                        msg=f"{opts} rank {rank}: losses")

@@ -195,8 +195,6 @@ class ParallelConfig:
         if self.dynamic_sequence is True:
             raise PlanError("cp > 1 cuts a sequence length known at plan time; use dynamic_sequence=None or False "
                             "(plan with the length you train at, divisible by 2 * cp)")
-        if self.vocab_parallel_loss:
-            raise PlanError("cp > 1 with vocab_parallel_loss=True is not supported yet: use vocab_parallel_loss=False")
         if self.ep > 1:
             raise PlanError(f"cp={self.cp} with ep={self.ep} is not supported yet (the expert-parallel ranks are "
                             "carved out of the data ranks, which cp's gradient group joins): use cp=1 or ep=1")
