@@ -95,15 +95,24 @@ def _labelled(name, seq_len=32, **overrides):
     ("llama", {}, dict(cp=4)),
     ("qwen2", {}, dict(cp=2, tp=2)),
     ("mistral", {"sliding_window": 8}, dict(cp=2, pp=2)),
-    ("llama", {"attn_implementation": "eager"}, dict(cp=2)),
+    ("llama", {"attn_implementation": "eager"}, dict(cp=2, cp_kv="ring")),
     ("gpt2", {}, dict(cp=2)),
-], ids=["llama-cp4", "qwen2-cp2xtp2", "mistral-sliding-cp2xpp2", "llama-eager-cp2", "gpt2-cp2"])
+    ("qwen2", {}, dict(cp=4, cp_kv="ring")),
+    # 40 tokens in chunks of 5, a window of 6 crossing them, row 1 padded at its last 10 positions: a mask
+    # that depends on absolute positions, read at every rank's query rows and at each ring block's keys
+    ("mistral", {"sliding_window": 6, "seq_len": 40}, dict(cp=4, cp_kv="ring")),
+], ids=["llama-cp4", "qwen2-cp2xtp2", "mistral-sliding-cp2xpp2", "llama-eager-cp2-ring-asked", "gpt2-cp2",
+        "qwen2-cp4-ring", "mistral-sliding-uneven-padded-cp4-ring"])
 def test_hf_families_with_their_loss_are_exact(name, overrides, opts):
     pytest.importorskip("transformers")
     model, args, kwargs = _labelled(name, **overrides)
     the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, **opts)
     cp_plan = the_plan.pass_report["context_parallel"]
     assert cp_plan.losses and cp_plan.attention, cp_plan
+    if overrides.get("attn_implementation") == "eager":  # the ring asked for, eager attention keeps the all-gather
+        assert all("not the ring" in a for a in cp_plan.attention), cp_plan.attention
+    elif opts.get("cp_kv") == "ring":
+        assert all("ring attention" in a for a in cp_plan.attention), cp_plan.attention
     report = fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
     assert report.gradients > 0 and report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report
 
@@ -115,7 +124,7 @@ def test_gemma_from_its_config_is_exact():
 
     model, args, kwargs = build("gemma")
     ids = args[0].repeat(1, 2)  # 32 tokens
-    the_plan = fxsplit.plan(model, (ids,), {}, cp=2, hardware=_HW)
+    the_plan = fxsplit.plan(model, (ids,), {}, cp=4, cp_kv="ring", hardware=_HW)
     report = fxsplit.verify(model, (ids,), the_plan, {}, quiet=True)
     assert report.gradients > 0 and report.max_gradient_error < 1e-4, report
 
@@ -148,6 +157,19 @@ def test_verify_catches_causal_rows_at_the_wrong_positions():
     rows = next(n for n in gm.graph.nodes if n.target is causal_rows)
     rows.target = _every_key
     gm.recompile()
+    with pytest.raises(VerificationError):
+        fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
+
+
+def test_verify_catches_ring_blocks_read_at_the_wrong_positions(monkeypatch):
+    """The ring's check can fail: each block's keys taken one chunk off their true positions."""
+    from fxsplit.tp import ring
+
+    model, args, kwargs = _gpt()
+    with shared_traces(_TRACES):
+        the_plan = fxsplit.plan(model, args, kwargs, cp=2, cp_kv="ring", hardware=_HW)
+    true = ring.positions_of
+    monkeypatch.setattr(ring, "positions_of", lambda r, cp, S, device=None: true(r, cp, S, device).roll(S // (2 * cp)))
     with pytest.raises(VerificationError):
         fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
 
