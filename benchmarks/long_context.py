@@ -6,7 +6,7 @@ by ring (``cp_kv``), on 4 gloo ranks in ONE launch; then torch's own
     .venv/bin/python benchmarks/long_context.py                              # 2k and 4k tokens
     .venv/bin/python benchmarks/long_context.py --lengths 2048,4096,8192,16384 --repeats 3
 
-Layouts, 4 ranks each, each data-parallel replica training on ``--sequences`` sequences (default 1): cp=1
+Layouts, 4 ranks each, each data-parallel replica training on ``--sequences`` sequences (default 2): cp=1
 is dp=4 (each rank whole sequences), cp=2 is dp=2 x cp=2, cp=4 is cp=4 (each rank a quarter of each
 sequence), the cp layouts once with K/V all-gathered and once passed around the ring. The model:
 LlamaForCausalLM from a config (hidden 64, 2 layers, 4 query / 2 key-value heads of 16, vocabulary 256,
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="2048,4096", help="sequence lengths, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="steps per layout (the first measures memory)")
-    parser.add_argument("--sequences", type=int, default=1, help="sequences per data-parallel replica")
+    parser.add_argument("--sequences", type=int, default=2, help="sequences per data-parallel replica (>= 2: export traces a batch of 1 static)")
     ns = parser.parse_args(argv)
     lengths = [int(x) for x in ns.lengths.split(",")]
     from fxsplit.testing import run_distributed
