@@ -44,10 +44,13 @@ class ParallelConfig:
     # expert-parallel degree: ranks carved out of the dp * dp_shard data-parallel ranks that each hold
     # E / ep experts of every MoE layer and exchange tokens by all_to_all (fxsplit.passes.expert_parallel)
     ep: int = 1
-    # context-parallel degree: each cp rank keeps 2 of 2*cp chunks of every sequence, attention
-    # all-gathers keys and values ([Note: context parallelism by propagation] in
-    # fxsplit.passes.context_parallel); traced by torch.export with a static sequence
+    # context-parallel degree: each cp rank keeps 2 of 2*cp chunks of every sequence, attention reads
+    # the other ranks' keys and values by all-gather or ring (cp_kv) ([Note: context parallelism by
+    # propagation] in fxsplit.passes.context_parallel); traced by torch.export with a static sequence
     cp: int = 1
+    # how the local queries read every rank's keys and values under cp > 1: "allgather", "ring", or
+    # None (per attention, by a memory rule: [Note: all-gather or ring] in fxsplit.passes.cp_attention)
+    cp_kv: str | None = None
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
     # samples per microbatch, when known (plan(..., global_batch_size=B) sets B / (dp * dp_shard * m)):
@@ -131,6 +134,8 @@ class ParallelConfig:
             raise PlanError("compile=True with dp_shard > 1 (FSDP units) is not supported yet: the compiled "
                             "graphs have not been checked against FSDP's gathered parameters; use compile=False")
         self._check_ep()
+        if self.cp_kv not in (None, "allgather", "ring"):
+            raise PlanError(f"cp_kv must be 'allgather', 'ring' or None (chosen per attention), got {self.cp_kv!r}")
         if self.cp > 1:
             self._check_cp()
         if self.cut_at not in _CUT_AT:
@@ -190,14 +195,17 @@ class ParallelConfig:
         if self.dynamic_sequence is True:
             raise PlanError("cp > 1 cuts a sequence length known at plan time; use dynamic_sequence=None or False "
                             "(plan with the length you train at, divisible by 2 * cp)")
-        if self.vocab_parallel_loss:
-            raise PlanError("cp > 1 with vocab_parallel_loss=True is not supported yet: use vocab_parallel_loss=False")
         if self.ep > 1:
-            raise PlanError(f"cp={self.cp} with ep={self.ep} is not supported yet (the expert-parallel ranks are "
-                            "carved out of the data ranks, which cp's gradient group joins): use cp=1 or ep=1")
+            raise PlanError(f"cp={self.cp} with ep={self.ep} is not supported yet: the expert-parallel groups "
+                            "(fxsplit.runtime.mesh.expert_groups) are carved out of the dp x dp_shard ranks with no cp "
+                            "dim, so an expert's gradient would be summed over its ep replicas but not over the cp "
+                            "ranks that hold the other tokens of its sequences; use cp=1 or ep=1")
         if self.dp_shard > 1:
-            raise PlanError("cp > 1 with dp_shard > 1 is not supported yet (FSDP2 would reduce-scatter over dp_shard "
-                            "only, not sum over cp): use dp for the data-parallel ranks, or cp=1")
+            raise PlanError("cp > 1 with dp_shard > 1 is not supported yet: FSDP2 reduce-scatters and averages "
+                            "gradients over its (dp, dp_shard) mesh, but each cp rank holds only its tokens' share of "
+                            "a gradient, which must first be summed over cp (an HSDP mesh whose replicate dim is "
+                            "(dp, cp) flattened, divided by dp * dp_shard, is not built); use dp for the data-parallel "
+                            "ranks, or cp=1")
 
     def static_batch(self, example_batch: int | None) -> int | None:
         """The microbatch size torch.export traces the batch at, or None for a symbolic batch

@@ -300,7 +300,7 @@ def _rewrite_passes(config: ParallelConfig) -> list[Callable]:
     if config.cp > 1:  # before tensor parallelism, on the aten graph export traced
         from fxsplit.passes.context_parallel import context_parallel
 
-        pipeline.append(functools.partial(context_parallel, cp=config.cp))
+        pipeline.append(functools.partial(context_parallel, cp=config.cp, kv=config.cp_kv))
     if config.tp > 1 or config.tp_plan:
         from fxsplit.passes.tensor_parallel import tensor_parallel
 

@@ -261,7 +261,7 @@ class _Bound:
             self.log.append(call)
 
 
-_PARALLELISM = {"tp": "tensor-parallel", "dp": "data-parallel", "ep": "expert-parallel"}  # wait messages
+_PARALLELISM = {"tp": "tensor-parallel", "dp": "data-parallel", "ep": "expert-parallel", "cp": "context-parallel"}  # wait messages
 
 
 def _active(axis: str) -> _Bound | None:
