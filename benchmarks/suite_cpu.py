@@ -72,8 +72,9 @@ class _Recorder:
         self.start_cpu = tree_cpu()
         self.start_wall = time.monotonic()
 
-    def record(self, path: str, cpu: float, wall: float, outcome: str) -> None:
-        entry = self.files.setdefault(path, {"cpu": 0.0, "wall": 0.0, "tests": 0, "failed": 0})
+    def record(self, path: str, name: str, cpu: float, wall: float, outcome: str) -> None:
+        entry = self.files.setdefault(path, {"cpu": 0.0, "wall": 0.0, "tests": 0, "failed": 0, "per_test": {}})
+        entry["per_test"][name] = [round(cpu, 2), round(wall, 2)]
         entry["cpu"] += cpu
         entry["wall"] += wall
         entry["tests"] += 1
@@ -118,7 +119,7 @@ def _hookwrapper():
         for report in getattr(item, "_suite_cpu_reports", ()):
             failed |= report.failed
         del outcome
-        rec.record(item.location[0], tree_cpu() - cpu0, time.monotonic() - wall0,
+        rec.record(item.location[0], item.name, tree_cpu() - cpu0, time.monotonic() - wall0,
                    "failed" if failed else "passed")
 
     @pytest.hookimpl(hookwrapper=True)
