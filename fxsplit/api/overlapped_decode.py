@@ -56,6 +56,7 @@ class _Program:
         self.unfinished = torch.ones(batch, dtype=torch.bool, device=self.rt.device)
         self.sends: list = []
         self.modules = dict(cache.modules)
+        self.shapes = cache.shapes
         if self.rt.last_stage in self.modules:
             inner = self.modules[self.rt.last_stage]
             self.modules[self.rt.last_stage] = lambda *args: self._chose(inner(*args))
@@ -113,17 +114,20 @@ class _Program:
 
 
 def overlapped_decode(pm: Any, ids: torch.Tensor, m: int, max_new_tokens: int, eos_token_id: int | None,
-                      pick: Callable[[torch.Tensor], torch.Tensor], cache: KVCache) -> torch.Tensor:
+                      pick: Callable[[torch.Tensor], torch.Tensor], cache: KVCache,
+                      flat: Callable[[torch.Tensor, int], list[torch.Tensor]]) -> torch.Tensor:
     """The tokens (B, T + n) on every rank of the replica: prefill and ``max_new_tokens - 1`` decode
     steps of ``m`` microbatches as one program; ``pick(output)`` chooses a microbatch's tokens from
-    its model output (the model's own structure)."""
+    its model output (the model's own structure); ``flat(tokens, positions)``: a call's flat inputs
+    from its new tokens (the token ids first) and the positions so far."""
     rt = pm._runtime
     ids = ids.to(rt.device)
     if max_new_tokens == 0:
         return ids
     chunks = torch.tensor_split(ids, m, dim=0)  # the rows the runtime's split gives each microbatch
-    inputs = [[c] for c in chunks] + [[torch.zeros(c.shape[0], 1, dtype=ids.dtype, device=rt.device)]
-                                      for _ in range(1, max_new_tokens) for c in chunks]
+    prompt = ids.shape[1]
+    inputs = [flat(c, prompt) for c in chunks] + [flat(torch.zeros(c.shape[0], 1, dtype=ids.dtype, device=rt.device),
+                                                       prompt + k) for k in range(1, max_new_tokens) for c in chunks]
     ranks = rt.plan.stage_ranks
     rows = [[a for a in row if a is not None] for row in decode(ranks, m, max_new_tokens)]
     program = plan_all_communication(rows, rt.io, num_ranks=rt.num_ranks, rank_of_stage=ranks.__getitem__,

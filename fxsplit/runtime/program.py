@@ -22,14 +22,37 @@ import torch
 
 from fxsplit.errors import ArgumentTypeError
 from fxsplit.pipeline.comm import CommPlan
-from fxsplit.runtime.microbatch import MicrobatchSplit
+from fxsplit.runtime.microbatch import MicrobatchSplit, bind_symbols
 from fxsplit.runtime.p2p import P2PChannel
 
 __all__ = ["ProgramRun"]
 
 
 class ProgramRun:
-    """Mixed into `PipelineRuntime`: ``run_program``."""
+    """Mixed into `PipelineRuntime`: ``run_program``, and the metas a call with an override runs with."""
+
+    def _model_metas(self) -> Sequence[Any]:
+        """The model inputs' metas of this call: an override's ``shapes`` where it has them (a KV
+        cache of a graph traced at a fixed length, [Note: KV cache for exported graphs] in
+        fxsplit.api.kv_export: the traced length replaced by the symbols of a cached call), else the plan's."""
+        rt: Any = self
+        shapes = rt._override.shapes if rt._override is not None else None
+        return rt.input_meta if shapes is None else shapes.input_meta
+
+    def _bind(self, inputs: Sequence[Any]) -> dict:
+        """The sizes of the symbols in the metas of this call (:meth:`_model_metas`), from ``inputs``."""
+        rt: Any = self
+        metas = self._model_metas()
+        key = (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs), metas is rt.input_meta)
+        if key not in rt._binding_cache:
+            rt._binding_cache[key] = bind_symbols(metas, inputs)
+        return rt._binding_cache[key]
+
+    def _stage_meta(self, stage: int, index: int) -> Any:
+        """The meta of input ``index`` of ``stage`` in this call (as :meth:`_model_metas`)."""
+        rt: Any = self
+        shapes = rt._override.shapes if rt._override is not None else None
+        return rt.io[stage].input_meta[index] if shapes is None else shapes.stage_input_meta[stage][index]
 
     def run_program(self, program: CommPlan, inputs: Sequence[Sequence[Any]], *, override: Any) -> None:
         """Run ``program`` without autograd over ``inputs`` (one flat input list per microbatch) with
@@ -46,9 +69,10 @@ class ProgramRun:
         rt._mb = MicrobatchSplit(inputs=tuple(tuple(f) for f in inputs), sizes=sizes,
                                  weights=tuple(1.0 for _ in sizes), batch_size=sum(sizes),
                                  batched=tuple(True for _ in inputs[0]))
+        rt._override = override
         rt._bindings = [rt._bind(flat) for flat in inputs]
         rt._binding_keys = [tuple(sorted((str(k), v) for k, v in b.items())) for b in rt._bindings]
-        rt._training, rt._override = False, override
+        rt._training = False
         rt._rng_step, rt.rng_step = rt.rng_step, rt.rng_step + 1
         rt._saved, rt._mailbox, rt._outputs = {}, {}, {}
         rt._channel = P2PChannel(program, group=rt.pp_group, timeout_s=rt.timeout, alloc=rt._alloc,
