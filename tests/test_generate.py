@@ -1,10 +1,11 @@
 """ParallelModel.generate: the tokens equal the unsplit model's in one process (fxsplit's own loop
-for the zoo GPT, Hugging Face's ``generate`` for the transformers families), greedy and sampled, for
-prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with pp=2). The zoo GPT runs
-with the KV cache ([Note: generation with a KV cache] in fxsplit.api.kv_cache), its steps
-overlapped across microbatches ([Note: overlapped steps] in fxsplit.api.generate) and, compared,
-stepwise and by recompute; the exported families by recompute ([Note: generation by recompute]),
-their reason checked."""
+for the zoo GPT, Hugging Face's ``generate`` with its own cache for the transformers families),
+greedy and sampled, for prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with
+pp=2). Every model runs with the KV cache, its steps overlapped across microbatches ([Note:
+overlapped steps] in fxsplit.api.generate; the token a message of the program's plan, [Note: token
+messages] in fxsplit.pipeline.comm): the zoo GPT by [Note: generation with a KV cache]
+(fxsplit.api.kv_cache), the exported families by [Note: KV cache for exported graphs]
+(fxsplit.api.kv_export), past the traced length too; compared with stepwise decoding and recompute."""
 
 import pytest
 import torch

@@ -30,15 +30,17 @@ With the cache, the steps of the m' microbatches overlap (``overlap_steps=True``
 (step k, microbatch i) is virtual microbatch k * m' + i of one forward program
 (fxsplit.schedule.decode, lowered by the communication plan like any forward and run by
 ``PipelineRuntime.run_program``) with one more dependency, F(first stage, j) after F(last stage,
-j - m'): the token, a message from the last stage's rank to the first's
-(fxsplit.api.overlapped_decode). So while microbatch i's step runs on stage s, microbatch i + 1's
-runs on stage s - 1, and step k + 1 of microbatch 0 starts as soon as its token exists. Shapes are
+j - m'): the token, a message from the last stage's rank to the first's, planned in the
+program's communication plan like the activations ([Note: token messages] in
+fxsplit.pipeline.comm; fxsplit.api.overlapped_decode). So while microbatch i's step runs on
+stage s, microbatch i + 1's runs on stage s - 1, and step k + 1 of microbatch 0 starts as soon as
+its token exists. Shapes are
 known up front (the prompt, then one token), so every rank binds symbols without the values; the
 last stage draws each microbatch's tokens in the order one process draws a step's rows, so seeded
 sampling matches. With one microbatch (B = 1) nothing can overlap. ``overlap_steps=False`` runs
-one pipeline forward per step (the stepwise loop below, with the cache), as does NCCL: the token
-travels outside the communication plan with a tag of its own, which gloo matches by tag and NCCL
-would match by order (not yet planned as a message; not run on a GPU).
+one pipeline forward per step (the stepwise loop below, with the cache). The program is one plan
+on every backend: NCCL matches the token messages by their place in the per-peer order as it
+matches the activations (tested on gloo, which runs the same order; not run on a GPU).
 
 [Note: generation by recompute]
 Each step runs the pipeline's forward (no autograd, no loss: ``PipelineRuntime.forward``, the F
@@ -355,7 +357,7 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
         feed, ids, m, rule, why = flat
         holds_last = runtime.last_stage in runtime.modules
         cache = None if why is not None else _cache(pm, feed)
-        if cache is not None and overlap_steps and _tagged_p2p(runtime):
+        if cache is not None and overlap_steps:
             made: list = []
 
             def pick(output: Any) -> torch.Tensor:
@@ -379,13 +381,6 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
         return _decode(step, share, ids.to(runtime.device), max_new_tokens, eos_token_id, rule).to(ids.device)
 
     return pm._inference("generate", prepare, body, signature=signature, check=check)
-
-
-def _tagged_p2p(runtime: Any) -> bool:
-    """Whether point-to-point messages are matched by tag (gloo), so the token messages of
-    [Note: overlapped steps] may ride beside the planned activations; NCCL matches by order, and
-    there the steps run one pipeline forward each until the token is planned as a message."""
-    return runtime.num_ranks == 1 or not dist.is_initialized() or dist.get_backend(runtime.pp_group) != "nccl"
 
 
 def _share(pm: Any, nxt: torch.Tensor | None, batch: int) -> torch.Tensor:
