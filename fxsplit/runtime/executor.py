@@ -71,7 +71,6 @@ from torch.utils import _pytree as pytree
 from fxsplit.errors import (ArgumentTypeError, PlanError, RankFailedError, ScheduleError, StageBuildError,
                             UsageError)
 from fxsplit.runtime.microbatch import (
-    bind_symbols,
     concrete_shape,
     merge_microbatches,
     split_microbatches,
@@ -368,6 +367,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
         m = self.num_microbatches if training or microbatches is None else microbatches
         mbs = split_microbatches(flat, m, dim=self.split_dim, batched=self.batched)
         self._mb = mbs
+        self._override = override  # before binding: its shapes bind the symbols of a cached call
         self._bindings = [self._bind(inp) for inp in mbs.inputs]
         self._binding_keys = [tuple(sorted((str(k), v) for k, v in b.items())) for b in self._bindings]
         holds_last = self.last_stage in self.modules
@@ -379,7 +379,6 @@ class PipelineRuntime(GraphActions, ProgramRun):
             # would fail inside the user's loss_fn
             self._targets = split_target(pytree.tree_map(self._to_device, target), mbs.sizes, dim=self.split_dim)
         self._training = training
-        self._override = override
         self._rng_step, self.rng_step = self.rng_step, self.rng_step + 1
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._mailbox: dict[Message, torch.Tensor] = {}
@@ -433,14 +432,8 @@ class PipelineRuntime(GraphActions, ProgramRun):
 
     # ------------------------------------------------------------------ messages
 
-    def _bind(self, inputs: Sequence[Any]) -> dict:
-        key = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs)
-        if key not in self._binding_cache:
-            self._binding_cache[key] = bind_symbols(self.input_meta, inputs)
-        return self._binding_cache[key]
-
     def _meta(self, msg: Message) -> ValueMeta:
-        return self.io[msg.stage].input_meta[msg.input]
+        return self._stage_meta(msg.stage, msg.input)
 
     def _order(self, msg: Message) -> tuple[int, ...] | None:
         """The dim order ``msg`` travels in: an activation's planned layout ([Note: boundary
