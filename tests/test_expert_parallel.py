@@ -47,6 +47,8 @@ CASES_4 = {
     "moe/dp2-ep2-pp2-selective-checkpointing": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b",
                                                              activation_checkpointing="selective")),
     "moe/dp2-ep2-pp2-bf16": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b", mp_policy=BF16)),
+    # ep x tp: each rank's block of experts split over tp (w1 / w3 by columns, w2 by rows)
+    "moe/dp2-ep2-tp2": ("moe", dict(dp=2, ep=2, tp=2)),
 }
 
 
@@ -116,8 +118,8 @@ def _train(rank, world, cases, tmp=None):
                      for n, p in m.named_parameters() if p.grad is not None}
             opt.step()
         d, _ = replica_index(pm)
-        out[label] = dict(losses=losses, grads=grads, ep_rank=d % options["ep"],
-                          experts=set(pm.plan.ep_plan.expert_params))
+        out[label] = dict(losses=losses, grads=grads, ep_rank=d % options["ep"], tp_rank=pm.coords.get("tp", 0),
+                          experts=set(pm.plan.ep_plan.expert_params), specs=dict(pm.plan.tp_plan.param_specs))
         if label in STATE_CASES:
             out[label].update(_state_checks(pm, name, tmp))
     return out
@@ -153,10 +155,14 @@ def _check(cases, results):
         for rank, res in enumerate(r[label] for r in results):
             tag = f"{label} rank {rank}"
             assert res["experts"], f"{tag}: no MoE layer was placed by ep"
+            if options.get("tp", 1) > 1:
+                assert res["experts"] <= set(res["specs"]), f"{tag}: the experts are not split over tp"
             assert res["losses"] == pytest.approx(losses, rel=MP_LOSS_RTOL if mp else 1e-5), tag
             got, wanted = {}, {}
             for n, g in res["grads"].items():
                 want = grads[n]
+                if n in res["specs"]:  # this tp rank's shard (of every expert, for an expert weight)
+                    want = res["specs"][n].shard(want, res["tp_rank"])
                 if n in res["experts"]:
                     k = want.shape[0] // options["ep"]
                     assert g.shape[0] == k, f"{tag}: {n} holds {g.shape[0]} experts, not {k}"
