@@ -190,3 +190,16 @@ def test_memory_with_dp_shard_keeps_the_expert_block_whole():
     experts = sum(b for e, b in sizes if e)
     rest = sum(b for e, b in sizes if not e)
     assert placed.params == pytest.approx(experts / 2 + rest / 2, rel=0.01)  # FSDP halves the rest only
+
+
+def test_partition_counts_each_ranks_block_of_experts():
+    """The split's stage parameter bytes (what its memory cap sums) count E / ep experts, as the
+    plan's memory model does."""
+    model, args, _ = zoo.make("moe")
+    options = dict(dp=2, pp=2, microbatches=2, schedule="1f1b", hardware=_HW)
+    whole = fxsplit.plan(model, args, **options)
+    placed = fxsplit.plan(model, args, ep=2, **options)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    split = lambda plan: sum(s.param_bytes for s in plan.split.stages)  # noqa: E731
+    assert split(whole) - split(placed) == expert_bytes / 2
+    assert [m.params for m in placed.memory()] == [s.param_bytes for s in placed.split.stages]
