@@ -50,6 +50,7 @@ def _model(args):
 
 def _rank(rank, world, args, layouts):
     from fxsplit.testing.memory import LiveBytes
+    from fxsplit.api.expert_load import expert_rows
     from fxsplit.tp.experts import exchange_stats
 
     model, (x,), _ = _model(args)
@@ -83,33 +84,9 @@ def _rank(rank, world, args, layouts):
             run["times"].append(float(dt[0]))
             run["a2a"].append(float(dt[1]))
             run["peaks"].append(held + mem.peak)
-            run["rows"] = _expert_rows(pm, st.rows)
+            run["rows"] = expert_rows(pm, st)
     return {label: dict(times=run["times"], peak=max(run["peaks"]), experts=run["experts"], a2a=run["a2a"],
                         rows=run["rows"]) for label, run in runs.items()}
-
-
-def _expert_rows(pm, rows) -> list[int] | None:
-    """Every expert's rows in the last step (a collective): each ep group's per-rank counts joined in
-    ep-rank order, summed over the ep groups (replicas) and the pipeline ranks (their MoE layers)."""
-    if pm.plan.config.ep == 1:
-        return None
-    from fxsplit.testing.data import replica_index
-
-    d, _ = replica_index(pm)
-    ep = pm.plan.config.ep
-    mine = (d // ep, pm.coords.get("pp", 0), pm.coords.get("tp", 0), d % ep, rows.tolist() if rows is not None else [])
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    groups: dict = {}
-    for group, pp, tp, e, r in every:
-        if tp == 0:  # tp ranks of an ep rank route alike
-            groups.setdefault((group, pp), {})[e] = r
-    total: list[int] = []
-    for blocks in groups.values():
-        joined = [v for e in sorted(blocks) for v in blocks[e]]
-        if joined:
-            total = joined if not total else [a + b for a, b in zip(total, joined)]
-    return total or None
 
 
 def replica_slice_of(x, opts):
