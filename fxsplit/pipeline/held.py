@@ -87,6 +87,16 @@ class StageHeld:
         grads = {("grad", self.units[i]): node_bytes(self.units[i], self.binds) for i in units}
         return union_bytes([(self.held[i][0], 0.0) for i in units], grads)
 
+    def recomputed(self, region: Sequence[int], a: int, b: int) -> float:
+        """The most a backward of stage [a, b) holds at once while it recomputes a checkpointed
+        region (``region``: per unit its region, -1 when not recomputed): the largest region part's
+        activations as mode "none" saves them."""
+        parts: dict[int, list] = {}
+        for i in range(a, min(b, len(region))):
+            if region[i] >= 0:
+                parts.setdefault(region[i], []).append(self.held[i])
+        return max((union_bytes(p) for p in parts.values()), default=0.0)
+
     def stage(self, held: Sequence | None, a: int, b: int, last: bool) -> float:
         extra = self.boundary(a, b)
         if last:

@@ -26,10 +26,12 @@ FSDP leaves it ``shard_numel`` elements, ``shard_bytes`` (the whole with s = 1).
 - activations: the pipeline's in-flight microbatches times what each stage holds per
   microbatch, plus the rank's posted receive buffers (``SplitPlan.peak_activations``, [Note:
   what a stage holds] in fxsplit.pipeline.held); ``recompute``: under checkpointing, the one
-  region's activations a backward holds while it recomputes it (the planner's estimate; 0 when
-  not estimated);
+  region's activations a backward holds while it recomputes it (a built plan: the largest
+  ``StageSummary.recompute_bytes`` of the rank's stages; the planner: its own estimate; 0 when
+  not estimated); the loss's gradients and a recompute are not live at once (the ops after the
+  last region, LM head and loss, are differentiated first), so the larger of the two counts;
 - the peak of a step: parameters + optimizer state at rest, FSDP's gathered parameters, and the
-  larger of two moments. During the pipeline: the activations (+ recompute), plus the gradients
+  larger of two moments. During the pipeline: the activations (+ the larger backward transient), plus the gradients
   live at that moment: for a built plan (``Plan.memory()``) ``grads_at_peak`` from a walk of its
   schedule ([Note: the schedule's walk]: each stage's gradients from its first backward on);
   for the planner's estimate the whole (tp-local) gradients once a backward has filled them while
@@ -114,7 +116,9 @@ class RankMemory:
             grads = self.grads_at_peak
         else:
             grads = self.whole_grads if self.grads_during_forwards else 0.0
-        pipeline = self.activations + self.recompute + self.backward + grads
+        # two transients of a backward, one after the other: the loss's gradients are freed by the
+        # backward of the ops after the last checkpointed region before any region is recomputed
+        pipeline = self.activations + max(self.recompute, self.backward) + grads
         return self.params + self.optimizer + self.gathered + max(pipeline, self.whole_grads + self.buckets)
 
     @property
