@@ -85,6 +85,7 @@ class StageSummary:
     activation_bytes_unchecked: float | None = None  # act/mb without checkpointing (None: same)
     recompute_time: float = 0.0  # seconds of forward recomputed in backward per microbatch
     weight_bytes: float = 0.0  # what a split backward's W still needs after I (checkpointed: may exceed activation_bytes)
+    recompute_bytes: float = 0.0  # checkpointed: the largest region's activations a backward holds while recomputing it
 
 
 def _fmt_num(x: float) -> str:
@@ -645,7 +646,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
         recompute = 0.0 if um is None else sum(um.recompute[a:b])
         acts = sum(costs.acts[a:b] if um is None else um.acts[a:b])
         plain = sum(costs.acts[a:b])
-        wbytes = 0.0
+        wbytes = rbytes = 0.0
         if held is not None:
             last = s == part.num_stages - 1
             plain = held.stage(None, a, b, last)
@@ -656,6 +657,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             wbytes = held.weight(a, b, costs.weight)
             if um is None or twice:
                 wbytes = min(wbytes, acts)
+            rbytes = 0.0 if um is None else held.recomputed(um.region, a, b)
         out.append(StageSummary(
             index=s,
             rank=problem.rank_of(s),
@@ -677,6 +679,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             activation_bytes_unchecked=None if um is None else plain,
             recompute_time=recompute,
             weight_bytes=wbytes,
+            recompute_bytes=rbytes,
         ))
     return tuple(out)
 
