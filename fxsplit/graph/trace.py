@@ -40,6 +40,8 @@ from fxsplit.graph.examples import _WIDE_BATCH, _widen_batch, example_at_batch
 from fxsplit.graph.lazy_code import lazily_recompiled
 from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
 from fxsplit.graph.ops import resolve_path
+from fxsplit.graph.sequence import at_length, sequence_input
+from fxsplit.graph.sequence import follow_sequence as follow_lengths
 from fxsplit.errors import ArgumentTypeError, TraceError, UsageError
 
 __all__ = ["trace", "TraceError", "flatten_inputs", "example_at_batch"]
@@ -300,7 +302,8 @@ def _dynamic_dims(t: torch.Tensor, sequence: bool = True, batch: bool = True) ->
 # (the default of ``trace`` itself) makes it symbolic for both.
 
 
-def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequence: bool = True) -> None:
+def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequence: bool = True,
+                    batch: bool = True) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -310,7 +313,7 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequenc
     for x in flat:
         if isinstance(x, torch.Tensor):
             if dynamic:
-                dyn = set(_dynamic_dims(x, sequence))
+                dyn = set(_dynamic_dims(x, sequence, batch))
                 ctx = StatelessSymbolicContext(
                     dynamic_sizes=[DimDynamic.DYNAMIC if d in dyn else DimDynamic.STATIC for d in range(x.dim())]
                 )
@@ -476,6 +479,31 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
     return gm
 
 
+def _follow(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, decomposing: Any,
+            param_dtype: torch.dtype | None, dynamic: bool, batch: bool) -> tuple[str, bool]:
+    """[Note: following the sequence from two static traces]: rewrite ``gm`` in place; the trace note
+    and whether the graph now follows the length."""
+    found = sequence_input(gm)
+    if found is None:
+        return " (the sequence stays static: no integer token input)", False
+    length = found[1]
+
+    def again(n: int) -> torch.fx.GraphModule:
+        with decomposing() as dec:
+            other = _export(model, at_length(args, length, n), at_length(kwargs, length, n), dynamic, param_dtype,
+                            sequence=False, batch=batch)
+            dec.prune(other)
+        return other
+
+    flat = _cast_inputs(torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))[0], param_dtype)
+    _, why = follow_lengths(gm, again=again, propagate=lambda g: _fake_propagate(g, flat, True, True, dynamic and batch))
+    if why is not None:
+        log.info("fxsplit.trace: the sequence stays static at %d: %s", length, why)
+        return f" (the sequence stays static at {length}, shorter steps padded: {why})", False
+    return (f" (traced at {length} and {length - 1} positions: every length up to {length} runs as it is, "
+            "[Note: following the sequence from two static traces])"), True
+
+
 # --------------------------------------------------------------------------------------------
 # the entry point
 
@@ -515,6 +543,7 @@ def trace(
     param_dtype: torch.dtype | None = None,
     decompose_attention: bool = False,
     static_batch: int | None = None,
+    follow_sequence: bool = False,
 ) -> torch.fx.GraphModule:
     """Trace ``model`` into a GraphModule whose every node carries fxsplit metadata.
 
@@ -541,6 +570,10 @@ def trace(
         static_batch: under torch.export, trace the batch static at this many samples (the
             example's batch cut or repeated to it: :func:`example_at_batch`); torch.fx keeps it
             symbolic ([Note: a static batch]). None (default): symbolic with ``dynamic``.
+        follow_sequence: when torch.export traced the sequence static, trace it again one position
+            shorter and make the graph take every length up to the traced one ([Note: following the
+            sequence from two static traces] in ``fxsplit.graph.sequence``); the trace reason says
+            when it could not, and the graph stays static.
 
     Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.graph.meta.TraceInfo` and whose
     nodes have ``meta["fxsplit"]`` (:class:`fxsplit.graph.meta.NodeInfo`) and ``meta["val"]``. Calling it
@@ -563,6 +596,7 @@ def trace(
     kept: list[tuple[str, str]] = []
 
     gm: torch.fx.GraphModule | None = None
+    traced_length, follows = None, False
     used, reason = method, f'method="{method}" requested'
     fx_error: TraceError | None = None
     if method in ("auto", "fx"):
@@ -607,6 +641,12 @@ def trace(
                     dec.prune(gm)
                 kept = dec.kept
                 note += batch_note
+                static_seq = sequence_input(gm)
+                traced_length = static_seq[1] if static_seq is not None else None
+                if follow_sequence and static_seq is not None:
+                    more, follows = _follow(gm, model, ex_args, ex_kwargs, decomposing, param_dtype, dynamic,
+                                            batch=static_batch is None)
+                    note += more
             except Exception:
                 if not dynamic:
                     raise
@@ -641,6 +681,8 @@ def trace(
         symbols=symbols,
         dynamic=bool(symbols),
         on_meta=on_meta,
+        traced_length=traced_length,
+        follows_sequence=follows,
     )
     annotate_graph(gm)
     log.info("fxsplit.trace: %s", reason)

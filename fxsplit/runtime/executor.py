@@ -101,7 +101,6 @@ BI = ActionKind.BACKWARD_INPUT
 BW = ActionKind.BACKWARD_WEIGHT
 
 
-
 @dataclass
 class _Saved:
     """What F keeps for the backward of one (stage, microbatch)."""
@@ -217,6 +216,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
         self._binding_cache: dict[tuple, dict] = {}
         self._channels: dict[bool, P2PChannel] = {}
         self.last_wait_seconds = 0.0  # host time the last step/forward spent blocked on peers
+        self.last_sent_bytes = 0  # bytes this rank sent its pipeline peers in the last step/forward
         # called with a stage index once that stage's last backward of the step has run (its
         # gradients are complete, except tied parameters, summed after all actions); lets
         # data-parallel all-reduces start while later stages still compute
@@ -420,7 +420,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
                     self.on_stage_grads_ready(ac.action.stage)
             self._current = None
             self._channel.finish()
-        self.last_wait_seconds = self._channel.wait_seconds
+        self.last_wait_seconds, self.last_sent_bytes = self._channel.wait_seconds, self._channel.sent_bytes
         self._channel = None
         if training:
             if self._saved:
