@@ -5,7 +5,10 @@ cutting the outputs back, exactly ([Note: padding to the traced length]).
 Terms
 - **traced length** ``L``: dim 1 of the token ids (the first integer tensor input with two or more
   dims) in a plan traced by torch.export with the sequence static ([Note: a static sequence for
-  export] in fxsplit.graph.trace); None for fx traces and ``dynamic_sequence=True`` (the sequence is
+  export] in fxsplit.graph.trace), also where the graph was then made to follow the length ([Note:
+  following the sequence from two static traces] in fxsplit.graph.sequence: every length 2..L runs
+  as it is there, and only a step of one position, or every shorter step once verify found the
+  following inexact, is padded); None for fx traces and ``dynamic_sequence=True`` (the sequence is
   a symbol there, every length runs as it is) and with ``pad_sequence=False``.
 - **step length** ``t``: dim 1 of the token ids a call is given, ``1 <= t <= L``.
 - **sequence input**: a tensor input whose traced dim 1 is ``L`` (token ids, attention mask,
@@ -51,7 +54,7 @@ from fxsplit.errors import PlanError, VerificationError
 if TYPE_CHECKING:
     from fxsplit.api import Plan
 
-__all__ = ["check_padding", "follows", "outputs_cut", "pad_to_traced", "traced_length"]
+__all__ = ["check_padding", "follows", "outputs_cut", "pad_to_traced", "sequence_summary", "traced_length"]
 
 # what a padded position holds, by input name ([Note: padding to the traced length]); every other
 # sequence input is padded with zeros
@@ -88,6 +91,24 @@ def follows(plan_: Plan) -> bool:
     info = plan_.graph.meta.get("fxsplit")
     return (info is not None and info.follows_sequence and traced_length(plan_) is not None
             and getattr(plan_, "_following_refused", None) is None)
+
+
+def sequence_summary(plan_: Plan) -> str | None:
+    """The plan's line on sequence lengths: which run as they are and which are padded, and why."""
+    length = traced_length(plan_)
+    if length is None:
+        return None
+    if follows(plan_):
+        return (f"sequence: every length 2..{length} runs as it is, the stage boundaries follow it (1 is padded "
+                f"to {length}): [Note: following the sequence from two static traces]")
+    info, c = plan_.graph.meta["fxsplit"], plan_.config
+    why = (getattr(plan_, "_following_refused", None) or ("cp > 1 cuts a static length" if c.cp > 1 else None)
+           or ("follow_sequence=False" if c.follow_sequence is False else None) or info.follow_refused
+           or "the model is on the meta device (follow_sequence=True traces it a second time)")
+    refused = getattr(plan_, "_padding_refused", None)
+    if refused:
+        return f"sequence: only {length} runs ({refused})"
+    return f"sequence: traced at {length}, shorter steps padded to it ({why})"
 
 
 def _is_sequence_dim(d: Any, length: int, following: bool) -> bool:

@@ -89,6 +89,7 @@ class TraceInfo:
     # the sequence from two static traces] in fxsplit.graph.sequence)
     traced_length: int | None = None
     follows_sequence: bool = False
+    follow_refused: str | None = None  # why a graph asked to follow the length stays static
 
     def bindings(self, **sizes: int) -> dict[sympy.Symbol, int]:
         """``info.bindings(batch=8, seq=128)`` -> {symbol: value} for :meth:`TensorMeta.concrete_shape`."""

@@ -480,14 +480,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
 
 
 def _follow(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, decomposing: Any,
-            param_dtype: torch.dtype | None, dynamic: bool, batch: bool) -> tuple[str, bool]:
+            param_dtype: torch.dtype | None, dynamic: bool, batch: bool, length: int) -> tuple[str, str | None]:
     """[Note: following the sequence from two static traces]: rewrite ``gm`` in place; the trace note
-    and whether the graph now follows the length."""
-    found = sequence_input(gm)
-    if found is None:
-        return " (the sequence stays static: no integer token input)", False
-    length = found[1]
-
+    and why the graph stays static (None: it follows the length now)."""
     def again(n: int) -> torch.fx.GraphModule:
         with decomposing() as dec:
             other = _export(model, at_length(args, length, n), at_length(kwargs, length, n), dynamic, param_dtype,
@@ -499,9 +494,9 @@ def _follow(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dic
     _, why = follow_lengths(gm, again=again, propagate=lambda g: _fake_propagate(g, flat, True, True, dynamic and batch))
     if why is not None:
         log.info("fxsplit.trace: the sequence stays static at %d: %s", length, why)
-        return f" (the sequence stays static at {length}, shorter steps padded: {why})", False
+        return f" (the sequence stays static at {length}, shorter steps padded: {why})", why
     return (f" (traced at {length} and {length - 1} positions: every length up to {length} runs as it is, "
-            "[Note: following the sequence from two static traces])"), True
+            "[Note: following the sequence from two static traces])"), None
 
 
 # --------------------------------------------------------------------------------------------
@@ -596,7 +591,7 @@ def trace(
     kept: list[tuple[str, str]] = []
 
     gm: torch.fx.GraphModule | None = None
-    traced_length, follows = None, False
+    traced_length, follows, follow_refused = None, False, None
     used, reason = method, f'method="{method}" requested'
     fx_error: TraceError | None = None
     if method in ("auto", "fx"):
@@ -644,9 +639,9 @@ def trace(
                 static_seq = sequence_input(gm)
                 traced_length = static_seq[1] if static_seq is not None else None
                 if follow_sequence and static_seq is not None:
-                    more, follows = _follow(gm, model, ex_args, ex_kwargs, decomposing, param_dtype, dynamic,
-                                            batch=static_batch is None)
-                    note += more
+                    more, follow_refused = _follow(gm, model, ex_args, ex_kwargs, decomposing, param_dtype, dynamic,
+                                                   batch=static_batch is None, length=traced_length)
+                    note, follows = note + more, follow_refused is None
             except Exception:
                 if not dynamic:
                     raise
@@ -683,6 +678,7 @@ def trace(
         on_meta=on_meta,
         traced_length=traced_length,
         follows_sequence=follows,
+        follow_refused=follow_refused,
     )
     annotate_graph(gm)
     log.info("fxsplit.trace: %s", reason)
