@@ -638,7 +638,12 @@ def trace(
                 note += batch_note
                 static_seq = sequence_input(gm)
                 traced_length = static_seq[1] if static_seq is not None else None
-                if follow_sequence and static_seq is not None:
+                if follow_sequence and static_seq is not None and param_dtype is not None:
+                    # the trace ran on parameters cast for it, now restored: propagating again would
+                    # see the restored dtype, not the one the graph computes in
+                    follow_refused = "the graph was traced under mp_policy's param_dtype"
+                    note += f" (the sequence stays static at {traced_length}, shorter steps padded: {follow_refused})"
+                elif follow_sequence and static_seq is not None:
                     more, follow_refused = _follow(gm, model, ex_args, ex_kwargs, decomposing, param_dtype, dynamic,
                                                    batch=static_batch is None, length=traced_length)
                     note, follows = note + more, follow_refused is None
