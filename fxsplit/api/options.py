@@ -78,6 +78,12 @@ class ParallelConfig:
     # right and cut back ([Note: padding to the traced length] in fxsplit.api.padding): None or True
     # (pad; verify checks it is exact), False (only the traced length runs)
     pad_sequence: bool | None = None
+    # a plan traced by torch.export at a fixed length takes every shorter length as it is (no padding: the
+    # stage boundaries follow each step's length) after a second static trace one position shorter
+    # ([Note: following the sequence from two static traces] in fxsplit.graph.sequence): True, False
+    # (pad), None (follow for a model with real weights, pad on the meta device, where a plan is for
+    # planning and the second trace would double the plan time; pad with cp > 1, which cuts a static length)
+    follow_sequence: bool | None = None
     leaf_modules: tuple[Any, ...] = ()  # module paths or classes fx keeps as single nodes
     hardware: Hardware | None = None  # what stage times are estimated for; None: Hardware()
     cut_at: str = "layers"  # layer boundaries unless a cut inside one pays (fxsplit.pipeline.cuts); "any"; "modules"
@@ -146,6 +152,13 @@ class ParallelConfig:
         if self.pad_sequence not in (True, False, None):
             raise PlanError(f"pad_sequence must be True, False or None (pad shorter sequences to the traced length), "
                             f"got {self.pad_sequence!r}")
+        if self.follow_sequence not in (True, False, None):
+            raise PlanError(f"follow_sequence must be True, False or None (follow with real weights), got "
+                            f"{self.follow_sequence!r}")
+        if self.follow_sequence and (self.cp > 1 or self.pad_sequence is False):
+            why = "cp > 1 cuts a static length" if self.cp > 1 else "pad_sequence=False runs the traced length only"
+            raise PlanError(f"follow_sequence=True with {'cp > 1' if self.cp > 1 else 'pad_sequence=False'}: {why}; "
+                            "drop follow_sequence (shorter steps are then padded to the traced length)")
         if self.dynamic_batch not in (True, False, None):
             raise PlanError(f"dynamic_batch must be True, False or None (static when microbatch_size is known), got "
                             f"{self.dynamic_batch!r}")

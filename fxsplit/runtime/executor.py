@@ -233,6 +233,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
         self.last_wait_seconds = 0.0  # host time the last step/forward spent blocked on peers
         self._grad_hooks = grad_hooks
         self.defer_tied_grads = defer_tied_grads
+        self.last_sent_bytes = 0  # bytes this rank sent its pipeline peers in the last step/forward
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -418,7 +419,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
                     self._grad_hooks.stage_grads_ready(ac.action.stage)
             self._current = None
             self._channel.finish()
-        self.last_wait_seconds = self._channel.wait_seconds
+        self.last_wait_seconds, self.last_sent_bytes = self._channel.wait_seconds, self._channel.sent_bytes
         self._channel = None
         if training:
             if self._saved:
