@@ -278,6 +278,9 @@ def _check_one_gpu_per_rank(device: torch.device, group: Any) -> None:
             "over gloo (fxsplit.runtime.mesh.choose_backend)")
 
 
+_WATCHES = [0]  # parallelize calls in this process: every rank makes the same calls in one order
+
+
 def _start_watch(mesh: Any, the_plan: Any, timeout: float) -> Any:
     """This rank's :class:`~fxsplit.runtime.watch.Watch` on the rendezvous store, describing every
     global rank by its mesh coordinates and stages ([Note: failure protocol])."""
