@@ -24,62 +24,8 @@ import argparse
 import sys
 import time
 
-import torch
-
-import fxsplit
-from fxsplit.testing import run_distributed, zoo
-
-BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-LAYOUTS = {
-    "tp2xpp2": dict(tp=2, pp=2, microbatches=4),
-    "interleaved": dict(pp=4, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=8),
-    "zbv": dict(pp=4, schedule="zbv", microbatches=8),
-    "dp_shard2xpp2": dict(dp_shard=2, pp=2, microbatches=4),
-}
-CKPT = ("none", "full")
-
-
-def cases(names, bf16: bool = True) -> dict[str, dict]:
-    out = {}
-    for name in names:
-        for ckpt in CKPT:
-            out[f"{name} ckpt={ckpt}"] = dict(LAYOUTS[name], activation_checkpointing=ckpt)
-        if bf16:
-            out[f"{name} bf16"] = dict(LAYOUTS[name], mp_policy="bf16")
-    return out
-
-
-def _options(options: dict) -> dict:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    out = dict(options)
-    if out.get("mp_policy") == "bf16":
-        out["mp_policy"] = MixedPrecisionPolicy(**BF16)
-    return out
-
-
-def measure_case(options: dict, gpt: dict, batch: int) -> tuple[float, float, dict]:
-    """(measured, predicted) peak bytes of this rank for one layout (one warm-up step, one measured),
-    and both sides' terms."""
-    from fxsplit.testing.memory import measured_step_peak
-
-    torch.manual_seed(0)
-    model, ex, _ = zoo.make("gpt", batch_size=batch, **gpt)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, gpt["vocab_size"], ex[0].shape, generator=g)
-    y = torch.randint(0, gpt["vocab_size"], ex[0].shape, generator=g)
-    replicas = options.get("dp", 1) * options.get("dp_shard", 1)
-    pm = fxsplit.parallelize(model, ex, loss_fn=zoo.cross_entropy_loss, verify=False, timeout=120,
-                             hardware=fxsplit.Hardware.cpu(), global_batch_size=batch * replicas, **_options(options))
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
-    pm.step(x, target=y)  # creates the AdamW state
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    parts: dict = {}
-    measured = measured_step_peak(pm, opt, x, target=y, parts=parts)
-    opt.zero_grad(set_to_none=True)
-    pred = pm.plan.memory()[pm.coords["pp"]]
-    return float(measured), float(pred.peak), dict(measured=parts, predicted=pred.as_dict())
+from fxsplit.testing import run_distributed
+from fxsplit.testing.memory import cases, measure_case
 
 
 def _rank(rank, world, args):

@@ -36,6 +36,7 @@ Written only against fxsplit's public API.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -45,8 +46,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxsplit.tp.collectives import (copy_to_region, gather_from_region, gather_to_region, reduce_from_region,
-                                 reduce_scatter_to_region, scatter_to_region)
+from fxsplit.tp.collectives import (COLLECTIVE_OPS, copy_to_region, gather_from_region, gather_to_region,
+                                   reduce_from_region, reduce_scatter_to_region, scatter_to_region)
 from fxsplit.graph.meta import annotate_graph, fake_like
 from fxsplit.graph.ops import op_name, resolve_path
 from fxsplit.graph.pass_api import PassContext, PassResult
@@ -345,6 +346,8 @@ def _finish(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx
     for n in list(graph.nodes):
         if n.target is column_parallel_linear:
             _cost_as_linears(gm, n)
+        elif n.target in COLLECTIVE_OPS:
+            _saves_nothing(n)
     gm.meta["fxsplit_tp"] = plan
 
 
@@ -367,12 +370,22 @@ def _to_tp_stream(gm: torch.fx.GraphModule, node: torch.fx.Node, axis: str) -> N
     # a random call_method (x.bernoulli_()) stays on the stage stream
 
 
+def _saves_nothing(node: torch.fx.Node) -> None:
+    """A region collective keeps nothing for backward (its backward is the conjugate collective
+    of the incoming gradient, or the identity); the cost model does not know it and would charge
+    its input as saved, as for an unknown elementwise op."""
+    info = node.meta["fxsplit"]
+    if info.cost is not None and info.cost.saved_bytes != 0:
+        node.meta["fxsplit"] = info.replace(cost=dataclasses.replace(info.cost, saved_bytes=0))
+
+
 def _cost_as_linears(gm: torch.fx.GraphModule, fused: torch.fx.Node) -> None:
     """The cost model does not know ``column_parallel_linear``: give the node the cost of its
-    linears (each costed as an F.linear node at the fused node's place)."""
+    linears (each costed as an F.linear node at the fused node's place), saving their one shared
+    input once (``_ColumnParallelLinear`` saves ``x`` and the weights)."""
     from fxsplit.graph.cost import node_cost
 
-    graph, total = gm.graph, None
+    graph, total, saved = gm.graph, None, 0.0
     x, ws, bs = fused.args[:3]
     for i, (w, b) in enumerate(zip(ws, bs)):
         with graph.inserting_before(fused):
@@ -382,8 +395,9 @@ def _cost_as_linears(gm: torch.fx.GraphModule, fused: torch.fx.Node) -> None:
             cost = node_cost(tmp, gm)
         finally:
             graph.erase_node(tmp)
+        saved = cost.saved_bytes if total is None else saved  # each linear saves the same x
         total = cost if total is None else total + cost
-    fused.meta["fxsplit"] = fused.meta["fxsplit"].replace(cost=total)
+    fused.meta["fxsplit"] = fused.meta["fxsplit"].replace(cost=dataclasses.replace(total, saved_bytes=saved))
 
 
 def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis: str) -> None:

@@ -58,7 +58,7 @@ ALLOWED_RAISES: dict[tuple[str | None, str, str], str] = {
 # Exception classes fxsplit defines that are not FxsplitErrors: control flow that never leaves fxsplit.
 ALLOWED_CLASSES: dict[tuple[str, str], str] = {
     ("fxsplit/cli.py", "_UserCodeError"): "carries the user's own exception to main(), which prints it",
-    ("fxsplit/runtime/split_graph.py", "UnsupportedStage"):
+    ("fxsplit/runtime/compile/split_graph.py", "UnsupportedStage"):
         "caught in runtime/graph_actions.py: the stage falls back to autograd, or a PlanError is raised",
     ("fxsplit/tp/shapes.py", "RegionFailed"): "caught in tp/propagate.py and tp/plan.py: the region stays replicated",
     ("fxsplit/pipeline/partition/memory_caps.py", "_Exhausted"): "caught in the same module: the search budget ran out",

@@ -82,9 +82,11 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 gathered += numel * _size(pdt)
                 optimizer += mine * _model.optimizer_bytes_per_element(size, optimizer_bytes_per_param)
         acts, grads_at_peak = _model.schedule_walk(plan.schedule[r], stage_acts, after_i, stage_grads)
+        recompute = max((plan.split.stages[st].recompute_bytes for st in plan.stages_of(r)), default=0.0)
         out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel,
                                       grad_itemsize=grads / max(whole, 1), gather_itemsize=gathered / max(whole, 1),
                                       optimizer_bytes_per_param=optimizer / max(shard_numel, 1), dp=c.dp, dp_shard=s, activations=acts + buffers[r],
+                                      recompute=recompute,
                                       microbatches=c.microbatches, inflight=min(inflight[r], c.microbatches),
                                       loss_bytes=loss if last == r else 0.0, pp_rank=r, grads_at_peak=grads_at_peak))
     return out

@@ -289,7 +289,8 @@ def _traced(model: nn.Module, example_args: Any, example_kwargs: Any,
                leaf_modules=config.leaf_modules,
                dynamic_sequence=False if config.cp > 1 else config.dynamic_sequence,
                param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None,
-               decompose_attention=config.tp > 1, dynamic_batch=config.dynamic_batch, microbatch_size=static_batch)
+               decompose_attention=config.tp > 1, dynamic_batch=config.dynamic_batch, microbatch_size=static_batch,
+               follow_sequence=_follows(config, model))
     return config, example_args, example_kwargs, gm
 
 
@@ -300,7 +301,7 @@ def _rewrite_passes(config: ParallelConfig) -> list[Callable]:
     if config.cp > 1:  # before tensor parallelism, on the aten graph export traced
         from fxsplit.passes.context_parallel import context_parallel
 
-        pipeline.append(functools.partial(context_parallel, cp=config.cp))
+        pipeline.append(functools.partial(context_parallel, cp=config.cp, kv=config.cp_kv))
     if config.tp > 1 or config.tp_plan:
         from fxsplit.passes.tensor_parallel import tensor_parallel
 
@@ -524,3 +525,12 @@ def _loss_seconds(gm: torch.fx.GraphModule, hardware: Hardware) -> float:
     return total
 
 
+def _follows(config: ParallelConfig, model: nn.Module) -> bool:
+    """Whether torch.export's static sequence is made to follow each step's length ([Note: following the
+    sequence from two static traces] in fxsplit.graph.sequence): ``config.follow_sequence``, or by
+    default with real weights (a meta-device plan is for planning: no second trace), never with cp > 1."""
+    if config.follow_sequence is not None:
+        return config.follow_sequence
+    if config.cp > 1 or config.pad_sequence is False:
+        return False
+    return not any(p.is_meta for p in model.parameters())

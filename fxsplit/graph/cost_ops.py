@@ -146,7 +146,7 @@ _SAVE_OUTPUT = frozenset({
 def _kind(name: str) -> str:
     if name in MATMULS:
         return "matmul"
-    if "scaled_dot_product" in name or name in {"flash_attention", "efficient_attention"}:
+    if "scaled_dot_product" in name or name in {"flash_attention", "efficient_attention", "ring_attention"}:
         return "attention"
     if name.startswith("conv") or name in {"convolution", "cudnn_convolution", "mkldnn_convolution"}:
         return "conv"
@@ -227,7 +227,8 @@ def _attention_cost(node, name, ins, acts, outs, gm, module):
     if q is None or k is None or v is None or len(q.shape) < 2 or len(k.shape) < 2:
         return out.numel, 0, _bytes(acts)
     rows = _prod(q.shape[:-1])  # batch * heads * query length
-    scores = rows * k.shape[-2]
+    # a context-parallel ring's k is one rank's block; its queries read every rank's (seq_len keys)
+    scores = rows * (node.kwargs.get("seq_len", k.shape[-2]) if name == "ring_attention" else k.shape[-2])
     mm = 2 * scores * q.shape[-1] + 2 * scores * v.shape[-1]
     flops = mm + _PER_ELEMENT_FLOPS["softmax"] * scores
     saved = _sum((q.nbytes, k.nbytes, v.nbytes, out.nbytes, 4 * rows))
@@ -290,10 +291,19 @@ def _other_cost(node, name, ins, acts, outs, gm, module):
     elif name in _SAVE_OUTPUT:
         saved = _sum(o.nbytes for o in outs)
     elif name == "dropout":
-        saved = outs[0].numel  # one-byte mask
+        saved = outs[0].numel if _keeps_mask(node, module) else 0  # one-byte mask
     else:
         saved = _bytes(acts)
     return flops, 0, saved
+
+
+def _keeps_mask(node: torch.fx.Node, module: nn.Module | None) -> bool:
+    """Whether a dropout keeps a mask for backward: not with ``p == 0`` or outside training, where
+    torch returns its input itself (``at::dropout``), known from the module or the literal arguments."""
+    if module is not None:
+        return bool(getattr(module, "training", True)) and getattr(module, "p", 0.5) != 0
+    p, train = _arg(node, 1, "p"), _arg(node, 2, "train" if "train" in node.kwargs else "training")
+    return not (isinstance(p, (int, float)) and p == 0) and train is not False
 
 
 _FORMULAS = {
@@ -458,6 +468,10 @@ def saved_operands(node: torch.fx.Node, gm: nn.Module | None) -> tuple[list[torc
     module = resolve_path(gm, str(node.target), default=None) if node.op == "call_module" else None
     args = list(node.args) + list(node.kwargs.values())
     kind = "leaf" if module is not None and name.startswith("module:") else _kind(name)
+    if kind == "embedding":  # backward needs the indices only, never the table (nor a cast copy of it)
+        aten = node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        index = _arg(node, 1, "indices") if aten and module is None else _arg(node, 0, "input")
+        return _act_nodes(index, gm)[:1], False
     if kind == "attention":
         qkv = [_arg(node, i, n) for i, n in ((0, "query"), (1, "key"), (2, "value"))]
         return [n for a in qkv for n in _act_nodes(a, gm)], True

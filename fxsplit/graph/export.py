@@ -18,6 +18,8 @@ import inspect
 import linecache
 from typing import Any, Callable, Mapping, NamedTuple
 
+import logging
+
 import torch
 import torch.fx
 from torch import nn
@@ -26,6 +28,10 @@ from fxsplit.errors import TraceError
 from fxsplit.graph.examples import WIDE_NOTE, dynamic_dims, example_at_batch
 from fxsplit.graph.lazy_code import lazily_recompiled
 from fxsplit.graph.ops import resolve_path
+from fxsplit.graph.sequence import at_length, sequence_input
+from fxsplit.graph.sequence import follow_sequence as follow_lengths
+
+log = logging.getLogger("fxsplit")
 
 __all__ = ["export_model", "export_graph", "Exported", "failure_location", "is_hf_model"]
 
@@ -44,15 +50,23 @@ class Exported(NamedTuple):
     note: str  # what the trace reason adds: the cache switched off, the batch static or widened, a fallback
     kept: list  # (module path, why) of attention modules kept whole ([Note: attention modules as ops])
     input_names: tuple[str, ...]
+    traced_length: int | None = None  # the static sequence length export traced at, if any
+    follows: bool = False  # the graph takes every length up to traced_length ([Note: following the sequence ...])
+    follow_refused: str | None = None  # why it stays static, when following was asked
+
 
 
 def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool, sequence: bool | None,
                  static_batch: int | None, wide: tuple[tuple, dict] | None, param_dtype: torch.dtype | None,
-                 decomposing: Callable[[], Any]) -> Exported:
+                 decomposing: Callable[[], Any], follow_sequence: bool = False,
+                 propagate: Callable[[torch.fx.GraphModule, bool], None] | None = None) -> Exported:
     """Export ``model`` at the example ``(args, kwargs)``: at ``static_batch`` samples when given
     ([Note: a static batch]), else at ``wide`` (a batch of one widened: [Note: batch of one]) when
     given; the sequence symbolic only when ``sequence is True``; nothing symbolic without
-    ``symbolic``. Raises TraceError naming where export failed and the fix."""
+    ``symbolic``. ``follow_sequence``: a sequence traced static is made to take every shorter
+    length ([Note: following the sequence from two static traces] in ``fxsplit.graph.sequence``),
+    ``propagate(gm, batch)`` re-propagating fake values through the rewritten graph. Raises
+    TraceError naming where export failed and the fix."""
     if static_batch is not None:
         ex_args, ex_kwargs = example_at_batch(args, kwargs, static_batch)
         batch_note = f" (the batch static at {static_batch} samples per microbatch: [Note: a static batch])"
@@ -67,6 +81,10 @@ def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool,
                                       batch=static_batch is None)
                     dec.prune(gm)
                 note += batch_note
+                followed = _followed(gm, model, ex_args, ex_kwargs, decomposing=decomposing, symbolic=symbolic,
+                                     param_dtype=param_dtype, batch=static_batch is None, asked=follow_sequence,
+                                     propagate=propagate)
+                note += followed[0]
             except Exception:
                 if not symbolic:
                     raise
@@ -76,9 +94,40 @@ def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool,
                                       param_dtype)  # a model that cannot take symbolic sizes
                     dec.prune(gm)
                 note += " (static shapes: export failed with symbolic batch/sequence)"
+                followed = ("", sequence_input(gm)[1] if sequence_input(gm) is not None else None, False, None)
     except Exception as exc:
         raise _export_error(exc, model, kwargs) from exc
-    return Exported(gm, note, dec.kept, tuple(_flat_input_names(gm._in_spec, model, args)))
+    return Exported(gm, note, dec.kept, tuple(_flat_input_names(gm._in_spec, model, args)), *followed[1:])
+
+
+def _followed(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, *, decomposing: Callable,
+              symbolic: bool, param_dtype: torch.dtype | None, batch: bool, asked: bool,
+              propagate: Callable | None) -> tuple[str, int | None, bool, str | None]:
+    """``(note, traced length, follows, why not)``: [Note: following the sequence from two static
+    traces]: ``gm`` rewritten in place when asked and possible."""
+    static_seq = sequence_input(gm)
+    length = static_seq[1] if static_seq is not None else None
+    if not asked or static_seq is None:
+        return "", length, False, None
+    if param_dtype is not None:
+        # the trace ran on parameters cast for it, now restored: propagating again would see the
+        # restored dtype, not the one the graph computes in
+        why = "the graph was traced under mp_policy's param_dtype"
+        return f" (the sequence stays static at {length}, shorter steps padded: {why})", length, False, why
+
+    def again(n: int) -> torch.fx.GraphModule:
+        with decomposing() as dec:
+            other = export_graph(model, at_length(args, length, n), at_length(kwargs, length, n), symbolic,
+                                 param_dtype, sequence=False, batch=batch)
+            dec.prune(other)
+        return other
+
+    _, why = follow_lengths(gm, again=again, propagate=lambda g: propagate(g, symbolic and batch))
+    if why is not None:
+        log.info("fxsplit.trace: the sequence stays static at %d: %s", length, why)
+        return f" (the sequence stays static at {length}, shorter steps padded: {why})", length, False, why
+    return (f" (traced at {length} and {length - 1} positions: every length up to {length} runs as it is, "
+            "[Note: following the sequence from two static traces])"), length, True, None
 
 
 @contextlib.contextmanager

@@ -85,6 +85,9 @@ def unit_saved(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: 
         cost = node_info(u).cost
         total = 0.0 if cost is None else cost.saved_bytes
         total = float(substitute(total, binds))
+        if total == 0:  # the op keeps nothing (a collective, a dropout of p=0), whatever its operands
+            out.append(({}, 0.0))
+            continue
         ins, own_out = saved_operands(u, gm)
         keys: dict[torch.fx.Node, float] = {}
         shared = 0.0

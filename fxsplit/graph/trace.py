@@ -246,7 +246,8 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, leaves: tuple,
 # (the default of ``trace`` itself) makes it symbolic for both.
 
 
-def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequence: bool = True) -> None:
+def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequence: bool = True,
+                    batch: bool = True) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -256,7 +257,7 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequenc
     for x in flat:
         if isinstance(x, torch.Tensor):
             if dynamic:
-                dyn = set(dynamic_dims(x, sequence))
+                dyn = set(dynamic_dims(x, sequence, batch))
                 ctx = StatelessSymbolicContext(
                     dynamic_sizes=[DimDynamic.DYNAMIC if d in dyn else DimDynamic.STATIC for d in range(x.dim())]
                 )
@@ -365,6 +366,7 @@ class _Request:
     wide: tuple[tuple, dict] | None  # the example with a batch of one widened ([Note: batch of one])
     param_dtype: torch.dtype | None
     decompose: bool  # decompose_attention
+    follow_sequence: bool  # [Note: following the sequence from two static traces]
 
     def decomposing(self) -> Any:
         """A context manager for one attempt: attention modules traced as ops, or nothing."""
@@ -375,7 +377,8 @@ class _Request:
 
 def _request(model: nn.Module, example_args: Any, example_kwargs: Any, *, leaf_modules: Iterable[Any],
              dynamic_batch: bool | None, dynamic_sequence: bool | None, microbatch_size: int | None,
-             param_dtype: torch.dtype | None, decompose_attention: bool, deprecated: Mapping[str, Any]) -> _Request:
+             param_dtype: torch.dtype | None, decompose_attention: bool, follow_sequence: bool,
+             deprecated: Mapping[str, Any]) -> _Request:
     symbolic, dynamic_batch, microbatch_size = _old_spellings(deprecated, dynamic_batch, microbatch_size)
     if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int)
                                         or microbatch_size < 1):
@@ -392,7 +395,7 @@ def _request(model: nn.Module, example_args: Any, example_kwargs: Any, *, leaf_m
     return _Request(model, args, kwargs, leaves, on_meta=any(p.is_meta for p in model.parameters()),
                     symbolic=symbolic, sequence=dynamic_sequence, static_batch=static_batch,
                     wide=(wide_args, wide_kwargs) if widened else None, param_dtype=param_dtype,
-                    decompose=decompose_attention)
+                    decompose=decompose_attention, follow_sequence=follow_sequence)
 
 
 class _Traced(NamedTuple):
@@ -401,6 +404,9 @@ class _Traced(NamedTuple):
     reason: str
     input_names: tuple[str, ...]
     kept: list  # (module path, why) of attention modules kept whole
+    traced_length: int | None = None  # export's static sequence length, when static
+    follows: bool = False  # the graph takes every shorter length
+    follow_refused: str | None = None  # why not, when following was asked
 
 
 def _by_fx(req: _Request, method: str) -> _Traced:
@@ -424,7 +430,8 @@ def _by_export(req: _Request, method: str, fx_error: TraceError | None) -> _Trac
     try:
         exported = export_model(req.model, req.args, req.kwargs, symbolic=req.symbolic, sequence=req.sequence,
                                 static_batch=req.static_batch, wide=req.wide, param_dtype=req.param_dtype,
-                                decomposing=req.decomposing)
+                                decomposing=req.decomposing, follow_sequence=req.follow_sequence,
+                                propagate=lambda g, batch: _fake_propagate(g, _flat_cast(req), True, True, batch))
     except TraceError as err:
         if fx_error is None:
             raise
@@ -433,7 +440,16 @@ def _by_export(req: _Request, method: str, fx_error: TraceError | None) -> _Trac
         reason = f"torch.fx failed ({str(fx_error).split('. Fix:')[0]}); used torch.export"
     else:
         reason = f'method="{method}" requested'
-    return _Traced(exported.gm, "export", reason + exported.note, exported.input_names, exported.kept)
+    return _Traced(exported.gm, "export", reason + exported.note, exported.input_names, exported.kept,
+                   exported.traced_length, exported.follows, exported.follow_refused)
+
+
+def _flat_cast(req: _Request) -> list:
+    """The example's flat inputs as the export traced them (following the sequence is refused
+    under a ``param_dtype``, so no input is cast)."""
+    args, kwargs = example_at_batch(req.args, req.kwargs, req.static_batch) if req.static_batch is not None else (
+        req.wide if req.wide is not None else (req.args, req.kwargs))
+    return torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
 
 
 def _finish(traced: _Traced, on_meta: bool) -> torch.fx.GraphModule:
@@ -445,7 +461,9 @@ def _finish(traced: _Traced, on_meta: bool) -> torch.fx.GraphModule:
         log.warning("fxsplit.trace: attention modules kept whole: %s", traced.kept)
     symbols = _name_symbols(gm, traced.input_names)
     gm.meta["fxsplit"] = TraceInfo(method=traced.method, reason=reason, input_names=traced.input_names,
-                                   symbols=symbols, dynamic=bool(symbols), on_meta=on_meta)
+                                   symbols=symbols, dynamic=bool(symbols), on_meta=on_meta,
+                                   traced_length=traced.traced_length, follows_sequence=traced.follows,
+                                   follow_refused=traced.follow_refused)
     annotate_graph(gm)
     log.info("fxsplit.trace: %s", reason)
     return gm
@@ -463,6 +481,7 @@ def trace(
     microbatch_size: int | None = None,
     param_dtype: torch.dtype | None = None,
     decompose_attention: bool = False,
+    follow_sequence: bool = False,
     **deprecated: Any,
 ) -> torch.fx.GraphModule:
     """Trace ``model`` into a GraphModule whose every node carries fxsplit metadata.
@@ -492,6 +511,10 @@ def trace(
             out_proj) instead of one leaf or torch's head-merging views, so tensor parallelism can
             shard them by heads ([Note: attention modules as ops] in ``fxsplit.graph.decompose``);
             calls it does not cover stay torch's module, and the trace reason names them.
+        follow_sequence: when torch.export traced the sequence static, trace it again one position
+            shorter and make the graph take every length up to the traced one ([Note: following the
+            sequence from two static traces] in ``fxsplit.graph.sequence``); the trace reason says
+            when it could not, and the graph stays static.
         deprecated: ``static_batch=b`` (now ``microbatch_size=b``) and ``dynamic=`` (now
             ``dynamic_batch`` and ``dynamic_sequence``) still work, with a ``FutureWarning``
             naming the new spelling.
@@ -504,7 +527,7 @@ def trace(
         raise UsageError(f"method must be one of {METHODS}, got {method!r}")
     req = _request(model, example_args, example_kwargs, leaf_modules=leaf_modules, dynamic_batch=dynamic_batch,
                    dynamic_sequence=dynamic_sequence, microbatch_size=microbatch_size, param_dtype=param_dtype,
-                   decompose_attention=decompose_attention, deprecated=deprecated)
+                   decompose_attention=decompose_attention, follow_sequence=follow_sequence, deprecated=deprecated)
     traced, fx_error = None, None
     if method in ("auto", "fx"):
         try:

@@ -30,6 +30,11 @@ rank:
     reduce_scatter_time(b, n) = (n - 1) * alpha + (n - 1) / n * b / bw
     allgather_time(b, n)      = (n - 1) * alpha + (n - 1) / n * b / bw
     allreduce_time(b, n)      = 2 (n - 1) * alpha + 2 (n - 1) / n * b / bw   (= RS then AG)
+    all_to_all_time(b, n)     = (n - 1) * alpha + (n - 1) / n * b / bw       (pairwise exchange)
+
+For an all-to-all ``b`` is what each rank sends in all (its own share stays); the pairwise
+exchange (n - 1 steps, one peer each) is what gloo and NCCL run, at the same per-step cost as a
+ring step, so the measured ring figures below apply to it too.
 
 A ring is as slow as its slowest hop, so a ring that spans nodes (``intra_node=False``) is charged
 the inter-node pair for every step: conservative for hierarchical algorithms, exact for a flat ring.
@@ -237,6 +242,10 @@ class Hardware:
 
     def reduce_scatter_time(self, nbytes: float, n: int, intra_node: bool = True) -> float:
         """Ring reduce-scatter of ``nbytes`` (the full tensor) over ``n``: (n-1) alpha + (n-1)/n nbytes / bw."""
+        return self._ring(nbytes, n, intra_node, passes=1)
+
+    def all_to_all_time(self, nbytes: float, n: int, intra_node: bool = True) -> float:
+        """All-to-all of ``nbytes`` per rank over ``n`` (each keeps 1/n): (n-1) alpha + (n-1)/n nbytes / bw."""
         return self._ring(nbytes, n, intra_node, passes=1)
 
     def same_node(self, rank_a: int, rank_b: int) -> bool:

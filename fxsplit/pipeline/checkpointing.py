@@ -18,10 +18,11 @@ Per microbatch, per unit, for a region R (its units in the graph):
   R's other units is added as recompute.
 Units outside every region (the model's top-level ops) are "none" in every mode. A stage cut
 inside a region makes two regions at run time; the model charges the region's inputs once, at its
-first unit. Not modelled: the one region's activations a backward holds while it recomputes it
-(transient, one layer per rank). The recompute is part of the stage's I estimate
+first unit. A backward holds one region's recomputed activations at a time on top of what is saved
+(transient: ``StageSummary.recompute_bytes``, the stage's largest region part at mode "none",
+added to a rank's peak by [Note: memory model]). The recompute is part of the stage's I estimate
 (``StageSummary.input_grad_time``), so the simulator's B = I + W and I both pay it. A split
-backward on graphs (``split_backward="graph"``, fxsplit.runtime.split_graph) recomputes a region
+backward on graphs (``split_backward="graph"``, fxsplit.runtime.compile.split_graph) recomputes a region
 once (what W needs of it is carried from I, or recomputed by W alone), so it is charged once, in I;
 on autograd (two autograd calls) it recomputes twice, so W is charged the recompute again
 (``StageSummary.weight_grad_time``). Stage 0 is the exception on both: it has no I (its inputs
@@ -67,6 +68,7 @@ class UnitMode:
     acts: tuple[float, ...]  # activation bytes saved per microbatch, per unit (each storage at its first saver)
     recompute: tuple[float, ...]  # seconds of forward recomputed in backward, per unit
     held: tuple = ()  # per unit: ({base node: bytes}, own bytes), fxsplit.graph.saved ([Note: saved tensors by storage])
+    region: tuple[int, ...] = ()  # per unit: the region a backward recomputes it in (-1: not recomputed)
 
 
 def _out_bytes(node: torch.fx.Node, binds: Mapping) -> float:
@@ -79,11 +81,18 @@ def mode_held(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: M
     """Per unit under ``mode``: what it saves (``({base node: bytes}, own bytes)``, as
     ``fxsplit.graph.saved.unit_saved``; ``base_held`` is mode "none") and whether backward
     recomputes it ([Note: checkpointing cost model]). The planner's workload uses it too."""
+    held, rec, _ = _mode_regions(gm, units, binds, base_held, mode)
+    return held, rec
+
+
+def _mode_regions(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: Mapping, base_held: Sequence,
+                  mode: str) -> tuple[list, list[bool], list[int]]:
+    """``mode_held`` and, per unit, the index of the region a backward recomputes it in (-1: none)."""
     index = {u: i for i, u in enumerate(units)}
-    held, rec = list(base_held), [False] * len(units)
+    held, rec, region = list(base_held), [False] * len(units), [-1] * len(units)
     if mode == "none":
-        return held, rec
-    for _, nodes in regions(gm.graph):
+        return held, rec, region
+    for k, (_, nodes) in enumerate(regions(gm.graph)):
         if not worth_checkpointing(nodes) or any(x not in index for x in nodes):
             continue
         inside = set(nodes)
@@ -93,6 +102,7 @@ def mode_held(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: M
             kept = mode == "selective" and keeps_output(x, gm)
             held[i] = ({x: _out_bytes(x, binds)}, 0.0) if kept else ({}, 0.0)
             rec[i] = not kept
+            region[i] = -1 if kept else k
         first = index[nodes[0]]
         keys = dict(held[first][0])
         for a in inputs:
@@ -100,7 +110,7 @@ def mode_held(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: M
             if b is not None:
                 keys[b] = max(keys.get(b, 0.0), _out_bytes(a, binds))
         held[first] = (keys, held[first][1])
-    return held, rec
+    return held, rec, region
 
 
 def unit_modes(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: Mapping, hardware: Hardware,
@@ -111,9 +121,9 @@ def unit_modes(gm: torch.fx.GraphModule, units: Sequence[torch.fx.Node], binds: 
                      bindings=binds) for u in units]
     out = {}
     for mode in MODES:
-        held, rec = mode_held(gm, units, binds, base_held, mode)
+        held, rec, region = _mode_regions(gm, units, binds, base_held, mode)
         out[mode] = UnitMode(tuple(first_saver_bytes(held)), tuple(f if r else 0.0 for f, r in zip(fwd, rec)),
-                             tuple(held))
+                             tuple(held), tuple(region))
     return out
 
 

@@ -31,10 +31,12 @@ FSDP leaves it ``shard_numel`` elements, ``shard_bytes`` (the whole with s = 1).
 - activations: the pipeline's in-flight microbatches times what each stage holds per
   microbatch, plus the rank's posted receive buffers (``SplitPlan.peak_activations``, [Note:
   what a stage holds] below); ``recompute``: under checkpointing, the one
-  region's activations a backward holds while it recomputes it (the planner's estimate; 0 when
-  not estimated);
+  region's activations a backward holds while it recomputes it (a built plan: the largest
+  ``StageSummary.recompute_bytes`` of the rank's stages; the planner: its own estimate; 0 when
+  not estimated); the loss's gradients and a recompute are not live at once (the ops after the
+  last region, LM head and loss, are differentiated first), so the larger of the two counts;
 - the peak of a step: parameters + optimizer state at rest, FSDP's gathered parameters, and the
-  larger of two moments. During the pipeline: the activations (+ recompute), plus the gradients
+  larger of two moments. During the pipeline: the activations (+ the larger backward transient), plus the gradients
   live at that moment: for a built plan (``Plan.memory()``) ``grads_at_peak`` from a walk of its
   schedule ([Note: the schedule's walk]: each stage's gradients from its first backward on);
   for the planner's estimate the whole (tp-local) gradients once a backward has filled them while
@@ -135,7 +137,9 @@ class RankMemory:
             grads = self.grads_at_peak
         else:
             grads = self.whole_grads if self.grads_during_forwards else 0.0
-        pipeline = self.activations + self.recompute + self.backward + grads
+        # two transients of a backward, one after the other: the loss's gradients are freed by the
+        # backward of the ops after the last checkpointed region before any region is recomputed
+        pipeline = self.activations + max(self.recompute, self.backward) + grads
         return self.params + self.optimizer + self.gathered + max(pipeline, self.whole_grads + self.buckets)
 
     @property
@@ -327,6 +331,16 @@ class StageHeld:
         units = [i for i in range(a, b) if weight_time[i] > 0]
         grads = {("grad", self.units[i]): node_bytes(self.units[i], self.binds) for i in units}
         return union_bytes([(self.held[i][0], 0.0) for i in units], grads)
+
+    def recomputed(self, region: Sequence[int], a: int, b: int) -> float:
+        """The most a backward of stage [a, b) holds at once while it recomputes a checkpointed
+        region (``region``: per unit its region, -1 when not recomputed): the largest region part's
+        activations as mode "none" saves them."""
+        parts: dict[int, list] = {}
+        for i in range(a, min(b, len(region))):
+            if region[i] >= 0:
+                parts.setdefault(region[i], []).append(self.held[i])
+        return max((union_bytes(p) for p in parts.values()), default=0.0)
 
     def stage(self, held: Sequence | None, a: int, b: int, last: bool) -> float:
         extra = self.boundary(a, b)

@@ -85,6 +85,7 @@ class StageSummary:
     activation_bytes_unchecked: float | None = None  # act/mb without checkpointing (None: same)
     recompute_time: float = 0.0  # seconds of forward recomputed in backward per microbatch
     weight_bytes: float = 0.0  # what a split backward's W still needs after I (checkpointed: may exceed activation_bytes)
+    recompute_bytes: float = 0.0  # checkpointed: the largest region's activations a backward holds while recomputing it
 
 
 def _fmt_num(x: float) -> str:
@@ -373,6 +374,8 @@ class SplitRequest:
         is charged the recompute too).
     param_casts_free: a cast of a parameter holds no storage of its own (FSDP with a
         mixed-precision ``param_dtype`` gathers the parameters in that dtype already).
+    kept_fraction: parameter name -> the part of it a rank holds (expert weights placed by ep:
+        1 / ep); the stages' parameter bytes, and so the memory cap, count that part only.
     """
 
     num_stages: int
@@ -395,6 +398,7 @@ class SplitRequest:
     # (first, last) node names no stage boundary may fall between: values inside have sizes known
     # only at run time (expert-parallel token exchange, fxsplit.passes.expert_parallel)
     atomic: Sequence[tuple[str, str]] = ()
+    kept_fraction: Mapping[str, float] = field(default_factory=dict)
 
     def checked(self) -> tuple[int, int]:
         """(p, v); SplitError for a request that cannot be split."""
@@ -426,7 +430,7 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
     units = [n for n in gm.graph.nodes if n.op in _COMPUTE]
     if not units:
         raise SplitError("the graph has no compute nodes to split")
-    costs = _unit_costs(gm, units, binds, r.hardware, r.loss_seconds)
+    costs = _unit_costs(gm, units, binds, r.hardware, r.loss_seconds, r.kept_fraction)
     held = unit_saved(gm, units, binds, param_casts_free=r.param_casts_free)
     loss_key = _loss_key(gm, binds)
     costs.acts[:] = _with_loss(first_saver_bytes(held), loss_key)
@@ -546,7 +550,7 @@ class _UnitCosts:
 
 
 def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Mapping, hardware: Hardware,
-                loss_seconds: float) -> _UnitCosts:
+                loss_seconds: float, kept_fraction: Mapping[str, float]) -> _UnitCosts:
     """Per-unit time, parameter bytes, saved activations and FLOPs from the cost model (a
     measured profile, ``fxsplit.graph.profile.apply_profile``, replaces the roofline estimate)."""
     n = len(units)
@@ -576,7 +580,7 @@ def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Map
             if cost is not None and cost.param_bytes:
                 first = min((index[u] for u in node.users if u in index), default=None)
                 if first is not None:
-                    out.params[first] += _concrete(cost.param_bytes, binds)
+                    out.params[first] += _concrete(cost.param_bytes, binds) * kept_fraction.get(str(node.target), 1.0)
     return out
 
 
@@ -642,7 +646,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
         recompute = 0.0 if um is None else sum(um.recompute[a:b])
         acts = sum(costs.acts[a:b] if um is None else um.acts[a:b])
         plain = sum(costs.acts[a:b])
-        wbytes = 0.0
+        wbytes = rbytes = 0.0
         if held is not None:
             last = s == part.num_stages - 1
             plain = held.stage(None, a, b, last)
@@ -653,6 +657,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             wbytes = held.weight(a, b, costs.weight)
             if um is None or twice:
                 wbytes = min(wbytes, acts)
+            rbytes = 0.0 if um is None else held.recomputed(um.region, a, b)
         out.append(StageSummary(
             index=s,
             rank=problem.rank_of(s),
@@ -674,6 +679,7 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
             activation_bytes_unchecked=None if um is None else plain,
             recompute_time=recompute,
             weight_bytes=wbytes,
+            recompute_bytes=rbytes,
         ))
     return tuple(out)
 

@@ -23,7 +23,7 @@ known, one whose bound is over the ``top_k``-th fastest is not re-partitioned
 been among the ``top_k``, so the pick and the simulated rows are those of scoring everything. The ``top_k`` fastest fitting
 ones are then re-scored with the schedule simulator (within ``SIMULATION_BUDGET`` actions in all:
 a very long pipeline keeps its closed form, and the table says which), and the fastest is the pick
-(ties: fewer ranks per pipeline, then fewer tensor ranks, then less recompute: the simpler
+(ties: fewer ranks per pipeline, then fewer tensor ranks, then fewer expert ranks, then less recompute: the simpler
 layout). Candidates are only ever rejected for memory or structure, never for time, so the pick
 is the fastest fitting candidate the simulator saw, and a plan that does not fit is never
 returned: when nothing fits, PlanError names the tightest candidate and what it needs.
@@ -167,7 +167,7 @@ def _reason_kind(why: str) -> str:
 def _row(tag: str, s: Score, how: str) -> tuple[str, ...]:
     c = s.candidate
     ckpt = c.activation_checkpointing
-    return (tag, str(c.dp) + (f"/{c.dp_shard}" if c.dp_shard != 1 else ""), str(c.tp),
+    return (tag, str(c.dp) + (f"/{c.dp_shard}" if c.dp_shard != 1 else "") + (f" ep{c.ep}" if c.ep != 1 else ""), str(c.tp),
             "y" if c.sequence_parallel else "", str(c.pp), str(c.stages_per_rank), c.schedule, str(c.microbatches),
             str(c.microbatch_size), ckpt, fmt_ms(s.step_time), fmt_bytes(s.memory.total), how)
 
@@ -186,7 +186,7 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
     space = list(candidates(world_size=world_size, global_batch=global_batch, hardware=hardware,
                             num_groups=workload.num_groups, max_tp=workload.max_tp,
                             sequence_parallel=workload.sequence_parallel, cuttable=sum(scorer.allowed[1:-1]),
-                            shard=shard, rejected=structural))
+                            shard=shard, num_experts=workload.num_experts, rejected=structural))
     fitting, over, pruned = _score_space(scorer, space, top_k, structural)
     if not fitting:
         raise _nothing_fits(world_size, global_batch, limit, over, structural)
@@ -272,7 +272,7 @@ def _simulate_fastest(scorer: Scorer, fitting: list[Score], top_k: int) -> tuple
             budget -= cost
             s = scorer.score(s.candidate, simulate=True)
         simulated.append(s)
-    simulated.sort(key=lambda s: (round(s.step_time, 12), s.candidate.pp, s.candidate.tp,
+    simulated.sort(key=lambda s: (round(s.step_time, 12), s.candidate.pp, s.candidate.tp, s.candidate.ep,
                                   _CKPT_ORDER[s.candidate.activation_checkpointing]))
     return tuple(simulated) + tuple(fitting[top_k:])
 

@@ -120,6 +120,15 @@ def tiny_llama(**overrides: Any) -> Example:
     return _build("LlamaForCausalLM", "LlamaConfig", cfg, dict(overrides))
 
 
+def tiny_mixtral(**overrides: Any) -> Example:
+    """``MixtralForCausalLM``: Llama's attention with a mixture of experts in place of its MLP (4
+    SwiGLU experts, top-2 softmax router, transformers' default ``grouped_mm`` experts, which
+    expert parallelism places: ``fxsplit.tp.moe``)."""
+    cfg = dict(_TINY, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+               attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return _build("MixtralForCausalLM", "MixtralConfig", cfg, dict(overrides))
+
+
 def tiny_bert(**overrides: Any) -> Example:
     """``BertForMaskedLM``: bidirectional encoder, post-LayerNorm, the MLM decoder tied to the
     word embeddings. (``token_type_ids`` are left out: all zeros.)"""

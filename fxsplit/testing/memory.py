@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes"]
+__all__ = ["LiveBytes", "LAYOUTS", "cases", "measure_case", "measured_step_peak"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -120,3 +120,62 @@ def measured_step_peak(pm: Any, opt: torch.optim.Optimizer, *args: Any, target: 
     if parts is not None:
         parts.update(held=held, ops=mem.peak, gathered=gathered[0])
     return held + mem.peak + gathered[0]
+
+
+# The layouts of benchmarks/memory_truth.py (and of its subset in tests/test_memory_truth_dist.py):
+# each without and with full activation checkpointing, and with mp_policy bf16 (parameters
+# float32, compute bfloat16, gradients reduced in float32).
+BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+LAYOUTS = {
+    "tp2xpp2": dict(tp=2, pp=2, microbatches=4),
+    "interleaved": dict(pp=4, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=8),
+    "zbv": dict(pp=4, schedule="zbv", microbatches=8),
+    "dp_shard2xpp2": dict(dp_shard=2, pp=2, microbatches=4),
+}
+CKPT = ("none", "full")
+
+
+def cases(names: Any, bf16: bool = True) -> dict[str, dict]:
+    """Label -> ``parallelize`` options for each layout of ``names`` (keys of ``LAYOUTS``)."""
+    out = {}
+    for name in names:
+        for ckpt in CKPT:
+            out[f"{name} ckpt={ckpt}"] = dict(LAYOUTS[name], activation_checkpointing=ckpt)
+        if bf16:
+            out[f"{name} bf16"] = dict(LAYOUTS[name], mp_policy="bf16")
+    return out
+
+
+def _options(options: dict) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    out = dict(options)
+    if out.get("mp_policy") == "bf16":
+        out["mp_policy"] = MixedPrecisionPolicy(**BF16)
+    return out
+
+
+def measure_case(options: dict, gpt: dict, batch: int) -> tuple[float, float, dict]:
+    """On one rank of a launch: (measured, predicted) peak bytes of this rank for the zoo GPT
+    (``gpt``: its config, ``batch`` samples per replica) planned with ``options`` (one warm-up
+    step, one measured: ``measured_step_peak`` against ``Plan.memory()``), and both sides' terms."""
+    import fxsplit
+    from fxsplit.testing import zoo
+
+    torch.manual_seed(0)
+    model, ex, _ = zoo.make("gpt", batch_size=batch, **gpt)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, gpt["vocab_size"], ex[0].shape, generator=g)
+    y = torch.randint(0, gpt["vocab_size"], ex[0].shape, generator=g)
+    replicas = options.get("dp", 1) * options.get("dp_shard", 1)
+    pm = fxsplit.parallelize(model, ex, loss_fn=zoo.cross_entropy_loss, verify=False, timeout=120,
+                             hardware=fxsplit.Hardware.cpu(), global_batch_size=batch * replicas, **_options(options))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
+    pm.step(x, target=y)  # creates the AdamW state
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    parts: dict = {}
+    measured = measured_step_peak(pm, opt, x, target=y, parts=parts)
+    opt.zero_grad(set_to_none=True)
+    pred = pm.plan.memory()[pm.coords["pp"]]
+    return float(measured), float(pred.peak), dict(measured=parts, predicted=pred.as_dict())

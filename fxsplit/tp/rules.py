@@ -630,7 +630,7 @@ _RULE_TABLE: tuple[tuple[Iterable[str], Rule], ...] = (
     (("softmax", "log_softmax"), Rule(_softmax, merged="carry")),
     (REDUCTION_NAMES, Rule(_reduce, merged="carry")),
     (("layer_norm", "rms_norm"), Rule(_layer_norm, "any", merged="carry")),
-    (("scaled_dot_product_attention",), Rule(_sdpa, any_operand=True)),
+    (("scaled_dot_product_attention", "ring_attention"), Rule(_sdpa, any_operand=True)),  # same (q, k, v, mask)
     (("matmul", "bmm"), Rule(_matmul, any_operand=True, merged="carry")),
     (("baddbmm",), Rule(_baddbmm, any_operand=True, merged="carry")),
     (sorted(ELEMENTWISE), _POINTWISE_RULE),
