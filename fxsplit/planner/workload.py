@@ -55,7 +55,7 @@ from fxsplit.graph.meta import node_info
 from fxsplit.graph.recompute import MODES, layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
 from fxsplit.pipeline.checkpointing import mode_held
-from fxsplit.pipeline.split import _cut_bytes as _unit_cut_bytes
+from fxsplit.pipeline.bindings import cut_bytes as unit_cut_bytes
 from fxsplit.tp.plan import TPPlan
 
 __all__ = ["Workload", "Linear", "repeat_layers"]
@@ -152,7 +152,7 @@ class Workload:
         for g, s in enumerate(starts):
             group_of[s:] = g
         gpos = starts + [n]
-        ucut1, ucut2 = _unit_cut_bytes(units, probe.b1), _unit_cut_bytes(units, probe.b2)
+        ucut1, ucut2 = unit_cut_bytes(units, probe.b1), unit_cut_bytes(units, probe.b2)
         cut = probe.linear(np.array([ucut1[k] for k in gpos]), np.array([ucut2[k] for k in gpos]))
         saved, recompute = _checkpointing(gm, units, probe)
         per_sample_out = _loss_output_per_sample(gm, probe)
@@ -377,7 +377,7 @@ def _experts(gm: torch.fx.GraphModule, units: list, by_name: dict, b1: dict, b2:
 
 
 def _example_bindings(gm: torch.fx.GraphModule) -> Mapping:
-    from fxsplit.pipeline.split import example_bindings
+    from fxsplit.pipeline.bindings import example_bindings
 
     return example_bindings(gm)
 
