@@ -138,8 +138,8 @@ class PipelineError(FxsplitError, RuntimeError):
 
 class RankFailedError(FxsplitError, RuntimeError):
     """Another rank failed a ``step()`` or ``forward()`` call; raised on every rank whose own code
-    did not fail ([Note: failures] in :mod:`fxsplit.runtime.failures`). ``failed`` maps each
-    failed global rank to its error text."""
+    did not fail ([Note: failures] at :meth:`fxsplit.api.model.ParallelModel._agree`). ``failed``
+    maps each failed global rank to its error text."""
 
     def __init__(self, message: str, *, failed: Mapping[int, str]):
         super().__init__(message)

@@ -34,7 +34,7 @@ BUILTIN_EXCEPTIONS = {name for name, obj in vars(builtins).items()
 # (file, or None for any file; enclosing function; builtin class) -> why it may stay a builtin.
 ALLOWED_RAISES: dict[tuple[str | None, str, str], str] = {
     # internal invariants: "this cannot happen" checks written as raise instead of assert
-    ("fxsplit/api/verify.py", "_run_lockstep", "AssertionError"): "fx graphs always have an output node",
+    ("fxsplit/api/lockstep.py", "run_lockstep", "AssertionError"): "fx graphs always have an output node",
     ("fxsplit/pipeline/partition/chain.py", "reconstruct", "AssertionError"): "the DP table always has a start",
     ("fxsplit/schedule/auto.py", "_greedy", "AssertionError"): "the greedy zb_auto builder always progresses",
     ("fxsplit/tp/emulate.py", "forward", "AssertionError"): "an op kind outside the emulator's own table",

@@ -2,7 +2,7 @@
 
 Every bad input must give a clear error on EVERY rank (naming the numbers and the fix), fast, never
 a hang. Each launch batches many checks: a rank catches each expected exception and returns its
-type and text, so one process-group launch checks many errors ([Note: failures] in fxsplit.api).
+type and text, so one process-group launch checks many errors ([Note: failures] in fxsplit.api.model).
 Numerical checks compare with the unsplit model in one process (float32, tight tolerances):
 a batch that the microbatch count does not divide (unequal microbatches weighted by size), other
 batch sizes and sequence lengths than the traced ones, inference output structure, and

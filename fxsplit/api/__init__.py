@@ -5,7 +5,7 @@ CLI), planning (``plan``: trace -> user passes -> tensor parallel -> split -> sc
 communication plan, in one process), ``parallelize`` (per-rank materialization and the runtime)
 and ``ParallelModel`` (``model``) with its checkpoints (``checkpoint``), the whole model's gradient norm
 for ``ParallelModel.clip_grad_norm_`` (``grad_norm``), and ``strategy="auto"``: the planner's
-search turned into a config (``auto``).
+search turned into a config (``auto``), and ``verify`` (its lockstep interpreter: ``lockstep``).
 
 May import every layer below it: ``fxsplit.runtime``, ``fxsplit.passes``, ``fxsplit.planner``, ``fxsplit.tp``,
 ``fxsplit.pipeline``, ``fxsplit.schedule``, ``fxsplit.graph``, ``fxsplit.errors``,

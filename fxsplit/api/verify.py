@@ -75,16 +75,15 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from fxsplit.api.lockstep import run_lockstep
 from fxsplit.api.materialize import keep_own_experts, materialize_stage
 from fxsplit.api.padding import check_padding, outputs_cut, pad_to_traced
 from fxsplit.errors import PlanError, UsageError, VerificationError
 from fxsplit.graph.examples import batch_of, example_at_batch
 from fxsplit.graph.ops import resolve_path
-from fxsplit.graph.recompute import checkpointed
 from fxsplit.graph.trace import flatten_inputs
 from fxsplit.pipeline.layout import hand_over
 from fxsplit.tp import collectives as C
-from fxsplit.tp.emulate import as_ranks, emulate, is_emulated
 from fxsplit.tp.random import is_random
 
 __all__ = ["REFERENCES", "VerificationError", "VerifyReport", "auto_verify_reason", "tolerance", "verify"]
@@ -146,73 +145,6 @@ def _error(x: torch.Tensor, ref: torch.Tensor) -> float:
 def _ok(x: torch.Tensor, ref: torch.Tensor, rtol: float | None) -> tuple[bool, float]:
     err = _error(x, ref)
     return err <= (rtol if rtol is not None else tolerance(ref.dtype)), err
-
-
-# ------------------------------------------------------------------------------------------------
-# running graphs
-
-
-def _eval(node: torch.fx.Node, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        self_, *rest = args
-        return getattr(self_, node.target)(*rest, **kwargs)
-    return mod.get_submodule(str(node.target))(*args, **kwargs)
-
-
-def _unwrapped(target: Any) -> Any:
-    """The function a graph wrapper calls (``keep(op)`` of selective checkpointing,
-    ``in_tp_stream(op)``): collectives wrapped so are still emulated."""
-    while hasattr(target, "__wrapped__"):
-        target = target.__wrapped__
-    return target
-
-
-def _run_lockstep(gm: torch.fx.GraphModule, mods: Sequence[nn.Module], inputs: Sequence[Sequence[Any]],
-                  record: dict[str, list[Any]] | None, ranks: Sequence[Mapping[str, tuple[int, int]]] | None = None
-                  ) -> list[tuple]:
-    """Run ``gm``'s graph for the t ranks (``mods[r]`` holds rank r's tensors, ``inputs[r]`` its
-    stage inputs); returns each rank's outputs; ``record`` gets every node's per-rank values.
-    ``ranks[r]``: rank r's (rank, size) along each mesh axis (default: tp rank r of t), for
-    several axes at once (cp x tp: [Note: emulated collectives over several axes])."""
-    t = len(mods)
-    if ranks is None:
-        ranks = [{"tp": (r, t)} for r in range(t)]
-    env: list[dict[torch.fx.Node, Any]] = [{} for _ in range(t)]
-    placeholders = iter(range(len(inputs[0])))
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            i = next(placeholders)
-            vals = [inputs[r][i] for r in range(t)]
-        elif node.op == "get_attr":
-            vals = [resolve_path(mods[r], node.target) for r in range(t)]
-        elif node.op == "output":
-            return [torch.fx.node.map_arg(node.args[0], lambda n, r=r: env[r][n]) for r in range(t)]
-        else:
-            args = [torch.fx.node.map_arg(node.args, lambda n, r=r: env[r][n]) for r in range(t)]
-            kwargs = [torch.fx.node.map_arg(node.kwargs, lambda n, r=r: env[r][n]) for r in range(t)]
-            base = _unwrapped(node.target) if node.op == "call_function" else None
-            if base is not None and is_emulated(base):
-                # one axis: every rank takes part; several (cp x tp): the ranks sharing the other coordinates
-                vals = emulate(base, args, kwargs, ranks if len(ranks[0]) > 1 else None)
-            elif base is checkpointed:
-                # an activation-checkpointed layer: its region graph, in lockstep (recomputation
-                # changes no number: the region is run once, without checkpointing)
-                regions = [a[0] for a in args]
-                if not isinstance(regions[0], torch.fx.GraphModule):
-                    raise VerificationError(f"verify: node {node.name!r} checkpoints a region that is not a graph")
-                vals = _run_lockstep(regions[0], regions, [a[2:] for a in args], None, ranks)
-            else:
-                vals = []
-                for r in range(t):
-                    with as_ranks(ranks[r]):
-                        vals.append(_eval(node, mods[r], args[r], kwargs[r]))
-        for r in range(t):
-            env[r][node] = vals[r]
-        if record is not None:
-            record[node.name] = vals
-    raise AssertionError("graph without an output node")
 
 
 def _projection_loss(flat: Sequence[Any]) -> torch.Tensor:
@@ -421,7 +353,7 @@ def _run_stages(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], flat: S
                    for src, meta in zip(io.inputs, io.input_meta)] for r in range(n)]
         vals.append({})
         mods = [stage_modules[s][i % held] for i in range(n)]
-        outs.append(_run_lockstep(plan.stages.modules[s], mods, inputs, vals[-1], ranks))
+        outs.append(run_lockstep(plan.stages.modules[s], mods, inputs, vals[-1], ranks))
     rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(n)]
     if c.ep > 1:  # per tp rank one model output (its ep ranks' joined), one loss
         rank_flat = [[torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() else vs[0]
@@ -486,7 +418,7 @@ class _Reference:
                 return cls(flat=flat, params=dict(model.named_parameters(remove_duplicate=False)))
         passes = plan.config.passes if with_passes else ()
         gm, mod, io = _reference_graph(model, args, kwargs, plan, passes=passes)
-        out = _run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], None)[0]
+        out = run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], None)[0]
         flat = [out[local] for _, local in sorted(io.model_outputs)]
         return cls(flat=flat, params=dict(mod.named_parameters(remove_duplicate=False)))
 
@@ -501,7 +433,7 @@ class _Reference:
     def node_values(model, args, kwargs, plan) -> tuple[torch.fx.GraphModule, dict[str, list[Any]]]:
         gm, mod, _ = _reference_graph(model, args, kwargs, plan, passes=plan.config.passes)
         record: dict[str, list[Any]] = {}
-        _run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], record)
+        run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], record)
         return gm, record
 
 
@@ -516,7 +448,7 @@ def _raise_if_passes_changed_meaning(model: nn.Module, args: Any, kwargs: Any, p
     for k in range(len(passes) + 1):
         gm, mod, io = _reference_graph(model, args, kwargs, plan, passes=passes[:k])
         with torch.no_grad():
-            out = _run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], None)[0]
+            out = run_lockstep(gm, [mod], [flatten_inputs(gm, args, kwargs)], None)[0]
         outputs.append([out[local] for _, local in sorted(io.model_outputs)])
     changed = []
     for k, fn in enumerate(passes):

@@ -18,7 +18,7 @@ Terms
 A boundary value that a stage can recompute from its own free inputs at negligible cost is
 recomputed on every stage that reads it instead of being sent there point to point for every
 microbatch (and its gradient, which it never has: it depends on no parameter). The split plans
-with it (its bytes are not part of any cut: ``fxsplit.pipeline.split._cut_bytes``) and the stage
+with it (its bytes are not part of any cut: ``fxsplit.pipeline.bindings.cut_bytes``) and the stage
 builder copies the closure into the consumer (``build_stages(..., recompute=...)``), so the
 communication plan never carries it. Exact: the closure is deterministic and reads the same
 inputs on every stage (the same microbatch of the model inputs, the same buffers), so it

@@ -38,9 +38,11 @@ import torch.fx
 from fxsplit.graph.units import fmt_bytes, fmt_ms
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.marker import find_pipe_splits
-from fxsplit.graph.meta import node_info, substitute
+from fxsplit.graph.meta import node_info
 from fxsplit.graph.recompute import layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
+from fxsplit.pipeline.bindings import batch_bindings, concrete, example_bindings, resolve_bindings
+from fxsplit.pipeline.bindings import cut_bytes as unit_cut_bytes
 from fxsplit.pipeline.partition import (
     Partition,
     PartitionError,
@@ -262,62 +264,6 @@ class SplitPlan:
         return "\n".join(lines)
 
 
-def batch_bindings(gm: torch.fx.GraphModule, batch: int | None) -> dict[sympy.Symbol, int]:
-    """``{batch symbol: batch}`` when dim 0 of the graph's first tensor input is a symbol traced at
-    another size (a batch of 1 is traced as 2: [Note: batch of one]; an example of the whole batch
-    planned for smaller microbatches), so costs and memory are those of one microbatch; else {}."""
-    if batch is None:
-        return {}
-    for node in gm.graph.nodes:
-        val = node.meta.get("val") if node.op == "placeholder" else None
-        if isinstance(val, torch.Tensor) and val.dim() >= 1:
-            s = val.shape[0]
-            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol) and s.node.hint != batch:
-                return {s.node.expr: int(batch)}
-            return {}
-    return {}
-
-
-def example_bindings(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
-    """The example sizes the graph was traced with, for every symbol in its input shapes."""
-    out: dict[sympy.Symbol, int] = {}
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue
-        for s in val.shape:
-            if isinstance(s, torch.SymInt):
-                expr = s.node.expr
-                hint = s.node.hint
-                if isinstance(expr, sympy.Symbol) and hint is not None:
-                    out[expr] = int(hint)
-    return out
-
-
-def _concrete(x: Any, bindings: Mapping) -> float:
-    if isinstance(x, sympy.Expr):
-        v = substitute(x, bindings)
-        if v.free_symbols:
-            raise SplitError(f"cannot evaluate {x} at {dict(bindings)}: symbols {sorted(map(str, v.free_symbols))} are unbound")
-        return float(v)
-    return float(x)
-
-
-def _value_bytes(node: torch.fx.Node, bindings: Mapping) -> float:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        info = node.meta.get("fxsplit")
-        if info is not None and info.outputs:
-            return info.output_bytes(bindings)
-        n = 1
-        for s in val.shape:
-            n *= s
-        return _concrete(n * val.dtype.itemsize, bindings) if not isinstance(n, torch.SymInt) else _concrete(n.node.expr * val.dtype.itemsize, bindings)
-    return 0.0  # tuples travel as their getitem results; non-tensors are recomputed, not sent
-
-
 def _split_point_positions(units: list[torch.fx.Node], split_points: Sequence[str]) -> list[int]:
     paths = [node_info(u).module_path for u in units]
     positions = []
@@ -426,7 +372,7 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
         request = replace(request, **options)
     r = request
     p, v = r.checked()
-    binds = _bindings(gm, r.bindings)
+    binds = resolve_bindings(gm, r.bindings)
     units = [n for n in gm.graph.nodes if n.op in _COMPUTE]
     if not units:
         raise SplitError("the graph has no compute nodes to split")
@@ -435,7 +381,7 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
     loss_key = _loss_key(gm, binds)
     costs.acts[:] = _with_loss(first_saver_bytes(held), loss_key)
     again = recomputable(gm, units, binds)
-    cut_bytes = _cut_bytes(units, binds, skip=again)
+    cut_bytes = unit_cut_bytes(units, binds, skip=again)
     keys = [layer_key(node_info(u).module_path) for u in units]
     forced = _forced_cuts(gm, units, r.split_points, r.num_stages)
     problem = _problem(r, units, keys, costs, cut_bytes, forced, p, v)
@@ -513,20 +459,6 @@ def _problem(r: SplitRequest, units: list[torch.fx.Node], keys: Sequence[str], c
 # the steps of plan_split
 
 
-def _bindings(gm: torch.fx.GraphModule, bindings: Mapping[str | sympy.Symbol, int] | None) -> dict[Any, int]:
-    """Sizes for the graph's symbolic dims: the traced example's, overridden by ``bindings``."""
-    binds: dict[Any, int] = dict(example_bindings(gm))
-    info = getattr(gm, "meta", {}).get("fxsplit")
-    for k, val in (bindings or {}).items():
-        if isinstance(k, str):
-            if info is None or k not in info.symbols:
-                raise SplitError(f"bindings: no symbolic dimension named {k!r}; the graph has {sorted(info.symbols) if info else []}")
-            binds[info.symbols[k]] = int(val)
-        else:
-            binds[k] = int(val)
-    return binds
-
-
 @dataclass(frozen=True)
 class _UnitCosts:
     """[Note: F, I, W estimates] Per unit: ``compute`` is forward + backward seconds, ``forward``
@@ -580,29 +512,8 @@ def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Map
             if cost is not None and cost.param_bytes:
                 first = min((index[u] for u in node.users if u in index), default=None)
                 if first is not None:
-                    out.params[first] += _concrete(cost.param_bytes, binds) * kept_fraction.get(str(node.target), 1.0)
+                    out.params[first] += concrete(cost.param_bytes, binds) * kept_fraction.get(str(node.target), 1.0)
     return out
-
-
-def _cut_bytes(units: list[torch.fx.Node], binds: Mapping, skip: frozenset[str] = frozenset()) -> list[float]:
-    """Bytes live across each position 0..n (produced before it, used at or after it; the ends 0),
-    leaving out the units named in ``skip`` (recomputed where they are read)."""
-    n = len(units)
-    index = {u: i for i, u in enumerate(units)}
-    diff = [0.0] * (n + 2)  # difference array over [producer + 1, last use]
-    for i, u in enumerate(units):
-        b = 0.0 if u.name in skip else _value_bytes(u, binds)
-        if not b:
-            continue
-        last = max((index.get(user, n) for user in u.users), default=i)
-        if last > i:
-            diff[i + 1] += b
-            diff[last + 1] -= b
-    cut_bytes, run = [0.0] * (n + 1), 0.0
-    for k in range(n + 1):
-        run += diff[k]
-        cut_bytes[k] = run if 0 < k < n else 0.0
-    return cut_bytes
 
 
 def _forced_cuts(gm: torch.fx.GraphModule, units: list[torch.fx.Node], split_points: Sequence[str] | None,

@@ -55,7 +55,7 @@ from fxsplit.graph.meta import node_info
 from fxsplit.graph.recompute import MODES, layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
 from fxsplit.pipeline.checkpointing import mode_held
-from fxsplit.pipeline.split import _cut_bytes as _unit_cut_bytes
+from fxsplit.pipeline.bindings import cut_bytes as unit_cut_bytes
 from fxsplit.tp.plan import TPPlan
 
 __all__ = ["Workload", "Linear", "repeat_layers"]
@@ -141,12 +141,57 @@ class Workload:
         """The workload of ``gm`` (traced by ``fxsplit.trace``, batch symbolic or not); ``tp_plan``
         the TP plan found at the largest degree tried (None: no tensor parallelism), ``sp_plan``
         the same with sequence parallelism (None: not applicable)."""
-        info = gm.meta.get("fxsplit")
         units = [n for n in gm.graph.nodes if n.op in _COMPUTE]
         n = len(units)
-        index = {u: i for i, u in enumerate(units)}
+        probe = _Probe.of(gm)
+        costs, params = _unit_costs(units, probe)
+        reads = _param_reads(gm, units, params, probe)
+        keys = [layer_key(node_info(u).module_path) for u in units]  # groups: runs of one layer key
+        starts = [0] + [k for k in range(1, n) if keys[k] != keys[k - 1]]
+        group_of = np.zeros(n, dtype=np.int64)
+        for g, s in enumerate(starts):
+            group_of[s:] = g
+        gpos = starts + [n]
+        ucut1, ucut2 = unit_cut_bytes(units, probe.b1), unit_cut_bytes(units, probe.b2)
+        cut = probe.linear(np.array([ucut1[k] for k in gpos]), np.array([ucut2[k] for k in gpos]))
+        saved, recompute = _checkpointing(gm, units, probe)
+        per_sample_out = _loss_output_per_sample(gm, probe)
+        plist = list(gm.parameters())  # deduplicated (tied weights once)
+        itemsize = float(max((p.element_size() for p in plist), default=4))
+        tp = _TPArrays.of(units, tp_plan, sp_plan, probe)
+        experts = _experts(gm, units, {u.name: i for i, u in enumerate(units)}, probe.b1, probe.b2, tp_plan)
+        return cls(
+            num_units=n, group_of=group_of, group_starts=tuple(starts), group_paths=tuple(keys[s] for s in starts),
+            flops=costs["flops"], matmul_flops=costs["matmul_flops"], bytes_rw=costs["rw"],
+            bytes_bwd=costs["bwd"], saved=saved, recompute=recompute, params=params,
+            param_numel=float(sum(p.numel() for p in plist)), param_itemsize=itemsize, reads_params=reads, cut=cut,
+            loss_flops_per_sample=8.0 * per_sample_out / max(itemsize, 1.0),
+            loss_bytes_per_sample=5.0 * per_sample_out, tp_sharded=tp.sharded, tp_params_sharded=tp.params_sharded,
+            sp_sharded=tp.sp & ~tp.sharded, tp_fwd_bytes=probe.linear(tp.fb1, tp.fb2),
+            tp_bwd_bytes=probe.linear(tp.bb1, tp.bb2), tp_fwd_count=tp.fc, tp_bwd_count=tp.bc,
+            max_tp=tp_plan.tp if tp_plan is not None else 1,
+            sequence_parallel=sp_plan is not None and bool(tp.sp.any()), batch_size=probe.b0,
+            loss_saved_per_sample=per_sample_out, expert_units=experts["units"], expert_params=experts["params"],
+            a2a_bytes=probe.linear(experts["a2a1"], experts["a2a2"]), num_experts=experts["num"],
+            experts_tp_sharded=experts["tp"],
+        )
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """The graph's cost expressions evaluated at batch 1 and batch 2 (``b1``, ``b2``: the symbol
+    bindings), and how a pair of evaluations becomes ``const + lin * b`` (``linear``). Without a
+    batch symbol (static shapes) everything scales with the example batch ``b0``."""
+
+    batch: object  # the batch symbol, or None
+    b0: int
+    b1: dict
+    b2: dict
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule) -> "_Probe":
+        info = gm.meta.get("fxsplit")
         batch = info.symbols.get("batch") if info is not None else None
-        b0 = _example_batch(gm)
         base = {s: v for s, v in _example_bindings(gm).items()}
 
         def binds(b: int) -> dict:
@@ -155,134 +200,148 @@ class Workload:
                 out[batch] = b
             return out
 
-        b1, b2 = binds(1), binds(2)
-        fields = ("flops", "matmul_flops", "rw", "bwd")
-        v1 = {f: np.zeros(n) for f in fields}
-        v2 = {f: np.zeros(n) for f in fields}
-        params = np.zeros(n)
-        for i, u in enumerate(units):
-            c = node_info(u).cost
-            if c is None:
-                continue
-            for vals, bb in ((v1, b1), (v2, b2)):
-                vals["flops"][i] = _num(c.flops, bb)
-                vals["matmul_flops"][i] = _num(c.matmul_flops, bb)
-                vals["rw"][i] = _num(c.bytes_read, bb) + _num(c.bytes_written, bb)
-                vals["bwd"][i] = _num(c.backward_bytes, bb)
-            params[i] += _num(c.param_bytes, b1)
-        reads = np.zeros(n, dtype=bool)
-        for node in gm.graph.nodes:
-            if node.op == "get_attr" and node.users:
-                users = [index[x] for x in node.users if x in index]
-                for j in users:
-                    reads[j] = True
-                c = node_info(node).cost
-                if c is not None and c.param_bytes and users:
-                    params[min(users)] += _num(c.param_bytes, b1)
-        reads |= params > 0
+        return cls(batch, _example_batch(gm), binds(1), binds(2))
 
-        def linear(name: str) -> Linear:
-            if batch is None:  # static shapes: everything scales with the example batch
-                return Linear(np.zeros(n), v1[name] / b0)
-            return Linear(np.maximum(2 * v1[name] - v2[name], 0.0), np.maximum(v2[name] - v1[name], 0.0))
+    def linear(self, a1: np.ndarray, a2: np.ndarray) -> Linear:
+        if self.batch is None:  # static shapes: everything scales with the example batch
+            return Linear(np.zeros(len(a1)), a1 / self.b0)
+        return Linear(np.maximum(2 * a1 - a2, 0.0), np.maximum(a2 - a1, 0.0))
 
-        # groups: runs of one layer key
-        keys = [layer_key(node_info(u).module_path) for u in units]
-        starts = [0] + [k for k in range(1, n) if keys[k] != keys[k - 1]]
-        group_of = np.zeros(n, dtype=np.int64)
-        for g, s in enumerate(starts):
-            group_of[s:] = g
-        ucut1, ucut2 = _unit_cut_bytes(units, b1), _unit_cut_bytes(units, b2)
-        gpos = starts + [n]
-        cut1 = np.array([ucut1[k] for k in gpos]) if batch is not None else np.array([ucut1[k] for k in gpos]) / b0
-        cut2 = np.array([ucut2[k] for k in gpos]) if batch is not None else 2 * cut1
-        cut = Linear(np.maximum(2 * cut1 - cut2, 0.0), np.maximum(cut2 - cut1, 0.0))
-        # checkpointing: per mode, saved bytes (each storage once) and the recompute mask, by the
-        # split's own rules (fxsplit.graph.saved, fxsplit.pipeline.checkpointing.mode_held)
-        h1, h2 = unit_saved(gm, units, b1), unit_saved(gm, units, b2)
-        saved, recompute = {}, {}
-        for mode in MODES:
-            m1, rec = mode_held(gm, units, b1, h1, mode)
-            a1 = np.array(first_saver_bytes(m1), dtype=float)
-            a2 = np.array(first_saver_bytes(mode_held(gm, units, b2, h2, mode)[0]), dtype=float)
-            saved[mode] = Linear(np.maximum(2 * a1 - a2, 0.0), np.maximum(a2 - a1, 0.0)) if batch is not None \
-                else Linear(np.zeros(n), a1 / b0)
-            recompute[mode] = np.array(rec, dtype=bool)
-        # loss: a cross-entropy-like loss over the float outputs (as fxsplit.api.plan charges it)
-        out = next(x for x in reversed(gm.graph.nodes) if x.op == "output")
-        lb1 = sum(_out_bytes(x, b1) for x in out.all_input_nodes)
-        lb2 = sum(_out_bytes(x, b2) for x in out.all_input_nodes)
-        per_sample_out = (lb2 - lb1) if batch is not None else lb1 / b0
-        plist = list(gm.parameters())  # deduplicated (tied weights once)
-        numel = float(sum(p.numel() for p in plist))
-        itemsize = float(max((p.element_size() for p in plist), default=4))
-        # tensor parallelism
+
+def _unit_costs(units: list[torch.fx.Node], probe: _Probe) -> tuple[dict[str, Linear], np.ndarray]:
+    """Per unit: forward FLOPs, matmul FLOPs, bytes read + written and backward bytes (as
+    Linear), and the parameter bytes its own cost counts."""
+    n = len(units)
+    fields = ("flops", "matmul_flops", "rw", "bwd")
+    v1 = {f: np.zeros(n) for f in fields}
+    v2 = {f: np.zeros(n) for f in fields}
+    params = np.zeros(n)
+    for i, u in enumerate(units):
+        c = node_info(u).cost
+        if c is None:
+            continue
+        for vals, bb in ((v1, probe.b1), (v2, probe.b2)):
+            vals["flops"][i] = _num(c.flops, bb)
+            vals["matmul_flops"][i] = _num(c.matmul_flops, bb)
+            vals["rw"][i] = _num(c.bytes_read, bb) + _num(c.bytes_written, bb)
+            vals["bwd"][i] = _num(c.backward_bytes, bb)
+        params[i] += _num(c.param_bytes, probe.b1)
+    return {f: probe.linear(v1[f], v2[f]) for f in fields}, params
+
+
+def _param_reads(gm: torch.fx.GraphModule, units: list[torch.fx.Node], params: np.ndarray,
+                 probe: _Probe) -> np.ndarray:
+    """Which units read a parameter (a weight-gradient half); a get_attr's parameter bytes are
+    added to ``params`` at its first user, as the split counts them."""
+    index = {u: i for i, u in enumerate(units)}
+    reads = np.zeros(len(units), dtype=bool)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            users = [index[x] for x in node.users if x in index]
+            for j in users:
+                reads[j] = True
+            c = node_info(node).cost
+            if c is not None and c.param_bytes and users:
+                params[min(users)] += _num(c.param_bytes, probe.b1)
+    return reads | (params > 0)
+
+
+def _checkpointing(gm: torch.fx.GraphModule, units: list[torch.fx.Node], probe: _Probe) -> tuple[dict, dict]:
+    """Per checkpointing mode: the saved bytes (each storage once) and the recompute mask, by the
+    split's own rules (fxsplit.graph.saved, fxsplit.pipeline.checkpointing.mode_held)."""
+    h1, h2 = unit_saved(gm, units, probe.b1), unit_saved(gm, units, probe.b2)
+    saved, recompute = {}, {}
+    for mode in MODES:
+        m1, rec = mode_held(gm, units, probe.b1, h1, mode)
+        a1 = np.array(first_saver_bytes(m1), dtype=float)
+        a2 = np.array(first_saver_bytes(mode_held(gm, units, probe.b2, h2, mode)[0]), dtype=float)
+        saved[mode] = probe.linear(a1, a2)
+        recompute[mode] = np.array(rec, dtype=bool)
+    return saved, recompute
+
+
+def _loss_output_per_sample(gm: torch.fx.GraphModule, probe: _Probe) -> float:
+    """Bytes of the model's outputs per sample: what a cross-entropy-like loss over them reads
+    and keeps (as fxsplit.api.plan charges it)."""
+    out = next(x for x in reversed(gm.graph.nodes) if x.op == "output")
+    lb1 = sum(_out_bytes(x, probe.b1) for x in out.all_input_nodes)
+    lb2 = sum(_out_bytes(x, probe.b2) for x in out.all_input_nodes)
+    return (lb2 - lb1) if probe.batch is not None else lb1 / probe.b0
+
+
+@dataclass
+class _TPArrays:
+    """Per unit, what tensor (and sequence) parallelism does to it ([Note: planner workload]):
+    sharded work and parameters, the bytes and counts of its forward (g, vocabulary all-reduce,
+    logits all-gather) and backward (f) collectives at batch 1 and 2."""
+
+    sharded: np.ndarray
+    params_sharded: np.ndarray
+    sp: np.ndarray
+    fb1: np.ndarray
+    fb2: np.ndarray
+    bb1: np.ndarray
+    bb2: np.ndarray
+    fc: np.ndarray
+    bc: np.ndarray
+
+    @classmethod
+    def of(cls, units: list[torch.fx.Node], tp_plan: TPPlan | None, sp_plan: TPPlan | None,
+           probe: _Probe) -> "_TPArrays":
+        n = len(units)
         z = lambda: np.zeros(n)  # noqa: E731
-        sharded, psharded, sp = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
-        fb1, fb2, bb1, bb2, fc, bc = z(), z(), z(), z(), z(), z()
+        arrays = cls(np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool), z(), z(), z(), z(), z(), z())
         by_name = {u.name: i for i, u in enumerate(units)}
         if tp_plan is not None and not tp_plan.is_identity:
-            for name in tp_plan.sharded_nodes:
-                if name in by_name:
-                    sharded[by_name[name]] = True
-            for region in tp_plan.regions:
-                for name in region.columns + region.rows:
-                    if name in by_name:
-                        sharded[by_name[name]] = psharded[by_name[name]] = True
-                for name in region.rows:  # g: forward all-reduce of the row output
-                    if name in by_name:
-                        i = by_name[name]
-                        fb1[i] += _out_bytes(units[i], b1)
-                        fb2[i] += _out_bytes(units[i], b2)
-                        fc[i] += 1
-                first = next((by_name[c] for c in region.columns if c in by_name), None)
-                if first is not None:  # f: backward all-reduce of the input gradient
-                    for name in region.inputs:
-                        x = next((u for u in units if u.name == name), None) if name not in by_name else units[by_name[name]]
-                        if x is not None:
-                            bb1[first] += _out_bytes(x, b1)
-                            bb2[first] += _out_bytes(x, b2)
-                    bc[first] += 1
-            for name in tp_plan.vocab_embeddings:
-                if name in by_name:
-                    i = by_name[name]
-                    sharded[i] = psharded[i] = True
-                    fb1[i] += _out_bytes(units[i], b1)
-                    fb2[i] += _out_bytes(units[i], b2)
-                    fc[i] += 1
-            for name in tp_plan.lm_heads:
-                if name in by_name:
-                    i = by_name[name]
-                    sharded[i] = psharded[i] = True
-                    fb1[i] += _out_bytes(units[i], b1)  # logits all-gathered (bytes of the full output)
-                    fb2[i] += _out_bytes(units[i], b2)
-                    fc[i] += 0.5  # an all-gather is half a ring all-reduce
-                    x = units[i].all_input_nodes[0] if units[i].all_input_nodes else None
-                    if x is not None:
-                        bb1[i] += _out_bytes(x, b1)
-                        bb2[i] += _out_bytes(x, b2)
-                        bc[i] += 1
+            arrays._add_tp(units, by_name, tp_plan, probe)
         if sp_plan is not None:
             for name in sp_plan.sequence_plan.sharded:
                 if name in by_name:
-                    sp[by_name[name]] = True
-        lin2 = lambda a1, a2: Linear(np.maximum(2 * a1 - a2, 0.0), np.maximum(a2 - a1, 0.0)) if batch is not None \
-            else Linear(np.zeros(n), a1 / b0)  # noqa: E731
-        experts = _experts(gm, units, by_name, b1, b2, tp_plan)
-        return cls(
-            num_units=n, group_of=group_of, group_starts=tuple(starts), group_paths=tuple(keys[s] for s in starts),
-            flops=linear("flops"), matmul_flops=linear("matmul_flops"), bytes_rw=linear("rw"),
-            bytes_bwd=linear("bwd"), saved=saved, recompute=recompute, params=params, param_numel=numel,
-            param_itemsize=itemsize, reads_params=reads, cut=cut,
-            loss_flops_per_sample=8.0 * per_sample_out / max(itemsize, 1.0),
-            loss_bytes_per_sample=5.0 * per_sample_out, tp_sharded=sharded, tp_params_sharded=psharded,
-            sp_sharded=sp & ~sharded, tp_fwd_bytes=lin2(fb1, fb2), tp_bwd_bytes=lin2(bb1, bb2),
-            tp_fwd_count=fc, tp_bwd_count=bc, max_tp=tp_plan.tp if tp_plan is not None else 1,
-            sequence_parallel=sp_plan is not None and bool(sp.any()), batch_size=b0,
-            loss_saved_per_sample=per_sample_out, expert_units=experts["units"], expert_params=experts["params"],
-            a2a_bytes=lin2(experts["a2a1"], experts["a2a2"]), num_experts=experts["num"],
-            experts_tp_sharded=experts["tp"],
-        )
+                    arrays.sp[by_name[name]] = True
+        return arrays
+
+    def _forward(self, i: int, node: torch.fx.Node, probe: _Probe, count: float) -> None:
+        self.fb1[i] += _out_bytes(node, probe.b1)
+        self.fb2[i] += _out_bytes(node, probe.b2)
+        self.fc[i] += count
+
+    def _backward_bytes(self, i: int, node: torch.fx.Node, probe: _Probe) -> None:
+        self.bb1[i] += _out_bytes(node, probe.b1)
+        self.bb2[i] += _out_bytes(node, probe.b2)
+
+    def _add_tp(self, units: list, by_name: dict, tp_plan: TPPlan, probe: _Probe) -> None:
+        for name in tp_plan.sharded_nodes:
+            if name in by_name:
+                self.sharded[by_name[name]] = True
+        for region in tp_plan.regions:
+            for name in region.columns + region.rows:
+                if name in by_name:
+                    self.sharded[by_name[name]] = self.params_sharded[by_name[name]] = True
+            for name in region.rows:  # g: forward all-reduce of the row output
+                if name in by_name:
+                    self._forward(by_name[name], units[by_name[name]], probe, 1)
+            first = next((by_name[c] for c in region.columns if c in by_name), None)
+            if first is not None:  # f: backward all-reduce of the input gradient
+                for name in region.inputs:
+                    x = next((u for u in units if u.name == name), None) if name not in by_name else units[by_name[name]]
+                    if x is not None:
+                        self._backward_bytes(first, x, probe)
+                self.bc[first] += 1
+        for name in tp_plan.vocab_embeddings:
+            if name in by_name:
+                i = by_name[name]
+                self.sharded[i] = self.params_sharded[i] = True
+                self._forward(i, units[i], probe, 1)
+        for name in tp_plan.lm_heads:
+            if name in by_name:
+                i = by_name[name]
+                self.sharded[i] = self.params_sharded[i] = True
+                # logits all-gathered (bytes of the full output); an all-gather is half a ring all-reduce
+                self._forward(i, units[i], probe, 0.5)
+                x = units[i].all_input_nodes[0] if units[i].all_input_nodes else None
+                if x is not None:
+                    self._backward_bytes(i, x, probe)
+                    self.bc[i] += 1
 
 
 def _experts(gm: torch.fx.GraphModule, units: list, by_name: dict, b1: dict, b2: dict,
@@ -318,7 +377,7 @@ def _experts(gm: torch.fx.GraphModule, units: list, by_name: dict, b1: dict, b2:
 
 
 def _example_bindings(gm: torch.fx.GraphModule) -> Mapping:
-    from fxsplit.pipeline.split import example_bindings
+    from fxsplit.pipeline.bindings import example_bindings
 
     return example_bindings(gm)
 
