@@ -47,6 +47,7 @@ from fxsplit.graph.meta import node_info
 from fxsplit.graph.recompute import MODES, layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
 from fxsplit.pipeline.checkpointing import mode_held
+from fxsplit.pipeline.recomputable import recomputable
 from fxsplit.pipeline.split import _cut_bytes as _unit_cut_bytes
 from fxsplit.tp.plan import TPPlan
 
@@ -179,7 +180,9 @@ class Workload:
         group_of = np.zeros(n, dtype=np.int64)
         for g, s in enumerate(starts):
             group_of[s:] = g
-        ucut1, ucut2 = _unit_cut_bytes(units, b1), _unit_cut_bytes(units, b2)
+        # values a stage recomputes instead of receiving are no pp traffic ([Note: recompute, don't ship])
+        again = recomputable(gm, units, b1)
+        ucut1, ucut2 = _unit_cut_bytes(units, b1, skip=again), _unit_cut_bytes(units, b2, skip=again)
         gpos = starts + [n]
         cut1 = np.array([ucut1[k] for k in gpos]) if batch is not None else np.array([ucut1[k] for k in gpos]) / b0
         cut2 = np.array([ucut2[k] for k in gpos]) if batch is not None else 2 * cut1
