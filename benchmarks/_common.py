@@ -306,12 +306,12 @@ def full_grads_fxsplit(pm) -> dict[str, torch.Tensor]:
         for name, p in mod.named_parameters():
             if p.grad is not None:
                 local_grads.setdefault(name, p.grad.detach().clone())
-    tp = pm._groups.get("tp")
+    tp = pm._groups.tp
     if tp is not None and dist.get_world_size(tp) > 1:
         per_rank: list = [None] * dist.get_world_size(tp)
         dist.all_gather_object(per_rank, local_grads, group=tp)
         local_grads = unshard_state_dict(per_rank, {k: v for k, v in specs.items() if k in local_grads})
-    pp = pm._groups.get("pp")
+    pp = pm._groups.pp
     if pp is not None and dist.get_world_size(pp) > 1:
         parts: list = [None] * dist.get_world_size(pp)
         dist.all_gather_object(parts, local_grads, group=pp)

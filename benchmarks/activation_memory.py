@@ -31,7 +31,7 @@ rank's **peak** of that count is printed next to the plan's prediction of its pe
 with an example of one microbatch, so act/mb is evaluated at the microbatch's size), and both
 savings against "none". **held** is the count as each backward starts (its maximum over the step): the
 activations in flight with the stage inputs and outputs the runtime keeps and its message
-buffers, which is what the plan predicts ([Note: what a stage holds] in fxsplit.pipeline.held,
+buffers, which is what the plan predicts ([Note: what a stage holds] in fxsplit.pipeline.memory,
 [Note: message buffers] in fxsplit.pipeline.memory). The **peak** also holds the working memory
 of a backward and, under checkpointing, the layer being recomputed, which the prediction does
 not count.

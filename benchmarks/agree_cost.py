@@ -33,7 +33,7 @@ def _rank(rank, world):
         t0 = time.perf_counter()
         pm.step(x, target=x.roll(-1, 1))
         steps.append(time.perf_counter() - t0)
-    group = pm._groups["errors"]
+    group = pm._groups.errors
     new, old = [], []
 
     def timed(fn):

@@ -1,6 +1,6 @@
 """fp32 CPU matmuls: aten's (MKL in torch's CPU wheel) against ``fxsplit::onednn_mm`` (oneDNN)
 on the F, I and W products of benchmarks/pipeline_vs_ptd.py's GPT ([Note: CPU matmuls through
-oneDNN] in fxsplit/runtime/cpu_matmul.py).
+oneDNN] in fxsplit/runtime/compile/cpu_matmul.py).
 
     .venv/bin/python benchmarks/cpu_matmul.py                 # one thread, 256-token microbatch
     .venv/bin/python benchmarks/cpu_matmul.py --threads 2 --tokens 512
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from fxsplit.runtime import cpu_matmul
+from fxsplit.runtime.compile import cpu_matmul
 
 SHAPES = {"qkv": (256, 768), "proj": (256, 256), "up": (256, 1024), "down": (1024, 256), "head": (256, 4096)}
 

@@ -21,6 +21,12 @@ stepwise one, with one (time to first token: the prompt's forward and the token'
 timed call starts after a barrier and counts the slowest rank. The greedy tokens of the five zoo
 GPT variants are compared (they must be equal) and printed.
 
+``--model llama``: a Hugging Face Llama of the same size (key/value heads half the heads, MLP
+twice the width), traced by torch.export at ``--seq`` tokens, so fxsplit's cache is [Note: KV cache
+for exported graphs] (fxsplit.api.kv_export); the one-process references are then the unsplit
+model's own ``generate`` with Hugging Face's cache and without it (``use_cache=False``), and all
+five token outputs must be equal.
+
 Ratios are medians of per-round ratios: tokens/s of fxsplit over one process (above 1: the pipeline
 generates faster), each with the cache and each without, and the cache's own speedup. On CPU ranks
 sharing cores the pipeline cannot beat one process (the ranks compete for the same cores), so read
@@ -51,6 +57,7 @@ class Setup:
     batch: int = 4
     prompt: int = 32
     new: int = 32
+    model: str = "gpt"  # "gpt" (the zoo GPT, fx-traced) or "llama" (Hugging Face, torch.export-traced)
     tp: int = 1
     pp: int = 2
     microbatches: int = 2
@@ -69,12 +76,31 @@ def _hf_gpt2(s: Setup):
     return GPT2LMHeadModel(cfg).eval()
 
 
+def _hf_llama(s: Setup):
+    """A Hugging Face Llama of the Setup's size, seed 0, with its example (b, seq) inputs."""
+    from fxsplit.testing import hf_zoo
+
+    return hf_zoo.tiny_llama(hidden_size=s.width, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                             num_key_value_heads=max(1, s.heads // 2), intermediate_size=2 * s.width,
+                             vocab_size=s.vocab, max_position_embeddings=s.seq, seq_len=s.seq, batch_size=s.batch,
+                             eos_token_id=None)
+
+
+def _one_process(model, s: Setup, prompt: torch.Tensor):
+    """``one(n, cache)``: the unsplit model generating n tokens in one process, with or without a cache."""
+    if s.model == "gpt":
+        return lambda n, cache: generate_unsplit(model, prompt, max_new_tokens=n, use_cache=cache)
+    mask = torch.ones_like(prompt)
+    return lambda n, cache: model.generate(prompt, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                           use_cache=cache, pad_token_id=0)
+
+
 def _rank(rank: int, world: int, s: Setup) -> dict:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    model, args, _ = make_gpt(s)
+    model, args, kwargs = make_gpt(s) if s.model == "gpt" else _hf_llama(s)
     model.eval()
-    pm = fxsplit.parallelize(model, args, tp=s.tp, pp=s.pp, microbatches=s.microbatches, timeout=120)
+    pm = fxsplit.parallelize(model, args, kwargs, tp=s.tp, pp=s.pp, microbatches=s.microbatches, timeout=120)
     setup_s = time.perf_counter() - t0
     prompt = torch.randint(0, s.vocab, (s.batch, s.prompt), generator=torch.Generator().manual_seed(1))
     out: dict = {}
@@ -82,9 +108,10 @@ def _rank(rank: int, world: int, s: Setup) -> dict:
     def fx(n, cache):
         return lambda: out.__setitem__(("fxsplit", cache, n), pm.generate(prompt, max_new_tokens=n, use_cache=cache))
 
+    unsplit = _one_process(model, s, prompt)
+
     def one(n, cache):
-        return lambda: out.__setitem__(("one process", cache, n),
-                                       generate_unsplit(model, prompt, max_new_tokens=n, use_cache=cache))
+        return lambda: out.__setitem__(("one process", cache, n), unsplit(n, cache))
 
     runs = []
     for cache in (True, False):
@@ -95,14 +122,15 @@ def _rank(rank: int, world: int, s: Setup) -> dict:
     stepwise = lambda: out.__setitem__(("fxsplit stepwise", True, s.new),  # noqa: E731
                                        pm.generate(prompt, max_new_tokens=s.new, overlap_steps=False))
     runs.append(("fxsplit stepwise", stepwise, True))
-    hf = _hf_gpt2(s) if rank == 0 else None
+    hf = _hf_gpt2(s) if rank == 0 and s.model == "gpt" else None
 
     def hf_generate(n):
         mask = torch.ones_like(prompt)
         return lambda: hf.generate(prompt, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                    do_sample=False, use_cache=True, pad_token_id=0)
 
-    runs += [("HF GPT-2 cache", hf_generate(s.new), rank == 0), ("HF GPT-2 cache first token", hf_generate(1), rank == 0)]
+    if hf is not None:
+        runs += [("HF GPT-2 cache", hf_generate(s.new), True), ("HF GPT-2 cache first token", hf_generate(1), True)]
     times, _, _ = alternate_rounds(runs, s.warmup, s.rounds, lambda: None)
     ref = out[("fxsplit", True, s.new)]
     same = rank != 0 or all(torch.equal(v, ref) for k, v in out.items() if k[2] == s.new)
@@ -118,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     r0 = results[0]
     t = r0["times"]
     n = s.batch * s.new
-    print(f"generate: GPT {s.layers} layers, width {s.width}, {s.heads} heads, vocab {s.vocab}, block {s.seq}; "
+    name = "zoo GPT (fx)" if s.model == "gpt" else "HF Llama (torch.export at --seq tokens)"
+    print(f"generate: {name} {s.layers} layers, width {s.width}, {s.heads} heads, vocab {s.vocab}, block {s.seq}; "
           f"batch {s.batch}, prompt {s.prompt}, {s.new} new tokens; tp={s.tp} x pp={s.pp}, microbatches "
           f"{s.microbatches} (used: {min(s.batch, s.microbatches)}); fxsplit's cache path: "
           f"{'KV cache' if r0['path'] is None else r0['path']}")
@@ -131,10 +160,13 @@ def main(argv: list[str] | None = None) -> int:
               f"ms, one process {1e3 * min(t[one + ' first token']):.1f} ms, ratio "
               f"{round_ratio(t[fx + ' first token'], t[one + ' first token']):.3f}")
     hf = "HF GPT-2 cache"
-    print(f"  Hugging Face GPT-2 of the same size, generate(use_cache=True) in one process: tokens/s "
-          f"{n / min(t[hf]):.1f}, first token {1e3 * min(t[hf + ' first token']):.1f} ms; fxsplit with the cache "
-          f"over it: tokens/s ratio {round_ratio(t[hf], t['fxsplit']):.3f}, first token ratio "
-          f"{round_ratio(t['fxsplit first token'], t[hf + ' first token']):.3f}")
+    print("  one process: " + ("generate_unsplit (the zoo GPT traced by torch.fx)" if s.model == "gpt" else
+                               "the unsplit Llama's own generate, use_cache=True / False"))
+    if hf in t:
+        print(f"  Hugging Face GPT-2 of the same size, generate(use_cache=True) in one process: tokens/s "
+              f"{n / min(t[hf]):.1f}, first token {1e3 * min(t[hf + ' first token']):.1f} ms; fxsplit with the "
+              f"cache over it: tokens/s ratio {round_ratio(t[hf], t['fxsplit']):.3f}, first token ratio "
+              f"{round_ratio(t['fxsplit first token'], t[hf + ' first token']):.3f}")
     print(f"  overlapped steps: tokens/s with the cache, steps overlapped {n / min(t['fxsplit']):.1f}, one pipeline "
           f"forward per step {n / min(t['fxsplit stepwise']):.1f}; ratio {round_ratio(t['fxsplit stepwise'], t['fxsplit']):.3f}")
     print(f"  the cache's speedup in tokens/s (recompute time / cache time): fxsplit "

@@ -1,15 +1,17 @@
 """Long context: peak activation memory per rank and step time of a small Llama at growing sequence
-lengths, cp = 1 / 2 / 4 (context parallelism, ``parallelize(..., cp=C)``), on 4 gloo ranks in ONE launch;
-then torch's own ``torch.distributed.tensor.experimental.context_parallel`` on the same model and ranks.
+lengths, cp = 1 / 2 / 4 (context parallelism, ``parallelize(..., cp=C)``), keys and values by all-gather and
+by ring (``cp_kv``), on 4 gloo ranks in ONE launch; then torch's own
+``torch.distributed.tensor.experimental.context_parallel`` on the same model and ranks.
 
     .venv/bin/python benchmarks/long_context.py                              # 2k and 4k tokens
     .venv/bin/python benchmarks/long_context.py --lengths 2048,4096,8192,16384 --repeats 3
 
-Layouts, 4 ranks each, each data-parallel replica training on two sequences: cp=1 is dp=4 (each rank
-two whole sequences), cp=2 is dp=2 x cp=2, cp=4 is cp=4 (each rank a quarter of each sequence). The model:
-LlamaForCausalLM from a config (hidden 128, 2 layers, 4 query / 2 key-value heads, vocabulary 256, sdpa),
-its loss from ``labels=`` (the mean over every token of every cp rank). **peak** is the most bytes the
-ops of one training step held at once on a rank (``fxsplit.testing.memory.LiveBytes``: activations,
+Layouts, 4 ranks each, each data-parallel replica training on ``--sequences`` sequences (default 2): cp=1
+is dp=4 (each rank whole sequences), cp=2 is dp=2 x cp=2, cp=4 is cp=4 (each rank a quarter of each
+sequence), the cp layouts once with K/V all-gathered and once passed around the ring. The model:
+LlamaForCausalLM from a config (hidden 64, 2 layers, 4 query / 2 key-value heads of 16, vocabulary 256,
+sdpa), its loss from ``labels=`` (the mean over every token of every cp rank). **peak** is the most bytes
+the ops of one training step held at once on a rank (``fxsplit.testing.memory.LiveBytes``: activations,
 their gradients, temporaries; parameters and their gradients, allocated before the step, are not
 counted), the largest over the 4 ranks; **step** is the median wall time of ``pm.step`` over
 ``--repeats`` steps, the layouts alternated step by step (one of each, then again) so that machine
@@ -24,14 +26,20 @@ import time
 
 import torch
 
-LAYOUTS = {1: dict(dp=4), 2: dict(dp=2, cp=2), 4: dict(cp=4)}
+LAYOUTS = {  # name -> parallelize options
+    "cp=1 (dp=4)": dict(dp=4),
+    "cp=2 all-gather (dp=2)": dict(dp=2, cp=2, cp_kv="allgather"),
+    "cp=2 ring (dp=2)": dict(dp=2, cp=2, cp_kv="ring"),
+    "cp=4 all-gather": dict(cp=4, cp_kv="allgather"),
+    "cp=4 ring": dict(cp=4, cp_kv="ring"),
+}
 TORCH_TIMEOUT_S = 60
 
 
 def _llama(seq_len: int):
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq_len,
                                    use_cache=False, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
     cfg._attn_implementation = "sdpa"
@@ -43,7 +51,7 @@ def _loss(output, target):  # the model's own loss (labels= in the inputs)
     return output["loss"]
 
 
-def _worker(rank: int, world: int, lengths: list[int], repeats: int) -> dict:
+def _worker(rank: int, world: int, lengths: list[int], repeats: int, sequences: int) -> dict:
     import fxsplit
     from fxsplit.testing.data import replica_slice
     from fxsplit.testing.memory import LiveBytes
@@ -53,30 +61,31 @@ def _worker(rank: int, world: int, lengths: list[int], repeats: int) -> dict:
     for S in lengths:
         model = _llama(S)
         g = torch.Generator().manual_seed(S)
-        ids = torch.randint(0, 256, (8, S), generator=g)
+        ids = torch.randint(0, 256, (4 * sequences, S), generator=g)
         pms, data = {}, {}
-        for cp, layout in LAYOUTS.items():
+        for name, layout in LAYOUTS.items():
             dp = layout.get("dp", 1)
-            batch = ids[:2 * dp]  # two sequences per data-parallel replica
-            pm = fxsplit.parallelize(model, (batch[:2],), {"labels": batch[:2]}, loss_fn=_loss, hardware=hw,
-                                     timeout=600, verify=False, **layout)
+            batch = ids[:sequences * dp]  # `sequences` per data-parallel replica
+            pm = fxsplit.parallelize(model, (batch[:sequences],), {"labels": batch[:sequences]}, loss_fn=_loss,
+                                     hardware=hw, timeout=600, verify=False, **layout)
             x = replica_slice(pm, batch)
-            pms[cp], data[cp] = pm, x
+            pms[name], data[name] = pm, x
             pm.step(x, labels=x, target=x)  # warm-up: allocates the parameter gradients
-        times = {cp: [] for cp in LAYOUTS}
+        times = {name: [] for name in LAYOUTS}
         peaks = {}
         for r in range(repeats):
-            for cp, pm in pms.items():
-                x = data[cp]
+            for name, pm in pms.items():
+                x = data[name]
                 if r == 0:
                     with LiveBytes() as mem:
                         pm.step(x, labels=x, target=x)
-                    peaks[cp] = mem.peak
+                    peaks[name] = mem.peak
                 else:
                     t0 = time.perf_counter()
                     pm.step(x, labels=x, target=x)
-                    times[cp].append(time.perf_counter() - t0)
-        rows[S] = {cp: (peaks[cp], statistics.median(times[cp]) if times[cp] else float("nan")) for cp in LAYOUTS}
+                    times[name].append(time.perf_counter() - t0)
+        rows[S] = {name: (peaks[name], statistics.median(times[name]) if times[name] else float("nan"))
+                   for name in LAYOUTS}
         del pms
     rows["torch"] = _torch_cp(rank, world, min(lengths))
     return rows
@@ -110,20 +119,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="2048,4096", help="sequence lengths, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="steps per layout (the first measures memory)")
+    parser.add_argument("--sequences", type=int, default=2, help="sequences per data-parallel replica (>= 2: export traces a batch of 1 static)")
     ns = parser.parse_args(argv)
     lengths = [int(x) for x in ns.lengths.split(",")]
     from fxsplit.testing import run_distributed
 
-    results = run_distributed(_worker, 4, lengths, max(ns.repeats, 2), timeout=3600)
+    results = run_distributed(_worker, 4, lengths, max(ns.repeats, 2), ns.sequences, timeout=4 * 3600)
     print("| tokens | layout | peak activation memory per rank | vs cp=1 | step (median) |")
     print("| --- | --- | --- | --- | --- |")
+    first = next(iter(LAYOUTS))
     for S in lengths:
-        base = max(r[S][1][0] for r in results)
-        for cp, layout in LAYOUTS.items():
-            peak = max(r[S][cp][0] for r in results)
-            step = max(r[S][cp][1] for r in results)
-            name = " x ".join(f"{k}={v}" for k, v in layout.items())
-            print(f"| {S} | cp={cp} ({name}) | {peak / 2**20:.1f} MiB | {peak / base:.2f} | {step:.3f} s |")
+        base = max(r[S][first][0] for r in results)
+        for name in LAYOUTS:
+            peak = max(r[S][name][0] for r in results)
+            step = max(r[S][name][1] for r in results)
+            print(f"| {S} | {name} | {peak / 2**20:.1f} MiB | {peak / base:.2f} | {step:.3f} s |")
     print(f"\ntorch context_parallel (cp=4, {min(lengths)} tokens, rank 0): {results[0]['torch']}")
 
 

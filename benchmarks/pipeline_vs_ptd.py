@@ -77,7 +77,7 @@ SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved_1f1b", 2), "zb_h1
 # "<schedule>_autograd": the same schedule with split_backward="autograd" (the default is "graph")
 SCHEDULES.update({f"{k}_autograd": SCHEDULES[k] for k in ("zb_h1", "zbv", "zb_auto")})
 # "<schedule>_unfused" (with --compile): B runs as the I then the W graph, not one backward graph
-# ([Note: fused backward] in fxsplit.runtime.compiling), to measure what fusing them gives
+# ([Note: fused backward] in fxsplit.runtime.compile.compiling), to measure what fusing them gives
 SCHEDULES.update({f"{k}_unfused": SCHEDULES[k] for k in ("1f1b", "interleaved")})
 PTD_OF = {"1f1b_unfused": "1f1b", "interleaved_unfused": "interleaved", "zb_auto": "zb_h1", "zb_auto_autograd": "zb_h1", "zb_h1_autograd": "zb_h1", "zbv_autograd": "zbv"}
 # PTD has no cost-driven schedule: zb_auto runs against its ZB1P
@@ -395,7 +395,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
 
 
 def _cpu_matmul_note() -> str:
-    from fxsplit.runtime import cpu_matmul
+    from fxsplit.runtime.compile import cpu_matmul
 
     mode = os.environ.get("FXSPLIT_CPU_MATMUL", "auto")
     chosen = cpu_matmul.onednn_matmul_chosen()

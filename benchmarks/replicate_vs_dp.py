@@ -71,11 +71,11 @@ def _rank(rank, world, args):
         return run
 
     def fxsplit_local():  # instrumentation: the same step with the gradient reduction skipped
-        sync, pm._sync_grads = pm._sync_grads, lambda: None
+        sync, pm._grads.finish = pm._grads.finish, lambda: None
         try:
             pm.step(x, target=y)
         finally:
-            pm._sync_grads = sync
+            pm._grads.finish = sync
 
     variants = {"fxsplit": lambda: pm.step(x, target=y), "replicate": eager_step(eager), "local": eager_step(local),
                 "fxsplit_local": fxsplit_local}

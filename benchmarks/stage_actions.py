@@ -29,8 +29,8 @@ import time
 import torch
 
 import fxsplit
-from fxsplit.runtime.compiling import INDUCTOR_OPTIONS, compile_split
-from fxsplit.runtime.split_graph import GraphSplit, accumulate_grads
+from fxsplit.runtime.compile.compiling import INDUCTOR_OPTIONS, compile_split
+from fxsplit.runtime.compile.split_graph import GraphSplit, accumulate_grads
 from fxsplit.testing import zoo
 from fxsplit.testing.stage_inputs import stage_inputs
 

@@ -8,6 +8,7 @@ Terms: dp, tp, pp the data-, tensor- and pipeline-parallel degrees (world size d
     torchrun --standalone --nproc-per-node 4 examples/train_llama.py --tp 1 --dp 2   # dp=2 x pp=2
     torchrun --standalone --nproc-per-node 4 examples/train_llama.py --steps 20 --save ckpt --save-every 10
     torchrun --standalone --nproc-per-node 4 examples/train_llama.py --steps 20 --resume ckpt/step-10  # 10..19
+    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --experts 4 --tp 1 --dp 2 --ep 2  # MoE, ep=2
 
 The model is ``transformers.LlamaForCausalLM`` from a small config (``fxsplit.testing.hf_zoo``:
 RMSNorm, RoPE, SwiGLU, grouped-query attention). The data is synthetic but learnable: each
@@ -18,7 +19,13 @@ a resumed run, at any (dp, tp, pp), sees exactly the batches the uninterrupted r
     step 3 | loss 4.812317 | lr 1.50e-03 | grad norm 2.314052 | 5120 tokens/s | 0.081 s | bubble 21.4%
 
 (tokens/s over the whole world's batch; bubble is the measured share of the step the rank spent
-blocked on its pipeline peers). ``--save DIR`` writes ``DIR/step-N``: a torch.distributed.checkpoint
+blocked on its pipeline peers). ``--experts E`` trains transformers' Mixtral instead (E experts,
+top-2, same sizes) and, with ``--ep``, places its experts by expert parallelism; the line then
+ends with the step's expert load, the rows each expert received (summed over the layers), and the
+all-to-all time (``fxsplit.api.expert_load``)::
+
+    step 3 | ... | bubble 21.4% | expert rows min 212 / mean 256.0 / max 301 | all-to-all 0.012 s
+ ``--save DIR`` writes ``DIR/step-N``: a torch.distributed.checkpoint
 of the model and optimizer (each rank its own shards) plus ``trainer.json`` (the step); ``--resume DIR/step-N``
 reloads them, also at another (dp, tp, pp), and continues from that step, with the learning-rate
 schedule where it was.
@@ -39,7 +46,9 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import fxsplit
-from fxsplit.testing.hf_zoo import tiny_llama
+from fxsplit.api.expert_load import expert_load, expert_rows
+from fxsplit.testing.hf_zoo import tiny_llama, tiny_mixtral
+from fxsplit.tp.experts import exchange_stats
 
 
 def lm_loss(output, labels: torch.Tensor) -> torch.Tensor:
@@ -53,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--experts", type=int, default=0, help="a Mixtral with this many experts (0: a dense Llama)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, carved out of dp")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--vocab", type=int, default=256)
@@ -102,12 +113,13 @@ def save(pm, opt, folder: str, step: int) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model, (input_ids,), _ = tiny_llama(num_hidden_layers=args.layers, hidden_size=args.hidden,
-                                        intermediate_size=4 * args.hidden, vocab_size=args.vocab,
-                                        batch_size=args.batch_size // args.dp, seq_len=args.seq_len, seed=0)
+    build, extra = (tiny_mixtral, dict(num_local_experts=args.experts)) if args.experts else (tiny_llama, {})
+    model, (input_ids,), _ = build(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                                   intermediate_size=4 * args.hidden, vocab_size=args.vocab,
+                                   batch_size=args.batch_size // args.dp, seq_len=args.seq_len, seed=0, **extra)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if args.precision == "bf16" else None)
-    pm = fxsplit.parallelize(model, (input_ids,), loss_fn=lm_loss, tp=args.tp, pp=args.pp, dp=args.dp,
+    pm = fxsplit.parallelize(model, (input_ids,), loss_fn=lm_loss, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
                              microbatches=args.microbatches, mp_policy=policy,
                              activation_checkpointing=args.checkpointing)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,15 +142,20 @@ def main(argv=None) -> int:
             group["lr"] = lr_at(step, args)
         x, y = (t.to(device) for t in batch(step, args, dp_rank))
         t0 = time.perf_counter()
-        loss = pm.step(x, target=y)
+        with exchange_stats() as exchanged:
+            loss = pm.step(x, target=y)
         norm = pm.clip_grad_norm_(args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
+        rows = expert_rows(pm, exchanged)  # collective (None without ep)
         if rank == 0:
+            load = expert_load(torch.tensor(rows)) if rows else None
+            experts = (f" | expert rows min {load['min']:.0f} / mean {load['mean']:.1f} / max {load['max']:.0f} | "
+                       f"all-to-all {exchanged.seconds:.3f} s" if load else "")
             print(f"step {step} | loss {loss.item():.6f} | lr {lr_at(step, args):.2e} | grad norm {norm.item():.6f} | "
-                  f"{tokens_per_step / seconds:.0f} tokens/s | {seconds:.3f} s | bubble {100 * pm.last_bubble:.1f}%",
-                  flush=True)
+                  f"{tokens_per_step / seconds:.0f} tokens/s | {seconds:.3f} s | bubble {100 * pm.last_bubble:.1f}%"
+                  f"{experts}", flush=True)
         done = step + 1
         if args.save and ((args.save_every and done % args.save_every == 0) or done == args.steps):
             folder = os.path.join(args.save, f"step-{done}")

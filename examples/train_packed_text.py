@@ -12,7 +12,7 @@ trained to predict the next one.
     torchrun --standalone --nproc-per-node 4 examples/train_packed_text.py --dp 2 --tp 1
 
 The plan is traced once at ``--seq-len``; the steps cycle through that length, three quarters and
-half of it (a shorter step is padded to the traced length and its outputs cut back, exactly). Each
+half of it (a shorter step runs at its own length: the plan follows it, exactly). Each
 step prints its length, the documents in the batch, the loss of fxsplit and of an unsplit copy
 trained alongside on rank 0, and the tokens per second; the exit status is 1 when the losses differ
 by more than ``--rtol`` (relative).

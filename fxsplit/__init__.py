@@ -147,6 +147,7 @@ PUBLIC_MODULES = (
     "fxsplit.tp",
     "fxsplit.tp.collectives",
     "fxsplit.tp.context",
+    "fxsplit.tp.ring",
     "fxsplit.tp.sharding",
     "fxsplit.tp.functional",
     "fxsplit.tp.plan",

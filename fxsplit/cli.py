@@ -273,7 +273,7 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         hardware = (Hardware(link_bytes_per_s=ns.link_bandwidth) if hardware is None
                     else dataclasses.replace(hardware, link_bytes_per_s=ns.link_bandwidth))
     config = ParallelConfig(
-        tp=ns.tp, pp=ns.pp, dp=ns.dp, ep=ns.ep, cp=ns.cp, microbatches=ns.microbatches, schedule=ns.schedule,
+        tp=ns.tp, pp=ns.pp, dp=ns.dp, ep=ns.ep, cp=ns.cp, cp_kv=ns.cp_kv, microbatches=ns.microbatches, schedule=ns.schedule,
         stages_per_rank=ns.stages_per_rank, split_points=ns.split_points, memory_limit=ns.memory_limit,
         method=ns.method, passes=tuple(_load_passes(ns.passes)), debug=ns.debug_dir,
         sequence_parallel=ns.sequence_parallel, vocab_parallel_loss=ns.vocab_parallel_loss,
@@ -367,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-parallel degree, carved out of the dp ranks: each holds E/ep experts (default 1)")
     p.add_argument("--cp", type=_positive_int, default=1,
                    help="context-parallel degree: each rank keeps 2 of 2*cp chunks of every sequence (default 1)")
+    p.add_argument("--cp-kv", choices=("allgather", "ring"), default=None,
+                   help="how attention reads other cp ranks' keys and values (default: chosen per attention)")
     p.add_argument("--microbatches", type=_positive_int, default=None, help="microbatches per step (default 2 * pp)")
     p.add_argument("--schedule", choices=SCHEDULES, default="interleaved_1f1b", help="pipeline schedule")
     p.add_argument("--stages-per-rank", type=_positive_int, default=None,

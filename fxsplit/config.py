@@ -9,7 +9,7 @@ Terms:
         graph diff, time) under that folder. See ``fxsplit.graph.debug``.
     FXSPLIT_CACHE_DIR: where ``Hardware.measure()`` caches its JSON (default ``~/.cache/fxsplit``).
     FXSPLIT_CPU_MATMUL: ``auto`` (default), ``onednn`` or ``aten``: how compiled CPU graphs run
-        fp32 matmuls ([Note: CPU matmuls through oneDNN] in ``fxsplit.runtime.cpu_matmul``).
+        fp32 matmuls ([Note: CPU matmuls through oneDNN] in ``fxsplit.runtime.compile.cpu_matmul``).
 
 Signature::
 

@@ -4,7 +4,7 @@ Terms: a *request error* is a question that cannot be answered as asked (a degre
 divide, a split point that does not exist, a schedule that breaks a rule); it subclasses
 ``ValueError`` as well (or the builtin such a mistake always raised: ``ArgumentTypeError`` is a
 ``TypeError``, ``OutOfRangeError`` an ``IndexError``, ``MissingKeyError`` a ``KeyError``, so
-``except TypeError`` written against older versions still catches it), and the message names the
+code that catches the builtin, ``except TypeError``, catches it too), and the message names the
 value, the rule and the fix; ``REQUEST_ERRORS`` lists them. A *run error* is a failure while
 running (a model that cannot be traced, a peer rank that failed, a call this state does not
 allow); it subclasses ``RuntimeError``.

@@ -22,11 +22,12 @@ values are sharded and along which dim (a rule per op, ``_RULES``):
   in the graph, labels shifted in the graph), the full value is cut to this rank's tokens there
   (``keep_local``), so every position-dependent op sees the global positions of the local tokens
   and labels are shifted globally before they are cut (Hugging Face shifts inside its loss);
-- attention: keys and values are all-gathered along the sequence (``gather_to_region`` over
-  ``"cp"``: backward reduce-scatters dK / dV; Llama 3's all-gather CP, no ring) and put back in
-  natural order; the local queries read every key: a mask given to sdpa keeps its rows of the
-  local queries; ``is_causal=True`` becomes the causal rows at the local queries' global positions
-  (``causal_rows``); eager ``softmax(Q K^T) V`` gathers K at the first matmul and V at the second;
+- attention: the local queries read every rank's keys and values, all-gathered along the
+  sequence (``gather_to_region`` over ``"cp"``, put back in natural order; Llama 3's CP) or
+  passed around the ring (``ring_attention``), chosen per call ([Note: all-gather or ring] in
+  ``passes/cp_attention.py``); a mask given to sdpa keeps its rows of the local queries;
+  ``is_causal=True`` becomes the causal rows at the local queries' global positions; eager
+  ``softmax(Q K^T) V`` gathers K at the first matmul and V at the second;
 - loss: ``cross_entropy(reduction="mean")`` becomes the cp-sum of the local sums over the cp-sum of
   the local counts of non-ignored targets: the mean over ALL tokens of all ranks;
 - outputs: a sharded model output is all-gathered (natural order), so the model returns what the
@@ -52,6 +53,8 @@ from fxsplit.graph.ops import op_name
 from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.collectives import all_reduce_sum, gather_from_region, gather_to_region, reduce_from_region
 from fxsplit.tp.context import causal_rows, keep_local, natural_order
+from fxsplit.tp.ring import ring_attention
+from fxsplit.passes.cp_attention import KV_STRATEGIES, matmul_rule, ndim as _ndim, same as _same, sdpa_rule, val as _val
 
 __all__ = ["CPPlan", "context_parallel"]
 
@@ -78,7 +81,13 @@ class CPPlan:
     cut: list[str] = field(default_factory=list)  # full values cut to the local tokens
     losses: list[str] = field(default_factory=list)
     gathered_outputs: list[str] = field(default_factory=list)
-    method: str = "all-gather of K/V along the sequence (no ring), load-balanced head/tail chunks"
+    kv: str | None = None  # the request: "allgather", "ring", or None (auto, per attention)
+
+    @property
+    def method(self) -> str:
+        ring = sum("ring attention" in a for a in self.attention)
+        return (f"K/V by ring in {ring} and by all-gather in {len(self.attention) - ring} of {len(self.attention)} "
+                f"attention ops (cp_kv={self.kv!r}), load-balanced head/tail chunks")
 
     def __str__(self) -> str:
         return (f"context parallel cp={self.cp}, S={self.seq_len} ({self.method}); sequence inputs "
@@ -90,15 +99,19 @@ class CPPlan:
 # ----------------------------------------------------------------------------------------- the pass
 
 
-def context_parallel(gm: torch.fx.GraphModule, ctx: PassContext, *, cp: int) -> PassResult:
+def context_parallel(gm: torch.fx.GraphModule, ctx: PassContext, *, cp: int, kv: str | None = None) -> PassResult:
     """Rewrite ``gm`` (a graph traced by torch.export with a static sequence) into the graph every
-    cp rank runs ([Note: context parallelism by propagation]). PlanError when the graph has no
-    sequence input, the sequence does not divide by 2 * cp, or an op cannot be rewritten exactly."""
+    cp rank runs ([Note: context parallelism by propagation]); ``kv``: "allgather", "ring" or None
+    (auto per attention: [Note: all-gather or ring] in ``passes/cp_attention.py``). PlanError when
+    the graph has no sequence input, the sequence does not divide by 2 * cp, or an op cannot be
+    rewritten exactly."""
     if cp == 1:
         return PassResult(gm, False)
+    if kv is not None and kv not in KV_STRATEGIES:
+        raise PlanError(f"context_parallel: kv must be one of {KV_STRATEGIES} or None (auto), got {kv!r}")
     seq_len, inputs = _sequence(gm, cp)
-    rw = _Rewrite(gm, cp, seq_len, CPPlan(cp=cp, seq_len=seq_len, sequence_inputs=tuple(n.name for n in inputs)),
-                  inputs)
+    rw = _Rewrite(gm, cp, seq_len, CPPlan(cp=cp, seq_len=seq_len, sequence_inputs=tuple(n.name for n in inputs),
+                                          kv=kv), inputs)
     rw.run()
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -106,10 +119,6 @@ def context_parallel(gm: torch.fx.GraphModule, ctx: PassContext, *, cp: int) -> 
     annotate_graph(gm)
     ctx.report["context_parallel"] = rw.plan
     return PassResult(gm, True)
-
-
-def _val(node: Any) -> Any:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _sequence(gm: torch.fx.GraphModule, cp: int) -> tuple[int, list[torch.fx.Node]]:
@@ -148,6 +157,7 @@ def _divisor_hint(seq_len: int) -> str:
 class _Rewrite:
     def __init__(self, gm: torch.fx.GraphModule, cp: int, seq_len: int, plan: CPPlan, inputs: list) -> None:
         self.gm, self.graph, self.cp, self.S, self.plan = gm, gm.graph, cp, seq_len, plan
+        self.kv = plan.kv
         self.inputs = set(inputs)
         self.state: dict[torch.fx.Node, Any] = {}  # node -> Seq, or a tuple of Seq | None for tuples
         self.cuts: dict[tuple[torch.fx.Node, int, int], torch.fx.Node] = {}
@@ -250,15 +260,6 @@ class _Rewrite:
 
 
 # ------------------------------------------------------------------------------------------- rules
-
-
-def _ndim(node: Any) -> int:
-    v = _val(node)
-    return v.dim() if isinstance(v, torch.Tensor) else 0
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a == b if type(a) is int and type(b) is int else str(a) == str(b)
 
 
 def _pointwise(rw: _Rewrite, node: torch.fx.Node) -> Seq:
@@ -463,22 +464,6 @@ def _cat(rw: _Rewrite, node: torch.fx.Node) -> Seq:
     return s
 
 
-def _matmul(rw: _Rewrite, node: torch.fx.Node) -> Seq:
-    """``A @ B``: A sharded on its rows (the local queries); B full, or sharded along the
-    contraction (V in P @ V) or the columns (K^T in Q @ K^T): then gathered whole."""
-    a, b = node.args[0], node.args[1]
-    sa, sb = rw.seq_of(a), rw.seq_of(b)
-    na, nb = _ndim(a), _ndim(b)
-    if sa is None or sa.dim != na - 2 or sa.inner != 1:
-        raise rw.fail(node, "a matmul whose left operand is not sharded along its rows")
-    if sb is not None:
-        if sb.dim not in (nb - 2, nb - 1) or sb.inner != 1:
-            raise rw.fail(node, "a matmul whose right operand is sharded along a batch dim")
-        node.update_arg(1, rw.gather(b, sb.dim, node))
-        rw.plan.attention.append(f"{node.name}: eager attention, {b.name} all-gathered along dim {sb.dim}")
-    return Seq(sa.dim + _ndim(node) - na)
-
-
 def _addmm(rw: _Rewrite, node: torch.fx.Node) -> Seq:
     """``bias + x @ W`` (GPT-2's Conv1D): x sharded along its rows, bias and W full."""
     x = node.args[1]
@@ -494,50 +479,6 @@ def _mm(rw: _Rewrite, node: torch.fx.Node) -> Seq:
     if s is None or s.dim != 0 or rw.seq_of(node.args[1]) is not None:
         raise rw.fail(node, "an mm whose sharded operand is not the rows of its left input")
     return s
-
-
-_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def _sdpa(rw: _Rewrite, node: torch.fx.Node) -> Seq:
-    """Local queries against every key and value (gathered), masks at the queries' global rows."""
-    args = dict(zip(_SDPA, node.args))
-    args.update(node.kwargs)
-    q, k, v = args["query"], args["key"], args["value"]
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        s = rw.seq_of(x)
-        if s is None or s.dim != _ndim(x) - 2 or s.inner != 1:
-            raise rw.fail(node, f"its {name} is not sharded along the sequence dim (-2)")
-    if args.get("dropout_p", 0.0):
-        raise rw.fail(node, "attention dropout (dropout_p > 0) draws its mask per key block")
-    how = []
-    args["key"] = rw.gather(k, _ndim(k) - 2, node)
-    args["value"] = rw.gather(v, _ndim(v) - 2, node)
-    mask = args.get("attn_mask")
-    if mask is not None:
-        sm = rw.seq_of(mask)
-        md = _ndim(mask) - 2
-        if sm is None:
-            if _same(_val(mask).shape[md], 1):
-                pass
-            elif not _same(_val(mask).shape[md], rw.S):
-                raise rw.fail(node, f"its mask of shape {tuple(_val(mask).shape)} has no row per query")
-            else:
-                args["attn_mask"] = rw.cut(mask, md, 1, node)
-        elif sm.dim != md:
-            raise rw.fail(node, "its mask is sharded along the keys")
-        how.append("mask rows of the local queries")
-    if args.get("is_causal", False):
-        if mask is not None:
-            raise rw.fail(node, "both a mask and is_causal=True")
-        with rw.graph.inserting_before(node):
-            args["attn_mask"] = rw.new(causal_rows, (q, rw.S), {"axis": _AXIS}, like=node)
-        args["is_causal"] = False
-        how.append("is_causal -> causal rows at the local queries' global positions")
-    node.args = tuple(args.get(k_, d) for k_, d in zip(_SDPA[:6], (None, None, None, None, 0.0, False)))
-    node.kwargs = {k_: args[k_] for k_ in _SDPA[6:] if k_ in args}
-    rw.plan.attention.append(f"{node.name}: sdpa, K/V all-gathered" + (f", {', '.join(how)}" if how else ""))
-    return rw.seq_of(q)
 
 
 _CE = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
@@ -606,8 +547,8 @@ _RULES: dict[str, Callable[[_Rewrite, torch.fx.Node], Any]] = {
     "split": _split, "split_with_sizes": _split, "chunk": _split, "unbind": _split,
     "repeat_interleave": _dim_arg_not_seq(2),
     "cat": _cat,
-    "matmul": _matmul, "bmm": _matmul, "addmm": _addmm, "mm": _mm,
-    "scaled_dot_product_attention": _sdpa,
+    "matmul": matmul_rule, "bmm": matmul_rule, "addmm": _addmm, "mm": _mm,
+    "scaled_dot_product_attention": sdpa_rule,
     "cross_entropy_loss": _cross_entropy,
 }
 
@@ -651,6 +592,9 @@ def _fake_run(node: torch.fx.Node, args: tuple, kwargs: dict, mode: Any, cp: int
         shape = list(x.shape)
         shape[dim] = shape[dim] * cp
         return fake_like(x, shape)
+    if t is ring_attention:
+        q, v = args[0], args[2]
+        return fake_like(q, (*q.shape[:-1], v.shape[-1]))
     if t in (reduce_from_region, all_reduce_sum):
         return fake_like(args[0], tuple(args[0].shape))
     if node.op == "call_function" and t is operator.floordiv:

@@ -26,6 +26,8 @@ def pipeline_split(gm: torch.fx.GraphModule, ctx: PassContext, *, num_stages: in
     ep_plan = ctx.report.get("expert_parallel")  # its token exchanges stay inside one stage
     if ep_plan is not None and ep_plan.spans and "atomic" not in options:
         options = {**options, "atomic": ep_plan.spans}
+    if ep_plan is not None and ep_plan.ep > 1 and "kept_fraction" not in options:  # a rank keeps E / ep experts
+        options = {**options, "kept_fraction": {w: 1 / ep_plan.ep for w in ep_plan.expert_params}}
     plan = plan_split(gm, num_stages=num_stages, **options)
     for node in gm.graph.nodes:
         if node.name in plan.stage_of:

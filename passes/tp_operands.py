@@ -72,7 +72,7 @@ def whole_blocks(gm: torch.fx.GraphModule, plan: TPPlan, nodes: dict[str, torch.
     """Step 1c: a column linear whose weight keeps some blocks whole (``ShardSpec.whole``: a
     multi-query k / v head) reads its weight and bias as ``cat(split(w))`` with f on the whole
     blocks: their gradient is partial on each rank (its heads' share), f sums it ([Note: whole
-    blocks] in ``fxsplit.tp.plan``)."""
+    blocks] in ``fxsplit.tp.regions``)."""
     graph = gm.graph
     is_export = any(isinstance(n.target, torch._ops.OpOverload) for n in graph.nodes)
     split = torch.ops.aten.split_with_sizes.default if is_export else torch.split

@@ -263,10 +263,10 @@ def test_plan_parallelism_flags_reach_the_plan(model_file, capsys, monkeypatch):
 
 
 def test_plan_cp_flag_reaches_the_plan_and_its_print(model_file, capsys):
-    assert main(["plan", f"{model_file}:gpt", "--cp", "2", "--dp", "2"]) == 0
+    assert main(["plan", f"{model_file}:gpt", "--cp", "2", "--dp", "2", "--cp-kv", "ring"]) == 0
     out = capsys.readouterr().out
     assert "fxsplit plan: dp=2 cp=2 tp=1 pp=1 (world size 4)" in out, out
-    assert "context parallel cp=2" in out and "all-gather of K/V" in out, out
+    assert "context parallel cp=2" in out and "by all-gather in 0 of" in out and "cp_kv='ring'" in out, out
 
 
 def test_schedule_comm_cost_reaches_the_simulation(capsys):

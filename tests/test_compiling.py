@@ -1,4 +1,4 @@
-"""torch.compile of stage graphs ([Note: compiled stages] in fxsplit.runtime.compiling), in one
+"""torch.compile of stage graphs ([Note: compiled stages] in fxsplit.runtime.compile.compiling), in one
 process: what a compile leaves behind for later tracing, and the runners' shapes."""
 
 import inspect
@@ -11,10 +11,10 @@ from torch._dynamo.utils import counters
 from torch.fx._symbolic_trace import Tracer
 
 from fxsplit.graph.marker import find_pipe_splits, pipe_split
-from fxsplit.runtime.compiling import (compile_split, full_backward, fused_backward_graph, inference_graph,
+from fxsplit.runtime.compile.compiling import (compile_split, full_backward, fused_backward_graph, inference_graph,
                                        inference_runner)
 from fxsplit.runtime.graph_actions import GraphActions
-from fxsplit.runtime.split_graph import GraphSplit
+from fxsplit.runtime.compile.split_graph import GraphSplit
 from fxsplit.testing import zoo
 from test_split_graph import TwiceOnOnePath  # a weight used twice on one path, plus a bias only W reaches
 
@@ -160,7 +160,7 @@ def test_compiled_loss_error_is_the_eager_one():
 def test_a_compile_fallback_keeps_the_whole_exception_text(monkeypatch):
     """compile_fallbacks keeps dynamo's whole message: inductor's first line often says only that
     compiling failed, and the cause follows on later lines."""
-    from fxsplit.runtime.compiling import CompiledGraph
+    from fxsplit.runtime.compile.compiling import CompiledGraph
 
     def refusing_compile(fn, **kwargs):
         def run(*args):

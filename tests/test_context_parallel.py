@@ -64,15 +64,21 @@ def _gpt():
 @pytest.mark.parametrize("opts", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2),
                                   dict(cp=2, pp=2, schedule="zbv"), dict(cp=2, activation_checkpointing="full"),
                                   dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
-                                  dict(cp=2, pp=2, schedule="zb_h1", microbatches=4)],
+                                  dict(cp=2, pp=2, schedule="zb_h1", microbatches=4),
+                                  dict(cp=4, cp_kv="ring"), dict(cp=2, tp=2, cp_kv="ring"),
+                                  dict(cp=2, pp=2, schedule="zbv", activation_checkpointing="full", cp_kv="ring"),
+                                  dict(cp=2, tp=2, sequence_parallel=True, cp_kv="ring")],
                          ids=["cp2", "cp4", "cp2xtp2", "cp2xpp2", "cp2xpp2-zbv", "cp2-checkpointing",
-                              "cp2xpp2-interleaved", "cp2xpp2-zbh1"])
+                              "cp2xpp2-interleaved", "cp2xpp2-zbh1", "cp4-ring", "cp2xtp2-ring",
+                              "cp2xpp2-zbv-checkpointing-ring", "cp2xtp2-sequence-parallel-ring"])
 def test_zoo_gpt_is_exact(opts):
     model, args, kwargs = _gpt()
     with shared_traces(_TRACES):  # every layout planned from one torch.export trace of the one model
         the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, **opts)
     cp_plan = the_plan.pass_report["context_parallel"]
     assert len(cp_plan.attention) == model.config.n_layer and cp_plan.gathered_outputs
+    if opts.get("cp_kv") == "ring":
+        assert all("ring attention" in a for a in cp_plan.attention), cp_plan.attention
     report = fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
     assert report.gradients > 0 and report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report
 
@@ -89,15 +95,24 @@ def _labelled(name, seq_len=32, **overrides):
     ("llama", {}, dict(cp=4)),
     ("qwen2", {}, dict(cp=2, tp=2)),
     ("mistral", {"sliding_window": 8}, dict(cp=2, pp=2)),
-    ("llama", {"attn_implementation": "eager"}, dict(cp=2)),
+    ("llama", {"attn_implementation": "eager"}, dict(cp=2, cp_kv="ring")),
     ("gpt2", {}, dict(cp=2)),
-], ids=["llama-cp4", "qwen2-cp2xtp2", "mistral-sliding-cp2xpp2", "llama-eager-cp2", "gpt2-cp2"])
+    ("qwen2", {}, dict(cp=4, cp_kv="ring")),
+    # 40 tokens in chunks of 5, a window of 6 crossing them, row 1 padded at its last 10 positions: a mask
+    # that depends on absolute positions, read at every rank's query rows and at each ring block's keys
+    ("mistral", {"sliding_window": 6, "seq_len": 40}, dict(cp=4, cp_kv="ring")),
+], ids=["llama-cp4", "qwen2-cp2xtp2", "mistral-sliding-cp2xpp2", "llama-eager-cp2-ring-asked", "gpt2-cp2",
+        "qwen2-cp4-ring", "mistral-sliding-uneven-padded-cp4-ring"])
 def test_hf_families_with_their_loss_are_exact(name, overrides, opts):
     pytest.importorskip("transformers")
     model, args, kwargs = _labelled(name, **overrides)
     the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, **opts)
     cp_plan = the_plan.pass_report["context_parallel"]
     assert cp_plan.losses and cp_plan.attention, cp_plan
+    if overrides.get("attn_implementation") == "eager":  # the ring asked for, eager attention keeps the all-gather
+        assert all("not the ring" in a for a in cp_plan.attention), cp_plan.attention
+    elif opts.get("cp_kv") == "ring":
+        assert all("ring attention" in a for a in cp_plan.attention), cp_plan.attention
     report = fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
     assert report.gradients > 0 and report.max_gradient_error < 1e-4 and report.max_output_error < 1e-4, report
 
@@ -109,7 +124,7 @@ def test_gemma_from_its_config_is_exact():
 
     model, args, kwargs = build("gemma")
     ids = args[0].repeat(1, 2)  # 32 tokens
-    the_plan = fxsplit.plan(model, (ids,), {}, cp=2, hardware=_HW)
+    the_plan = fxsplit.plan(model, (ids,), {}, cp=4, cp_kv="ring", hardware=_HW)
     report = fxsplit.verify(model, (ids,), the_plan, {}, quiet=True)
     assert report.gradients > 0 and report.max_gradient_error < 1e-4, report
 
@@ -142,6 +157,19 @@ def test_verify_catches_causal_rows_at_the_wrong_positions():
     rows = next(n for n in gm.graph.nodes if n.target is causal_rows)
     rows.target = _every_key
     gm.recompile()
+    with pytest.raises(VerificationError):
+        fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
+
+
+def test_verify_catches_ring_blocks_read_at_the_wrong_positions(monkeypatch):
+    """The ring's check can fail: each block's keys taken one chunk off their true positions."""
+    from fxsplit.tp import ring
+
+    model, args, kwargs = _gpt()
+    with shared_traces(_TRACES):
+        the_plan = fxsplit.plan(model, args, kwargs, cp=2, cp_kv="ring", hardware=_HW)
+    true = ring.positions_of
+    monkeypatch.setattr(ring, "positions_of", lambda r, cp, S, device=None: true(r, cp, S, device).roll(S // (2 * cp)))
     with pytest.raises(VerificationError):
         fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
 
@@ -203,12 +231,13 @@ def test_a_model_without_token_ids_is_refused():
         fxsplit.plan(_FloatInput(), (torch.randn(2, 8, 8),), cp=2, hardware=_HW)
 
 
-def test_cp_with_tp_sequence_parallelism_is_refused_not_miscomputed():
-    from fxsplit.errors import TPPlanError
-
+def test_cp_keeps_the_token_embedding_vocabulary_parallel_under_tp():
+    """The embedding reads this rank's tokens of the input ids (keep_local): still the token ids, so tp
+    splits its vocabulary, and sequence parallelism has its residual stream to start from."""
     model, args, kwargs = _gpt()
-    with shared_traces(_TRACES), pytest.raises(TPPlanError, match="sequence_parallel"):
-        fxsplit.plan(model, args, kwargs, cp=2, tp=2, sequence_parallel=True, hardware=_HW)
+    with shared_traces(_TRACES):
+        the_plan = fxsplit.plan(model, args, kwargs, cp=2, tp=2, sequence_parallel=True, hardware=_HW)
+    assert the_plan.tp_plan.styles["wte"] == "vocab" and the_plan.tp_plan.rewrite.sequence_plan.scatters
 
 
 def test_world_size_counts_cp():

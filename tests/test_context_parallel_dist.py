@@ -1,8 +1,10 @@
-"""Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4, cp=2 x tp=2,
-cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1) and cp=2 x dp=2 with compile=True
+"""Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4 (K/V by ring, the
+plan's own choice), cp=2 x tp=2 with sequence parallelism (ring), cp=2 x tp=2 with the vocabulary-parallel loss,
+cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1 by ring: its traced graph split runs the
+ring's functional all-to-all) and cp=2 x dp=2 with compile=True
 (every stage graph through inductor, none falling back) on the zoo GPT, three SGD steps each,
-and Llama with its own loss at cp=2 x dp=2, every data-parallel replica fed its own slice of the global
-batch; the loss of every step and every gradient (tp shards reassembled) against one process on the whole
+and Llama with its own loss at cp=2 x dp=2 (a second step at 27 tokens, which 2 * cp does not divide: padded to
+the traced 32 and masked), every data-parallel replica fed its own slice of the global batch; the loss of every step and every gradient (tp shards reassembled) against one process on the whole
 batch. In the same launch: mp_policy (bf16 parameters, fp32 reductions) at cp=2 x dp=2 against the same
 casts in one process, to bf16's tolerance (test_mixed_precision.py), and a checkpoint saved at cp=2 x dp=2
 after the three steps, loaded at tp=2 x pp=2 and read whole in this process (cp=1), equal to the one-process
@@ -19,11 +21,24 @@ from fxsplit.testing.data import local_grads, replica_slice
 from fxsplit.testing.trace_cache import SharedTraces, shared_traces
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
-CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2, microbatches=2),
+CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True, cp_kv="ring"),
+         dict(cp=2, tp=2, vocab_parallel_loss=True), dict(cp=2, pp=2, microbatches=2),
          dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
-         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4), dict(cp=2, dp=2, compile=True)]
+         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4, cp_kv="ring"), dict(cp=2, dp=2, compile=True)]
+RING = (1, 2, 6)  # the cases whose attention runs by ring (cp=4 by the plan's memory rule)
 SAVED = 0  # the case whose state after the last step is saved: cp=2 x dp=2
 STEPS, LR = 3, 0.1
+
+
+def _loss_of(opts):
+    return _vocab_parallel_loss if opts.get("vocab_parallel_loss") else zoo.cross_entropy_loss
+
+
+def _vocab_parallel_loss(logits_shard, target):
+    """The cross-entropy on this tp rank's vocabulary columns (every token's: cp gathered the sequence)."""
+    from fxsplit.tp.functional import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits_shard, target, zoo.GPTConfig().vocab_size)
 
 
 def _example():
@@ -45,7 +60,7 @@ def _train(rank, world, ckpt):
     for k, opts in enumerate(CASES):
         model.load_state_dict(initial)
         with shared_traces(_TRACES):
-            pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60,
+            pm = fxsplit.parallelize(model, (idx,), loss_fn=_loss_of(opts), hardware=_HW, timeout=60,
                                      verify=False, **opts)
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
         x, y = replica_slice(pm, idx), replica_slice(pm, target)
@@ -57,8 +72,9 @@ def _train(rank, world, ckpt):
             opt.step()
         if k == SAVED:
             pm.save_checkpoint(ckpt, optimizer=opt)
+        ring = sum("ring attention" in a for a in pm.plan.pass_report["context_parallel"].attention)
         out.append(dict(losses=losses, grads=grads, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs),
-                        **_compiled(pm)))
+                        ring=ring, **_compiled(pm)))
     out.append(_train_llama())
     out.append(_mp_step())
     out.append(_reload(ckpt))
@@ -106,6 +122,9 @@ def _llama():
     return model, ids, kwargs["attention_mask"], labels
 
 
+SHORT = 27  # not a multiple of 2 * cp = 4
+
+
 def _model_loss(output, target):
     return output["loss"]
 
@@ -115,10 +134,14 @@ def _train_llama():
     model, ids, mask, labels = _llama()
     pm = fxsplit.parallelize(model, (ids[:2],), {"attention_mask": mask[:2], "labels": labels[:2]},
                              loss_fn=_model_loss, hardware=_HW, timeout=120, cp=2, dp=2, verify=False)
-    x, m, y = (replica_slice(pm, t) for t in (ids, mask, labels))
-    loss = float(pm.step(x, attention_mask=m, labels=y, target=y))
-    grads = local_grads(pm)
-    return dict(loss=loss, grads=grads)
+    out = []
+    for length in (32, SHORT):  # SHORT: padded to the traced 32 ([Note: padding to the traced length])
+        x, m, y = (replica_slice(pm, t[:, :length]) for t in (ids, mask, labels))
+        for p in pm.parameters():
+            p.grad = None
+        loss = float(pm.step(x, attention_mask=m, labels=y, target=y))
+        out.append(dict(loss=loss, grads=local_grads(pm)))
+    return out
 
 
 def _reference(state=None):
@@ -142,13 +165,15 @@ def _reference(state=None):
 def test_cp_layouts_train_like_one_process_over_gloo(tmp_path):
     ckpt = str(tmp_path / "cp-ckpt")
     results = run_distributed(_train, 4, ckpt, timeout=900)
-    _check_llama([r[len(CASES)] for r in results])
+    for k, length in enumerate((32, SHORT)):
+        _check_llama([r[len(CASES)][k] for r in results], length)
     _check_mp([r[len(CASES) + 1] for r in results])
     ref_state: dict = {}
     ref_losses, ref_grads = _reference(ref_state)
     _check_reload([r[len(CASES) + 2] for r in results], fxsplit.load_full_checkpoint(ckpt), ref_state)
     for k, opts in enumerate(CASES):
         per_rank = [r[k] for r in results]
+        assert all((res["ring"] > 0) == (k in RING) for res in per_rank), (opts, [res["ring"] for res in per_rank])
         for rank, res in enumerate(per_rank):
             torch.testing.assert_close(res["losses"], ref_losses, rtol=1e-5, atol=1e-6,
                                        msg=f"{opts} rank {rank}: losses")
@@ -176,12 +201,13 @@ def test_cp_layouts_train_like_one_process_over_gloo(tmp_path):
             assert missing <= tied and not tied <= missing, (opts, step, sorted(missing))
 
 
-def _check_llama(per_rank):
+def _check_llama(per_rank, length):
     """Every rank: the loss of the whole batch (the replicas' mean of their global token means, as the
     model's loss of each replica's slice averaged) and, after the all-reduce over dp x cp, the gradient
-    of that loss."""
+    of that loss; at ``length`` tokens, the one-process model run at that length."""
     model, ids, mask, labels = _llama()
     model = copy.deepcopy(model)
+    ids, mask, labels = ids[:, :length], mask[:, :length], labels[:, :length]
     halves = [model(ids[i:i + 2], attention_mask=mask[i:i + 2], labels=labels[i:i + 2]).loss for i in (0, 2)]
     loss = (halves[0] + halves[1]) / 2  # dp=2: each replica's mean, averaged
     loss.backward()
@@ -190,7 +216,8 @@ def _check_llama(per_rank):
         assert abs(res["loss"] - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), (rank, res["loss"], loss.item())
         assert res["grads"], rank
         for n, g in res["grads"].items():
-            torch.testing.assert_close(g, want[n], rtol=1e-4, atol=1e-6, msg=f"llama cp2xdp2 rank {rank} grad {n}")
+            torch.testing.assert_close(g, want[n], rtol=1e-4, atol=1e-6,
+                                       msg=f"llama cp2xdp2 at {length} tokens rank {rank} grad {n}")
 
 
 def _check_mp(per_rank):

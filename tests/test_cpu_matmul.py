@@ -1,5 +1,5 @@
 """fp32 CPU matmuls of compiled graphs through oneDNN ([Note: CPU matmuls through oneDNN] in
-fxsplit.runtime.cpu_matmul): which nodes are routed, numerics against aten's, the switch, and a
+fxsplit.runtime.compile.cpu_matmul): which nodes are routed, numerics against aten's, the switch, and a
 compiled stage's F / I / W graphs routed against the same graphs unrouted."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxsplit
-from fxsplit.runtime import cpu_matmul
-from fxsplit.runtime.compiling import CompiledGraph, compile_split
-from fxsplit.runtime.cpu_matmul import onednn_matmul_chosen, onednn_min_macs, onednn_mm, route_cpu_matmuls
-from fxsplit.runtime.split_graph import GraphSplit
+from fxsplit.runtime.compile import cpu_matmul
+from fxsplit.runtime.compile.compiling import CompiledGraph, compile_split
+from fxsplit.runtime.compile.cpu_matmul import onednn_matmul_chosen, onednn_min_macs, onednn_mm, route_cpu_matmuls
+from fxsplit.runtime.compile.split_graph import GraphSplit
 from fxsplit.testing import zoo
 from fxsplit.testing.stage_inputs import stage_inputs
 

@@ -69,3 +69,29 @@ def test_decode_program_lowers_to_the_communication_plan():
     # one activation per virtual microbatch and boundary from rank 0 to rank 1, each received there
     assert crossings >= 1 and len(sends) == len(recvs) == 6 * crossings
     assert sorted(op.message.microbatch for op in sends) == sorted(op.message.microbatch for op in recvs)
+
+
+def test_token_messages_are_planned_with_the_activations():
+    """[Note: token messages]: each decode step's token is a message of the program's plan, from the
+    last stage's forward of virtual microbatch j to the first stage's of j + m', in the one
+    per-peer order both ranks compute (what NCCL needs); without the feedback the program would
+    not even be a valid plan for the token dependency."""
+    from fxsplit.pipeline.comm import TOKEN, Feedback
+
+    model, args, kwargs = zoo.make("gpt")
+    p = fxsplit.plan(model, args, kwargs, pp=2, microbatches=2)
+    ranks, io = p.stage_ranks, p.rank_plan(0).io
+    rows = [[a for a in row if a is not None] for row in decode(ranks, 2, 3)]
+    plans = plan_all_communication(rows, io, num_ranks=2, rank_of_stage=ranks.__getitem__, forward_only=True,
+                                   feedback=Feedback(0, 0, 2))
+    last = len(ranks) - 1
+    sent = [(str(ac.action), m.microbatch) for ac in plans[ranks[last]].actions for m in ac.sends if m.kind == TOKEN]
+    got = [(str(ac.action), m.microbatch) for ac in plans[0].actions for m in ac.recvs if m.kind == TOKEN]
+    assert sent == [(f"{last}F{j}", j + 2) for j in range(4)]  # steps 0 and 1 feed steps 1 and 2
+    assert got == [(f"0F{j}", j) for j in range(2, 6)]
+    # the token sends and receives take the same places in both ranks' orders, as activations do
+    theirs = [(op.message, op.key) for op in plans[ranks[last]].peer_ops[0] if op.message.kind == TOKEN]
+    mine = [(op.message, op.key) for op in plans[0].peer_ops[ranks[last]] if op.message.kind == TOKEN]
+    assert theirs == mine and len(mine) == 4
+    tags = {op.message.tag for plan in plans for ops in plan.peer_ops.values() for op in ops}
+    assert len(tags) == len({op.message for plan in plans for ops in plan.peer_ops.values() for op in ops})

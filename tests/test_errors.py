@@ -35,7 +35,7 @@ BUILTIN_EXCEPTIONS = {name for name, obj in vars(builtins).items()
 ALLOWED_RAISES: dict[tuple[str | None, str, str], str] = {
     # internal invariants: "this cannot happen" checks written as raise instead of assert
     ("fxsplit/api/verify.py", "_run_lockstep", "AssertionError"): "fx graphs always have an output node",
-    ("fxsplit/pipeline/chain.py", "reconstruct", "AssertionError"): "the DP table always has a start",
+    ("fxsplit/pipeline/partition/chain.py", "reconstruct", "AssertionError"): "the DP table always has a start",
     ("fxsplit/schedule/auto.py", "_greedy", "AssertionError"): "the greedy zb_auto builder always progresses",
     ("fxsplit/tp/emulate.py", "forward", "AssertionError"): "an op kind outside the emulator's own table",
     ("fxsplit/testing/trace_cache.py", "trace", "AssertionError"):
@@ -58,10 +58,10 @@ ALLOWED_RAISES: dict[tuple[str | None, str, str], str] = {
 # Exception classes fxsplit defines that are not FxsplitErrors: control flow that never leaves fxsplit.
 ALLOWED_CLASSES: dict[tuple[str, str], str] = {
     ("fxsplit/cli.py", "_UserCodeError"): "carries the user's own exception to main(), which prints it",
-    ("fxsplit/runtime/split_graph.py", "UnsupportedStage"):
+    ("fxsplit/runtime/compile/split_graph.py", "UnsupportedStage"):
         "caught in runtime/graph_actions.py: the stage falls back to autograd, or a PlanError is raised",
     ("fxsplit/tp/shapes.py", "RegionFailed"): "caught in tp/propagate.py and tp/plan.py: the region stays replicated",
-    ("fxsplit/pipeline/partition_memory.py", "_Exhausted"): "caught in the same module: the search budget ran out",
+    ("fxsplit/pipeline/partition/memory_caps.py", "_Exhausted"): "caught in the same module: the search budget ran out",
 }
 
 

@@ -12,6 +12,7 @@ imported torch, fxsplit and transformers once): the script's ``main(argv)``, or 
 scripts the README and their docstrings launch as files. Four fresh interpreters per torchrun
 launch cost about 8 CPU-s each of start-up, which is what these runs would add, not coverage."""
 
+import argparse
 import contextlib
 import importlib.util
 import io
@@ -178,6 +179,33 @@ def test_train_llama_saves_and_resumes(tmp_path):
         assert other[i][1] == full[i][1]
         assert other[i][0] == pytest.approx(full[i][0], rel=1e-5), (i, other[i], full[i])  # the loss
         assert other[i][2] == pytest.approx(full[i][2], rel=1e-5), (i, other[i], full[i])  # the gradient norm
+
+
+MOE_LINE = re.compile(r"^step (\d+) \| loss (\S+) \| .* \| expert rows min (\d+) / mean (\S+) / max (\d+) \| "
+                      r"all-to-all \S+ s$", re.M)
+
+
+@pytest.mark.dist
+@pytest.mark.hf
+def test_train_llama_moe_logs_the_expert_load():
+    """examples/train_llama.py --experts 4 at dp=2 x ep=2 x pp=2: transformers' Mixtral with its experts
+    placed by ep; step 0's loss is the unsplit model's on the whole batch, and each step's line
+    carries the rows every expert received (min / mean / max): batch 16 x 32 tokens, top-2, 2 layers
+    make 2048 rows over 4 experts, a mean of 512 whatever the routing."""
+    pytest.importorskip("transformers", reason="train_llama needs transformers")
+    module = _example_module("train_llama.py")
+    argv = ["--experts", "4", "--tp", "1", "--dp", "2", "--ep", "2", "--pp", "2", "--steps", "2", "--warmup", "1",
+            "--layers", "2", "--precision", "fp32", "--checkpointing", "none"]
+    out = _launched("train_llama.py", *argv, timeout=400)
+    found = {int(i): (float(loss), int(lo), float(mean), int(hi)) for i, loss, lo, mean, hi in MOE_LINE.findall(out)}
+    assert sorted(found) == [0, 1], out
+    for loss, lo, mean, hi in found.values():
+        assert mean == 512.0 and lo <= mean <= hi, out
+    args = module.parse_args(argv)
+    model, _, _ = module.tiny_mixtral(num_hidden_layers=2, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                                      vocab_size=args.vocab, num_local_experts=4, seed=0)
+    x, y = module.batch(0, argparse.Namespace(**{**vars(args), "dp": 1}), 0)  # the whole global batch
+    assert found[0][0] == pytest.approx(module.lm_loss(model(x), y).item(), rel=1e-5)
 
 
 @pytest.mark.hf

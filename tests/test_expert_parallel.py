@@ -1,9 +1,11 @@
 """Expert parallelism on real gloo ranks against one process: every case trains 3 optimizer steps
 (SGD), each data-parallel replica on its own slice of one global batch, and compares the loss of
-every step and every gradient of the last step (an expert weight's gradient on a rank is its block
-of experts) with the unsplit model on the whole batch (under mp_policy, the unsplit model under the same
-policy). All cases run in ONE launch per world size: the zoo's torchtitan-style MoE and transformers' Mixtral
-and Qwen2-MoE (grouped_mm experts, built from configs)."""
+every step, the whole model's gradient norm (``clip_grad_norm_``) and every gradient of the last
+step (an expert weight's gradient on a rank is its block of experts, its tp shard with tp) with the
+unsplit model on the whole batch (under mp_policy, the unsplit model under the same policy). The
+``STATE_CASES`` also gather the full state dict and save a sharded checkpoint, loaded back, at
+another ep, and whole in the test's process. All cases run in ONE launch per world size: the zoo's
+torchtitan-style MoE and transformers' Mixtral and Qwen2-MoE (grouped_mm experts, built from configs)."""
 
 import pytest
 import torch
@@ -30,7 +32,9 @@ CASES_2 = {
     "qwen2_moe/dp2-ep2": ("qwen2_moe", dict(dp=2, ep=2)),
     "moe/ds2-ep2": ("moe", dict(dp_shard=2, ep=2)),
 }
-STATE_CASES = ("moe/dp2-ep2", "moe/dp4-ep2")  # full state dicts gathered / loaded, checkpoints refused
+# full state dicts gathered / loaded; a sharded checkpoint saved, loaded back, loaded at another ep
+# (label -> the other layout's options) and, in the test's process, whole (ep = 1)
+STATE_CASES = {"moe/dp2-ep2": dict(dp=2), "moe/dp4-ep2": dict(dp=4, ep=4)}
 CASES_4 = {
     "moe/dp2-ep2-pp2": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b")),
     "moe/dp4-ep4": ("moe", dict(dp=4, ep=4)),
@@ -47,6 +51,8 @@ CASES_4 = {
     "moe/dp2-ep2-pp2-selective-checkpointing": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b",
                                                              activation_checkpointing="selective")),
     "moe/dp2-ep2-pp2-bf16": ("moe", dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b", mp_policy=BF16)),
+    # ep x tp: each rank's block of experts split over tp (w1 / w3 by columns, w2 by rows)
+    "moe/dp2-ep2-tp2": ("moe", dict(dp=2, ep=2, tp=2)),
 }
 
 
@@ -82,20 +88,24 @@ def _whole(grad):
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
-def _state_checks(pm, name, tmp):
-    """The trained full state dict (expert blocks joined over ep), a reload of fresh weights, and
-    the sharded checkpoint's refusal."""
+def _state_checks(pm, name, x, path, other):
+    """The trained full state dict (expert blocks joined over ep), a reload of fresh weights, the
+    sharded checkpoint loaded back, and loaded by the same model at the ``other`` layout."""
     trained = {k: v.clone() for k, v in pm.full_state_dict().items()}  # on the CPU it shares the live tensors
+    pm.save_checkpoint(path)
     fresh = _model(name).state_dict()
     pm.load_full_state_dict(fresh)
-    reloaded = pm.full_state_dict()
-    try:
-        pm.save_checkpoint(f"{tmp}/ckpt")
-        refused = ""
-    except fxsplit.errors.CheckpointError as exc:
-        refused = str(exc)
-    return dict(trained=trained, reloaded_equal=all(torch.equal(reloaded[k], v) for k, v in fresh.items()),
-                refused=refused)
+    reloaded = pm.full_state_dict()  # (sharing the live tensors: compared before the next load)
+    reloaded_equal = all(torch.equal(reloaded[k], v) for k, v in fresh.items())
+    pm.load_checkpoint(path)
+    restored = pm.full_state_dict()
+    pm2 = fxsplit.parallelize(_model(name), (x[:GLOBAL_BATCH // other["dp"]],), loss_fn=_loss, hardware=_HW,
+                              timeout=60, verify=False, **other)
+    pm2.load_checkpoint(path)
+    elsewhere = pm2.full_state_dict()
+    same = lambda got: all(torch.equal(got[k], v) for k, v in trained.items())  # noqa: E731
+    return dict(trained=trained, reloaded_equal=reloaded_equal, restored_equal=same(restored),
+                other_equal=same(elsewhere), path=path)
 
 
 def _train(rank, world, cases, tmp=None):
@@ -112,14 +122,15 @@ def _train(rank, world, cases, tmp=None):
         for _ in range(STEPS):
             opt.zero_grad()
             losses.append(float(pm.step(replica_slice(pm, x), target=replica_slice(pm, y))))
+            norm = float(pm.clip_grad_norm_(1e9))  # the whole model's norm (nothing clipped)
             grads = {n: _whole(p.grad).detach().clone() for m in pm.stage_modules.values()
                      for n, p in m.named_parameters() if p.grad is not None}
             opt.step()
         d, _ = replica_index(pm)
-        out[label] = dict(losses=losses, grads=grads, ep_rank=d % options["ep"],
-                          experts=set(pm.plan.ep_plan.expert_params))
+        out[label] = dict(losses=losses, grads=grads, norm=norm, ep_rank=d % options["ep"], tp_rank=pm.coords.get("tp", 0),
+                          experts=set(pm.plan.ep_plan.expert_params), specs=dict(pm.plan.tp_plan.param_specs))
         if label in STATE_CASES:
-            out[label].update(_state_checks(pm, name, tmp))
+            out[label].update(_state_checks(pm, name, x, f"{tmp}/{label.replace('/', '-')}", STATE_CASES[label]))
     return out
 
 
@@ -153,10 +164,17 @@ def _check(cases, results):
         for rank, res in enumerate(r[label] for r in results):
             tag = f"{label} rank {rank}"
             assert res["experts"], f"{tag}: no MoE layer was placed by ep"
+            if options.get("tp", 1) > 1:
+                assert res["experts"] <= set(res["specs"]), f"{tag}: the experts are not split over tp"
             assert res["losses"] == pytest.approx(losses, rel=MP_LOSS_RTOL if mp else 1e-5), tag
+            whole_norm = float(torch.cat([g.flatten() for g in grads.values()]).norm())  # every expert once
+            # (the gradients' own tolerance: a missed or doubled expert block moves it by far more)
+            assert res["norm"] == pytest.approx(whole_norm, rel=MP_GRAD_RTOL if mp else 1e-4), tag
             got, wanted = {}, {}
             for n, g in res["grads"].items():
                 want = grads[n]
+                if n in res["specs"]:  # this tp rank's shard (of every expert, for an expert weight)
+                    want = res["specs"][n].shard(want, res["tp_rank"])
                 if n in res["experts"]:
                     k = want.shape[0] // options["ep"]
                     assert g.shape[0] == k, f"{tag}: {n} holds {g.shape[0]} experts, not {k}"
@@ -174,8 +192,11 @@ def _check(cases, results):
                 for k, v in state.items():
                     torch.testing.assert_close(res["trained"][k], v, rtol=1e-4, atol=1e-6,
                                                msg=lambda m, k=k: f"{label} state {k}: {m}")
-                assert res["reloaded_equal"], label
-                assert "full_state_dict" in res["refused"], res["refused"]
+                assert res["reloaded_equal"] and res["restored_equal"], label
+                assert res["other_equal"], f"{label}: loaded at {STATE_CASES[label]}"
+            whole = fxsplit.load_full_checkpoint(results[0][label]["path"])  # one process, no ep
+            for k, v in state.items():
+                torch.testing.assert_close(whole[k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{label} checkpoint {k}: {m}")
 
 
 def _check_mixed_precision(got, want, tag):

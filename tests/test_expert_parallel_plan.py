@@ -51,7 +51,6 @@ def test_stages_never_cut_between_dispatch_and_combine():
 
 @pytest.mark.parametrize("options, words", [
     (dict(dp=2, ep=3), "must divide the data-parallel ranks"),
-    (dict(dp=2, ep=2, tp=2), "use tp=1"),
     (dict(dp=1, dp_shard=2, ep=4), "dp \\* dp_shard = 1 \\* 2 = 2"),
     (dict(dp=2, ep=2, compile=True), "compile=False"),
     (dict(dp=2, ep=0), "ep must be an int >= 1"),
@@ -103,8 +102,10 @@ def test_exchange_is_the_identity_without_a_group():
     (dict(dp=2, ep=2, pp=2, microbatches=2, schedule="zb_h1"), {}),
     (dict(dp=2, ep=2, pp=2, microbatches=4, schedule="zb_auto"), {}),
     (dict(dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b", activation_checkpointing="selective"), {}),
+    (dict(dp=2, ep=2, tp=2), {}),
+    (dict(dp=4, ep=4, tp=2, pp=2, microbatches=2, schedule="1f1b"), dict(num_experts=8, top_k=2)),
 ], ids=["dp2-ep2", "dp2-ep2-pp2-sigmoid-8experts", "dp2-ep2-pp2-zbh1", "dp2-ep2-pp2-zb_auto",
-        "dp2-ep2-pp2-selective"])
+        "dp2-ep2-pp2-selective", "dp2-ep2-tp2", "dp4-ep4-tp2-pp2"])
 def test_verify_emulates_the_all_to_all(options, model_options):
     model, args, _ = zoo.make("moe", **model_options)
     report = fxsplit.verify(model, args, fxsplit.plan(model, args, hardware=_HW, **options), quiet=True)
@@ -119,6 +120,26 @@ def test_verify_catches_experts_on_the_wrong_rank(monkeypatch):
     model, args, _ = zoo.make("moe")
     with pytest.raises(VerificationError, match="experts"):
         fxsplit.verify(model, args, fxsplit.plan(model, args, dp=2, ep=2, hardware=_HW), quiet=True)
+
+
+@pytest.mark.hf
+def test_ep_x_tp_splits_each_ranks_experts_over_tp():
+    """Each rank's E / ep experts are split over tp as tp alone splits them (gate / up by columns, down
+    by rows), and the exchange sits inside tp's copy / reduce pair around the expert FFN."""
+    from fxsplit.testing import tp_coverage
+    from fxsplit.tp.collectives import copy_to_region, reduce_from_region
+
+    model, args, kwargs = tp_coverage.build("qwen2_moe")
+    plan = fxsplit.plan(model, args, kwargs, dp=2, ep=2, tp=2, hardware=_HW)
+    specs = plan.tp_plan.param_specs
+    assert plan.ep_plan.expert_params and all(specs[w].dim in (1, 2) for w in plan.ep_plan.expert_params)
+    for node in plan.stages.modules[0].graph.nodes:
+        if node.target is ep_dispatch:
+            assert node.args[0].target is copy_to_region, node.args[0]
+        if node.target is ep_combine:
+            assert [u.target for u in node.users] == [reduce_from_region], node.users
+    report = fxsplit.verify(model, args, plan, kwargs, quiet=True)
+    assert report.outputs == 2 and report.max_gradient_error < 1e-5  # one output per tp rank
 
 
 def test_verify_needs_a_batch_that_splits_over_ep():
@@ -169,3 +190,16 @@ def test_memory_with_dp_shard_keeps_the_expert_block_whole():
     experts = sum(b for e, b in sizes if e)
     rest = sum(b for e, b in sizes if not e)
     assert placed.params == pytest.approx(experts / 2 + rest / 2, rel=0.01)  # FSDP halves the rest only
+
+
+def test_partition_counts_each_ranks_block_of_experts():
+    """The split's stage parameter bytes (what its memory cap sums) count E / ep experts, as the
+    plan's memory model does."""
+    model, args, _ = zoo.make("moe")
+    options = dict(dp=2, pp=2, microbatches=2, schedule="1f1b", hardware=_HW)
+    whole = fxsplit.plan(model, args, **options)
+    placed = fxsplit.plan(model, args, ep=2, **options)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    split = lambda plan: sum(s.param_bytes for s in plan.split.stages)  # noqa: E731
+    assert split(whole) - split(placed) == expert_bytes / 2
+    assert [m.params for m in placed.memory()] == [s.param_bytes for s in placed.split.stages]

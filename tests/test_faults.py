@@ -3,7 +3,8 @@ a rank killed with -9, stopped with SIGSTOP, or raising in its loss_fn ends ever
 within 2 x timeout, each naming the rank at fault, and every survivor's process exits.
 
 Each case is 4 gloo processes of the quickstart GPT (2 of the zoo's MoE for ep: the survivor waits
-in the experts' all-to-all) launched by fxsplit.testing.faults (which,
+in the experts' all-to-all; 2 at cp=2: a rank killed inside the ring exchange of keys and values, or
+stopped while its peer waits in the all-gather of them) launched by fxsplit.testing.faults (which,
 unlike the test harness, lets each survivor end on its own). Checked by breaking the protocol on
 purpose (parallelize without its watch, the groups' timeouts kept): all three cases failed, no
 survivor named the rank at fault, two survivors died by SIGABRT and the SIGSTOP case ran past 2 x T (at T = 6)."""
@@ -21,7 +22,8 @@ TIMEOUT = 10.0  # a stop is found at T + the heartbeat check; exits under a load
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["tp2pp2-raise-loss", "pp4-kill-F", "tp2pp2-stop", "ep2-stop"])
+@pytest.mark.parametrize("case", ["tp2pp2-raise-loss", "pp4-kill-F", "tp2pp2-stop", "ep2-stop", "cp2ring-kill-cp",
+                                  "cp2ag-stop"])
 def test_a_fault_ends_every_rank_fast_naming_the_rank_at_fault(case):
     row = run_case(case, TIMEOUT)
     detail = f"{case}: {row}"
@@ -145,8 +147,8 @@ def _recover_after_dp_failure(rank, world):
 
     pm = fxsplit.parallelize(model, (x,), loss_fn=loss_fn, dp=2, pp=1, tp=1, microbatches=2, timeout=10.0)
     if rank == 1:  # late into the gradient all-reduce: the other replica waits ~6 slices in it
-        sync = pm._sync_grads
-        pm._sync_grads = lambda: (time.sleep(0.6), sync())
+        sync = pm._grads.finish
+        pm._grads.finish = lambda: (time.sleep(0.6), sync())
     try:
         pm.step(x, target=y)
         first = "ok"

@@ -1,10 +1,11 @@
 """ParallelModel.generate: the tokens equal the unsplit model's in one process (fxsplit's own loop
-for the zoo GPT, Hugging Face's ``generate`` for the transformers families), greedy and sampled, for
-prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with pp=2). The zoo GPT runs
-with the KV cache ([Note: generation with a KV cache] in fxsplit.api.kv_cache), its steps
-overlapped across microbatches ([Note: overlapped steps] in fxsplit.api.generate) and, compared,
-stepwise and by recompute; the exported families by recompute ([Note: generation by recompute]),
-their reason checked."""
+for the zoo GPT, Hugging Face's ``generate`` with its own cache for the transformers families),
+greedy and sampled, for prompts of one sample and more at tp=2 x pp=2 (and dp=2, dp_shard=2 with
+pp=2). Every model runs with the KV cache, its steps overlapped across microbatches ([Note:
+overlapped steps] in fxsplit.api.generate; the token a message of the program's plan, [Note: token
+messages] in fxsplit.pipeline.comm): the zoo GPT by [Note: generation with a KV cache]
+(fxsplit.api.kv_cache), the exported families by [Note: KV cache for exported graphs]
+(fxsplit.api.kv_export), past the traced length too; compared with stepwise decoding and recompute."""
 
 import pytest
 import torch
@@ -193,6 +194,73 @@ def test_kv_cache_refusals_name_the_reason():
     assert cache_refusal(p, traced_length=None, mask_input=False, compiled=False) == "no attention found in the plan's graphs"
 
 
+def _stages_in_order(plan, cache, flat):
+    """The model outputs of ``flat`` run through every stage of ``plan`` in one process, each stage
+    as ``cache.modules[s]`` inside its slot (microbatch 0)."""
+    values = {}
+    for s, sio in enumerate(plan.stages.io):
+        args = [flat[src.index] if src.stage is None else values[(src.stage, src.index)] for src in sio.inputs]
+        with cache.context(s, 0):
+            out = cache.modules[s](*args)
+        for k, value in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            values[(s, k)] = value
+    return value
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", HF_FAMILIES)
+def test_export_kv_cache_equals_hugging_face_generate_with_its_cache(name):
+    """[Note: KV cache for exported graphs]: the decode graphs of a pp=2 plan of a model exported at
+    16 tokens, fed a prompt of 6 then one token per step (positions past 16 included), choose the
+    tokens Hugging Face's own generate chooses with its cache (tp=2 x pp=2: the gloo launch below)."""
+    from fxsplit.api.generate import _Feed, model_logits
+    from fxsplit.api.kv_cache import KVCache
+    from fxsplit.api.kv_export import export_decode, export_refusal
+
+    model, args, kwargs = _family(name)
+    p = fxsplit.plan(model, args, kwargs, pp=2, microbatches=2)
+    feed = _Feed.of(p.stages.input_meta)
+    assert feed.length == 16
+    assert export_refusal(p.stages.modules, p.stages.input_meta, 16) is None
+    dec = export_decode(dict(enumerate(p.stages.modules)), p.stages.modules, p.stages.io, p.stages.input_meta,
+                        16, mask_input=feed.mask)
+    cache = KVCache(dec.modules, shapes=dec)
+    prompt = _prompt(2, 6, 256, 1)
+    new = 14  # 6 + 14 positions: beyond the traced 16
+    ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                         use_cache=True)
+    tokens, fed = prompt, 0
+    with torch.no_grad():
+        for _ in range(new):
+            flat = feed.cached(tokens[:, fed:], tokens.shape[1])
+            fed = tokens.shape[1]
+            logits = model_logits(_stages_in_order(p, cache, flat))
+            assert logits.shape[1] == flat[0].shape[1]
+            tokens = torch.cat([tokens, logits[:, -1].argmax(-1)[:, None]], dim=1)
+    assert torch.equal(tokens, ref), (name, tokens, ref)
+
+
+def test_export_kv_cache_refusals_name_the_node():
+    from fxsplit.api.kv_export import export_refusal
+
+    class MeanPool(torch.nn.Module):  # a mean over the positions: not a causal language model
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 8)
+            self.head = torch.nn.Linear(8, 32)
+
+        def forward(self, idx):
+            h = self.emb(idx)
+            q = h.view(idx.shape[0], 1, 8, 8)
+            a = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return self.head(a.view(idx.shape[0], 8, 8) + h.mean(dim=1, keepdim=True))
+
+    ids = torch.randint(0, 32, (2, 8))
+    p = fxsplit.plan(MeanPool(), (ids,), pp=1, microbatches=1, dynamic_sequence=False, method="export")
+    why = export_refusal(p.stages.modules, p.stages.input_meta, 8)
+    assert why is not None and "reduces sequence dim(s) [1]" in why and "mixes positions" in why, why
+
+
 # ---------------------------------------------------------------------------------------------
 # tp=2 x pp=2 on gloo
 
@@ -203,6 +271,8 @@ def _family(name):
 
     if name == "mixtral":
         return build("mixtral+batched_mm")
+    if name == "mistral":  # a window shorter than prompt + new tokens: it masks
+        return hf_zoo.tiny_mistral(sliding_window=4)
     return getattr(hf_zoo, f"tiny_{name}")()
 
 
@@ -256,8 +326,13 @@ def _generations(rank, world):
         if name == "llama":
             out[(name, "sampled")] = pm.generate(_prompt(2, 6, 256, 2), max_new_tokens=NEW, eos_token_id=eos,
                                                  **SAMPLED)
-            try:  # 10 + 8 tokens do not fit the 16 the export traced
-                pm.generate(_prompt(1, 10, 256, 0), max_new_tokens=NEW)
+            # with the cache the graphs take any length: 10 + 8 tokens past the 16 the export traced,
+            # steps overlapped and stepwise; recomputing, the traced length still bounds them
+            out[(name, "long")] = pm.generate(_prompt(2, 10, 256, 0), max_new_tokens=NEW, eos_token_id=eos)
+            out[(name, "long_stepwise")] = pm.generate(_prompt(2, 10, 256, 0), max_new_tokens=NEW,
+                                                       eos_token_id=eos, overlap_steps=False)
+            try:
+                pm.generate(_prompt(1, 10, 256, 0), max_new_tokens=NEW, use_cache=False)
             except UsageError as exc:
                 out[(name, "too_long")] = str(exc)
     out["fault"] = _fault(rank)
@@ -315,12 +390,12 @@ def _fault(rank):
 
 def _hf_reference(name, key):
     model, _, _ = _family(name)
-    b = 2 if key == "sampled" else key
-    prompt = _prompt(b, 6, 256, b)
-    options = dict(do_sample=False)
+    b = 2 if key in ("sampled", "long") else key
+    prompt = _prompt(2, 10, 256, 0) if key == "long" else _prompt(b, 6, 256, b)
+    options = dict(do_sample=False, use_cache=True)  # Hugging Face's own cache
     if key == "sampled":
         torch.manual_seed(SAMPLED["seed"])
-        options = dict(do_sample=True, temperature=SAMPLED["temperature"], top_k=SAMPLED["top_k"])
+        options = dict(do_sample=True, temperature=SAMPLED["temperature"], top_k=SAMPLED["top_k"], use_cache=True)
     return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, **options)
 
 
@@ -358,15 +433,16 @@ def test_generate_at_tp2_pp2_equals_one_process():
     eos, overlapped, stepwise = results[0][("gpt", "eos")]
     want = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, eos_token_id=eos)
     assert torch.equal(overlapped, want) and torch.equal(stepwise, want), (eos, overlapped, stepwise, want)
-    for name in HF_FAMILIES:  # exported at a fixed length: recomputed, with the reason
-        assert "torch.export fixed the sequence at 16 tokens" in results[0][(name, "path")], name
+    for name in HF_FAMILIES:  # exported at a fixed length: the cache of [Note: KV cache for exported graphs]
+        assert results[0][(name, "path")] is None, (name, results[0][(name, "path")])
     ref = generate_unsplit(gpt, _prompt(3, 5, V, 3), max_new_tokens=NEW, sampling=Sampling(**SAMPLED))
     assert torch.equal(results[0][("gpt", "sampled")], ref)
     assert "different prompts or options" in results[0][("gpt", "mismatch")]
     assert results[0][("gpt", "after")].shape == (1, 7)
     text = results[0][("llama", "too_long")]
     assert "traced the sequence at 16 tokens" in text and "max_new_tokens <= 7" in text, text
+    assert torch.equal(results[0][("llama", "long_stepwise")], results[0][("llama", "long")])
     for name in HF_FAMILIES:
-        for key in (1, 2, "sampled") if name == "llama" else (1, 2):
+        for key in (1, 2, "sampled", "long") if name == "llama" else (1, 2):
             got = results[0][(name, key)]
             assert torch.equal(got, _hf_reference(name, key)), (name, key, got)

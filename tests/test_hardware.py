@@ -1,4 +1,4 @@
-"""fxsplit.Hardware: presets, the collective formulas, measure() and its cache, the legacy fields."""
+"""fxsplit.Hardware: presets, the collective formulas, measure() and its cache, the rates an estimate divides by."""
 
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ def test_mp_policy_matches_the_same_casts_in_one_process():
 
 # ------------------------------------------------------------------------------------------------
 # mp_policy on a torch.export graph (HF Llama): dtypes the model reads at trace time
-# ([Note: tracing under a parameter dtype] in fxsplit.graph.trace)
+# ([Note: tracing under a parameter dtype] in fxsplit.graph.export)
 
 
 def _llama():

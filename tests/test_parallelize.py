@@ -95,8 +95,8 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     # data-parallel all-reduces start per stage as soon as its last backward ran (overlap)
     ready = []
-    inner = pm._runtime.on_stage_grads_ready
-    pm._runtime.on_stage_grads_ready = lambda s: (ready.append((s, len(pm._dp_pending))), inner(s))
+    inner = pm._grads.stage_grads_ready  # the runtime's hook (fxsplit.runtime.data_parallel)
+    pm._grads.stage_grads_ready = lambda s: (ready.append((s, pm._grads.in_flight)), inner(s))
     # targets are computed from the single-process model's outputs, as in _reference
     ref_model, _, _ = zoo.make(name, **overrides)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)

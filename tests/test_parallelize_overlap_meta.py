@@ -2,7 +2,7 @@
 (one process-group launch serves both, spawning costs seconds):
 
 1. dp=2 x pp=2 (interleaved 1F1B, two stages per rank): the data-parallel gradient all-reduces
-   overlap the pipeline. `ParallelModel._stage_grads_ready` starts a stage's bucketed
+   overlap the pipeline. `DataParallelGrads.stage_grads_ready` (fxsplit.runtime.data_parallel) starts a stage's bucketed
    asynchronous all-reduce as soon as that stage's last backward of the step ran, so on each
    rank the all-reduce of the stage whose last backward comes first is started while the
    pipeline still has actions to run on that rank. Observed by recording, in order, every
@@ -49,7 +49,7 @@ def _overlap(rank):
     model, args, _ = zoo.make("gpt", **GPT)
     pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, dp=2, pp=2, microbatches=2,
                              schedule="interleaved_1f1b", stages_per_rank=2, hardware=HW, timeout=60)
-    rt, dp_group = pm._runtime, pm._groups["dp"]
+    rt, dp_group = pm._runtime, pm._groups.dp
     events: list = []
     for name in ("_forward", "_backward", "_backward_weight"):
         inner = getattr(rt, name)

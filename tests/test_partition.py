@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from fxsplit.pipeline import partition_memory
+from fxsplit.pipeline.partition import memory_caps
 from fxsplit.pipeline.partition import (
     PartitionError,
     PartitionProblem,
@@ -235,7 +235,7 @@ def ref_stage_memory(pb, cuts):
 def fallback_problems(draw):
     """v > 1 with a memory cap and exact_budget=0 (the exact search gives up at once), with a cap
     that the relaxation "each stage alone within the limit" overshoots on some rank (checked here
-    by brute force), so that `solve` must take the sound fallback (`partition_memory._fallback`).
+    by brute force), so that `solve` must take the sound fallback (`memory_caps._fallback`).
     Returns (problem, whether the cap is at or above the uniform bound).
 
     Most caps lie between v * (the least largest stage memory of any partition) -- where the
@@ -290,14 +290,14 @@ def test_fallback_for_coupled_memory_is_sound(monkeypatch):
     `exact` False. With a cap at or above the uniform bound it always returns one; when it finds
     none, the error says that a fitting partition exists."""
     calls = []
-    real = partition_memory._fallback
+    real = memory_caps._fallback
 
     def spy(ch, relaxed):
         cuts = real(ch, relaxed)
         calls.append(cuts)
         return cuts
 
-    monkeypatch.setattr(partition_memory, "_fallback", spy)
+    monkeypatch.setattr(memory_caps, "_fallback", spy)
     outcomes = []
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
@@ -567,7 +567,7 @@ def test_large_n_is_fast(bandwidth, every, memory_limit):
     check_structure(pb, part)
     # optimality certificate: no partition has bottleneck < the found one. Shrinking the
     # bottleneck by one ulp must make the instance infeasible for the same solver core.
-    from fxsplit.pipeline.chain import Chain as _Chain, forward as _forward
+    from fxsplit.pipeline.partition.chain import Chain as _Chain, forward as _forward
     ch = _Chain(pb)
     caps = None if memory_limit is None else (memory_limit,) * pb.num_stages
     assert _forward(ch, part.bottleneck, caps)[0]

@@ -254,7 +254,7 @@ def test_runtime_on_threads_with_in_order_matching(monkeypatch, name, p, v, m, p
     assert checked == len(refp)
     # zb_h1's ranks trace their stages (make_fx) on these threads at the same time: torch.fx's
     # patching of fx-wrapped functions must not leave fxsplit's collectives replaced by wrappers
-    # ([Note: one fx trace at a time] in fxsplit.runtime.split_graph; graphs planned later in the
+    # ([Note: one fx trace at a time] in fxsplit.runtime.compile.split_graph; graphs planned later in the
     # process held targets other than the module's functions)
     from fxsplit.tp import collectives as C
     assert {k: f for k, f in vars(C).items() if k in C._ORIGINALS and f is not C._ORIGINALS[k]} == {}

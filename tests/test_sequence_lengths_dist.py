@@ -1,10 +1,13 @@
 """Changing sequence lengths across steps, and packed documents, end to end on gloo (4 ranks, one
-launch): a plan traced by torch.export at one length trains at every shorter one ([Note: padding
-to the traced length] in fxsplit.api.padding) on a transformers Llama (tp2 x pp2 1F1B, dp2 x pp2
-interleaved 1F1B, tp2 x pp2 ZB-V) and the zoo GPT (dp2 x pp2 ZB-H1), and rows packed with several
-documents (position ids restarting per document) at tp2 x pp2; the loss and every gradient of each of three SGD steps equal
-the unsplit model's in one process, each data-parallel replica fed its own slice of the global
-batch."""
+launch): a plan traced by torch.export at one length trains at every shorter one on a transformers
+Llama (tp2 x pp2 1F1B, dp2 x pp2 interleaved 1F1B, tp2 x pp2 ZB-V) and the zoo GPT (dp2 x pp2 ZB-H1,
+cp2 x pp2 1F1B), and rows packed with several documents (position ids restarting per document) at
+tp2 x pp2; the loss and every gradient of each of three SGD steps equal the unsplit model's in one
+process, each data-parallel replica fed its own slice of the global batch. Without cp the plans
+follow each step's length ([Note: following the sequence from two static traces] in
+fxsplit.graph.sequence): every rank sends its pipeline peers fewer bytes at a shorter step, in
+proportion to the length; with cp the plan pads to the traced length ([Note: padding to the traced
+length] in fxsplit.api.padding), and sends the same bytes at every step."""
 
 import copy
 
@@ -28,6 +31,7 @@ CASES = {
     "llama-tp2-pp2-zbv": ("llama", dict(tp=2, pp=2, schedule="zbv", microbatches=2)),
     "gpt-dp2-pp2-zbh1": ("gpt", dict(dp=2, pp=2, schedule="zb_h1", microbatches=2)),
     "llama-packed-tp2-pp2": ("packed", dict(tp=2, pp=2, schedule="1f1b", microbatches=2)),
+    "gpt-cp2-pp2-1f1b-padded": ("gpt", dict(cp=2, pp=2, schedule="1f1b", microbatches=2)),
 }
 
 
@@ -113,22 +117,25 @@ def _train(kind, options):
     with shared_traces(_TRACES):
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=_loss(kind), method="export", verify=False,
                                  timeout=120, hardware=INF_LINK, **options)
-    assert pm.plan.graph.meta["fxsplit"].method == "export" and "seq" not in pm.plan.graph.meta["fxsplit"].symbols
+    info = pm.plan.graph.meta["fxsplit"]
+    assert info.method == "export" and info.traced_length == TRACED
+    assert info.follows_sequence == (options.get("cp", 1) == 1), info.reason
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    steps = []
+    steps, sent = [], []
     for step in range(len(LENGTHS)):
         ids, kw, y = _batch(kind, step, vocab)
         loss = pm.step(replica_slice(pm, ids), target=replica_slice(pm, y),
                        **{k: replica_slice(pm, v) for k, v in kw.items()})
         grads = local_grads(pm)
         steps.append((float(loss), grads))
+        sent.append(pm._runtime.last_sent_bytes)
         opt.step()
         opt.zero_grad()
     ids, kw, _ = _batch(kind, 1, vocab)  # inference at a shorter length: the outputs cut back
     out = pm(replica_slice(pm, ids), **{k: replica_slice(pm, v) for k, v in kw.items()})
     logits = out if kind == "gpt" else out.logits
     return dict(steps=steps, specs=dict(pm.plan.tp_plan.param_specs), coords=dict(pm.coords),
-                inference_shape=tuple(logits.shape))
+                inference_shape=tuple(logits.shape), sent=sent)
 
 
 def _cases(rank, world):
@@ -147,5 +154,11 @@ def test_changing_lengths_and_packed_rows_match_one_process():
         for rank, r in enumerate(res):
             assert [loss for loss, _ in r["steps"]] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), (label, rank)
             assert r["inference_shape"][1] == LENGTHS[1], (label, rank, r["inference_shape"])
+            sent = r["sent"]  # bytes this rank sent its pipeline peers at each step
+            assert sent[0] > 0, (label, rank, sent)
+            if label.endswith("padded"):
+                assert sent == [sent[0]] * len(LENGTHS), (label, rank, sent)
+            else:  # every boundary value has the step's length in its shape: bytes in proportion to it
+                assert [b * TRACED for b in sent] == [sent[0] * t for t in LENGTHS], (label, rank, sent)
         tied = [{"wte.weight", "lm_head.weight"}] if kind == "gpt" else ()  # the export graph keeps one name
         check_grads([dict(r, grads=[g for _, g in r["steps"]]) for r in res], [g for _, g in refs[kind]], tied=tied)

@@ -1,7 +1,9 @@
 """[Note: padding to the traced length] (fxsplit.api.padding): a plan traced by torch.export at a
 fixed length serves every shorter length, padded on the right and cut back, exactly; verify refuses
 a model the padding would change; packed documents (position ids restarting per document) run as
-each document alone. One process; the gloo runs are in tests/test_sequence_lengths_dist.py."""
+each document alone. The plans here pad (follow_sequence=False); tests/test_sequence_follow.py has
+plans that take every length as it is. One process; the gloo runs are in
+tests/test_sequence_lengths_dist.py."""
 
 import functools
 
@@ -42,7 +44,7 @@ def test_pad_inputs_and_cut_outputs():
     model, args, kwargs = _llama()
     pos = torch.arange(16).expand(2, -1).clone()
     p = fxsplit.plan(model, args, {**kwargs, "position_ids": pos}, pp=2, microbatches=2, schedule="1f1b",
-                     method="export")
+                     method="export", follow_sequence=False)
     assert traced_length(p) == 16
     ids, mask = args[0][:, :10], kwargs["attention_mask"][:, :10]
     flat, t = pad_to_traced([ids, mask, pos[:, :10]], p)
@@ -82,7 +84,8 @@ def _lm_loss(out, y):
 def test_verify_checks_that_padding_is_exact():
     model, args, kwargs = _llama()
     with shared_traces(_TRACES):
-        p = fxsplit.plan(model, args, kwargs, tp=2, pp=2, microbatches=2, schedule="1f1b", method="export")
+        p = fxsplit.plan(model, args, kwargs, tp=2, pp=2, microbatches=2, schedule="1f1b", method="export",
+                         follow_sequence=False)
     fxsplit.verify(model, args, p, kwargs)  # causal: a real position never reads a padded one
     # shorter examples run padded, as steps do: outputs, loss and every gradient against the model
     for t in (9, 13):
@@ -94,7 +97,7 @@ def test_verify_checks_that_padding_is_exact():
     torch.manual_seed(0)
     bi, ids = _Bidirectional(), torch.randint(0, 32, (2, 8))
     with shared_traces(_TRACES):
-        p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export")
+        p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", follow_sequence=False)
     # at the traced length the plan is right: verify passes and refuses padding for this plan (its
     # half is checked), so a shorter step raises naming the fix; a shorter example fails verify
     fxsplit.verify(bi, (ids,), p, quiet=True)
@@ -103,7 +106,8 @@ def test_verify_checks_that_padding_is_exact():
     with pytest.raises(PlanError, match="pad_sequence=False"):  # the plan refuses shorter steps now
         fxsplit.verify(bi, (ids[:, :5],), p)
     with shared_traces(_TRACES):  # padding asked for explicitly: verify at the traced length raises
-        p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", pad_sequence=True)
+        p = fxsplit.plan(bi, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", pad_sequence=True,
+                         follow_sequence=False)
     with pytest.raises(VerificationError, match="pad_sequence=False"):
         fxsplit.verify(bi, (ids,), p)
     with pytest.raises(VerificationError, match="pad_sequence=False"):  # a shorter example, checked first
@@ -120,7 +124,7 @@ def test_packed_documents_equal_each_document_alone():
     torch.testing.assert_close(model(ids, position_ids=pos).logits, alone, rtol=1e-5, atol=1e-6)
     # the plan on the packed batch equals the unsplit model (outputs and every gradient), padded too
     p = fxsplit.plan(model, (ids,), {"position_ids": pos}, tp=2, pp=2, microbatches=2, schedule="1f1b",
-                     method="export")
+                     method="export", follow_sequence=False)
     fxsplit.verify(model, (ids,), p, {"position_ids": pos})
     y = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
     fxsplit.verify(model, (ids[:, :10],), p, {"position_ids": pos[:, :10]}, loss_fn=_lm_loss, target=y, quiet=True)

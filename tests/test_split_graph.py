@@ -1,4 +1,4 @@
-"""The graph split backward (fxsplit.runtime.split_graph) in one process: a stage's forward, I and
+"""The graph split backward (fxsplit.runtime.compile.split_graph) in one process: a stage's forward, I and
 W graphs give exactly the outputs and gradients of the stage run with autograd (bit for bit), with
 activation checkpointing (full, selective: the recomputation runs once), with a weight used twice
 on one path, with dropout (the same masks); a random recomputation is refused; and the graphs
@@ -12,7 +12,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit.graph.ops import is_random
-from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage, accumulate_grads
+from fxsplit.runtime.compile.split_graph import GraphSplit, UnsupportedStage, accumulate_grads
 from fxsplit.testing import zoo
 from fxsplit.testing.stage_inputs import stage_inputs
 
@@ -184,7 +184,7 @@ def test_forward_i_and_w_graphs_compile():
 
 
 def _compile_check():
-    from fxsplit.runtime.compiling import compile_split
+    from fxsplit.runtime.compile.compiling import compile_split
 
     m = TwiceOnOnePath()
     x = torch.randn(4, 8, requires_grad=True)

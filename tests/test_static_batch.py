@@ -36,17 +36,36 @@ def test_example_at_batch_cuts_or_repeats_the_batch_only():
 
 def test_trace_static_batch_under_export_only():
     model, args, _ = _gpt()
-    gm = fxsplit.trace(model, args, method="export", static_batch=2, dynamic_sequence=None)
+    gm = fxsplit.trace(model, args, method="export", microbatch_size=2, dynamic_sequence=None)
     info = gm.meta["fxsplit"]
     assert _input_dims(gm) == [2, 8] and "batch" not in info.symbols and "static at 2" in info.reason
     assert all(not n.meta["fxsplit"].cost.free_symbols for n in gm.graph.nodes
                if n.meta.get("fxsplit") is not None and n.meta["fxsplit"].cost is not None)
     out = gm(args[0][:2])
     torch.testing.assert_close(out, model(args[0][:2]))
-    gm = fxsplit.trace(model, args, method="fx", static_batch=2)  # fx reads sizes at run time: symbolic
+    gm = fxsplit.trace(model, args, method="fx", microbatch_size=2)  # fx reads sizes at run time: symbolic
     assert _input_dims(gm)[0] == gm.meta["fxsplit"].symbols["batch"]
-    with pytest.raises(ValueError, match="static_batch must be"):
-        fxsplit.trace(model, args, static_batch=0)
+    with pytest.raises(ValueError, match="microbatch_size must be"):
+        fxsplit.trace(model, args, microbatch_size=0)
+    # dynamic_batch as in ParallelConfig: False is static at the example's batch, True symbolic
+    gm = fxsplit.trace(model, args, method="export", dynamic_batch=False, dynamic_sequence=None)
+    assert _input_dims(gm) == [4, 8] and "batch" not in gm.meta["fxsplit"].symbols
+    gm = fxsplit.trace(model, args, method="export", dynamic_batch=True, microbatch_size=2, dynamic_sequence=None)
+    assert _input_dims(gm)[0] == gm.meta["fxsplit"].symbols["batch"]
+
+
+def test_trace_old_spellings_warn_and_keep_their_meaning():
+    model, args, _ = _gpt()
+    with pytest.warns(FutureWarning, match="microbatch_size=b"):
+        gm = fxsplit.trace(model, args, method="export", static_batch=2, dynamic_sequence=None)
+    assert _input_dims(gm) == [2, 8]
+    with pytest.warns(FutureWarning, match="dynamic_batch= and dynamic_sequence="):
+        gm = fxsplit.trace(model, args, method="fx", dynamic=False)
+    assert _input_dims(gm) == [4, 8] and not gm.meta["fxsplit"].symbols  # no symbol, fx included
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dynamc'"):
+        fxsplit.trace(model, args, dynamc=False)
+    with pytest.raises(ValueError, match="not both"), pytest.warns(FutureWarning):
+        fxsplit.trace(model, args, static_batch=2, microbatch_size=2)
 
 
 def test_plan_with_a_global_batch_is_static_and_refuses_another_batch_naming_the_switch():
@@ -55,7 +74,9 @@ def test_plan_with_a_global_batch_is_static_and_refuses_another_batch_naming_the
     p = fxsplit.plan(model, args, pp=2, microbatches=2, schedule="1f1b", method="export", global_batch_size=8,
                      verify=True)
     assert p.config.microbatch_size == 4 and "batch" not in p.graph.meta["fxsplit"].symbols
-    assert [to_expr(s) for s in p.stages.input_meta[0].shape] == [4, 8]
+    # the batch static, the sequence following each step's length ([Note: following the sequence from
+    # two static traces] in fxsplit.graph.sequence)
+    assert [to_expr(s) for s in p.stages.input_meta[0].shape] == [4, p.graph.meta["fxsplit"].symbols["seq"]]
     check_batch([torch.zeros(8, 8, dtype=torch.long)], p, "step")
     with pytest.raises(ValueError, match=r"microbatch_size=4.*dynamic_batch=True"):
         check_batch([torch.zeros(6, 8, dtype=torch.long)], p, "step")

@@ -1,4 +1,4 @@
-"""Cross-attention sharded by heads ([Note: attention partners] in ``fxsplit.tp.plan``): q from
+"""Cross-attention sharded by heads ([Note: attention partners] in ``fxsplit.tp.regions``): q from
 the decoder's stream, k and v from the encoder's output (read by every decoder layer), so no
 group of linears sharing an input holds all three. Checked by ``fxsplit.verify`` (outputs and
 every gradient vs the unsplit model), the scores written out (fx) and through sdpa (export)."""

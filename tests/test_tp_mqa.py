@@ -1,7 +1,7 @@
 """Multi-query attention in one fused projection (GPTBigCode's ``c_attn``: ``[q | k | v]`` with
 H query heads and ONE k / v head): q sharded by heads, the k / v head kept whole on every rank
 (``ShardSpec.whole``) and its expand to the heads made local ([Note: whole blocks] in
-``fxsplit.tp.plan``). Checked by ``fxsplit.verify`` (outputs and every gradient, the whole
+``fxsplit.tp.regions``). Checked by ``fxsplit.verify`` (outputs and every gradient, the whole
 blocks' included, vs the unsplit model), fx and export, both expand spellings."""
 
 import pytest

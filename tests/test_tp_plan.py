@@ -34,7 +34,7 @@ def _hf(name: str):
 def _count(gm, target) -> int:
     # by qualified name, not identity: in the full suite these counts by identity found 0 after
     # test_runtime_plan's threaded ranks left the collectives patched by torch.fx (fixed: [Note:
-    # one fx trace at a time] in fxsplit.runtime.split_graph); the name also holds under any other
+    # one fx trace at a time] in fxsplit.runtime.compile.split_graph); the name also holds under any other
     # stray fx patch
     key = (target.__module__, target.__qualname__)
     return sum(1 for n in gm.graph.nodes if n.op == "call_function"

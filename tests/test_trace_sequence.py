@@ -35,7 +35,8 @@ def test_plan_with_export_traces_the_example_sequence_and_refuses_another():
 
     model, args, _ = zoo.make_gpt(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16, batch_size=4,
                                   seq_len=8)
-    p = fxsplit.plan(model, args, pp=2, microbatches=2, schedule="1f1b", method="export")
+    # follow_sequence=False: the static graph as traced (tests/test_sequence_follow.py has the default)
+    p = fxsplit.plan(model, args, pp=2, microbatches=2, schedule="1f1b", method="export", follow_sequence=False)
     assert "seq" not in p.graph.meta["fxsplit"].symbols
     check_batch([torch.zeros(6, 8, dtype=torch.long)], p, "step")  # another batch size: fine
     with pytest.raises(ValueError, match="dynamic_sequence=True"):

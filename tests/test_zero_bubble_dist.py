@@ -285,7 +285,7 @@ def test_graph_split_with_skips_checkpointing_and_hf():
         assert r["hf"] == pytest.approx(ref, rel=1e-5, abs=1e-6), f"rank {rank}"
 
 
-# torch.compile of the stage graphs ([Note: compiled stages] in fxsplit.runtime.compiling): 1f1b
+# torch.compile of the stage graphs ([Note: compiled stages] in fxsplit.runtime.compile.compiling): 1f1b
 # (B as one graph: [Note: fused backward]) and zbv (F, I and W) at p=2, a one-layer tied GPT,
 # every graph compiled; before training, pm(x) runs the compiled inference graphs ([Note:
 # compiled inference]) against the unsplit model; the loss runs through torch.compile ([Note:

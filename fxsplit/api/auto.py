@@ -15,7 +15,7 @@ chosen configuration is planned as any other (``fxsplit.plan`` with its fields: 
 them), with the
 search's stage boundaries given as ``split_points`` so the built stages are the ones the search
 scored. The fields the search chooses (dp, tp, pp, stages_per_rank, schedule, microbatches,
-activation_checkpointing, sequence_parallel, and dp_shard where ParallelConfig has it) may not be
+activation_checkpointing, sequence_parallel, ep, and dp_shard where ParallelConfig has it) may not be
 given with strategy="auto"; every other option (passes, method, hardware, memory_limit, ...)
 is kept. ``hardware`` defaults to ``Hardware.preset("a100-80gb")`` and ``memory_limit`` to its
 memory. The example inputs only need the model's shapes (any batch size): the search scales every
@@ -38,7 +38,7 @@ from fxsplit.planner import SearchResult, analyze, search, shard_supported
 __all__ = ["build_pick", "choose", "config_of", "score_layout", "SEARCHED"]
 
 SEARCHED = ("dp", "tp", "pp", "stages_per_rank", "schedule", "microbatches", "activation_checkpointing",
-            "sequence_parallel", "dp_shard", "split_points", "microbatch_size")
+            "sequence_parallel", "dp_shard", "ep", "split_points", "microbatch_size")
 
 
 def choose(model: nn.Module, example_args: Any, example_kwargs: Mapping[str, Any] | None, *,
@@ -69,6 +69,7 @@ def config_of(score: Any, result: SearchResult, base: ParallelConfig, hardware: 
     """The ParallelConfig of one scored candidate, with the search's stage boundaries."""
     fields = score.candidate.config_fields()
     fields.setdefault("dp_shard", 1)  # ``base`` may be another candidate's config
+    fields.setdefault("ep", 1)
     cuts = score.cuts[1:-1]
     chosen = dataclasses.replace(base, **fields, hardware=hardware, memory_limit=None, microbatch_size=None,
                                  split_points=tuple(result.group_paths[k] for k in cuts) or None)
@@ -102,7 +103,7 @@ def score_layout(gm: Any, config: ParallelConfig, hardware: Hardware, global_bat
                      microbatches=c.microbatches, microbatch_size=global_batch_size // (data * c.microbatches),
                      activation_checkpointing=c.activation_checkpointing if isinstance(c.activation_checkpointing, str)
                      and c.activation_checkpointing in ("none", "selective", "full") else "none",
-                     sequence_parallel=bool(c.sequence_parallel), dp_shard=c.dp_shard)
+                     sequence_parallel=bool(c.sequence_parallel), dp_shard=c.dp_shard, ep=c.ep)
     limit = float(c.memory_limit) if c.memory_limit is not None else hardware.memory_bytes
     return Scorer(workload, hardware, limit).score(cand, simulate=True)
 

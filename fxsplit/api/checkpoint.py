@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 # wrote, so a reader can reassemble the full tensor and cut it again for any other layout.
 # "optim/<param name>/<state key>" is per-parameter optimizer state, sharded like its parameter.
 # "fxsplit_train/state" is the training state (_TrainState; absent in older checkpoints).
+# An expert weight placed by ep (and its optimizer state) is saved as the whole [E, ...] tensor (its
+# tp shard's key with tp) that each ep rank's block is a chunk of: a DTensor over the ep group,
+# Shard(0), so DCP writes each block at its offset once (the expert replicas' blocks deduplicated)
+# and any reader, of any ep or none, reads the whole tensor as it reads any other.
 # "fxsplit_checksums.json" holds the CRC-32 of every chunk, keyed by (stored name, chunk offsets),
 # with the file that holds it. Each rank hashes the chunks of its *final* DCP plan, after DCP's
 # deduplication, from the tensor DCP then writes: the reference is exactly the copy that was
@@ -133,7 +137,7 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, *,
         dist.broadcast_object_list(box, src=0)
     tmp = f"{path}.tmp-{box[0]}"
     try:
-        _dcp_save(state, tmp, distributed=distributed, group=pm._groups.get("world"), path=path)
+        _dcp_save(state, tmp, distributed=distributed, path=path)
     except Exception as exc:  # noqa: BLE001 -- raised on every rank by _agree
         error = exc
     try:
@@ -151,17 +155,28 @@ def save_checkpoint(pm: ParallelModel, path: str | os.PathLike, *,
         raise
 
 
-def _refuse_ep(pm: ParallelModel, what: str) -> None:
-    """Sharded checkpoints store a tensor's replicas once; expert blocks placed by ep are not replicas."""
-    if pm.plan.config.ep > 1:
-        raise CheckpointError(f"{what}: sharded checkpoints of a model with ep={pm.plan.config.ep} are not supported "
-                              "yet (each ep rank holds other experts under the same name); save "
-                              "pm.full_state_dict() with torch.save and load it with pm.load_full_state_dict(...)")
+def _expert_blocks(pm: ParallelModel) -> tuple[set[str], Any]:
+    """(the expert weights placed by ep, a DeviceMesh of this rank's ep group, or None without ep)."""
+    if pm.plan.config.ep == 1:
+        return set(), None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = next(iter(pm.parameters())).device.type
+    return set(pm.plan.ep_plan.expert_params), DeviceMesh.from_group(pm._groups["ep"], device)
+
+
+def _as_block(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """This ep rank's block of experts as its chunk of the whole tensor ([Note: checkpoint layout])."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = (tensor.shape[0] * mesh.size(), *tensor.shape[1:])
+    return DTensor.from_local(tensor.contiguous(), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _state_to_save(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The state dict this rank hands to DCP ([Note: checkpoint layout])."""
-    _refuse_ep(pm, "save_checkpoint")
+    experts, ep_mesh = _expert_blocks(pm)
     specs = pm.plan.tp_plan.param_specs
     t, tp_rank = pm.plan.config.tp, pm.coords.get("tp", 0)
     tensors: dict[str, torch.Tensor] = dict(pm._local_state())
@@ -174,14 +189,17 @@ def _state_to_save(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -
                     tensors[okey] = value
                     if name in specs and tuple(value.shape) == tuple(param.shape):
                         tensor_specs[okey] = specs[name]
+                    if name in experts and tuple(value.shape) == tuple(param.shape):
+                        experts.add(okey)
     state: dict[str, Any] = {}
     mine: dict[str, Any] = {}
     for name, tensor in tensors.items():
+        value = _as_block(tensor.detach(), ep_mesh) if name in experts else tensor.detach()
         if name in tensor_specs and t > 1:
-            state[_shard_key(name, tp_rank, t)] = tensor.detach()
+            state[_shard_key(name, tp_rank, t)] = value
             mine[name] = tensor_specs[name]
         else:
-            state[name] = tensor.detach()
+            state[name] = value
     # each (pp, tp) position records the specs of the shards it wrote (replicas write the same)
     state[f"{_META}/pp{pm.coords.get('pp', 0)}-tp{tp_rank}"] = _ShardRecord(t, mine, alias_groups(pm.plan.graph))
     runtime = pm._runtime
@@ -203,12 +221,12 @@ def _check_replaceable(path: str) -> None:
     )
 
 
-def _dcp_save(state: dict[str, Any], tmp: str, *, distributed: bool, group: Any, path: str) -> None:
+def _dcp_save(state: dict[str, Any], tmp: str, *, distributed: bool, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(state, storage_writer=_writer_class()(tmp), process_group=group, no_dist=not distributed)
+        dcp.save(state, storage_writer=_writer_class()(tmp), no_dist=not distributed)  # every rank: the default group
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
         raise CheckpointError(f"save_checkpoint({path!r}): torch.distributed.checkpoint failed: {exc}") from exc
     except Exception as exc:
@@ -324,7 +342,6 @@ def _load_into(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | 
                allow_nonfinite: bool) -> None:
     from fxsplit.runtime.fsdp import local_tensor
 
-    _refuse_ep(pm, "load_checkpoint")
     names = set()
     for mod in pm.stage_modules.values():
         names |= set(mod.state_dict(keep_vars=True))  # parameters and persistent buffers
@@ -341,6 +358,7 @@ def _load_into(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | 
         return
     specs = pm.plan.tp_plan.param_specs
     tp_rank = pm.coords.get("tp", 0)
+    experts, ep = (set(pm.plan.ep_plan.expert_params), pm.plan.config.ep) if pm.plan.config.ep > 1 else (set(), 1)
     mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for name, param in params.items():
         if id(param) not in mine:
@@ -351,6 +369,8 @@ def _load_into(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | 
             if key.startswith(prefix):
                 if name in specs and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
                     value = specs[name].shard(value, tp_rank)
+                if name in experts and value.dim() > 0:  # this rank's block of experts
+                    value = value.chunk(ep)[pm._groups["ep"].rank()]
                 if value.dim() > 0:
                     value = like_param(param, value.to(local_tensor(param).device))
                 entry[key[len(prefix):]] = value
@@ -508,8 +528,9 @@ def _read_checksums(path: str) -> dict[str, int] | None:
                               f"{exc}); the checkpoint was damaged after the save") from exc
 
 
-# Checkpoints written before this module existed pickled their _ShardRecord under
-# fxsplit.api.model; the loader reads them as this module's class.
+# A checkpoint may name _ShardRecord under fxsplit.api.model in its pickle (the module that held
+# the class when that checkpoint was saved); the loader reads it as this module's class, so such
+# checkpoints still load.
 _MOVED = {("fxsplit.api.model", "_ShardRecord"): _ShardRecord}
 
 

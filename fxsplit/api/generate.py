@@ -10,7 +10,9 @@ Terms
   ([Note: fewer microbatches for inference]).
 - **cache path**: with a KV cache ([Note: generation with a KV cache] in fxsplit.api.kv_cache:
   the prompt once, then one token per step, attention reading the keys and values cached on each
-  rank per (stage, microbatch)) where :func:`cache_path` finds it exact, else by recompute (below);
+  rank per (stage, microbatch); for a graph torch.export traced at a fixed length, [Note: KV cache
+  for exported graphs] in fxsplit.api.kv_export) where :func:`cache_path` finds it exact, else by
+  recompute (below);
   the reason is logged on ``fxsplit.generate`` at INFO and returned by :func:`cache_path`.
 - **traced length**: the sequence length the plan's graph fixes (torch.export without
   ``dynamic_sequence=True``: [Note: a static sequence for export] in fxsplit.graph.trace), or
@@ -28,15 +30,17 @@ With the cache, the steps of the m' microbatches overlap (``overlap_steps=True``
 (step k, microbatch i) is virtual microbatch k * m' + i of one forward program
 (fxsplit.schedule.decode, lowered by the communication plan like any forward and run by
 ``PipelineRuntime.run_program``) with one more dependency, F(first stage, j) after F(last stage,
-j - m'): the token, a message from the last stage's rank to the first's
-(fxsplit.api.overlapped_decode). So while microbatch i's step runs on stage s, microbatch i + 1's
-runs on stage s - 1, and step k + 1 of microbatch 0 starts as soon as its token exists. Shapes are
+j - m'): the token, a message from the last stage's rank to the first's, planned in the
+program's communication plan like the activations ([Note: token messages] in
+fxsplit.pipeline.comm; fxsplit.api.overlapped_decode). So while microbatch i's step runs on
+stage s, microbatch i + 1's runs on stage s - 1, and step k + 1 of microbatch 0 starts as soon as
+its token exists. Shapes are
 known up front (the prompt, then one token), so every rank binds symbols without the values; the
 last stage draws each microbatch's tokens in the order one process draws a step's rows, so seeded
 sampling matches. With one microbatch (B = 1) nothing can overlap. ``overlap_steps=False`` runs
-one pipeline forward per step (the stepwise loop below, with the cache), as does NCCL: the token
-travels outside the communication plan with a tag of its own, which gloo matches by tag and NCCL
-would match by order (not yet planned as a message; not run on a GPU).
+one pipeline forward per step (the stepwise loop below, with the cache). The program is one plan
+on every backend: NCCL matches the token messages by their place in the per-peer order as it
+matches the activations (tested on gloo, which runs the same order; not run on a GPU).
 
 [Note: generation by recompute]
 Each step runs the pipeline's forward (no autograd, no loss: ``PipelineRuntime.forward``, the F
@@ -44,8 +48,9 @@ actions only) over the whole sequence so far and reads the logits of the last re
 rank holding the last stage picks the token, every rank of the replica receives it (a broadcast
 over the tensor-parallel ranks of the last stage, then over the pipeline), and the next step feeds
 the longer sequence. This is the path when the KV cache is not exact for the plan (its reason
-in :func:`cache_path`): the Hugging Face families traced by torch.export at a fixed length, explicit
-softmax attention, masks or rotary tables built in the graph. Every step then costs a full forward
+in :func:`cache_path`): explicit softmax attention, masks built in an fx graph, a graph traced at a
+fixed length that mixes positions outside attention (fxsplit.api.kv_export names the node), compiled
+stages. Every step then costs a full forward
 over the sequence, O(T) work per token. What it buys: exactness with no new graph (the same stage
 graphs that train, so any model that plans, at any tp and pp and schedule, generates), and the
 failure protocol for free: every wait is the runtime's or goes through the Watch
@@ -87,6 +92,7 @@ from torch import nn
 
 from fxsplit.api.inputs import check_batch, inference_microbatches
 from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module, stage_refusal
+from fxsplit.api.kv_export import export_decode, export_refusal
 from fxsplit.api.overlapped_decode import overlapped_decode
 from fxsplit.errors import ArgumentTypeError, RunError, UsageError
 
@@ -265,6 +271,14 @@ class _Feed:
                 f"max_new_tokens <= {self.length - prompt + 1}, plan with an example of >= {need} tokens, or "
                 "plan with dynamic_sequence=True")
 
+    def cached(self, tokens: torch.Tensor, total: int) -> list[torch.Tensor]:
+        """The flat inputs of a cached call: the new ``tokens`` (b, T) unpadded, and an attention
+        mask of ones over all ``total`` positions so far ([Note: KV cache for exported graphs])."""
+        flat = [tokens]
+        if self.mask is not None:
+            flat.append(torch.ones(tokens.shape[0], total, dtype=torch.long, device=tokens.device))
+        return flat
+
     def inputs(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         b, t = tokens.shape
         width = t if self.length is None else self.length
@@ -285,8 +299,22 @@ def cache_path(pm: Any, *, use_cache: bool = True) -> str | None:
     if not use_cache:
         return "use_cache=False"
     feed = _Feed.of(pm.plan.stages.input_meta)
-    return cache_refusal(pm.plan, traced_length=feed.length, mask_input=feed.mask is not None,
-                         compiled=bool(pm._runtime.compile))
+    compiled = bool(pm._runtime.compile)
+    if feed.length is not None and not compiled:
+        return export_refusal(pm.plan.stages.modules, pm.plan.stages.input_meta, feed.length)
+    return cache_refusal(pm.plan, traced_length=feed.length, mask_input=feed.mask is not None, compiled=compiled)
+
+
+def _cache(pm: Any, feed: _Feed) -> KVCache:
+    """The KV cache of one call over the stages this rank holds: [Note: generation with a KV cache]
+    for a graph with a symbolic sequence, [Note: KV cache for exported graphs] for one traced at a
+    fixed length. Built in the call: FSDP has gathered the parameters the decode modules refer to."""
+    runtime = pm._runtime
+    if feed.length is None:
+        return KVCache({s: decode_module(g) for s, g in runtime.modules.items()})
+    dec = export_decode(runtime.modules, pm.plan.stages.modules, runtime.io, pm.plan.stages.input_meta,
+                        feed.length, mask_input=feed.mask)
+    return KVCache(dec.modules, shapes=dec)
 
 
 def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,
@@ -304,10 +332,11 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
         _check_call(input_ids, max_new_tokens, eos_token_id)
         rule = Sampling(**sampling)
         feed = _Feed.of(pm.plan.stages.input_meta)
-        feed.check_fits(input_ids.shape[1], max_new_tokens)
-        m = inference_microbatches([input_ids], pm.plan)
-        check_batch(feed.inputs(input_ids), pm.plan, "generate", microbatches=m)
         why = cache_path(pm, use_cache=use_cache)
+        if why is not None:  # the cache's graphs take any length
+            feed.check_fits(input_ids.shape[1], max_new_tokens)
+        m = inference_microbatches([input_ids], pm.plan)
+        check_batch(feed.inputs(input_ids[:, :feed.length]), pm.plan, "generate", microbatches=m)
         _log.info("generate(): %s", "KV cache" if why is None else f"recomputing every step (no KV cache): {why}")
         return [feed, input_ids, m, rule, why]
 
@@ -327,9 +356,8 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
     def body(flat: list) -> torch.Tensor:
         feed, ids, m, rule, why = flat
         holds_last = runtime.last_stage in runtime.modules
-        # built in the call: FSDP has gathered the parameters the decode modules refer to
-        cache = None if why is not None else KVCache({s: decode_module(g) for s, g in runtime.modules.items()})
-        if cache is not None and overlap_steps and _tagged_p2p(runtime):
+        cache = None if why is not None else _cache(pm, feed)
+        if cache is not None and overlap_steps:
             made: list = []
 
             def pick(output: Any) -> torch.Tensor:
@@ -338,13 +366,15 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
                     made.append(rule.generator(logits.device))
                 return next_tokens(logits, rule, made[0])
 
-            return overlapped_decode(pm, ids, m, max_new_tokens, eos_token_id, pick, cache).to(ids.device)
+            return overlapped_decode(pm, ids, m, max_new_tokens, eos_token_id, pick, cache,
+                                     feed.cached).to(ids.device)
         fed = [0]
 
         def step(tokens: torch.Tensor) -> torch.Tensor | None:
             new = tokens if cache is None else tokens[:, fed[0]:]  # prefill the prompt, then one token
             fed[0] = tokens.shape[1]
-            out = runtime.forward(feed.inputs(new), microbatches=m, override=cache)
+            flat = feed.inputs(new) if cache is None else feed.cached(new, tokens.shape[1])
+            out = runtime.forward(flat, microbatches=m, override=cache)
             return model_logits(out)[:, new.shape[1] - 1, :] if holds_last else None
 
         share = lambda nxt, b: _share(pm, nxt, b)  # noqa: E731
@@ -353,20 +383,13 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
     return pm._inference("generate", prepare, body, signature=signature, check=check)
 
 
-def _tagged_p2p(runtime: Any) -> bool:
-    """Whether point-to-point messages are matched by tag (gloo), so the token messages of
-    [Note: overlapped steps] may ride beside the planned activations; NCCL matches by order, and
-    there the steps run one pipeline forward each until the token is planned as a message."""
-    return runtime.num_ranks == 1 or not dist.is_initialized() or dist.get_backend(runtime.pp_group) != "nccl"
-
-
 def _share(pm: Any, nxt: torch.Tensor | None, batch: int) -> torch.Tensor:
     """The last stage's tokens on every rank of the replica: first from tp rank 0 to the other tp
     ranks of the last stage (each drew its own; one answer wins), then over the pipeline."""
     runtime = pm._runtime
     tokens = nxt if nxt is not None else torch.empty(batch, dtype=torch.long, device=runtime.device)
     tokens = tokens.to(runtime.device)
-    tp = pm._groups.get("tp")
+    tp = pm._groups.tp
     if nxt is not None and tp is not None and dist.get_world_size(tp) > 1:
         work = dist.broadcast(tokens, dist.get_global_rank(tp, 0), group=tp, async_op=True)
         pm._wait(work, "in generate(), sharing the next tokens over the tensor-parallel ranks of the last stage", tp)

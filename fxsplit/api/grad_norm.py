@@ -22,6 +22,9 @@ rank's local gradients hold copies (Megatron's clip_grads.py, torchtitan's distr
   has one copy per stage holding it, each with the summed gradient after the step: only the
   first entry of its group (the lowest stage) counts it;
 - data-parallel replicas hold identical gradients after the step's all-reduce: dp rank 0 counts;
+- an expert weight placed by ep is split in blocks over the ep ranks of each ep group, and the ep
+  groups (expert replicas) hold the same blocks after the step's reduction: the ranks of the first
+  ep group (data index < ep, whatever their dp coordinate) count their blocks;
 - sharded data parallelism (dp_shard, FSDP) splits each local parameter's gradient into disjoint
   shards over the dp_shard ranks: every dp_shard rank counts its shard (DTensor's local part).
 The contributions are summed (max for inf) over every rank in one float32 all-reduce over the
@@ -69,15 +72,17 @@ def norm_parameters(
     shared_params: Sequence[Sequence[tuple[int, str]]],
     sharded: Collection[str],
     coords: Mapping[str, int],
+    experts: Collection[str] = frozenset(),
+    first_expert_group: bool = True,
 ) -> list[nn.Parameter]:
     """The local parameters whose gradients this rank counts in the model's norm ([Note:
     counting each parameter once]): distinct Parameters of ``stage_modules`` (stage -> module,
     this rank's stages), dropping the non-first holders of each ``shared_params`` group, the
     parameters not in ``sharded`` (FQNs of tp-sharded parameters) unless ``coords["tp"] == 0``,
     and everything unless ``coords["dp"] == 0`` and ``coords["cp"] == 0`` (context-parallel ranks hold the
-    same gradients after the step's all-reduce, as replicas do)."""
-    if coords.get("dp", 0) != 0 or coords.get("cp", 0) != 0:
-        return []
+    same gradients after the step's all-reduce, as replicas do), except the expert weights placed by
+    ep (``experts``), which the ranks of the first ep group count (``first_expert_group``)."""
+    replica_zero = coords.get("dp", 0) == 0 and coords.get("cp", 0) == 0
     later_holders = {tuple(entry) for group in shared_params for entry in list(group)[1:]}
     first_tp = coords.get("tp", 0) == 0
     out: list[nn.Parameter] = []
@@ -85,6 +90,8 @@ def norm_parameters(
     for stage in sorted(stage_modules):
         for name, param in stage_modules[stage].named_parameters():
             if (stage, name) in later_holders or (name not in sharded and not first_tp) or id(param) in seen:
+                continue
+            if not (first_expert_group if name in experts else replica_zero):
                 continue
             seen.add(id(param))
             out.append(param)

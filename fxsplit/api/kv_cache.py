@@ -35,9 +35,10 @@ ones the full sequence gives them. Tokens equal the recompute path's; logits agr
 :func:`cache_refusal` says, in one line, why a plan cannot take this path, and generate then
 recomputes ([Note: generation by recompute] in fxsplit.api.generate): an attention that is not a
 causal ``sdpa`` without mask or dropout (explicit softmax attention; Hugging Face's masks), an
-``arange`` that feeds anything but an embedding (rotary tables, masks built in the graph), a
-sequence the trace fixed (torch.export without ``dynamic_sequence``: every view holds T), an
-attention mask among the inputs, or compiled stages. Ops that mix positions other than attention
+``arange`` that feeds anything but an embedding (rotary tables, masks built in the graph), an
+attention mask among the inputs, or compiled stages. A sequence the trace fixed (torch.export
+without ``dynamic_sequence``: every view holds T) takes fxsplit.api.kv_export's rewrite instead
+([Note: KV cache for exported graphs]), which handles rotary tables and built masks too. Ops that mix positions other than attention
 (a cumulative sum, a mean over the sequence) are not detected: such a model is not a causal
 language model this module serves.
 """
@@ -104,10 +105,12 @@ def cached_positions(start: Any, end: Any, **kwargs: Any) -> torch.Tensor:
 
 class KVCache:
     """The slots of one generate call and the decode modules they run with: what
-    ``PipelineRuntime.forward(override=...)`` reads (``modules`` and ``context(stage, microbatch)``)."""
+    ``PipelineRuntime.forward(override=...)`` reads (``modules``, ``context(stage, microbatch)`` and
+    ``shapes``: None, or the metas of a graph traced at a fixed length, fxsplit.api.kv_export)."""
 
-    def __init__(self, modules: Mapping[int, nn.Module]):
+    def __init__(self, modules: Mapping[int, nn.Module], *, shapes: Any = None):
         self.modules = dict(modules)
+        self.shapes = shapes  # the metas of a cached call where they differ from the plan's (kv_export)
         self._slots: dict[tuple[int, int], _Slot] = {}
 
     @contextlib.contextmanager

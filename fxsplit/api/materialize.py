@@ -168,7 +168,7 @@ def materialize_sharded_stage(plan: Any, stage: int, *, tp_rank: int, source: nn
     initialized under the same per-name seeds for a meta model, so values do not depend on
     dp_shard), this rank's FSDP slice is copied out, and the tensor is dropped. Expert weights placed
 by ep (``plan.ep_plan``) are left out of FSDP (``ignored_params``: their gradients are reduced over
-their replicas only, [Note: expert gradients] in fxsplit.api.model) and hold ep rank ``ep_rank``'s
+their replicas only, [Note: expert gradients] in fxsplit.runtime.data_parallel) and hold ep rank ``ep_rank``'s
 block of experts, whole. Peak memory is
     the stage's FSDP shards plus one tp-local tensor. Buffers are materialized whole (FSDP does
     not shard buffers)."""

@@ -8,6 +8,7 @@ Failures are agreed on by every rank ([Note: failures] in :mod:`fxsplit.runtime.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
@@ -18,14 +19,20 @@ import torch.fx
 from torch import nn
 
 from fxsplit.api import agreement, checkpoint
-from fxsplit.api.grad_buckets import bucketed_all_reduce, finish_all_reduce, launch_all_reduce
 from fxsplit.api.checkpoint import alias_groups, like_param, load_full_checkpoint
 from fxsplit.api.inputs import check_batch, inference_microbatches
 from fxsplit.api.padding import outputs_cut, pad_to_traced
 from fxsplit.errors import (ArgumentTypeError, MissingKeyError, PlanError, RankFailedError, RunError, ShardingError,
                             UsageError)
+from torch.distributed.device_mesh import DeviceMesh
+
+from fxsplit.runtime import PipelineRuntime
+from fxsplit.runtime.data_parallel import DataParallelGrads
 from fxsplit.runtime.failures import exchange_errors
+from fxsplit.runtime.fsdp import ShardedGradSync
+from fxsplit.runtime.mesh import Groups
 from fxsplit.runtime.timing import StepTimer
+from fxsplit.runtime.watch import Watch, group_wait
 from fxsplit.graph.trace import flatten_inputs
 
 if TYPE_CHECKING:
@@ -40,12 +47,11 @@ class ParallelModel(nn.Module):
     """This rank's part of a parallelized model: its stages' modules (local shards) and the
     pipeline runtime. ``parameters()`` are the local shards, so any torch optimizer works."""
 
-    def __init__(self, *, plan_: Plan, stages: Mapping[int, nn.Module], runtime: Any, mesh: Any,
-                 coords: Mapping[str, int], groups: Mapping[str, Any], loss_fn: Callable | None,
-                 bucket_bytes: int = 25 * 2**20, log_every: int | None = None,
-                 fsdp_units: Mapping[int, nn.Module] | None = None, watch: Any = None):
+    def __init__(self, *, plan_: Plan, stages: Mapping[int, nn.Module], runtime: PipelineRuntime, mesh: DeviceMesh,
+                 coords: Mapping[str, int], groups: Groups, loss_fn: Callable | None, grads: DataParallelGrads,
+                 log_every: int | None = None, sharded: ShardedGradSync | None = None, watch: Watch | None = None):
         super().__init__()
-        self._watch = watch  # fxsplit.runtime.watch.Watch when world size > 1 ([Note: failure protocol])
+        self._watch = watch  # when world size > 1 ([Note: failure protocol])
         if watch is not None:
             weakref.finalize(self, watch.close)  # its thread stops with this model
         self.plan = plan_
@@ -53,35 +59,17 @@ class ParallelModel(nn.Module):
         self._runtime = runtime
         self.mesh = mesh
         self.coords = dict(coords)
-        self._groups = dict(groups)
+        self._groups = groups
         self.loss_fn = loss_fn
-        self._bucket_bytes = bucket_bytes
+        self._grads = grads  # the data-parallel mean, the runtime's hooks (fxsplit.runtime.data_parallel)
         self._log_every = log_every
         self._steps = 0
         self._timer: StepTimer | None = None  # the last step's ([Note: step timing] in fxsplit.runtime.timing)
         self._waited = 0.0  # host seconds the last step spent blocked on its peers
-        self._dp_pending: list = []
-        self._dp_done: set[int] = set()
-        policy = plan_.config.mp_policy  # gradient reductions in its reduce_dtype (None: the grads' own)
-        self._reduce_dtype = policy.reduce_dtype if policy is not None else None
-        # parameters shared between stages (tied weights): their gradients are final only after
-        # the runtime sums them across stages, so their data-parallel all-reduce waits for the end
-        self._tied_ids = {
-            id(p) for grp in plan_.stages.shared_params for s, name in grp if str(s) in self.stage_modules
-            for p in [self.stage_modules[str(s)].get_parameter(name)]
-        }
-        runtime.on_stage_grads_ready = self._stage_grads_ready
-        # expert weights placed by ep: reduced over their replicas only ([Note: expert gradients])
-        experts = set(plan_.ep_plan.expert_params) if plan_.config.ep > 1 else set()
-        self._expert_ids = {id(p) for m in stages.values() for name, p in m.named_parameters() if name in experts}
         # dp_shard > 1: FSDP2 units, gathered before and reduced after the pipeline ([Note: FSDP
-        # collectives outside the pipeline] in fxsplit.runtime.fsdp); it also does the dp mean
-        self._fsdp = None
-        if fsdp_units:
-            from fxsplit.runtime.fsdp import ShardedGradSync
-
-            self._fsdp = ShardedGradSync(fsdp_units)
-            runtime.defer_tied_grads = True  # summed once FSDP has reduced them
+        # collectives outside the pipeline] in fxsplit.runtime.fsdp)
+        self._fsdp = sharded
+        self._wait = group_wait(watch, polled=self._polled())
 
     # -- inspection
     def local_stage_graphs(self) -> dict[int, torch.fx.GraphModule]:
@@ -94,15 +82,11 @@ class ParallelModel(nn.Module):
         return dict(self._runtime.compile_fallbacks)
 
     # -- running
-    def _bound(self):
-        import contextlib
-
+    def _bound(self) -> contextlib.ExitStack:
         from fxsplit.tp.collectives import bind_groups, bind_waiter
 
         stack = contextlib.ExitStack()
-        stack.enter_context(bind_groups({"tp": self._groups.get("tp"), "dp": self._groups.get("dp"),
-                                         "ep": self._groups.get("ep"),
-                                         "cp": self._groups.get("cp")}))
+        stack.enter_context(bind_groups(self._groups.axes()))
         if self._polled():
             stack.enter_context(bind_waiter(self._watch.wait))
         return stack
@@ -111,13 +95,6 @@ class ParallelModel(nn.Module):
         """Waits go through the watch only where they block the host (gloo): NCCL's waits only order
         streams, and a timed NCCL wait is not a harmless poll (its watchdog bounds them)."""
         return self._watch is not None and self._runtime.blocking_waits
-
-    def _wait(self, work: Any, what: str, group: Any) -> None:
-        """A wait on ``group``'s ranks: polled and failure-aware ([Note: failure protocol])."""
-        if not self._polled():
-            work.wait()
-        else:
-            self._watch.wait(work, what, dist.get_process_group_ranks(group))
 
     def _flat(self, args: tuple, kwargs: dict) -> list:
         return flatten_inputs(self.plan.graph, args, kwargs)
@@ -181,7 +158,7 @@ class ParallelModel(nn.Module):
             self._post(exc)
         # the loss's hash travels only where another rank compares it: reading the loss to the host
         # waits for the whole step on a GPU, and one process need not (the host may run ahead)
-        sig = agreement.loss_signature(loss, replica=self._replica()) if "errors" in self._groups else ()
+        sig = agreement.loss_signature(loss, replica=self._replica()) if self._groups.errors is not None else ()
         self._agree(error, True, "step", sig, lambda spans: self._check_losses(spans, loss))
         try:
             loss = self._finish_step(loss, loss_scale, error)
@@ -189,7 +166,7 @@ class ParallelModel(nn.Module):
             self._give_up("step")
             raise
         timer.stop()
-        self._timer, self._waited = timer, getattr(self._runtime, "last_wait_seconds", 0.0)
+        self._timer, self._waited = timer, self._runtime.last_wait_seconds
         self._steps += 1
         if self._log_every and self._steps % self._log_every == 0:
             log.info(
@@ -214,7 +191,7 @@ class ParallelModel(nn.Module):
     def _finish_step(self, loss: torch.Tensor, loss_scale: Any, error: Exception | None) -> torch.Tensor:
         """After the pipeline: data-parallel gradients, tied sums, the inf agreement, the loss mean."""
         self._doing("reducing gradients after step()")
-        self._sync_grads()
+        self._grads.finish()
         # every rank agrees here or none does: a rank holding no tied copy still joins (with ZB-V
         # both copies of a tied weight can sit on one pipeline rank, so `_tied` differs by rank)
         if self._fsdp is not None and self._runtime.plan.shared_params:
@@ -228,7 +205,7 @@ class ParallelModel(nn.Module):
 
             agree_nonfinite(self.parameters(), group=dist.group.WORLD if dist.is_initialized() else None,
                             device=self._runtime.device)
-        dp = self._groups.get("data" if self._fsdp is not None else "dp")
+        dp = self._groups.data if self._fsdp is not None else self._groups.dp
         if dp is not None and dist.get_world_size(dp) > 1:
             loss = loss.detach().clone()
             self._wait(dist.all_reduce(loss, group=dp, async_op=True), "in the data-parallel mean of the loss", dp)
@@ -330,10 +307,10 @@ class ParallelModel(nn.Module):
 
     def _check_inputs(self, spans: list, what: str, flat: Sequence[Any], target: Any) -> None:
         agreement.check_inputs(spans, what, flat, target, replica=self._replica(), holds_last=self._holds_last(),
-                               group=self._groups["errors"], describe=self._describe)
+                               group=self._groups.errors, describe=self._describe)
 
     def _check_losses(self, spans: list, loss: Any) -> None:
-        problem = agreement.losses_disagree(spans, loss, replica=self._replica(), group=self._groups["errors"],
+        problem = agreement.losses_disagree(spans, loss, replica=self._replica(), group=self._groups.errors,
                                             describe=self._describe)
         if problem is not None:
             self._give_up("step")  # the gradients of this step disagree across ranks too
@@ -376,7 +353,7 @@ class ParallelModel(nn.Module):
         transfers no peer completes) and it refuses to run again; errors found before the runtime
         (bad batch, missing target) leave it usable.
         """
-        group = self._groups.get("errors")
+        group = self._groups.errors
         if group is None:  # one process: nobody to tell
             if error is not None:
                 raise error
@@ -402,11 +379,11 @@ class ParallelModel(nn.Module):
         if self._fsdp is not None and in_runtime and self._failure is None:
             # the FSDP units hold gathered parameters and unreduced gradients of the failed step
             self._failure = f"an earlier {what}() failed while its sharded (FSDP) stages were gathered"
-        if self._dp_pending:
+        if self._grads.in_flight:
             # all-reduces this rank started during the failed step have no partner on a rank that
             # failed before starting its own: drop the data-parallel group so they end, and refuse
             # to run again (a new fxsplit.parallelize builds fresh groups)
-            self._dp_pending = []
+            self._grads.drop()
             self._abort_group("dp")
             if self._failure is None:
                 self._failure = f"an earlier {what}() failed while data-parallel gradients were in flight"
@@ -435,13 +412,11 @@ class ParallelModel(nn.Module):
         refuse to run again."""
         from fxsplit.runtime.watch import abandon
 
-        for group in self._groups.values():
-            if group is not None and group is not dist.group.WORLD:
+        for group in self._groups.all():
+            if group is not dist.group.WORLD:
                 abandon(group)
-        if self._runtime.pp_group is not None:
-            abandon(self._runtime.pp_group)
-        self._runtime.pp_group = None
-        self._dp_pending = []
+        self._runtime.give_up_group()
+        self._grads.drop()
         if self._failure is None:
             if isinstance(exc, RankFailedError):
                 cause = f"on global rank(s) {sorted(exc.failed)}"
@@ -454,75 +429,20 @@ class ParallelModel(nn.Module):
             self._watch.doing = f"stopped: an earlier {what}() failed"
 
     def _abort_group(self, axis: str) -> None:
-        group = self._groups.get(axis)
+        group = getattr(self._groups, axis)
         if group is None or group is dist.group.WORLD:
             return
         if self._watch is not None:  # it may hold transfers no peer completes ([Note: failure protocol])
             from fxsplit.runtime.watch import abandon
 
             abandon(group)
-            self._groups[axis] = None
+            self._groups = self._groups.without(axis)
             return
         try:
             dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001 -- best effort; the original error is what gets raised
             pass
-        self._groups[axis] = None
-
-    def _sync_grads(self) -> None:
-        """Data-parallel mean of the gradients. Each stage's gradients are all-reduced (bucketed,
-        asynchronous) as soon as its last backward of the step has run, overlapping later stages'
-        compute (:meth:`_stage_grads_ready`); tied parameters, whose gradients the runtime sums
-        across stages after the last action, go at the end. With sequence parallelism the
-        replicated parameters' partial gradients are already summed over tp by the graph itself
-        (the tensor-parallel pass reads them through Megatron's f)."""
-        if self._fsdp is not None:
-            self._fsdp.reduce()  # the dp_shard (and dp) mean: reduce-scatter, FSDP's own
-            self._reduce_expert_grads(1.0 / (self.plan.config.dp * self.plan.config.dp_shard))  # FSDP ignores them
-            return
-        pending, self._dp_pending = self._dp_pending, []
-        dp = self._groups.get("dp")
-        if dp is None or dist.get_world_size(dp) == 1:
-            return
-        # [Note: cp gradients] each cp rank holds its tokens' share of a gradient: the "dp" group spans
-        # dp x cp ranks (fxsplit.api.parallelize), and the mean over dp is the sum over cp divided by dp
-        scale = self.plan.config.cp / dist.get_world_size(dp)
-        wait = lambda work: self._wait(work, "in the data-parallel gradient all-reduce", dp)  # noqa: E731
-        finish_all_reduce(pending, scale=scale, wait=wait)
-        done = self._dp_done
-        self._dp_done = set()
-        rest = [p.grad for p in self.parameters()
-                if p.grad is not None and id(p) not in done and id(p) not in self._expert_ids]
-        bucketed_all_reduce(rest, dp, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype, wait=wait)
-        self._reduce_expert_grads(scale)
-
-    # [Note: expert gradients] An expert's rows come from every rank of its ep group (the exchange's
-    # backward brings each source's gradient home to the expert), so a rank's expert gradient already
-    # sums its ep group's losses; the replicas of that expert (same ep rank, other ep groups) hold the
-    # rest of the global batch. Their sum over the replica group times 1 / (dp * dp_shard) is the
-    # gradient of the mean loss over all data ranks: the unsplit model's on the global batch.
-    def _reduce_expert_grads(self, scale: float) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None and id(p) in self._expert_ids]
-        group = self._groups.get("ep_replica")
-        if not grads:
-            return
-        if group is None or dist.get_world_size(group) == 1:
-            for g in grads:
-                g.mul_(scale)
-            return
-        wait = lambda work: self._wait(work, "in the expert-replica gradient all-reduce", group)  # noqa: E731
-        bucketed_all_reduce(grads, group, self._bucket_bytes, scale=scale, reduce_dtype=self._reduce_dtype, wait=wait)
-
-    def _stage_grads_ready(self, stage: int) -> None:
-        dp = self._groups.get("dp")
-        if self._fsdp is not None or dp is None or dist.get_world_size(dp) == 1 or self.plan.config.num_stages == 1:
-            return  # (one stage: nothing computes after its backward; all-reduce at the end)
-        tied = self._tied_ids
-        params = [p for p in self.stage_modules[str(stage)].parameters()
-                  if p.grad is not None and id(p) not in tied and id(p) not in self._dp_done
-                  and id(p) not in self._expert_ids]
-        self._dp_done.update(id(p) for p in params)
-        self._dp_pending += launch_all_reduce([p.grad for p in params], dp, self._bucket_bytes, self._reduce_dtype)
+        self._groups = self._groups.without(axis)
 
     # -- gradient clipping
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -548,10 +468,11 @@ class ParallelModel(nn.Module):
 
         p = check_norm_type(norm_type)
         specs = self.plan.tp_plan.param_specs
+        c, coords = self.plan.config, self.coords  # the first ep group: data index < ep ([Note: expert-parallel groups])
         counted = norm_parameters(
             {int(s): m for s, m in self.stage_modules.items()}, shared_params=self.plan.stages.shared_params,
-            sharded=specs, coords=self.coords,
-        )
+            sharded=specs, coords=coords, experts=set(self.plan.ep_plan.expert_params) if c.ep > 1 else set(),
+            first_expert_group=coords.get("dp", 0) * c.dp_shard + coords.get("dp_shard", 0) < c.ep)
         world = dist.group.WORLD if dist.is_initialized() else None
         total = global_norm([local_tensor(q.grad) for q in counted if q.grad is not None], p, group=world,
                             device=self._runtime.device)
@@ -584,13 +505,13 @@ class ParallelModel(nn.Module):
 
         specs = self.plan.tp_plan.param_specs
         local = {k: v.detach().cpu() for k, v in self._local_state(gather=True).items()}
-        tp = self._groups.get("tp")
+        tp = self._groups.tp
         if tp is not None and dist.get_world_size(tp) > 1:
             per_rank: list = [None] * dist.get_world_size(tp)
             dist.all_gather_object(per_rank, local, group=tp)
             local = unshard_state_dict(per_rank, {k: s for k, s in specs.items() if k in local})
         local = self._joined_experts(local)
-        pp = self._groups.get("pp")
+        pp = self._groups.pp
         merged = dict(local)
         if pp is not None and dist.get_world_size(pp) > 1:
             parts: list = [None] * dist.get_world_size(pp)
@@ -606,7 +527,7 @@ class ParallelModel(nn.Module):
     def _joined_experts(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``local`` with every expert weight placed by ep whole: the ep group's blocks joined on dim 0
         (every rank of an ep group holds the same stages, so all call this alike)."""
-        group = self._groups.get("ep")
+        group = self._groups.ep
         names = [k for k in self.plan.ep_plan.expert_params if k in local] if self.plan.config.ep > 1 else []
         if group is None or not names:
             return local
@@ -620,7 +541,7 @@ class ParallelModel(nn.Module):
         specs = self.plan.tp_plan.param_specs
         tp_rank = self.coords.get("tp", 0)
         experts = set(self.plan.ep_plan.expert_params) if self.plan.config.ep > 1 else set()
-        ep_rank = self._groups["ep"].rank() if experts else 0
+        ep_rank = self._groups.ep.rank() if experts else 0
         missing = []
         for mod in self.stage_modules.values():
             # what state_dict() holds: parameters and persistent buffers (non-persistent ones,

@@ -44,10 +44,13 @@ class ParallelConfig:
     # expert-parallel degree: ranks carved out of the dp * dp_shard data-parallel ranks that each hold
     # E / ep experts of every MoE layer and exchange tokens by all_to_all (fxsplit.passes.expert_parallel)
     ep: int = 1
-    # context-parallel degree: each cp rank keeps 2 of 2*cp chunks of every sequence, attention
-    # all-gathers keys and values ([Note: context parallelism by propagation] in
-    # fxsplit.passes.context_parallel); traced by torch.export with a static sequence
+    # context-parallel degree: each cp rank keeps 2 of 2*cp chunks of every sequence, attention reads
+    # the other ranks' keys and values by all-gather or ring (cp_kv) ([Note: context parallelism by
+    # propagation] in fxsplit.passes.context_parallel); traced by torch.export with a static sequence
     cp: int = 1
+    # how the local queries read every rank's keys and values under cp > 1: "allgather", "ring", or
+    # None (per attention, by a memory rule: [Note: all-gather or ring] in fxsplit.passes.cp_attention)
+    cp_kv: str | None = None
     pp: int = 1  # pipeline ranks
     microbatches: int | None = None  # m per step; default 2 * pp (1 without a pipeline)
     # samples per microbatch, when known (plan(..., global_batch_size=B) sets B / (dp * dp_shard * m)):
@@ -75,6 +78,12 @@ class ParallelConfig:
     # right and cut back ([Note: padding to the traced length] in fxsplit.api.padding): None or True
     # (pad; verify checks it is exact), False (only the traced length runs)
     pad_sequence: bool | None = None
+    # a plan traced by torch.export at a fixed length takes every shorter length as it is (no padding: the
+    # stage boundaries follow each step's length) after a second static trace one position shorter
+    # ([Note: following the sequence from two static traces] in fxsplit.graph.sequence): True, False
+    # (pad), None (follow for a model with real weights, pad on the meta device, where a plan is for
+    # planning and the second trace would double the plan time; pad with cp > 1, which cuts a static length)
+    follow_sequence: bool | None = None
     leaf_modules: tuple[Any, ...] = ()  # module paths or classes fx keeps as single nodes
     hardware: Hardware | None = None  # what stage times are estimated for; None: Hardware()
     cut_at: str = "layers"  # layer boundaries unless a cut inside one pays (fxsplit.pipeline.cuts); "any"; "modules"
@@ -91,12 +100,12 @@ class ParallelConfig:
     # each layer's inputs) or "auto" (per stage, the cheapest in time within memory_limit);
     # fxsplit.pipeline.checkpointing's [Note: checkpointing cost model]
     activation_checkpointing: str = "none"
-    # how a split backward (I, W) runs: "graph" (three fx graphs; fxsplit.runtime.split_graph) or "autograd"
+    # how a split backward (I, W) runs: "graph" (three fx graphs; fxsplit.runtime.compile.split_graph) or "autograd"
     split_backward: str = "graph"
     # torch.compile (inductor) of what each rank runs: every training forward as the graph
     # split's F graph, and the F, I and W graphs compiled once per input signature
     # and the loss through torch.compile ([Note: compiled stages], [Note: compiled loss] in
-    # fxsplit.runtime.compiling)
+    # fxsplit.runtime.compile.compiling)
     compile: bool = False
 
     def __post_init__(self) -> None:
@@ -131,6 +140,8 @@ class ParallelConfig:
             raise PlanError("compile=True with dp_shard > 1 (FSDP units) is not supported yet: the compiled "
                             "graphs have not been checked against FSDP's gathered parameters; use compile=False")
         self._check_ep()
+        if self.cp_kv not in (None, "allgather", "ring"):
+            raise PlanError(f"cp_kv must be 'allgather', 'ring' or None (chosen per attention), got {self.cp_kv!r}")
         if self.cp > 1:
             self._check_cp()
         if self.cut_at not in _CUT_AT:
@@ -141,6 +152,13 @@ class ParallelConfig:
         if self.pad_sequence not in (True, False, None):
             raise PlanError(f"pad_sequence must be True, False or None (pad shorter sequences to the traced length), "
                             f"got {self.pad_sequence!r}")
+        if self.follow_sequence not in (True, False, None):
+            raise PlanError(f"follow_sequence must be True, False or None (follow with real weights), got "
+                            f"{self.follow_sequence!r}")
+        if self.follow_sequence and (self.cp > 1 or self.pad_sequence is False):
+            why = "cp > 1 cuts a static length" if self.cp > 1 else "pad_sequence=False runs the traced length only"
+            raise PlanError(f"follow_sequence=True with {'cp > 1' if self.cp > 1 else 'pad_sequence=False'}: {why}; "
+                            "drop follow_sequence (shorter steps are then padded to the traced length)")
         if self.dynamic_batch not in (True, False, None):
             raise PlanError(f"dynamic_batch must be True, False or None (static when microbatch_size is known), got "
                             f"{self.dynamic_batch!r}")
@@ -176,9 +194,8 @@ class ParallelConfig:
             raise PlanError(f"ep={self.ep} must divide the data-parallel ranks dp * dp_shard = {self.dp} * "
                             f"{self.dp_shard} = {data} (expert-parallel ranks are carved out of them; the world "
                             f"size stays dp * dp_shard * tp * pp): use ep in {_divisors(data)}, or raise dp")
-        for name, bad, fix in (("tp", self.tp > 1, "experts are either sharded by tp or placed by ep: use tp=1"),
-                               ("compile", self.compile is True,
-                                "the exchanged rows have a size known only at run time: use compile=False")):
+        for name, bad, fix in (("compile", self.compile is True,
+                                "the exchanged rows have a size known only at run time: use compile=False"),):
             if bad:
                 raise PlanError(f"ep={self.ep} with {name}={getattr(self, name)!r} is not supported: {fix}")
 
@@ -190,23 +207,25 @@ class ParallelConfig:
         if self.dynamic_sequence is True:
             raise PlanError("cp > 1 cuts a sequence length known at plan time; use dynamic_sequence=None or False "
                             "(plan with the length you train at, divisible by 2 * cp)")
-        if self.vocab_parallel_loss:
-            raise PlanError("cp > 1 with vocab_parallel_loss=True is not supported yet: use vocab_parallel_loss=False")
         if self.ep > 1:
-            raise PlanError(f"cp={self.cp} with ep={self.ep} is not supported yet (the expert-parallel ranks are "
-                            "carved out of the data ranks, which cp's gradient group joins): use cp=1 or ep=1")
+            raise PlanError(f"cp={self.cp} with ep={self.ep} is not supported yet: the expert-parallel groups "
+                            "(fxsplit.runtime.mesh.expert_groups) are carved out of the dp x dp_shard ranks with no cp "
+                            "dim, so an expert's gradient would be summed over its ep replicas but not over the cp "
+                            "ranks that hold the other tokens of its sequences; use cp=1 or ep=1")
         if self.dp_shard > 1:
-            raise PlanError("cp > 1 with dp_shard > 1 is not supported yet (FSDP2 would reduce-scatter over dp_shard "
-                            "only, not sum over cp): use dp for the data-parallel ranks, or cp=1")
+            raise PlanError("cp > 1 with dp_shard > 1 is not supported yet: FSDP2 reduce-scatters and averages "
+                            "gradients over its (dp, dp_shard) mesh, but each cp rank holds only its tokens' share of "
+                            "a gradient, which must first be summed over cp (an HSDP mesh whose replicate dim is "
+                            "(dp, cp) flattened, divided by dp * dp_shard, is not built); use dp for the data-parallel "
+                            "ranks, or cp=1")
 
     def static_batch(self, example_batch: int | None) -> int | None:
         """The microbatch size torch.export traces the batch at, or None for a symbolic batch
         ([Note: a static batch] in fxsplit.graph.examples); ``example_batch``: the example's."""
-        if self.dynamic_batch is True:
-            return None
-        if self.microbatch_size is not None:
-            return self.microbatch_size
-        return example_batch if self.dynamic_batch is False else None
+        from fxsplit.graph.examples import static_batch_size
+
+        return static_batch_size(dynamic_batch=self.dynamic_batch, microbatch_size=self.microbatch_size,
+                                 example_batch=example_batch)
 
     @property
     def num_stages(self) -> int:

@@ -27,9 +27,15 @@ from fxsplit.api.materialize import (keep_own_experts, materialize_sharded_stage
                                      share_tied_on_rank)
 from fxsplit.api.model import ParallelModel
 from fxsplit.api.options import ParallelConfig, make_config
-from fxsplit.api.plan import plan
+from fxsplit.api.plan import Plan, plan
 from fxsplit.errors import ArgumentTypeError, PlanError, UsageError
 from fxsplit.hardware import Hardware
+from fxsplit.pipeline.rank_plan import RankPlan
+from fxsplit.runtime import PipelineRuntime
+from fxsplit.runtime.data_parallel import DataParallelGrads
+from fxsplit.runtime.fsdp import ShardedGradSync
+from fxsplit.runtime.mesh import Groups
+from fxsplit.runtime.watch import Watch, group_wait, host_blocking
 
 __all__ = ["parallelize"]
 
@@ -75,33 +81,75 @@ def parallelize(
     ([Note: auto plan] in :mod:`fxsplit.api.auto`), on ``hardware`` or, by default, this
     machine's ``Hardware.measure()`` (collective: every rank gets rank 0's figures, so every rank
     picks the same plan); ``ParallelModel.plan`` then carries the prediction and the search."""
-    from fxsplit.runtime.mesh import build_mesh, check_mesh, init_from_env, mesh_coords, mesh_groups
-    from fxsplit.runtime import PipelineRuntime
-
     searched = None
     if strategy is not None:
-        from fxsplit.api.auto import choose
-        from fxsplit.errors import PlanError
-
-        if strategy != "auto":
-            raise PlanError(f"strategy must be 'auto' or None, got {strategy!r}")
-        init_from_env()
-        if "hardware" not in options and (config is None or config.hardware is None):
-            options = {**options, "hardware": Hardware.measure()}
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        config, searched = choose(model, example_args, example_kwargs, config=config, options=options,
-                                  world_size=world, global_batch_size=global_batch_size, where="parallelize")
+        config, searched = _searched_config(model, example_args, example_kwargs, strategy=strategy, config=config,
+                                            options=options, global_batch_size=global_batch_size)
         options, global_batch_size = {}, None  # the pick carries its microbatch_size
+    _check_arguments(loss_fn, timeout)
+    config = make_config(config, options, where="parallelize")
+    if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))  # before the process group and any allocation: see _rank_device
+    mesh, coords, groups = _process_groups(config, mesh, timeout)
+    device = _rank_device(device, mesh.device_type)
+    _check_one_gpu_per_rank(device, groups.errors)
+    if config.hardware is None and device.type == "cpu":
+        config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
+    the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False),
+                    global_batch_size=global_batch_size)
+    _verify(model, example_args, example_kwargs, the_plan, config.verify)
+    _warn_fresh_weights(model)
+    c = the_plan.config
+    pp_rank = coords["pp"]
+    stages, units = _materialized(the_plan, model, mesh, coords, groups, device)
+    seed = _agreed_seed(c.seed, groups.errors)  # collective: before the watch starts, as every rank does
+    watch = _start_watch(mesh, the_plan, timeout) if dist.get_world_size() > 1 else None
+    sharded = None
+    if units:  # FSDP2 units, gathered before and reduced after the pipeline ([Note: FSDP collectives
+        # outside the pipeline] in fxsplit.runtime.fsdp); they also do the dp mean
+        sharded = ShardedGradSync(units)
+    grads = _data_parallel(the_plan, stages, groups, watch, sharded)
+    runtime = _runtime(the_plan.rank_plan(pp_rank), stages, groups, watch, grads, loss_fn=loss_fn, device=device,
+                       timeout=timeout, seed=seed, deferred=sharded is not None, c=c)
+    if searched is not None:
+        the_plan = _with_search(the_plan, searched)
+    return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
+                         groups=groups, loss_fn=loss_fn, grads=grads, log_every=log_every, sharded=sharded,
+                         watch=watch)
 
+
+def _searched_config(model: nn.Module, example_args: Any, example_kwargs: Any, *, strategy: str,
+                     config: ParallelConfig | None, options: Mapping[str, Any],
+                     global_batch_size: int | None) -> tuple[ParallelConfig, Any]:
+    """``strategy="auto"``: ``(the picked config, the search)`` for the launched world size, on
+    ``hardware`` or this machine's ``Hardware.measure()`` ([Note: auto plan] in fxsplit.api.auto)."""
+    from fxsplit.api.auto import choose
+    from fxsplit.runtime.mesh import init_from_env
+
+    if strategy != "auto":
+        raise PlanError(f"strategy must be 'auto' or None, got {strategy!r}")
+    init_from_env()
+    if "hardware" not in options and (config is None or config.hardware is None):
+        options = {**options, "hardware": Hardware.measure()}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return choose(model, example_args, example_kwargs, config=config, options=options,
+                  world_size=world, global_batch_size=global_batch_size, where="parallelize")
+
+
+def _check_arguments(loss_fn: Any, timeout: Any) -> None:
     if loss_fn is not None and not callable(loss_fn):
         raise ArgumentTypeError(f"loss_fn must be callable (output, target) -> scalar tensor, got {type(loss_fn).__name__}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise UsageError(f"timeout must be a number of seconds > 0 (the longest any wait on another rank "
                          f"may take), got {timeout!r}")
-    config = make_config(config, options, where="parallelize")
+
+
+def _process_groups(config: ParallelConfig, mesh: Any, timeout: float) -> tuple[Any, dict, Groups]:
+    """``(mesh, coords, groups)``: the process group joined, the mesh built (or the given one
+    checked), and every group this rank's runtime and model use, each wait bounded by ``timeout``."""
+    from fxsplit.runtime.mesh import build_groups, build_mesh, check_mesh, init_from_env, mesh_coords
+
     dp, tp, pp, ds, cp = config.dp, config.tp, config.pp, config.dp_shard, config.cp
-    if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
-        torch.cuda.set_device(torch.device(device))  # before the process group and any allocation: see _rank_device
     # the rendezvous waits for every rank to start: bounded by `timeout`, but never below 30 s,
     # since ranks reach it after importing torch and building the model at their own pace
     init_from_env(timeout_s=max(float(timeout), 30.0))
@@ -116,50 +164,26 @@ def parallelize(
             f"over all of them (fxsplit.runtime.mesh.build_mesh(dp=..., pp=..., tp=...))"
         )
     coords = mesh_coords(mesh)
-    groups = mesh_groups(mesh)
-    bound = datetime.timedelta(seconds=timeout)
-    for group in groups.values():  # every wait fxsplit cannot poll is bounded by `timeout` too
-        _set_timeout(group, bound)
-    # [Note: failures]: flag all-reduces over every rank, on the CPU (gloo); the runtime gets a
-    # pipeline group of its own, which it destroys on a failure (the mesh's "pp" group may be the
-    # world group itself, and the mesh stays usable for the next parallelize)
-    pipe_group = None
-    if dist.get_world_size() > 1:
-        # a group of its own: data-parallel gradient all-reduces run asynchronously during the
-        # pipeline and must never interleave with the flags on one group
-        groups["errors"] = dist.new_group(backend="gloo", timeout=bound)
-        if pp > 1:  # one group per (dp, dp_shard, cp, tp) coordinate, ordered by pp rank; collective on every rank
-            chains = mesh.mesh.reshape(dp * ds * cp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
-            pipe_group, _ = dist.new_subgroups_by_enumeration(chains, timeout=bound)
-        if cp > 1:  # [Note: cp gradients]: the gradient all-reduce runs over dp x cp, summed over cp
-            replicas = mesh.mesh.reshape(dp * cp, pp * tp).t().tolist()
-            groups["dp"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
-        if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
-            replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
-            groups["data"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=bound)
-    if config.ep > 1:  # [Note: expert-parallel groups]
-        from fxsplit.runtime.mesh import expert_groups
+    # [Note: process groups] in fxsplit.runtime.mesh; [Note: failures]: flag all-reduces over every
+    # rank on a group of their own, and the runtime its own pipeline group, which it gives up on a failure
+    groups = build_groups(mesh, ep=config.ep, timeout=datetime.timedelta(seconds=timeout))
+    return mesh, coords, groups
 
-        groups["ep"], groups["ep_replica"] = expert_groups(mesh, config.ep, timeout=bound)
-    device = _rank_device(device, mesh.device_type)
-    _check_one_gpu_per_rank(device, groups.get("errors"))
-    if config.hardware is None and device.type == "cpu":
-        config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
-    the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False),
-                    global_batch_size=global_batch_size)
-    _verify(model, example_args, example_kwargs, the_plan, config.verify)
-    _warn_fresh_weights(model)
+
+def _materialized(the_plan: Any, model: nn.Module, mesh: Any, coords: Mapping[str, int], groups: Groups,
+                  device: torch.device) -> tuple[dict, dict | None]:
+    """``(stages, FSDP units or None)``: this rank's stages of ``the_plan``, each holding only its
+    shards ([Note: what every rank does])."""
     c = the_plan.config
-    pp_rank = coords["pp"]
-    mine = the_plan.stages_of(pp_rank)
+    mine = the_plan.stages_of(coords["pp"])
     units = None
-    if ds > 1:  # FSDP units ([Note: FSDP units and reshard_after_forward] in fxsplit.runtime.fsdp),
+    if c.dp_shard > 1:  # FSDP units ([Note: FSDP units and reshard_after_forward] in fxsplit.runtime.fsdp),
         # each rank materializing only its shards ([Note: materializing FSDP shards])
-        fsdp_mesh = mesh["dp", "dp_shard"] if dp > 1 else mesh["dp_shard"]
+        fsdp_mesh = mesh["dp", "dp_shard"] if c.dp > 1 else mesh["dp_shard"]
         units = stages = {
             s: materialize_sharded_stage(the_plan, s, tp_rank=coords["tp"], source=model, mesh=fsdp_mesh,
                                          device=device, mp_policy=c.mp_policy,
-                                         ep_rank=groups["ep"].rank() if c.ep > 1 else 0) for s in mine
+                                         ep_rank=groups.ep.rank() if c.ep > 1 else 0) for s in mine
         }
     else:
         stages = {
@@ -169,28 +193,51 @@ def parallelize(
         # with dp_shard the copies stay apart and the memory model counts each)
         share_tied_on_rank(stages, the_plan.stages.shared_params)
     if c.ep > 1 and units is None:  # (with dp_shard, materialized as their blocks already)
-        keep_own_experts(stages, the_plan.ep_plan, groups["ep"].rank())
-    runtime = PipelineRuntime(
-        the_plan.rank_plan(pp_rank), stages, group=pipe_group,
+        keep_own_experts(stages, the_plan.ep_plan, groups.ep.rank())
+    return stages, units
+
+
+def _with_search(the_plan: Any, searched: Any) -> Any:
+    """The plan of an automatic layout, carrying the search and its prediction, the memory figure
+    its own (built) plan's ([Note: the pick's memory is its plan's] in fxsplit.api.auto)."""
+    from fxsplit.pipeline.memory import worst
+
+    mem = worst(the_plan.memory())
+    searched = searched.with_pick(0, mem, "built")
+    return dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,
+                               predicted_memory=mem.as_dict(), search=searched,
+                               predicted_breakdown=searched.best.breakdown)
+
+
+def _data_parallel(the_plan: Plan, stages: Mapping[int, nn.Module], groups: Groups, watch: Watch | None,
+                   sharded: ShardedGradSync | None) -> DataParallelGrads:
+    """This rank's data-parallel gradient mean (fxsplit.runtime.data_parallel), the runtime's hooks."""
+    c = the_plan.config
+    # parameters shared between stages (tied weights): their gradients are final only after the
+    # runtime sums them across stages, so their data-parallel all-reduce waits for the end
+    tied = [stages[s].get_parameter(name) for grp in the_plan.stages.shared_params for s, name in grp if s in stages]
+    # expert weights placed by ep: reduced over their replicas only ([Note: expert gradients])
+    names = set(the_plan.ep_plan.expert_params) if c.ep > 1 else set()
+    experts = [p for m in stages.values() for name, p in m.named_parameters() if name in names]
+    return DataParallelGrads(stages, dp=groups.dp, ep_replica=groups.ep_replica, tied=tied, experts=experts,
+                             wait=group_wait(watch, polled=host_blocking(groups.pipe)), cp=c.cp,
+                             data_ranks=c.dp * c.dp_shard, sharded=sharded, overlap=c.num_stages > 1,
+                             reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None)
+
+
+def _runtime(rank_plan: RankPlan, stages: Mapping[int, nn.Module], groups: Groups, watch: Watch | None,
+             grads: DataParallelGrads, *, loss_fn: Callable | None, device: torch.device, timeout: float,
+             seed: int, deferred: bool, c: ParallelConfig) -> PipelineRuntime:
+    """This rank's pipeline runtime over its stages."""
+    return PipelineRuntime(
+        rank_plan, stages, group=groups.pipe,
         loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
         abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
-        seed=_agreed_seed(c.seed, groups.get("errors")),
+        seed=seed,
         reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None,
-        split_backward=c.split_backward,
-        compile=c.compile,
+        split_backward=c.split_backward, compile=c.compile, watch=watch, grad_hooks=grads,
+        defer_tied_grads=deferred,  # summed once FSDP has reduced them
     )
-    watch = _start_watch(mesh, the_plan, timeout) if dist.get_world_size() > 1 else None
-    runtime.watch = watch
-    if searched is not None:
-        from fxsplit.pipeline.memory import worst
-
-        mem = worst(the_plan.memory())  # [Note: the pick's memory is its plan's] in fxsplit.api.auto
-        searched = searched.with_pick(0, mem, "built")
-        the_plan = dataclasses.replace(the_plan, predicted_step_time=searched.best.step_time,
-                                       predicted_memory=mem.as_dict(), search=searched,
-                                       predicted_breakdown=searched.best.breakdown)
-    return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
-                         groups=groups, loss_fn=loss_fn, log_every=log_every, fsdp_units=units, watch=watch)
 
 
 def _rank_device(device: torch.device | str | None, mesh_device_type: str) -> torch.device:
@@ -229,14 +276,6 @@ def _check_one_gpu_per_rank(device: torch.device, group: Any) -> None:
             "before parallelize (torchrun sets LOCAL_RANK; fxsplit.runtime.mesh.init_from_env does this when it makes "
             "the process group), or pass device=f'cuda:{local_rank}'; with fewer GPUs than ranks, run on the CPU "
             "over gloo (fxsplit.runtime.mesh.choose_backend)")
-
-
-def _set_timeout(group: Any, bound: datetime.timedelta) -> None:
-    """``group``'s own timeout (every collective on it, e.g. FSDP2's, ends by then)."""
-    try:
-        group.set_timeout(bound)
-    except (AttributeError, RuntimeError):  # a backend without it keeps its own (NCCL's watchdog)
-        pass
 
 
 _WATCHES = [0]  # parallelize calls in this process: every rank makes the same calls in one order

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx
@@ -216,22 +216,65 @@ def plan(
     check_example_batch(example_args if isinstance(example_args, (tuple, list)) else (example_args,),
                         example_kwargs, "plan")
     if strategy is not None:
-        t_auto = time.perf_counter()
-        if strategy != "auto":
-            raise PlanError(f"strategy must be 'auto' or None, got {strategy!r}")
-        from fxsplit.api.auto import build_pick, choose
-
-        chosen, found = choose(model, example_args, example_kwargs, config=config, options=options,
-                               world_size=world_size, global_batch_size=global_batch_size)
-        picked, found = build_pick(lambda c: plan(model, example_args, example_kwargs, config=c), chosen, found)
-        return dataclasses.replace(picked, predicted_step_time=found.best.step_time,
-                                   predicted_memory=found.best.memory.as_dict(), search=found,
-                                   predicted_breakdown=found.best.breakdown,
-                                   plan_seconds=time.perf_counter() - t_auto)
+        return _auto_plan(model, example_args, example_kwargs, strategy=strategy, config=config, options=options,
+                          world_size=world_size, global_batch_size=global_batch_size)
     t0 = time.perf_counter()
     config = with_global_batch(make_config(config, options, where="plan").resolved(), global_batch_size)
     _check_world_size(config, world_size)
     hardware = config.hardware if config.hardware is not None else Hardware()
+    config, example_args, example_kwargs, gm = _traced(model, example_args, example_kwargs, config)
+    scored = None  # [Note: a layout's prediction], from the graph before any pass rewrites it
+    if config.hardware is not None and global_batch_size is not None:
+        from fxsplit.api.auto import score_layout
+
+        scored = score_layout(gm, config, hardware, global_batch_size)
+    ctx = PassContext(
+        example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
+        example_kwargs=dict(example_kwargs or {}),
+        options={"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep, "cp": config.cp},
+    )
+    stage_ranks = _schedules.placement(config.schedule, config.pp, config.stages_per_rank)
+    split_pass = _split_pass(config, gm, hardware, stage_ranks, batch_of((example_args, example_kwargs or {})))
+    # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
+    # debug dumps (debug=DIR or FXSPLIT_DEBUG_DIR) show each of them
+    gm = PassManager(_rewrite_passes(config) + [split_pass], debug=config.debug)(gm, ctx).graph_module
+    result = _assemble(config, gm, ctx, stage_ranks, t0)
+    result = _within_memory_limit(result, split_pass, ctx)
+    if scored is not None:
+        from fxsplit.pipeline.memory import worst
+
+        result = dataclasses.replace(result, predicted_step_time=scored.step_time, predicted_breakdown=scored.breakdown,
+                                     predicted_memory=worst(result.memory()).as_dict())
+    if config.verify:  # [Note: plan-time verification]; raises VerificationError on a mismatch
+        from fxsplit.api.verify import verify
+
+        verify(model, example_args, result, example_kwargs)
+    return result
+
+
+def _auto_plan(model: nn.Module, example_args: Any, example_kwargs: Any, *, strategy: str,
+               config: ParallelConfig | None, options: Mapping[str, Any], world_size: int | None,
+               global_batch_size: int | None) -> Plan:
+    """``strategy="auto"``: the searched layout's plan, with its prediction and the search table
+    ([Note: auto plan] in :mod:`fxsplit.api.auto`)."""
+    t_auto = time.perf_counter()
+    if strategy != "auto":
+        raise PlanError(f"strategy must be 'auto' or None, got {strategy!r}")
+    from fxsplit.api.auto import build_pick, choose
+
+    chosen, found = choose(model, example_args, example_kwargs, config=config, options=options,
+                           world_size=world_size, global_batch_size=global_batch_size)
+    picked, found = build_pick(lambda c: plan(model, example_args, example_kwargs, config=c), chosen, found)
+    return dataclasses.replace(picked, predicted_step_time=found.best.step_time,
+                               predicted_memory=found.best.memory.as_dict(), search=found,
+                               predicted_breakdown=found.best.breakdown,
+                               plan_seconds=time.perf_counter() - t_auto)
+
+
+def _traced(model: nn.Module, example_args: Any, example_kwargs: Any,
+            config: ParallelConfig) -> tuple[ParallelConfig, Any, Any, torch.fx.GraphModule]:
+    """``(config, example_args, example_kwargs, gm)``: the model traced as ``config`` asks, the
+    example (and ``config.microbatch_size``) at the static microbatch size when there is one."""
     static_batch = config.static_batch(batch_of((example_args, example_kwargs or {})))
     if static_batch is not None:  # [Note: a static batch]: the example at the microbatch size
         config = dataclasses.replace(config, microbatch_size=static_batch)
@@ -246,22 +289,19 @@ def plan(
                leaf_modules=config.leaf_modules,
                dynamic_sequence=False if config.cp > 1 else config.dynamic_sequence,
                param_dtype=config.mp_policy.param_dtype if config.mp_policy is not None else None,
-               decompose_attention=config.tp > 1, static_batch=static_batch)
-    scored = None  # [Note: a layout's prediction], from the graph before any pass rewrites it
-    if config.hardware is not None and global_batch_size is not None:
-        from fxsplit.api.auto import score_layout
+               decompose_attention=config.tp > 1, dynamic_batch=config.dynamic_batch, microbatch_size=static_batch,
+               follow_sequence=_follows(config, model))
+    return config, example_args, example_kwargs, gm
 
-        scored = score_layout(gm, config, hardware, global_batch_size)
-    ctx = PassContext(
-        example_args=tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,),
-        example_kwargs=dict(example_kwargs or {}),
-        options={"tp": config.tp, "pp": config.pp, "dp": config.dp, "ep": config.ep, "cp": config.cp},
-    )
+
+def _rewrite_passes(config: ParallelConfig) -> list[Callable]:
+    """The passes before the split, in order: the user's, context, tensor and expert parallelism,
+    mixed precision."""
     pipeline = list(config.passes)
     if config.cp > 1:  # before tensor parallelism, on the aten graph export traced
         from fxsplit.passes.context_parallel import context_parallel
 
-        pipeline.append(functools.partial(context_parallel, cp=config.cp))
+        pipeline.append(functools.partial(context_parallel, cp=config.cp, kv=config.cp_kv))
     if config.tp > 1 or config.tp_plan:
         from fxsplit.passes.tensor_parallel import tensor_parallel
 
@@ -279,41 +319,29 @@ def plan(
         from fxsplit.passes.mixed_precision import mixed_precision
 
         pipeline.append(functools.partial(mixed_precision, param_dtype=config.mp_policy.param_dtype))
+    return pipeline
+
+
+def _split_pass(config: ParallelConfig, gm: torch.fx.GraphModule, hardware: Hardware,
+                stage_ranks: tuple[int, ...], example_batch: int | None) -> Callable:
+    """The pipeline split with every option ``config`` sets (``memory_limit`` is rebound when the
+    built plan is over it: ``_within_memory_limit``)."""
+    from fxsplit.api.memory import partition_state_factor
     from fxsplit.passes.pipeline_split import pipeline_split
 
-    stage_ranks = _schedules.placement(config.schedule, config.pp, config.stages_per_rank)
-    modes = _checkpoint_modes(config)
-    from fxsplit.api.memory import partition_state_factor
-
-    split_pass = functools.partial(
+    return functools.partial(
         pipeline_split, num_stages=config.num_stages, num_ranks=config.pp, split_points=config.split_points,
         schedule=config.schedule, num_microbatches=config.microbatches,
         memory_limit=config.memory_limit, hardware=hardware, loss_seconds=_loss_seconds(gm, hardware),
         cut_at=config.cut_at, stage_ranks=stage_ranks,
-        activation_checkpointing=config.activation_checkpointing, checkpoint_modes=modes,
+        activation_checkpointing=config.activation_checkpointing, checkpoint_modes=_checkpoint_modes(config),
         split_backward=config.split_backward, state_bytes_per_param_byte=partition_state_factor(config, gm),
         param_casts_free=config.dp_shard > 1 and config.mp_policy is not None
         and config.mp_policy.param_dtype is not None,
         # costs and memory of one microbatch, whatever batch the symbolic trace saw
         bindings=batch_bindings(gm, config.microbatch_size if config.microbatch_size is not None
-                                else batch_of((example_args, example_kwargs or {}))) or None,
+                                else example_batch) or None,
     )
-    pipeline.append(split_pass)
-    # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
-    # debug dumps (debug=DIR or FXSPLIT_DEBUG_DIR) show each of them
-    gm = PassManager(pipeline, debug=config.debug)(gm, ctx).graph_module
-    result = _assemble(config, gm, ctx, stage_ranks, t0)
-    result = _within_memory_limit(result, split_pass, ctx)
-    if scored is not None:
-        from fxsplit.pipeline.memory import worst
-
-        result = dataclasses.replace(result, predicted_step_time=scored.step_time, predicted_breakdown=scored.breakdown,
-                                     predicted_memory=worst(result.memory()).as_dict())
-    if config.verify:  # [Note: plan-time verification]; raises VerificationError on a mismatch
-        from fxsplit.api.verify import verify
-
-        verify(model, example_args, result, example_kwargs)
-    return result
 
 
 def _check_world_size(config: ParallelConfig, world_size: int | None) -> None:
@@ -497,3 +525,12 @@ def _loss_seconds(gm: torch.fx.GraphModule, hardware: Hardware) -> float:
     return total
 
 
+def _follows(config: ParallelConfig, model: nn.Module) -> bool:
+    """Whether torch.export's static sequence is made to follow each step's length ([Note: following the
+    sequence from two static traces] in fxsplit.graph.sequence): ``config.follow_sequence``, or by
+    default with real weights (a meta-device plan is for planning: no second trace), never with cp > 1."""
+    if config.follow_sequence is not None:
+        return config.follow_sequence
+    if config.cp > 1 or config.pad_sequence is False:
+        return False
+    return not any(p.is_meta for p in model.parameters())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from fxsplit.api.padding import sequence_summary
 from fxsplit.graph.units import UNITS, fmt_bytes, fmt_ms
 
 __all__ = ["MAX_LINES", "STAGE_ROWS", "fold_layers", "memory_summary", "plan_lines", "stage_summary", "tp_summary"]
@@ -143,6 +144,8 @@ def plan_lines(plan: Any) -> list[str]:
     ]
     if info is not None:
         lines.append(f"traced with {info.method}: {info.reason}")
+    if (seq := sequence_summary(plan)) is not None:
+        lines.append(seq)
     if "context_parallel" in plan.pass_report:
         lines.append(str(plan.pass_report["context_parallel"]))
     lines += tp_summary(plan.tp_plan)

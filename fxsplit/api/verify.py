@@ -25,13 +25,16 @@ collectives give each rank its own backward), and each rank's gradients are reas
 (``ShardSpec.unshard``; replicated parameters must hold the full gradient on every rank;
 parameters tied across stages are summed over their stages, as the runtime does).
 
-With expert parallelism (ep > 1, tp = 1) the lockstep ranks are the ep ranks instead: each is fed
-its own slice of the example batch (dim 0 of every input of the batch's size) and holds its own
-block of every expert weight; the token exchange is emulated over them
-(``fxsplit.tp.experts.emulated_dispatch`` / ``emulated_combine``). Their outputs, joined along the
-batch, are compared with the unsplit model's on the whole batch and one loss is taken of them, so
-an expert's gradient is its ranks' blocks joined on dim 0 and every other gradient the sum of the
-ranks' (each rank computed its slice's share), as the runtime's reductions make them.
+With expert parallelism (ep > 1) the lockstep ranks are every (ep, tp) rank, ep outer: each ep
+rank is fed its own slice of the example batch (dim 0 of every input of the batch's size), the tp
+ranks of one ep rank the same slice, and each holds its own block of every expert weight (its tp
+shard of it with tp > 1); the token exchange is emulated over the ep ranks of one tp rank
+(``fxsplit.tp.experts.emulated_dispatch`` / ``emulated_combine``), the tp collectives over the tp
+ranks of one ep rank. Per tp rank, the ep ranks' outputs, joined along the batch, are compared with
+the unsplit model's on the whole batch and one loss is taken of them, so an expert's gradient is
+its ranks' blocks joined on dim 0 and every other gradient the sum of the ranks' (each rank
+computed its slice's share), as the runtime's reductions make them; then the tp shards are
+joined as without ep.
 
 Tolerance, relative to the reference's magnitude: a value passes when
 ``max|x - ref| <= rtol * max(max|ref|, 1e-3)`` with ``rtol`` 1e-4 for float32, 1e-9 for float64,
@@ -62,7 +65,6 @@ run), ``verify=False`` turns it off.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -292,31 +294,11 @@ def verify(
     ([Note: which reference]). ``reference="graph"`` compares with the model traced and rewritten by
     those passes, checking the split alone. On success one line is printed unless ``quiet``."""
     t0 = time.perf_counter()
-    if reference not in REFERENCES:
-        raise UsageError(f"verify(reference={reference!r}): choose one of {REFERENCES}: 'model' compares with the "
-                         "model you gave, 'graph' with the model after the plan's passes")
+    _check_verifiable(model, plan, reference)
     if not isinstance(example_args, (tuple, list)):
         example_args = (example_args,)
-    if any(p.is_meta for p in [*model.parameters(), *model.buffers()]):
-        raise PlanError("verify: the model is on the meta device; verification needs real weights "
-                        "(build the model on a real device, or plan without verify=True)")
-    if plan.config.vocab_parallel_loss:
-        raise PlanError("verify: a plan with vocab_parallel_loss=True is not verified yet (the model's outputs "
-                        "stay vocabulary-sharded into the runtime's parallel cross-entropy); verify the same "
-                        "plan with vocab_parallel_loss=False")
-    for s, gm in enumerate(plan.stages.modules):
-        if (node := _draws_random(gm)) is not None:
-            raise PlanError(f"verify: stage {s} draws random numbers at node {node!r} (dropout with p > 0), "
-                            "which the unsplit run draws differently; verify with the model in eval() mode or p=0")
     c = plan.config
-    static = c.static_batch(batch_of((tuple(example_args), dict(example_kwargs or {}))))
-    if static is not None:  # the plan runs microbatches of that size ([Note: a static batch]):
-        # the example and the loss's target cut (or repeated) to one microbatch together
-        key = "\0target"
-        example_args, cut = example_at_batch(tuple(example_args), {**dict(example_kwargs or {}), key: target},
-                                             static * c.ep)  # one microbatch per expert-parallel rank
-        target = cut.pop(key)
-        example_kwargs = cut
+    example_args, example_kwargs, target = _at_microbatch(c, example_args, example_kwargs, target)
     t, num_stages = c.tp, c.num_stages
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     # an example shorter than the traced length runs padded, as a step would ([Note: padding to the traced length])
@@ -353,35 +335,72 @@ def verify(
     return report
 
 
+
+def _check_verifiable(model: nn.Module, plan: Any, reference: str) -> None:
+    """UsageError / PlanError when ``plan`` cannot be verified against ``model`` here: an unknown
+    reference, meta weights, vocabulary-sharded outputs, or random draws the unsplit run draws
+    differently."""
+    if reference not in REFERENCES:
+        raise UsageError(f"verify(reference={reference!r}): choose one of {REFERENCES}: 'model' compares with the "
+                         "model you gave, 'graph' with the model after the plan's passes")
+    if any(p.is_meta for p in [*model.parameters(), *model.buffers()]):
+        raise PlanError("verify: the model is on the meta device; verification needs real weights "
+                        "(build the model on a real device, or plan without verify=True)")
+    if plan.config.vocab_parallel_loss:
+        raise PlanError("verify: a plan with vocab_parallel_loss=True is not verified yet (the model's outputs "
+                        "stay vocabulary-sharded into the runtime's parallel cross-entropy); verify the same "
+                        "plan with vocab_parallel_loss=False")
+    for s, gm in enumerate(plan.stages.modules):
+        if (node := _draws_random(gm)) is not None:
+            raise PlanError(f"verify: stage {s} draws random numbers at node {node!r} (dropout with p > 0), "
+                            "which the unsplit run draws differently; verify with the model in eval() mode or p=0")
+
+
+def _at_microbatch(c: Any, example_args: Any, example_kwargs: Any, target: Any) -> tuple[Any, Any, Any]:
+    """``(example_args, example_kwargs, target)``: a plan with a static batch runs microbatches of
+    that size ([Note: a static batch]), so the example and the loss's target are cut (or
+    repeated) to one microbatch per expert-parallel rank together."""
+    static = c.static_batch(batch_of((tuple(example_args), dict(example_kwargs or {}))))
+    if static is None:
+        return example_args, example_kwargs, target
+    key = "\0target"
+    example_args, cut = example_at_batch(tuple(example_args), {**dict(example_kwargs or {}), key: target},
+                                         static * c.ep)
+    target = cut.pop(key)
+    return example_args, cut, target
+
+
 def _batch_slices(flat: Sequence[Any], batch: int | None, ranks: int, ep: int) -> list[Sequence[Any]]:
-    """The inputs of every lockstep rank: ``flat`` itself for each tp rank (ep == 1); for ep ranks,
-    each its own slice of every input holding the batch (dim 0 of size ``batch``)."""
+    """The inputs of every lockstep rank: ``flat`` itself for each tp rank (ep == 1); with ep, lockstep
+    rank i (ep rank i // (ranks / ep)) its ep rank's slice of every input holding the batch (dim 0 of
+    size ``batch``)."""
     if ep == 1:
         return [flat] * ranks
     if batch is None or batch % ep:
         raise PlanError(f"verify: an example batch of {batch} samples does not split into ep={ep} equal slices (one "
                         f"per expert-parallel rank); give an example whose batch is a multiple of {ep}")
-    b = batch // ep
-    return [[x[r * b:(r + 1) * b] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
-             for x in flat] for r in range(ep)]
+    b, per_ep = batch // ep, ranks // ep
+    return [[x[(i // per_ep) * b:(i // per_ep + 1) * b] if isinstance(x, torch.Tensor) and x.dim()
+             and x.shape[0] == batch else x for x in flat] for i in range(ranks)]
 
 
 def _materialized(plan: Any, stage: int, rank: int, model: nn.Module, device: torch.device) -> nn.Module:
-    """Lockstep rank ``rank``'s module of ``stage``: its tp shards, or (ep > 1) its block of experts."""
-    if plan.config.ep == 1:
-        return materialize_stage(plan, stage, tp_rank=rank, source=model, device=device)
-    module = materialize_stage(plan, stage, tp_rank=0, source=model, device=device)
-    keep_own_experts({stage: module}, plan.ep_plan, rank)
+    """Lockstep rank ``rank``'s module of ``stage``: its tp shards, and (ep > 1, rank = e * tp + r)
+    ep rank e's block of experts."""
+    t = plan.config.tp
+    module = materialize_stage(plan, stage, tp_rank=rank % t, source=model, device=device)
+    if plan.config.ep > 1:
+        keep_own_experts({stage: module}, plan.ep_plan, rank // t)
     return module
 
 
 def _lockstep_ranks(c: Any) -> tuple[list[dict[str, tuple[int, int]]], int]:
     """The ranks verify runs in lockstep (each its (rank, size) per mesh axis), and how many
-    distinct stage modules they hold: the ep ranks, each its batch slice and block of experts (ep
-    excludes tp and cp); else every (cp, tp) rank, the cp ranks of one tp rank sharing its modules,
-    so their parameter gradients add up in one .grad, as the runtime sums them over cp."""
+    distinct stage modules they hold: every (ep, tp) rank, each its batch slice and block of
+    experts (ep excludes cp); else every (cp, tp) rank, the cp ranks of one tp rank sharing its
+    modules, so their parameter gradients add up in one .grad, as the runtime sums them over cp."""
     if c.ep > 1:
-        return [{"ep": (r, c.ep)} for r in range(c.ep)], c.ep
+        return [{"ep": (e, c.ep), "tp": (r, c.tp)} for e in range(c.ep) for r in range(c.tp)], c.ep * c.tp
     return [{"cp": (k, c.cp), "tp": (r, c.tp)} for k in range(c.cp) for r in range(c.tp)], c.tp
 
 
@@ -404,9 +423,9 @@ def _run_stages(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], flat: S
         mods = [stage_modules[s][i % held] for i in range(n)]
         outs.append(_run_lockstep(plan.stages.modules[s], mods, inputs, vals[-1], ranks))
     rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(n)]
-    if c.ep > 1:  # one model output, one loss
+    if c.ep > 1:  # per tp rank one model output (its ep ranks' joined), one loss
         rank_flat = [[torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() else vs[0]
-                      for vs in zip(*rank_flat)]]
+                      for vs in zip(*rank_flat[r::c.tp])] for r in range(c.tp)]
     return rank_flat
 
 
@@ -574,8 +593,10 @@ def _check_grads(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], ref_gr
                          for g, m in zip(grads, mods)]
                 spec = specs.get(name)
                 if experts is not None:  # ep ranks: experts in blocks, the rest each rank's slice's share
-                    g = torch.cat(grads) if name in experts else torch.stack(grads).sum(0)
-                elif spec is not None:
+                    t = plan.config.tp  # lockstep rank e * t + r: per tp rank r, its ep ranks joined
+                    grads = [torch.cat(grads[r::t]) if name in experts else torch.stack(grads[r::t]).sum(0)
+                             for r in range(t)]
+                if spec is not None:
                     shape = plan.tp_plan.full_shapes.get(name)
                     g = spec.unshard(grads, size=None if shape is None else shape[spec.dim])
                 else:

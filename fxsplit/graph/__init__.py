@@ -1,6 +1,7 @@
 """The graph layer: a model becomes an fx graph whose nodes carry what every later layer reads.
 
-Owns tracing (``trace``: fx or ``torch.export``, symbolic batch and sequence; ``decompose``:
+Owns tracing (``trace``: fx or ``torch.export``, symbolic batch and sequence; ``export``: the
+torch.export frontend; ``decompose``:
 torch's attention modules traced as plain ops when asked; ``examples``: example inputs
 resized along the batch, [Note: a static batch]), node metadata
 (``meta``: ``NodeInfo``, ``TraceInfo``, and ``TensorMeta`` and ``to_expr`` from ``shapes``,

@@ -146,7 +146,7 @@ _SAVE_OUTPUT = frozenset({
 def _kind(name: str) -> str:
     if name in MATMULS:
         return "matmul"
-    if "scaled_dot_product" in name or name in {"flash_attention", "efficient_attention"}:
+    if "scaled_dot_product" in name or name in {"flash_attention", "efficient_attention", "ring_attention"}:
         return "attention"
     if name.startswith("conv") or name in {"convolution", "cudnn_convolution", "mkldnn_convolution"}:
         return "conv"
@@ -227,7 +227,8 @@ def _attention_cost(node, name, ins, acts, outs, gm, module):
     if q is None or k is None or v is None or len(q.shape) < 2 or len(k.shape) < 2:
         return out.numel, 0, _bytes(acts)
     rows = _prod(q.shape[:-1])  # batch * heads * query length
-    scores = rows * k.shape[-2]
+    # a context-parallel ring's k is one rank's block; its queries read every rank's (seq_len keys)
+    scores = rows * (node.kwargs.get("seq_len", k.shape[-2]) if name == "ring_attention" else k.shape[-2])
     mm = 2 * scores * q.shape[-1] + 2 * scores * v.shape[-1]
     flops = mm + _PER_ELEMENT_FLOPS["softmax"] * scores
     saved = _sum((q.nbytes, k.nbytes, v.nbytes, out.nbytes, 4 * rows))

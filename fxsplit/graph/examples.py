@@ -1,9 +1,11 @@
-"""Example inputs resized along the batch (dim 0) for tracing: a batch of one widened to two
-([Note: batch of one]) and the example cut or repeated to a plan's static microbatch size
-([Note: a static batch]). Used by :mod:`fxsplit.graph.trace` (and by ``verify``, which runs the
-plan on the example at the traced size).
+"""Example inputs for tracing: which dims are traced as symbols (``dynamic_dims``), a batch of
+one widened to two ([Note: batch of one]), and the example cut or repeated to a plan's static
+microbatch size (``static_batch_size`` decides it, for ``trace`` and ``ParallelConfig`` alike:
+[Note: a static batch]). Used by :mod:`fxsplit.graph.trace` and :mod:`fxsplit.graph.export` (and
+by ``verify``, which runs the plan on the example at the traced size).
 
     args, kwargs = example_at_batch(args, kwargs, 4)   # every tensor whose dim 0 is the batch, at 4
+    static_batch_size(dynamic_batch=None, microbatch_size=4, example_batch=8)   # 4: export traces it static
     check_example_batch(args, kwargs, "plan")          # PlanError on an example of 0 samples
 """
 
@@ -15,7 +17,8 @@ import torch
 
 from fxsplit.errors import PlanError
 
-__all__ = ["example_at_batch", "batch_of", "check_example_batch"]
+__all__ = ["example_at_batch", "batch_of", "check_example_batch", "static_batch_size", "dynamic_dims", "widen_batch",
+           "WIDE_NOTE"]
 
 
 # [Note: a static batch]
@@ -24,7 +27,7 @@ __all__ = ["example_at_batch", "batch_of", "check_example_batch"]
 # and everything downstream (the TP pass's local fake tensors, cost expressions, saved bytes) pays
 # for the symbol again. A plan whose batch is known needs none of it: with an explicit config and
 # a known global batch B (``plan(..., global_batch_size=B)``, or ``microbatch_size=b`` directly)
-# every microbatch has b = B / (dp * dp_shard * m) samples, so ``trace(static_batch=b)`` exports
+# every microbatch has b = B / (dp * dp_shard * m) samples, so ``trace(microbatch_size=b)`` exports
 # at exactly that size, fully static, the way the sequence already is: the example's tensors whose
 # dim 0 is the example's batch are cut or repeated along it to b (values do not matter for the
 # shapes; a meta example stays meta). A step whose microbatches differ from b is refused by
@@ -35,6 +38,20 @@ __all__ = ["example_at_batch", "batch_of", "check_example_batch"]
 # microbatches (PlanError: they would differ by one sample); and ``strategy="auto"``'s search
 # trace, which prices every microbatch size from the one symbolic graph (the plan of its pick
 # then traces static at the pick's size). ``trace`` itself keeps the symbolic batch by default.
+
+
+def static_batch_size(*, dynamic_batch: bool | None, microbatch_size: int | None,
+                      example_batch: int | None) -> int | None:
+    """The batch torch.export traces static ([Note: a static batch]), or None for a symbolic one:
+    ``dynamic_batch`` True keeps the symbol; None (the default of ``trace`` and
+    ``ParallelConfig``) is static at ``microbatch_size`` when it is known, else symbolic; False
+    is static at ``microbatch_size``, or else at the example's batch. torch.fx keeps the batch
+    symbolic either way."""
+    if dynamic_batch is True:
+        return None
+    if microbatch_size is not None:
+        return microbatch_size
+    return example_batch if dynamic_batch is False else None
 
 
 def example_at_batch(args: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict]:
@@ -68,6 +85,18 @@ def example_at_batch(args: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict
 # batch symbol (valid for sizes >= 1: the traced graph does not depend on the hint) whose example
 # value (hint) is 2. A static fallback traces the example as given.
 _WIDE_BATCH = 2
+WIDE_NOTE = f" (the example batch of 1 traced as {_WIDE_BATCH}, so the batch size stays symbolic)"  # in the trace reason
+
+
+def dynamic_dims(t: torch.Tensor, sequence: bool = True, batch: bool = True) -> list[int]:
+    """Which dims of an example input to trace as symbols: with ``batch``, batch (0) and, with
+    ``sequence``, sequence (1 of int inputs)."""
+    dims = []
+    if batch and t.dim() >= 1 and t.shape[0] >= 2:
+        dims.append(0)
+    if sequence and t.dim() >= 2 and not t.is_floating_point() and t.shape[1] >= 2:
+        dims.append(1)
+    return dims
 
 
 def batch_of(values: Any) -> int | None:
@@ -96,7 +125,7 @@ def check_example_batch(args: Any, kwargs: Any, where: str) -> None:
             return
 
 
-def _widen_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+def widen_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
     """``(args, kwargs, widened)``: the example with a batch of 1 repeated to 2 ([Note: batch of one])."""
     if batch_of((args, kwargs)) != 1:
         return args, kwargs, False

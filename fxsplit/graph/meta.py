@@ -84,6 +84,12 @@ class TraceInfo:
     symbols: Mapping[str, sympy.Symbol] = field(default_factory=dict)  # "batch", "seq", ... -> symbol
     dynamic: bool = False  # whether batch/sequence are symbolic in the graph itself
     on_meta: bool = False  # whether the model's parameters were on the meta device
+    # the length torch.export traced the sequence at when it traced it static (None: fx, or a symbolic
+    # trace), and whether the graph was then made to take every length up to it ([Note: following
+    # the sequence from two static traces] in fxsplit.graph.sequence)
+    traced_length: int | None = None
+    follows_sequence: bool = False
+    follow_refused: str | None = None  # why a graph asked to follow the length stays static
 
     def bindings(self, **sizes: int) -> dict[sympy.Symbol, int]:
         """``info.bindings(batch=8, seq=128)`` -> {symbol: value} for :meth:`TensorMeta.concrete_shape`."""

@@ -63,7 +63,7 @@ MODES = ("none", "selective", "full")
 _COMPUTE = ("call_function", "call_method", "call_module")
 _PARAM_VIEWS = frozenset({"to", "t", "transpose", "permute", "view", "reshape", "contiguous", "type", "float",
                           "half", "bfloat16", "detach", "_to_copy", "expand", "unsqueeze", "squeeze"})
-_ATTENTION = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+_ATTENTION = frozenset({"scaled_dot_product_attention", "ring_attention", "_scaled_dot_product_flash_attention",
                         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
                         "_scaled_dot_product_cudnn_attention"})
 _CONV = ("conv", "convolution")

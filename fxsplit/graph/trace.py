@@ -10,9 +10,10 @@ Terms:
 - **dynamic dimensions**: dim 0 of every tensor input (the batch) and dim 1 of every integer tensor
   input (the sequence of token ids) are traced as sympy symbols where the model allows, so shapes
   and costs are expressions and one plan serves several batch sizes; an example batch of one
-  sample is traced as two ([Note: batch of one]). ``dynamic_sequence=None`` keeps the sequence
-  static under torch.export ([Note: a static sequence for export]); ``static_batch=b`` traces the
-  batch static at b samples under torch.export, the example resized to it ([Note: a static batch]).
+  sample is traced as two ([Note: batch of one]). The switches are ``ParallelConfig``'s:
+  ``dynamic_sequence=None`` keeps the sequence static under torch.export ([Note: a static sequence
+  for export]); ``microbatch_size=b`` traces the batch static at b samples under torch.export, the
+  example resized to it, and ``dynamic_batch=True`` keeps it symbolic ([Note: a static batch]).
 
     gm = fxsplit.trace(model, (idx,))                  # fx, or export when fx cannot trace it
     gm.meta["fxsplit"]                                 # TraceInfo(method=..., reason=..., symbols=...)
@@ -26,9 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import linecache
 import logging
-from typing import Any, Iterable, Mapping, Sequence
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.fx
@@ -36,10 +38,9 @@ from torch import nn
 
 from fxsplit import config
 from fxsplit.graph.decompose import Decomposition, attention_as_ops
-from fxsplit.graph.examples import _WIDE_BATCH, _widen_batch, example_at_batch
-from fxsplit.graph.lazy_code import lazily_recompiled
+from fxsplit.graph.examples import WIDE_NOTE, batch_of, dynamic_dims, example_at_batch, static_batch_size, widen_batch
+from fxsplit.graph.export import export_model, failure_location, is_hf_model
 from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
-from fxsplit.graph.ops import resolve_path
 from fxsplit.errors import ArgumentTypeError, TraceError, UsageError
 
 __all__ = ["trace", "TraceError", "flatten_inputs", "example_at_batch"]
@@ -48,14 +49,6 @@ log = logging.getLogger(__name__)
 
 METHODS = config.TRACE_METHODS
 
-# ops that export inserts for its own runtime checks; they carry no computation and would tie
-# stages together for nothing, so the traced graph drops them.
-_EXPORT_CHECK_OPS = (
-    "aten._assert_tensor_metadata.default",
-    "aten._assert_scalar.default",
-    "aten.sym_constrain_range_for_size.default",
-    "aten._assert_async.msg",
-)
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,56 +138,20 @@ def flatten_inputs(gm: torch.fx.GraphModule, args: Sequence = (), kwargs: Mappin
 # error reporting
 
 
-def _failure_location(exc: BaseException, model: nn.Module) -> tuple[str, str]:
-    """(module path, 'file:line: source') of the innermost model frame in the traceback."""
-    paths = {id(m): name for name, m in model.named_modules()}
-    where_mod, where_line = "", ""
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        self_obj = frame.f_locals.get("self")
-        if self_obj is not None and id(self_obj) in paths:
-            where_mod = paths[id(self_obj)] or "<root>"
-            line = linecache.getline(frame.f_code.co_filename, tb.tb_lineno).strip()
-            where_line = f"{frame.f_code.co_filename}:{tb.tb_lineno}: {line}"
-        tb = tb.tb_next
-    return where_mod, where_line
-
-
-def _is_hf(model: nn.Module) -> bool:
-    return hasattr(model, "config") and type(model).__module__.startswith("transformers")
-
-
 def _fx_error(exc: BaseException, model: nn.Module) -> TraceError:
-    mod, line = _failure_location(exc, model)
+    mod, line = failure_location(exc, model)
     where = f" in module {mod!r} at {line}" if mod else ""
     hints = []
     if mod and mod != "<root>":
         hints.append(f"mark it as a leaf (leaf_modules=[{mod!r}]) so fx does not trace into it")
     hints.append('use method="export" (torch.export handles Python control flow on shapes and most library models)')
-    if _is_hf(model):
+    if is_hf_model(model):
         hints.append("Hugging Face models need method=\"export\" with use_cache=False")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return TraceError(
         f"torch.fx could not trace {type(model).__name__}{where}: {type(exc).__name__}: {first}. "
         f"Fix: " + "; or ".join(hints)
     )
-
-
-def _export_error(exc: BaseException, model: nn.Module, kwargs: dict) -> TraceError:
-    mod, line = _failure_location(exc, model)
-    where = f" in module {mod!r} at {line}" if mod else ""
-    text = f"{type(exc).__name__}: {str(exc).strip()}"
-    hints = []
-    cache_on = _is_hf(model) and getattr(model.config, "use_cache", False) and kwargs.get("use_cache") is not False
-    if cache_on or "DynamicCache" in text or "Cache" in type(exc).__name__:
-        hints.append(
-            "the model returns a key/value cache (config.use_cache=True), which torch.export cannot "
-            "output: pass use_cache=False (example_kwargs={'use_cache': False} or config.use_cache=False)"
-        )
-    hints.append("or trace with method=\"fx\" and leaf_modules=[...] for the untraceable parts")
-    short = text.splitlines()[0][:500]
-    return TraceError(f"torch.export could not trace {type(model).__name__}{where}: {short}. Fix: " + "; ".join(hints))
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,17 +230,6 @@ def _trace_fx(model: nn.Module, args: tuple, kwargs: dict, leaves: tuple,
     return gm, given
 
 
-def _dynamic_dims(t: torch.Tensor, sequence: bool = True, batch: bool = True) -> list[int]:
-    """Which dims of an example input to trace as symbols: with ``batch``, batch (0) and, with
-    ``sequence``, sequence (1 of int inputs)."""
-    dims = []
-    if batch and t.dim() >= 1 and t.shape[0] >= 2:
-        dims.append(0)
-    if sequence and t.dim() >= 2 and not t.is_floating_point() and t.shape[1] >= 2:
-        dims.append(1)
-    return dims
-
-
 # [Note: a static sequence for export]
 # A symbolic sequence is what makes torch.export slow: with symbolic sizes it runs torch's Python
 # reference implementations (fake-tensor shape and stride arithmetic in sympy) where static
@@ -300,7 +246,8 @@ def _dynamic_dims(t: torch.Tensor, sequence: bool = True, batch: bool = True) ->
 # (the default of ``trace`` itself) makes it symbolic for both.
 
 
-def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequence: bool = True) -> None:
+def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequence: bool = True,
+                    batch: bool = True) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -310,7 +257,7 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequenc
     for x in flat:
         if isinstance(x, torch.Tensor):
             if dynamic:
-                dyn = set(_dynamic_dims(x, sequence))
+                dyn = set(dynamic_dims(x, sequence, batch))
                 ctx = StatelessSymbolicContext(
                     dynamic_sizes=[DimDynamic.DYNAMIC if d in dyn else DimDynamic.STATIC for d in range(x.dim())]
                 )
@@ -330,7 +277,7 @@ def _propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, on_meta: boo
     for real-weight models only, to one real forward (a leaf module with data-dependent code)."""
     try:
         _fake_propagate(gm, wide if dynamic and wide is not None else flat, dynamic, sequence)
-        return _WIDE_NOTE if dynamic and wide is not None else ""
+        return WIDE_NOTE if dynamic and wide is not None else ""
     except Exception as first:
         if dynamic:
             try:
@@ -351,129 +298,6 @@ def _propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, on_meta: boo
     with torch.no_grad():
         _RealProp(gm).run(*flat)
     return " (shapes from one real forward: fake-tensor propagation failed, e.g. data-dependent code in a leaf module)"
-
-
-_WIDE_NOTE = f" (the example batch of 1 traced as {_WIDE_BATCH}, so the batch size stays symbolic)"
-
-
-# --------------------------------------------------------------------------------------------
-# export
-
-
-# [Note: tracing under a parameter dtype]
-# torch.export bakes dtypes into the graph: HF's RMSNorm computes ``w * x.to(input_dtype)`` with
-# ``input_dtype = x.dtype`` read while tracing, rotary embeddings return ``cos.to(x.dtype)``. A
-# graph traced with float32 parameters says ``.to(torch.float32)`` there, so casting its parameter
-# reads to bfloat16 afterwards (mixed precision) mixes dtypes (``weight_bf16 * x_fp32`` is float32,
-# and the next matmul with a bfloat16 weight fails), where the eager model under FSDP's
-# MixedPrecisionPolicy would have computed in bfloat16. So with ``param_dtype`` the model is
-# exported as that policy runs it: every floating parameter cast to ``param_dtype`` (one copy per
-# tensor, so tied weights stay tied; free on the meta device) and every floating input too
-# (``cast_forward_inputs``), so the model's own dtype logic is traced for the compute dtype (its
-# deliberate float32 upcasts in norms and softmax stay). Then the interface is put back: the
-# graph module holds the original float32 parameters and its parameter reads and floating
-# placeholders say so in ``meta["val"]``, where the mixed-precision pass inserts the casts
-# (``passes/mixed_precision.py``). fx graphs read ``x.dtype`` at run time and need none of this.
-
-
-@contextlib.contextmanager
-def _parameters_in(model: nn.Module, dtype: torch.dtype | None):
-    """Within: ``model``'s floating parameters replaced by ``dtype`` copies (the same copy for a
-    tensor reached by several names). Yields {id(copy): original}."""
-    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-    copies: dict[int, nn.Parameter] = {}
-    originals: dict[int, nn.Parameter] = {}
-    if dtype is not None:
-        for mod in model.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is None or not p.is_floating_point() or p.dtype == dtype:
-                    continue
-                if id(p) not in copies:
-                    copies[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-                    originals[id(copies[id(p)])] = p
-                swapped.append((mod, name, p))
-                mod._parameters[name] = copies[id(p)]
-    try:
-        yield originals
-    finally:
-        for mod, name, p in swapped:
-            mod._parameters[name] = p
-
-
-def _cast_inputs(tree: Any, dtype: torch.dtype | None) -> Any:
-    if dtype is None:
-        return tree
-    return torch.utils._pytree.tree_map(
-        lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, tree)
-
-
-def _restore_parameters(gm: torch.fx.GraphModule, originals: Mapping[int, nn.Parameter]) -> None:
-    """Put the original parameters back into the exported module, and their dtype into the
-    metadata of their reads and of the floating placeholders ([Note: tracing under a parameter dtype])."""
-    if not originals:
-        return
-    for mod in gm.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and id(p) in originals:
-                mod._parameters[name] = originals[id(p)]
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
-            continue
-        if node.op == "get_attr":
-            target = resolve_path(gm, str(node.target))
-            if isinstance(target, torch.Tensor) and target.dtype != val.dtype:
-                node.meta["val"] = val.to(target.dtype)
-        elif node.op == "placeholder":
-            node.meta["val"] = val.to(node.meta.get("fxsplit_input_dtype", val.dtype))
-
-
-def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
-            param_dtype: torch.dtype | None = None, sequence: bool = True, batch: bool = True) -> torch.fx.GraphModule:
-    from torch.export import Dim
-
-    dyn_spec = None
-    if dynamic and (batch or sequence):
-        sig = inspect.signature(model.forward)
-        bound = sig.bind(*args, **kwargs)
-        spec: dict[str, Any] = {}
-        for name, val in bound.arguments.items():
-            if isinstance(val, torch.Tensor):
-                spec[name] = {d: Dim.AUTO for d in _dynamic_dims(val, sequence, batch)} or None
-            else:
-                spec[name] = None
-        dyn_spec = spec
-    input_dtypes = [v.dtype if isinstance(v, torch.Tensor) else None
-                    for v in torch.utils._pytree.tree_leaves((args, kwargs))]
-    with _parameters_in(model, param_dtype) as originals:
-        ep = torch.export.export(model, _cast_inputs(args, param_dtype), _cast_inputs(kwargs, param_dtype),
-                                 strict=False, dynamic_shapes=dyn_spec)
-        try:
-            gm = ep.module(check_guards=False)
-        except TypeError:  # older torch: no check_guards argument
-            gm = ep.module()
-    gm = lazily_recompiled(gm)  # [Note: lazy recompile]: planning edits the graph many times
-    if param_dtype is not None:
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        floating = {d for d in input_dtypes if d is not None and d.is_floating_point}
-        for i, n in enumerate(placeholders):  # the dtype the caller passes (one, or by position)
-            dtype = next(iter(floating)) if len(floating) == 1 else (
-                input_dtypes[i] if len(placeholders) == len(input_dtypes) else None)
-            if dtype is not None:
-                n.meta["fxsplit_input_dtype"] = dtype
-        _restore_parameters(gm, originals)
-        for n in placeholders:
-            n.meta.pop("fxsplit_input_dtype", None)
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn":
-            gm.graph.erase_node(node)
-            if hasattr(gm, "_guards_fn"):
-                delattr(gm, "_guards_fn")
-        elif node.op == "call_function" and str(node.target) in _EXPORT_CHECK_OPS and not node.users:
-            gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,6 +327,148 @@ def _name_symbols(gm: torch.fx.GraphModule, input_names: Sequence[str]) -> dict[
     return symbols
 
 
+def _old_spellings(old: Mapping[str, Any], dynamic_batch: bool | None,
+                   microbatch_size: int | None) -> tuple[bool, bool | None, int | None]:
+    """``(symbolic, dynamic_batch, microbatch_size)`` with trace's deprecated keywords applied:
+    ``static_batch=b`` is ``microbatch_size=b``; ``dynamic=False`` traces no symbol at all (fx
+    included), which ``dynamic_batch=False, dynamic_sequence=False`` does under torch.export
+    (torch.fx keeps the batch symbolic there). A FutureWarning names the new spelling; any other
+    keyword is a TypeError, as Python raises it."""
+    unknown = sorted(set(old) - {"dynamic", "static_batch"})
+    if unknown:
+        raise ArgumentTypeError(f"trace() got an unexpected keyword argument {unknown[0]!r}")
+    if "static_batch" in old:
+        warnings.warn("fxsplit.trace(static_batch=b) is spelled microbatch_size=b (as in ParallelConfig)",
+                      FutureWarning, stacklevel=4)
+        if microbatch_size is not None:
+            raise UsageError("give microbatch_size= only (static_batch= is its former spelling), not both")
+        microbatch_size = old["static_batch"]
+    if "dynamic" in old:
+        warnings.warn("fxsplit.trace(dynamic=...) is spelled dynamic_batch= and dynamic_sequence= (as in "
+                      "ParallelConfig); dynamic=True is the default, dynamic=False traces no symbol, fx included "
+                      "(dynamic_batch=False, dynamic_sequence=False: the same under torch.export)",
+                      FutureWarning, stacklevel=4)
+    return bool(old.get("dynamic", True)), dynamic_batch, microbatch_size
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One ``trace`` call with its arguments resolved."""
+
+    model: nn.Module
+    args: tuple  # the example, normalized (_normalize_args)
+    kwargs: dict
+    leaves: tuple  # (leaf module types, leaf module paths)
+    on_meta: bool  # the model's parameters are on the meta device
+    symbolic: bool  # False only for the deprecated dynamic=False: no symbol, fx included
+    sequence: bool | None  # dynamic_sequence
+    static_batch: int | None  # the batch torch.export traces static at; None: symbolic
+    wide: tuple[tuple, dict] | None  # the example with a batch of one widened ([Note: batch of one])
+    param_dtype: torch.dtype | None
+    decompose: bool  # decompose_attention
+    follow_sequence: bool  # [Note: following the sequence from two static traces]
+
+    def decomposing(self) -> Any:
+        """A context manager for one attempt: attention modules traced as ops, or nothing."""
+        if not self.decompose:
+            return contextlib.nullcontext(Decomposition())
+        return attention_as_ops(self.model, leaf=_LeafTracer(*self.leaves)._is_user_leaf)
+
+
+def _request(model: nn.Module, example_args: Any, example_kwargs: Any, *, leaf_modules: Iterable[Any],
+             dynamic_batch: bool | None, dynamic_sequence: bool | None, microbatch_size: int | None,
+             param_dtype: torch.dtype | None, decompose_attention: bool, follow_sequence: bool,
+             deprecated: Mapping[str, Any]) -> _Request:
+    symbolic, dynamic_batch, microbatch_size = _old_spellings(deprecated, dynamic_batch, microbatch_size)
+    if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int)
+                                        or microbatch_size < 1):
+        raise UsageError(f"microbatch_size must be an int >= 1 (samples per microbatch) or None, "
+                         f"got {microbatch_size!r}")
+    if dynamic_batch not in (True, False, None):
+        raise UsageError(f"dynamic_batch must be True, False or None (static when microbatch_size is given), "
+                         f"got {dynamic_batch!r}")
+    args, kwargs = _normalize_args(model, example_args, example_kwargs)
+    static_batch = static_batch_size(dynamic_batch=dynamic_batch, microbatch_size=microbatch_size,
+                                     example_batch=batch_of((args, kwargs)))
+    leaves = _split_leaves(model, tuple(leaf_modules))
+    wide_args, wide_kwargs, widened = widen_batch(args, kwargs) if symbolic else (args, kwargs, False)
+    return _Request(model, args, kwargs, leaves, on_meta=any(p.is_meta for p in model.parameters()),
+                    symbolic=symbolic, sequence=dynamic_sequence, static_batch=static_batch,
+                    wide=(wide_args, wide_kwargs) if widened else None, param_dtype=param_dtype,
+                    decompose=decompose_attention, follow_sequence=follow_sequence)
+
+
+class _Traced(NamedTuple):
+    gm: torch.fx.GraphModule
+    method: str  # "fx" or "export": the frontend that ran
+    reason: str
+    input_names: tuple[str, ...]
+    kept: list  # (module path, why) of attention modules kept whole
+    traced_length: int | None = None  # export's static sequence length, when static
+    follows: bool = False  # the graph takes every shorter length
+    follow_refused: str | None = None  # why not, when following was asked
+
+
+def _by_fx(req: _Request, method: str) -> _Traced:
+    """torch.fx symbolic tracing, then fake-tensor propagation for ``meta["val"]``."""
+    with req.decomposing() as dec:
+        gm, given = _trace_fx(req.model, req.args, req.kwargs, req.leaves, dec.not_leaves)
+        dec.prune(gm)
+    n = len(req.args)
+    flat = list(req.args) + [req.kwargs[k] for k in given[n:]]
+    wide = None
+    if req.wide is not None:
+        wide_args, wide_kwargs = req.wide
+        wide = list(wide_args) + [wide_kwargs[k] for k in given[n:]]
+    note = _propagate(gm, flat, req.symbolic, req.on_meta, wide, sequence=req.sequence is not False)
+    reason = "torch.fx symbolic tracing succeeded" if method == "auto" else f'method="{method}" requested'
+    return _Traced(gm, "fx", reason + note, tuple(given), dec.kept)
+
+
+def _by_export(req: _Request, method: str, fx_error: TraceError | None) -> _Traced:
+    """torch.export (:mod:`fxsplit.graph.export`); after a failed fx attempt, the error names both."""
+    try:
+        exported = export_model(req.model, req.args, req.kwargs, symbolic=req.symbolic, sequence=req.sequence,
+                                static_batch=req.static_batch, wide=req.wide, param_dtype=req.param_dtype,
+                                decomposing=req.decomposing, follow_sequence=req.follow_sequence,
+                                propagate=lambda g, batch: _fake_propagate(g, _flat_cast(req), True, True, batch))
+    except TraceError as err:
+        if fx_error is None:
+            raise
+        raise TraceError(f"{fx_error}\n\nthen {err}") from err.__cause__
+    if fx_error is not None:
+        reason = f"torch.fx failed ({str(fx_error).split('. Fix:')[0]}); used torch.export"
+    else:
+        reason = f'method="{method}" requested'
+    return _Traced(exported.gm, "export", reason + exported.note, exported.input_names, exported.kept,
+                   exported.traced_length, exported.follows, exported.follow_refused)
+
+
+def _flat_cast(req: _Request) -> list:
+    """The example's flat inputs as the export traced them (following the sequence is refused
+    under a ``param_dtype``, so no input is cast)."""
+    args, kwargs = example_at_batch(req.args, req.kwargs, req.static_batch) if req.static_batch is not None else (
+        req.wide if req.wide is not None else (req.args, req.kwargs))
+    return torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
+
+
+def _finish(traced: _Traced, on_meta: bool) -> torch.fx.GraphModule:
+    """The trace's metadata: ``gm.meta["fxsplit"]`` (TraceInfo, the dynamic dims named) and every
+    node's NodeInfo."""
+    gm, reason = traced.gm, traced.reason
+    if traced.kept:
+        reason += " (kept as torch modules, left whole: " + "; ".join(f"{p}: {w}" for p, w in traced.kept) + ")"
+        log.warning("fxsplit.trace: attention modules kept whole: %s", traced.kept)
+    symbols = _name_symbols(gm, traced.input_names)
+    gm.meta["fxsplit"] = TraceInfo(method=traced.method, reason=reason, input_names=traced.input_names,
+                                   symbols=symbols, dynamic=bool(symbols), on_meta=on_meta,
+                                   traced_length=traced.traced_length, follows_sequence=traced.follows,
+                                   follow_refused=traced.follow_refused)
+    annotate_graph(gm)
+    log.info("fxsplit.trace: %s", reason)
+    return gm
+
+
 def trace(
     model: nn.Module,
     example_args: Any = (),
@@ -510,11 +476,13 @@ def trace(
     *,
     method: str = "auto",
     leaf_modules: Iterable[Any] = (),
-    dynamic: bool = True,
+    dynamic_batch: bool | None = None,
     dynamic_sequence: bool | None = True,
+    microbatch_size: int | None = None,
     param_dtype: torch.dtype | None = None,
     decompose_attention: bool = False,
-    static_batch: int | None = None,
+    follow_sequence: bool = False,
+    **deprecated: Any,
 ) -> torch.fx.GraphModule:
     """Trace ``model`` into a GraphModule whose every node carries fxsplit metadata.
 
@@ -524,23 +492,32 @@ def trace(
             tensors may be on the meta device. Arguments not given are fixed to their defaults.
         method: ``"fx"``, ``"export"`` or ``"auto"`` (fx first, then export).
         leaf_modules: module paths or classes that fx keeps as single ``call_module`` nodes.
-        dynamic: trace batch (dim 0) and sequence (dim 1 of integer inputs) as symbols; an
-            example batch of one sample is traced as two so that it does not fix the batch size
-            ([Note: batch of one]).
-        dynamic_sequence: with ``dynamic``, whether the sequence is symbolic too: True (both
+        dynamic_batch: whether the batch (dim 0) is a symbol under torch.export: None (default:
+            static when ``microbatch_size`` is given, else symbolic), True (symbolic), False
+            (static at ``microbatch_size``, or else at the example's batch); torch.fx keeps it
+            symbolic ([Note: a static batch]). A symbolic batch of one sample is traced as two so
+            that it does not fix the batch size ([Note: batch of one]).
+        dynamic_sequence: whether the sequence (dim 1 of integer inputs) is a symbol: True (both
             methods), None (torch.fx only; torch.export traces it at the example's length, which
             makes export several times faster: [Note: a static sequence for export]) or False.
+        microbatch_size: the samples per microbatch, when known: torch.export traces the batch
+            static at it, the example's batch cut or repeated to it (:func:`example_at_batch`).
         param_dtype: the compute dtype of mixed precision (``MixedPrecisionPolicy.param_dtype``):
             torch.export traces the model with its parameters and floating inputs in it, then
-            puts the originals back ([Note: tracing under a parameter dtype]); fx needs nothing.
+            puts the originals back ([Note: tracing under a parameter dtype] in ``fxsplit.graph.export``);
+            fx needs nothing.
         decompose_attention: trace ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` /
             ``nn.TransformerEncoder`` as plain ops (fused in_proj, chunk into q/k/v, heads, sdpa,
             out_proj) instead of one leaf or torch's head-merging views, so tensor parallelism can
             shard them by heads ([Note: attention modules as ops] in ``fxsplit.graph.decompose``);
             calls it does not cover stay torch's module, and the trace reason names them.
-        static_batch: under torch.export, trace the batch static at this many samples (the
-            example's batch cut or repeated to it: :func:`example_at_batch`); torch.fx keeps it
-            symbolic ([Note: a static batch]). None (default): symbolic with ``dynamic``.
+        follow_sequence: when torch.export traced the sequence static, trace it again one position
+            shorter and make the graph take every length up to the traced one ([Note: following the
+            sequence from two static traces] in ``fxsplit.graph.sequence``); the trace reason says
+            when it could not, and the graph stays static.
+        deprecated: ``static_batch=b`` (now ``microbatch_size=b``) and ``dynamic=`` (now
+            ``dynamic_batch`` and ``dynamic_sequence``) still work, with a ``FutureWarning``
+            naming the new spelling.
 
     Returns a GraphModule whose ``meta["fxsplit"]`` is a :class:`fxsplit.graph.meta.TraceInfo` and whose
     nodes have ``meta["fxsplit"]`` (:class:`fxsplit.graph.meta.NodeInfo`) and ``meta["val"]``. Calling it
@@ -548,110 +525,19 @@ def trace(
     """
     if method not in METHODS:
         raise UsageError(f"method must be one of {METHODS}, got {method!r}")
-    if static_batch is not None and (isinstance(static_batch, bool) or not isinstance(static_batch, int)
-                                     or static_batch < 1):
-        raise UsageError(f"static_batch must be an int >= 1 (samples per microbatch) or None, got {static_batch!r}")
-    args, kwargs = _normalize_args(model, example_args, example_kwargs)
-    leaves = _split_leaves(model, tuple(leaf_modules))
-    on_meta = any(p.is_meta for p in model.parameters())
-    wide_args, wide_kwargs, widened = _widen_batch(args, kwargs) if dynamic else (args, kwargs, False)
-    if decompose_attention:
-        tracer = _LeafTracer(*leaves)
-        decomposing = lambda: attention_as_ops(model, leaf=tracer._is_user_leaf)  # noqa: E731
-    else:
-        decomposing = lambda: contextlib.nullcontext(Decomposition())  # noqa: E731
-    kept: list[tuple[str, str]] = []
-
-    gm: torch.fx.GraphModule | None = None
-    used, reason = method, f'method="{method}" requested'
-    fx_error: TraceError | None = None
+    req = _request(model, example_args, example_kwargs, leaf_modules=leaf_modules, dynamic_batch=dynamic_batch,
+                   dynamic_sequence=dynamic_sequence, microbatch_size=microbatch_size, param_dtype=param_dtype,
+                   decompose_attention=decompose_attention, follow_sequence=follow_sequence, deprecated=deprecated)
+    traced, fx_error = None, None
     if method in ("auto", "fx"):
         try:
-            with decomposing() as dec:
-                gm, given = _trace_fx(model, args, kwargs, leaves, dec.not_leaves)
-                dec.prune(gm)
-            kept = dec.kept
-            flat = [a for a in args] + [kwargs[k] for k in given[len(args):]]
-            wide = [a for a in wide_args] + [wide_kwargs[k] for k in given[len(args):]] if widened else None
-            prop_note = _propagate(gm, flat, dynamic, on_meta, wide, sequence=dynamic_sequence is not False)
-            input_names = tuple(given)
-            used = "fx"
-            if method == "auto":
-                reason = "torch.fx symbolic tracing succeeded"
-            reason += prop_note
+            traced = _by_fx(req, method)
         except Exception as exc:  # fx fails in many ways (TraceError, TypeError, ValueError, ...)
             fx_error = _fx_error(exc, model)
             fx_error.__cause__ = exc
             if method == "fx":
                 raise fx_error
-            gm = None
-    if gm is None:
-        note = ""
-        cache_cfg = getattr(model, "config", None) if _is_hf(model) else None
-        cache_was = getattr(cache_cfg, "use_cache", None)
-        if cache_was and "use_cache" not in kwargs:
-            # torch.export cannot output a key/value cache: trace with the cache off, then restore
-            cache_cfg.use_cache = False
-            note = " (with config.use_cache=False: torch.export cannot output a key/value cache)"
-        if static_batch is not None:
-            ex_args, ex_kwargs = example_at_batch(args, kwargs, static_batch)
-            batch_note = f" (the batch static at {static_batch} samples per microbatch: [Note: a static batch])"
-        else:
-            ex_args, ex_kwargs = wide_args, wide_kwargs
-            batch_note = _WIDE_NOTE if widened else ""
-        try:
-            try:
-                with decomposing() as dec:
-                    gm = _export(model, ex_args, ex_kwargs, dynamic, param_dtype, sequence=dynamic_sequence is True,
-                                 batch=static_batch is None)
-                    dec.prune(gm)
-                kept = dec.kept
-                note += batch_note
-            except Exception:
-                if not dynamic:
-                    raise
-                with decomposing() as dec:
-                    gm = _export(model, ex_args if static_batch is not None else args,
-                                 ex_kwargs if static_batch is not None else kwargs, False,
-                                 param_dtype)  # a model that cannot take symbolic sizes
-                    dec.prune(gm)
-                kept = dec.kept
-                note += " (static shapes: export failed with symbolic batch/sequence)"
-        except Exception as exc:
-            err = _export_error(exc, model, kwargs)
-            if fx_error is not None:
-                err = TraceError(f"{fx_error}\n\nthen {err}")
-            raise err from exc
-        finally:
-            if cache_was and "use_cache" not in kwargs:
-                cache_cfg.use_cache = cache_was
-        used = "export"
-        reason = (f"torch.fx failed ({str(fx_error).split('. Fix:')[0]}); used torch.export" if fx_error else reason) + note
-        spec = gm._in_spec
-        input_names = tuple(_flat_input_names(spec, model, args))
-    if kept:
-        reason += " (kept as torch modules, left whole: " + "; ".join(f"{p}: {w}" for p, w in kept) + ")"
-        log.warning("fxsplit.trace: attention modules kept whole: %s", kept)
-    # name the dynamic dimensions
-    symbols = _name_symbols(gm, input_names)
-    gm.meta["fxsplit"] = TraceInfo(
-        method=used,
-        reason=reason,
-        input_names=input_names,
-        symbols=symbols,
-        dynamic=bool(symbols),
-        on_meta=on_meta,
-    )
-    annotate_graph(gm)
-    log.info("fxsplit.trace: %s", reason)
-    return gm
+    if traced is None:
+        traced = _by_export(req, method, fx_error)
+    return _finish(traced, req.on_meta)
 
-
-def _flat_input_names(spec: Any, model: nn.Module, args: tuple) -> list[str]:
-    sig_names = list(inspect.signature(model.forward).parameters)
-    names = [sig_names[i] if i < len(sig_names) else f"arg{i}" for i in range(len(args))]
-    kw_spec = spec.child(1)
-    names += list(kw_spec.context)
-    if len(names) != spec.num_leaves:  # nested inputs: name the leaves by position
-        names = [f"input{i}" for i in range(spec.num_leaves)]
-    return names

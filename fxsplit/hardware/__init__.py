@@ -30,6 +30,11 @@ rank:
     reduce_scatter_time(b, n) = (n - 1) * alpha + (n - 1) / n * b / bw
     allgather_time(b, n)      = (n - 1) * alpha + (n - 1) / n * b / bw
     allreduce_time(b, n)      = 2 (n - 1) * alpha + 2 (n - 1) / n * b / bw   (= RS then AG)
+    all_to_all_time(b, n)     = (n - 1) * alpha + (n - 1) / n * b / bw       (pairwise exchange)
+
+For an all-to-all ``b`` is what each rank sends in all (its own share stays); the pairwise
+exchange (n - 1 steps, one peer each) is what gloo and NCCL run, at the same per-step cost as a
+ring step, so the measured ring figures below apply to it too.
 
 A ring is as slow as its slowest hop, so a ring that spans nodes (``intra_node=False``) is charged
 the inter-node pair for every step: conservative for hierarchical algorithms, exact for a flat ring.
@@ -41,12 +46,12 @@ NVLink figure is halved). Compute: ``matmul_time(f, dtype) = f / (peak[dtype] * 
 and ``memory_time(b) = b / (peak_bytes_per_s * memory_efficiency)``; both are what
 ``flops_per_s`` / ``bytes_per_s`` hold for the default dtype.
 
-[Note: legacy fields]
-``flops_per_s``, ``bytes_per_s`` and ``link_bytes_per_s`` (and ``Hardware.cpu``) keep their meaning
-for every existing caller: the achievable matmul rate (the cost model's roofline divides by it), the
-achievable memory bandwidth, and the point-to-point bandwidth between pipeline ranks. Left unset
-they are derived (peak x efficiency; ``link_bytes_per_s`` = the inter-node bandwidth, since
-pipeline stages usually cross nodes) or, with no peak given either, take the historical defaults
+[Note: the rates an estimate divides by]
+``flops_per_s``, ``bytes_per_s`` and ``link_bytes_per_s`` (and ``Hardware.cpu``) are the
+achievable matmul rate (the cost model's roofline divides by it), the achievable memory
+bandwidth, and the point-to-point bandwidth between pipeline ranks. Left unset they are derived
+(peak x efficiency; ``link_bytes_per_s`` = the inter-node bandwidth, since pipeline stages usually
+cross nodes) or, with no peak given either, take the defaults of a generic datacenter GPU
 (100 TFLOP/s, 1.5 TB/s, 25 GB/s). Given both a rate and its peak, they must agree.
 ``flops_per_s`` is the rate at the preset's training dtype: bf16 for the GPU presets, the default
 dtype (fp32) for ``measure()`` and ``cpu()``.
@@ -67,12 +72,12 @@ from fxsplit.errors import UsageError
 
 __all__ = ["Hardware", "PRESETS"]
 
-_LEGACY_FLOPS, _LEGACY_BYTES, _LEGACY_LINK = 100e12, 1.5e12, 25e9
+_DEFAULT_FLOPS, _DEFAULT_BYTES, _DEFAULT_LINK = 100e12, 1.5e12, 25e9
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """One device, its node and its links; see the module docstring and [Note: legacy fields]."""
+    """One device, its node and its links; see the module docstring and [Note: the rates an estimate divides by]."""
 
     flops_per_s: float | None = None  # achievable matmul FLOP/s at the default dtype; None: derived
     bytes_per_s: float | None = None  # achievable memory bandwidth; None: derived
@@ -110,7 +115,7 @@ class Hardware:
         eff = self.matmul_efficiency
         peak_default = self.peak_bf16_flops_per_s if self.compute_dtype == "bf16" else self.peak_fp32_flops_per_s
         if self.flops_per_s is None:
-            set_("flops_per_s", peak_default * eff if peak_default is not None else _LEGACY_FLOPS)
+            set_("flops_per_s", peak_default * eff if peak_default is not None else _DEFAULT_FLOPS)
         elif peak_default is not None and not math.isclose(self.flops_per_s, peak_default * eff, rel_tol=1e-6):
             raise UsageError(
                 f"Hardware: flops_per_s ({self.flops_per_s:.4g}) != peak {self.compute_dtype} "
@@ -121,7 +126,7 @@ class Hardware:
             set_("peak_fp32_flops_per_s", self.peak_bf16_flops_per_s)
         meff = self.memory_efficiency
         if self.bytes_per_s is None:
-            set_("bytes_per_s", self.peak_bytes_per_s * meff if self.peak_bytes_per_s is not None else _LEGACY_BYTES)
+            set_("bytes_per_s", self.peak_bytes_per_s * meff if self.peak_bytes_per_s is not None else _DEFAULT_BYTES)
         elif self.peak_bytes_per_s is not None and not math.isclose(
                 self.bytes_per_s, self.peak_bytes_per_s * meff, rel_tol=1e-6):
             raise UsageError(
@@ -131,7 +136,7 @@ class Hardware:
             set_("peak_bytes_per_s", self.bytes_per_s / meff)
         if self.link_bytes_per_s is None:
             set_("link_bytes_per_s", self.inter_node_bytes_per_s
-                 if self.inter_node_bytes_per_s is not None else _LEGACY_LINK)
+                 if self.inter_node_bytes_per_s is not None else _DEFAULT_LINK)
         if self.intra_node_bytes_per_s is None:
             set_("intra_node_bytes_per_s", self.link_bytes_per_s)
         if self.inter_node_bytes_per_s is None:
@@ -237,6 +242,10 @@ class Hardware:
 
     def reduce_scatter_time(self, nbytes: float, n: int, intra_node: bool = True) -> float:
         """Ring reduce-scatter of ``nbytes`` (the full tensor) over ``n``: (n-1) alpha + (n-1)/n nbytes / bw."""
+        return self._ring(nbytes, n, intra_node, passes=1)
+
+    def all_to_all_time(self, nbytes: float, n: int, intra_node: bool = True) -> float:
+        """All-to-all of ``nbytes`` per rank over ``n`` (each keeps 1/n): (n-1) alpha + (n-1)/n nbytes / bw."""
         return self._ring(nbytes, n, intra_node, passes=1)
 
     def same_node(self, rank_a: int, rank_b: int) -> bool:

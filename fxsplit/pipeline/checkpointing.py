@@ -22,7 +22,7 @@ first unit. A backward holds one region's recomputed activations at a time on to
 (transient: ``StageSummary.recompute_bytes``, the stage's largest region part at mode "none",
 added to a rank's peak by [Note: memory model]). The recompute is part of the stage's I estimate
 (``StageSummary.input_grad_time``), so the simulator's B = I + W and I both pay it. A split
-backward on graphs (``split_backward="graph"``, fxsplit.runtime.split_graph) recomputes a region
+backward on graphs (``split_backward="graph"``, fxsplit.runtime.compile.split_graph) recomputes a region
 once (what W needs of it is carried from I, or recomputed by W alone), so it is charged once, in I;
 on autograd (two autograd calls) it recomputes twice, so W is charged the recompute again
 (``StageSummary.weight_grad_time``). Stage 0 is the exception on both: it has no I (its inputs
@@ -54,7 +54,7 @@ from fxsplit.graph.meta import node_info
 from fxsplit.graph.profile import node_time
 from fxsplit.graph.saved import base, first_saver_bytes
 from fxsplit.graph.recompute import MODES, keeps_output, regions, worth_checkpointing
-from fxsplit.pipeline.chain import Chain, Partition, PartitionProblem
+from fxsplit.pipeline.partition.chain import Chain, Partition, PartitionProblem
 from fxsplit.pipeline.partition import solve
 
 __all__ = ["UnitMode", "unit_modes", "mode_held", "choose", "REQUESTS"]

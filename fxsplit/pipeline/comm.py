@@ -33,6 +33,15 @@ they are produced (first posting the receives ordered before them); receives are
 (prefetch) up to the next few actions, stopping at a send not yet produced. Tags are distinct
 per (direction, consumer stage, consumer input, microbatch), so gloo is order-free anyway; the
 same order is used on every backend so that the gloo tests exercise the NCCL path.
+
+[Note: token messages]
+Generation's decode program ([Note: decode schedules] in fxsplit.schedule.decode) feeds a model
+input back: the token the last stage chose for virtual microbatch j becomes the token ids of
+microbatch j + lag on the stage that reads them (``Feedback``). That is one more message kind,
+``TOKEN``, from ``(S-1)Fj`` to ``sF(j + lag)``, planned like an activation (a dependency of the
+receiving forward, a place in the per-peer order, a tag of its own), so the decode program is one
+plan on every backend; its value is the model input the receiving stage reads (the runtime's
+program writes it there, fxsplit.runtime.program), not a stage output.
 """
 
 from __future__ import annotations
@@ -48,8 +57,10 @@ from fxsplit.schedule.ir import Action, ActionKind
 __all__ = [
     "ACT",
     "GRAD",
+    "TOKEN",
     "ActionComm",
     "CommOp",
+    "Feedback",
     "CommPlan",
     "Message",
     "plan_all_communication",
@@ -63,6 +74,7 @@ BW = ActionKind.BACKWARD_WEIGHT
 
 ACT = "activation"
 GRAD = "gradient"
+TOKEN = "token"  # [Note: token messages]
 # Largest tag the C++ API takes (int).
 _MAX_TAG = 2**31 - 1
 
@@ -75,7 +87,7 @@ class Message:
     receives it (for a gradient, the consumer sends back to the producer).
     """
 
-    kind: str  # ACT or GRAD
+    kind: str  # ACT, GRAD or TOKEN
     stage: int
     input: int
     microbatch: int
@@ -84,9 +96,19 @@ class Message:
     tag: int
 
     def describe(self) -> str:
-        what = "activation for" if self.kind == ACT else "gradient of"
+        what = {ACT: "activation for", GRAD: "gradient of", TOKEN: "token ids for"}[self.kind]
         return (f"{what} stage {self.stage} input {self.input} (stage {self.src_stage} -> stage "
                 f"{self.dst_stage}, microbatch {self.microbatch}, tag {self.tag})")
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """[Note: token messages]: the last stage's forward of microbatch j sends the token ids that
+    input ``input`` of stage ``stage`` (a model input) reads in microbatch j + ``lag``."""
+
+    stage: int
+    input: int
+    lag: int
 
 
 @dataclass(frozen=True)
@@ -218,8 +240,9 @@ def _rank_rows(schedule: Sequence[Sequence[Action | None]], num_stages: int, num
 class _Wiring:
     """The stage graph's edges as seen by actions: what each action needs, receives and sends."""
 
-    def __init__(self, io: Sequence[StageIO], actions: set[Action]):
+    def __init__(self, io: Sequence[StageIO], actions: set[Action], feedback: Feedback | None = None):
         self.actions = actions
+        self.feedback = feedback
         self.num_stages = len(io)
         self.num_microbatches = 1 + max((a.microbatch for a in actions), default=-1)
         self.producers: dict[int, list] = defaultdict(list)  # c -> edges into c
@@ -233,8 +256,25 @@ class _Wiring:
                             f"{self.num_stages}, inputs={self.max_inputs}); use fewer microbatches")
 
     def tag(self, kind: str, c: int, k: int, mb: int) -> int:
-        """Distinct per (direction, consumer stage, consumer input, microbatch)."""
+        """Distinct per (direction, consumer stage, consumer input, microbatch); token messages
+        above every activation's and gradient's."""
+        if kind == TOKEN:
+            return 2 * self.num_microbatches * self.num_stages * self.max_inputs + mb
         return ((mb * self.num_stages + c) * self.max_inputs + k) * 2 + (kind == GRAD)
+
+    def _token(self, mb: int) -> Message:
+        fb = self.feedback
+        tag = self.tag(TOKEN, fb.stage, fb.input, mb)
+        return Message(TOKEN, fb.stage, fb.input, mb, self.num_stages - 1, fb.stage, tag)
+
+    def _token_recv(self, a: Action) -> list[Message]:
+        fb = self.feedback
+        return [self._token(a.microbatch)] if fb and a.stage == fb.stage and a.microbatch >= fb.lag else []
+
+    def _token_send(self, a: Action) -> list[Message]:
+        fb = self.feedback
+        last = fb is not None and a.stage == self.num_stages - 1 and a.microbatch + fb.lag < self.num_microbatches
+        return [self._token(a.microbatch + fb.lag)] if last else []
 
     def grad_action(self, stage: int, mb: int) -> Action:
         for kind in (B, BI):
@@ -248,6 +288,7 @@ class _Wiring:
         s, mb = a.stage, a.microbatch
         if a.kind is F:
             need = [Action(t, F, mb) for t in sorted({e[2] for e in self.producers[s]})]
+            need += [Action(m.src_stage, F, mb - self.feedback.lag) for m in self._token_recv(a)]
         elif a.kind is BW:
             need = [Action(s, BI, mb)]
         else:
@@ -266,6 +307,7 @@ class _Wiring:
         if a.kind is F:
             recv = [Message(ACT, c, k, mb, t, c, tag(ACT, c, k, mb)) for c, k, t, j, rg in self.producers[s]]
             send = [Message(ACT, c, k, mb, t, c, tag(ACT, c, k, mb)) for c, k, t, j, rg in self.consumers[s]]
+            recv, send = recv + self._token_recv(a), send + self._token_send(a)
         elif a.kind is BW:
             recv, send = [], []
         else:
@@ -313,16 +355,17 @@ def plan_all_communication(
     num_ranks: int,
     rank_of_stage: Callable[[int], int] | None = None,
     forward_only: bool = False,
+    feedback: Feedback | None = None,
 ) -> tuple[CommPlan, ...]:
     """Every pipeline rank's `CommPlan` for ``schedule`` over stages wired by ``io`` (ALL stages),
     from one simulation. ``rank_of_stage`` defaults to ``s % num_ranks``. With ``forward_only``
     only the F actions are kept (inference). Raises ``ScheduleError`` (a ValueError) naming the action when an
     action runs on the wrong rank, a dependency is missing from the schedule, or the schedule
-    deadlocks. See [Note: message order].
+    deadlocks. See [Note: message order]; ``feedback``: [Note: token messages].
     """
     rank_of_stage = rank_of_stage or (lambda s: s % num_ranks)
     rows = _rank_rows(schedule, len(io), num_ranks, rank_of_stage, forward_only)
-    wiring = _Wiring(io, {a for row in rows for a in row})
+    wiring = _Wiring(io, {a for row in rows for a in row}, feedback)
     steps = _logical_steps(rows, wiring.deps)
     return _assemble(rows, wiring, steps, num_ranks, rank_of_stage)
 

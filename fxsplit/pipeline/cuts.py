@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from fxsplit.graph.units import fmt_ms
-from fxsplit.pipeline.chain import Partition, PartitionProblem
+from fxsplit.pipeline.partition import Partition, PartitionProblem
 from fxsplit.errors import PartitionError
 
 __all__ = ["CUT_AT", "INNER_GAIN", "choose_cuts", "cut_rules", "layer_boundaries", "outside_atomic"]

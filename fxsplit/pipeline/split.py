@@ -41,7 +41,6 @@ from fxsplit.graph.marker import find_pipe_splits
 from fxsplit.graph.meta import node_info, substitute
 from fxsplit.graph.recompute import layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
-from fxsplit.pipeline.held import StageHeld, loss_key as _loss_key, with_loss as _with_loss
 from fxsplit.pipeline.partition import (
     Partition,
     PartitionError,
@@ -53,7 +52,8 @@ from fxsplit.pipeline.partition import (
 from fxsplit.pipeline.checkpointing import choose, unit_modes
 from fxsplit.pipeline.cuts import CUT_AT, choose_cuts, cut_rules, outside_atomic
 from fxsplit.pipeline.recomputable import recomputable
-from fxsplit.pipeline.memory import message_buffers, schedule_peaks
+from fxsplit.pipeline.memory import StageHeld, message_buffers, schedule_peaks
+from fxsplit.pipeline.memory import loss_key as _loss_key, with_loss as _with_loss
 from fxsplit.pipeline.stage import StageGraphs, build_stages
 from fxsplit.errors import SplitError
 from fxsplit.hardware import Hardware
@@ -166,7 +166,7 @@ class SplitPlan:
         act/mb, the partition's memory model; on a zero-bubble schedule the schedule's order walked
         with each W's share: [Note: split backward memory] in fxsplit.pipeline.memory), plus its
         message buffers, with this plan's checkpointing and without ([Note: what a stage holds] in
-        fxsplit.pipeline.held)."""
+        fxsplit.pipeline.memory)."""
         buffers = self.message_buffers()
         plain = [s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
                  for s in self.stages]
@@ -374,6 +374,8 @@ class SplitRequest:
         is charged the recompute too).
     param_casts_free: a cast of a parameter holds no storage of its own (FSDP with a
         mixed-precision ``param_dtype`` gathers the parameters in that dtype already).
+    kept_fraction: parameter name -> the part of it a rank holds (expert weights placed by ep:
+        1 / ep); the stages' parameter bytes, and so the memory cap, count that part only.
     """
 
     num_stages: int
@@ -396,6 +398,7 @@ class SplitRequest:
     # (first, last) node names no stage boundary may fall between: values inside have sizes known
     # only at run time (expert-parallel token exchange, fxsplit.passes.expert_parallel)
     atomic: Sequence[tuple[str, str]] = ()
+    kept_fraction: Mapping[str, float] = field(default_factory=dict)
 
     def checked(self) -> tuple[int, int]:
         """(p, v); SplitError for a request that cannot be split."""
@@ -427,7 +430,7 @@ def plan_split(gm: torch.fx.GraphModule, request: SplitRequest | None = None, /,
     units = [n for n in gm.graph.nodes if n.op in _COMPUTE]
     if not units:
         raise SplitError("the graph has no compute nodes to split")
-    costs = _unit_costs(gm, units, binds, r.hardware, r.loss_seconds)
+    costs = _unit_costs(gm, units, binds, r.hardware, r.loss_seconds, r.kept_fraction)
     held = unit_saved(gm, units, binds, param_casts_free=r.param_casts_free)
     loss_key = _loss_key(gm, binds)
     costs.acts[:] = _with_loss(first_saver_bytes(held), loss_key)
@@ -547,7 +550,7 @@ class _UnitCosts:
 
 
 def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Mapping, hardware: Hardware,
-                loss_seconds: float) -> _UnitCosts:
+                loss_seconds: float, kept_fraction: Mapping[str, float]) -> _UnitCosts:
     """Per-unit time, parameter bytes, saved activations and FLOPs from the cost model (a
     measured profile, ``fxsplit.graph.profile.apply_profile``, replaces the roofline estimate)."""
     n = len(units)
@@ -577,7 +580,7 @@ def _unit_costs(gm: torch.fx.GraphModule, units: list[torch.fx.Node], binds: Map
             if cost is not None and cost.param_bytes:
                 first = min((index[u] for u in node.users if u in index), default=None)
                 if first is not None:
-                    out.params[first] += _concrete(cost.param_bytes, binds)
+                    out.params[first] += _concrete(cost.param_bytes, binds) * kept_fraction.get(str(node.target), 1.0)
     return out
 
 

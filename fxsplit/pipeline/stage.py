@@ -38,7 +38,7 @@ Representative signature::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,18 +275,37 @@ def build_stages(
     Raises `StageBuildError` naming the node for an invalid assignment or a non-tensor value that
     cannot be recomputed in its consumer stage.
     """
-    graph = gm.graph
-    nodes = list(graph.nodes)
+    nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     stage_of = _check_assignment(nodes, assignment, num_stages)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    input_index = {n: i for i, n in enumerate(placeholders)}
     output_node = next(n for n in reversed(nodes) if n.op == "output")
     flat_outputs, output_spec = _flat_outputs(gm, output_node)
     grad_nodes = _grad_reachable(gm, nodes)
-    last = num_stages - 1
+    plans = _plan_stages(nodes, stage_of, num_stages, recompute, flat_outputs)
+    wiring = _wire(plans, stage_of, pos, flat_outputs, placeholders)
 
-    # 1. Plan: per stage, its local nodes (assigned + recomputed), its inputs and get_attrs.
+    def meta_of(n: torch.fx.Node) -> ValueMeta:
+        return _value_meta(n, gm, grad_nodes, model_input=n.op == "placeholder")
+
+    modules, ios = [], []
+    for plan in plans:  # 3. Build one GraphModule per stage.
+        inputs = sorted(plan.external, key=pos.__getitem__)
+        module = _build_module(gm, plan, inputs, wiring.out_values[plan.index], pos)
+        ios.append(wiring.stage_io(plan.index, inputs, module, meta_of))
+        modules.append(module)
+    return StageGraphs(
+        modules=tuple(modules),
+        io=tuple(ios),
+        shared_params=_shared_params(modules),
+        input_meta=tuple(meta_of(p) for p in placeholders),
+        output_spec=output_spec,
+    )
+
+
+def _plan_stages(nodes: list[torch.fx.Node], stage_of: dict, num_stages: int, recompute: frozenset[str],
+                 flat_outputs: list) -> list["_StagePlan"]:
+    """1. Plan: per stage, its local nodes (assigned + recomputed), its inputs and get_attrs."""
     plans = [_StagePlan(s) for s in range(num_stages)]
     for n, s in stage_of.items():
         plans[s].local.add(n)
@@ -297,61 +316,58 @@ def build_stages(
                 _need(m, plan, stage_of, again)
     for leaf in flat_outputs:
         if isinstance(leaf, torch.fx.Node):
-            _need(leaf, plans[last], stage_of, again)
+            _need(leaf, plans[-1], stage_of, again)
+    return plans
 
-    # 2. Wire: a tensor from stage t read by stage s > t is an output of t consumed by s; the
-    #    last stage returns the flat model outputs (each distinct node once).
-    consumers: list[dict[torch.fx.Node, set[int]]] = [{} for _ in range(num_stages)]
+
+@dataclass(frozen=True)
+class _Wiring:
+    """Which stage sends what to whom: ``out_values[s]`` the values stage s outputs (the last
+    stage: the flat model outputs, each distinct node once), ``consumers[s][v]`` the later stages
+    that read its value v."""
+
+    stage_of: dict
+    input_index: dict  # model input placeholder -> its index
+    consumers: list  # per stage: {node: set of consuming stages}
+    out_values: list  # per stage: its output values in order
+    out_index: list  # per stage: {node: its output index}
+    model_outputs: tuple
+
+    def source_of(self, m: torch.fx.Node) -> ValueSource:
+        if m.op == "placeholder":
+            return ValueSource(None, self.input_index[m])
+        return ValueSource(self.stage_of[m], self.out_index[self.stage_of[m]][m])
+
+    def stage_io(self, s: int, inputs: list, module: torch.fx.GraphModule, meta_of: Callable) -> StageIO:
+        outs = self.out_values[s]
+        last = s == len(self.out_values) - 1
+        return StageIO(
+            index=s,
+            inputs=tuple(self.source_of(m) for m in inputs),
+            input_meta=tuple(meta_of(m) for m in inputs),
+            outputs=tuple(meta_of(v) if isinstance(v, torch.fx.Node) else _constant_meta(f"output_{k}", v)
+                          for k, v in enumerate(outs)),
+            consumers=tuple(tuple(sorted(self.consumers[s].get(v, ()))) if isinstance(v, torch.fx.Node) else ()
+                            for v in outs),
+            model_outputs=self.model_outputs if last else (),
+            param_names=tuple(name for name, _ in module.named_parameters()),
+        )
+
+
+def _wire(plans: list, stage_of: dict, pos: dict, flat_outputs: list, placeholders: list) -> _Wiring:
+    """2. Wire: a tensor from stage t read by stage s > t is an output of t consumed by s; the
+    last stage returns the flat model outputs (each distinct node once)."""
+    consumers: list[dict[torch.fx.Node, set[int]]] = [{} for _ in plans]
     for plan in plans:
         for m in plan.external:
             if m.op != "placeholder":
                 consumers[stage_of[m]].setdefault(m, set()).add(plan.index)
-    out_values: list[list[Any]] = [sorted(c, key=pos.__getitem__) for c in consumers[:last]]
+    out_values: list[list[Any]] = [sorted(c, key=pos.__getitem__) for c in consumers[:-1]]
     last_outs, model_outputs = _dedup_model_outputs(flat_outputs)
     out_values.append(last_outs)
     out_index = [{v: k for k, v in enumerate(outs) if isinstance(v, torch.fx.Node)} for outs in out_values]
-
-    def meta_of(n: torch.fx.Node) -> ValueMeta:
-        return _value_meta(n, gm, grad_nodes, model_input=n.op == "placeholder")
-
-    def source_of(m: torch.fx.Node) -> ValueSource:
-        if m.op == "placeholder":
-            return ValueSource(None, input_index[m])
-        return ValueSource(stage_of[m], out_index[stage_of[m]][m])
-
-    # 3. Build one GraphModule per stage.
-    modules, ios = [], []
-    for plan in plans:
-        s = plan.index
-        inputs = sorted(plan.external, key=pos.__getitem__)
-        module = _build_module(gm, plan, inputs, out_values[s], pos)
-        outs = out_values[s]
-        ios.append(
-            StageIO(
-                index=s,
-                inputs=tuple(source_of(m) for m in inputs),
-                input_meta=tuple(meta_of(m) for m in inputs),
-                outputs=tuple(
-                    meta_of(v) if isinstance(v, torch.fx.Node) else _constant_meta(f"output_{k}", v)
-                    for k, v in enumerate(outs)
-                ),
-                consumers=tuple(
-                    tuple(sorted(consumers[s].get(v, ()))) if isinstance(v, torch.fx.Node) else ()
-                    for v in outs
-                ),
-                model_outputs=model_outputs if s == last else (),
-                param_names=tuple(name for name, _ in module.named_parameters()),
-            )
-        )
-        modules.append(module)
-
-    return StageGraphs(
-        modules=tuple(modules),
-        io=tuple(ios),
-        shared_params=_shared_params(modules),
-        input_meta=tuple(meta_of(p) for p in placeholders),
-        output_spec=output_spec,
-    )
+    return _Wiring(stage_of, {n: i for i, n in enumerate(placeholders)}, consumers, out_values, out_index,
+                   model_outputs)
 
 
 # --------------------------------------------------------------------------------------------

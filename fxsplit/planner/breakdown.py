@@ -16,6 +16,9 @@ The predicted step is split, on the busiest rank, into parts that add up to it e
 - ``tp_comm``: tensor-parallel all-reduces and all-gathers of its work. Exposed: fxsplit's TP
   collectives sit between the ops that produce and consume them, so the model puts them on the
   critical path (``tp_overlapped`` is 0);
+- ``ep_comm``: expert-parallel all-to-alls of its work (token dispatch and combine, forward and
+  backward) left exposed; ``ep_overlapped``: those a schedule pairing one microbatch's forward with
+  another's backward (DualPipeV) runs under the other action's compute;
 - ``pp_comm``: point-to-point messages on the critical path: the 2(S-1) messages of the fill and
   drain (the closed form's count, at the slowest link; at most the rank's idle time);
   ``pp_overlapped``: the rest of the rank's message time (messages sent while it computes,
@@ -26,7 +29,7 @@ The predicted step is split, on the busiest rank, into parts that add up to it e
   pipeline; exposed in this model (``dp_overlapped`` is 0), as Megatron-LM's 2021 runs reduced
   after the backward;
 - ``optimizer``: the optimizer step's memory traffic.
-``step`` = compute + recompute + tp_comm + pp_comm + bubble + dp_comm + optimizer.
+``step`` = compute + recompute + tp_comm + ep_comm + pp_comm + bubble + dp_comm + optimizer.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from fxsplit.graph.units import fmt_ms
 
 __all__ = ["Breakdown"]
 
-_EXPOSED = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
+_EXPOSED = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Breakdown:
     compute: float = 0.0
     recompute: float = 0.0
     tp_comm: float = 0.0
+    ep_comm: float = 0.0
     pp_comm: float = 0.0
     bubble: float = 0.0
     dp_comm: float = 0.0
@@ -54,6 +58,7 @@ class Breakdown:
     tp_overlapped: float = 0.0
     pp_overlapped: float = 0.0
     dp_overlapped: float = 0.0
+    ep_overlapped: float = 0.0
 
     @property
     def step(self) -> float:
@@ -72,5 +77,6 @@ class Breakdown:
         parts = ", ".join(f"{k.replace('_', ' ')} {fmt_ms(getattr(self, k))} ({100 * getattr(self, k) / total:.0f}%)"
                           for k in _EXPOSED if getattr(self, k) > 0)
         hidden = ", ".join(f"{k.split('_')[0]} {fmt_ms(getattr(self, k))}"
-                           for k in ("tp_overlapped", "pp_overlapped", "dp_overlapped") if getattr(self, k) > 0)
+                           for k in ("tp_overlapped", "pp_overlapped", "dp_overlapped", "ep_overlapped")
+                           if getattr(self, k) > 0)
         return f"step {fmt_ms(self.step)}: {parts}" + (f"; overlapped (hidden): {hidden}" if hidden else "")

@@ -42,6 +42,18 @@ Step time = the pipeline's makespan + the data-parallel gradient reduction + the
   under processor sharing ([Note: host sharing] in ``fxsplit.planner.host``); without a pipeline,
   every rank busy: the compute and the optimizer step at the shared rate.
 
+Expert parallelism ([Note: planner experts] in ``fxsplit.planner.workload``): each rank keeps 1/ep
+of the expert weights (and 1/tp of those with tp, which splits them too); the busiest ep rank runs
+its experts on ``EXPERT_LOAD_MARGIN`` times its share of the rows (their time, saved activations
+and exchanged bytes scaled by it); each MoE layer's exchange is three all-to-alls forward (the
+per-expert counts, the rows dispatched, the outputs combined) and two backward
+(``Hardware.all_to_all_time`` over the ep group, whose ranks are pp * tp apart: intra-node when
+they fit in one), added to F and I. Under a schedule that pairs one microbatch's forward with
+another's backward on a rank (DualPipeV, ``ScheduleSpec.paired_fraction``) the exchanges of the
+paired actions run under the other action's compute: that share of the all-to-all time, up to the
+paired compute, leaves F and I and is reported as hidden (``ep_overlapped``). The memory adds the
+largest layer's exchange buffers (received rows and outputs, with the margin).
+
 Memory per rank (the largest peak decides the fit) is the split's model, one function for both
 (``fxsplit.pipeline.memory.rank_memory``, [Note: memory model]): parameters, gradients (the
 parameter dtype), Adam m and v (fp32) plus an fp32 master copy when parameters are 16-bit, each
@@ -91,7 +103,7 @@ from fxsplit.planner.host import shared_makespan, shared_rate
 from fxsplit.planner.space import Candidate
 from fxsplit.planner.workload import Workload
 
-__all__ = ["Calibration", "Memory", "OPTIMIZERS", "Score", "Scorer", "MAX_SIMULATED_ACTIONS", "SIMULATION_BUDGET",
+__all__ = ["Calibration", "EXPERT_LOAD_MARGIN", "Memory", "OPTIMIZERS", "Score", "Scorer", "MAX_SIMULATED_ACTIONS", "SIMULATION_BUDGET",
            "calibrate"]
 
 MAX_SIMULATED_ACTIONS = 6000  # one schedule longer than this is simulated shorter and extended
@@ -99,6 +111,11 @@ SIMULATION_BUDGET = 60000  # actions the search simulates in all ([Note: search 
 _CAP_TIGHTENINGS = 3  # capped solves per layout when the score's memory exceeds the partitioner's
 MAX_CAPPED_SOLVES = 400  # memory-capped re-partitions per Scorer ([Note: partition under the memory limit])
 PARTITION_BUDGET = 20000  # search steps of one memory-capped v > 1 partition (partition.solve's exact_budget)
+# Rows the busiest expert-parallel rank gets over its even share, dropless: a top-k router trained with
+# a load-balancing loss keeps the per-expert load near the mean, and 1.25 is the capacity factor
+# Switch Transformer (arXiv 2101.03961) and GShard train with, i.e. the load they found sufficient
+# for all but a few tokens; a dropless run must hold those few too, so this is a margin, not a bound.
+EXPERT_LOAD_MARGIN = 1.25
 
 # [Note: optimizer cost] name -> (bytes one step moves through memory per parameter element,
 # fp32 state bytes per element). Adam: reads p, g, m, v, writes p, m, v (7 x 4 bytes), holds m
@@ -171,6 +188,9 @@ class _Units:
     cut: np.ndarray  # bytes crossing each group position
     tp: np.ndarray  # per group seconds of TP collectives (in F and I)
     rec: np.ndarray  # per group seconds of recomputed forwards (in I)
+    a2a_F: np.ndarray  # per group seconds of ep all-to-alls in F, and in I
+    a2a_I: np.ndarray
+    a2a_buffer: float  # the largest layer's exchange buffers (bytes)
 
 
 class Scorer:
@@ -191,17 +211,23 @@ class Scorer:
         self.allowed = tuple([True] + [bool(workload.group_paths[g]) for g in range(1, G)] + [True])
 
     # -- per-unit times, summed per group
-    def units(self, tp: int, sp: bool, b: int, ckpt: str) -> _Units:
-        key = (tp, sp, b, ckpt)
+    def units_of(self, c: Candidate) -> _Units:
+        """:meth:`units` of candidate ``c`` (its ep group intra-node when its ranks, pp * tp apart, share one)."""
+        intra = self.hw.same_node(0, (c.ep - 1) * c.pp * c.tp)
+        return self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing, c.ep, intra)
+
+    def units(self, tp: int, sp: bool, b: int, ckpt: str, ep: int = 1, ep_intra: bool = True) -> _Units:
+        key = (tp, sp, b, ckpt, ep, ep_intra)
         if key in self._units:
             return self._units[key]
         w, hw = self.w, self.hw
         div = np.where(w.tp_sharded | (sp & w.sp_sharded), tp, 1).astype(float)
         pdiv = np.where(w.tp_params_sharded, tp, 1).astype(float)
-        fl = w.flops.at(b) / div
-        mm = w.matmul_flops.at(b) / div
-        rw = w.bytes_rw.const / pdiv + w.bytes_rw.lin * b / div
-        bb = w.bytes_bwd.const / pdiv + w.bytes_bwd.lin * b / div
+        load = np.where(w.expert_units, EXPERT_LOAD_MARGIN, 1.0) if ep > 1 else np.ones(w.num_units)
+        fl = w.flops.at(b) * load / div
+        mm = w.matmul_flops.at(b) * load / div
+        rw = w.bytes_rw.const / pdiv + w.bytes_rw.lin * b * load / div
+        bb = w.bytes_bwd.const / pdiv + w.bytes_bwd.lin * b * load / div
         fw = np.maximum(fl / hw.flops_per_s, rw / hw.bytes_per_s)
         bwd = np.maximum((fl + mm) / hw.flops_per_s, bb / hw.bytes_per_s)
         cal = self.cal
@@ -215,16 +241,29 @@ class Scorer:
             tp_f = w.tp_fwd_count * a0 + slope * w.tp_fwd_bytes.at(b)
             tp_i = w.tp_bwd_count * a0 + slope * w.tp_bwd_bytes.at(b)
             fw, I = fw + tp_f, I + tp_i
+        a2a_f = a2a_i = np.zeros(w.num_units)
+        exchanged = w.a2a_bytes.at(b) * (EXPERT_LOAD_MARGIN if ep > 1 else 1.0)
+        if ep > 1:
+            a0 = hw.all_to_all_time(0.0, ep, ep_intra)
+            slope = hw.all_to_all_time(1.0, ep, ep_intra) - a0
+            layer = exchanged > 0
+            a2a_f = np.where(layer, 3 * a0 + slope * exchanged, 0.0)  # counts, dispatch, combine
+            a2a_i = np.where(layer, 2 * a0 + slope * exchanged, 0.0)  # their gradients back
+            fw, I = fw + a2a_f, I + a2a_i
         rec = np.where(w.recompute[ckpt], fw, 0.0)
         I = I + rec
-        saved = w.saved[ckpt].at(b) / div
+        saved = w.saved[ckpt].at(b) * load / div
         gs = w.group_sum
         F_g, I_g, W_g = gs(fw), gs(I), gs(W)
         loss = max(w.loss_flops_per_sample * b / hw.flops_per_s, w.loss_bytes_per_sample * b / hw.bytes_per_s)
         I_g[-1] += loss
         transient = float(gs(w.saved["none"].at(b) / div).max()) if ckpt != "none" else 0.0
         cut = w.cut.at(b) / (tp if sp else 1)
-        out = _Units(F_g, I_g, W_g, gs(w.params / pdiv), gs(saved), transient, cut, gs(tp_f + tp_i), gs(rec))
+        expert_div = ep * (tp if w.experts_tp_sharded else 1)
+        params = (w.params - w.expert_params) / pdiv + w.expert_params / expert_div
+        buffer = float(exchanged.max(initial=0.0)) if ep > 1 else 0.0
+        out = _Units(F_g, I_g, W_g, gs(params), gs(saved), transient, cut, gs(tp_f + tp_i), gs(rec),
+                     gs(a2a_f), gs(a2a_i), buffer)
         self._units[key] = out
         return out
 
@@ -316,7 +355,8 @@ class Scorer:
     def state_rejection(self, c: Candidate) -> Score | None:
         """The rejection of ``c`` when its rank's share of the training state alone, evenly split,
         is over the limit (a memory lower bound; None: it may fit)."""
-        state = self.w.param_bytes_total * self._state_factor() / (c.tp * c.pp * c.dp_shard)
+        experts = float(self.w.expert_params.sum()) * (1 - 1 / c.ep)  # a rank keeps 1/ep of them
+        state = (self.w.param_bytes_total - experts) * self._state_factor() / (c.tp * c.pp * c.dp_shard)
         if state <= self.limit:
             return None
         return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(params=state), False,
@@ -331,9 +371,9 @@ class Scorer:
         the data-parallel reduction and optimizer step of an even share of the parameters (both
         grow with the busiest rank's share). With ranks sharing one host's cores the closed form
         is only ever larger."""
-        u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
+        u = self.units_of(c)
         share = float(u.params.sum()) / c.pp
-        total = float(u.F.sum() + u.I.sum() + u.W.sum())
+        total = float(u.F.sum() + u.I.sum() + u.W.sum() - u.a2a_F.sum() - u.a2a_I.sum())  # (some may hide)
         bubble, p, S = 0.0, c.pp, c.num_stages
         if p > 1:
             rule = _schedules.schedule_spec(c.schedule).bubble_rule
@@ -352,7 +392,7 @@ class Scorer:
         rejected = self.state_rejection(c)  # a lower bound first
         if rejected is not None:
             return rejected
-        u = self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing)
+        u = self.units_of(c)
         cuts = self.cuts(c, u, capped)
         if cuts is None:
             return Score(c, math.inf, math.inf, 0.0, 0.0, Memory(), False,
@@ -363,6 +403,7 @@ class Scorer:
         idx = np.asarray(cuts)
         a = self.cal.action_overhead_s
         F = np.diff(cF[idx]) + a; I = np.diff(cI[idx]) + a; W = np.diff(cW[idx]) + a  # noqa: E702
+        F, I, hidden = self._hide_exchanges(c, u, cuts, F, I, W)
         W[0], I[0] = W[0] + I[0] - a, a  # stage 0's inputs need no gradient: its backward is all W
         ranks = self.stage_ranks(c)
         comm = np.zeros(S)
@@ -401,7 +442,7 @@ class Scorer:
                                   f"{fmt_bytes(mem.activations)}, recompute {fmt_bytes(mem.recompute)})")
         costs = dict(forward=tuple(F), backward_input=tuple(I), backward_weight=tuple(W), comm=tuple(comm))
         step = pipe + dp_time + opt_time
-        parts = self._breakdown(c, u, cuts, F, I, W, comm, ranks, pipe, free, dp_time, opt_time)
+        parts = self._breakdown(c, u, cuts, F, I, W, comm, ranks, pipe, free, dp_time, opt_time, hidden)
         return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
                      tuple(cuts), costs, parts)
 
@@ -413,27 +454,44 @@ class Scorer:
             share[ranks[s]] += F[s] + I[s] + W[s]
         return float(share.max())
 
+    def _hide_exchanges(self, c: Candidate, u: _Units, cuts, F, I, W):
+        """(F, I, hidden all-to-all seconds per stage) with the exchanges of paired actions moved off
+        the stages' times (the [Note: planner cost model]'s DualPipeV overlap)."""
+        paired = _schedules.schedule_spec(c.schedule).paired_fraction(c.pp, c.microbatches)
+        if c.ep == 1 or paired == 0.0:
+            return F, I, np.zeros(len(F))
+        per_stage = lambda x: np.diff(np.concatenate(([0.0], np.cumsum(x)))[np.asarray(cuts)])  # noqa: E731
+        a2a = per_stage(u.a2a_F) + per_stage(u.a2a_I)
+        hidden = np.minimum(paired * a2a, paired * (F + I + W - a2a))  # under the paired action's compute
+        share = np.where(a2a > 0, hidden / np.where(a2a > 0, a2a, 1.0), 0.0)
+        return F - share * per_stage(u.a2a_F), I - share * per_stage(u.a2a_I), hidden
+
     def _breakdown(self, c: Candidate, u: _Units, cuts, F, I, W, comm, ranks, pipe: float, free: float | None,
-                   dp_time: float, opt_time: float) -> Breakdown:
+                   dp_time: float, opt_time: float, hidden) -> Breakdown:
         """[Note: step breakdown] of one score, on the busiest pipeline rank."""
         idx, m = np.asarray(cuts), c.microbatches
         per_stage = lambda x: np.diff(np.concatenate(([0.0], np.cumsum(x)))[idx])  # noqa: E731
         tp_s, rec_s = per_stage(u.tp), per_stage(u.rec)
+        a2a_s = per_stage(u.a2a_F) + per_stage(u.a2a_I) - hidden
         share, tpw, recw, msgs = np.zeros(c.pp), np.zeros(c.pp), np.zeros(c.pp), np.zeros(c.pp)
+        epw, eph = np.zeros(c.pp), np.zeros(c.pp)
         S = len(F)
         for s in range(S):
             r = ranks[s]
             share[r] += F[s] + I[s] + W[s]
             tpw[r] += tp_s[s]
             recw[r] += rec_s[s]
+            epw[r] += a2a_s[s]
+            eph[r] += hidden[s]
             msgs[r] += (comm[s] if s < S - 1 else 0.0) + (comm[s - 1] if s > 0 else 0.0)
         r = int(np.argmax(share))
         work = m * float(share[r])
         exposed = 0.0 if free is None else max(pipe - free, 0.0)
         if pipe - work - exposed < 0:  # host-shared closed forms: the step is the work over the cores
             exposed = max(pipe - work, 0.0)
-        return Breakdown(compute=work - m * float(tpw[r] + recw[r]), recompute=m * float(recw[r]),
-                         tp_comm=m * float(tpw[r]), pp_comm=exposed, bubble=pipe - work - exposed, dp_comm=dp_time,
+        return Breakdown(compute=work - m * float(tpw[r] + recw[r] + epw[r]), recompute=m * float(recw[r]),
+                         tp_comm=m * float(tpw[r]), ep_comm=m * float(epw[r]), ep_overlapped=m * float(eph[r]),
+                         pp_comm=exposed, bubble=pipe - work - exposed, dp_comm=dp_time,
                          optimizer=opt_time, pp_overlapped=max(m * float(msgs[r]) - exposed, 0.0))
 
     def _memory(self, c: Candidate, u: _Units, cuts) -> tuple[Memory, np.ndarray]:
@@ -447,12 +505,12 @@ class Scorer:
         rank_P, rank_A = np.zeros(p), np.zeros(p)
         cut_in = np.array([float(u.cut[cuts[s]]) for s in range(S)])
         cut_out = np.array([float(u.cut[cuts[s + 1]]) for s in range(S)])
-        A = A + cut_in + cut_out  # received and sent values ([Note: what a stage holds] in fxsplit.pipeline.held)
+        A = A + cut_in + cut_out  # received and sent values ([Note: what a stage holds] in fxsplit.pipeline.memory)
         A[-1] += w.loss_saved_per_sample * c.microbatch_size  # what the loss keeps
         for s in range(S):
             rank_P[ranks[s]] += P[s]
             rank_A[ranks[s]] += A[s]
-        acts = np.asarray(inflight) * rank_A + np.asarray(message_buffers(ranks, cut_in, cut_out, p))
+        acts = np.asarray(inflight) * rank_A + np.asarray(message_buffers(ranks, cut_in, cut_out, p)) + u.a2a_buffer
         loss = w.loss_saved_per_sample * c.microbatch_size
         mems = [self._rank_memory(c, rank_P[r], float(acts[r]), u.transient, inflight[r], r,
                                   loss if r == ranks[-1] else 0.0) for r in range(p)]

@@ -23,7 +23,7 @@ known, one whose bound is over the ``top_k``-th fastest is not re-partitioned
 been among the ``top_k``, so the pick and the simulated rows are those of scoring everything. The ``top_k`` fastest fitting
 ones are then re-scored with the schedule simulator (within ``SIMULATION_BUDGET`` actions in all:
 a very long pipeline keeps its closed form, and the table says which), and the fastest is the pick
-(ties: fewer ranks per pipeline, then fewer tensor ranks, then less recompute: the simpler
+(ties: fewer ranks per pipeline, then fewer tensor ranks, then fewer expert ranks, then less recompute: the simpler
 layout). Candidates are only ever rejected for memory or structure, never for time, so the pick
 is the fastest fitting candidate the simulator saw, and a plan that does not fit is never
 returned: when nothing fits, PlanError names the tightest candidate and what it needs.
@@ -32,7 +32,6 @@ returned: when nothing fits, PlanError names the tightest candidate and what it 
 from __future__ import annotations
 
 import bisect
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -168,7 +167,7 @@ def _reason_kind(why: str) -> str:
 def _row(tag: str, s: Score, how: str) -> tuple[str, ...]:
     c = s.candidate
     ckpt = c.activation_checkpointing
-    return (tag, str(c.dp) + (f"/{c.dp_shard}" if c.dp_shard != 1 else ""), str(c.tp),
+    return (tag, str(c.dp) + (f"/{c.dp_shard}" if c.dp_shard != 1 else "") + (f" ep{c.ep}" if c.ep != 1 else ""), str(c.tp),
             "y" if c.sequence_parallel else "", str(c.pp), str(c.stages_per_rank), c.schedule, str(c.microbatches),
             str(c.microbatch_size), ckpt, fmt_ms(s.step_time), fmt_bytes(s.memory.total), how)
 
@@ -180,22 +179,41 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
     candidate fits ``memory_limit`` (default ``hardware.memory_bytes``), naming the tightest.
     ``optimizer``: what each step's update costs and holds (``fxsplit.planner.score.OPTIMIZERS``)."""
     t0 = time.perf_counter()
+    _check_request(world_size, global_batch)
+    limit = hardware.memory_bytes if memory_limit is None else float(memory_limit)
+    scorer = Scorer(workload, hardware, limit, calibration, optimizer)
+    structural: list[tuple[str, str]] = []
+    space = list(candidates(world_size=world_size, global_batch=global_batch, hardware=hardware,
+                            num_groups=workload.num_groups, max_tp=workload.max_tp,
+                            sequence_parallel=workload.sequence_parallel, cuttable=sum(scorer.allowed[1:-1]),
+                            shard=shard, num_experts=workload.num_experts, rejected=structural))
+    fitting, over, pruned = _score_space(scorer, space, top_k, structural)
+    if not fitting:
+        raise _nothing_fits(world_size, global_batch, limit, over, structural)
+    scores = _simulate_fastest(scorer, fitting, top_k)
+    over.sort(key=lambda s: s.memory.total)
+    rejected = tuple((_desc(s), s.reason) for s in over) + tuple(structural)
+    return SearchResult(best=scores[0], scores=scores, rejected=rejected, world_size=world_size,
+                        global_batch=global_batch, hardware=hardware.name, memory_limit=limit,
+                        seconds=time.perf_counter() - t0, num_candidates=len(space), group_paths=workload.group_paths,
+                        repartitioned=(scorer.capped_solves, scorer.capped_skipped), pruned=pruned)
+
+
+def _check_request(world_size: Any, global_batch: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"strategy='auto' needs world_size: an int >= 1, got {world_size!r}")
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"strategy='auto' needs global_batch_size: an int >= 1 (samples per optimizer step), "
                         f"got {global_batch!r}")
-    limit = hardware.memory_bytes if memory_limit is None else float(memory_limit)
-    scorer = Scorer(workload, hardware, limit, calibration, optimizer)
-    cuttable = sum(scorer.allowed[1:-1])
-    structural: list[tuple[str, str]] = []
+
+
+def _score_space(scorer: Scorer, space: list, top_k: int,
+                 structural: list[tuple[str, str]]) -> tuple[list[Score], list[Score], int]:
+    """``(fitting, over the memory limit, pruned)``: every candidate scored by its balanced cuts,
+    then those over the limit re-partitioned under it while they could still reach the top_k
+    ([Note: search strategy]); structural rejections are appended to ``structural``."""
     fitting: list[Score] = []
     over: list[Score] = []
-    space = list(candidates(world_size=world_size, global_batch=global_batch, hardware=hardware,
-                            num_groups=workload.num_groups, max_tp=workload.max_tp,
-                            sequence_parallel=workload.sequence_parallel, cuttable=cuttable, shard=shard,
-                            rejected=structural))
-    n, pruned = len(space), 0
     bounded = []  # (lower bound, candidate) of those the training state alone does not rule out
     for c in space:
         s = scorer.state_rejection(c)
@@ -206,39 +224,46 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
     bounded.sort(key=lambda x: x[0])
     kth: list[float] = []  # the top_k fastest fitting step times so far, sorted
     deferred = []  # over the limit by their balanced cuts: scored again with a re-partition
+
+    def keep(s: Score, memory: list) -> None:
+        if s.fits:
+            fitting.append(s)
+            bisect.insort(kth, s.step_time)
+        elif s.reason.startswith("memory"):
+            memory.append(s)
+        else:
+            structural.append((s.candidate.short(), s.reason))
+
     for bound, c in bounded:  # first pass: balanced cuts only (cheap, solves shared by shape)
         s = scorer.score(c, capped=False)
-        if s.fits:
-            fitting.append(s)
-            bisect.insort(kth, s.step_time)
-        elif s.reason.startswith("memory"):
+        if not s.fits and s.reason.startswith("memory"):
             deferred.append((bound, c))
         else:
-            structural.append((c.short(), s.reason))
+            keep(s, over)
     for i, (bound, c) in enumerate(deferred):  # second pass: the re-partitions, while they could matter
         if len(kth) >= top_k and bound > kth[top_k - 1]:
-            pruned = len(deferred) - i  # sorted: every one left is slower than the top_k by its bound alone
             over += [scorer.score(c, capped=False) for _, c in deferred[i:]]
-            break
-        s = scorer.score(c)
-        if s.fits:
-            fitting.append(s)
-            bisect.insort(kth, s.step_time)
-        elif s.reason.startswith("memory"):
-            over.append(s)
-        else:
-            structural.append((c.short(), s.reason))
-    if not fitting:
-        if not over:
-            raise PlanError(f"strategy='auto': no candidate layout for world size {world_size} and global batch "
-                            f"{global_batch}: " + "; ".join(f"{d}: {r}" for d, r in structural[:6]))
-        tight = min(over, key=lambda s: s.memory.total)
-        m = tight.memory
-        raise PlanError(
-            f"strategy='auto': no layout of {world_size} ranks fits {fmt_bytes(limit)} per rank; the tightest, "
-            f"{tight.candidate.short()}, needs {fmt_bytes(m.total)} (params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
-            f"optimizer {fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)}, recompute {fmt_bytes(m.recompute)}); "
-            "use more ranks, a smaller global batch, or a larger memory_limit")
+            return fitting, over, len(deferred) - i  # sorted: every one left is slower than the top_k by its bound
+        keep(scorer.score(c), over)
+    return fitting, over, 0
+
+
+def _nothing_fits(world_size: int, global_batch: int, limit: float, over: list[Score],
+                  structural: list[tuple[str, str]]) -> PlanError:
+    if not over:
+        return PlanError(f"strategy='auto': no candidate layout for world size {world_size} and global batch "
+                         f"{global_batch}: " + "; ".join(f"{d}: {r}" for d, r in structural[:6]))
+    tight = min(over, key=lambda s: s.memory.total)
+    m = tight.memory
+    return PlanError(
+        f"strategy='auto': no layout of {world_size} ranks fits {fmt_bytes(limit)} per rank; the tightest, "
+        f"{tight.candidate.short()}, needs {fmt_bytes(m.total)} (params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, "
+        f"optimizer {fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)}, recompute {fmt_bytes(m.recompute)}); "
+        "use more ranks, a smaller global batch, or a larger memory_limit")
+
+
+def _simulate_fastest(scorer: Scorer, fitting: list[Score], top_k: int) -> tuple[Score, ...]:
+    """The fitting scores, the top_k fastest simulated (within SIMULATION_BUDGET) and ranked first."""
     fitting.sort(key=lambda s: s.step_time)
     simulated, budget = [], SIMULATION_BUDGET
     for s in fitting[:top_k]:
@@ -247,15 +272,9 @@ def search(workload: Workload, *, world_size: int, global_batch: int, hardware: 
             budget -= cost
             s = scorer.score(s.candidate, simulate=True)
         simulated.append(s)
-    simulated.sort(key=lambda s: (round(s.step_time, 12), s.candidate.pp, s.candidate.tp,
+    simulated.sort(key=lambda s: (round(s.step_time, 12), s.candidate.pp, s.candidate.tp, s.candidate.ep,
                                   _CKPT_ORDER[s.candidate.activation_checkpointing]))
-    scores = tuple(simulated) + tuple(fitting[top_k:])
-    over.sort(key=lambda s: s.memory.total)
-    rejected = tuple((_desc(s), s.reason) for s in over) + tuple(structural)
-    return SearchResult(best=scores[0], scores=scores, rejected=rejected, world_size=world_size,
-                        global_batch=global_batch, hardware=hardware.name, memory_limit=limit,
-                        seconds=time.perf_counter() - t0, num_candidates=n, group_paths=workload.group_paths,
-                        repartitioned=(scorer.capped_solves, scorer.capped_skipped), pruned=pruned)
+    return tuple(simulated) + tuple(fitting[top_k:])
 
 
 def _desc(s: Score) -> str:

@@ -1,4 +1,4 @@
-"""The candidate space of the auto-planner: every (dp, dp_shard, tp, pp, v, schedule, m, b,
+"""The candidate space of the auto-planner: every (dp, dp_shard, ep, tp, pp, v, schedule, m, b,
 checkpointing, sequence parallelism) a world size and a global batch allow, with the reason a
 combination is left out before it is scored.
 
@@ -20,6 +20,11 @@ run "selective" ([Note: checkpointing cost model]). Sequence parallelism is trie
 the TP plan can start a sequence-sharded stream. ``dp_shard`` (sharded data parallelism: params,
 grads and optimizer state divided over the shard group) is searched only when ``ParallelConfig``
 has the field (``shard_supported``); otherwise it is 1 throughout, and a plan never names it.
+Expert parallelism ``ep`` (carved out of the data-parallel ranks) is searched over the divisors of
+dp that divide the model's expert count (``Workload.num_experts``; none without a MoE layer), with
+dp_shard = 1 (the memory model would otherwise count FSDP shards of the expert blocks, which FSDP
+leaves whole); DualPipeV (v = 2, m >= 2p) is searched with ep > 1, where its F&B pairs can hide the
+all-to-alls ([Note: planner cost model]); without ep it is ZB-V's time at more memory.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class Candidate:
     activation_checkpointing: str
     sequence_parallel: bool
     dp_shard: int = 1
+    ep: int = 1  # expert-parallel ranks, carved out of dp
 
     @property
     def num_stages(self) -> int:
@@ -64,11 +70,14 @@ class Candidate:
                    sequence_parallel=self.sequence_parallel)
         if self.dp_shard != 1:  # ``dp`` here is the whole data-parallel degree, ParallelConfig's the replicas
             out["dp"], out["dp_shard"] = self.dp // self.dp_shard, self.dp_shard
+        if self.ep != 1:
+            out["ep"] = self.ep
         return out
 
     def short(self) -> str:
         sp = "+sp" if self.sequence_parallel else ""
         shard = f" shard={self.dp_shard}" if self.dp_shard != 1 else ""
+        shard += f" ep={self.ep}" if self.ep != 1 else ""
         return (f"dp={self.dp}{shard} tp={self.tp}{sp} pp={self.pp} v={self.stages_per_rank} {self.schedule} "
                 f"m={self.microbatches} b={self.microbatch_size} ckpt={self.activation_checkpointing}")
 
@@ -77,13 +86,14 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def schedules_for(pp: int, num_groups: int) -> list[tuple[str, int]]:
-    """(schedule, v) pairs searched for ``pp`` pipeline ranks over ``num_groups`` layer groups."""
+def schedules_for(pp: int, num_groups: int, *, experts: bool = False) -> list[tuple[str, int]]:
+    """(schedule, v) pairs searched for ``pp`` pipeline ranks over ``num_groups`` layer groups
+    (``experts``: DualPipeV too, for the candidates with ep > 1)."""
     if pp == 1:
         return [("1f1b", 1)]
     out = [("1f1b", 1), ("zb_h1", 1)]
     if 2 * pp <= num_groups:
-        out += [("interleaved_1f1b", 2), ("zbv", 2)]
+        out += [("interleaved_1f1b", 2), ("zbv", 2)] + ([("dualpipev", 2)] if experts else [])
     if 4 * pp <= num_groups:
         out.append(("interleaved_1f1b", 4))
     if 8 * pp <= num_groups:  # deep models (Llama 3 405B: 126 layers on 16 ranks) gain from more chunks
@@ -115,7 +125,7 @@ def tp_degrees(world_size: int, hardware: Hardware, max_tp: int) -> tuple[list[i
 
 
 def candidates(*, world_size: int, global_batch: int, hardware: Hardware, num_groups: int, max_tp: int,
-               sequence_parallel: bool, cuttable: int, shard: bool = False,
+               sequence_parallel: bool, cuttable: int, shard: bool = False, num_experts: int = 0,
                rejected: list | None = None) -> Iterator[Candidate]:
     """Every candidate of [Note: candidate space]; the structural rejections are appended to
     ``rejected`` as (description, reason)."""
@@ -137,13 +147,25 @@ def candidates(*, world_size: int, global_batch: int, hardware: Hardware, num_gr
                 rejected.append((f"tp={tp} pp={pp} dp={dp}", f"batch per replica {per_replica} < pp={pp} "
                                  "microbatches (every pipeline rank needs one)"))
                 continue
-            for schedule, v in schedules_for(pp, cuttable + 1):
+            eps = [e for e in divisors(dp) if e == 1 or (num_experts and num_experts % e == 0)]
+            for schedule, v in schedules_for(pp, cuttable + 1, experts=len(eps) > 1):
                 for m in ms:
                     for ckpt in ("none", "selective", "full"):
                         if ckpt == "selective" and schedule_spec(schedule).splits_backward:
                             continue  # split backward: two autograd passes, selective allows one
                         for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
-                            for sh in ((1, dp) if shard and dp > 1 else (1,)):
+                            for sh, ep in _data_layouts(dp, shard, eps, m >= 2 * pp if schedule == "dualpipev" else None):
                                 yield Candidate(dp=dp, tp=tp, pp=pp, stages_per_rank=v, schedule=schedule,
                                                 microbatches=m, microbatch_size=per_replica // m,
-                                                activation_checkpointing=ckpt, sequence_parallel=sp, dp_shard=sh)
+                                                activation_checkpointing=ckpt, sequence_parallel=sp, dp_shard=sh,
+                                                ep=ep)
+
+
+def _data_layouts(dp: int, shard: bool, eps: list[int], dualpipev: bool | None) -> list[tuple[int, int]]:
+    """(dp_shard, ep) pairs of one data-parallel degree ([Note: candidate space]); ``dualpipev``:
+    None for another schedule, else whether m allows it (it is searched with ep > 1 only)."""
+    plain = [(1, 1)] + ([(dp, 1)] if shard and dp > 1 else [])
+    experts = [(1, e) for e in eps if e > 1]
+    if dualpipev is None:
+        return plain + experts
+    return experts if dualpipev else []

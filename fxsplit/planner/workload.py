@@ -29,6 +29,14 @@ all-reduce of its input gradient at its column linears (f), the vocabulary embed
 all-reduce and the LM head's logits all-gather (forward) and input all-reduce (backward). The TP
 structure is taken from ``find_tp_plan`` at one degree and reused for the degrees dividing it
 (sharding a region by t or by t' | t divides the same dims).
+
+[Note: planner experts] The MoE layers expert parallelism can place (``fxsplit.tp.moe``'s regions,
+found once at ep = 1) give three per-unit arrays: ``expert_units`` (the units of an expert FFN:
+with ep the busiest ep rank runs them on more than its share of rows, ``score``'s imbalance
+margin), ``expert_params`` (the fused expert weights' bytes, owned as in ``params``: with ep a rank
+keeps 1/ep of them) and ``a2a_bytes`` at each layer's first grouped linear (the rows dispatched plus
+the expert outputs combined: what one microbatch's exchange moves, forward and again backward).
+``num_experts`` is the gcd of the layers' expert counts (0: no layer to place), so ep must divide it.
 """
 
 from __future__ import annotations
@@ -109,6 +117,11 @@ class Workload:
     max_tp: int  # the degree the TP structure was found at (1: no tensor parallelism)
     sequence_parallel: bool  # whether sequence parallelism applies (a token embedding starts it)
     batch_size: int  # the example's batch size
+    expert_units: np.ndarray  # bool: the unit is inside an expert FFN ([Note: planner experts])
+    expert_params: np.ndarray  # the expert weights' bytes among ``params``
+    a2a_bytes: Linear  # bytes one exchange (dispatch + combine) of the unit's MoE layer moves
+    num_experts: int  # gcd of the MoE layers' expert counts; 0: none expert parallelism can place
+    experts_tp_sharded: bool  # tensor parallelism also splits the expert weights (ep x tp)
     loss_saved_per_sample: float = 0.0  # bytes the loss keeps for backward per sample (the outputs' size)
 
     @property
@@ -258,6 +271,7 @@ class Workload:
                     sp[by_name[name]] = True
         lin2 = lambda a1, a2: Linear(np.maximum(2 * a1 - a2, 0.0), np.maximum(a2 - a1, 0.0)) if batch is not None \
             else Linear(np.zeros(n), a1 / b0)  # noqa: E731
+        experts = _experts(gm, units, by_name, b1, b2, tp_plan)
         return cls(
             num_units=n, group_of=group_of, group_starts=tuple(starts), group_paths=tuple(keys[s] for s in starts),
             flops=linear("flops"), matmul_flops=linear("matmul_flops"), bytes_rw=linear("rw"),
@@ -268,8 +282,42 @@ class Workload:
             sp_sharded=sp & ~sharded, tp_fwd_bytes=lin2(fb1, fb2), tp_bwd_bytes=lin2(bb1, bb2),
             tp_fwd_count=fc, tp_bwd_count=bc, max_tp=tp_plan.tp if tp_plan is not None else 1,
             sequence_parallel=sp_plan is not None and bool(sp.any()), batch_size=b0,
-            loss_saved_per_sample=per_sample_out,
+            loss_saved_per_sample=per_sample_out, expert_units=experts["units"], expert_params=experts["params"],
+            a2a_bytes=lin2(experts["a2a1"], experts["a2a2"]), num_experts=experts["num"],
+            experts_tp_sharded=experts["tp"],
         )
+
+
+def _experts(gm: torch.fx.GraphModule, units: list, by_name: dict, b1: dict, b2: dict,
+             tp_plan: TPPlan | None) -> dict:
+    """The per-unit arrays of [Note: planner experts]."""
+    from math import gcd
+
+    from fxsplit.tp.moe import find_moe_layers
+
+    n = len(units)
+    mask, params, a1, a2 = np.zeros(n, bool), np.zeros(n), np.zeros(n), np.zeros(n)
+    layers = find_moe_layers(gm, 1).layers
+    nodes = {x.name: x for x in gm.graph.nodes}
+    for layer in layers:
+        for name in layer.region:
+            if name in by_name:
+                mask[by_name[name]] = True
+        at = min(by_name[f] for f in layer.first if f in by_name)
+        for name in (layer.rows, layer.last):  # the rows dispatched, the expert outputs combined
+            a1[at] += _out_bytes(nodes[name], b1)
+            a2[at] += _out_bytes(nodes[name], b2)
+        for w in layer.weights:  # owned by the first unit reading it, as ``params`` counts it
+            attr = next((x for x in gm.graph.nodes if x.op == "get_attr" and x.target == w), None)
+            users = [by_name[u.name] for u in attr.users if u.name in by_name] if attr is not None else []
+            if users:
+                params[min(users)] += float(gm.get_parameter(w).numel() * gm.get_parameter(w).element_size())
+    num = 0
+    for layer in layers:
+        num = gcd(num, layer.experts)
+    specs = tp_plan.param_specs if tp_plan is not None else {}
+    tp = bool(layers) and all(w in specs for layer in layers for w in layer.weights)
+    return dict(units=mask, params=params, a2a1=a1, a2a2=a2, num=num, tp=tp)
 
 
 def _example_bindings(gm: torch.fx.GraphModule) -> Mapping:

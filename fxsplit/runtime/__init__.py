@@ -5,14 +5,19 @@
 - `p2p`: the channel that posts the sends/receives of a rank's communication plan
   (``fxsplit.pipeline.comm``, [Note: message order]) with a timeout on every wait.
 - `microbatch`: split inputs and targets into microbatches, merge outputs, concrete shapes.
-- `split_graph`: the I / W halves of a backward for zero-bubble schedules as fx graphs (the
-  default, [Note: graph split backward]); `split_backward`: the same on autograd's graph
-  ([Note: split backward]), for stages the graph split refuses and ``split_backward="autograd"``.
+- `compile/`: the graph compiler: a stage's forward, I and W graphs (``compile.split_graph``, the
+  default for zero-bubble schedules, [Note: graph split backward]), ``torch.compile`` of them
+  (``compile.compiling``, ``compile=True``, [Note: compiled stages]) and CPU matmul routing
+  (``compile.cpu_matmul``). `split_backward`: the I / W halves on autograd's graph ([Note: split
+  backward]), for stages the graph split refuses and ``split_backward="autograd"``.
 - `graph_actions`: the executor's F / I / W / B actions on stages that run as those graphs, and
   their per-signature cache.
-- `compiling`: ``torch.compile`` of the F, I and W graphs (``compile=True``, [Note: compiled stages]).
-- `mesh`: process-group set-up from torchrun's environment and the ("dp", "pp", "tp") DeviceMesh
-  (("dp", "dp_shard", "pp", "tp") with sharded data parallelism).
+- `mesh`: process-group set-up from torchrun's environment, the ("dp", "pp", "tp") DeviceMesh
+  (("dp", "dp_shard", "pp", "tp") with sharded data parallelism) and every process group of a run
+  as one typed `Groups` (``build_groups``, [Note: process groups]).
+- `pipe_group`: the pipeline group's bounded waits; `tied`: tied parameters' gradient sums.
+- `data_parallel`: the data-parallel gradient mean in buckets, started per stage through the
+  runtime's ``grad_hooks`` while the pipeline still runs.
 - `fsdp`: sharded data parallelism on one rank: FSDP2 ``fully_shard`` over its stages and the
   once-per-step gather / reduce-scatter around the pipeline.
 - `failures`: the end-of-call error exchange that makes every rank fail together ([Note: failures]).

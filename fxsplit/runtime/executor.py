@@ -34,7 +34,7 @@ broadcast of the loss), never creates groups, so no collective group creation is
    backward the schedule splits (I, W), F runs the stage's traced forward graph instead (no
    autograd graph; the last stage's loss differentiates from leaves standing for its outputs),
    I runs the input-gradient graph and W the weight-gradient graph ([Note: graph split
-   backward] in fxsplit.runtime.split_graph); with ``split_backward="autograd"`` (or a stage the
+   backward] in fxsplit.runtime.compile.split_graph); with ``split_backward="autograd"`` (or a stage the
    graph split refuses) F runs the module, I the input gradients only (``autograd.grad``, graph
    kept) and W the weight gradients from what I captured ([Note: split backward]).
 3. After the last action: wait for every send, sum the gradients of tied parameters across the
@@ -59,21 +59,18 @@ arrives for a stage output is cast to the dtype that output has before ``backwar
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from fxsplit.errors import (ArgumentTypeError, PlanError, RankFailedError, ScheduleError, StageBuildError,
                             UsageError)
 from fxsplit.runtime.microbatch import (
-    bind_symbols,
     concrete_shape,
     merge_microbatches,
     split_microbatches,
@@ -84,22 +81,29 @@ from fxsplit.pipeline.layout import from_wire, to_wire, wire_shape
 from fxsplit.tp.random import stage_stream
 from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
-from fxsplit.runtime.watch import abandon
-from fxsplit.runtime.fsdp import local_tensor
+from fxsplit.runtime.pipe_group import PipeGroup
+from fxsplit.runtime.tied import TiedGrads
+from fxsplit.runtime.watch import Watch, host_blocking
 from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.runtime.graph_actions import GraphActions
 from fxsplit.runtime.program import ProgramRun
-from fxsplit.runtime.split_graph import SplitState
+from fxsplit.runtime.compile.split_graph import SplitState
 from fxsplit.schedule.ir import Action, ActionKind
 from fxsplit.pipeline.stage import StageGraphs, ValueMeta
 
-__all__ = ["PipelineRuntime"]
+__all__ = ["GradHooks", "PipelineRuntime"]
 
 F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
 BI = ActionKind.BACKWARD_INPUT
 BW = ActionKind.BACKWARD_WEIGHT
 
+
+
+class GradHooks(Protocol):
+    """What the runtime tells about gradients during a step (fxsplit.runtime.data_parallel)."""
+
+    def stage_grads_ready(self, stage: int) -> None: ...
 
 
 @dataclass
@@ -144,12 +148,19 @@ class PipelineRuntime(GraphActions, ProgramRun):
       "graph" (forward, I and W as three fx graphs, [Note: graph split backward]; a stage that
       cannot be traced that way falls back to "autograd" and ``split_fallbacks[stage]`` says
       why) or "autograd" ([Note: split backward]).
+    - ``watch``: the failure board every wait polls ([Note: failure protocol] in
+      fxsplit.runtime.watch); None: waits bounded by ``timeout`` alone.
+    - ``grad_hooks``: told ``stage_grads_ready(stage)`` once a stage's last backward of the step has
+      run (its gradients are complete, except tied parameters, summed after all actions), so
+      data-parallel all-reduces start while later stages still compute (fxsplit.runtime.data_parallel).
+    - ``defer_tied_grads``: step() leaves tied gradients unsummed for sum_tied_grads() once final
+      (FSDP reduces after the step: [Note: FSDP collectives outside the pipeline] in fxsplit.runtime.fsdp).
     - ``compile``: every training forward runs as the graph split's F graph (whatever the
       schedule; B is one graph where the schedule never splits the stage, else I then W) and
       the graphs are compiled with ``torch.compile`` (inductor), once per input signature; a
       forward-only call runs compiled inference graphs; ``compile_fallbacks[(stage, "F" | "I" |
       "W" | "B" | "inference")]`` says why a graph runs uncompiled ([Note: compiled stages] in
-      fxsplit.runtime.compiling).
+      fxsplit.runtime.compile.compiling).
     """
 
     def __init__(
@@ -170,6 +181,9 @@ class PipelineRuntime(GraphActions, ProgramRun):
         reduce_dtype: torch.dtype | None = None,
         split_backward: str = "graph",
         compile: bool = False,
+        watch: Watch | None = None,
+        grad_hooks: GradHooks | None = None,
+        defer_tied_grads: bool = False,
     ):
         """Run ``plan`` (this rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan`) with ``modules``
         (stage index -> module, exactly the stages ``plan.stages``) over the pipeline ``group``."""
@@ -186,7 +200,6 @@ class PipelineRuntime(GraphActions, ProgramRun):
         self.modules = dict(modules)
         self.io = plan.io
         self.num_stages = plan.num_stages
-        self.pp_group = group
         self.pp_rank = plan.rank
         self.num_ranks = plan.num_ranks
         self.input_meta = plan.input_meta
@@ -196,7 +209,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
         self.split_dim = split_dim
         self.batched = batched
         self.abort_on_error = abort_on_error
-        self.watch: Any = None  # fxsplit.runtime.watch.Watch, set by parallelize ([Note: failure protocol])
+        self.watch = watch  # [Note: failure protocol]
         self.prefetch_depth = max(0, int(prefetch))
         self.seed = seed
         self.rng_step = 0  # k of the stage streams: step()/forward() calls so far
@@ -206,24 +219,21 @@ class PipelineRuntime(GraphActions, ProgramRun):
         self._cut_outputs: Callable[[list[Any]], list[Any]] | None = None  # set for one call (padded sequence)
         self.last_stage = self.num_stages - 1
         self.last_rank = self.rank_of_stage(self.last_stage)
-        backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
-        self.blocking_waits = (backend != "nccl") if blocking_waits is None else blocking_waits
+        self.blocking_waits = host_blocking(group) if blocking_waits is None else blocking_waits
+        self._pipe = PipeGroup(group, rank=plan.rank, timeout=self.timeout, watch=watch,
+                               blocking_waits=self.blocking_waits)
         self.train_plan = plan.train
         self.forward_plan = plan.forward
         self.num_microbatches = self.train_plan.num_microbatches
         self._split_stages = {ac.action.stage for ac in self.train_plan.actions if ac.action.kind is BI}
-        self._tied = self._local_tied_groups(plan.shared_params)
+        self._tied = TiedGrads.of(plan, self.modules)
         self._shape_cache: dict[tuple, tuple[int, ...]] = {}
         self._binding_cache: dict[tuple, dict] = {}
         self._channels: dict[bool, P2PChannel] = {}
         self.last_wait_seconds = 0.0  # host time the last step/forward spent blocked on peers
-        # called with a stage index once that stage's last backward of the step has run (its
-        # gradients are complete, except tied parameters, summed after all actions); lets
-        # data-parallel all-reduces start while later stages still compute
-        self.on_stage_grads_ready: Callable[[int], None] | None = None
-        # True: step() leaves tied gradients unsummed for sum_tied_grads() once final (FSDP
-        # reduces after the step: [Note: FSDP collectives outside the pipeline] in runtime.fsdp)
-        self.defer_tied_grads = False
+        self._grad_hooks = grad_hooks
+        self.defer_tied_grads = defer_tied_grads
+        self.last_sent_bytes = 0  # bytes this rank sent its pipeline peers in the last step/forward
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -250,27 +260,6 @@ class PipelineRuntime(GraphActions, ProgramRun):
                                           stage_ranks=stage_ranks)
         return cls(plan, {s: graphs.modules[s].to(device) for s in plan.stages}, group=pp_group,
                    loss_fn=loss_fn, device=device, **options)
-
-    def _local_tied_groups(self, shared: Sequence[Sequence[tuple[int, str]]]) -> list[tuple[int, tuple[int, ...], list[nn.Parameter]]]:
-        """(group index, holder ranks, this rank's distinct Parameters) per group this rank holds."""
-        out = []
-        for g, group in enumerate(shared):
-            holders = tuple(sorted({self.rank_of_stage(s) for s, _ in group}))
-            if self.pp_rank not in holders:
-                continue
-            params: list[nn.Parameter] = []
-            for s, fqn in sorted(group):
-                if s not in self.modules:
-                    continue
-                try:
-                    p = self.modules[s].get_parameter(fqn)
-                except AttributeError as exc:
-                    raise StageBuildError(f"shared parameter group {g}: stage {s} has no parameter "
-                                          f"{fqn!r} ({exc})") from exc
-                if all(p is not q for q in params):  # stages on one rank may share the object
-                    params.append(p)
-            out.append((g, holders, params))
-        return out
 
     # ------------------------------------------------------------------ public API
 
@@ -311,10 +300,24 @@ class PipelineRuntime(GraphActions, ProgramRun):
         finally:  # per call, like _loss_scale
             self._cut_outputs = None
 
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline group (None: the default group, or given up after a failure)."""
+        return self._pipe.group
+
+    def give_up_group(self) -> None:
+        """Abandon the pipeline group after a failure elsewhere ([Note: failure protocol] point 4):
+        it may hold transfers no peer completes, and this runtime never runs again."""
+        self._pipe.give_up()
+
     def sum_tied_grads(self) -> None:
         """Sum tied gradients across the stages and ranks holding them (what step() does last
         unless ``defer_tied_grads``); raises `PipelineError` naming a peer that fails."""
         self._guarded(self._sum_tied_grads)
+
+    def _sum_tied_grads(self) -> None:
+        tag_base = 2 * self.num_microbatches * self.num_stages * max(len(s.inputs) for s in self.io) + 1
+        self._tied.sum(self._pipe, tag_base=tag_base, reduce_dtype=self.reduce_dtype)
 
     # ------------------------------------------------------------------ execution
 
@@ -343,14 +346,10 @@ class PipelineRuntime(GraphActions, ProgramRun):
         self._saved, self._mailbox, self._channel, self._channels = {}, {}, None, {}
         if not self.abort_on_error or not dist.is_initialized():
             return
-        group, self.pp_group = self.pp_group, None
         if self.watch is not None:  # peers learn of the failure from the board; the group may
-            abandon(group)          # hold posted transfers ([Note: failure protocol] point 4)
+            self._pipe.give_up()    # hold posted transfers ([Note: failure protocol] point 4)
         else:
-            try:
-                dist.destroy_process_group(group)
-            except Exception:  # noqa: BLE001 -- best effort: the original error is what matters
-                pass
+            self._pipe.destroy()
         self.abort_on_error = False  # only once
 
     def _to_device(self, x: Any) -> Any:
@@ -369,6 +368,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
         m = self.num_microbatches if training or microbatches is None else microbatches
         mbs = split_microbatches(flat, m, dim=self.split_dim, batched=self.batched)
         self._mb = mbs
+        self._override = override  # before binding: its shapes bind the symbols of a cached call
         self._bindings = [self._bind(inp) for inp in mbs.inputs]
         self._binding_keys = [tuple(sorted((str(k), v) for k, v in b.items())) for b in self._bindings]
         holds_last = self.last_stage in self.modules
@@ -380,7 +380,6 @@ class PipelineRuntime(GraphActions, ProgramRun):
             # would fail inside the user's loss_fn
             self._targets = split_target(pytree.tree_map(self._to_device, target), mbs.sizes, dim=self.split_dim)
         self._training = training
-        self._override = override
         self._rng_step, self.rng_step = self.rng_step, self.rng_step + 1
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._mailbox: dict[Message, torch.Tensor] = {}
@@ -416,11 +415,11 @@ class PipelineRuntime(GraphActions, ProgramRun):
                 else:
                     self._backward(ac)
                 self._channel.reap()
-                if self.on_stage_grads_ready is not None and last_grad.get(ac.action.stage) == i:
-                    self.on_stage_grads_ready(ac.action.stage)
+                if self._grad_hooks is not None and last_grad.get(ac.action.stage) == i:
+                    self._grad_hooks.stage_grads_ready(ac.action.stage)
             self._current = None
             self._channel.finish()
-        self.last_wait_seconds = self._channel.wait_seconds
+        self.last_wait_seconds, self.last_sent_bytes = self._channel.wait_seconds, self._channel.sent_bytes
         self._channel = None
         if training:
             if self._saved:
@@ -434,14 +433,8 @@ class PipelineRuntime(GraphActions, ProgramRun):
 
     # ------------------------------------------------------------------ messages
 
-    def _bind(self, inputs: Sequence[Any]) -> dict:
-        key = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs)
-        if key not in self._binding_cache:
-            self._binding_cache[key] = bind_symbols(self.input_meta, inputs)
-        return self._binding_cache[key]
-
     def _meta(self, msg: Message) -> ValueMeta:
-        return self.io[msg.stage].input_meta[msg.input]
+        return self._stage_meta(msg.stage, msg.input)
 
     def _order(self, msg: Message) -> tuple[int, ...] | None:
         """The dim order ``msg`` travels in: an activation's planned layout ([Note: boundary
@@ -610,79 +603,11 @@ class PipelineRuntime(GraphActions, ProgramRun):
 
     # ------------------------------------------------------------------ end of step
 
-    def _wait(self, work: dist.Work, what: str, peer: int | None, *, p2p: bool = True) -> None:
-        if self.watch is not None and self.blocking_waits:
-            g = self._global(peer) if peer is not None else None
-            self.watch.wait(work, f"{what} with global rank {g}", () if g is None else (g,), sliced=not p2p)
-            return
-        try:
-            if self.blocking_waits:
-                work.wait(datetime.timedelta(seconds=self.timeout))
-            else:
-                work.wait()
-        except Exception as exc:
-            raise PipelineError(
-                f"pipeline rank {self.pp_rank}: {what} with pipeline rank "
-                f"{peer if peer is not None else '(any)'} failed or timed out after "
-                f"{self.timeout:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                "that rank most likely failed: look for its own error first",
-                rank=self.pp_rank, peer=peer, action=None, microbatch=None) from exc
-
-    def _global(self, group_rank: int) -> int:
-        return group_rank if self.pp_group is None else dist.get_global_rank(self.pp_group, group_rank)
-
-    def _sum_tied_grads(self) -> None:
-        """Sum each tied parameter's gradient over the stages and ranks holding it; every holder
-        adds the per-rank partial sums in rank order, so all copies get bit-identical gradients."""
-        tag_base = 2 * self.num_microbatches * self.num_stages * max(len(s.inputs) for s in self.io) + 1
-        for g, holders, params in self._tied:
-            # an FSDP-sharded parameter ([Note: FSDP collectives outside the pipeline] in
-            # fxsplit.runtime.fsdp) is summed shard by shard: its copies on the holders are
-            # sharded alike (the same shape over the same dp_shard degree)
-            for p in params:
-                if p.grad is None and isinstance(p, DTensor):
-                    p.grad = torch.zeros_like(p)
-            partial = None
-            for p in params:
-                if p.grad is not None:
-                    pg = local_tensor(p.grad)
-                    partial = pg.clone() if partial is None else partial + pg
-            if partial is None:
-                partial = torch.zeros_like(local_tensor(params[0]))
-            if partial.numel() == 0:
-                continue  # an empty FSDP shard (fewer rows than dp_shard ranks): empty on every holder
-            if self.reduce_dtype is not None:
-                partial = partial.to(self.reduce_dtype)
-            parts = {self.pp_rank: partial}
-            works = []
-            for q in holders:
-                if q == self.pp_rank:
-                    continue
-                buf = torch.empty_like(partial)
-                parts[q] = buf
-                ops = [("send", partial), ("recv", buf)]
-                if q < self.pp_rank:  # one order per pair on both sides (NCCL)
-                    ops.reverse()
-                for kind, t in ops:
-                    fn = dist.isend if kind == "send" else dist.irecv
-                    works.append((fn(t, self._global(q), group=self.pp_group, tag=tag_base + g), q))
-            for work, q in works:
-                self._wait(work, f"summing the gradient of tied parameter group {g}", q)
-            total = parts[holders[0]]
-            for q in holders[1:]:
-                total = total + parts[q]
-            total = total.to(params[0].dtype)
-            for p in params:
-                if p.grad is None:
-                    p.grad = total.clone()
-                else:
-                    local_tensor(p.grad).copy_(total)
-
     def _broadcast_loss(self) -> torch.Tensor:
         loss = self._loss
         if self.num_ranks > 1:
-            work = dist.broadcast(loss, self._global(self.last_rank), group=self.pp_group, async_op=True)
-            self._wait(work, "broadcasting the loss", self.last_rank, p2p=False)
+            work = dist.broadcast(loss, self._pipe.global_rank(self.last_rank), group=self.pp_group, async_op=True)
+            self._pipe.wait(work, "broadcasting the loss", self.last_rank, p2p=False)
         return loss
 
     def _gather_outputs(self, all_ranks: bool) -> Any:
@@ -695,6 +620,6 @@ class PipelineRuntime(GraphActions, ProgramRun):
         self._outputs = {}
         if all_ranks and self.num_ranks > 1:
             box = [merged]
-            dist.broadcast_object_list(box, self._global(self.last_rank), group=self.pp_group)
+            dist.broadcast_object_list(box, self._pipe.global_rank(self.last_rank), group=self.pp_group)
             merged = box[0]
         return merged

@@ -115,7 +115,7 @@ class ShardedGradSync:
 
         for m in self.units.values():
             # what the unit's forward pre-hook does first; a stage run as graphs ([Note: graph split
-            # backward] in fxsplit.runtime.split_graph) never calls the module, so never that hook
+            # backward] in fxsplit.runtime.compile.split_graph) never calls the module, so never that hook
             fully_shard.state(m)._lazy_init()
             m.set_is_last_backward(False)
             m.set_reshard_after_backward(False)

@@ -1,7 +1,7 @@
 """The executor's actions on stages that run as graphs: F, I, W (and B as I then W) of a stage
 whose forward ran as the graph split's F graph ([Note: graph split backward] in
-fxsplit.runtime.split_graph), and the per-signature cache of those graphs, compiled or not
-([Note: compiled stages] in fxsplit.runtime.compiling).
+fxsplit.runtime.compile.split_graph), and the per-signature cache of those graphs, compiled or not
+([Note: compiled stages] in fxsplit.runtime.compile.compiling).
 
 Terms as in fxsplit.runtime.executor (stage s, microbatch, action kinds F, B, I, W).
 
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from fxsplit.errors import PlanError, UsageError
-from fxsplit.runtime.compiling import CompiledGraph, compile_split, full_backward, inference_runner
-from fxsplit.runtime.split_graph import GraphSplit, UnsupportedStage, accumulate_grads, has_selective_region, signature
+from fxsplit.runtime.compile.compiling import CompiledGraph, compile_split, full_backward, inference_runner
+from fxsplit.runtime.compile.split_graph import GraphSplit, UnsupportedStage, accumulate_grads, has_selective_region, signature
 from fxsplit.schedule.ir import ActionKind
 
 __all__ = ["GraphActions"]

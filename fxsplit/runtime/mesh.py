@@ -10,6 +10,7 @@ this rank's index along each mesh dimension.
     mesh = build_mesh(dp=2, pp=2, tp=2)   # 8 ranks
     with bind_groups(mesh_groups(mesh)):  # fxsplit.tp.collectives resolves "tp" etc. here
         ...
+    groups = build_groups(mesh, ep=1, timeout=datetime.timedelta(seconds=300))  # every group a run uses
 
 Layout: global rank = ((dp_i * s + dp_shard_i) * p + pp_i) * t + tp_i (with cp degree c > 1:
 (((dp_i * s + dp_shard_i) * c + cp_i) * p + pp_i) * t + tp_i), so tp is innermost (a
@@ -21,9 +22,11 @@ error on every rank instead of hanging the job.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,8 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fxsplit.errors import ArgumentTypeError, PlanError, RunError, UsageError
 
 __all__ = [
+    "Groups",
     "MESH_DIMS",
     "MESH_DIMS_SHARDED",
+    "build_groups",
     "build_mesh",
     "check_mesh",
     "choose_backend",
@@ -234,6 +239,88 @@ def mesh_groups(mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
     if not names:
         raise UsageError("mesh_groups: the mesh has no dim names; build it with build_mesh(...)")
     return {name: mesh.get_group(name) for name in names}
+
+
+# [Note: process groups] Every group a parallelized model runs with is made here, once, by
+# `build_groups`, in one order on every rank (making a group is collective): the mesh's own groups
+# (one per dim), then the groups the mesh has no dim for. A failure gives groups up ([Note: failure
+# protocol] point 4): the holder replaces its `Groups` by one `without` them, never edits it.
+@dataclass(frozen=True)
+class Groups:
+    """This rank's process groups; None where the layout has no such group (or it was given up).
+
+    - ``dp``: the data-parallel gradient mean: the mesh's "dp" dim, or dp x cp ranks with cp > 1
+      ([Note: cp gradients] in fxsplit.runtime.data_parallel).
+    - ``dp_shard`` / ``cp`` / ``pp`` / ``tp``: the mesh's dims of those names.
+    - ``pipe``: the pipeline runtime's own chain of pp ranks (pp > 1 over more than one rank): a
+      group of its own, since the runtime gives it up on a failure and the mesh's "pp" group may be
+      the world group itself.
+    - ``errors``: every rank, on gloo: the end-of-call flag all-reduces ([Note: failures]); a group of
+      its own, so that data-parallel all-reduces running during the pipeline never interleave with them.
+    - ``data``: every data-parallel rank (dp x dp_shard) of one (pp, tp) position (dp_shard > 1): the
+      loss mean.
+    - ``ep`` / ``ep_replica``: [Note: expert-parallel groups] (ep > 1).
+    """
+
+    dp: dist.ProcessGroup | None = None
+    dp_shard: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+    pp: dist.ProcessGroup | None = None
+    tp: dist.ProcessGroup | None = None
+    pipe: dist.ProcessGroup | None = None
+    errors: dist.ProcessGroup | None = None
+    data: dist.ProcessGroup | None = None
+    ep: dist.ProcessGroup | None = None
+    ep_replica: dist.ProcessGroup | None = None
+
+    def axes(self) -> dict[str, dist.ProcessGroup | None]:
+        """The axis names fxsplit.tp.collectives resolves inside a stage (``bind_groups``)."""
+        return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "cp": self.cp}
+
+    def all(self) -> tuple[dist.ProcessGroup, ...]:
+        """Every group that exists, each once."""
+        out: list[dist.ProcessGroup] = []
+        for f in dataclasses.fields(self):
+            g = getattr(self, f.name)
+            if g is not None and all(g is not h for h in out):
+                out.append(g)
+        return tuple(out)
+
+    def without(self, *names: str) -> Groups:
+        """These groups with ``names`` given up (None)."""
+        return dataclasses.replace(self, **{n: None for n in names})
+
+
+def _set_timeout(group: dist.ProcessGroup, bound: datetime.timedelta) -> None:
+    """``group``'s own timeout (every collective on it, e.g. FSDP2's, ends by then)."""
+    try:
+        group.set_timeout(bound)
+    except (AttributeError, RuntimeError):  # a backend without it keeps its own (NCCL's watchdog)
+        pass
+
+
+def build_groups(mesh: DeviceMesh, *, ep: int, timeout: datetime.timedelta) -> Groups:
+    """Every process group of a run on ``mesh`` ([Note: process groups]), each bounded by ``timeout``.
+    Collective on every rank of the default group."""
+    found: dict[str, dist.ProcessGroup | None] = dict(mesh_groups(mesh))
+    for group in found.values():  # every wait fxsplit cannot poll is bounded by `timeout` too
+        _set_timeout(group, timeout)
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+    dp, ds, cp, pp, tp = (sizes.get(d, 1) for d in ("dp", "dp_shard", "cp", "pp", "tp"))
+    if dist.get_world_size() > 1:
+        found["errors"] = dist.new_group(backend="gloo", timeout=timeout)
+        if pp > 1:  # one group per (dp, dp_shard, cp, tp) coordinate, ordered by pp rank
+            chains = mesh.mesh.reshape(dp * ds * cp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
+            found["pipe"], _ = dist.new_subgroups_by_enumeration(chains, timeout=timeout)
+        if cp > 1:  # [Note: cp gradients]: the gradient all-reduce runs over dp x cp, summed over cp
+            replicas = mesh.mesh.reshape(dp * cp, pp * tp).t().tolist()
+            found["dp"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
+        if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
+            replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
+            found["data"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
+    if ep > 1:
+        found["ep"], found["ep_replica"] = expert_groups(mesh, ep, timeout=timeout)
+    return Groups(**found)
 
 
 def choose_backend(*, local_ranks: int, cuda_devices: int) -> tuple[str, str]:

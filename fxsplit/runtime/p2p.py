@@ -76,6 +76,7 @@ class P2PChannel:
         self._sends: list[tuple[dist.Work, Message, Action, torch.Tensor]] = []
         self._send_pos: dict[Message, tuple[int, int]] = {}  # posted send -> (peer, position)
         self.wait_seconds = 0.0  # host time blocked in waits this step (the measured bubble)
+        self.sent_bytes = 0  # bytes of the tensors posted as sends this step
 
     # -- errors ---------------------------------------------------------------------------------
 
@@ -104,6 +105,7 @@ class P2PChannel:
         try:
             if op.is_send:
                 work = dist.isend(tensor, dst, group=self.group, tag=msg.tag)
+                self.sent_bytes += tensor.numel() * tensor.element_size()
                 self._sends.append((work, msg, producer, tensor))
                 self._send_pos[msg] = (op.peer, self._cursor[op.peer])
             else:

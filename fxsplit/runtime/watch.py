@@ -65,9 +65,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from fxsplit.errors import RankFailedError
 
-__all__ = ["Report", "Watch", "abandon", "slice_timed_out"]
+__all__ = ["Report", "Watch", "abandon", "group_wait", "host_blocking", "slice_timed_out"]
 
 _ABANDONED: list[Any] = []
 _LIVE: "weakref.WeakSet[Watch]" = weakref.WeakSet()
@@ -92,6 +94,25 @@ def abandon(group: Any) -> None:
         return
     _ABANDONED.append(group)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # survives interpreter teardown too
+
+
+def host_blocking(group: Any) -> bool:
+    """Whether waits on ``group`` block the host (gloo, or no process group) rather than only
+    ordering streams (NCCL): only those are polled through a watch or given a timeout."""
+    return (dist.get_backend(group) != "nccl") if dist.is_initialized() else True
+
+
+def group_wait(watch: Watch | None, *, polled: bool) -> Callable[[Any, str, Any], None]:
+    """``wait(work, what, group)``: a wait on ``group``'s ranks through ``watch`` (polled and
+    failure-aware, [Note: failure protocol]) when ``polled``, else ``work.wait()``. Poll only where
+    waits block the host (gloo): NCCL's waits only order streams, and a timed NCCL wait is not a
+    harmless poll (its watchdog bounds them)."""
+    def wait(work: Any, what: str, group: Any) -> None:
+        if watch is None or not polled:
+            work.wait()
+        else:
+            watch.wait(work, what, dist.get_process_group_ranks(group))
+    return wait
 
 
 def slice_timed_out(exc: BaseException) -> bool:

@@ -87,6 +87,15 @@ class ScheduleSpec:
     aliases: tuple[str, ...] = field(default=())
     v_placement: bool = False  # stage s on rank s for s < p and 2p-1-s after (a V), not s % p
     stages_fix: str = ""  # what to do when ``stages_rule`` refuses a count
+    pairs_f_and_b: bool = False  # steady state pairs one microbatch's F with another's B on a rank
+
+    def paired_fraction(self, p: int, m: int) -> float:
+        """The share of a rank's forwards run in an F&B pair (0 for schedules that pair none): for
+        DualPipeV, rank 0's m - 2p + 1 steps of two pairs over its 2m forwards ([Note: DualPipeV];
+        rank 0 pairs the fewest, so the planner's overlap is not overstated on any rank)."""
+        if not self.pairs_f_and_b or p < 2 or m <= 0:
+            return 0.0
+        return max(m - 2 * p + 1, 0) / m
 
     def default_stages_per_rank(self, pp: int) -> int:
         """Stages per rank when none is given: ``default_v`` with a pipeline, 1 without one (a
@@ -152,7 +161,7 @@ SPECS: dict[str, ScheduleSpec] = {s.name: s for s in (
                  aliases=("zb_v",), v_placement=True, stages_fix="leave stages_per_rank unset"),
     ScheduleSpec("dualpipev", dualpipev, _two, 2, splits_backward=True, inflight_rule="simulated",
                  bubble_rule="dualpipev", aliases=("dualpipe_v",), v_placement=True,
-                 stages_fix="leave stages_per_rank unset"),
+                 stages_fix="leave stages_per_rank unset", pairs_f_and_b=True),
     ScheduleSpec("zb_auto", zb_auto, _one, 1, splits_backward=True, built_from_costs=True, inflight_rule="p",
                  bubble_rule="zb_h1", stages_fix="use schedule='zbv' for two"),
 )}

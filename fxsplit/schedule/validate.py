@@ -89,6 +89,22 @@ def validate(schedule, num_stages: int | None = None, num_microbatches: int | No
       4. executing the ranks' lists in order cannot deadlock (see [Note: dependencies]).
     """
     rows = parse_schedule(schedule)
+    where, stage_rank = _placed(rows)
+    used_s = max((a.stage for a in where), default=-1) + 1
+    used_m = max((a.microbatch for a in where), default=-1) + 1
+    n_s = used_s if num_stages is None else num_stages
+    n_m = used_m if num_microbatches is None else num_microbatches
+    _check_ranges(rows, where, stage_rank, n_s, n_m)
+    split = _check_complete(rows, where, stage_rank, n_s, n_m)
+    deps = _check_rank_order(rows, where, n_s)
+    _check_deadlock(rows, where, deps)
+    p = len(rows)
+    return ScheduleInfo(p, n_s, n_m, tuple(stage_rank[s][0] for s in range(n_s)), split)
+
+
+def _placed(rows) -> tuple[dict[Action, tuple[int, int]], dict[int, tuple[int, int]]]:
+    """Rule 1 and the "once" of rule 2: ``(where, stage_rank)``, the (rank, step) of every action
+    and the first (rank, step) of every stage."""
     where: dict[Action, tuple[int, int]] = {}
     stage_rank: dict[int, tuple[int, int]] = {}
     for r, row in enumerate(rows):
@@ -106,11 +122,11 @@ def validate(schedule, num_stages: int | None = None, num_microbatches: int | No
                             f"(step {t0}) and on rank {r} ({a} at step {t}); a stage lives on one rank",
                             [(r0, t0), (r, t)])
             stage_rank.setdefault(a.stage, (r, t))
+    return where, stage_rank
 
-    used_s = max((a.stage for a in where), default=-1) + 1
-    used_m = max((a.microbatch for a in where), default=-1) + 1
-    n_s = used_s if num_stages is None else num_stages
-    n_m = used_m if num_microbatches is None else num_microbatches
+
+def _check_ranges(rows, where, stage_rank, n_s: int, n_m: int) -> None:
+    """Rule 2's ranges: every action inside (num_stages, num_microbatches), every stage present."""
     for a, (r, t) in where.items():
         if a.stage >= n_s or a.microbatch >= n_m:
             raise _fail(rows, "out of range", f"{a} at rank {r} step {t} is outside num_stages={n_s}, "
@@ -123,6 +139,10 @@ def validate(schedule, num_stages: int | None = None, num_microbatches: int | No
             raise _fail(rows, "missing stage", f"stage {s} has no actions (num_stages={n_s}); every stage "
                         "needs a forward and a backward for every microbatch")
 
+
+def _check_complete(rows, where, stage_rank, n_s: int, n_m: int) -> bool:
+    """Rule 2: one F and one backward (B, or I and W) per (stage, microbatch). Returns whether
+    the backward is split."""
     split = False
     for s in range(n_s):
         for m in range(n_m):
@@ -144,18 +164,19 @@ def validate(schedule, num_stages: int | None = None, num_microbatches: int | No
                 raise _fail(rows, "missing backward", f"no backward for stage {s} microbatch {m}: expected "
                             f"{full} (or {inp} and {wgt}) on rank {stage_rank[s][0]}", [where[fwd]])
             split = split or has_i
+    return split
 
-    # Rule 3: dependencies held by the same rank must come earlier in that rank's list.
+
+def _check_rank_order(rows, where, n_s: int) -> dict[Action, tuple[Action, ...]]:
+    """Rule 3: dependencies held by the same rank come earlier in that rank's list. Returns every
+    action's dependencies that are in the schedule."""
     deps = {a: tuple(d for d in dependencies(a, n_s) if d in where) for a in where}
     for a, (r, t) in where.items():
         for d in deps[a]:
             if where[d][0] == r and where[d][1] > t:
                 raise _fail(rows, _order_rule(a, d), f"{a} at rank {r} step {t} runs before {d} "
                             f"(step {where[d][1]}) on the same rank", [(r, t), where[d]])
-
-    _check_deadlock(rows, where, deps)
-    p = len(rows)
-    return ScheduleInfo(p, n_s, n_m, tuple(stage_rank[s][0] for s in range(n_s)), split)
+    return deps
 
 
 def _order_rule(a: Action, d: Action) -> str:

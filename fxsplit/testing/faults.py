@@ -9,7 +9,8 @@ how every other rank ends. Used by ``benchmarks/faults.py`` (the whole matrix) a
 Cases are ``<layout>-<fault>``: layouts in :data:`LAYOUTS`, faults in :data:`FAULTS`: ``kill-F`` /
 ``kill-B`` (SIGKILL inside a forward / backward action), ``stop`` (SIGSTOP inside a forward: the
 process stays, silent), ``raise-loss`` (its loss_fn raises), ``raise-model`` (a forward action
-raises). The launcher is :func:`run_case`: like torchrun it hosts the rendezvous store in the
+raises), and for the cp layouts ``kill-cp`` (SIGKILL inside the context-parallel exchange of keys
+and values: the ring's all-to-all or the all-gather, at its first call of the step). The launcher is :func:`run_case`: like torchrun it hosts the rendezvous store in the
 parent (a killed rank 0 does not take the store with it) and gives each rank RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT (each rank a process forked from the test harness's forkserver); unlike torchrun it does not kill the other ranks when one exits, so it
 measures how each survivor ends on its own. A SIGSTOPped rank is killed once every survivor exited.
@@ -37,6 +38,8 @@ LAYOUTS = {  # name -> (world size, parallelize options, fault rank, fault rank 
     "ds2pp2": (4, dict(dp_shard=2, pp=2), 1, 1),
     "zbv": (2, dict(pp=2, schedule="zbv"), 1, 0),
     "ep2": (2, dict(dp=2, ep=2), 1, 1),  # the zoo's MoE: a survivor waits in the experts' all-to-all
+    "cp2ring": (2, dict(cp=2, cp_kv="ring"), 1, 1),  # a survivor waits in the ring exchange of K/V
+    "cp2ag": (2, dict(cp=2, cp_kv="allgather"), 1, 1),  # a survivor waits in the all-gather of K/V
 }
 
 
@@ -48,7 +51,8 @@ FAULT_STEP = 3
 
 
 def cases() -> list[str]:
-    return [f"{layout}-{fault}" for layout in LAYOUTS for fault in FAULTS]
+    return [f"{layout}-{fault}" for layout in LAYOUTS
+            for fault in FAULTS + (("kill-cp",) if "cp" in LAYOUTS[layout][1] else ())]
 
 
 # -------------------------------------------------------------------------------------------- rank
@@ -109,6 +113,8 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
             return _original(ac)
 
         setattr(runtime, target, faulty)
+    if mine and fault == "kill-cp":
+        _kill_inside_cp_exchange(options.get("cp_kv"), step, mark)
     opt = torch.optim.SGD(pm.parameters(), lr=0.01)
     d = pm.coords.get("dp", 0) * options.get("dp_shard", 1) + pm.coords.get("dp_shard", 0)
     rows = len(x) // dp
@@ -126,6 +132,23 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
         json.dump(outcome, f)
     if outcome["kind"] != "ok":
         raise SystemExit(1)
+
+
+def _kill_inside_cp_exchange(kv: str | None, step: list[int], mark) -> None:
+    """SIGKILL this rank at its first K/V exchange of step FAULT_STEP: the ring's (its exchange
+    object) or the all-gather's (the collectives' all-gather, which the cp all-gather calls)."""
+    from fxsplit.tp import collectives, ring
+
+    owner, name = (ring._Exchange, "__call__") if kv == "ring" else (collectives, "_all_gather")
+    original = getattr(owner, name)
+
+    def faulty(*args, _original=original, **kwargs):
+        if step[0] == FAULT_STEP:
+            mark()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _original(*args, **kwargs)
+
+    setattr(owner, name, faulty)
 
 
 # -------------------------------------------------------------------------------------------- launch

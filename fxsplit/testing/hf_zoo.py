@@ -24,8 +24,8 @@ Findings (torch 2.13, transformers 5.24; each checked by tests/test_zoo.py):
       ``DynamicCache`` in ``past_key_values``, which is not a registered pytree type, so export
       fails ("Found <class 'transformers.cache_utils.DynamicCache'> in output, which is not a
       known type"). BERT exports either way (no cache returned by ``BertForMaskedLM``).
-    * ``torch.fx.symbolic_trace`` does not work on transformers 5 models (they have no fx
-      tracer of their own any more); use export.
+    * ``torch.fx.symbolic_trace`` does not work on transformers 5 models (transformers 5 has no
+      fx tracer of its own); use export.
     * An ``attention_mask`` with padding (the examples pad the end of the second row) exports
       too: the 2D integer mask becomes a graph input that the mask-building code reads.
     * Dropout probabilities are 0 in every config, so train mode (the default after building;
@@ -118,6 +118,15 @@ def tiny_llama(**overrides: Any) -> Example:
     cfg = dict(_TINY, num_key_value_heads=2, attention_dropout=0.0, use_cache=False,
                bos_token_id=0, eos_token_id=0)
     return _build("LlamaForCausalLM", "LlamaConfig", cfg, dict(overrides))
+
+
+def tiny_mixtral(**overrides: Any) -> Example:
+    """``MixtralForCausalLM``: Llama's attention with a mixture of experts in place of its MLP (4
+    SwiGLU experts, top-2 softmax router, transformers' default ``grouped_mm`` experts, which
+    expert parallelism places: ``fxsplit.tp.moe``)."""
+    cfg = dict(_TINY, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+               attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return _build("MixtralForCausalLM", "MixtralConfig", cfg, dict(overrides))
 
 
 def tiny_bert(**overrides: Any) -> Example:

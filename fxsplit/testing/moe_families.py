@@ -2,8 +2,9 @@
 coverage test (tests/test_expert_parallel_families.py) and the table in docs/training.md.
 
 Terms: **family** -- a transformers model type with routed experts, built as its ``*ForCausalLM``
-from ``FIELDS`` (hidden 32, 2 layers, 4 heads, 4 experts, top-2, vocabulary 256) plus the
-family's own fields in ``FAMILIES``; the config's fields that a family does not have are left out,
+from ``FIELDS`` (hidden 32, 1 layer, 4 heads, 4 experts, top-2, vocabulary 256) plus the
+family's own fields in ``FAMILIES`` (2 layers where the first is dense by the family's rule, so that
+one MoE layer remains); the config's fields that a family does not have are left out,
 so one dict serves every family.
 
     model, args, kwargs = build("olmoe")      # dropout 0, no cache, default experts implementation
@@ -23,7 +24,7 @@ from torch import nn
 __all__ = ["FAMILIES", "FIELDS", "SLOW", "build"]
 
 FIELDS: dict[str, Any] = dict(
-    vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
     num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
     first_k_dense_replace=0, n_group=1, topk_group=1, sliding_window=None, use_cache=False, bos_token_id=0,
@@ -33,7 +34,8 @@ FIELDS: dict[str, Any] = dict(
 FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {}, "olmoe": {}, "flex_olmo": {}, "granitemoe": {},
     "granitemoeshared": {}, "minimax": {}, "minimax_m2": {}, "glm4_moe": {}, "hunyuan_v1_moe": {},
-    "ernie4_5_moe": {}, "jetmoe": {}, "llama4": {}, "solar_open": {}, "qwen3_5_moe": {}, "qwen3_next": {},
+    "jetmoe": {}, "llama4": {}, "solar_open": {}, "qwen3_5_moe": {}, "qwen3_next": {},
+    "ernie4_5_moe": dict(num_hidden_layers=2),  # moe_layer_start_index=1: layer 0 is dense
     "jamba": {}, "granitemoehybrid": {}, "nemotron_h": {},
     "phimoe": dict(router_jitter_noise=0.0, input_jitter_noise=0.0),  # the jitter draws random numbers
     "deepseek_v2": dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
@@ -42,13 +44,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         v_head_dim=8),
     "gpt_oss": dict(sliding_window=8),
     "dots1": dict(sliding_window=8, n_shared_experts=1),
-    "glm4_moe_lite": dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
-                          qk_nope_head_dim=8, v_head_dim=8),
+    # first_k_dense_replace is fixed at 1: layer 0 is dense
+    "glm4_moe_lite": dict(num_hidden_layers=2, head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16,
+                          qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8),
     "longcat_flash": dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
                           qk_nope_head_dim=8, v_head_dim=8, ffn_hidden_size=64, expert_ffn_hidden_size=32),
     "cohere2_moe": dict(sliding_window=8),
     "exaone_moe": dict(sliding_window=8),
-    "lfm2_moe": dict(num_dense_layers=0, layer_types=["full_attention", "full_attention"]),
+    "lfm2_moe": dict(num_dense_layers=0, layer_types=["full_attention"]),
     "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=64, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
 }

@@ -41,7 +41,7 @@ in-place c10d ops whose Work is waited on outside the graph, so data flow neithe
 readers nor waits for them. Traced, the ops call torch's functional collectives instead
 (``_c10d_functional.all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, each
 followed by ``wait_tensor``): pure functions of their input, so a stage's joint forward and
-backward traces into a graph that can be partitioned (fxsplit.runtime.split_graph) and run.
+backward traces into a graph that can be partitioned (fxsplit.runtime.compile.split_graph) and run.
 They sum the same contributions in the backend's order, as the eager ops do (gather and
 reduce-scatter work on dim 0; another dim is moved there and back, which is data movement).
 A traced collective is not logged when traced (its tensors are fake) but where the traced
@@ -261,7 +261,7 @@ class _Bound:
             self.log.append(call)
 
 
-_PARALLELISM = {"tp": "tensor-parallel", "dp": "data-parallel", "ep": "expert-parallel"}  # wait messages
+_PARALLELISM = {"tp": "tensor-parallel", "dp": "data-parallel", "ep": "expert-parallel", "cp": "context-parallel"}  # wait messages
 
 
 def _active(axis: str) -> _Bound | None:

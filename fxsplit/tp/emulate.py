@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from fxsplit.tp import collectives as C
 from fxsplit.tp import experts as ep
 from fxsplit.tp import functional as tpf
+from fxsplit.tp import ring
 
 __all__ = ["EMULATED_OPS", "as_rank", "as_ranks", "emulate", "is_emulated"]
 
@@ -209,6 +210,7 @@ EMULATED_OPS: dict[Callable, Callable[[list[dict]], list]] = {
     tpf.vocab_parallel_embedding: _vocab_parallel_embedding,
     tpf.gather_logits: _gather_logits,
     tpf.vocab_parallel_cross_entropy: _vocab_parallel_cross_entropy,
+    ring.ring_attention: ring.emulated_ring_attention,
 }
 
 

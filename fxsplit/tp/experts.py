@@ -31,9 +31,23 @@ waiter ([Note: failure protocol] in fxsplit.runtime.watch, ``bind_waiter``): a f
 collective's ``wait_tensor`` blocks without a bound a peer's death could end. With the axis
 unbound or of size 1 every op is the identity (``ep_local_offsets`` gives back ``offs``), so a
 plan's graph runs unchanged in one process, and the fake tensors of a trace see plain shapes.
+
+[Note: exchange statistics] Inside ``with exchange_stats() as st:`` every all-to-all this process
+runs adds its host seconds (issue to the end of its wait: on the CPU the exchange itself; on a
+GPU the host's wait) to ``st.seconds``, and every forward count exchange adds this rank's rows per
+local expert (``recv.sum(0)``, length k) to ``st.rows``: what the experts of this rank received,
+summed over the MoE layers and microbatches of the block. Gathered over the ep group
+(rank r's entries are experts ``[r * k, (r + 1) * k)``), that is the load of every expert
+(``expert_load``: min / mean / max), which a dropless exchange must carry whatever its imbalance.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -44,14 +58,47 @@ from torch.distributed._functional_collectives import _are_we_tracing
 from fxsplit.errors import RunError, ShardingError
 from fxsplit.tp import collectives as C
 
-__all__ = ["EP_OPS", "emulated_combine", "emulated_dispatch", "emulated_token_counts", "ep_combine", "ep_dispatch",
-           "ep_local_offsets", "ep_token_counts"]
+__all__ = ["EP_OPS", "ExchangeStats", "emulated_combine", "emulated_dispatch", "emulated_token_counts", "ep_combine", "ep_dispatch",
+           "ep_local_offsets", "ep_token_counts", "exchange_stats", "expert_load"]
+
+
+@dataclass
+class ExchangeStats:
+    """What the expert-parallel exchanges of a block did on this rank ([Note: exchange statistics])."""
+
+    seconds: float = 0.0  # host seconds in all-to-alls
+    calls: int = 0
+    rows: torch.Tensor | None = None  # rows received per local expert (int64, length k), summed
+
+    def add_rows(self, per_expert: torch.Tensor) -> None:
+        self.rows = per_expert.clone() if self.rows is None else self.rows + per_expert
+
+
+_STATS: contextvars.ContextVar[ExchangeStats | None] = contextvars.ContextVar("fxsplit_ep_stats", default=None)
+
+
+@contextlib.contextmanager
+def exchange_stats() -> Iterator[ExchangeStats]:
+    """Record this rank's exchanges inside the block ([Note: exchange statistics])."""
+    stats = ExchangeStats()
+    token = _STATS.set(stats)
+    try:
+        yield stats
+    finally:
+        _STATS.reset(token)
+
+
+def expert_load(rows: torch.Tensor) -> dict[str, float]:
+    """min / mean / max of the rows per expert ``rows`` (every expert's, e.g. the ep group's
+    ``ExchangeStats.rows`` joined in rank order)."""
+    r = rows.to(torch.float64)
+    return {"min": float(r.min()), "mean": float(r.mean()), "max": float(r.max())}
 
 
 def _active(axis: str, op: str):
     """The bound ep group, or None (identity); RunError under a tracer (make_fx, dynamo): the rows
     exchanged have counts known only at run time, so a traced stage falls back to autograd (the
-    graph split, ``fxsplit.runtime.split_graph``, catches this as an untraceable stage)."""
+    graph split, ``fxsplit.runtime.compile.split_graph``, catches this as an untraceable stage)."""
     b = C.active(axis)
     if b is not None and _are_we_tracing():
         raise RunError(f"{op}: the expert-parallel exchange over axis {axis!r} cannot be traced (how many rows each "
@@ -74,9 +121,14 @@ def _check(offs: torch.Tensor, n: int, op: str) -> int:
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], b, phase: str) -> torch.Tensor:
     b.note("ep_exchange", "all_to_all", phase, x)
+    t0 = time.perf_counter()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=b.group, async_op=True)
     b.wait(work, "all-to-all")
+    stats = _STATS.get()
+    if stats is not None:
+        stats.seconds += time.perf_counter() - t0
+        stats.calls += 1
     return out
 
 
@@ -155,7 +207,11 @@ def ep_token_counts(offs: torch.Tensor, axis: str = "ep") -> torch.Tensor:
         return counts.view(1, -1)
     n = b.group.size()
     k = _check(offs, n, "ep_token_counts")
-    return _all_to_all(counts, [k] * n, [k] * n, b, "no_grad").view(n, k)
+    recv = _all_to_all(counts, [k] * n, [k] * n, b, "no_grad").view(n, k)
+    stats = _STATS.get()
+    if stats is not None:  # (a forward recomputed by activation checkpointing counts again)
+        stats.add_rows(recv.sum(0).cpu())
+    return recv
 
 
 def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, axis: str = "ep") -> torch.Tensor:

@@ -142,12 +142,13 @@ def _transposed_param(node: Any) -> str | None:
 
 
 def _from_input(node: Any) -> bool:
-    """Whether a value is a model input seen through casts and views (token ids)."""
+    """Whether a value is a model input seen through casts and views (token ids), or through
+    context parallelism's cut to a rank's tokens (``keep_local``: the same ids, fewer of them)."""
     seen = 0
     while isinstance(node, torch.fx.Node) and seen < 8:
         if node.op == "placeholder":
             return True
-        if node.op in ("call_function", "call_method") and op_name(node) in (RESHAPES | {"to", "long", "int", "contiguous", "slice", "alias"}):
+        if node.op in ("call_function", "call_method") and op_name(node) in (RESHAPES | {"to", "long", "int", "contiguous", "slice", "alias", "keep_local"}):
             node = node.args[0]
             seen += 1
             continue

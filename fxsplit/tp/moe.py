@@ -60,6 +60,7 @@ class MoELayer:
     first: tuple[str, ...]
     last: str
     matmuls: tuple[str, ...]  # every grouped linear of the region, first and last included
+    region: tuple[str, ...] = field(default=(), compare=False)  # every node of the expert FFN, in graph order
 
     def __str__(self) -> str:
         return f"{self.module_path or '<root>'}: {self.experts} experts, weights {', '.join(self.weights)}"
@@ -210,8 +211,9 @@ def _layer(gm: torch.fx.GraphModule, linears: dict, offs: torch.fx.Node,
     if len(sizes) != 1 or offs.meta.get("val") is None or tuple(offs.meta["val"].shape) != (sizes.copy().pop(),):
         return None, f"expert weights {weights} and {offs.name} disagree on the number of experts"
     path = linears[last.name].module_path
+    ordered = tuple(n.name for n in gm.graph.nodes if n in region)
     return MoELayer(path, sizes.pop(), weights, x.name, offs.name, tuple(g.name for g in firsts), last.name,
-                    tuple(g.name for g in group)), ""
+                    tuple(g.name for g in group), ordered), ""
 
 
 def _reaches(start: torch.fx.Node, targets: set[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -31,7 +31,7 @@ so it follows the user's ``torch.manual_seed``):
    whatever restores those replays every mask: ``torch.utils.checkpoint`` (``preserve_rng_state``,
    the default) recomputes with the same draws, replicated and sharded. The zero-bubble I/W split
    never re-runs a forward (W reuses the graph I kept), so it cannot re-draw. Traced (the graph
-   split, fxsplit.runtime.split_graph), a tp stream is Python around the op, outside any graph:
+   split, fxsplit.runtime.compile.split_graph), a tp stream is Python around the op, outside any graph:
    inside `traced_tp_streams()` the block only records which traced nodes it covers, and the
    split puts `enter_tp_stream` / `exit_tp_stream` (this module's seeding, run where the graph
    runs) around them, so the graph draws r and seeds exactly as the eager block does.

@@ -124,7 +124,7 @@ def _record(found: Found, got: Attempt, seeds: list[str], gm, tp, linears, nodes
             raise TPPlanError(divisibility_msg(nodes[s], tp, list(per),
                                                 f"the output features of {linears[s].module_path!r}"))
     inputs = tuple(dict.fromkeys(linear_x(nodes[s], linears[s]).name for s in seeds))
-    attn = any(op_name(nodes[n]) in ("scaled_dot_product_attention", "matmul", "bmm")
+    attn = any(op_name(nodes[n]) in _ATTENTION
                for n in got.state if n in nodes)
     found.regions.append(Region(tuple(seeds), tuple(dict.fromkeys(got.rows)), inputs,
                                 "attention" if attn else "mlp"))
@@ -143,7 +143,7 @@ def _record(found: Found, got: Attempt, seeds: list[str], gm, tp, linears, nodes
                 found.merged[n] = st.merged
 
 
-_ATTENTION = ("scaled_dot_product_attention", "matmul", "bmm")
+_ATTENTION = ("scaled_dot_product_attention", "ring_attention", "matmul", "bmm")  # ring: fxsplit.tp.ring
 _PASS_BACK = RESHAPES | {"transpose", "permute", "contiguous", "to", "mul", "div", "clone", "alias"}
 
 
@@ -153,7 +153,7 @@ def _partners(node: torch.fx.Node | None, linears, unavailable) -> set[str]:
     if node is None or op_name(node) not in _ATTENTION:
         return set()
     out: set[str] = set()
-    for x in node.args[:3] if op_name(node) == "scaled_dot_product_attention" else node.args[:2]:
+    for x in node.args[:3] if op_name(node) in ("scaled_dot_product_attention", "ring_attention") else node.args[:2]:
         for _ in range(16):
             if not isinstance(x, torch.fx.Node) or x.name in linears:
                 break

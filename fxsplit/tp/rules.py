@@ -410,7 +410,7 @@ def _split(p, op: Op) -> None:
     if not st.origins:
         p.fail(node, "splits the sharded dim of a value that is not a projection's direct output")
     # multi-query [q | k | v]: q larger than the equal k and v; first all sharded, then (a
-    # choice) q sharded by heads and k / v whole ([Note: whole blocks] in fxsplit.tp.plan)
+    # choice) q sharded by heads and k / v whole ([Note: whole blocks] in fxsplit.tp.regions)
     mqa = name != "chunk" and len(sizes) == 3 and sizes[1] == sizes[2] < sizes[0]
     whole = {1, 2} if mqa and p.choose(node, 2) == 1 else set()
     bad = [s for i, s in enumerate(sizes) if s % p.t and i not in whole]
@@ -467,7 +467,7 @@ def _broadcast_heads(p, a: torch.fx.Node, hpos: int, heads) -> None:
     ``k.unsqueeze(2).expand(B, 1, H, T, hd).reshape(B, H, T, hd)``, or ``expand(B, H, T, hd)``
     of ``[B, 1, T, hd]``) from a block kept whole: the expand and the view are rewritten to the
     local heads, so each rank's copy is its heads' k / v, exactly ([Note: whole blocks] in
-    ``fxsplit.tp.plan``). Anything else: left as it is (the sdpa rule then fails)."""
+    ``fxsplit.tp.regions``). Anything else: left as it is (the sdpa rule then fails)."""
     view = a if op_name(a) in ("view", "reshape") else None
     e = a.args[0] if view is not None else a
     if not isinstance(e, torch.fx.Node) or op_name(e) not in ("expand", "broadcast_to") or len(e.users) != 1:
@@ -630,7 +630,7 @@ _RULE_TABLE: tuple[tuple[Iterable[str], Rule], ...] = (
     (("softmax", "log_softmax"), Rule(_softmax, merged="carry")),
     (REDUCTION_NAMES, Rule(_reduce, merged="carry")),
     (("layer_norm", "rms_norm"), Rule(_layer_norm, "any", merged="carry")),
-    (("scaled_dot_product_attention",), Rule(_sdpa, any_operand=True)),
+    (("scaled_dot_product_attention", "ring_attention"), Rule(_sdpa, any_operand=True)),  # same (q, k, v, mask)
     (("matmul", "bmm"), Rule(_matmul, any_operand=True, merged="carry")),
     (("baddbmm",), Rule(_baddbmm, any_operand=True, merged="carry")),
     (sorted(ELEMENTWISE), _POINTWISE_RULE),

@@ -17,7 +17,7 @@ buffer or constant is part of the function the model computes: rotary `inv_freq`
 norm statistics, and the tensors a trace creates itself (torch.export's `lifted_tensor_*`,
 fx's `_tensor_constant*`, plain tensor attributes), which are in no state dict. Each takes its
 value from a real tensor (the model, else the plan's stage module, which holds the trace's
-constants by reference: `fxsplit.api.parallelize._value_sources`), or materialization raises;
+constants by reference: `fxsplit.api.materialize._value_sources`), or materialization raises;
 it is never zero-filled. (Before, every such tensor came out as zeros: a wrong loss with no error.)
 
 [Note: vocabulary padding] When the vocabulary V does not divide by t, the table is padded to
@@ -93,7 +93,7 @@ class ShardSpec:
     vocabulary sharding, the padded size of `dim` (a multiple of t); padded rows are zero and
     never looked up or used (see [Note: vocabulary padding]). whole: indices of blocks that are
     not split but held whole by every rank (a multi-query [q | k | v]: q by heads, the one k / v
-    head replicated; [Note: whole blocks] in ``fxsplit.tp.plan``). size: optional unpadded size of
+    head replicated; [Note: whole blocks] in ``fxsplit.tp.regions``). size: optional unpadded size of
     `dim`, which `unshard` needs to drop padding (and which shapes are checked against).
     """
 

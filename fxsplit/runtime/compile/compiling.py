@@ -1,6 +1,6 @@
 """torch.compile of the graphs a pipeline rank runs ([Note: compiled stages]).
 
-Terms (fxsplit.runtime.split_graph): F, I and W graphs -- a stage's forward, input-gradient and
+Terms (fxsplit.runtime.compile.split_graph): F, I and W graphs -- a stage's forward, input-gradient and
 weight-gradient aten graphs for one input signature; **runner** -- what the split calls to run one
 of them (the GraphModule itself, or its compiled form).
 
@@ -40,7 +40,7 @@ compiling, on plain aten graphs, and each half is compiled on its own.
   which graph, is the same.
 - One backward graph where the schedule has no reason to split it ([Note: fused backward]).
 - On CPU, what is compiled is a copy of the graph whose fp32 matmuls run through oneDNN where
-  torch's MKL is slow ([Note: CPU matmuls through oneDNN] in fxsplit.runtime.cpu_matmul); the
+  torch's MKL is slow ([Note: CPU matmuls through oneDNN] in fxsplit.runtime.compile.cpu_matmul); the
   graph itself stays the eager fallback.
 - The loss: ``loss_fn`` runs through ``torch.compile`` ([Note: compiled loss]).
 - Inference (``pm(...)``, forward only) runs the F graph cut to the stage outputs, compiled on
@@ -98,7 +98,7 @@ import torch.fx as fx
 
 from fxsplit.errors import exception_text
 from fxsplit.graph.ops import is_random
-from fxsplit.runtime.cpu_matmul import onednn_min_macs, route_cpu_matmuls
+from fxsplit.runtime.compile.cpu_matmul import onednn_min_macs, route_cpu_matmuls
 from fxsplit.tp.collectives import note_calls
 
 __all__ = ["INDUCTOR_OPTIONS", "CompiledGraph", "compile_split", "full_backward", "fused_backward_graph",

@@ -415,7 +415,7 @@ class GraphSplit:
     # per W output: the graph makes it and returns it once ([Note: stolen gradients])
     w_owned: list[bool] = field(default_factory=list)
     # what runs each graph ("F", "I", "W"): the graph itself unless set (compiled forms:
-    # fxsplit.runtime.compiling, [Note: compiled stages])
+    # fxsplit.runtime.compile.compiling, [Note: compiled stages])
     runners: dict[str, Any] = field(default_factory=dict)
 
     def run(self, kind: str, *args: Any) -> Any:

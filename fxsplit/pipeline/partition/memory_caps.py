@@ -1,9 +1,10 @@
 """The memory-coupled partition search (``memory_limit`` with ``v > 1``) and the memory error.
 
-Internal to :mod:`fxsplit.pipeline.partition` (not a public module; the chain model it searches is :mod:`fxsplit.pipeline.chain`): ``solve`` calls `solve_coupled` when
-a rank holds several stages and memory is capped, and ``solve``/``brute_force`` raise
-`memory_error` when no partition fits. The cost model is [Note: partition cost model] and the
-guarantees are "Guarantees of `solve`", both in ``fxsplit/pipeline/partition.py``.
+Internal to :mod:`fxsplit.pipeline.partition` (the chain model it searches is ``chain``): ``solve``
+calls `solve_coupled` when a rank holds several stages and memory is capped, and
+``solve``/``brute_force`` raise `memory_error` when no partition fits. The cost model is [Note:
+partition cost model] and the guarantees are "Guarantees of `solve`", both in the package
+docstring, ``fxsplit/pipeline/partition/__init__.py``.
 
 Terms
 -----
@@ -27,7 +28,7 @@ import math
 from dataclasses import replace
 
 from fxsplit.errors import PartitionError
-from fxsplit.pipeline.chain import (
+from fxsplit.pipeline.partition.chain import (
     INF,
     NEG,
     Chain,

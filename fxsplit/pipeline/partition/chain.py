@@ -1,6 +1,5 @@
-"""The chain model of a partition problem and the exact bottleneck search, shared by
-:mod:`fxsplit.pipeline.partition` (``solve``, ``brute_force``, the baselines) and
-:mod:`fxsplit.pipeline.partition_memory` (the memory-coupled search).
+"""The chain model of a partition problem and the exact bottleneck search, shared by ``solve``
+(`solve`, `brute_force`, the baselines) and ``memory_caps`` (the memory-coupled search).
 
 Terms and the cost model: [Note: partition cost model] in :mod:`fxsplit.pipeline.partition`.
 

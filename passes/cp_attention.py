@@ -1,0 +1,159 @@
+"""Attention under the context-parallel rewrite (``passes/context_parallel.py`` calls these rules):
+the local queries read every rank's keys and values, by all-gather or by ring, chosen per
+attention call ([Note: all-gather or ring]).
+
+Terms as in ``passes/context_parallel.py`` (C, S, sharded value, sequence dim); **K/V width** --
+the elements per token of the keys plus the values an attention reads; **q/o width** -- those of
+its queries plus its output. Written only against fxsplit's public API.
+
+    rule = sdpa_rule        # (rw, node) -> the output's sequence dim, or None once the node is replaced
+
+[Note: all-gather or ring]
+- **all-gather** (Llama 3): keys and values are all-gathered along the sequence
+  (``gather_to_region``: backward reduce-scatters dK / dV) and put in natural order; the local
+  queries run torch's sdpa against all of them. One collective per attention; the gathered K/V
+  (S tokens) are held for the backward, and ``is_causal`` becomes an (S / C, S) mask.
+- **ring**: ``fxsplit.tp.ring.ring_attention`` passes each rank's block around the ring with an
+  online-softmax merge ([Note: ring attention]); C - 1 dependent exchanges forward and C
+  backward (each overlapped with a block's compute), two blocks held at a time, causal and
+  sliding-window masks built per block.
+- ``cp_kv=None`` (auto) takes the ring when the gathered K/V would hold more than twice the
+  memory of the local queries and outputs, ``C * (K/V width) > 2 * (q/o width)`` (standard
+  multi-head attention from C = 4; grouped-query attention with 4 queries per K/V head from
+  C = 16), since below that one collective costs less time than C - 1 dependent exchanges for
+  a small saving. Either choice may be forced with ``cp_kv="allgather"`` / ``"ring"``.
+- The ring is not taken, whatever was asked, and the plan says why, when the attention is
+  eager ``softmax(Q K^T) V`` (no single op to replace: its two matmuls all-gather K and V) or
+  its mask needs a gradient (a learned score bias: the ring does not differentiate the mask).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxsplit.tp.context import causal_rows
+from fxsplit.tp.ring import ring_attention
+
+__all__ = ["KV_STRATEGIES", "choose_kv", "matmul_rule", "ndim", "same", "sdpa_rule", "val"]
+
+KV_STRATEGIES = ("allgather", "ring")
+_AXIS = "cp"
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def val(node: Any) -> Any:
+    """A node's ``meta["val"]`` (its fake tensor), None for a non-node."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def ndim(node: Any) -> int:
+    v = val(node)
+    return v.dim() if isinstance(v, torch.Tensor) else 0
+
+
+def same(a: Any, b: Any) -> bool:
+    return a == b if type(a) is int and type(b) is int else str(a) == str(b)
+
+
+def _width(x: Any, heads_dim: int = -3) -> int:
+    shape = val(x).shape
+    return int(shape[heads_dim]) * int(shape[-1])
+
+
+def choose_kv(request: str | None, cp: int, q: Any, k: Any, v: Any, mask: Any) -> tuple[str, str]:
+    """(strategy, why) for one sdpa call ([Note: all-gather or ring])."""
+    if mask is not None and getattr(val(mask), "requires_grad", False):
+        return "allgather", "its mask needs a gradient (a learned score bias), which the ring does not compute"
+    if request is not None:
+        return request, f"cp_kv={request!r}"
+    kv, qo = _width(k) + _width(v), _width(q) + int(val(q).shape[-3]) * int(val(v).shape[-1])
+    if cp * kv > 2 * qo:
+        return "ring", f"auto: gathered K/V {cp} x {kv} > 2 x local q/o {qo} per token"
+    return "allgather", f"auto: gathered K/V {cp} x {kv} <= 2 x local q/o {qo} per token"
+
+
+def matmul_rule(rw: Any, node: torch.fx.Node) -> Any:
+    """``A @ B``: A sharded on its rows (the local queries); B full, or sharded along the
+    contraction (V in P @ V) or the columns (K^T in Q @ K^T): then gathered whole (eager attention
+    keeps the all-gather: [Note: all-gather or ring])."""
+    a, b = node.args[0], node.args[1]
+    sa, sb = rw.seq_of(a), rw.seq_of(b)
+    na, nb = ndim(a), ndim(b)
+    if sa is None or sa.dim != na - 2 or sa.inner != 1:
+        raise rw.fail(node, "a matmul whose left operand is not sharded along its rows")
+    if sb is not None:
+        if sb.dim not in (nb - 2, nb - 1) or sb.inner != 1:
+            raise rw.fail(node, "a matmul whose right operand is sharded along a batch dim")
+        node.update_arg(1, rw.gather(b, sb.dim, node))
+        why = "" if rw.kv != "ring" else " (not the ring: eager attention has no single op to replace)"
+        rw.plan.attention.append(f"{node.name}: eager attention, {b.name} all-gathered along dim {sb.dim}{why}")
+    return type(sa)(sa.dim + ndim(node) - na)
+
+
+def sdpa_rule(rw: Any, node: torch.fx.Node) -> Any:
+    """Local queries against every key and value, by all-gather or ring, masks at the queries'
+    global rows."""
+    args = dict(zip(_SDPA, node.args))
+    args.update(node.kwargs)
+    q, k, v = args["query"], args["key"], args["value"]
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        s = rw.seq_of(x)
+        if s is None or s.dim != ndim(x) - 2 or s.inner != 1:
+            raise rw.fail(node, f"its {name} is not sharded along the sequence dim (-2)")
+    if args.get("dropout_p", 0.0):
+        raise rw.fail(node, "attention dropout (dropout_p > 0) draws its mask per key block")
+    mask = args.get("attn_mask")
+    causal = bool(args.get("is_causal", False))
+    if mask is not None and causal:
+        raise rw.fail(node, "both a mask and is_causal=True")
+    how = []
+    if mask is not None:
+        args["attn_mask"] = _mask_rows(rw, node, mask)
+        how.append("mask rows of the local queries")
+    strategy, why = choose_kv(rw.kv, rw.cp, q, k, v, mask)
+    if strategy == "ring":
+        return _ring(rw, node, args, causal, how + (["causal rows per block"] if causal else []), why)
+    args["key"] = rw.gather(k, ndim(k) - 2, node)
+    args["value"] = rw.gather(v, ndim(v) - 2, node)
+    if causal:
+        with rw.graph.inserting_before(node):
+            args["attn_mask"] = rw.new(causal_rows, (q, rw.S), {"axis": _AXIS}, like=node)
+        args["is_causal"] = False
+        how.append("is_causal -> causal rows at the local queries' global positions")
+    node.args = tuple(args.get(k_, d) for k_, d in zip(_SDPA[:6], (None, None, None, None, 0.0, False)))
+    node.kwargs = {k_: args[k_] for k_ in _SDPA[6:] if k_ in args}
+    rw.plan.attention.append(f"{node.name}: sdpa, K/V all-gathered ({why})" + (f", {', '.join(how)}" if how else ""))
+    return rw.seq_of(q)
+
+
+def _mask_rows(rw: Any, node: torch.fx.Node, mask: torch.fx.Node) -> torch.fx.Node:
+    """A mask given to sdpa, cut to the rows of the local queries (keys stay whole, natural order)."""
+    sm = rw.seq_of(mask)
+    md = ndim(mask) - 2
+    if sm is not None:
+        if sm.dim != md:
+            raise rw.fail(node, "its mask is sharded along the keys")
+        return mask
+    rows = val(mask).shape[md]
+    if same(rows, 1):
+        return mask
+    if not same(rows, rw.S):
+        raise rw.fail(node, f"its mask of shape {tuple(val(mask).shape)} has no row per query")
+    return rw.cut(mask, md, 1, node)
+
+
+def _ring(rw: Any, node: torch.fx.Node, args: dict, causal: bool, how: list[str], why: str) -> None:
+    """``node`` replaced by one ``ring_attention`` call on the local q, k, v."""
+    with rw.graph.inserting_before(node):
+        ring = rw.new(ring_attention, (args["query"], args["key"], args["value"], args.get("attn_mask"),
+                                       args.get("scale"), bool(args.get("enable_gqa", False))),
+                      {"seq_len": rw.S, "causal": causal, "axis": _AXIS}, like=node)
+    ring.meta["val"] = node.meta.get("val")  # the full shape, as the walk reads until shapes are redone
+    node.replace_all_uses_with(ring)
+    rw.graph.erase_node(node)
+    rw.state[ring] = rw.seq_of(args["query"])
+    rw.plan.attention.append(f"{ring.name}: ring attention ({why})" + (f", {', '.join(how)}" if how else ""))
+    return None

@@ -1,0 +1,82 @@
+"""The auto-planner with expert parallelism: ep in the search space, the all-to-all in the step
+time and its breakdown (hidden under DualPipeV's paired actions), each rank's E / ep experts and
+the exchange buffers in the memory model. One process, no weights: the MoE is built on the meta
+device and only traced."""
+
+import math
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit.graph.trace import trace
+from fxsplit.planner import Candidate, Scorer, analyze, search
+from fxsplit.planner.score import EXPERT_LOAD_MARGIN
+from fxsplit.testing import zoo
+
+_HW = fxsplit.Hardware.preset("a100-80gb")
+
+
+@pytest.fixture(scope="module")
+def moe():
+    """A MoE GPT whose experts are most of its parameters (16 experts, top-2), traced once."""
+    with torch.device("meta"):
+        model, _, _ = zoo.make("moe", n_layer=4, num_experts=16, top_k=2, n_embd=1024, n_head=8,
+                               expert_hidden=2048, block_size=256, vocab_size=1024)
+    args = (torch.randint(0, 1024, (2, 256)),)
+    gm = trace(model, args, None, decompose_attention=True)
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    return analyze(gm, world_size=8, hardware=_HW), experts
+
+
+def _cand(**kw):
+    base = dict(dp=4, tp=1, pp=1, stages_per_rank=1, schedule="1f1b", microbatches=8, microbatch_size=2,
+                activation_checkpointing="none", sequence_parallel=False)
+    return Candidate(**{**base, **kw})
+
+
+def test_workload_finds_the_experts(moe):
+    w, experts = moe
+    assert w.num_experts == 16 and w.expert_params.sum() == experts
+    assert w.a2a_bytes.lin.sum() > 0 and w.expert_units.any()
+
+
+def test_search_picks_ep_and_its_breakdown_shows_the_all_to_all(moe):
+    w, _ = moe
+    result = search(w, world_size=8, global_batch=64, hardware=_HW)
+    best = result.best
+    assert best.candidate.ep > 1, result.table(6, 0)
+    assert best.breakdown.ep_comm > 0 and "ep comm" in str(best.breakdown)
+    assert f"ep{best.candidate.ep}" in result.table(1, 0)
+    assert best.candidate.config_fields()["ep"] == best.candidate.ep
+    assert any(s.candidate.ep == 1 for s in result.scores)  # ep was chosen over layouts without it
+
+
+def test_memory_at_ep2_holds_half_the_expert_bytes(moe):
+    w, experts = moe
+    scorer = Scorer(w, _HW, math.inf)
+    one, two = (scorer.score(_cand(ep=ep)) for ep in (1, 2))
+    assert one.memory.params - two.memory.params == pytest.approx(experts / 2)
+    assert one.breakdown.ep_comm == 0 and two.breakdown.ep_comm > 0
+    # the exchange buffers and the busiest rank's extra rows (the margin) cost activations
+    assert two.memory.activations > one.memory.activations
+    assert EXPERT_LOAD_MARGIN > 1
+
+
+def test_dualpipev_hides_part_of_the_all_to_all(moe):
+    w, _ = moe
+    scorer = Scorer(w, _HW, math.inf)
+    dual = scorer.score(_cand(ep=2, pp=2, stages_per_rank=2, schedule="dualpipev"), simulate=True)
+    zbv = scorer.score(_cand(ep=2, pp=2, stages_per_rank=2, schedule="zbv"), simulate=True)
+    assert dual.breakdown.ep_overlapped > 0 and zbv.breakdown.ep_overlapped == 0
+    assert dual.breakdown.ep_comm < zbv.breakdown.ep_comm
+    for s in (dual, zbv):  # the parts add up to the step
+        assert s.breakdown.step == pytest.approx(s.step_time, rel=1e-9)
+
+
+def test_ep_is_not_searched_without_experts():
+    model, args, _ = zoo.make_gpt(n_layer=2, n_embd=32, n_head=4, batch_size=2, seq_len=8)
+    w = analyze(trace(model, args, decompose_attention=True), world_size=4, hardware=_HW)
+    result = search(w, world_size=4, global_batch=8, hardware=_HW)
+    assert w.num_experts == 0 and all(s.candidate.ep == 1 for s in result.scores)
+    assert all(s.candidate.schedule != "dualpipev" for s in result.scores)

@@ -1,0 +1,96 @@
+"""Ring attention (``fxsplit.tp.ring``) in one process: every cp rank's lane of the ring, emulated
+(the exchange a rotation of the lanes), against one sdpa over the whole sequence, in float64 so
+that the only difference is rounding: outputs and the gradients of q, k and v, with causal,
+sliding-window, given (bool and additive) masks, grouped-query heads and a query row with no key.
+The plan's choice between all-gather and ring ([Note: all-gather or ring]) and its refusals."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxsplit
+from fxsplit.errors import PlanError, RunError
+from fxsplit.testing import zoo
+from fxsplit.testing.trace_cache import SharedTraces, shared_traces
+from fxsplit.tp.context import positions_of
+from fxsplit.tp.ring import emulated_ring_attention, ring_attention
+
+S = 16
+
+
+def _ring_vs_sdpa(cp, *, causal=True, window=None, mask=None, heads=4, kv_heads=4, gqa=False):
+    g = torch.Generator().manual_seed(cp)
+    q, k, v = (torch.randn(2, h, S, 8, dtype=torch.float64, generator=g).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    allowed = torch.ones(S, S, dtype=torch.bool)
+    if causal:
+        allowed = allowed.tril()
+    if window is not None:
+        allowed = allowed & ~torch.ones(S, S, dtype=torch.bool).tril(-window)
+    full = allowed if mask is None else (allowed & mask if mask.dtype == torch.bool
+                                         else mask.masked_fill(~allowed, float("-inf")))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=gqa)
+    grad = torch.randn(ref.shape, dtype=ref.dtype, generator=g)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    pos = [positions_of(r, cp, S) for r in range(cp)]
+    bound = [dict(q=q[:, :, p], k=k[:, :, p], v=v[:, :, p], attn_mask=None if mask is None else mask[p], scale=None,
+                  enable_gqa=gqa, seq_len=S, causal=causal, window=window, axis="cp") for p in pos]
+    outs = emulated_ring_attention(bound)
+    got = torch.cat(outs, 2).index_select(2, torch.argsort(torch.cat(pos)))
+    total = sum((o * grad[:, :, p]).sum() for o, p in zip(outs, pos))
+    grads = torch.autograd.grad(total, (q, k, v))
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip("qkv", grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("case", [
+    dict(), dict(window=5), dict(causal=False, mask="bool"), dict(causal=True, mask="additive"),
+    dict(kv_heads=2, gqa=True), dict(mask="empty-row"),
+], ids=["causal", "sliding-window", "bool-mask", "additive-mask", "gqa", "a-row-with-no-key"])
+def test_ring_matches_one_sdpa_over_the_whole_sequence(cp, case):
+    case = dict(case)
+    g = torch.Generator().manual_seed(7)
+    kind = case.pop("mask", None)
+    if kind == "bool":
+        case["mask"] = torch.rand(S, S, generator=g) > 0.3
+    elif kind == "additive":
+        case["mask"] = torch.randn(S, S, dtype=torch.float64, generator=g)
+    elif kind == "empty-row":  # query 5 reads no key: 0 out, 0 gradient, as sdpa
+        mask = torch.ones(S, S, dtype=torch.bool)
+        mask[5] = False
+        case["mask"] = mask
+    _ring_vs_sdpa(cp, **case)
+
+
+def test_a_mask_that_needs_a_gradient_is_refused_naming_the_fix():
+    q = torch.randn(1, 2, 8, 4)
+    bias = torch.zeros(8, 8, requires_grad=True)
+    with pytest.raises(RunError, match="cp_kv='allgather'"):
+        ring_attention(q, q, q, bias, seq_len=8)
+
+
+_TRACES = SharedTraces()
+
+
+def _plan(**opts):
+    model, args, kwargs = zoo.make_gpt(seq_len=16)  # standard multi-head attention
+    with shared_traces(_TRACES):
+        return fxsplit.plan(model, args, kwargs, hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
+
+
+@pytest.mark.parametrize("opts, ring", [(dict(cp=2), 0), (dict(cp=4), 4), (dict(cp=2, cp_kv="ring"), 4),
+                                        (dict(cp=4, cp_kv="allgather"), 0)],
+                         ids=["cp2-auto", "cp4-auto", "cp2-ring", "cp4-allgather"])
+def test_the_plan_chooses_ring_or_all_gather_by_the_memory_rule_and_says_why(opts, ring):
+    """Multi-head attention: the gathered K/V are cp times the local q/o; the ring from cp = 4."""
+    cp_plan = _plan(**opts).pass_report["context_parallel"]
+    assert sum("ring attention" in a for a in cp_plan.attention) == ring, cp_plan.attention
+    assert all(("cp_kv=" in a) or ("auto:" in a) for a in cp_plan.attention), cp_plan.attention
+    assert f"by ring in {ring} " in str(cp_plan)
+
+
+def test_bad_cp_kv_is_refused():
+    with pytest.raises(PlanError, match="cp_kv must be"):
+        fxsplit.ParallelConfig(cp=2, cp_kv="rings")
