@@ -18,8 +18,8 @@
    Reported: mean absolute error of the predicted step time, Kendall tau of the ranking, the
    pick's measured time vs the best measured.
 2. paper: published large-scale runs (fxsplit.testing.published: Megatron-LM's Table 1, GPT 1.7B to
-   1T on A100s, arXiv:2104.04473; Llama 3 405B on 8K and 16K H100s, arXiv:2407.21783 Table 4),
-   each figure cited there: the planner's prediction for the published layout next to the
+   1T on A100s, arXiv:2104.04473; Llama 3 405B on 8K and 16K H100s, arXiv:2407.21783 Table 4;
+   torchtitan's bf16 Llama 3 8B / 70B / 405B rows, in tokens/s per GPU), each figure cited there: the planner's prediction for the published layout next to the
    published TFLOP/s per GPU, the search's own pick for the same GPUs and batch, and where each
    step goes (the breakdown of [Note: step breakdown]).
 3. speed: the search time of the 1T GPT for 3072 GPUs (its workload from 2 traced layers,
@@ -243,7 +243,7 @@ def _layout(c) -> str:
 def paper(runs) -> None:
     from fxsplit.testing.published import RUNS, predict
 
-    print("| run | GPUs | batch | published t, p, d | published TFLOP/s/GPU | predicted for the published layout "
+    print("| run | GPUs | batch | published t, p, d | published TFLOP/s/GPU (or tokens/s/GPU) | predicted for the published layout "
           "| planner's pick | predicted for the pick | search s |")
     print("| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |")
     cache: dict = {}  # one workload per model shape
@@ -253,8 +253,11 @@ def paper(runs) -> None:
         row = predict(run, cache=cache)
         pub, pick = row.published, row.pick
         same = (pick.candidate.tp, pick.candidate.pp, pick.candidate.dp) == (run.t, run.p, run.d)
+        tokens = run.tokens_per_gpu_s > 0  # torchtitan publishes tokens/s per GPU
+        published_fig = f"{run.tokens_per_gpu_s:g} tokens/s" if tokens else f"{run.tflops:g}"
+        predicted_fig = f"{row.tokens_per_gpu_s:.0f} tokens/s" if tokens else f"{row.predicted:.0f}"
         print(f"| {run.name} ({run.source}) | {run.gpus} | {run.global_batch} | t={run.t}, p={run.p}, d={run.d}"
-              f"{' (FSDP)' if run.shard else ''} | {run.tflops:g} | {row.predicted:.0f} ({100 * row.error:+.0f}%; "
+              f"{' (FSDP)' if run.shard else ''} | {published_fig} | {predicted_fig} ({100 * row.error:+.0f}%; "
               f"{_layout(pub.candidate)}) | {_layout(pick.candidate)}{' (the published t, p, d)' if same else ''} "
               f"| {row.pick_tflops:.0f} | {row.search_seconds:.1f} |")
         explained.append(f"- {run.name}: published layout {pub.breakdown}\n  pick {pick.breakdown}")

@@ -128,6 +128,43 @@ def test_published_figures_are_the_cited_tables():
     assert published.RUNS["gpt-1008b"].tflops == 163 and published.RUNS["llama3-405b-16384"].tflops == 400
 
 
+# the MFU torchtitan prints beside each bf16 row of docs/performance.md (@4d88a8a44): tokens/s/GPU x
+# (6 N + 12 l h s) over the GPU's bf16 peak (A100 312, H100 SXM 989 TFLOP/s) must give it back
+_TORCHTITAN_MFU = {"torchtitan-llama3-8b-64": (0.582, 312e12), "torchtitan-llama3-70b-64": (0.517, 312e12),
+                   "torchtitan-llama3-405b-128": (0.290, 989e12)}
+
+
+def _llama_params(run) -> float:
+    h, l, kv = run.hidden, run.layers, run.kv_heads
+    kv_width = kv * h // run.heads
+    layer = 2 * h * h + 2 * h * kv_width + 3 * h * run.ffn + 2 * h
+    return l * layer + 2 * run.vocab * h + h
+
+
+def test_torchtitan_rows_agree_with_the_mfu_their_source_prints():
+    for name, (mfu, peak) in _TORCHTITAN_MFU.items():
+        run = published.RUNS[name]
+        per_token = 6 * _llama_params(run) + 12 * run.layers * run.hidden * run.seq
+        assert run.tokens_per_gpu_s * per_token / peak == pytest.approx(mfu, abs=0.005), name
+    titan = [r for k, r in published.RUNS.items() if k.startswith("torchtitan")]
+    assert len(titan) == 5 and all(r.gpus == r.t * r.d and r.shard and r.tokens_per_gpu_s > 0 for r in titan)
+
+
+def test_the_planners_cuts_carry_no_recomputed_value():
+    """An HF Llama's rotary tables and mask are recomputed on every stage ([Note: recompute, don't
+    ship]): between two layers the workload's pp traffic is the hidden state alone."""
+    from fxsplit.testing import hf_zoo
+
+    model, args, kwargs = hf_zoo.meta_llama_70b(seq_len=64, vocab_size=256, num_hidden_layers=3, hidden_size=64,
+                                                intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=64)
+    w = analyze(trace(model, args, kwargs), world_size=4, hardware=A100)
+    between = [k for k in range(1, w.num_groups) if w.group_paths[k].startswith("model.layers.")
+               and w.group_paths[k - 1].startswith("model.layers.")]
+    hidden = 64 * 64 * 2  # one sample's (seq, hidden) in bf16
+    assert len(between) == 2 and all(w.cut.at(1)[k] == hidden for k in between), (w.group_paths, w.cut.at(1))
+
+
 def test_the_search_bound_prunes_only_what_could_not_be_picked():
     # a tight memory limit, so that layouts need re-partitions, and the bound decides which do
     w = _workload(8, 16)

@@ -56,6 +56,7 @@ from fxsplit.graph.recompute import MODES, layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
 from fxsplit.pipeline.checkpointing import mode_held
 from fxsplit.pipeline.bindings import cut_bytes as unit_cut_bytes
+from fxsplit.pipeline.recomputable import recomputable
 from fxsplit.tp.plan import TPPlan
 
 __all__ = ["Workload", "Linear", "repeat_layers"]
@@ -152,7 +153,9 @@ class Workload:
         for g, s in enumerate(starts):
             group_of[s:] = g
         gpos = starts + [n]
-        ucut1, ucut2 = unit_cut_bytes(units, probe.b1), unit_cut_bytes(units, probe.b2)
+        # values a stage recomputes instead of receiving are no pp traffic ([Note: recompute, don't ship])
+        again = recomputable(gm, units, probe.b1)
+        ucut1, ucut2 = unit_cut_bytes(units, probe.b1, skip=again), unit_cut_bytes(units, probe.b2, skip=again)
         cut = probe.linear(np.array([ucut1[k] for k in gpos]), np.array([ucut2[k] for k in gpos]))
         saved, recompute = _checkpointing(gm, units, probe)
         per_sample_out = _loss_output_per_sample(gm, probe)

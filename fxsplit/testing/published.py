@@ -27,6 +27,7 @@ count of model FLOPs per token that MFU is quoted by.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,8 @@ from fxsplit.hardware import Hardware
 from fxsplit.planner import Candidate, Score, Scorer, analyze, search
 from fxsplit.planner.workload import Workload, repeat_layers
 
-__all__ = ["PublishedRun", "Prediction", "RUNS", "model_flops", "predict", "published_score", "workload"]
+__all__ = ["PublishedRun", "Prediction", "RUNS", "model_flops", "predict", "published_score", "run_hardware",
+           "workload"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class PublishedRun:
     # then materializes its scores (softmax and dropout over b x heads x s x s), as Megatron-LM's
     # fused scale-mask-softmax did before FlashAttention
     dropout: float = 0.1
+    tokens_per_gpu_s: float = 0.0  # published tokens per second per GPU (torchtitan's figure; 0: not published)
+    memory_gib: float = 0.0  # the GPUs' memory when it is not the preset's (0: the preset's)
 
     @property
     def d(self) -> int:
@@ -106,6 +110,31 @@ _LLAMA3 = (
 )
 _LLAMA = "Llama 3, arXiv:2407.21783 Tables 3 and 4"
 
+# torchtitan (PyTorch's own trainer), the rows in bf16 without Float8 or torch.compile, sequence 8,192,
+# data parallelism FSDP2 over the GPUs not in TP (t), no pipeline; figures are tokens per second per
+# GPU (torchtitan's "WPS" / "TPS/GPU"). Per row: (model, GPUs, t, global batch, checkpointing,
+# tokens/s/GPU, hardware preset, GPU memory GiB (0: the preset's), source).
+# - docs/performance.md at commit 4d88a8a44 (2024-12-03): "Llama 3 performance numbers" on 64 A100
+#   80GB, local batch 1: 8B selective op AC 2973 WPS (MFU 58.2%), 70B full AC 331 WPS (MFU 51.7%);
+#   "Llama 3.1 performance numbers" on 128 H100 (95 GB HBM2e): 405B, FSDP 16 x TP 8, local batch 2
+#   (global 32), full AC, no optimizations: 109 WPS (MFU 29.0%).
+# - benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26; H100 96GB HBM2e at
+#   the default 500 W): Table 1, Llama 3.1 8B, 8 GPUs, local batch 2 (global 16), selective AC, FSDP:
+#   5,762 TPS/GPU; Table 3, the same on 128 GPUs (global 256): 5,605 TPS/GPU. Its 70B (Table 4) and
+#   405B (Table 5) rows run Float8 and torch.compile, which the planner's bf16 model does not
+#   describe: left out.
+_TORCHTITAN_DOC = "torchtitan docs/performance.md @4d88a8a44"
+_TORCHTITAN_BENCH = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+_LLAMA_SHAPES = {  # layers, hidden, FFN, heads, kv heads (Llama 3 / 3.1, vocabulary 128,256)
+    "8b": (32, 4096, 14336, 32, 8), "70b": (80, 8192, 28672, 64, 8), "405b": (126, 16384, 53248, 128, 8)}
+_TORCHTITAN = (
+    ("8b", 64, 1, 64, "selective", 2973, "a100-80gb", 0, _TORCHTITAN_DOC),
+    ("70b", 64, 1, 64, "full", 331, "a100-80gb", 0, _TORCHTITAN_DOC),
+    ("405b", 128, 8, 32, "full", 109, "h100-sxm", 95, _TORCHTITAN_DOC),
+    ("8b", 8, 1, 16, "selective", 5762, "h100-sxm", 96, _TORCHTITAN_BENCH),
+    ("8b", 128, 1, 256, "selective", 5605, "h100-sxm", 96, _TORCHTITAN_BENCH),
+)
+
 RUNS: dict[str, PublishedRun] = {}
 for _n, _heads, _h, _l, _t, _p, _gpus, _b, _tf in _TABLE1:
     RUNS[f"gpt-{_n}b"] = PublishedRun(name=f"GPT {_n}B", source=_MEGATRON, family="gpt", layers=_l, hidden=_h,
@@ -117,6 +146,15 @@ for _gpus, _t, _p, _tf in _LLAMA3:
         seq=8192, vocab=128256, gpus=_gpus, global_batch=2048, t=_t, p=_p, tflops=_tf, hardware="h100-sxm",
         ffn=53248, kv_heads=8, shard=True, dropout=0.0, checkpointing=("none", "selective", "full"), sequence_parallel=(False, True),
         schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_1f1b", 8)))
+
+
+for _m, _gpus, _t, _b, _ckpt, _tps, _hw, _gib, _src in _TORCHTITAN:
+    _l, _h, _ffn, _heads, _kv = _LLAMA_SHAPES[_m]
+    RUNS[f"torchtitan-llama3-{_m}-{_gpus}"] = PublishedRun(
+        name=f"torchtitan Llama 3 {_m.upper()}, {_gpus} GPUs", source=_src, family="llama", layers=_l, hidden=_h,
+        heads=_heads, seq=8192, vocab=128256, gpus=_gpus, global_batch=_b, t=_t, p=1, tflops=0.0, hardware=_hw,
+        ffn=_ffn, kv_heads=_kv, shard=True, dropout=0.0, checkpointing=(_ckpt,), sequence_parallel=(False, True),
+        tokens_per_gpu_s=float(_tps), memory_gib=float(_gib))
 
 
 def _model(run: PublishedRun, layers: int) -> tuple[Any, tuple, dict]:
@@ -207,9 +245,24 @@ class Prediction:
     notes: tuple[str, ...] = field(default=())
 
     @property
+    def tokens_per_gpu_s(self) -> float:
+        """Predicted tokens per second per GPU of the published layout."""
+        run = self.run
+        return run.global_batch * run.seq / (self.published.step_time * run.gpus)
+
+    @property
     def error(self) -> float:
-        """(predicted - published) / published, for the published layout."""
+        """(predicted - published) / published, for the published layout: in tokens per second per
+        GPU where the source publishes those (torchtitan), else in TFLOP/s per GPU."""
+        if self.run.tokens_per_gpu_s:
+            return self.tokens_per_gpu_s / self.run.tokens_per_gpu_s - 1.0
         return self.predicted / self.run.tflops - 1.0
+
+
+def run_hardware(run: PublishedRun) -> Hardware:
+    """The preset of ``run``'s GPU, with the run's GPU memory where it differs from the preset's."""
+    hw = Hardware.preset(run.hardware)
+    return dataclasses.replace(hw, memory_bytes=run.memory_gib * 2**30) if run.memory_gib else hw
 
 
 def predict(run: PublishedRun, *, cache: dict | None = None, search_layouts: bool = True,
@@ -218,7 +271,7 @@ def predict(run: PublishedRun, *, cache: dict | None = None, search_layouts: boo
     pick, on ``hardware`` (default: the run's preset)."""
     import time
 
-    hw = hardware if hardware is not None else Hardware.preset(run.hardware)
+    hw = hardware if hardware is not None else run_hardware(run)
     w = workload(run, cache)
     pub = published_score(run, w, Scorer(w, hw, hw.memory_bytes))
     pred = tflops_per_gpu(run, w, pub.step_time)
