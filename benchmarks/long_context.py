@@ -86,6 +86,9 @@ def _worker(rank: int, world: int, lengths: list[int], repeats: int, sequences: 
                     times[name].append(time.perf_counter() - t0)
         rows[S] = {name: (peaks[name], statistics.median(times[name]) if times[name] else float("nan"))
                    for name in LAYOUTS}
+        if rank == 0:  # this rank's figures as each length ends (the table, over every rank, comes at the end)
+            for name, (peak, step) in rows[S].items():
+                print(f"rank 0: {S} tokens, {name}: peak {peak / 2**20:.1f} MiB, step {step:.3f} s", flush=True)
         del pms
     rows["torch"] = _torch_cp(rank, world, min(lengths))
     return rows

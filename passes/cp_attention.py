@@ -3,8 +3,8 @@ the local queries read every rank's keys and values, by all-gather or by ring, c
 attention call ([Note: all-gather or ring]).
 
 Terms as in ``passes/context_parallel.py`` (C, S, sharded value, sequence dim); **K/V width** --
-the elements per token of the keys plus the values an attention reads; **q/o width** -- those of
-its queries plus its output. Written only against fxsplit's public API.
+the elements per token of the keys plus the values an attention reads; **H** -- its query heads.
+Written only against fxsplit's public API.
 
     rule = sdpa_rule        # (rw, node) -> the output's sequence dim, or None once the node is replaced
 
@@ -16,12 +16,13 @@ its queries plus its output. Written only against fxsplit's public API.
 - **ring**: ``fxsplit.tp.ring.ring_attention`` passes each rank's block around the ring with an
   online-softmax merge ([Note: ring attention]); C - 1 dependent exchanges forward and C
   backward (each overlapped with a block's compute), two blocks held at a time, causal and
-  sliding-window masks built per block.
-- ``cp_kv=None`` (auto) takes the ring when the gathered K/V would hold more than twice the
-  memory of the local queries and outputs, ``C * (K/V width) > 2 * (q/o width)`` (standard
-  multi-head attention from C = 4; grouped-query attention with 4 queries per K/V head from
-  C = 16), since below that one collective costs less time than C - 1 dependent exchanges for
-  a small saving. Either choice may be forced with ``cp_kv="allgather"`` / ``"ring"``.
+  sliding-window masks built per block. Each block's scores are computed whole, (S / C)^2 per
+  query head, with about four such tensors alive at once in the backward.
+- ``cp_kv=None`` (auto) takes the ring when the gathered K/V would be larger than the ring's
+  block scores, ``S * (K/V width) > 4 * H * (S / C)^2`` elements per sample, else the
+  all-gather (torch's sdpa kernel never holds the scores): at long sequences the all-gather
+  (measured on CPU, benchmarks/README.md "Context parallelism: all-gather vs ring"). Either
+  choice may be forced with ``cp_kv="allgather"`` / ``"ring"``.
 - The ring is not taken, whatever was asked, and the plan says why, when the attention is
   eager ``softmax(Q K^T) V`` (no single op to replace: its two matmuls all-gather K and V) or
   its mask needs a gradient (a learned score bias: the ring does not differentiate the mask).
@@ -69,10 +70,11 @@ def choose_kv(request: str | None, cp: int, q: Any, k: Any, v: Any, mask: Any) -
         return "allgather", "its mask needs a gradient (a learned score bias), which the ring does not compute"
     if request is not None:
         return request, f"cp_kv={request!r}"
-    kv, qo = _width(k) + _width(v), _width(q) + int(val(q).shape[-3]) * int(val(v).shape[-1])
-    if cp * kv > 2 * qo:
-        return "ring", f"auto: gathered K/V {cp} x {kv} > 2 x local q/o {qo} per token"
-    return "allgather", f"auto: gathered K/V {cp} x {kv} <= 2 x local q/o {qo} per token"
+    seq, heads = int(val(k).shape[-2]), int(val(q).shape[-3])
+    gathered, blocks = seq * (_width(k) + _width(v)), 4 * heads * (seq // cp) ** 2
+    if gathered > blocks:
+        return "ring", f"auto: gathered K/V {gathered} > ring block scores {blocks} elements per sample"
+    return "allgather", f"auto: gathered K/V {gathered} <= ring block scores {blocks} elements per sample"
 
 
 def matmul_rule(rw: Any, node: torch.fx.Node) -> Any:

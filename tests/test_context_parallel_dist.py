@@ -4,7 +4,8 @@ cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1 by ring: its
 ring's functional all-to-all) and cp=2 x dp=2 with compile=True
 (every stage graph through inductor, none falling back) on the zoo GPT, three SGD steps each,
 and Llama with its own loss at cp=2 x dp=2 (a second step at 27 tokens, which 2 * cp does not divide: padded to
-the traced 32 and masked), every data-parallel replica fed its own slice of the global batch; the loss of every step and every gradient (tp shards reassembled) against one process on the whole
+the traced 32 and masked) and at cp=2 x tp=2 by ring, every data-parallel replica fed its own slice of the global
+batch; the loss of every step and every gradient (tp shards reassembled) against one process on the whole
 batch. In the same launch: mp_policy (bf16 parameters, fp32 reductions) at cp=2 x dp=2 against the same
 casts in one process, to bf16's tolerance (test_mixed_precision.py), and a checkpoint saved at cp=2 x dp=2
 after the three steps, loaded at tp=2 x pp=2 and read whole in this process (cp=1), equal to the one-process
@@ -76,6 +77,7 @@ def _train(rank, world, ckpt):
         out.append(dict(losses=losses, grads=grads, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs),
                         ring=ring, **_compiled(pm)))
     out.append(_train_llama())
+    out.append(_train_llama_tp())
     out.append(_mp_step())
     out.append(_reload(ckpt))
     return out
@@ -144,6 +146,34 @@ def _train_llama():
     return out
 
 
+def _train_llama_tp():
+    """Llama's own loss at cp=2 x tp=2, K/V by ring: one step on the whole batch."""
+    model, ids, mask, labels = _llama()
+    pm = fxsplit.parallelize(model, (ids,), {"attention_mask": mask, "labels": labels}, loss_fn=_model_loss,
+                             hardware=_HW, timeout=120, cp=2, tp=2, cp_kv="ring", verify=False)
+    loss = float(pm.step(ids, attention_mask=mask, labels=labels, target=labels))
+    return dict(loss=loss, grads=local_grads(pm), tp=pm.coords["tp"], specs=dict(pm.plan.tp_plan.param_specs))
+
+
+def _check_llama_tp(per_rank):
+    """Every rank: the whole batch's loss; the tp shards of each cp rank, put together, the full gradient."""
+    model, ids, mask, labels = _llama()
+    model = copy.deepcopy(model)
+    loss = model(ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    specs = per_rank[0]["specs"]
+    for rank, res in enumerate(per_rank):
+        assert abs(res["loss"] - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), (rank, res["loss"], loss.item())
+    for cp_rank in range(2):  # ranks (cp, tp): cp 0 holds global ranks 0 and 1
+        pair = sorted((per_rank[r] for r in (2 * cp_rank, 2 * cp_rank + 1)), key=lambda res: res["tp"])
+        assert pair[0]["grads"], cp_rank
+        for n in pair[0]["grads"]:
+            shards = [res["grads"][n] for res in pair]
+            got = specs[n].unshard(shards) if n in specs else shards[0]
+            torch.testing.assert_close(got, want[n], rtol=1e-4, atol=1e-6, msg=f"llama cp2xtp2 ring cp {cp_rank} grad {n}")
+
+
 def _reference(state=None):
     model, idx, target = _example()
     model = copy.deepcopy(model)
@@ -167,10 +197,11 @@ def test_cp_layouts_train_like_one_process_over_gloo(tmp_path):
     results = run_distributed(_train, 4, ckpt, timeout=900)
     for k, length in enumerate((32, SHORT)):
         _check_llama([r[len(CASES)][k] for r in results], length)
-    _check_mp([r[len(CASES) + 1] for r in results])
+    _check_llama_tp([r[len(CASES) + 1] for r in results])
+    _check_mp([r[len(CASES) + 2] for r in results])
     ref_state: dict = {}
     ref_losses, ref_grads = _reference(ref_state)
-    _check_reload([r[len(CASES) + 2] for r in results], fxsplit.load_full_checkpoint(ckpt), ref_state)
+    _check_reload([r[len(CASES) + 3] for r in results], fxsplit.load_full_checkpoint(ckpt), ref_state)
     for k, opts in enumerate(CASES):
         per_rank = [r[k] for r in results]
         assert all((res["ring"] > 0) == (k in RING) for res in per_rank), (opts, [res["ring"] for res in per_rank])
@@ -181,6 +212,8 @@ def test_cp_layouts_train_like_one_process_over_gloo(tmp_path):
         for rank, res in enumerate(per_rank):
             c = res["coords"]
             cells.setdefault((c["dp"], c.get("cp", 0), c["pp"]), []).append((c["tp"], rank))
+        if opts.get("schedule") == "zb_h1":  # the ring's exchange traced into the graph split, no fallback
+            assert all(res["fallbacks"] == {} for res in per_rank), [res["fallbacks"] for res in per_rank]
         if opts.get("compile"):  # every stage graph through inductor, nothing left eager
             for rank, res in enumerate(per_rank):
                 assert res["fallbacks"] == {} and {kind for _, kind in res["compiled"]} == {"F", "B"}, (

@@ -24,15 +24,19 @@ again and each block's dK / dV accumulator travels with it, one more step bringi
 C steps. Everything is computed in float32 (float64 for float64 inputs) and the output cast to the
 queries' dtype. A query
 row with no allowed key gives 0 and a 0 gradient, as torch's sdpa does. Numbers differ from one
-sdpa over all keys only in rounding (a different summation order). The mask may not need a
+sdpa over all keys only in rounding (a different summation order). Each block's scores are
+computed whole ((S / C)^2 per query head, several alive in the backward), which on CPU holds more
+than the all-gather's sdpa kernel does (benchmarks/README.md); torch's
+``_scaled_dot_product_flash_attention_for_cpu`` and its backward return and take the log-sum-exp a
+tiled block needs (a fully masked row comes back with lse 0, to be set to -inf), not used yet. The mask may not need a
 gradient (a learned score bias keeps the all-gather: the pass checks this at plan time).
 
 [Note: why our own ring]
 torch's ``torch.distributed.tensor.experimental.context_parallel`` (``_templated_ring_attention``)
 dispatches on the fused sdpa kernels (flash / efficient / cudnn) through DTensor and did not run
-on CPU / gloo here (benchmarks/README.md, "Context parallelism"); it also changes the model's
-module in place. This one is a plain function of tensors and a mesh axis (a leaf in the graph,
-like the tp collectives), its exchange is ``all_to_all_single`` over the cp group with only the
+on CPU / gloo here (benchmarks/README.md, "Context parallelism: all-gather vs ring"); it also
+changes the model's module in place. This one is a plain function of tensors and a mesh axis (a
+leaf in the graph, like the tp collectives), its exchange is ``all_to_all_single`` over the cp group with only the
 next rank's share non-empty (gloo runs it; traced, torch's functional ``all_to_all_single``:
 [Note: traced collectives] in fxsplit.tp.collectives) and every wait is the runtime's bounded
 one (``_Bound.wait``: [Note: failure protocol] in fxsplit.runtime.watch).

@@ -215,7 +215,8 @@ def _externals(nodes: list[fx.Node], outputs: list[fx.Node | None], local: set[f
 
 
 _FC = torch.ops._c10d_functional
-_ISSUE = (_FC.all_reduce.default, _FC.all_gather_into_tensor.default, _FC.reduce_scatter_tensor.default)
+_ISSUE = (_FC.all_reduce.default, _FC.all_gather_into_tensor.default, _FC.reduce_scatter_tensor.default,
+          _FC.all_to_all_single.default)  # the last: context parallelism's ring exchange (fxsplit.tp.ring)
 _RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 # uninitialized buffers: two alike are not interchangeable (each is written in place after)
