@@ -10,9 +10,11 @@ launch.
 The model: LlamaForCausalLM from a config (hidden 256, 4 layers, 8 query / 4 key-value heads, vocabulary
 1024, sdpa), batch 8 in 4 microbatches, 1F1B, each plan traced by torch.export at L with an attention mask.
 Each round runs one step of every (plan, length) pair, the order reversed every other round, after a
-barrier; a step's time is the slower rank's wall time; the table gives the median over the rounds (the
-first round is warm-up and not counted) and the bytes rank 0 sent its pipeline peer in that step
-(``PipelineRuntime.last_sent_bytes``). CPU figures on a shared machine: the ratios are the result.
+barrier; a step's time is the slower rank's wall time, and its CPU time the larger of the two ranks'
+process CPU seconds (what the step computed, which the other sessions' load on a shared machine
+disturbs far less than the wall clock). The table gives medians over the rounds (the first round is
+warm-up and not counted), the median of the per-round ratios L/4 : L, and the bytes rank 0 sent its
+pipeline peer in that step (``PipelineRuntime.last_sent_bytes``).
 """
 
 from __future__ import annotations
@@ -58,20 +60,25 @@ def _worker(rank: int, world: int, length: int, rounds: int) -> dict:
         plan_s[name] = time.perf_counter() - t0
     pairs = [(name, t) for name in PLANS for t in (length, length // 4)]
     times: dict = {p: [] for p in pairs}
+    cpus: dict = {p: [] for p in pairs}
     sent: dict = {}
     for r in range(rounds + 1):
         for name, t in pairs if r % 2 == 0 else reversed(pairs):
             pm = pms[name]
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             pm.step(ids[:, :t], attention_mask=mask[:, :t], target=ids[:, :t])
-            seconds = torch.tensor(time.perf_counter() - t0)
+            seconds = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             pm.zero_grad()
             if r > 0:
-                times[(name, t)].append(float(seconds))
+                times[(name, t)].append(float(seconds[0]))
+                cpus[(name, t)].append(float(seconds[1]))
             sent[(name, t)] = pm._runtime.last_sent_bytes
-    return dict(times={p: statistics.median(v) for p, v in times.items()}, sent=sent, plan_s=plan_s,
+    ratio = {(name, k): statistics.median(a / b for a, b in zip(d[(name, length // 4)], d[(name, length)]))
+             for name in PLANS for k, d in (("wall", times), ("cpu", cpus))}
+    return dict(times={p: statistics.median(v) for p, v in times.items()},
+                cpus={p: statistics.median(v) for p, v in cpus.items()}, ratio=ratio, sent=sent, plan_s=plan_s,
                 reason={n: next(x for x in str(pm.plan).splitlines() if x.startswith("sequence:"))
                         for n, pm in pms.items()})
 
@@ -85,12 +92,16 @@ def main(argv: list[str] | None = None) -> None:
 
     res = run_distributed(_worker, 2, ns.length, ns.rounds, timeout=3600)[0]
     L = ns.length
-    print("| plan | plan time | step at L | step at L/4 | L/4 : L | bytes sent at L | at L/4 |")
+    print("| plan | step at L (wall / CPU) | step at L/4 (wall / CPU) | L/4 : L wall | L/4 : L CPU | "
+          "bytes sent at L | at L/4 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in PLANS:
-        full, short = res["times"][(name, L)], res["times"][(name, L // 4)]
-        print(f"| {name} | {res['plan_s'][name]:.1f} s | {full:.3f} s | {short:.3f} s | {short / full:.2f} | "
+        w, c = res["times"], res["cpus"]
+        print(f"| {name} | {w[(name, L)]:.3f} / {c[(name, L)]:.3f} s | {w[(name, L // 4)]:.3f} / "
+              f"{c[(name, L // 4)]:.3f} s | {res['ratio'][(name, 'wall')]:.2f} | {res['ratio'][(name, 'cpu')]:.2f} | "
               f"{res['sent'][(name, L)] / 2**20:.1f} MiB | {res['sent'][(name, L // 4)] / 2**20:.1f} MiB |")
+    print("plan time (the first includes the process's warm-up): " +
+          ", ".join(f"{n} {s:.1f} s" for n, s in res["plan_s"].items()))
     for name, line in res["reason"].items():
         print(f"{name}: {line}")
 

@@ -29,7 +29,8 @@ def _lm_loss(out, y):
 
 def test_a_plan_follows_every_length_up_to_the_traced_one():
     model, args, kwargs = _llama()
-    p = fxsplit.plan(model, args, kwargs, tp=2, pp=2, microbatches=2, schedule="zbv", method="export")
+    p = fxsplit.plan(model, args, kwargs, tp=2, pp=2, microbatches=2, schedule="zbv", method="export",
+                     follow_sequence=True)
     info = p.graph.meta["fxsplit"]
     assert info.follows_sequence and info.traced_length == 16 and follows(p) and traced_length(p) == 16, info.reason
     seq = info.symbols["seq"]
@@ -72,7 +73,7 @@ def test_a_model_padding_would_change_runs_every_length_exactly():
     # every position attends to every other without a mask: padding changes it, following does not
     torch.manual_seed(0)
     model, ids = _Attention(), torch.randint(0, 32, (2, 8))
-    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export")
+    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", follow_sequence=True)
     assert follows(p), p.graph.meta["fxsplit"].reason
     fxsplit.verify(model, (ids,), p, quiet=True)
     fxsplit.verify(model, (ids[:, :5],), p, loss_fn=lambda out, y: nn.functional.mse_loss(out, y),
@@ -82,7 +83,7 @@ def test_a_model_padding_would_change_runs_every_length_exactly():
 def test_a_value_that_depends_on_the_length_keeps_the_plan_static():
     torch.manual_seed(0)
     model, ids = _Attention(causal=True, scale_by_length=True), torch.randint(0, 32, (2, 8))
-    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export")
+    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", follow_sequence=True)
     info = p.graph.meta["fxsplit"]
     assert not info.follows_sequence and not follows(p) and traced_length(p) == 8
     assert "depends on the length" in info.follow_refused and "stays static at 8" in info.reason
@@ -91,7 +92,8 @@ def test_a_value_that_depends_on_the_length_keeps_the_plan_static():
     assert t == 5 and flat[0].shape == (2, 8)
     with pytest.raises(PlanError, match="follow_sequence=True with cp > 1"):
         fxsplit.ParallelConfig(cp=2, follow_sequence=True)
-    on_meta = fxsplit.plan(_meta_model(), (ids,), pp=2, microbatches=2, schedule="1f1b", method="export")
+    on_meta = fxsplit.plan(_meta_model(), (ids,), pp=2, microbatches=2, schedule="1f1b", method="export",
+                           follow_sequence=True)
     assert not on_meta.graph.meta["fxsplit"].follows_sequence and "meta device" in str(on_meta)
 
 
@@ -103,7 +105,7 @@ def _meta_model():
 def test_verify_stops_following_where_the_plan_differs():
     torch.manual_seed(0)
     model, ids = _Attention(causal=True), torch.randint(0, 32, (2, 8))
-    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export")
+    p = fxsplit.plan(model, (ids,), pp=2, microbatches=2, schedule="1f1b", method="export", follow_sequence=True)
     assert follows(p)
 
     def run_plan(flat):  # right at the traced length, wrong at any other

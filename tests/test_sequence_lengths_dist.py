@@ -116,7 +116,8 @@ def _train(kind, options):
     vocab = int(model.config.vocab_size) if kind != "gpt" else model.config.vocab_size
     with shared_traces(_TRACES):
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=_loss(kind), method="export", verify=False,
-                                 timeout=120, hardware=INF_LINK, **options)
+                                 timeout=120, hardware=INF_LINK,
+                                 follow_sequence=options.get("cp", 1) == 1, **options)
     info = pm.plan.graph.meta["fxsplit"]
     assert info.method == "export" and info.traced_length == TRACED
     assert info.follows_sequence == (options.get("cp", 1) == 1), info.reason

@@ -94,6 +94,7 @@ from fxsplit.api.inputs import check_batch, inference_microbatches
 from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module, stage_refusal
 from fxsplit.api.kv_export import export_decode, export_refusal
 from fxsplit.api.overlapped_decode import overlapped_decode
+from fxsplit.api.padding import follows, traced_length
 from fxsplit.errors import ArgumentTypeError, RunError, UsageError
 
 if TYPE_CHECKING:
@@ -244,7 +245,7 @@ class _Feed:
     length: int | None
 
     @classmethod
-    def of(cls, metas: Sequence[ValueMeta]) -> _Feed:
+    def of(cls, metas: Sequence[ValueMeta], traced: int | None = None) -> _Feed:
         rest = [(i, m) for i, m in enumerate(metas) if i != 0]
         mask = [i for i, m in rest if "mask" in m.name and m.is_tensor and len(m.shape) == 2]
         other = [m.name for i, m in rest if i not in mask]
@@ -257,7 +258,9 @@ class _Feed:
                 f"so it cannot fill {other or names}. "
                 "Plan the model with its token ids alone (e.g. fxsplit.parallelize(model, (input_ids,)))")
         length = metas[0].shape[1]
-        return cls(0, mask[0] if mask else None, length if isinstance(length, int) else None)
+        # a plan following the step's length ([Note: following the sequence from two static traces]) is
+        # exact up to its traced length only, so it generates as the static plan it was traced as
+        return cls(0, mask[0] if mask else None, length if isinstance(length, int) else traced)
 
     def check_fits(self, prompt: int, max_new_tokens: int) -> None:
         if self.length is None:
@@ -298,8 +301,11 @@ def cache_path(pm: Any, *, use_cache: bool = True) -> str | None:
     with a KV cache] in fxsplit.api.kv_cache), else the one-line reason it recomputes every step."""
     if not use_cache:
         return "use_cache=False"
-    feed = _Feed.of(pm.plan.stages.input_meta)
+    feed = _Feed.of(pm.plan.stages.input_meta, traced_length(pm.plan))
     compiled = bool(pm._runtime.compile)
+    if follows(pm.plan):
+        return ("the plan follows each step's length (follow_sequence=True) and the KV cache of an exported "
+                "graph is built from its static trace: plan with follow_sequence=False for a cached generate")
     if feed.length is not None and not compiled:
         return export_refusal(pm.plan.stages.modules, pm.plan.stages.input_meta, feed.length)
     return cache_refusal(pm.plan, traced_length=feed.length, mask_input=feed.mask is not None, compiled=compiled)
@@ -331,7 +337,7 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
     def prepare() -> list:
         _check_call(input_ids, max_new_tokens, eos_token_id)
         rule = Sampling(**sampling)
-        feed = _Feed.of(pm.plan.stages.input_meta)
+        feed = _Feed.of(pm.plan.stages.input_meta, traced_length(pm.plan))
         why = cache_path(pm, use_cache=use_cache)
         if why is not None:  # the cache's graphs take any length
             feed.check_fits(input_ids.shape[1], max_new_tokens)

@@ -153,7 +153,7 @@ class ParallelConfig:
             raise PlanError(f"pad_sequence must be True, False or None (pad shorter sequences to the traced length), "
                             f"got {self.pad_sequence!r}")
         if self.follow_sequence not in (True, False, None):
-            raise PlanError(f"follow_sequence must be True, False or None (follow with real weights), got "
+            raise PlanError(f"follow_sequence must be True, False or None (None: as False, shorter steps padded), got "
                             f"{self.follow_sequence!r}")
         if self.follow_sequence and (self.cp > 1 or self.pad_sequence is False):
             why = "cp > 1 cuts a static length" if self.cp > 1 else "pad_sequence=False runs the traced length only"

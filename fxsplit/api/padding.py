@@ -103,7 +103,8 @@ def sequence_summary(plan_: Plan) -> str | None:
                 f"to {length}): [Note: following the sequence from two static traces]")
     info, c = plan_.graph.meta["fxsplit"], plan_.config
     why = (getattr(plan_, "_following_refused", None) or ("cp > 1 cuts a static length" if c.cp > 1 else None)
-           or ("follow_sequence=False" if c.follow_sequence is False else None) or info.follow_refused
+           or (None if c.follow_sequence else "follow_sequence=True would run them at their own length")
+           or info.follow_refused
            or "the model is on the meta device (follow_sequence=True traces it a second time)")
     refused = getattr(plan_, "_padding_refused", None)
     if refused:

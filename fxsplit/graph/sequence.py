@@ -110,11 +110,18 @@ def _literals(g1: torch.fx.GraphModule, g2: torch.fx.GraphModule, length: int) -
                 return {}, (f"node {a.name} ({a.target}) takes {x!r} at {length} positions and {y!r} at "
                             f"{length - 1}: a value that depends on the length")
         if a.op == "get_attr":
-            t1, t2 = getattr(g1, str(a.target), None), getattr(g2, str(b.target), None)
+            t1, t2 = _attr(g1, str(a.target)), _attr(g2, str(b.target))
             if isinstance(t1, torch.Tensor) and (not isinstance(t2, torch.Tensor) or t1.shape != t2.shape or (
                     not t1.is_meta and not isinstance(t1, torch.nn.Parameter) and not torch.equal(t1, t2))):
                 return {}, f"the constant {a.target} of the graph depends on the length"
     return found, None
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 class _Exprs:
