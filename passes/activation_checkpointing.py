@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from fxsplit.graph.meta import annotate_node
 from fxsplit.errors import PlanError
 from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.graph.recompute import MODES, call_module, checkpointed, keep, keeps_output, regions, worth_checkpointing
@@ -97,6 +98,9 @@ def _outline(gm: torch.fx.GraphModule, key: str, nodes: list[torch.fx.Node], mod
         fn = graph.get_attr(name)
     with graph.inserting_after(fn):
         call = graph.call_function(checkpointed, (fn, mode, *inputs, *modules.values()))
+    if all("val" in out.meta for out in outputs):  # the metadata contract: the region's outputs
+        call.meta["val"] = tuple(out.meta["val"] for out in outputs)
+        annotate_node(call, gm)
     anchor = call
     for i, out in enumerate(outputs):
         with graph.inserting_after(anchor):

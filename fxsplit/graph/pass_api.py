@@ -295,9 +295,10 @@ class PassManager:
     input graph and after every pass, after ``gm.graph.lint()`` and ``gm.recompile()``.
     ``debug``: a folder for per-pass dumps (see ``fxsplit.graph.debug``), False for none, or None to
     use the ``FXSPLIT_DEBUG_DIR`` environment variable. ``check_metadata``: hold every pass to the
-    metadata contract (module docstring); fxsplit's built-in passes (``fxsplit.passes``) are not
-    rechecked, since recomputing every node tensor parallelism shards would add seconds to the plan
-    of a large model.
+    metadata contract (module docstring), fxsplit's built-in passes (``fxsplit.passes``) included:
+    the check recomputes only the nodes a pass changed, each distinct (op, input shapes) once per
+    run ([Note: cached fake values] in fxsplit.graph.pass_check); its cost on a 70B plan is in
+    benchmarks/README.md.
 
     Calling the manager returns ``PassResult(final_gm, modified_by_any_pass)``; failures follow
     [Note: pass failures] in ``fxsplit.graph.pass_api``.
@@ -396,6 +397,7 @@ class PassManager:
 
         ran: list[str] = []
         any_modified = False
+        shapes: dict = {}  # [Note: cached fake values] in fxsplit.graph.pass_check, for this run
         try:
             self._run_checks(gm, failed_after=None, ran=ran)
             for fn, name in zip(self.passes, self.names):
@@ -404,7 +406,7 @@ class PassManager:
                     if recorder is not None:
                         recorder.skip(name)
                     continue
-                gm, modified = self._run_one(fn, name, gm, ctx, ran, recorder)
+                gm, modified = self._run_one(fn, name, gm, ctx, ran, recorder, shapes)
                 any_modified = any_modified or modified
                 ran.append(name)
         finally:
@@ -414,7 +416,7 @@ class PassManager:
 
     def _run_one(
         self, fn: PassFn, name: str, gm: torch.fx.GraphModule, ctx: PassContext,
-        ran: list[str], recorder: Any,
+        ran: list[str], recorder: Any, shapes: dict,
     ) -> tuple[torch.fx.GraphModule, bool]:
         index = len(ctx.history)
         nodes_before = len(gm.graph.nodes)
@@ -424,7 +426,7 @@ class PassManager:
             token = recorder.begin(len(ran), name, gm)
             ctx.debug_dir = token.folder
         try:
-            snapshot = take_snapshot(gm) if self.check_metadata and not _built_in(fn) else None
+            snapshot = take_snapshot(gm) if self.check_metadata else None
             start = time.perf_counter()
             try:
                 result = fn(gm, ctx)
@@ -446,7 +448,7 @@ class PassManager:
                 exc.add_note(_failure_note(f"in graph lint/recompile after pass {name!r}", name, ran))
                 raise
             try:
-                check_after(new_gm, snapshot, pass_name=name)
+                check_after(new_gm, snapshot, pass_name=name, cache=shapes)
             except PassContractError as exc:
                 exc.add_note(_failure_note(f"in the metadata check after pass {name!r}", name, ran))
                 raise
@@ -484,13 +486,6 @@ class PassManager:
                     )
                 exc.add_note(note)
                 raise
-
-
-def _built_in(fn: PassFn) -> bool:
-    inner = fn
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    return (getattr(inner, "__module__", None) or "").startswith("fxsplit.passes.")
 
 
 def _spec_name(spec: PassSpec, fn: PassFn) -> str:

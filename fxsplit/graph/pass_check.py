@@ -85,11 +85,14 @@ def take_snapshot(gm: torch.fx.GraphModule) -> Snapshot | None:
     )
 
 
-def check_after(gm: torch.fx.GraphModule, snapshot: Snapshot | None, *, pass_name: str) -> None:
+def check_after(gm: torch.fx.GraphModule, snapshot: Snapshot | None, *, pass_name: str,
+                cache: dict | None = None) -> None:
     """Raise :class:`PassContractError` at the first node that breaks the contract after
-    ``pass_name`` ([Note: metadata check after a pass])."""
+    ``pass_name`` ([Note: metadata check after a pass]). ``cache``: output shapes already computed
+    for an op on the same input shapes (one dict per PassManager run, [Note: cached fake values])."""
     if snapshot is None:
         return
+    cache = {} if cache is None else cache
     dirty: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -101,13 +104,15 @@ def check_after(gm: torch.fx.GraphModule, snapshot: Snapshot | None, *, pass_nam
         if (not new and snapshot.shapes[node] is None) or (new and "val" not in node.meta
                                                               and node.name in snapshot.no_val):
             continue  # the tracer gave it no value (nothing to keep); a copy of such a node neither
-        _check_node(gm, node, snapshot, pass_name, new=new)
+        if node.op == "get_attr" and "val" not in node.meta and _attr(gm, str(node.target)) is None:
+            continue  # a submodule (a checkpointed region's callee), not a tensor: no value to carry
+        _check_node(gm, node, snapshot, pass_name, new=new, cache=cache)
         if new or _shapes(node.meta["val"]) != snapshot.shapes[node]:
             dirty.add(node)
 
 
 def _check_node(gm: torch.fx.GraphModule, node: torch.fx.Node, snapshot: Snapshot, pass_name: str, *,
-                new: bool) -> None:
+                new: bool, cache: dict) -> None:
     what = "added" if new else "changed (or fed from a changed node)"
     where = f"node {node.name!r} ({node.op} {_target_name(node)}) that pass {pass_name!r} {what}"
     if "val" not in node.meta:
@@ -122,10 +127,10 @@ def _check_node(gm: torch.fx.GraphModule, node: torch.fx.Node, snapshot: Snapsho
             raise PassContractError(
                 f'{where}: meta["fxsplit"] says {_fmt(declared)} but meta["val"] is {_fmt(_shapes(node.meta["val"]))}; '
                 f"{_FIX_INFO}", pass_name=pass_name, node=node.name)
-    computed = _recompute(gm, node, where, pass_name)
-    if computed is not None and not _same(_shapes(computed), _shapes(node.meta["val"])):
+    computed = _recompute_shapes(gm, node, where, pass_name, cache)
+    if computed is not None and not _same(computed, _shapes(node.meta["val"])):
         raise PassContractError(
-            f'{where} computes {_fmt(_shapes(computed))} from its inputs, but its meta["val"] says '
+            f'{where} computes {_fmt(computed)} from its inputs, but its meta["val"] says '
             f'{_fmt(_shapes(node.meta["val"]))}; {_FIX_VAL}', pass_name=pass_name, node=node.name)
 
 
@@ -141,6 +146,45 @@ def _recomputable(node: torch.fx.Node) -> bool:
     if module in ("_operator", "operator") or target is operator.getitem:
         return True
     return module.startswith("torch") and not module.startswith(("torch.utils", "torch.distributed"))
+
+
+# [Note: cached fake values]
+# Tensor parallelism changes the same few nodes in every layer (the views that carry the local head
+# count, the collectives it adds), so the check recomputes the same op on the same input shapes once
+# per layer. An op's output shapes are a function of its target, its constant arguments and its
+# inputs' shapes, dtypes and strides, so one PassManager run keeps them by that key and recomputes
+# each distinct case once (a 70B Llama: 80 layers, one computation per case; measured in
+# benchmarks/README.md). A case that failed is not kept: it raises at its first node.
+
+
+def _freeze(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(map(str, x.shape)), x.dtype, tuple(map(str, x.stride())))
+    return repr(x) if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
+
+
+def _recompute_shapes(gm: torch.fx.GraphModule, node: torch.fx.Node, where: str, pass_name: str,
+                      cache: dict) -> tuple | None:
+    """The output shapes ``node`` computes from its inputs' ``meta["val"]`` (None: unknowable)."""
+    if node.op != "get_attr" and _recomputable(node) and all("val" in a.meta for a in node.all_input_nodes):
+        try:
+            key = (node.op, node.target, _freeze(map_arg((node.args, node.kwargs), lambda a: a.meta["val"])))
+            hash(key)
+        except TypeError:  # an argument that cannot be a key (a callable with state, ...)
+            key = None
+        if key is not None and key in cache:
+            return cache[key]
+        computed = _recompute(gm, node, where, pass_name)
+        shapes = None if computed is None else _shapes(computed)
+        if key is not None:
+            cache[key] = shapes
+        return shapes
+    computed = _recompute(gm, node, where, pass_name)
+    return None if computed is None else _shapes(computed)
 
 
 def _recompute(gm: torch.fx.GraphModule, node: torch.fx.Node, where: str, pass_name: str) -> Any:
