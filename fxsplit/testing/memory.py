@@ -159,7 +159,8 @@ def measure_case(options: dict, gpt: dict, batch: int) -> tuple[float, float, di
     """On one rank of a launch: (measured, predicted) peak bytes of this rank for the zoo GPT
     (``gpt``: its config, ``batch`` samples per replica) planned with ``options`` (one warm-up
     step, one measured: ``measured_step_peak`` against ``Plan.memory()``), and both sides' terms."""
-    import fxsplit
+    from fxsplit.api.parallelize import parallelize
+    from fxsplit.hardware import Hardware
     from fxsplit.testing import zoo
 
     torch.manual_seed(0)
@@ -168,8 +169,8 @@ def measure_case(options: dict, gpt: dict, batch: int) -> tuple[float, float, di
     x = torch.randint(0, gpt["vocab_size"], ex[0].shape, generator=g)
     y = torch.randint(0, gpt["vocab_size"], ex[0].shape, generator=g)
     replicas = options.get("dp", 1) * options.get("dp_shard", 1)
-    pm = fxsplit.parallelize(model, ex, loss_fn=zoo.cross_entropy_loss, verify=False, timeout=120,
-                             hardware=fxsplit.Hardware.cpu(), global_batch_size=batch * replicas, **_options(options))
+    pm = parallelize(model, ex, loss_fn=zoo.cross_entropy_loss, verify=False, timeout=120,
+                             hardware=Hardware.cpu(), global_batch_size=batch * replicas, **_options(options))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
     pm.step(x, target=y)  # creates the AdamW state
     opt.step()
