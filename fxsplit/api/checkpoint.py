@@ -162,7 +162,7 @@ def _expert_blocks(pm: ParallelModel) -> tuple[set[str], Any]:
     from torch.distributed.device_mesh import DeviceMesh
 
     device = next(iter(pm.parameters())).device.type
-    return set(pm.plan.ep_plan.expert_params), DeviceMesh.from_group(pm._groups["ep"], device)
+    return set(pm.plan.ep_plan.expert_params), DeviceMesh.from_group(pm._groups.ep, device)
 
 
 def _as_block(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
@@ -370,7 +370,7 @@ def _load_into(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | 
                 if name in specs and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
                     value = specs[name].shard(value, tp_rank)
                 if name in experts and value.dim() > 0:  # this rank's block of experts
-                    value = value.chunk(ep)[pm._groups["ep"].rank()]
+                    value = value.chunk(ep)[pm._groups.ep.rank()]
                 if value.dim() > 0:
                     value = like_param(param, value.to(local_tensor(param).device))
                 entry[key[len(prefix):]] = value
