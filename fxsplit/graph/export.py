@@ -94,7 +94,8 @@ def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool,
                                       param_dtype)  # a model that cannot take symbolic sizes
                     dec.prune(gm)
                 note += " (static shapes: export failed with symbolic batch/sequence)"
-                followed = ("", sequence_input(gm)[1] if sequence_input(gm) is not None else None, False, None)
+                followed = _followed(gm, model, ex_args, ex_kwargs, decomposing=decomposing, symbolic=False,
+                                     param_dtype=param_dtype, batch=False, asked=False, propagate=None)
     except Exception as exc:
         raise _export_error(exc, model, kwargs) from exc
     return Exported(gm, note, dec.kept, tuple(_flat_input_names(gm._in_spec, model, args)), *followed[1:])
