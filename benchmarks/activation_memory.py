@@ -47,6 +47,7 @@ import torch
 
 import fxsplit
 from fxsplit import schedule as schedules
+from fxsplit.schedule.ir import ActionKind
 from fxsplit.testing import zoo
 
 from _common import gpt_note, launch, make_gpt, parse_setup, targets
@@ -129,25 +130,22 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         pm = fxsplit.parallelize(model, (x,), loss_fn=zoo.cross_entropy_loss, pp=world,
                                  microbatches=setup.microbatches, schedule=name, stages_per_rank=v,
                                  hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), timeout=120)
-        rt = pm._runtime  # instrumentation only: wrap two methods of this instance
         counter = SavedBytes(pm.parameters())
         share: dict[int, int] = {}
-        held = {"now": 0.0, "peak": 0.0}
+        held = {"now": 0.0, "peak": 0.0, "before": 0}
 
-        def wrap(method, is_forward):
-            def run(ac):
-                before = counter.live
-                method(ac)
-                a = ac.action
-                if is_forward and a.microbatch == 0:
-                    share[a.stage] = counter.live - before
-                held["now"] = len(rt._saved) / v
-                held["peak"] = max(held["peak"], held["now"])
-            return run
+        def before(step, a):
+            held["before"] = counter.live
 
-        rt._forward = wrap(rt._forward, True)
-        rt._backward = wrap(rt._backward, False)
-        with counter.hooks():
+        def after(step, a):  # after each F, B and I: what the step holds for later backwards
+            if a.kind is ActionKind.BACKWARD_WEIGHT:
+                return
+            if a.kind is ActionKind.FORWARD and a.microbatch == 0:
+                share[a.stage] = counter.live - held["before"]
+            held["now"] = len(step.saved) / v
+            held["peak"] = max(held["peak"], held["now"])
+
+        with pm._runtime.probe(before=before, after=after), counter.hooks():
             loss = pm.step(x, target=y)
         if counter.live != 0:
             raise RuntimeError(f"rank {rank} {label}: {counter.live} saved bytes still live after the step")
@@ -174,15 +172,13 @@ def _rank_checkpointing(rank: int, world: int, setup: Setup) -> dict:
         pm.step(x, target=y)  # allocates the parameter gradients
         for p in pm.parameters():
             p.grad.zero_()
-        rt, held = pm._runtime, [0]  # instrumentation only: wrap one method of this instance
-        inner = rt._backward
+        held = [0]
 
-        def backward(ac, inner=inner):
-            held[0] = max(held[0], mem.live)  # what the rank holds as a backward starts
-            inner(ac)
+        def backward_starts(step, a):  # what the rank holds as a backward (B or I) starts
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+                held[0] = max(held[0], mem.live)
 
-        rt._backward = backward
-        with LiveBytes() as mem:
+        with pm._runtime.probe(before=backward_starts), LiveBytes() as mem:
             loss = pm.step(x, target=y)
         with_, without = pm.plan.split.peak_activations()
         out[mode] = {"peak": mem.peak, "held": held[0], "predicted": with_[rank], "predicted_none": without[rank],

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import fxsplit
+from fxsplit.schedule.ir import ActionKind
 from fxsplit.testing import run_distributed, zoo
 
 LAYOUTS = {"dp4": dict(dp=4), "dp_shard4": dict(dp_shard=4)}
@@ -68,13 +69,13 @@ def _rank(rank, world, args):
         opt.step()
         opt.zero_grad(set_to_none=True)
         runs[label] = dict(pm=pm, opt=opt, times=[], peaks=[], gathered=[0])
-        rt, inner, seen = pm._runtime, pm._runtime._backward, runs[label]["gathered"]
+        seen = runs[label]["gathered"]
 
-        def backward(ac, inner=inner, pm=pm, seen=seen):  # instrumentation only: what FSDP holds gathered
-            seen[0] = max(seen[0], _gathered_bytes(pm))
-            inner(ac)
+        def backward_starts(step, a, pm=pm, seen=seen):  # instrumentation only: what FSDP holds gathered
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+                seen[0] = max(seen[0], _gathered_bytes(pm))
 
-        rt._backward = backward
+        pm._runtime.probe(before=backward_starts).__enter__()  # for the life of this runtime
     for r in range(args.rounds):
         order = list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))
         for label in order:

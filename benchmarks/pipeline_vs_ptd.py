@@ -52,6 +52,7 @@ plan's imbalance alone.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -214,19 +215,9 @@ class ActionClock:
         return out
 
 
-def _clock_fxsplit(rt, clock: ActionClock) -> None:
-    """Instrumentation only: wrap this runtime instance's action methods."""
-    def wrap(method, kind):
-        def run(ac):
-            clock.mark(ac.action.stage, kind, ac.action.microbatch)
-            return method(ac)
-        return run
-    def backward(ac):
-        clock.mark(ac.action.stage, ac.action.kind.value, ac.action.microbatch)  # B or I
-        return inner(ac)
-    inner = rt._backward
-    rt._forward, rt._backward = wrap(rt._forward, "F"), backward
-    rt._backward_weight = wrap(rt._backward_weight, "W")
+def _clock_fxsplit(rt, clock: ActionClock) -> contextlib.AbstractContextManager:
+    """Instrumentation only: mark the start of each action of this runtime (F, B, I or W)."""
+    return rt.probe(before=lambda step, a: clock.mark(a.stage, a.kind.value, a.microbatch))
 
 
 def _clock_ptd(stage, clock: ActionClock) -> None:
@@ -314,7 +305,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             t_ptd += time.perf_counter() - t0
         losses: dict[str, float] = {}
         clocks = {"fxsplit": ActionClock()} | {name: ActionClock() for name in ptds}
-        _clock_fxsplit(pm._runtime, clocks["fxsplit"])
+        _clock_fxsplit(pm._runtime, clocks["fxsplit"]).__enter__()  # for the life of this runtime
         for name, (_, stages, *_rest) in ptds.items():
             for st in stages:
                 _clock_ptd(st, clocks[name])

@@ -13,7 +13,8 @@ from torch.fx._symbolic_trace import Tracer
 from fxsplit.graph.marker import find_pipe_splits, pipe_split
 from fxsplit.runtime.compile.compiling import (compile_split, full_backward, fused_backward_graph, inference_graph,
                                        inference_runner)
-from fxsplit.runtime.graph_actions import GraphActions
+from fxsplit.runtime.options import RuntimeOptions
+from fxsplit.runtime.runners import CompiledRunner
 from fxsplit.runtime.compile.split_graph import GraphSplit
 from fxsplit.testing import zoo
 from test_split_graph import TwiceOnOnePath  # a weight used twice on one path, plus a bias only W reaches
@@ -113,12 +114,10 @@ def test_inference_graph_is_the_forward():
     assert "draws random numbers" in refused[0]
 
 
-class _LossCaller(GraphActions):
-    """The runtime's loss call alone ([Note: compiled loss]): a compiled training step's state."""
-
-    def __init__(self, loss_fn):
-        self._init_graph_actions("graph", True)
-        self.loss_fn, self.last_stage, self._training = loss_fn, 3, True
+def _loss_runner(loss_fn):
+    """The last stage's compiled runner alone ([Note: compiled loss])."""
+    options = RuntimeOptions(group=None, loss_fn=loss_fn, device="cpu", compile=True)
+    return CompiledRunner(3, nn.Identity(), options, splits=False, last=True)
 
 
 def test_compiled_loss_follows_python_state_and_differentiates():
@@ -129,32 +128,32 @@ def test_compiled_loss_follows_python_state_and_differentiates():
     def loss_fn(out, y):
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) * scale["w"]
 
-    caller = _LossCaller(loss_fn)
+    caller = _loss_runner(loss_fn)
     torch.manual_seed(0)
     out, y = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
     for w in (1.0, 3.0):
         scale["w"] = w
         leaf = out.detach().requires_grad_()
-        got = caller._call_loss(leaf, y)
+        got = caller.loss(leaf, y, training=True)
         (g,) = torch.autograd.grad(got, [leaf])
         ref_leaf = out.detach().requires_grad_()
         want = loss_fn(ref_leaf, y)
         want.backward()
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(g, ref_leaf.grad, rtol=1e-6, atol=1e-7)
-    assert caller._compiled_loss is not None and caller.compile_fallbacks == {}
+    assert caller.compiled_loss is not None and caller.compile_fallbacks == {}
 
 
 def test_compiled_loss_error_is_the_eager_one():
     """An error inside loss_fn: dynamo's exception is not what the user sees; the loss falls back to
     eager (reason recorded) and the eager call raises loss_fn's own error."""
-    caller = _LossCaller(lambda out, y: torch.nn.functional.cross_entropy(out, y))
+    caller = _loss_runner(lambda out, y: torch.nn.functional.cross_entropy(out, y))
     with pytest.raises((RuntimeError, ValueError)) as info:
-        caller._call_loss(torch.randn(4, 7, requires_grad=True), torch.zeros(5, dtype=torch.long))
+        caller.loss(torch.randn(4, 7, requires_grad=True), torch.zeros(5, dtype=torch.long), training=True)
     assert not isinstance(info.value, torch._dynamo.exc.TorchDynamoException), type(info.value)
-    assert "loss_fn" in caller.compile_fallbacks[(3, "loss")]
-    caller._training = False  # outside training (or compile=False) the loss is never compiled
-    assert caller._call_loss(torch.randn(4, 7), torch.zeros(4, dtype=torch.long)).ndim == 0
+    assert "loss_fn" in caller.compile_fallbacks["loss"]
+    # outside training (or compile=False) the loss is never compiled
+    assert caller.loss(torch.randn(4, 7), torch.zeros(4, dtype=torch.long), training=False).ndim == 0
 
 
 def test_a_compile_fallback_keeps_the_whole_exception_text(monkeypatch):

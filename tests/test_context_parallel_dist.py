@@ -86,7 +86,7 @@ def _train(rank, world, ckpt):
 def _compiled(pm):
     """What compile=True compiled (stage, graph) and what fell back to eager, with why."""
     rt = pm._runtime
-    return dict(compiled=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
+    return dict(compiled=sorted((s, kind) for s, split in rt.traced_graphs()
                                 for kind, r in split.runners.items() if r.compiled),
                 fallbacks={**rt.split_fallbacks, **pm.compile_fallbacks})
 

@@ -59,7 +59,7 @@ ALLOWED_RAISES: dict[tuple[str | None, str, str], str] = {
 ALLOWED_CLASSES: dict[tuple[str, str], str] = {
     ("fxsplit/cli.py", "_UserCodeError"): "carries the user's own exception to main(), which prints it",
     ("fxsplit/runtime/compile/split_graph.py", "UnsupportedStage"):
-        "caught in runtime/graph_actions.py: the stage falls back to autograd, or a PlanError is raised",
+        "caught in runtime/runners.py: the stage falls back to autograd, or a PlanError is raised",
     ("fxsplit/tp/shapes.py", "RegionFailed"): "caught in tp/propagate.py and tp/plan.py: the region stays replicated",
     ("fxsplit/pipeline/partition/memory_caps.py", "_Exhausted"): "caught in the same module: the search budget ran out",
     ("fxsplit/api/seq_dims.py", "SeqDimsError"):

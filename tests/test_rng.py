@@ -161,7 +161,7 @@ def _worker(rank, world):
         out["checkpoint"] = _checkpoint_replays(pm)
     pm = _parallel(1)
     out["seed1"] = _losses(pm)
-    pm._runtime.seed, pm._runtime.rng_step = 2, 0
+    pm._runtime.resume_rng(2, 0)
     out["seed2"] = _losses(pm)
     out["steps"] = _losses(pm, batches=(0, 0))
     pm_1f1b = _parallel(1, schedule="1f1b")

@@ -10,6 +10,7 @@ import torch
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.schedule.ir import ActionKind
 from fxsplit.testing.memory import LiveBytes
 
 
@@ -23,15 +24,13 @@ def _held_at_backward_starts(rank, world):
                                  schedule="1f1b", activation_checkpointing=mode, timeout=60,
                                  verify=None if rank == 0 else False)
         pm.step(x, target=y)  # allocates the parameter gradients
-        rt, held = pm._runtime, []  # instrumentation only: wrap one method of this instance
-        inner = rt._backward
+        held = []
 
-        def backward(ac, inner=inner):
-            held.append(mem.live)
-            inner(ac)
+        def backward_starts(step, action):
+            if action.kind is ActionKind.BACKWARD:
+                held.append(mem.live)
 
-        rt._backward = backward
-        with LiveBytes() as mem:
+        with pm._runtime.probe(before=backward_starts), LiveBytes() as mem:
             pm.step(x, target=y)
         out[mode] = (held, mem.live, pm.plan.split.peak_activations()[0][rank])
     return out

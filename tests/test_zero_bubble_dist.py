@@ -107,8 +107,7 @@ def _train(overrides, options, states=False):
 
 def _onednn_matmuls(pm):
     """How many matmuls this rank's compiled graphs run through oneDNN."""
-    return sum(r.onednn_matmuls for split in pm._runtime._graph_splits.values() if split is not None
-               for r in split.runners.values())
+    return sum(r.onednn_matmuls for _, split in pm._runtime.traced_graphs() for r in split.runners.values())
 
 
 def _check(results, want, rtol=1e-5, atol=1e-6):
@@ -323,14 +322,14 @@ def _compiled(rank, world):
             opt.zero_grad()
         rt = pm._runtime
         out[label] = dict(steps=steps, fallbacks=dict(rt.split_fallbacks), not_compiled=pm.compile_fallbacks,
-                          compiled=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
+                          compiled=sorted((s, kind) for s, split in rt.traced_graphs()
                                           for kind, r in split.runners.items() if r.compiled),
-                          onednn=sorted((s, kind) for (s, _), split in rt._graph_splits.items() if split is not None
+                          onednn=sorted((s, kind) for s, split in rt.traced_graphs()
                                         for kind, r in split.runners.items() if r.onednn_matmuls),
                           stages=sorted(int(s) for s in pm.stage_modules), inference=inference,
                           inference_compiled=[run is not None and run.compiled.compiled
-                                              for run in rt._inference_runners.values()],
-                          loss_compiled=rt._compiled_loss is not None, holds_last=rt.last_stage in rt.modules)
+                                              for run in rt.inference_runners()],
+                          loss_compiled=rt.loss_compiled, holds_last=rt.last_stage in rt.modules)
     return out
 
 

@@ -353,7 +353,7 @@ def _load_into(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | 
     pm.load_full_state_dict({k: v for k, v in full.items() if not k.startswith(_OPTIM + "/")})
     if train is not None:  # older checkpoints have none: the counters stay as they are
         pm._steps = train.steps
-        pm._runtime.seed, pm._runtime.rng_step = train.seed, train.rng_step
+        pm._runtime.resume_rng(train.seed, train.rng_step)
     if optimizer is None:
         return
     specs = pm.plan.tp_plan.param_specs

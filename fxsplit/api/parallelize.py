@@ -31,7 +31,7 @@ from fxsplit.api.plan import Plan, plan
 from fxsplit.errors import ArgumentTypeError, PlanError, UsageError
 from fxsplit.hardware import Hardware
 from fxsplit.pipeline.rank_plan import RankPlan
-from fxsplit.runtime import PipelineRuntime
+from fxsplit.runtime import PipelineRuntime, RuntimeOptions
 from fxsplit.runtime.data_parallel import DataParallelGrads
 from fxsplit.runtime.fsdp import ShardedGradSync
 from fxsplit.runtime.mesh import Groups
@@ -229,15 +229,15 @@ def _runtime(rank_plan: RankPlan, stages: Mapping[int, nn.Module], groups: Group
              grads: DataParallelGrads, *, loss_fn: Callable | None, device: torch.device, timeout: float,
              seed: int, deferred: bool, c: ParallelConfig) -> PipelineRuntime:
     """This rank's pipeline runtime over its stages."""
-    return PipelineRuntime(
-        rank_plan, stages, group=groups.pipe,
+    return PipelineRuntime(rank_plan, stages, RuntimeOptions(
+        group=groups.pipe,
         loss_fn=_checked_loss(loss_fn) if loss_fn is not None else None, device=device, timeout=timeout,
         abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
         seed=seed,
         reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None,
         split_backward=c.split_backward, compile=c.compile, watch=watch, grad_hooks=grads,
         defer_tied_grads=deferred,  # summed once FSDP has reduced them
-    )
+    ))
 
 
 def _rank_device(device: torch.device | str | None, mesh_device_type: str) -> torch.device:

@@ -41,7 +41,7 @@ microbatch j + lag on the stage that reads them (``Feedback``). That is one more
 ``TOKEN``, from ``(S-1)Fj`` to ``sF(j + lag)``, planned like an activation (a dependency of the
 receiving forward, a place in the per-peer order, a tag of its own), so the decode program is one
 plan on every backend; its value is the model input the receiving stage reads (the runtime's
-program writes it there, fxsplit.runtime.program), not a stage output.
+program writes it there, ``PipelineRuntime.run_program``), not a stage output.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """Pipeline runtime: one pipeline rank executes its action list over torch.distributed.
 
 - `executor.PipelineRuntime`: runs a rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan` with its
-  stage modules (training step, inference).
+  stage modules (training step, inference, generation's decode programs) under `options.RuntimeOptions`.
+- `step`: the state of one call (`Step`: microbatches, saved activations, handed-over values,
+  outputs, loss) and its messages, passed to every action as an argument.
+- `runners`: how one stage computes: `EagerRunner` (its module on autograd), `GraphRunner` (the
+  graph split's F, I and W graphs of a zero-bubble stage), `CompiledRunner` (those graphs compiled).
 - `p2p`: the channel that posts the sends/receives of a rank's communication plan
   (``fxsplit.pipeline.comm``, [Note: message order]) with a timeout on every wait.
 - `microbatch`: split inputs and targets into microbatches, merge outputs, concrete shapes.
@@ -10,8 +14,6 @@
   (``compile.compiling``, ``compile=True``, [Note: compiled stages]) and CPU matmul routing
   (``compile.cpu_matmul``). `split_backward`: the I / W halves on autograd's graph ([Note: split
   backward]), for stages the graph split refuses and ``split_backward="autograd"``.
-- `graph_actions`: the executor's F / I / W / B actions on stages that run as those graphs, and
-  their per-signature cache.
 - `mesh`: process-group set-up from torchrun's environment, the ("dp", "pp", "tp") DeviceMesh
   (("dp", "dp_shard", "pp", "tp") with sharded data parallelism) and every process group of a run
   as one typed `Groups` (``build_groups``, [Note: process groups]).
@@ -28,6 +30,7 @@ runs what the plan holds and never plans.
 """
 
 from fxsplit.runtime.executor import PipelineRuntime
+from fxsplit.runtime.options import RuntimeOptions
 from fxsplit.runtime.microbatch import (
     MicrobatchSplit,
     bind_symbols,
@@ -43,6 +46,7 @@ __all__ = [
     "P2PChannel",
     "PipelineError",
     "PipelineRuntime",
+    "RuntimeOptions",
     "bind_symbols",
     "concrete_shape",
     "merge_microbatches",

@@ -13,6 +13,12 @@ Representative signature::
     loss = rt.step((idx,), target=y)   # every pp rank gets the full-batch loss; grads in .grad
     out = rt.forward((idx,))           # inference: merged flat outputs on the last stage's rank
 
+A call follows its microbatches by arguments: ``step()`` / ``forward()`` / ``run_program()`` make
+a `Step` (fxsplit.runtime.step: the microbatch inputs and targets, what F saved, values handed
+over, outputs, the loss) and run ``_run(step)`` -> ``_act(step, ac)`` -> ``_forward(step, ac)`` /
+``_backward(step, ac)`` / ``_backward_weight(step, ac)``; the stage's runner
+(fxsplit.runtime.runners: eager, graph split, compiled) computes, the step moves the values.
+
 Launch one process per rank with ``torchrun --nproc-per-node=N train.py``; in each, after
 ``dist.init_process_group("nccl" or "gloo")``, take the pipeline group from a DeviceMesh
 (``group=mesh.get_group("pp")``, rank ``mesh.get_local_rank("pp")``) so the same code
@@ -59,9 +65,9 @@ arrives for a stage output is cast to the dtype that output has before ``backwar
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,172 +76,74 @@ from torch.utils import _pytree as pytree
 
 from fxsplit.errors import (ArgumentTypeError, PlanError, RankFailedError, ScheduleError, StageBuildError,
                             UsageError)
-from fxsplit.runtime.microbatch import (
-    concrete_shape,
-    merge_microbatches,
-    split_microbatches,
-    split_target,
-)
-from fxsplit.pipeline.comm import ACT, Message
-from fxsplit.pipeline.layout import from_wire, to_wire, wire_shape
-from fxsplit.tp.random import stage_stream
+from fxsplit.pipeline.comm import TOKEN, ActionComm, CommPlan, Message
 from fxsplit.pipeline.rank_plan import RankPlan
+from fxsplit.pipeline.stage import StageGraphs, StageIO, ValueMeta
+from fxsplit.runtime.compile.split_graph import GraphSplit
+from fxsplit.runtime.microbatch import (MicrobatchSplit, bind_symbols, merge_microbatches, split_microbatches,
+                                        split_target)
+from fxsplit.runtime.options import GradHooks, RuntimeOptions
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
 from fxsplit.runtime.pipe_group import PipeGroup
+from fxsplit.runtime.runners import CompiledRunner, EagerRunner, make_runner
+from fxsplit.runtime.step import Saved, Step
 from fxsplit.runtime.tied import TiedGrads
 from fxsplit.runtime.watch import Watch, host_blocking
-from fxsplit.runtime.split_backward import SplitBackward
-from fxsplit.runtime.graph_actions import GraphActions
-from fxsplit.runtime.program import ProgramRun
-from fxsplit.runtime.compile.split_graph import SplitState
 from fxsplit.schedule.ir import Action, ActionKind
-from fxsplit.pipeline.stage import StageGraphs, ValueMeta
+from fxsplit.tp.random import stage_stream
 
-__all__ = ["GradHooks", "PipelineRuntime"]
+__all__ = ["GradHooks", "PipelineRuntime", "RuntimeOptions"]
 
 F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
 BI = ActionKind.BACKWARD_INPUT
 BW = ActionKind.BACKWARD_WEIGHT
 
+# An instrumentation probe: called with the step and the action before (or after) each action runs.
+Probe = Callable[[Step, Action], None]
 
 
-class GradHooks(Protocol):
-    """What the runtime tells about gradients during a step (fxsplit.runtime.data_parallel)."""
-
-    def stage_grads_ready(self, stage: int) -> None: ...
-
-
-@dataclass
-class _Saved:
-    """What F keeps for the backward of one (stage, microbatch)."""
-
-    inputs: list[Any]
-    outputs: tuple[Any, ...]
-    loss: torch.Tensor | None = None  # weighted loss (last stage)
-    split: SplitBackward | None = None  # set by I for W
-    graph: SplitState | None = None  # the forward ran as a graph ([Note: graph split backward])
-
-
-class PipelineRuntime(GraphActions, ProgramRun):
+class PipelineRuntime:
     """Runs one pipeline rank's share of a schedule over ``torch.distributed`` point-to-point.
 
-    Arguments (keyword-only):
-    - ``stages``: this rank's stages, ``{stage: (module, StageIO)}``.
-    - ``stage_io``: the StageIO of ALL stages (``StageGraphs.io``); every rank derives the global
-      message order from it ([Note: message order]). May be omitted when ``stages`` has them all.
-    - ``schedule``: one action list per pipeline rank (``fxsplit.schedule``).
-    - ``pp_group`` / ``pp_rank`` / ``num_ranks``: the pipeline process group (None = default
-      group; e.g. ``mesh.get_group("pp")``), this rank's index in it and its size.
-    - ``input_meta``: the flat model inputs' metas (``StageGraphs.input_meta``): their symbolic
-      shapes bind the symbols of boundary shapes, so receive buffers need no handshake.
-    - ``loss_fn(output, target) -> scalar``: a mean over the microbatch; ``output`` is the model
-      output rebuilt with ``output_spec`` (a tensor or tuple of flat outputs when None).
-    - ``shared_params``: groups of (stage, fqn) holding the same parameter (tied weights).
-    - ``timeout``: seconds any wait may take before a `PipelineError` names the peer.
-    - ``split_dim`` / ``batched``: microbatch split (fxsplit.runtime.microbatch).
-    - ``abort_on_error``: on any failure, destroy ``pp_group`` (or the default group when it is
-      None) so that peers blocked on this rank fail at once instead of at their timeout; the
-      group is unusable afterwards.
-    - ``prefetch``: how many actions ahead receives are posted.
-    - ``blocking_waits``: see `P2PChannel`; default True on gloo, False on NCCL.
-    - ``seed``: run each forward of microbatch i on stage s on the stage stream of
-      (seed, s, i, k), k counting this runtime's step()/forward() calls from 0 ([Note: RNG
-      streams] in fxsplit.tp.random): random ops draw the same on every tp rank, differently per
-      stage and microbatch, independently of the schedule's order. None: the global RNG as is.
-    - ``reduce_dtype``: the dtype tied parameters' gradients are summed in (mp_policy); None: theirs.
-    - ``split_backward``: how a stage whose backward the schedule splits into I and W runs:
-      "graph" (forward, I and W as three fx graphs, [Note: graph split backward]; a stage that
-      cannot be traced that way falls back to "autograd" and ``split_fallbacks[stage]`` says
-      why) or "autograd" ([Note: split backward]).
-    - ``watch``: the failure board every wait polls ([Note: failure protocol] in
-      fxsplit.runtime.watch); None: waits bounded by ``timeout`` alone.
-    - ``grad_hooks``: told ``stage_grads_ready(stage)`` once a stage's last backward of the step has
-      run (its gradients are complete, except tied parameters, summed after all actions), so
-      data-parallel all-reduces start while later stages still compute (fxsplit.runtime.data_parallel).
-    - ``defer_tied_grads``: step() leaves tied gradients unsummed for sum_tied_grads() once final
-      (FSDP reduces after the step: [Note: FSDP collectives outside the pipeline] in fxsplit.runtime.fsdp).
-    - ``compile``: every training forward runs as the graph split's F graph (whatever the
-      schedule; B is one graph where the schedule never splits the stage, else I then W) and
-      the graphs are compiled with ``torch.compile`` (inductor), once per input signature; a
-      forward-only call runs compiled inference graphs; ``compile_fallbacks[(stage, "F" | "I" |
-      "W" | "B" | "inference")]`` says why a graph runs uncompiled ([Note: compiled stages] in
-      fxsplit.runtime.compile.compiling).
+    ``PipelineRuntime(plan, modules, options)``: ``plan`` is this rank's `RankPlan` (its stages,
+    the StageIO of all stages, the training and forward communication plans), ``modules`` maps
+    each of its stages to a module, ``options`` a `RuntimeOptions` (or its fields as keywords).
+    Each stage runs through its runner (fxsplit.runtime.runners), chosen from the options.
     """
 
-    def __init__(
-        self,
-        plan: RankPlan,
-        modules: Mapping[int, nn.Module],
-        *,
-        group: dist.ProcessGroup | None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-        device: torch.device | str,
-        timeout: float = 300.0,
-        split_dim: int = 0,
-        batched: Sequence[bool] | None = None,
-        abort_on_error: bool = True,
-        prefetch: int = 2,
-        blocking_waits: bool | None = None,
-        seed: int | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        split_backward: str = "graph",
-        compile: bool = False,
-        watch: Watch | None = None,
-        grad_hooks: GradHooks | None = None,
-        defer_tied_grads: bool = False,
-    ):
-        """Run ``plan`` (this rank's :class:`~fxsplit.pipeline.rank_plan.RankPlan`) with ``modules``
-        (stage index -> module, exactly the stages ``plan.stages``) over the pipeline ``group``."""
+    def __init__(self, plan: RankPlan, modules: Mapping[int, nn.Module], options: RuntimeOptions | None = None,
+                 /, **fields: Any):
+        """Run ``plan`` with ``modules`` (stage index -> module, exactly the stages ``plan.stages``)."""
         if sorted(modules) != list(plan.stages):
             raise PlanError(
                 f"pipeline rank {plan.rank} was given stages {sorted(modules)} but holds stages "
                 f"{list(plan.stages)} (stage_ranks {list(plan.stage_ranks)}); pass exactly those"
             )
-        if not 0 <= split_dim:
-            raise UsageError(f"split_dim must be >= 0, got {split_dim}")
+        if options is not None and fields:
+            raise UsageError(f"PipelineRuntime takes RuntimeOptions or their fields as keywords, not both "
+                             f"(got options and {sorted(fields)})")
+        self.options = options if options is not None else RuntimeOptions(**fields)
+        opts = self.options
         self.plan = plan
-        self.rank_of_stage = plan.rank_of_stage
-        self.device = torch.device(device)
+        self.device = torch.device(opts.device)
         self.modules = dict(modules)
-        self.io = plan.io
-        self.num_stages = plan.num_stages
-        self.pp_rank = plan.rank
-        self.num_ranks = plan.num_ranks
-        self.input_meta = plan.input_meta
-        self.loss_fn = loss_fn
-        self.output_spec = plan.output_spec
-        self.timeout = float(timeout)
-        self.split_dim = split_dim
-        self.batched = batched
-        self.abort_on_error = abort_on_error
-        self.watch = watch  # [Note: failure protocol]
-        self.prefetch_depth = max(0, int(prefetch))
-        self.seed = seed
-        self.rng_step = 0  # k of the stage streams: step()/forward() calls so far
-        self.reduce_dtype = reduce_dtype
-        self._init_graph_actions(split_backward, compile)
-        self._loss_scale: torch.Tensor | None = None  # set for one step() (GradScaler)
-        self._cut_outputs: Callable[[list[Any]], list[Any]] | None = None  # set for one call (padded sequence)
-        self.last_stage = self.num_stages - 1
-        self.last_rank = self.rank_of_stage(self.last_stage)
-        self.blocking_waits = host_blocking(group) if blocking_waits is None else blocking_waits
-        self._pipe = PipeGroup(group, rank=plan.rank, timeout=self.timeout, watch=watch,
-                               blocking_waits=self.blocking_waits)
-        self.train_plan = plan.train
-        self.forward_plan = plan.forward
-        self.num_microbatches = self.train_plan.num_microbatches
-        self._split_stages = {ac.action.stage for ac in self.train_plan.actions if ac.action.kind is BI}
+        splits = {ac.action.stage for ac in plan.train.actions if ac.action.kind is BI}
+        last = plan.num_stages - 1
+        self.runners: dict[int, EagerRunner] = {
+            s: make_runner(s, m, opts, splits=s in splits, last=s == last) for s, m in self.modules.items()}
+        blocking = host_blocking(opts.group) if opts.blocking_waits is None else opts.blocking_waits
+        self._pipe = PipeGroup(opts.group, rank=plan.rank, timeout=opts.timeout, watch=opts.watch,
+                               blocking_waits=blocking)
+        self._may_abort = opts.abort_on_error  # destroys the group once, on the first failure
         self._tied = TiedGrads.of(plan, self.modules)
         self._shape_cache: dict[tuple, tuple[int, ...]] = {}
         self._binding_cache: dict[tuple, dict] = {}
-        self._channels: dict[bool, P2PChannel] = {}
-        self.last_wait_seconds = 0.0  # host time the last step/forward spent blocked on peers
-        self._grad_hooks = grad_hooks
-        self.defer_tied_grads = defer_tied_grads
-        self.last_sent_bytes = 0  # bytes this rank sent its pipeline peers in the last step/forward
-
-    # ------------------------------------------------------------------ construction helpers
+        self._channels: dict[tuple[bool, int], P2PChannel] = {}  # one per (training, microbatches)
+        self._probes: list[tuple[Probe | None, Probe | None]] = []
+        self.rng_step = 0  # k of the stage streams: step()/forward() calls so far
+        self.last_wait_seconds = 0.0  # host time the last call spent blocked on peers
+        self.last_sent_bytes = 0  # bytes this rank sent its pipeline peers in the last call
 
     @classmethod
     def from_stage_graphs(
@@ -258,8 +166,130 @@ class PipelineRuntime(GraphActions, ProgramRun):
             num_ranks = dist.get_world_size(pp_group)
         plan = RankPlan.from_stage_graphs(graphs, schedule, rank=pp_rank, num_ranks=num_ranks,
                                           stage_ranks=stage_ranks)
-        return cls(plan, {s: graphs.modules[s].to(device) for s in plan.stages}, group=pp_group,
-                   loss_fn=loss_fn, device=device, **options)
+        return cls(plan, {s: graphs.modules[s].to(device) for s in plan.stages},
+                   RuntimeOptions(group=pp_group, loss_fn=loss_fn, device=device, **options))
+
+    # ------------------------------------------------------------------ what the plan and options say
+
+    @property
+    def io(self) -> Sequence[StageIO]:
+        """The StageIO of every stage."""
+        return self.plan.io
+
+    @property
+    def num_stages(self) -> int:
+        return self.plan.num_stages
+
+    @property
+    def last_stage(self) -> int:
+        return self.plan.num_stages - 1
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank of the last stage."""
+        return self.plan.rank_of_stage(self.last_stage)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.plan.rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self.plan.num_ranks
+
+    @property
+    def input_meta(self) -> Sequence[ValueMeta]:
+        """The flat model inputs' metas."""
+        return self.plan.input_meta
+
+    @property
+    def output_spec(self) -> Any:
+        """The pytree spec of the model output (None: flat outputs)."""
+        return self.plan.output_spec
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.plan.train.num_microbatches
+
+    @property
+    def loss_fn(self) -> Callable[[Any, Any], torch.Tensor] | None:
+        return self.options.loss_fn
+
+    @property
+    def timeout(self) -> float:
+        return self.options.timeout
+
+    @property
+    def watch(self) -> Watch | None:
+        return self.options.watch
+
+    @property
+    def compile(self) -> bool:
+        """Whether the stages run compiled (``RuntimeOptions.compile``)."""
+        return self.options.compile
+
+    @property
+    def blocking_waits(self) -> bool:
+        """Whether waits block the host (``RuntimeOptions.blocking_waits``, resolved)."""
+        return self._pipe.blocking_waits
+
+    @property
+    def fuse_backward(self) -> bool:
+        """``RuntimeOptions.fuse_backward``; set it before the first step."""
+        return self.options.fuse_backward
+
+    @fuse_backward.setter
+    def fuse_backward(self, value: bool) -> None:
+        self.options.fuse_backward = bool(value)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of the stage streams (``RuntimeOptions.seed``)."""
+        return self.options.seed
+
+    def resume_rng(self, seed: int | None, rng_step: int) -> None:
+        """Continue the stage streams at call ``rng_step`` of ``seed`` (a checkpoint's position)."""
+        self.options.seed, self.rng_step = seed, int(rng_step)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline group (None: the default group, or given up after a failure)."""
+        return self._pipe.group
+
+    @property
+    def split_fallbacks(self) -> dict[int, str]:
+        """Stage -> why its graph split refused it (it runs on autograd)."""
+        return {s: r.fallback for s, r in self.runners.items() if r.fallback is not None}
+
+    @property
+    def compile_fallbacks(self) -> dict[tuple[int, str], str]:
+        """(stage, "F" | "I" | "W" | "B" | "inference" | "loss") -> why that graph runs uncompiled."""
+        return {(s, kind): why for s, r in self.runners.items() for kind, why in r.compile_fallbacks.items()}
+
+    def traced_graphs(self) -> list[tuple[int, GraphSplit]]:
+        """(stage, graph split) of every training graph traced so far, one per input signature."""
+        return [(s, split) for s, r in self.runners.items() for split in r.graphs()]
+
+    def inference_runners(self) -> list[Any]:
+        """The compiled inference graphs made so far (None: that signature runs eagerly)."""
+        return [run for r in self.runners.values() if isinstance(r, CompiledRunner) for run in r.inference_runners()]
+
+    @property
+    def loss_compiled(self) -> bool:
+        """Whether ``loss_fn`` runs through ``torch.compile`` (made at the first compiled step)."""
+        r = self.runners.get(self.last_stage)
+        return isinstance(r, CompiledRunner) and r.compiled_loss is not None
+
+    @contextlib.contextmanager
+    def probe(self, before: Probe | None = None, after: Probe | None = None) -> Iterator[None]:
+        """Within the block, call ``before(step, action)`` / ``after(step, action)`` around each
+        action (instrumentation: memory held as backwards start, time per action)."""
+        entry = (before, after)
+        self._probes.append(entry)
+        try:
+            yield
+        finally:
+            self._probes.remove(entry)
 
     # ------------------------------------------------------------------ public API
 
@@ -279,11 +309,8 @@ class PipelineRuntime(GraphActions, ProgramRun):
         """
         if self.loss_fn is None:
             raise UsageError("PipelineRuntime.step needs loss_fn; use forward() for inference")
-        self._loss_scale, self._cut_outputs = loss_scale, cut_outputs
-        try:
-            return self._guarded(lambda: self._run(flat_inputs, target, training=True))
-        finally:
-            self._loss_scale, self._cut_outputs = None, None
+        return self._guarded(self._train, lambda: self._begin(flat_inputs, target, training=True,
+                                                              loss_scale=loss_scale, cut_outputs=cut_outputs))
 
     def forward(self, flat_inputs: Sequence[Any], *, all_ranks: bool = False, microbatches: int | None = None,
                 override: Any = None, cut_outputs: Callable[[list[Any]], list[Any]] | None = None) -> Any:
@@ -292,18 +319,22 @@ class PipelineRuntime(GraphActions, ProgramRun):
         or on every rank with ``all_ranks`` (pickled broadcast, for convenience not speed).
         ``microbatches``: split into that many (1..m, ``RankPlan.forward_with``) instead of m.
         ``override``: run stage s as ``override.modules[s]`` inside ``override.context(s, microbatch)``
-        (a KV cache: fxsplit.api.kv_cache), for this call only. ``cut_outputs``: as in :meth:`step`."""
-        self._cut_outputs = cut_outputs
-        try:
-            return self._guarded(lambda: self._run(flat_inputs, None, training=False, all_ranks=all_ranks,
-                                                   microbatches=microbatches, override=override))
-        finally:  # per call, like _loss_scale
-            self._cut_outputs = None
+        (a KV cache: fxsplit.api.kv_cache), for this call only; its ``shapes``, when not None, are
+        the metas of a graph traced at a fixed length ([Note: KV cache for exported graphs] in
+        fxsplit.api.kv_export). ``cut_outputs``: as in :meth:`step`."""
+        return self._guarded(lambda step: self._infer(step, all_ranks),
+                             lambda: self._begin(flat_inputs, None, training=False, microbatches=microbatches,
+                                                 override=override, cut_outputs=cut_outputs))
 
-    @property
-    def pp_group(self) -> dist.ProcessGroup | None:
-        """The pipeline group (None: the default group, or given up after a failure)."""
-        return self._pipe.group
+    def run_program(self, program: CommPlan, inputs: Sequence[Sequence[Any]], *, override: Any) -> None:
+        """Run ``program`` (this rank's forward-only `CommPlan` over any number of microbatches,
+        generation's decode program: [Note: decode schedules] in fxsplit.schedule.decode) without
+        autograd over ``inputs`` (one flat input list per microbatch, shapes final before it starts)
+        with the stages of ``override``, which consume the outputs themselves: nothing is gathered.
+        A token message ([Note: token messages] in fxsplit.pipeline.comm) writes its value into the
+        model input it stands for before the stage that reads it runs (``override.token(j)``: the
+        value the producing rank sends). Raises `PipelineError` naming the peer as ``forward`` does."""
+        self._guarded(self._run, lambda: self._begin_program(program, inputs, override))
 
     def give_up_group(self) -> None:
         """Abandon the pipeline group after a failure elsewhere ([Note: failure protocol] point 4):
@@ -313,44 +344,50 @@ class PipelineRuntime(GraphActions, ProgramRun):
     def sum_tied_grads(self) -> None:
         """Sum tied gradients across the stages and ranks holding them (what step() does last
         unless ``defer_tied_grads``); raises `PipelineError` naming a peer that fails."""
-        self._guarded(self._sum_tied_grads)
+        self._guarded(lambda _: self._sum_tied_grads())
 
     def _sum_tied_grads(self) -> None:
         tag_base = 2 * self.num_microbatches * self.num_stages * max(len(s.inputs) for s in self.io) + 1
-        self._tied.sum(self._pipe, tag_base=tag_base, reduce_dtype=self.reduce_dtype)
+        self._tied.sum(self._pipe, tag_base=tag_base, reduce_dtype=self.options.reduce_dtype)
 
-    # ------------------------------------------------------------------ execution
+    # ------------------------------------------------------------------ failures
 
-    def _guarded(self, fn: Callable[[], Any]) -> Any:
-        self._current: Action | None = None
+    def _guarded(self, run: Callable[[Step | None], Any], begin: Callable[[], Step] | None = None) -> Any:
+        """``run(begin())``; on a failure, post it, name the action it stopped at, abort the group."""
+        step = None
         try:
-            return fn()
+            step = begin() if begin is not None else None
+            return run(step)
         except (PipelineError, RankFailedError):
-            self._abort()
+            self._abort(step)
             raise
         except Exception as exc:
             if self.watch is not None:  # first: the peers this rank leaves waiting read the cause
                 self.watch.post_raised(exc)
-            a = self._current
+            a = step.current if step is not None else None
             where = (f"while running action {a} (stage {a.stage}, microbatch {a.microbatch})"
                      if a is not None else "outside any action")
             exc.add_note(
                 f"fxsplit: pipeline rank {self.pp_rank} failed {where}"
                 + ("; the pipeline process group was destroyed so that its peers fail at once"
-                   if self.abort_on_error else "")
+                   if self._may_abort else "")
             )
-            self._abort()
+            self._abort(step)
             raise
 
-    def _abort(self) -> None:
-        self._saved, self._mailbox, self._channel, self._channels = {}, {}, None, {}
-        if not self.abort_on_error or not dist.is_initialized():
+    def _abort(self, step: Step | None) -> None:
+        if step is not None:
+            step.drop()
+        self._channels = {}
+        if not self._may_abort or not dist.is_initialized():
             return
         if self.watch is not None:  # peers learn of the failure from the board; the group may
             self._pipe.give_up()    # hold posted transfers ([Note: failure protocol] point 4)
         else:
             self._pipe.destroy()
-        self.abort_on_error = False  # only once
+        self._may_abort = False  # only once
+
+    # ------------------------------------------------------------------ a call's step
 
     def _to_device(self, x: Any) -> Any:
         """``x`` on this rank's device; a batch in pinned memory (``DataLoader(pin_memory=True)``) is
@@ -359,119 +396,137 @@ class PipelineRuntime(GraphActions, ProgramRun):
             return x
         return x.to(self.device, non_blocking=True)
 
-    def _run(self, flat_inputs: Sequence[Any], target: Any, *, training: bool, all_ranks: bool = False,
-             microbatches: int | None = None, override: Any = None) -> Any:
+    def _begin(self, flat_inputs: Sequence[Any], target: Any, *, training: bool, microbatches: int | None = None,
+               override: Any = None, loss_scale: torch.Tensor | None = None,
+               cut_outputs: Callable[[list[Any]], list[Any]] | None = None) -> Step:
+        """The step of a ``step()`` (``training``) or ``forward()`` call: its inputs split into
+        microbatches, their targets, the channel of its program."""
         if len(flat_inputs) != len(self.input_meta):
             raise ArgumentTypeError(f"expected {len(self.input_meta)} flat model inputs "
                                     f"{[m.name for m in self.input_meta]}, got {len(flat_inputs)}")
         flat = [self._to_device(x) for x in flat_inputs]
         m = self.num_microbatches if training or microbatches is None else microbatches
-        mbs = split_microbatches(flat, m, dim=self.split_dim, batched=self.batched)
-        self._mb = mbs
-        self._override = override  # before binding: its shapes bind the symbols of a cached call
-        self._bindings = [self._bind(inp) for inp in mbs.inputs]
-        self._binding_keys = [tuple(sorted((str(k), v) for k, v in b.items())) for b in self._bindings]
-        holds_last = self.last_stage in self.modules
-        if training and holds_last:
+        mbs = split_microbatches(flat, m, dim=self.options.split_dim, batched=self.options.batched)
+        key = (training, m)
+        if key not in self._channels:
+            plan = self.plan.train if training else self.plan.forward_with(m)
+            self._channels[key] = self._channel(plan)
+        step = self._new_step(mbs, self._channels[key], training=training, override=override,
+                              loss_scale=loss_scale, cut_outputs=cut_outputs)
+        if training and self.last_stage in self.modules:
             if target is None:
                 raise UsageError(f"pipeline rank {self.pp_rank} holds the last stage and needs the "
                                  "target: pass step(inputs, target=...)")
             # the target goes where the outputs are, as the inputs do: a CPU target beside CUDA logits
             # would fail inside the user's loss_fn
-            self._targets = split_target(pytree.tree_map(self._to_device, target), mbs.sizes, dim=self.split_dim)
-        self._training = training
-        self._rng_step, self.rng_step = self.rng_step, self.rng_step + 1
-        self._saved: dict[tuple[int, int], _Saved] = {}
-        self._mailbox: dict[Message, torch.Tensor] = {}
-        self._outputs: dict[int, list[Any]] = {}
-        self._loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        key = (training, m)  # one channel per program
-        if key not in self._channels:
-            plan = self.train_plan if training else self.plan.forward_with(m)
-            self._channels[key] = P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout,
-                                             alloc=self._alloc, blocking_waits=self.blocking_waits,
-                                             watch=self.watch)
-        self._channel = self._channels[key]
-        plan = self._channel.plan
-        self._channel.reset()
-        acts = plan.actions
+            step.targets = split_target(pytree.tree_map(self._to_device, target), mbs.sizes,
+                                        dim=self.options.split_dim)
+        self.rng_step += 1
+        return step
+
+    def _begin_program(self, program: CommPlan, inputs: Sequence[Sequence[Any]], override: Any) -> Step:
+        """The step of a ``run_program()`` call (a channel of its own: programs differ per call)."""
+        for j, flat in enumerate(inputs):
+            if len(flat) != len(self.input_meta):
+                raise ArgumentTypeError(f"run_program: microbatch {j} has {len(flat)} flat inputs, the plan "
+                                        f"takes {len(self.input_meta)} ({[m.name for m in self.input_meta]})")
+        sizes = tuple(int(flat[0].shape[0]) for flat in inputs)
+        mbs = MicrobatchSplit(inputs=tuple(tuple(f) for f in inputs), sizes=sizes,
+                              weights=tuple(1.0 for _ in sizes), batch_size=sum(sizes),
+                              batched=tuple(True for _ in inputs[0]))
+        step = self._new_step(mbs, self._channel(program), training=False, override=override, tokens=True)
+        self.rng_step += 1
+        return step
+
+    def _channel(self, plan: CommPlan) -> P2PChannel:
+        return P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout, blocking_waits=self.blocking_waits,
+                          watch=self.watch)
+
+    def _new_step(self, mbs: MicrobatchSplit, channel: P2PChannel, *, training: bool, override: Any,
+                  **fields: Any) -> Step:
+        """A step over ``mbs``: the metas of this call (an override's ``shapes`` where it has them:
+        a KV cache of a graph traced at a fixed length, its traced length replaced by the symbols
+        of a cached call; else the plan's) and their symbols bound per microbatch."""
+        shapes = override.shapes if override is not None else None
+        model_metas = self.input_meta if shapes is None else shapes.input_meta
+        metas = [io.input_meta for io in self.io] if shapes is None else shapes.stage_input_meta
+        bindings = [self._bind(model_metas, inp) for inp in mbs.inputs]
+        step = Step(training=training, inputs=mbs, metas=metas, bindings=bindings, channel=channel,
+                    device=self.device, shapes=self._shape_cache, rng_step=self.rng_step, override=override,
+                    **fields)
+        channel.reset(step.alloc)
+        return step
+
+    def _bind(self, metas: Sequence[ValueMeta], inputs: Sequence[Any]) -> dict:
+        """The sizes of the symbols in ``metas`` from ``inputs`` (cached per input shapes)."""
+        key = (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs),
+               metas is self.input_meta)
+        if key not in self._binding_cache:
+            self._binding_cache[key] = bind_symbols(metas, inputs)
+        return self._binding_cache[key]
+
+    # ------------------------------------------------------------------ running a step
+
+    def _train(self, step: Step) -> torch.Tensor:
+        self._run(step)
+        if step.saved:
+            left = ", ".join(f"{s}F{mb}" for s, mb in sorted(step.saved))
+            raise ScheduleError(f"pipeline rank {self.pp_rank}: forwards {left} never had their "
+                                "backward (B, or I then W) in the schedule")
+        if not self.options.defer_tied_grads:
+            self._sum_tied_grads()
+        return self._broadcast_loss(step)
+
+    def _infer(self, step: Step, all_ranks: bool) -> Any:
+        self._run(step)
+        return self._gather_outputs(step, all_ranks)
+
+    def _run(self, step: Step) -> None:
+        """Every action of ``step``'s program in order, receives posted ``prefetch`` actions ahead."""
+        acts = step.channel.plan.actions
         # the index of each local stage's last gradient-producing action (its weight grads are final then)
-        last_grad = {}
-        if training:
+        last_grad = {ac.action.stage: i for i, ac in enumerate(acts)
+                     if ac.action.kind is not F and ac.action.kind is not BI} if step.training else {}
+        hooks, ahead = self.options.grad_hooks, self.options.prefetch
+        with torch.set_grad_enabled(step.training):
             for i, ac in enumerate(acts):
-                if ac.action.kind is not F and ac.action.kind is not BI:
-                    last_grad[ac.action.stage] = i
-        with torch.set_grad_enabled(training):
-            for i, ac in enumerate(acts):
-                self._current = ac.action
+                step.current = ac.action
                 if self.watch is not None:
                     self.watch.doing = ac.action
-                for nxt in acts[i + 1: i + 1 + self.prefetch_depth]:
-                    self._channel.prefetch(nxt.recvs, ac.action)
-                if ac.action.kind is F:
-                    self._forward(ac)
-                elif ac.action.kind is BW:
-                    self._backward_weight(ac)
-                else:
-                    self._backward(ac)
-                self._channel.reap()
-                if self._grad_hooks is not None and last_grad.get(ac.action.stage) == i:
-                    self._grad_hooks.stage_grads_ready(ac.action.stage)
-            self._current = None
-            self._channel.finish()
-        self.last_wait_seconds, self.last_sent_bytes = self._channel.wait_seconds, self._channel.sent_bytes
-        self._channel = None
-        if training:
-            if self._saved:
-                left = ", ".join(f"{s}F{mb}" for s, mb in sorted(self._saved))
-                raise ScheduleError(f"pipeline rank {self.pp_rank}: forwards {left} never had their "
-                                    "backward (B, or I then W) in the schedule")
-            if not self.defer_tied_grads:
-                self._sum_tied_grads()
-            return self._broadcast_loss()
-        return self._gather_outputs(all_ranks)
+                for nxt in acts[i + 1: i + 1 + ahead]:
+                    step.channel.prefetch(nxt.recvs, ac.action)
+                self._act(step, ac)
+                step.channel.reap()
+                if hooks is not None and last_grad.get(ac.action.stage) == i:
+                    hooks.stage_grads_ready(ac.action.stage)
+            step.current = None
+            step.channel.finish()
+        self.last_wait_seconds, self.last_sent_bytes = step.channel.wait_seconds, step.channel.sent_bytes
 
-    # ------------------------------------------------------------------ messages
-
-    def _meta(self, msg: Message) -> ValueMeta:
-        return self._stage_meta(msg.stage, msg.input)
-
-    def _order(self, msg: Message) -> tuple[int, ...] | None:
-        """The dim order ``msg`` travels in: an activation's planned layout ([Note: boundary
-        layouts] in fxsplit.pipeline.layout); gradients travel contiguous."""
-        return self._meta(msg).dim_order if msg.kind == ACT else None
-
-    def _alloc(self, msg: Message) -> torch.Tensor:
-        meta = self._meta(msg)
-        key = (meta.shape, self._binding_keys[msg.microbatch])
-        shape = self._shape_cache.get(key)
-        if shape is None:
-            shape = self._shape_cache[key] = concrete_shape(meta.shape, self._bindings[msg.microbatch])
-        return torch.empty(wire_shape(shape, self._order(msg)), dtype=meta.dtype, device=self.device)
-
-    def _as_planned(self, msg: Message, value: torch.Tensor) -> torch.Tensor:
-        """``value`` in the dtype the plan gives its message ([Note: boundary dtypes])."""
-        dtype = self._meta(msg).dtype
-        if dtype is not None and value.dtype != dtype and value.is_floating_point():
-            return value.to(dtype)
-        return value
-
-    def _take(self, msg: Message, local: bool, action: Action) -> torch.Tensor:
-        wire = self._mailbox.pop(msg) if local else self._channel.wait(msg, action)
-        return from_wire(wire, self._order(msg))
-
-    def _give(self, msg: Message, value: torch.Tensor, local: bool, action: Action) -> None:
-        # local handovers take the wire form too, so a stage sees the same strides whichever
-        # rank its producer ran on ([Note: boundary layouts])
-        value = to_wire(self._as_planned(msg, value), self._order(msg))
-        if local:
-            self._mailbox[msg] = value
+    def _act(self, step: Step, ac: ActionComm) -> None:
+        """One action of ``step``: F, B, I or W of one (stage, microbatch)."""
+        for before, _ in self._probes:
+            if before is not None:
+                before(step, ac.action)
+        kind = ac.action.kind
+        if kind is F and step.tokens:
+            self._forward(step, self._tokens_in(step, ac))
+            self._tokens_out(step, ac)
+        elif kind is F:
+            self._forward(step, ac)
+        elif kind is BW:
+            self._backward_weight(step, ac)
         else:
-            self._channel.send(msg, value.detach(), action)
+            self._backward(step, ac)
+        for _, after in self._probes:
+            if after is not None:
+                after(step, ac.action)
 
     # ------------------------------------------------------------------ actions
 
-    def _forward(self, ac: Any) -> None:
+    def _stage_args(self, step: Step, ac: ActionComm) -> list[Any]:
+        """The inputs of ``ac``'s stage for its microbatch: model inputs, received values and values
+        handed over on this rank (leaves that need a gradient where the plan says so)."""
         a = ac.action
         s, mb = a.stage, a.microbatch
         sio = self.io[s]
@@ -480,7 +535,7 @@ class PipelineRuntime(GraphActions, ProgramRun):
         args: list[Any] = []
         for k, (src, meta) in enumerate(zip(sio.inputs, sio.input_meta)):
             if src.stage is None:
-                x = self._mb.inputs[mb][src.index]
+                x = step.inputs.inputs[mb][src.index]
                 if isinstance(x, torch.Tensor) and x.is_meta:
                     raise UsageError(
                         f"pipeline rank {self.pp_rank}: stage {s} reads model input {src.index} "
@@ -489,25 +544,23 @@ class PipelineRuntime(GraphActions, ProgramRun):
                 args.append(x)
                 continue
             msg, local = received[(s, k)]
-            x = self._take(msg, local, a)
+            x = step.take(msg, local, a)
             if local:
                 x = x.detach()
-            if self._training and meta.requires_grad:
+            if step.training and meta.requires_grad:
                 x.requires_grad_(True)
             args.append(x)
+        return args
+
+    def _forward(self, step: Step, ac: ActionComm) -> None:
+        a = ac.action
+        s, mb = a.stage, a.microbatch
+        sio = self.io[s]
+        args = self._stage_args(step, ac)
         stream = (contextlib.nullcontext() if self.seed is None else
-                  stage_stream(self.seed, stage=s, microbatch=mb, step=self._rng_step, device=self.device))
-        split = self._graph_split(s, args) if self._runs_as_graph(s) else None
+                  stage_stream(self.seed, stage=s, microbatch=mb, step=step.rng_step, device=self.device))
         with stream:
-            if split is not None:
-                out, state = split.forward(*self._state(s), [x for x in args if isinstance(x, torch.Tensor)])
-                if s == self.last_stage:  # the loss differentiates from leaves standing for the outputs
-                    out = [o.detach().requires_grad_() if j in split.diff_outputs else o for j, o in enumerate(out)]
-            elif self._override is not None:
-                with self._override.context(s, mb):
-                    out = self._override.modules[s](*args)
-            else:
-                out = self._stage_call(s, args)  # the module, or compiled inference ([Note: compiled inference])
+            out, graph = self.runners[s].forward(step, mb, args)
         if not isinstance(out, (tuple, list)):
             out = (out,)
         if len(out) != len(sio.outputs):
@@ -515,109 +568,104 @@ class PipelineRuntime(GraphActions, ProgramRun):
                                   f"{len(sio.outputs)} outputs ({[m.name for m in sio.outputs]})")
         # the last stage differentiates from its loss: do not keep its outputs (logits) alive
         keep = tuple(out) if any(sio.consumers) else ()
-        saved = _Saved(args, keep) if self._training else None
-        if split is not None:
-            saved.graph, saved.outputs = state, tuple(out) if s == self.last_stage else keep
+        saved = Saved(args, keep) if step.training else None
+        if graph is not None:
+            saved.graph, saved.outputs = graph, tuple(out) if s == self.last_stage else keep
         if s == self.last_stage:
-            flat_out = [out[local] for _, local in sorted(sio.model_outputs)]
-            if self._cut_outputs is not None:
-                flat_out = self._cut_outputs(flat_out)
-            if self._training:
-                model_out = (pytree.tree_unflatten(flat_out, self.output_spec) if self.output_spec
-                             is not None else flat_out[0] if len(flat_out) == 1 else tuple(flat_out))
-                loss = self._call_loss(model_out, self._targets[mb])
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise UsageError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-                saved.loss = loss.reshape(()) * self._mb.weights[mb]
-                self._loss += saved.loss.detach().float()
-                if self._loss_scale is not None:
-                    saved.loss = saved.loss * self._loss_scale.to(saved.loss.dtype)
-            else:
-                self._outputs[mb] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat_out]
+            self._model_outputs(step, mb, out, saved)
         if saved is not None:
-            self._saved[(s, mb)] = saved
+            step.saved[(s, mb)] = saved
         for msg in ac.local_sends:
-            self._give(msg, out[self.io[msg.stage].inputs[msg.input].index], True, a)
+            step.give(msg, out[self.io[msg.stage].inputs[msg.input].index], True, a)
         for msg in ac.sends:
-            self._give(msg, out[self.io[msg.stage].inputs[msg.input].index], False, a)
+            step.give(msg, out[self.io[msg.stage].inputs[msg.input].index], False, a)
 
-    def _roots(self, ac: Any, saved: _Saved) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Tensors to differentiate from and their incoming gradients (summed per output)."""
-        a = ac.action
-        grads = self._received_grads(ac)
-        roots: list[torch.Tensor] = []
-        root_grads: list[torch.Tensor | None] = []
-        if saved.loss is not None:
-            roots.append(saved.loss)
-            root_grads.append(None)
-        for j in sorted(grads):
-            o = saved.outputs[j]
-            if isinstance(o, torch.Tensor) and o.requires_grad:
-                roots.append(o)
-                # the gradient of a value travels in its planned dtype; autograd wants the
-                # dtype the forward produced ([Note: boundary dtypes])
-                g = grads[j]
-                root_grads.append(g if g.dtype == o.dtype else g.to(o.dtype))
-        return roots, root_grads
+    def _model_outputs(self, step: Step, mb: int, out: Sequence[Any], saved: Saved | None) -> None:
+        """The last stage's outputs of microbatch ``mb``: its weighted loss (training, kept in
+        ``saved`` for the backward, [Note: loss weighting]) or its flat outputs."""
+        flat_out = [out[local] for _, local in sorted(self.io[self.last_stage].model_outputs)]
+        if step.cut_outputs is not None:
+            flat_out = step.cut_outputs(flat_out)
+        if saved is None:
+            step.outputs[mb] = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat_out]
+            return
+        model_out = (pytree.tree_unflatten(flat_out, self.output_spec) if self.output_spec
+                     is not None else flat_out[0] if len(flat_out) == 1 else tuple(flat_out))
+        loss = self.runners[self.last_stage].loss(model_out, step.targets[mb], training=True)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise UsageError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        saved.loss = loss.reshape(()) * step.inputs.weights[mb]
+        step.loss += saved.loss.detach().float()
+        if step.loss_scale is not None:
+            saved.loss = saved.loss * step.loss_scale.to(saved.loss.dtype)
 
-    def _send_input_grads(self, ac: Any, saved: _Saved, input_grads: Mapping[int, torch.Tensor | None]) -> None:
+    def _source_index(self, msg: Message) -> int:
+        """Where the value of ``msg`` comes from: the sending stage's output (an activation, and the
+        gradient of one), or the model input a token stands for."""
+        return self.io[msg.stage].inputs[msg.input].index
+
+    def _backward(self, step: Step, ac: ActionComm) -> None:
+        """B (the whole backward) or I (the input gradients) of one (stage, microbatch)."""
         a = ac.action
+        key = (a.stage, a.microbatch)
+        saved = step.saved[key] if a.kind is BI else step.saved.pop(key)
+        grads = step.received_grads(ac, self._source_index)
+        wanted = sorted({m.input for m in ac.sends + ac.local_sends})
+        runner = self.runners[a.stage]
+        input_grads = runner.backward(saved, grads, wanted, full=a.kind is B)
         for msgs, local in ((ac.local_sends, True), (ac.sends, False)):
             for msg in msgs:
                 g = input_grads.get(msg.input)
                 if g is None:  # no path from this input to the outputs: its gradient is zero
                     g = torch.zeros_like(saved.inputs[msg.input])
-                self._give(msg, g, local, a)
-
-    def _backward(self, ac: Any) -> None:
-        a = ac.action
-        key = (a.stage, a.microbatch)
-        saved = self._saved[key] if a.kind is BI else self._saved.pop(key)
-        if saved.graph is not None:
-            return self._graph_backward(ac, saved)
-        roots, root_grads = self._roots(ac, saved)
-        wanted = sorted({m.input for m in ac.sends + ac.local_sends})
+                step.give(msg, g, local, a)
         if a.kind is B:
-            if roots:
-                torch.autograd.backward(roots, root_grads)
-            input_grads = {k: saved.inputs[k].grad for k in wanted}
-        else:  # I: input gradients only, keep the graph for W ([Note: split backward])
-            leaves = [saved.inputs[k] for k in wanted]
-            params = [p for p in self.modules[a.stage].parameters() if p.requires_grad]
-            split = SplitBackward(roots, root_grads, leaves, params)
-            with split.capturing():
-                got = (torch.autograd.grad(roots, leaves, root_grads, retain_graph=True, allow_unused=True)
-                       if roots and leaves else [None] * len(leaves))
-            input_grads = dict(zip(wanted, got))
-            saved.split = split
-        self._send_input_grads(ac, saved, input_grads)
+            runner.weight(saved)
 
-    def _backward_weight(self, ac: Any) -> None:
+    def _backward_weight(self, step: Step, ac: ActionComm) -> None:
+        """W: the weight gradients of one (stage, microbatch) after its I."""
         a = ac.action
-        saved = self._saved.pop((a.stage, a.microbatch))
-        if saved.graph is not None:
-            self._accumulate(a.stage, saved.graph)
-        elif saved.split is not None:
-            saved.split.weight_grads()
+        self.runners[a.stage].weight(step.saved.pop((a.stage, a.microbatch)))
 
-    # ------------------------------------------------------------------ end of step
+    def _tokens_in(self, step: Step, ac: ActionComm) -> ActionComm:
+        """Write the token messages ``ac`` receives into the model inputs they stand for ([Note:
+        token messages] in fxsplit.pipeline.comm); ``ac`` without its token messages."""
+        for msg in ac.recvs:
+            if msg.kind == TOKEN:
+                step.inputs.inputs[msg.microbatch][self._source_index(msg)].copy_(step.take(msg, False, ac.action))
+        if not any(m.kind == TOKEN for m in ac.recvs + ac.sends + ac.local_recvs + ac.local_sends):
+            return ac
+        keep = lambda msgs: tuple(m for m in msgs if m.kind != TOKEN)  # noqa: E731
+        return dataclasses.replace(ac, recvs=keep(ac.recvs), sends=keep(ac.sends), local_recvs=keep(ac.local_recvs),
+                                   local_sends=keep(ac.local_sends))
 
-    def _broadcast_loss(self) -> torch.Tensor:
-        loss = self._loss
+    def _tokens_out(self, step: Step, ac: ActionComm) -> None:
+        """Send the tokens ``ac`` chose (``override.token(microbatch)``: the ids that microbatch
+        reads), or write them in place when the reading stage is on this rank."""
+        for msg in ac.sends:
+            if msg.kind == TOKEN:
+                step.give(msg, step.override.token(msg.microbatch), False, ac.action)
+        for msg in ac.local_sends:
+            if msg.kind == TOKEN:
+                step.inputs.inputs[msg.microbatch][self._source_index(msg)].copy_(step.override.token(msg.microbatch))
+
+    # ------------------------------------------------------------------ end of a call
+
+    def _broadcast_loss(self, step: Step) -> torch.Tensor:
+        loss = step.loss
         if self.num_ranks > 1:
             work = dist.broadcast(loss, self._pipe.global_rank(self.last_rank), group=self.pp_group, async_op=True)
             self._pipe.wait(work, "broadcasting the loss", self.last_rank, p2p=False)
         return loss
 
-    def _gather_outputs(self, all_ranks: bool) -> Any:
+    def _gather_outputs(self, step: Step, all_ranks: bool) -> Any:
         merged = None
         if self.last_stage in self.modules:
-            merged = merge_microbatches([self._outputs[i] for i in range(len(self._mb.inputs))],
-                                        dim=self.split_dim)
+            merged = merge_microbatches([step.outputs[i] for i in range(len(step.inputs.inputs))],
+                                        dim=self.options.split_dim)
             if self.output_spec is not None:
                 merged = pytree.tree_unflatten(merged, self.output_spec)
-        self._outputs = {}
         if all_ranks and self.num_ranks > 1:
             box = [merged]
             dist.broadcast_object_list(box, self._pipe.global_rank(self.last_rank), group=self.pp_group)

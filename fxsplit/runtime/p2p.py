@@ -40,7 +40,8 @@ __all__ = ["P2PChannel", "PipelineError"]
 class P2PChannel:
     """Posts one rank's sends and receives in the plan's per-peer order; waits with a timeout.
 
-    ``alloc(message) -> Tensor`` makes the receive buffer (shape and dtype known from the plan).
+    ``alloc(message) -> Tensor`` makes the receive buffer (shape and dtype known from the plan);
+    ``reset(alloc)`` gives it per call (the shapes bind from that call's inputs).
     ``blocking_waits``: when True, ``Work.wait(timeout)`` blocks the host until the transfer is
     done or ``timeout_s`` passes (gloo; NCCL too, at the cost of host/device overlap); when False,
     ``Work.wait()`` only orders the current CUDA stream after the transfer and the process
@@ -48,7 +49,7 @@ class P2PChannel:
     """
 
     def __init__(self, plan: CommPlan, *, group: dist.ProcessGroup | None, timeout_s: float,
-                 alloc: Callable[[Message], torch.Tensor], blocking_waits: bool = True, watch: Any = None):
+                 alloc: Callable[[Message], torch.Tensor] | None = None, blocking_waits: bool = True, watch: Any = None):
         self.plan = plan
         self.watch = watch  # fxsplit.runtime.watch.Watch: polled waits ([Note: failure protocol])
         self.group = group
@@ -68,8 +69,10 @@ class P2PChannel:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def reset(self) -> None:
-        """Start a new step: nothing posted."""
+    def reset(self, alloc: Callable[[Message], torch.Tensor] | None = None) -> None:
+        """Start a new step: nothing posted; ``alloc``, when given, makes this step's buffers."""
+        if alloc is not None:
+            self.alloc = alloc
         self._cursor = {peer: 0 for peer in self.plan.peer_ops}
         self._ready: dict[Message, tuple[torch.Tensor, Action]] = {}
         self._recvs: dict[Message, tuple[dist.Work, torch.Tensor]] = {}

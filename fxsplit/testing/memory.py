@@ -24,6 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fxsplit.schedule.ir import ActionKind
+
 __all__ = ["LiveBytes", "LAYOUTS", "cases", "measure_case", "measured_step_peak"]
 
 
@@ -103,20 +105,14 @@ def measured_step_peak(pm: Any, opt: torch.optim.Optimizer, *args: Any, target: 
     state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim()]
     held = local_bytes(pm.parameters()) + local_bytes(state)
     gathered = [0]
-    rt = pm._runtime
-    inner = rt._backward
 
-    def backward(action: Any) -> None:
-        gathered[0] = max(gathered[0], fsdp_gathered_bytes(pm))
-        inner(action)
+    def backward_starts(step: Any, action: Any) -> None:
+        if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+            gathered[0] = max(gathered[0], fsdp_gathered_bytes(pm))
 
-    rt._backward = backward
-    try:
-        with LiveBytes() as mem:
-            pm.step(*args, target=target)
-            opt.step()
-    finally:
-        rt._backward = inner
+    with pm._runtime.probe(before=backward_starts), LiveBytes() as mem:
+        pm.step(*args, target=target)
+        opt.step()
     if parts is not None:
         parts.update(held=held, ops=mem.peak, gathered=gathered[0])
     return held + mem.peak + gathered[0]

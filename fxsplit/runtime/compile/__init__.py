@@ -7,6 +7,6 @@
 - `cpu_matmul`: fp32 CPU matmuls of a compiled graph through oneDNN ([Note: CPU matmuls through
   oneDNN]).
 
-The executor reaches these only through its graph actions (fxsplit.runtime.graph_actions); nothing here
+The executor reaches these only through its stage runners (fxsplit.runtime.runners); nothing here
 knows about messages, schedules or process groups.
 """

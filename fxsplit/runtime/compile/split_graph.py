@@ -189,6 +189,30 @@ def _subgraph(joint: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node]
     return gm
 
 
+def _check_backward(compute: list[fx.Node], bwd_set: set[fx.Node]) -> None:
+    """Refuse (`UnsupportedStage`) a joint graph that cannot run as separate F, I and W graphs: an
+    in-place collective anywhere, or a backward (``bwd_set``) that draws random numbers it does not
+    replay or mutates a tensor other nodes read."""
+    for n in compute:
+        t = n.target
+        if t is replay_rng and n in bwd_set and not _mutates_only_its_own(n, bwd_set):
+            raise UnsupportedStage(f"the backward's replayed random op ({n.args[1]}) writes a tensor "
+                                   "other nodes read")
+        if not isinstance(t, torch._ops.OpOverload):
+            continue
+        if t.namespace in ("c10d", "c10d_functional"):
+            # an in-place c10d collective (dist.all_reduce & co. outside fxsplit.tp.collectives,
+            # which trace functional ones: [Note: traced collectives]) is waited on outside
+            # the graph: data flow does not order its readers and the graph would not wait
+            raise UnsupportedStage(f"the stage runs a collective ({t}); in-place c10d collectives "
+                                   "are not data flow in a traced graph")
+        if n in bwd_set and is_random(n):
+            raise UnsupportedStage(f"the backward draws random numbers ({t}) that are not the "
+                                   "recomputation of a forward draw")
+        if n in bwd_set and t._schema.is_mutable and not _mutates_only_its_own(n, bwd_set):
+            raise UnsupportedStage(f"the backward mutates a tensor in place ({t})")
+
+
 def _ancestors(roots: list[fx.Node | None], within: set[fx.Node]) -> set[fx.Node]:
     out: set[fx.Node] = set()
     stack = [r for r in roots if r is not None and r in within]
@@ -498,26 +522,8 @@ class GraphSplit:
         _seed_tp_streams(gm, fwd, [st for st in streams if st.start < joint.boundary])
         bwd = _recompute_tagged(gm, fwd, bwd)
         _replay_recomputed_draws(gm, fwd, bwd)
-        compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
         bwd_set = set(bwd)
-        for n in compute:
-            t = n.target
-            if t is replay_rng and n in bwd_set and not _mutates_only_its_own(n, bwd_set):
-                raise UnsupportedStage(f"the backward's replayed random op ({n.args[1]}) writes a tensor "
-                                       "other nodes read")
-            if not isinstance(t, torch._ops.OpOverload):
-                continue
-            if t.namespace in ("c10d", "c10d_functional"):
-                # an in-place c10d collective (dist.all_reduce & co. outside fxsplit.tp.collectives,
-                # which trace functional ones: [Note: traced collectives]) is waited on outside
-                # the graph: data flow does not order its readers and the graph would not wait
-                raise UnsupportedStage(f"the stage runs a collective ({t}); in-place c10d collectives "
-                                       "are not data flow in a traced graph")
-            if n in bwd_set and is_random(n):
-                raise UnsupportedStage(f"the backward draws random numbers ({t}) that are not the "
-                                       "recomputation of a forward draw")
-            if n in bwd_set and t._schema.is_mutable and not _mutates_only_its_own(n, bwd_set):
-                raise UnsupportedStage(f"the backward mutates a tensor in place ({t})")
+        _check_backward([n for n in gm.graph.nodes if n.op not in ("placeholder", "output")], bwd_set)
         for o in fw_outs:
             if o in bwd_set:
                 raise UnsupportedStage("a stage output is computed in the traced backward")
