@@ -410,7 +410,7 @@ class PipelineRuntime:
         key = (training, m)
         if key not in self._channels:
             plan = self.plan.train if training else self.plan.forward_with(m)
-            self._channels[key] = self._channel(plan)
+            self._channels[key] = self._new_channel(plan)
         step = self._new_step(mbs, self._channels[key], training=training, override=override,
                               loss_scale=loss_scale, cut_outputs=cut_outputs)
         if training and self.last_stage in self.modules:
@@ -434,11 +434,11 @@ class PipelineRuntime:
         mbs = MicrobatchSplit(inputs=tuple(tuple(f) for f in inputs), sizes=sizes,
                               weights=tuple(1.0 for _ in sizes), batch_size=sum(sizes),
                               batched=tuple(True for _ in inputs[0]))
-        step = self._new_step(mbs, self._channel(program), training=False, override=override, tokens=True)
+        step = self._new_step(mbs, self._new_channel(program), training=False, override=override, tokens=True)
         self.rng_step += 1
         return step
 
-    def _channel(self, plan: CommPlan) -> P2PChannel:
+    def _new_channel(self, plan: CommPlan) -> P2PChannel:
         return P2PChannel(plan, group=self.pp_group, timeout_s=self.timeout, blocking_waits=self.blocking_waits,
                           watch=self.watch)
 
