@@ -51,15 +51,9 @@ def _overlap(rank):
                              schedule="interleaved_1f1b", stages_per_rank=2, hardware=HW, timeout=60)
     rt, dp_group = pm._runtime, pm._groups.dp
     events: list = []
-    for name in ("_forward", "_backward", "_backward_weight"):
-        inner = getattr(rt, name)
-
-        def wrapped(ac, inner=inner):
-            events.append(("start", str(ac.action)))
-            inner(ac)
-            events.append(("end", str(ac.action)))
-
-        setattr(rt, name, wrapped)  # the runtime calls self._forward(ac) etc.: the instance's wins
+    # around every action, before the runtime tells the data-parallel hooks a stage is done
+    rt.probe(before=lambda step, a: events.append(("start", str(a))),
+             after=lambda step, a: events.append(("end", str(a)))).__enter__()
     real_all_reduce = dist.all_reduce
 
     def spy(tensor, *args, **kwargs):

@@ -18,6 +18,7 @@ measures how each survivor ends on its own. A SIGSTOPped rank is killed once eve
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -62,6 +63,7 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
     import torch
 
     from fxsplit.api.parallelize import parallelize
+    from fxsplit.schedule.ir import ActionKind
     from fxsplit.testing.zoo import GPT, GPTConfig, cross_entropy_loss
 
     layout, fault = case.split("-", 1)
@@ -96,13 +98,14 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
     # every rank computes the same plan: rank 0 verifies it (the default), the others do not repeat it
     pm = parallelize(model, (x[: len(x) // dp],), loss_fn=loss_fn, timeout=timeout, verify=None if rank == 0 else False,
                      microbatches=4 if options.get("pp", 1) > 1 else 2, **options)
-    runtime = pm._runtime  # fault injection into one action of this rank (a benchmark's hook)
+    injected = contextlib.nullcontext()
     if mine and fault in ("kill-F", "kill-B", "stop", "raise-model"):
-        target = "_forward" if fault in ("kill-F", "stop", "raise-model") else "_backward"
-        original = getattr(runtime, target)
+        # fault injection as one action of this rank starts: F, or a backward (B or I)
+        kinds = ({ActionKind.FORWARD} if fault in ("kill-F", "stop", "raise-model")
+                 else {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
 
-        def faulty(ac, _original=original):
-            if step[0] == FAULT_STEP and ac.action.microbatch == 1:
+        def faulty(_step, action):
+            if step[0] == FAULT_STEP and action.microbatch == 1 and action.kind in kinds:
                 mark()
                 if fault.startswith("kill"):
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -110,20 +113,20 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
                     os.kill(os.getpid(), signal.SIGSTOP)
                 else:
                     raise RuntimeError("the model failed on purpose in a forward action")
-            return _original(ac)
 
-        setattr(runtime, target, faulty)
+        injected = pm._runtime.probe(before=faulty)
     if mine and fault == "kill-cp":
         _kill_inside_cp_exchange(options.get("cp_kv"), step, mark)
     opt = torch.optim.SGD(pm.parameters(), lr=0.01)
     d = pm.coords.get("dp", 0) * options.get("dp_shard", 1) + pm.coords.get("dp_shard", 0)
     rows = len(x) // dp
     try:
-        for step[0] in range(FAULT_STEP + 3):
-            xb = x[d * rows: (d + 1) * rows]
-            pm.step(xb, target=xb.roll(-1, 1))
-            opt.step()
-            opt.zero_grad()
+        with injected:
+            for step[0] in range(FAULT_STEP + 3):
+                xb = x[d * rows: (d + 1) * rows]
+                pm.step(xb, target=xb.roll(-1, 1))
+                opt.step()
+                opt.zero_grad()
         outcome = dict(kind="ok", text="")
     except Exception as exc:  # noqa: BLE001 -- what the survivor raised is the measurement
         outcome = dict(kind=type(exc).__name__, text=str(exc))
