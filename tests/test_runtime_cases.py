@@ -23,7 +23,7 @@ import torch.nn.functional as Fn
 from torch import nn
 
 from fxsplit.testing import zoo
-from fxsplit.runtime import PipelineRuntime
+from fxsplit.runtime import PipelineRuntime, RuntimeOptions
 from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.schedule import build
 from fxsplit.pipeline.stage import StageIO, ValueMeta, ValueSource
@@ -300,3 +300,35 @@ def test_errors_name_the_problem():
     # after the errors the runtime still works (no process group to abort here)
     loss = rt.step(x, target=y)
     assert loss.item() == pytest.approx(mse_loss(skip_model()(x[0]), y).item(), rel=1e-5)
+
+
+def test_a_microbatch_is_followed_by_the_step_each_action_gets():
+    """Every action of one call receives that call's Step (its microbatches, what F saved, the
+    loss); the runtime keeps none of it once the call returns, and options come whole or as keywords."""
+    mods, ios, meta, _ = skip_stages(skip_model(), 2)
+    rp = RankPlan.build(ios, build("gpipe", 1, 3, 2), rank=0, num_ranks=1, input_meta=meta)
+    rt = PipelineRuntime(rp, {0: mods[0], 1: mods[1]}, RuntimeOptions(group=None, loss_fn=mse_loss, device="cpu"))
+    x, y = make_batch("skip", 6)
+    seen = []
+
+    def before(step, action):
+        seen.append((step, str(action), len(step.inputs.inputs), sorted(step.saved)))
+
+    with rt.probe(before=before):
+        rt.step(x, target=y)
+        rt.forward(x)
+    steps = {id(s) for s, *_ in seen}  # the steps are alive in ``seen``: their ids differ
+    assert len(steps) == 2, seen  # one Step per call, shared by all its actions
+    train = [row for row in seen if row[0] is seen[0][0]]
+    assert seen[0][0].training and not seen[-1][0].training and seen[0][0].saved == {}
+    assert [a for _, a, _, _ in train] == [str(a.action) for a in rp.train.actions]
+    assert all(n == 3 for _, _, n, _ in train)
+    # B of microbatch 0 on stage 1 finds what the F actions before it saved, on the step
+    b0 = next(row for row in train if row[1] == "1B0")
+    assert (1, 0) in b0[3] and (0, 0) in b0[3]
+    held = [k for k, v in vars(rt).items() if isinstance(v, (torch.Tensor, dict)) and k not in
+            ("modules", "runners", "_shape_cache", "_binding_cache", "_channels")]
+    assert held == [], held
+    with pytest.raises(ValueError, match="not both"):
+        PipelineRuntime(rp, {0: mods[0], 1: mods[1]}, RuntimeOptions(group=None, loss_fn=mse_loss, device="cpu"),
+                        timeout=5.0)
