@@ -75,7 +75,7 @@ def _rank(rank, world, args):
             if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
                 seen[0] = max(seen[0], _gathered_bytes(pm))
 
-        pm._runtime.probe(before=backward_starts).__enter__()  # for the life of this runtime
+        pm._runtime.probe(before=backward_starts)  # for the life of this runtime
     for r in range(args.rounds):
         order = list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))
         for label in order:

@@ -52,7 +52,6 @@ plan's imbalance alone.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime
 import functools
@@ -215,9 +214,9 @@ class ActionClock:
         return out
 
 
-def _clock_fxsplit(rt, clock: ActionClock) -> contextlib.AbstractContextManager:
+def _clock_fxsplit(rt, clock: ActionClock) -> None:
     """Instrumentation only: mark the start of each action of this runtime (F, B, I or W)."""
-    return rt.probe(before=lambda step, a: clock.mark(a.stage, a.kind.value, a.microbatch))
+    rt.probe(before=lambda step, a: clock.mark(a.stage, a.kind.value, a.microbatch))
 
 
 def _clock_ptd(stage, clock: ActionClock) -> None:
@@ -305,7 +304,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             t_ptd += time.perf_counter() - t0
         losses: dict[str, float] = {}
         clocks = {"fxsplit": ActionClock()} | {name: ActionClock() for name in ptds}
-        _clock_fxsplit(pm._runtime, clocks["fxsplit"]).__enter__()  # for the life of this runtime
+        _clock_fxsplit(pm._runtime, clocks["fxsplit"])  # for the life of this runtime
         for name, (_, stages, *_rest) in ptds.items():
             for st in stages:
                 _clock_ptd(st, clocks[name])

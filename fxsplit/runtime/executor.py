@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,7 +86,7 @@ from fxsplit.runtime.options import GradHooks, RuntimeOptions
 from fxsplit.runtime.p2p import P2PChannel, PipelineError
 from fxsplit.runtime.pipe_group import PipeGroup
 from fxsplit.runtime.runners import CompiledRunner, EagerRunner, make_runner
-from fxsplit.runtime.step import Saved, Step
+from fxsplit.runtime.step import Probe, ProbeHandle, Saved, Step
 from fxsplit.runtime.tied import TiedGrads
 from fxsplit.runtime.watch import Watch, host_blocking
 from fxsplit.schedule.ir import Action, ActionKind
@@ -98,10 +98,6 @@ F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
 BI = ActionKind.BACKWARD_INPUT
 BW = ActionKind.BACKWARD_WEIGHT
-
-# An instrumentation probe: called with the step and the action before (or after) each action runs.
-Probe = Callable[[Step, Action], None]
-
 
 class PipelineRuntime:
     """Runs one pipeline rank's share of a schedule over ``torch.distributed`` point-to-point.
@@ -280,16 +276,11 @@ class PipelineRuntime:
         r = self.runners.get(self.last_stage)
         return isinstance(r, CompiledRunner) and r.compiled_loss is not None
 
-    @contextlib.contextmanager
-    def probe(self, before: Probe | None = None, after: Probe | None = None) -> Iterator[None]:
-        """Within the block, call ``before(step, action)`` / ``after(step, action)`` around each
-        action (instrumentation: memory held as backwards start, time per action)."""
-        entry = (before, after)
-        self._probes.append(entry)
-        try:
-            yield
-        finally:
-            self._probes.remove(entry)
+    def probe(self, before: Probe | None = None, after: Probe | None = None) -> ProbeHandle:
+        """Call ``before(step, action)`` / ``after(step, action)`` around each action from now on
+        (instrumentation: memory held as backwards start, time per action) until the handle's
+        ``remove()``; ``with rt.probe(...):`` removes it at the end of the block."""
+        return ProbeHandle(self._probes, (before, after))
 
     # ------------------------------------------------------------------ public API
 

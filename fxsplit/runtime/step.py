@@ -10,7 +10,8 @@ an argument, so a microbatch is followed through the runtime by what the calls r
     step.give(msg, value, local, action)
 
 What F saved for the backward (`Saved`), the values handed over on this rank, the outputs of a
-forward and the loss all live here and go when the call returns.
+forward and the loss all live here and go when the call returns. A `ProbeHandle` keeps an
+instrumentation probe (``PipelineRuntime.probe``) called with the step around each action.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from fxsplit.runtime.p2p import P2PChannel
 from fxsplit.runtime.split_backward import SplitBackward
 from fxsplit.schedule.ir import Action
 
-__all__ = ["Saved", "Step"]
+__all__ = ["Probe", "ProbeHandle", "Saved", "Step"]
 
 
 @dataclass
@@ -145,3 +146,25 @@ class Step:
             j = stage_inputs(msg)
             grads[j] = g if j not in grads else grads[j] + g
         return grads
+
+
+# An instrumentation probe: called with the step and the action before (or after) each action runs.
+Probe = Callable[[Step, Action], None]
+
+
+class ProbeHandle:
+    """A probe installed on a runtime (:meth:`PipelineRuntime.probe`): ``remove()`` takes it off."""
+
+    def __init__(self, probes: list[tuple[Probe | None, Probe | None]], entry: tuple[Probe | None, Probe | None]):
+        self._probes, self._entry = probes, entry
+        probes.append(entry)
+
+    def remove(self) -> None:
+        if self._entry in self._probes:
+            self._probes.remove(self._entry)
+
+    def __enter__(self) -> ProbeHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
