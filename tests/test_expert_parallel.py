@@ -31,6 +31,8 @@ CASES_2 = {
     "mixtral/dp2-ep2": ("mixtral", dict(dp=2, ep=2)),
     "qwen2_moe/dp2-ep2": ("qwen2_moe", dict(dp=2, ep=2)),
     "moe/ds2-ep2": ("moe", dict(dp_shard=2, ep=2)),
+    # compiled: the all-to-alls are opaque ops inside the compiled graphs ([Note: traced exchange])
+    "moe/dp2-ep2-compile": ("moe", dict(dp=2, ep=2, compile=True)),
 }
 # full state dicts gathered / loaded; a sharded checkpoint saved, loaded back, loaded at another ep
 # (label -> the other layout's options) and, in the test's process, whole (ep = 1)
@@ -128,7 +130,8 @@ def _train(rank, world, cases, tmp=None):
             opt.step()
         d, _ = replica_index(pm)
         out[label] = dict(losses=losses, grads=grads, norm=norm, ep_rank=d % options["ep"], tp_rank=pm.coords.get("tp", 0),
-                          experts=set(pm.plan.ep_plan.expert_params), specs=dict(pm.plan.tp_plan.param_specs))
+                          experts=set(pm.plan.ep_plan.expert_params), specs=dict(pm.plan.tp_plan.param_specs),
+                          fallbacks=dict(pm.compile_fallbacks), splits=dict(pm._runtime.split_fallbacks))
         if label in STATE_CASES:
             out[label].update(_state_checks(pm, name, x, f"{tmp}/{label.replace('/', '-')}", STATE_CASES[label]))
     return out
@@ -164,6 +167,8 @@ def _check(cases, results):
         for rank, res in enumerate(r[label] for r in results):
             tag = f"{label} rank {rank}"
             assert res["experts"], f"{tag}: no MoE layer was placed by ep"
+            if options.get("compile"):  # every graph compiled: the exchange is an extern op inside them
+                assert not res["fallbacks"] and not res["splits"], (tag, res["fallbacks"], res["splits"])
             if options.get("tp", 1) > 1:
                 assert res["experts"] <= set(res["specs"]), f"{tag}: the experts are not split over tp"
             assert res["losses"] == pytest.approx(losses, rel=MP_LOSS_RTOL if mp else 1e-5), tag
