@@ -334,4 +334,4 @@ def test_expert_parallel_two_ranks(tmp_path):
 @pytest.mark.dist
 @pytest.mark.hf
 def test_expert_parallel_four_ranks(tmp_path):
-    _check(CASES_4, run_distributed(_train, 4, CASES_4, str(tmp_path), timeout=400))
+    _check(CASES_4, run_distributed(_train, 4, CASES_4, str(tmp_path), timeout=800))

@@ -31,6 +31,8 @@ waiter ([Note: failure protocol] in fxsplit.runtime.watch, ``bind_waiter``): a f
 collective's ``wait_tensor`` blocks without a bound a peer's death could end. With the axis
 unbound or of size 1 every op is the identity (``ep_local_offsets`` gives back ``offs``), so a
 plan's graph runs unchanged in one process, and the fake tensors of a trace see plain shapes.
+Bound and traced (the graph split, compile=True), the exchange becomes opaque custom ops of static
+shape ([Note: traced exchange] below): the same all-to-alls and waits when the graph runs.
 
 [Note: exchange statistics] Inside ``with exchange_stats() as st:`` every all-to-all this process
 runs adds its host seconds (issue to the end of its wait: on the CPU the exchange itself; on a
