@@ -142,6 +142,7 @@ def format_memory(rows: list[RankMemory], dp_shard: int) -> str:
         extra = f", gathered during the step {fmt_bytes(m.gathered)}" if m.gathered else ""
         extra += f", whole gradients during the step {fmt_bytes(m.whole_grads)}"
         extra += f", all-reduce buckets {fmt_bytes(m.buckets)}" if m.buckets else ""
+        extra += f", ep exchange buffers {fmt_bytes(m.exchange)}" if m.exchange else ""
         lines.append(f"  pp rank {m.pp_rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, optimizer "
                      f"{fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)}{extra}; peak {fmt_bytes(m.peak)}")
     return "\n".join(lines)
@@ -178,5 +179,5 @@ def memory_limit_error(plan: Any) -> PlanError:
 def _terms(m: RankMemory) -> str:
     parts = [("params", m.params), ("optimizer", m.optimizer), ("activations", m.activations),
              ("gathered", m.gathered), ("whole gradients", m.whole_grads), ("buckets", m.buckets),
-             ("loss gradients", m.backward)]
+             ("loss gradients", m.backward), ("ep exchange buffers", m.exchange)]
     return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts if v)
