@@ -52,7 +52,6 @@ def test_stages_never_cut_between_dispatch_and_combine():
 @pytest.mark.parametrize("options, words", [
     (dict(dp=2, ep=3), "must divide the data-parallel ranks"),
     (dict(dp=1, dp_shard=2, ep=4), "dp \\* dp_shard = 1 \\* 2 = 2"),
-    (dict(dp=2, ep=2, compile=True), "compile=False"),
     (dict(dp=2, ep=0), "ep must be an int >= 1"),
 ])
 def test_bad_ep_options_name_the_fix(options, words):

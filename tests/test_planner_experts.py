@@ -3,6 +3,7 @@ time and its breakdown (hidden under DualPipeV's paired actions), each rank's E 
 the exchange buffers in the memory model. One process, no weights: the MoE is built on the meta
 device and only traced."""
 
+import dataclasses
 import math
 
 import pytest
@@ -80,3 +81,40 @@ def test_ep_is_not_searched_without_experts():
     result = search(w, world_size=4, global_batch=8, hardware=_HW)
     assert w.num_experts == 0 and all(s.candidate.ep == 1 for s in result.scores)
     assert all(s.candidate.schedule != "dualpipev" for s in result.scores)
+
+
+def test_ep_with_dp_shard_is_searched_and_keeps_the_expert_blocks_whole(moe):
+    w, experts = moe
+    result = search(w, world_size=8, global_batch=64, hardware=_HW, shard=True)
+    both = [s for s in result.scores if s.candidate.ep > 1 and s.candidate.dp_shard > 1]
+    assert both, result.table(6, 0)
+    fields = both[0].candidate.config_fields()
+    assert fields["dp"] * fields["dp_shard"] == both[0].candidate.dp and fields["ep"] == both[0].candidate.ep
+    fxsplit.ParallelConfig(**fields)  # a layout the runtime takes
+    scorer = Scorer(w, _HW, math.inf)
+    plain, sharded = (scorer.score(_cand(ep=2, dp_shard=sh)) for sh in (1, 4))
+    # FSDP divides the rest by dp_shard; each rank keeps its E / ep experts whole
+    assert plain.memory.params - sharded.memory.params == pytest.approx((plain.memory.params - experts / 2) * 3 / 4)
+
+
+def test_plan_memory_and_the_planner_count_the_exchange_alike():
+    """One function ([Note: expert memory]) for Plan.memory() and the score: the exchange buffers of
+    the largest MoE layer and the busiest ep rank's extra expert activations, EXPERT_LOAD_MARGIN times
+    the even share eagerly, ep times under the graph split's padded exchange (compile=True)."""
+    model, args, _ = zoo.make("moe", seed=0)
+    w = analyze(trace(model, args, None), world_size=2, hardware=_HW)
+    scorer = Scorer(w, _HW, math.inf)
+    got = {}
+    for compile_ in (False, True):
+        plan = fxsplit.plan(model, args, dp=2, ep=2, compile=compile_, hardware=_HW)
+        mine = plan.memory()[0]
+        assert mine.exchange > 0 and mine.imbalance > 0
+        got[compile_] = mine
+        if not compile_:
+            score = scorer.score(_cand(dp=2, ep=2, microbatches=1, microbatch_size=args[0].shape[0]))
+            assert (mine.exchange, mine.imbalance) == pytest.approx((score.memory.exchange, score.memory.imbalance))
+            one = fxsplit.plan(model, args, dp=2, hardware=_HW).memory()[0]
+            assert one.exchange == one.imbalance == 0
+            assert mine.peak - dataclasses.replace(mine, exchange=0.0).peak == pytest.approx(mine.exchange)  # held at the peak
+    assert got[True].exchange == pytest.approx(got[False].exchange * 2 / EXPERT_LOAD_MARGIN)
+    assert got[True].imbalance == pytest.approx(got[False].imbalance * (2 - 1) / (EXPERT_LOAD_MARGIN - 1))

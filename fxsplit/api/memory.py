@@ -44,7 +44,9 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
         buffers = plan.split.message_buffers()
     except Exception:  # noqa: BLE001 -- a plan without a partition model: no estimate
         inflight, buffers = (1.0,) * c.pp, (0.0,) * c.pp
-    stage_acts = [st.activation_bytes for st in plan.split.stages]
+    plain_acts = [st.activation_bytes for st in plan.split.stages]
+    extra, exchange = _expert_terms(plan)  # [Note: expert memory]
+    stage_acts = [a + e for a, e in zip(plain_acts, extra)]
     after_i = [st.weight_bytes for st in plan.split.stages]
     stage_grads = [0.0] * len(stage_acts)
     loss = getattr(plan.split, "loss_bytes", 0.0)
@@ -82,14 +84,51 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 gathered += numel * _size(pdt)
                 optimizer += mine * _model.optimizer_bytes_per_element(size, optimizer_bytes_per_param)
         acts, grads_at_peak = _model.schedule_walk(plan.schedule[r], stage_acts, after_i, stage_grads)
+        imbalance = acts - _model.schedule_walk(plan.schedule[r], plain_acts, after_i, stage_grads)[0] if any(extra) else 0.0
         recompute = max((plan.split.stages[st].recompute_bytes for st in plan.stages_of(r)), default=0.0)
         out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel,
                                       grad_itemsize=grads / max(whole, 1), gather_itemsize=gathered / max(whole, 1),
                                       optimizer_bytes_per_param=optimizer / max(shard_numel, 1), dp=c.dp, dp_shard=s, activations=acts + buffers[r],
                                       recompute=recompute,
                                       microbatches=c.microbatches, inflight=min(inflight[r], c.microbatches),
-                                      loss_bytes=loss if last == r else 0.0, pp_rank=r, grads_at_peak=grads_at_peak))
+                                      loss_bytes=loss if last == r else 0.0, pp_rank=r, grads_at_peak=grads_at_peak,
+                                      exchange=exchange[r], imbalance=imbalance))
     return out
+
+
+def _expert_terms(plan: Any) -> tuple[list[float], list[float]]:
+    """[Note: expert memory] of an ep plan: per stage, the busiest ep rank's extra expert
+    activations per microbatch (at the stage's checkpointing mode); per pipeline rank, the exchange
+    buffers of its largest MoE layer. Zeros without ep."""
+    from fxsplit.graph.saved import first_saver_bytes, unit_saved
+    from fxsplit.pipeline.bindings import example_bindings
+    from fxsplit.pipeline.checkpointing import mode_held
+    from fxsplit.schedule import schedule_spec
+
+    c, stages = plan.config, plan.split.stages
+    layers = plan.ep_plan.layers if c.ep > 1 else ()
+    extra, buffers = [0.0] * len(stages), [0.0] * c.pp
+    if not layers:
+        return extra, buffers
+    gm = plan.graph
+    binds = {k: plan.split.bindings.get(str(k), v) for k, v in example_bindings(gm).items()}  # the split's sizes
+    units = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    base = unit_saved(gm, units, binds)
+    traced = c.compile or (schedule_spec(c.schedule).splits_backward and c.split_backward == "graph")
+    expert = {name for layer in layers for name in layer.region}
+    stage_of = plan.split.stage_of
+    saved: dict[str, list[float]] = {}
+    for s, st in enumerate(stages):
+        if st.checkpointing not in saved:
+            held = base if st.checkpointing == "none" else mode_held(gm, units, binds, base, st.checkpointing)[0]
+            saved[st.checkpointing] = first_saver_bytes(held)
+        mine = sum(b for u, b in zip(units, saved[st.checkpointing]) if u.name in expert and stage_of.get(u.name) == s)
+        extra[s] = _model.expert_memory(mine, (), c.ep, traced)[0]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    per_rank: list[list[float]] = [[] for _ in range(c.pp)]
+    for layer in layers:
+        per_rank[stages[stage_of[layer.last]].rank].append(_model.exchange_bytes(nodes[layer.rows], nodes[layer.last], binds))
+    return extra, [_model.expert_memory(0.0, e, c.ep, traced)[1] for e in per_rank]
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -103,6 +142,7 @@ def format_memory(rows: list[RankMemory], dp_shard: int) -> str:
         extra = f", gathered during the step {fmt_bytes(m.gathered)}" if m.gathered else ""
         extra += f", whole gradients during the step {fmt_bytes(m.whole_grads)}"
         extra += f", all-reduce buckets {fmt_bytes(m.buckets)}" if m.buckets else ""
+        extra += f", ep exchange buffers {fmt_bytes(m.exchange)}" if m.exchange else ""
         lines.append(f"  pp rank {m.pp_rank}: params {fmt_bytes(m.params)}, grads {fmt_bytes(m.grads)}, optimizer "
                      f"{fmt_bytes(m.optimizer)}, activations {fmt_bytes(m.activations)}{extra}; peak {fmt_bytes(m.peak)}")
     return "\n".join(lines)
@@ -139,5 +179,5 @@ def memory_limit_error(plan: Any) -> PlanError:
 def _terms(m: RankMemory) -> str:
     parts = [("params", m.params), ("optimizer", m.optimizer), ("activations", m.activations),
              ("gathered", m.gathered), ("whole gradients", m.whole_grads), ("buckets", m.buckets),
-             ("loss gradients", m.backward)]
+             ("loss gradients", m.backward), ("ep exchange buffers", m.exchange)]
     return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts if v)

@@ -194,10 +194,6 @@ class ParallelConfig:
             raise PlanError(f"ep={self.ep} must divide the data-parallel ranks dp * dp_shard = {self.dp} * "
                             f"{self.dp_shard} = {data} (expert-parallel ranks are carved out of them; the world "
                             f"size stays dp * dp_shard * tp * pp): use ep in {_divisors(data)}, or raise dp")
-        for name, bad, fix in (("compile", self.compile is True,
-                                "the exchanged rows have a size known only at run time: use compile=False"),):
-            if bad:
-                raise PlanError(f"ep={self.ep} with {name}={getattr(self, name)!r} is not supported: {fix}")
 
     def _check_cp(self) -> None:
         """cp > 1 needs a static sequence under torch.export (the rewrite cuts a known length)."""

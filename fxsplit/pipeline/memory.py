@@ -71,9 +71,44 @@ import torch.fx
 
 from fxsplit.graph.saved import base, node_bytes, union_bytes
 
-__all__ = ["RankMemory", "rank_memory", "message_buffers", "schedule_peaks", "optimizer_bytes_per_element",
-           "state_bytes_per_param_byte", "schedule_walk", "worst", "StageHeld", "loss_key",
-           "with_loss"]
+__all__ = ["EXPERT_LOAD_MARGIN", "RankMemory", "rank_memory", "message_buffers", "schedule_peaks",
+           "optimizer_bytes_per_element", "state_bytes_per_param_byte", "schedule_walk", "worst", "StageHeld",
+           "loss_key", "with_loss", "expert_rows_factor", "expert_memory", "exchange_bytes"]
+
+# [Note: expert memory] With expert parallelism (ep > 1) the busiest ep rank's experts get more
+# than its even share of the routed rows, dropless. Eagerly the exchange holds what arrives:
+# ``EXPERT_LOAD_MARGIN`` times the share (a top-k router trained with a load-balancing loss keeps the
+# per-expert load near the mean; 1.25 is the capacity factor GShard / Switch train with, so a
+# rank whose load stays under it would not have dropped a token). A stage that runs as graphs (the
+# graph split: compile=True, or a schedule that splits the backward) holds the padded exchange of
+# [Note: traced exchange] in fxsplit.tp.experts: ep times the share, whatever the routing.
+# ``expert_memory`` gives both terms from the same inputs for ``Plan.memory()`` and the planner's
+# score: the extra saved bytes of the expert FFNs (``imbalance``, per microbatch in flight) and the
+# exchange buffers of the largest MoE layer (``exchange``: its dispatched rows and combined outputs,
+# ``exchange_bytes``), once per rank.
+EXPERT_LOAD_MARGIN = 1.25
+
+
+def expert_rows_factor(ep: int, traced: bool = False) -> float:
+    """The busiest ep rank's routed rows over its even share ([Note: expert memory])."""
+    if ep == 1:
+        return 1.0
+    return float(ep) if traced else EXPERT_LOAD_MARGIN
+
+
+def expert_memory(expert_saved: float, exchanged: Sequence[float], ep: int, traced: bool = False) -> tuple[float, float]:
+    """(imbalance, exchange) of [Note: expert memory]: ``expert_saved`` the expert FFNs' saved
+    bytes per microbatch at the even share, ``exchanged`` each MoE layer's ``exchange_bytes``."""
+    if ep == 1:
+        return 0.0, 0.0
+    f = expert_rows_factor(ep, traced)
+    return (f - 1.0) * expert_saved, f * max(exchanged, default=0.0)
+
+
+def exchange_bytes(rows: torch.fx.Node, last: torch.fx.Node, binds: Mapping) -> float:
+    """Bytes one exchange of a MoE layer moves at the even share: the rows dispatched (the first
+    grouped matmul's input ``rows``) and the expert outputs combined (the last one's output)."""
+    return node_bytes(rows, binds) + node_bytes(last, binds)
 
 _LOSS_GRADIENTS = 2  # tensors the size of the loss's input live at the start of the last stage's backward
 
@@ -125,6 +160,8 @@ class RankMemory:
     grads_during_forwards: bool = False  # whole gradients live beside the activations (more microbatches than in flight)
     backward: float = 0.0  # a backward's working memory on top of the activations (the loss's gradients)
     grads_at_peak: float | None = None  # gradients live at the activation peak, from the schedule's walk (None: not walked)
+    exchange: float = 0.0  # expert parallelism: the largest MoE layer's exchange buffers ([Note: expert memory])
+    imbalance: float = 0.0  # of ``activations``: the busiest ep rank's extra expert rows ([Note: expert memory])
 
     @property
     def at_rest(self) -> float:
@@ -139,7 +176,7 @@ class RankMemory:
             grads = self.whole_grads if self.grads_during_forwards else 0.0
         # two transients of a backward, one after the other: the loss's gradients are freed by the
         # backward of the ops after the last checkpointed region before any region is recomputed
-        pipeline = self.activations + max(self.recompute, self.backward) + grads
+        pipeline = self.activations + self.exchange + max(self.recompute, self.backward) + grads
         return self.params + self.optimizer + self.gathered + max(pipeline, self.whole_grads + self.buckets)
 
     @property
@@ -151,6 +188,7 @@ class RankMemory:
         return dict(params=self.params, grads=self.grads, optimizer=self.optimizer, activations=self.activations,
                     gathered=self.gathered, whole_grads=self.whole_grads, buckets=self.buckets,
                     recompute=self.recompute, backward=self.backward, peak=self.peak, total=self.total,
+                    **({"exchange": self.exchange, "imbalance": self.imbalance} if self.exchange or self.imbalance else {}),
                     **({} if self.grads_at_peak is None else {"grads_at_peak": self.grads_at_peak}))
 
 
@@ -158,18 +196,21 @@ def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
                 grad_itemsize: float, gather_itemsize: float, optimizer_bytes_per_param: float,
                 dp: int, dp_shard: int, activations: float, recompute: float = 0.0,
                 microbatches: int = 1, inflight: float = 1.0, loss_bytes: float = 0.0,
-                pp_rank: int = 0, grads_at_peak: float | None = None) -> RankMemory:
+                pp_rank: int = 0, grads_at_peak: float | None = None, exchange: float = 0.0,
+                imbalance: float = 0.0) -> RankMemory:
     """One rank's :class:`RankMemory` ([Note: memory model]); ``numel``: the
     rank's tp-local parameter elements, ``shard_bytes`` / ``shard_numel``: its FSDP shard of them;
     ``microbatches`` the rank runs per step, ``inflight`` the most it holds at once; ``loss_bytes``
-    the loss's input (the model outputs of one microbatch) when the rank holds the last stage."""
+    the loss's input (the model outputs of one microbatch) when the rank holds the last stage;
+    ``exchange`` / ``imbalance`` ([Note: expert memory]): ``imbalance`` is already in ``activations``."""
     whole_grads = numel * grad_itemsize
     return RankMemory(
         pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
         activations=activations, gathered=numel * gather_itemsize if dp_shard > 1 else 0.0,
         whole_grads=whole_grads, buckets=whole_grads if dp > 1 or dp_shard > 1 else 0.0, recompute=recompute,
         grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes,
-        grads_at_peak=None if grads_at_peak is None else min(grads_at_peak, whole_grads))
+        grads_at_peak=None if grads_at_peak is None else min(grads_at_peak, whole_grads), exchange=exchange,
+        imbalance=imbalance)
 
 
 # [Note: message buffers]

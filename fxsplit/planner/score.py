@@ -44,15 +44,17 @@ Step time = the pipeline's makespan + the data-parallel gradient reduction + the
 
 Expert parallelism ([Note: planner experts] in ``fxsplit.planner.workload``): each rank keeps 1/ep
 of the expert weights (and 1/tp of those with tp, which splits them too); the busiest ep rank runs
-its experts on ``EXPERT_LOAD_MARGIN`` times its share of the rows (their time, saved activations
-and exchanged bytes scaled by it); each MoE layer's exchange is three all-to-alls forward (the
+its experts on ``EXPERT_LOAD_MARGIN`` times its share of the rows (their time and exchanged bytes
+scaled by it); each MoE layer's exchange is three all-to-alls forward (the
 per-expert counts, the rows dispatched, the outputs combined) and two backward
 (``Hardware.all_to_all_time`` over the ep group, whose ranks are pp * tp apart: intra-node when
 they fit in one), added to F and I. Under a schedule that pairs one microbatch's forward with
 another's backward on a rank (DualPipeV, ``ScheduleSpec.paired_fraction``) the exchanges of the
 paired actions run under the other action's compute: that share of the all-to-all time, up to the
-paired compute, leaves F and I and is reported as hidden (``ep_overlapped``). The memory adds the
-largest layer's exchange buffers (received rows and outputs, with the margin).
+paired compute, leaves F and I and is reported as hidden (``ep_overlapped``). The memory's expert
+terms (the busiest rank's extra expert activations, the largest layer's exchange buffers) are
+``Plan.memory()``'s, from one function ([Note: expert memory] in fxsplit.pipeline.memory; a
+schedule that splits the backward runs the graph split, whose exchange is padded).
 
 Memory per rank (the largest peak decides the fit) is the split's model, one function for both
 (``fxsplit.pipeline.memory.rank_memory``, [Note: memory model]): parameters, gradients (the
@@ -96,7 +98,8 @@ from fxsplit import schedule as _schedules
 from fxsplit.errors import PartitionError, UsageError
 from fxsplit.graph.units import fmt_bytes
 from fxsplit.hardware import Hardware
-from fxsplit.pipeline.memory import RankMemory, message_buffers, optimizer_bytes_per_element, rank_memory
+from fxsplit.pipeline.memory import (EXPERT_LOAD_MARGIN, RankMemory, expert_memory, message_buffers,
+                                     optimizer_bytes_per_element, rank_memory)
 from fxsplit.pipeline.partition import PartitionProblem, solve
 from fxsplit.planner.breakdown import Breakdown
 from fxsplit.planner.host import shared_makespan, shared_rate
@@ -111,11 +114,11 @@ SIMULATION_BUDGET = 60000  # actions the search simulates in all ([Note: search 
 _CAP_TIGHTENINGS = 3  # capped solves per layout when the score's memory exceeds the partitioner's
 MAX_CAPPED_SOLVES = 400  # memory-capped re-partitions per Scorer ([Note: partition under the memory limit])
 PARTITION_BUDGET = 20000  # search steps of one memory-capped v > 1 partition (partition.solve's exact_budget)
-# Rows the busiest expert-parallel rank gets over its even share, dropless: a top-k router trained with
-# a load-balancing loss keeps the per-expert load near the mean, and 1.25 is the capacity factor
-# Switch Transformer (arXiv 2101.03961) and GShard train with, i.e. the load they found sufficient
-# for all but a few tokens; a dropless run must hold those few too, so this is a margin, not a bound.
-EXPERT_LOAD_MARGIN = 1.25
+# EXPERT_LOAD_MARGIN: rows the busiest expert-parallel rank gets over its even share, dropless: a
+# top-k router trained with a load-balancing loss keeps the per-expert load near the mean, and 1.25 is
+# the capacity factor Switch Transformer (arXiv 2101.03961) and GShard train with, i.e. the load they
+# found sufficient for all but a few tokens; a dropless run must hold those few too, so this is a
+# margin, not a bound. Defined with the memory model ([Note: expert memory] in fxsplit.pipeline.memory).
 
 # [Note: optimizer cost] name -> (bytes one step moves through memory per parameter element,
 # fp32 state bytes per element). Adam: reads p, g, m, v, writes p, m, v (7 x 4 bytes), holds m
@@ -191,6 +194,8 @@ class _Units:
     a2a_F: np.ndarray  # per group seconds of ep all-to-alls in F, and in I
     a2a_I: np.ndarray
     a2a_buffer: float  # the largest layer's exchange buffers (bytes)
+    imbalance: np.ndarray  # per group: of ``saved``, the busiest ep rank's extra expert rows ([Note: expert memory])
+    experts: np.ndarray  # per group: of ``params``, the expert blocks (FSDP leaves them whole under dp_shard)
 
 
 class Scorer:
@@ -214,10 +219,12 @@ class Scorer:
     def units_of(self, c: Candidate) -> _Units:
         """:meth:`units` of candidate ``c`` (its ep group intra-node when its ranks, pp * tp apart, share one)."""
         intra = self.hw.same_node(0, (c.ep - 1) * c.pp * c.tp)
-        return self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing, c.ep, intra)
+        traced = _schedules.schedule_spec(c.schedule).splits_backward  # the graph split: [Note: expert memory]
+        return self.units(c.tp, c.sequence_parallel, c.microbatch_size, c.activation_checkpointing, c.ep, intra, traced)
 
-    def units(self, tp: int, sp: bool, b: int, ckpt: str, ep: int = 1, ep_intra: bool = True) -> _Units:
-        key = (tp, sp, b, ckpt, ep, ep_intra)
+    def units(self, tp: int, sp: bool, b: int, ckpt: str, ep: int = 1, ep_intra: bool = True,
+              traced: bool = False) -> _Units:
+        key = (tp, sp, b, ckpt, ep, ep_intra, traced)
         if key in self._units:
             return self._units[key]
         w, hw = self.w, self.hw
@@ -242,7 +249,7 @@ class Scorer:
             tp_i = w.tp_bwd_count * a0 + slope * w.tp_bwd_bytes.at(b)
             fw, I = fw + tp_f, I + tp_i
         a2a_f = a2a_i = np.zeros(w.num_units)
-        exchanged = w.a2a_bytes.at(b) * (EXPERT_LOAD_MARGIN if ep > 1 else 1.0)
+        exchanged = w.a2a_bytes.at(b) * (EXPERT_LOAD_MARGIN if ep > 1 else 1.0)  # on the busiest rank's time
         if ep > 1:
             a0 = hw.all_to_all_time(0.0, ep, ep_intra)
             slope = hw.all_to_all_time(1.0, ep, ep_intra) - a0
@@ -252,7 +259,9 @@ class Scorer:
             fw, I = fw + a2a_f, I + a2a_i
         rec = np.where(w.recompute[ckpt], fw, 0.0)
         I = I + rec
-        saved = w.saved[ckpt].at(b) * load / div
+        saved = w.saved[ckpt].at(b) / div
+        imbalance, buffer = expert_memory(np.where(w.expert_units, saved, 0.0), w.a2a_bytes.at(b), ep, traced)
+        saved = saved + imbalance
         gs = w.group_sum
         F_g, I_g, W_g = gs(fw), gs(I), gs(W)
         loss = max(w.loss_flops_per_sample * b / hw.flops_per_s, w.loss_bytes_per_sample * b / hw.bytes_per_s)
@@ -261,9 +270,9 @@ class Scorer:
         cut = w.cut.at(b) / (tp if sp else 1)
         expert_div = ep * (tp if w.experts_tp_sharded else 1)
         params = (w.params - w.expert_params) / pdiv + w.expert_params / expert_div
-        buffer = float(exchanged.max(initial=0.0)) if ep > 1 else 0.0
         out = _Units(F_g, I_g, W_g, gs(params), gs(saved), transient, cut, gs(tp_f + tp_i), gs(rec),
-                     gs(a2a_f), gs(a2a_i), buffer)
+                     gs(a2a_f), gs(a2a_i), float(buffer), gs(np.asarray(imbalance) + np.zeros(w.num_units)),
+                     gs(w.expert_params / expert_div if ep > 1 else np.zeros(w.num_units)))
         self._units[key] = out
         return out
 
@@ -502,7 +511,10 @@ class Scorer:
         P = np.diff(np.concatenate(([0.0], np.cumsum(u.params)))[idx])
         A = np.diff(np.concatenate(([0.0], np.cumsum(u.saved)))[idx])
         ranks, inflight = self.stage_ranks(c), self.inflight(c)
-        rank_P, rank_A = np.zeros(p), np.zeros(p)
+        rank_P, rank_A, rank_I = np.zeros(p), np.zeros(p), np.zeros(p)
+        I = np.diff(np.concatenate(([0.0], np.cumsum(u.imbalance)))[idx])
+        E = np.diff(np.concatenate(([0.0], np.cumsum(u.experts)))[idx])
+        rank_E = np.zeros(p)
         cut_in = np.array([float(u.cut[cuts[s]]) for s in range(S)])
         cut_out = np.array([float(u.cut[cuts[s + 1]]) for s in range(S)])
         A = A + cut_in + cut_out  # received and sent values ([Note: what a stage holds] in fxsplit.pipeline.memory)
@@ -510,21 +522,27 @@ class Scorer:
         for s in range(S):
             rank_P[ranks[s]] += P[s]
             rank_A[ranks[s]] += A[s]
-        acts = np.asarray(inflight) * rank_A + np.asarray(message_buffers(ranks, cut_in, cut_out, p)) + u.a2a_buffer
+            rank_I[ranks[s]] += I[s]
+            rank_E[ranks[s]] += E[s]
+        acts = np.asarray(inflight) * rank_A + np.asarray(message_buffers(ranks, cut_in, cut_out, p))
         loss = w.loss_saved_per_sample * c.microbatch_size
-        mems = [self._rank_memory(c, rank_P[r], float(acts[r]), u.transient, inflight[r], r,
-                                  loss if r == ranks[-1] else 0.0) for r in range(p)]
+        mems = [self._rank_memory(c, rank_P[r], float(acts[r]), u.transient, inflight[r], r, loss if r == ranks[-1] else 0.0,
+                                  experts=float(rank_E[r]), exchange=u.a2a_buffer, imbalance=float(inflight[r] * rank_I[r]))
+                for r in range(p)]
         return max(mems, key=lambda m: m.total), rank_P
 
     def _rank_memory(self, c: Candidate, param_bytes: float, acts: float, recompute: float, inflight: float,
-                     r: int, loss: float) -> Memory:
-        """One pipeline rank's memory by the shared model (``fxsplit.pipeline.memory.rank_memory``)."""
+                     r: int, loss: float, *, experts: float = 0.0, exchange: float = 0.0, imbalance: float = 0.0) -> Memory:
+        """One pipeline rank's memory by the shared model (``fxsplit.pipeline.memory.rank_memory``);
+        ``experts``: of ``param_bytes``, the expert blocks placed by ep, which FSDP leaves whole."""
         it, sh = self.w.param_itemsize, c.dp_shard
         numel = param_bytes / it
-        return rank_memory(shard_bytes=param_bytes / sh, numel=numel, shard_numel=numel / sh, grad_itemsize=it,
+        shard = (param_bytes - experts) / sh + experts
+        return rank_memory(shard_bytes=shard, numel=numel, shard_numel=shard / it, grad_itemsize=it,
                            gather_itemsize=it, optimizer_bytes_per_param=optimizer_bytes_per_element(it, self.optimizer_state),
                            dp=max(c.dp // sh, 1), dp_shard=sh, activations=acts, recompute=recompute,
-                           microbatches=c.microbatches, inflight=inflight, loss_bytes=loss, pp_rank=r)
+                           microbatches=c.microbatches, inflight=inflight, loss_bytes=loss, pp_rank=r, exchange=exchange,
+                           imbalance=imbalance)
 
     def _state_factor(self) -> float:
         """Bytes of params + grads + optimizer state per parameter byte."""

@@ -22,8 +22,8 @@ grads and optimizer state divided over the shard group) is searched only when ``
 has the field (``shard_supported``); otherwise it is 1 throughout, and a plan never names it.
 Expert parallelism ``ep`` (carved out of the data-parallel ranks) is searched over the divisors of
 dp that divide the model's expert count (``Workload.num_experts``; none without a MoE layer), with
-dp_shard = 1 (the memory model would otherwise count FSDP shards of the expert blocks, which FSDP
-leaves whole); DualPipeV (v = 2, m >= 2p) is searched with ep > 1, where its F&B pairs can hide the
+dp_shard = 1 and, where dp_shard is searched, dp_shard = dp (FSDP shards what the experts leave: the
+memory model keeps the expert blocks whole, as FSDP's ignored parameters); DualPipeV (v = 2, m >= 2p) is searched with ep > 1, where its F&B pairs can hide the
 all-to-alls ([Note: planner cost model]); without ep it is ZB-V's time at more memory.
 """
 
@@ -164,8 +164,9 @@ def candidates(*, world_size: int, global_batch: int, hardware: Hardware, num_gr
 def _data_layouts(dp: int, shard: bool, eps: list[int], dualpipev: bool | None) -> list[tuple[int, int]]:
     """(dp_shard, ep) pairs of one data-parallel degree ([Note: candidate space]); ``dualpipev``:
     None for another schedule, else whether m allows it (it is searched with ep > 1 only)."""
-    plain = [(1, 1)] + ([(dp, 1)] if shard and dp > 1 else [])
-    experts = [(1, e) for e in eps if e > 1]
+    sharded = [dp] if shard and dp > 1 else []
+    plain = [(1, 1)] + [(sh, 1) for sh in sharded]
+    experts = [(sh, e) for e in eps if e > 1 for sh in [1, *sharded]]
     if dualpipev is None:
         return plain + experts
     return experts if dualpipev else []

@@ -352,6 +352,7 @@ def _experts(gm: torch.fx.GraphModule, units: list, by_name: dict, b1: dict, b2:
     """The per-unit arrays of [Note: planner experts]."""
     from math import gcd
 
+    from fxsplit.pipeline.memory import exchange_bytes
     from fxsplit.tp.moe import find_moe_layers
 
     n = len(units)
@@ -363,9 +364,8 @@ def _experts(gm: torch.fx.GraphModule, units: list, by_name: dict, b1: dict, b2:
             if name in by_name:
                 mask[by_name[name]] = True
         at = min(by_name[f] for f in layer.first if f in by_name)
-        for name in (layer.rows, layer.last):  # the rows dispatched, the expert outputs combined
-            a1[at] += _out_bytes(nodes[name], b1)
-            a2[at] += _out_bytes(nodes[name], b2)
+        a1[at] += exchange_bytes(nodes[layer.rows], nodes[layer.last], b1)  # as Plan.memory() counts it
+        a2[at] += exchange_bytes(nodes[layer.rows], nodes[layer.last], b2)
         for w in layer.weights:  # owned by the first unit reading it, as ``params`` counts it
             attr = next((x for x in gm.graph.nodes if x.op == "get_attr" and x.target == w), None)
             users = [by_name[u.name] for u in attr.users if u.name in by_name] if attr is not None else []

@@ -31,6 +31,8 @@ waiter ([Note: failure protocol] in fxsplit.runtime.watch, ``bind_waiter``): a f
 collective's ``wait_tensor`` blocks without a bound a peer's death could end. With the axis
 unbound or of size 1 every op is the identity (``ep_local_offsets`` gives back ``offs``), so a
 plan's graph runs unchanged in one process, and the fake tensors of a trace see plain shapes.
+Bound and traced (the graph split, compile=True), the exchange becomes opaque custom ops of static
+shape ([Note: traced exchange] below): the same all-to-alls and waits when the graph runs.
 
 [Note: exchange statistics] Inside ``with exchange_stats() as st:`` every all-to-all this process
 runs adds its host seconds (issue to the end of its wait: on the CPU the exchange itself; on a
@@ -96,13 +98,16 @@ def expert_load(rows: torch.Tensor) -> dict[str, float]:
 
 
 def _active(axis: str, op: str):
-    """The bound ep group, or None (identity); RunError under a tracer (make_fx, dynamo): the rows
-    exchanged have counts known only at run time, so a traced stage falls back to autograd (the
-    graph split, ``fxsplit.runtime.compile.split_graph``, catches this as an untraceable stage)."""
+    """The bound ep group, or None (identity)."""
+    return C.active(axis)
+
+
+def _bound(axis: str, op: str):
+    """The bound ep group where a traced exchange runs ([Note: traced exchange]); RunError unbound."""
     b = C.active(axis)
-    if b is not None and _are_we_tracing():
-        raise RunError(f"{op}: the expert-parallel exchange over axis {axis!r} cannot be traced (how many rows each "
-                       "rank sends is known only at run time); the stage runs eagerly")
+    if b is None:
+        raise RunError(f"{op}: a graph traced with the expert-parallel exchange over axis {axis!r} runs where that "
+                       "axis is not bound to a group of more than one rank; run it inside the model's step")
     return b
 
 
@@ -189,6 +194,88 @@ class _Combine(torch.autograd.Function):
         return _to_experts(grad, offs, recv, ctx.b, "backward"), None, None, None
 
 
+# ----------------------------------------------------------------------------- traced exchange
+# [Note: traced exchange] Under a tracer (make_fx for the graph split, fake tensors:
+# ``_tracing``) the exchange is three opaque custom ops of static shape: the graph split
+# (fxsplit.runtime.compile.split_graph) can then cut a stage with experts into F, I and W graphs
+# and torch.compile (inductor) compiles everything around them, calling each op as an extern
+# kernel. A rank receives at most every row of its ep group (n * S for S rows per rank, all routed
+# to its experts: dropless), so the dispatched rows are padded to n * S: the received rows first,
+# expert-major, then zeros. The local group ends (``ep_local_offsets``) end at the received rows,
+# so the grouped matmuls leave the padding out of every expert's group; the region's row-wise ops
+# compute on it (their values never leave it: the combine reads the received rows only, and the
+# padding's gradient is zero). What runs at run time is the eager exchange above: the same
+# all-to-alls, through the same bounded waiter, counted in the same log and statistics. The cost
+# is the padding: the region's activations are held for n * S rows instead of the rows received.
+
+
+def _tracing(x: torch.Tensor) -> bool:
+    return _are_we_tracing() or isinstance(x, torch._subclasses.fake_tensor.FakeTensor)
+
+
+@torch.library.custom_op("fxsplit::ep_counts", mutates_args=())
+def _counts_op(counts: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+    b = _bound(axis, "ep_token_counts")
+    k = counts.numel() // n
+    recv = _all_to_all(counts, [k] * n, [k] * n, b, "no_grad").view(n, k)
+    stats = _STATS.get()
+    if stats is not None:
+        stats.add_rows(recv.sum(0).cpu())
+    return recv
+
+
+@_counts_op.register_fake
+def _(counts, axis, n):
+    return counts.new_empty((n, counts.numel() // n))
+
+
+@torch.library.custom_op("fxsplit::ep_to_experts", mutates_args=())
+def _to_experts_op(x: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, axis: str, phase: str) -> torch.Tensor:
+    rows = _to_experts(x, offs, recv, _bound(axis, "ep_dispatch"), phase)
+    if rows.shape[0] > recv.shape[0] * x.shape[0]:
+        raise RunError(f"ep_dispatch: this rank received {rows.shape[0]} rows, more than the {recv.shape[0]} x "
+                       f"{x.shape[0]} its traced graph holds: the ranks of the ep group sent different numbers of "
+                       "rows (every data-parallel replica must step with the same microbatch shape)")
+    out = rows.new_zeros((recv.shape[0] * x.shape[0], *x.shape[1:]))
+    out[:rows.shape[0]] = rows
+    return out
+
+
+@_to_experts_op.register_fake
+def _(x, offs, recv, axis, phase):
+    return x.new_empty((recv.shape[0] * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("fxsplit::ep_from_experts", mutates_args=())
+def _from_experts_op(y: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, axis: str, phase: str) -> torch.Tensor:
+    return _from_experts(y[:int(recv.sum())], offs, recv, _bound(axis, "ep_combine"), phase)
+
+
+@_from_experts_op.register_fake
+def _(y, offs, recv, axis, phase):
+    return y.new_empty((y.shape[0] // recv.shape[0], *y.shape[1:]))
+
+
+def _save_route(ctx, inputs, output) -> None:
+    _, offs, recv, axis, _ = inputs
+    ctx.save_for_backward(offs, recv)
+    ctx.axis = axis
+
+
+def _to_experts_grad(ctx, grad):
+    offs, recv = ctx.saved_tensors
+    return _from_experts_op(grad, offs, recv, ctx.axis, "backward"), None, None, None, None
+
+
+def _from_experts_grad(ctx, grad):
+    offs, recv = ctx.saved_tensors
+    return _to_experts_op(grad, offs, recv, ctx.axis, "backward"), None, None, None, None
+
+
+_to_experts_op.register_autograd(_to_experts_grad, setup_context=_save_route)
+_from_experts_op.register_autograd(_from_experts_grad, setup_context=_save_route)
+
+
 def _traced(fn, args: tuple, kwargs: dict):
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.fx.Proxy):
@@ -207,6 +294,8 @@ def ep_token_counts(offs: torch.Tensor, axis: str = "ep") -> torch.Tensor:
         return counts.view(1, -1)
     n = b.group.size()
     k = _check(offs, n, "ep_token_counts")
+    if _tracing(offs):  # [Note: traced exchange]
+        return _counts_op(counts, axis, n)
     recv = _all_to_all(counts, [k] * n, [k] * n, b, "no_grad").view(n, k)
     stats = _STATS.get()
     if stats is not None:  # (a forward recomputed by activation checkpointing counts again)
@@ -220,6 +309,8 @@ def ep_dispatch(x: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, axis: s
     if (node := _traced(ep_dispatch, (x, offs, recv), {"axis": axis})) is not None:
         return node
     b = _active(axis, "ep_dispatch")
+    if b is not None and _tracing(x):  # [Note: traced exchange]
+        return _to_experts_op(x, offs, recv, axis, "forward")
     return x if b is None else _Dispatch.apply(x, offs, recv, b)
 
 
@@ -229,6 +320,8 @@ def ep_combine(y: torch.Tensor, offs: torch.Tensor, recv: torch.Tensor, axis: st
     if (node := _traced(ep_combine, (y, offs, recv), {"axis": axis})) is not None:
         return node
     b = _active(axis, "ep_combine")
+    if b is not None and _tracing(y):  # [Note: traced exchange]
+        return _from_experts_op(y, offs, recv, axis, "forward")
     return y if b is None else _Combine.apply(y, offs, recv, b)
 
 
