@@ -321,8 +321,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         # (TP 8, PP 16, FSDP over DP, its gathers and reductions under compute as the paper's Sec.
         # 3.3.2 states: [Note: FSDP policies] in fxsplit.planner.fsdp) comes closest to both: -10%
         # and +10% (benchmarks/planner.py paper, tests/test_planner_published.py holds them within
-        # 15%; the 16K row's layout fits selective recomputation by the memory model, the 8K row's
-        # only full, and the paper states neither). Their 38-43% MFU is end to end (bubble,
+        # 15%; the 16K row is scored fastest with selective recomputation, which fits its
+        # interleaved schedule by the memory model, the 8K row's interleaved schedules fit only
+        # full recomputation, and the paper states neither). Their 38-43% MFU is end to end (bubble,
         # recompute and communication included); taken as the matmul rate it would count those
         # twice. Not checked against a GEMM benchmark of ours (no H100 here): a fit, like the
         # A100's, whose every published figure the test holds within 15%.
