@@ -393,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=_positive_int, default=None,
                    help="samples per optimizer step over all replicas, with --auto")
     p.add_argument("--hardware", type=_hardware_preset, default=None, metavar="NAME",
-                   help="the fxsplit.Hardware preset that stage times are estimated for (a100-80gb, h100-sxm; "
+                   help="the fxsplit.Hardware preset that stage times are estimated for (a100-80gb, h100-sxm, h100-hbm2e; "
                         "default: fxsplit.Hardware(), a100-80gb with --auto); --link-bandwidth overrides its link")
     p.add_argument("--meta", action="store_true", help='build the model under torch.device("meta") (no memory)')
     p.add_argument("--grid", action="store_true", help="also print the schedule grid (rank x step)")

@@ -135,7 +135,7 @@ def test_plan_options_split_points_meta_and_memory(model_file, capsys):
         (["schedule", "no_such_schedule", "--pp", "2", "--microbatches", "2"], 2, "valid names: gpipe, 1f1b"),
         # usage errors: exit 2 and one line naming the problem, never a traceback
         (["plan", "{file}:mlp_pair", "--hardware", "tpu-v9"], 2,
-         "argument --hardware: Hardware.preset: unknown name 'tpu-v9'; presets: a100-80gb, h100-sxm"),
+         "argument --hardware: Hardware.preset: unknown name 'tpu-v9'; presets: a100-80gb, h100-hbm2e, h100-sxm"),
         (["plan", "{file}:mlp_pair", "--auto", "--world-size", "8", "--global-batch", "64", "--hardware", "x"], 2,
          "unknown name 'x'"),
         (["plan", "{file}:mlp_pair", "--tp", "two"], 2, "argument --tp: 'two' is not an integer"),

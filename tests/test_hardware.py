@@ -50,11 +50,15 @@ def test_presets_have_sane_cited_numbers():
     assert h100.peak_bytes_per_s > a100.peak_bytes_per_s
     assert h100.intra_node_bytes_per_s > a100.intra_node_bytes_per_s
     assert h100.matmul_time(1e15, "bf16") < a100.matmul_time(1e15, "bf16")
-    assert set(PRESETS) == {"a100-80gb", "h100-sxm"}
+    assert set(PRESETS) == {"a100-80gb", "h100-hbm2e", "h100-sxm"}
+    # torchtitan's H100s: the SXM part at 500 W with HBM2e (its benchmark's "Hardware" section)
+    titan = Hardware.preset("h100-hbm2e")
+    assert titan.peak_bytes_per_s == 2.4e12 < h100.peak_bytes_per_s and titan.memory_bytes > h100.memory_bytes
+    assert titan.inter_node_bytes_per_s == h100.inter_node_bytes_per_s and titan.flops_per_s < h100.flops_per_s
 
 
 def test_unknown_preset_names_the_presets():
-    with pytest.raises(ValueError, match="a100-80gb, h100-sxm"):
+    with pytest.raises(ValueError, match="a100-80gb, h100-hbm2e, h100-sxm"):
         Hardware.preset("tpu-v5")
 
 

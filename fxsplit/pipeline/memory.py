@@ -197,16 +197,20 @@ def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
                 dp: int, dp_shard: int, activations: float, recompute: float = 0.0,
                 microbatches: int = 1, inflight: float = 1.0, loss_bytes: float = 0.0,
                 pp_rank: int = 0, grads_at_peak: float | None = None, exchange: float = 0.0,
-                imbalance: float = 0.0) -> RankMemory:
+                imbalance: float = 0.0, held_numel: float | None = None) -> RankMemory:
     """One rank's :class:`RankMemory` ([Note: memory model]); ``numel``: the
     rank's tp-local parameter elements, ``shard_bytes`` / ``shard_numel``: its FSDP shard of them;
     ``microbatches`` the rank runs per step, ``inflight`` the most it holds at once; ``loss_bytes``
     the loss's input (the model outputs of one microbatch) when the rank holds the last stage;
-    ``exchange`` / ``imbalance`` ([Note: expert memory]): ``imbalance`` is already in ``activations``."""
-    whole_grads = numel * grad_itemsize
+    ``exchange`` / ``imbalance`` ([Note: expert memory]): ``imbalance`` is already in ``activations``.
+    ``held_numel``: the elements FSDP holds unsharded at once, gathered parameters and their
+    gradients (None: all ``numel``, fxsplit's unit per stage; the planner's per-layer policy of
+    published runs holds fewer: [Note: FSDP policies] in fxsplit.planner.fsdp)."""
+    held = numel if held_numel is None else min(held_numel, numel)
+    whole_grads = held * grad_itemsize
     return RankMemory(
         pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
-        activations=activations, gathered=numel * gather_itemsize if dp_shard > 1 else 0.0,
+        activations=activations, gathered=held * gather_itemsize if dp_shard > 1 else 0.0,
         whole_grads=whole_grads, buckets=whole_grads if dp > 1 or dp_shard > 1 else 0.0, recompute=recompute,
         grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes,
         grads_at_peak=None if grads_at_peak is None else min(grads_at_peak, whole_grads), exchange=exchange,

@@ -5,7 +5,8 @@ Modules: ``workload`` (the traced model's per-unit costs as arrays, computed onc
 workload]), ``space`` (the candidates and why some are left out: [Note: candidate space]),
 ``score`` (per-stage F / I / W, collectives by the Hardware's alpha-beta formulas, memory per
 rank, the schedule simulated: [Note: planner cost model]), ``breakdown`` (where a predicted step
-goes: [Note: step breakdown]), ``host`` (ranks sharing one host's
+goes: [Note: step breakdown]), ``fsdp`` (what a runtime's FSDP holds and hides: fxsplit's own
+or a published run's per-layer FSDP2, [Note: FSDP policies]), ``host`` (ranks sharing one host's
 cores: [Note: host sharing]) and ``search`` (the table and the pick).
 ``fxsplit.plan(model, args, strategy="auto", world_size=N, global_batch_size=B, hardware=hw)``
 is the entry point (``fxsplit.api.auto``); this package never builds a Plan itself.

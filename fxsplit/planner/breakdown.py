@@ -26,8 +26,10 @@ The predicted step is split, on the busiest rank, into parts that add up to it e
 - ``bubble``: the rest of the busiest rank's idle time (the makespan less its work and the
   exposed messages), or under ranks sharing one host's cores the time it loses to them;
 - ``dp_comm``: the data-parallel gradient reduction (and dp_shard's all-gathers) after the
-  pipeline; exposed in this model (``dp_overlapped`` is 0), as Megatron-LM's 2021 runs reduced
-  after the backward;
+  pipeline; exposed under fxsplit's own runtime (``dp_overlapped`` is 0), as Megatron-LM's 2021
+  runs reduced after the backward; under a per-layer FSDP policy (a published run's FSDP2: [Note:
+  FSDP policies] in fxsplit.planner.fsdp) the part its compute does not cover, and
+  ``dp_overlapped`` the part it does;
 - ``optimizer``: the optimizer step's memory traffic.
 ``step`` = compute + recompute + tp_comm + ep_comm + pp_comm + bubble + dp_comm + optimizer.
 """

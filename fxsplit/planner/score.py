@@ -32,9 +32,13 @@ Step time = the pipeline's makespan + the data-parallel gradient reduction + the
   rank's share of F + I + W; bubble (p-1)(F+I+W)/v for 1F1B / interleaved, (p-1)(F+I-W) for ZB-H1,
   max((p-1)(F+I-2W), (p-1)F/2) for ZB-V, at the largest stage's F, I, W) plus 2(S-1) messages.
 - gradient reduction: a ring all-reduce of the rank's gradient bytes over d (intra-node when the
-  dp group fits in one node), not overlapped with the pipeline (conservative); with dp_shard s a
-  reduce-scatter plus two all-gathers (forward and backward re-gather) over s, and an all-reduce
-  of the 1/s shard over the d / s replicas.
+  dp group fits in one node), not overlapped with the pipeline (fxsplit's runtime reduces after
+  it); with dp_shard s a reduce-scatter plus two all-gathers (forward and backward re-gather) over
+  s, and an all-reduce of the 1/s shard over the d / s replicas. That is fxsplit's FSDP (the
+  Scorer's default ``fsdp=FXSPLIT_STAGES``); a published run's per-layer FSDP2 gathers and reduces
+  each layer under its neighbours' compute, only what the compute does not cover exposed, and
+  holds two layers gathered where fxsplit holds the stage ([Note: FSDP policies], [Note: FSDP
+  overlap] in ``fxsplit.planner.fsdp``).
 - optimizer ([Note: optimizer cost]): Adam reads parameter, gradient, m and v and writes
   parameter, m and v: 7 x 4 bytes per parameter element through memory (1/s of them with
   dp_shard); plain SGD reads parameter and gradient and writes the parameter: 3 x 4.
@@ -89,6 +93,7 @@ still what decides the fit, so a mismatch between the two can only reject, never
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -102,6 +107,7 @@ from fxsplit.pipeline.memory import (EXPERT_LOAD_MARGIN, RankMemory, expert_memo
                                      optimizer_bytes_per_element, rank_memory)
 from fxsplit.pipeline.partition import PartitionProblem, solve
 from fxsplit.planner.breakdown import Breakdown
+from fxsplit.planner.fsdp import FXSPLIT_STAGES, FsdpPolicy, held_bytes, overlap, step_jobs, unit_of
 from fxsplit.planner.host import shared_makespan, shared_rate
 from fxsplit.planner.space import Candidate
 from fxsplit.planner.workload import Workload
@@ -202,10 +208,13 @@ class Scorer:
     """Scores candidates for one workload on one hardware ([Note: planner cost model])."""
 
     def __init__(self, workload: Workload, hardware: Hardware, memory_limit: float,
-                 calibration: Calibration | None = None, optimizer: str = "adam"):
+                 calibration: Calibration | None = None, optimizer: str = "adam",
+                 fsdp: FsdpPolicy = FXSPLIT_STAGES):
         if optimizer not in OPTIMIZERS:
             raise UsageError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
         self.w, self.hw, self.limit = workload, hardware, memory_limit
+        self.fsdp = fsdp  # what the runtime does with dp_shard ([Note: FSDP policies] in fxsplit.planner.fsdp)
+        self._fsdp_units = tuple(unit_of(p) for p in workload.group_paths)
         self.cal = calibration if calibration is not None else Calibration()
         self.optimizer_traffic, self.optimizer_state = OPTIMIZERS[optimizer]
         self._units: dict = {}
@@ -391,7 +400,8 @@ class Scorer:
             elif rule != "zb_h1":
                 bubble = (p - 1) * total / S
         opt = self.hw.memory_time(self.optimizer_traffic * share / self.w.param_itemsize / c.dp_shard)
-        return c.microbatches * total / p + bubble + self._dp_time(c, share) + opt
+        dp = 0.0 if self.fsdp.overlapped and c.dp_shard > 1 else self._dp_time(c, share)  # may all hide
+        return c.microbatches * total / p + bubble + dp + opt
 
     # -- the score
     def score(self, c: Candidate, *, simulate: bool = False, capped: bool = True) -> Score:
@@ -442,7 +452,9 @@ class Scorer:
             work = copies * c.microbatches * float(F.sum() + I.sum() + W.sum())
             if shared and work / cores > pipe:  # the closed form: at least the total work over the cores
                 pipe, free, method = work / cores, work / cores, "closed form, host-bound"
-        dp_time = self._dp_time(c, float(rank_P.max()))
+        dp_time, dp_hidden = self._dp_time(c, float(rank_P.max())), 0.0
+        if self.fsdp.overlapped and c.dp_shard > 1:
+            dp_time, dp_hidden = self._fsdp_overlap(c, u, cuts, ranks, int(np.argmax(rank_P)))
         opt_time = hw.memory_time(self.optimizer_traffic * float(rank_P.max()) / w.param_itemsize / sh)
         if shared:
             opt_time /= shared_rate(c.world_size, cores)  # every rank's optimizer step at once
@@ -452,6 +464,7 @@ class Scorer:
         costs = dict(forward=tuple(F), backward_input=tuple(I), backward_weight=tuple(W), comm=tuple(comm))
         step = pipe + dp_time + opt_time
         parts = self._breakdown(c, u, cuts, F, I, W, comm, ranks, pipe, free, dp_time, opt_time, hidden)
+        parts = dataclasses.replace(parts, dp_overlapped=dp_hidden)
         return Score(c, step, pipe, dp_time, opt_time, mem, fits, reason, method,
                      tuple(cuts), costs, parts)
 
@@ -537,12 +550,15 @@ class Scorer:
         ``experts``: of ``param_bytes``, the expert blocks placed by ep, which FSDP leaves whole."""
         it, sh = self.w.param_itemsize, c.dp_shard
         numel = param_bytes / it
+        held = None  # [Note: FSDP policies]: per layer without a pipeline, the root and two layers
+        if self.fsdp.per_layer and c.pp == 1 and sh > 1:
+            held = held_bytes(self._fsdp_units, self.units_of(c).params) / it
         shard = (param_bytes - experts) / sh + experts
         return rank_memory(shard_bytes=shard, numel=numel, shard_numel=shard / it, grad_itemsize=it,
                            gather_itemsize=it, optimizer_bytes_per_param=optimizer_bytes_per_element(it, self.optimizer_state),
                            dp=max(c.dp // sh, 1), dp_shard=sh, activations=acts, recompute=recompute,
                            microbatches=c.microbatches, inflight=inflight, loss_bytes=loss, pp_rank=r, exchange=exchange,
-                           imbalance=imbalance)
+                           imbalance=imbalance, held_numel=held)
 
     def _state_factor(self) -> float:
         """Bytes of params + grads + optimizer state per parameter byte."""
@@ -562,6 +578,28 @@ class Scorer:
                 t += hw.allreduce_time(grad_bytes / s, rep, hw.same_node(0, (rep - 1) * s * step))
             return t
         return hw.allreduce_time(grad_bytes, c.dp, hw.same_node(0, (c.dp - 1) * step))
+
+    def _fsdp_overlap(self, c: Candidate, u: _Units, cuts, ranks, r: int) -> tuple[float, float]:
+        """(exposed, hidden) seconds of dp_shard's collectives on pipeline rank ``r`` under an
+        overlapping policy ([Note: FSDP overlap] in fxsplit.planner.fsdp)."""
+        hw, s, step = self.hw, c.dp_shard, c.pp * c.tp
+        intra_s = hw.same_node(0, (s - 1) * step)
+        rep = c.dp // s
+        reduced = u.params / self.w.param_itemsize * (self.fsdp.reduce_itemsize or self.w.param_itemsize)
+        a0, a1 = hw.allgather_time(0.0, s, intra_s), hw.allgather_time(1.0, s, intra_s)
+        r0, r1 = hw.reduce_scatter_time(0.0, s, intra_s), hw.reduce_scatter_time(1.0, s, intra_s)
+        has = u.params > 0
+        gather = np.where(has, a0 + (a1 - a0) * u.params, 0.0)
+        reduce = np.where(has, r0 + (r1 - r0) * reduced, 0.0)
+        if rep > 1:
+            intra_r = hw.same_node(0, (rep - 1) * s * step)
+            x0, x1 = hw.allreduce_time(0.0, rep, intra_r), hw.allreduce_time(1.0, rep, intra_r)
+            reduce = reduce + np.where(has, x0 + (x1 - x0) * reduced / s, 0.0)
+        stages = [(cuts[k], cuts[k + 1]) for k in range(c.num_stages) if ranks[k] == r]
+        jobs = step_jobs(self._fsdp_units, u.F, u.I + u.W, gather, reduce, stages, pipeline=c.pp > 1)
+        exposed, hidden = overlap(jobs)
+        times = 1 if c.pp > 1 else c.microbatches  # without a pipeline every microbatch gathers and reduces
+        return exposed * times, hidden * times
 
     def _closed_form(self, c: Candidate, F, I, W, comm, ranks) -> float:
         p, v, m = c.pp, c.stages_per_rank, c.microbatches

@@ -42,6 +42,7 @@ import torch.fx
 from fxsplit.errors import PlanError
 from fxsplit.graph.units import fmt_bytes, fmt_ms
 from fxsplit.hardware import Hardware
+from fxsplit.planner.fsdp import FXSPLIT_STAGES, FsdpPolicy
 from fxsplit.planner.score import SIMULATION_BUDGET, Calibration, Score, Scorer
 from fxsplit.planner.space import candidates
 from fxsplit.planner.workload import Workload
@@ -174,14 +175,17 @@ def _row(tag: str, s: Score, how: str) -> tuple[str, ...]:
 
 def search(workload: Workload, *, world_size: int, global_batch: int, hardware: Hardware,
            memory_limit: float | None = None, top_k: int = TOP_K, shard: bool = False,
-           calibration: Calibration | None = None, optimizer: str = "adam") -> SearchResult:
+           calibration: Calibration | None = None, optimizer: str = "adam",
+           fsdp: FsdpPolicy = FXSPLIT_STAGES) -> SearchResult:
     """Search the space for ``workload`` ([Note: search strategy]); raises PlanError when no
     candidate fits ``memory_limit`` (default ``hardware.memory_bytes``), naming the tightest.
-    ``optimizer``: what each step's update costs and holds (``fxsplit.planner.score.OPTIMIZERS``)."""
+    ``optimizer``: what each step's update costs and holds (``fxsplit.planner.score.OPTIMIZERS``);
+    ``fsdp``: what the runtime does with dp_shard (fxsplit's own by default; a published run's
+    software otherwise: [Note: FSDP policies] in fxsplit.planner.fsdp)."""
     t0 = time.perf_counter()
     _check_request(world_size, global_batch)
     limit = hardware.memory_bytes if memory_limit is None else float(memory_limit)
-    scorer = Scorer(workload, hardware, limit, calibration, optimizer)
+    scorer = Scorer(workload, hardware, limit, calibration, optimizer, fsdp)
     structural: list[tuple[str, str]] = []
     space = list(candidates(world_size=world_size, global_batch=global_batch, hardware=hardware,
                             num_groups=workload.num_groups, max_tp=workload.max_tp,

@@ -14,11 +14,14 @@ with the throughput they measured; every figure is cited where it is written bel
 sees the model as it sees any: traced on the meta device (with 2 layers, the workload then
 extended to the run's layer count by ``fxsplit.planner.workload.repeat_layers``: a transformer's
 layers are identical, and the trace of a 126-layer model costs minutes here) and scored on the
-hardware preset of the run's GPU. ``predict`` scores the published layout (its t, p, d; what the
+hardware preset of the run's GPU, with the run's software's FSDP (``PublishedRun.fsdp``: fxsplit's
+own by default; torchtitan's and Llama 3's per-layer, prefetched FSDP2, [Note: FSDP policies] in
+fxsplit.planner.fsdp). ``predict`` scores the published layout (its t, p, d; what the
 source does not state, the microbatch size and the pipeline schedule, is the best the planner
 finds among the schedules the source's software ran then: 1F1B and interleaved 1F1B), and runs
 the search for the same GPUs and batch; ``benchmarks/planner.py paper`` prints the table and
-``tests/test_planner_published.py`` holds the predictions within 15% of the published figures.
+``tests/test_planner_published.py`` holds every row's prediction within 15% of the published
+figure (and torchtitan's published peak memory within 10%).
 Throughput is the source's own formula over the predicted step: Megatron-LM's eq. (3), which
 counts the recomputed forward (full activation recomputation), and for Llama 3 the 6 N + attention
 count of model FLOPs per token that MFU is quoted by.
@@ -35,6 +38,7 @@ import torch
 
 from fxsplit.hardware import Hardware
 from fxsplit.planner import Candidate, Score, Scorer, analyze, search
+from fxsplit.planner.fsdp import FSDP2_PER_LAYER, FXSPLIT_STAGES, FsdpPolicy
 from fxsplit.planner.workload import Workload, repeat_layers
 
 __all__ = ["PublishedRun", "Prediction", "RUNS", "model_flops", "predict", "published_score", "run_hardware",
@@ -74,6 +78,8 @@ class PublishedRun:
     dropout: float = 0.1
     tokens_per_gpu_s: float = 0.0  # published tokens per second per GPU (torchtitan's figure; 0: not published)
     memory_gib: float = 0.0  # the GPUs' memory when it is not the preset's (0: the preset's)
+    fsdp: FsdpPolicy = FXSPLIT_STAGES  # what the run's software did with FSDP ([Note: FSDP policies])
+    peak_gib: float = 0.0  # published peak memory per GPU, GiB (0: not published)
 
     @property
     def d(self) -> int:
@@ -113,14 +119,17 @@ _LLAMA = "Llama 3, arXiv:2407.21783 Tables 3 and 4"
 # torchtitan (PyTorch's own trainer), the rows in bf16 without Float8 or torch.compile, sequence 8,192,
 # data parallelism FSDP2 over the GPUs not in TP (t), no pipeline; figures are tokens per second per
 # GPU (torchtitan's "WPS" / "TPS/GPU"). Per row: (model, GPUs, t, global batch, checkpointing,
-# tokens/s/GPU, hardware preset, GPU memory GiB (0: the preset's), source).
+# tokens/s/GPU, hardware preset, GPU memory GiB (0: the preset's), published peak memory GiB (0: not
+# published), source). The runs' FSDP is FSDP2 per layer, prefetched ([Note: FSDP policies] in
+# fxsplit.planner.fsdp); their H100s are the 500 W HBM2e ones of the ``h100-hbm2e`` preset.
 # - docs/performance.md at commit 4d88a8a44 (2024-12-03): "Llama 3 performance numbers" on 64 A100
 #   80GB, local batch 1: 8B selective op AC 2973 WPS (MFU 58.2%), 70B full AC 331 WPS (MFU 51.7%);
 #   "Llama 3.1 performance numbers" on 128 H100 (95 GB HBM2e): 405B, FSDP 16 x TP 8, local batch 2
 #   (global 32), full AC, no optimizations: 109 WPS (MFU 29.0%).
 # - benchmarks/llama3_h100_202412_torchtitan.md (torchtitan 9dec370, 2024-12-26; H100 96GB HBM2e at
 #   the default 500 W): Table 1, Llama 3.1 8B, 8 GPUs, local batch 2 (global 16), selective AC, FSDP:
-#   5,762 TPS/GPU; Table 3, the same on 128 GPUs (global 256): 5,605 TPS/GPU. Its 70B (Table 4) and
+#   5,762 TPS/GPU, memory 82.4 GiB; Table 3, the same on 128 GPUs (global 256): 5,605 TPS/GPU,
+#   67.0 GiB (the maximum over the GPUs, its footnote 1). Its 70B (Table 4) and
 #   405B (Table 5) rows run Float8 and torch.compile, which the planner's bf16 model does not
 #   describe: left out.
 _TORCHTITAN_DOC = "torchtitan docs/performance.md @4d88a8a44"
@@ -128,11 +137,11 @@ _TORCHTITAN_BENCH = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 _LLAMA_SHAPES = {  # layers, hidden, FFN, heads, kv heads (Llama 3 / 3.1, vocabulary 128,256)
     "8b": (32, 4096, 14336, 32, 8), "70b": (80, 8192, 28672, 64, 8), "405b": (126, 16384, 53248, 128, 8)}
 _TORCHTITAN = (
-    ("8b", 64, 1, 64, "selective", 2973, "a100-80gb", 0, _TORCHTITAN_DOC),
-    ("70b", 64, 1, 64, "full", 331, "a100-80gb", 0, _TORCHTITAN_DOC),
-    ("405b", 128, 8, 32, "full", 109, "h100-sxm", 95, _TORCHTITAN_DOC),
-    ("8b", 8, 1, 16, "selective", 5762, "h100-sxm", 96, _TORCHTITAN_BENCH),
-    ("8b", 128, 1, 256, "selective", 5605, "h100-sxm", 96, _TORCHTITAN_BENCH),
+    ("8b", 64, 1, 64, "selective", 2973, "a100-80gb", 0, 0, _TORCHTITAN_DOC),
+    ("70b", 64, 1, 64, "full", 331, "a100-80gb", 0, 0, _TORCHTITAN_DOC),
+    ("405b", 128, 8, 32, "full", 109, "h100-hbm2e", 95, 0, _TORCHTITAN_DOC),
+    ("8b", 8, 1, 16, "selective", 5762, "h100-hbm2e", 96, 82.4, _TORCHTITAN_BENCH),
+    ("8b", 128, 1, 256, "selective", 5605, "h100-hbm2e", 96, 67.0, _TORCHTITAN_BENCH),
 )
 
 RUNS: dict[str, PublishedRun] = {}
@@ -144,17 +153,18 @@ for _gpus, _t, _p, _tf in _LLAMA3:
     RUNS[f"llama3-405b-{_gpus}"] = PublishedRun(
         name=f"Llama 3 405B, {_gpus} GPUs", source=_LLAMA, family="llama", layers=126, hidden=16384, heads=128,
         seq=8192, vocab=128256, gpus=_gpus, global_batch=2048, t=_t, p=_p, tflops=_tf, hardware="h100-sxm",
-        ffn=53248, kv_heads=8, shard=True, dropout=0.0, checkpointing=("none", "selective", "full"), sequence_parallel=(False, True),
+        ffn=53248, kv_heads=8, shard=True, dropout=0.0, checkpointing=("none", "selective", "full"),
+        sequence_parallel=(False, True), fsdp=FSDP2_PER_LAYER,
         schedules=(("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4), ("interleaved_1f1b", 8)))
 
 
-for _m, _gpus, _t, _b, _ckpt, _tps, _hw, _gib, _src in _TORCHTITAN:
+for _m, _gpus, _t, _b, _ckpt, _tps, _hw, _gib, _peak, _src in _TORCHTITAN:
     _l, _h, _ffn, _heads, _kv = _LLAMA_SHAPES[_m]
     RUNS[f"torchtitan-llama3-{_m}-{_gpus}"] = PublishedRun(
         name=f"torchtitan Llama 3 {_m.upper()}, {_gpus} GPUs", source=_src, family="llama", layers=_l, hidden=_h,
         heads=_heads, seq=8192, vocab=128256, gpus=_gpus, global_batch=_b, t=_t, p=1, tflops=0.0, hardware=_hw,
         ffn=_ffn, kv_heads=_kv, shard=True, dropout=0.0, checkpointing=(_ckpt,), sequence_parallel=(False, True),
-        tokens_per_gpu_s=float(_tps), memory_gib=float(_gib))
+        tokens_per_gpu_s=float(_tps), memory_gib=float(_gib), peak_gib=float(_peak), fsdp=FSDP2_PER_LAYER)
 
 
 def _model(run: PublishedRun, layers: int) -> tuple[Any, tuple, dict]:
@@ -273,11 +283,12 @@ def predict(run: PublishedRun, *, cache: dict | None = None, search_layouts: boo
 
     hw = hardware if hardware is not None else run_hardware(run)
     w = workload(run, cache)
-    pub = published_score(run, w, Scorer(w, hw, hw.memory_bytes))
+    pub = published_score(run, w, Scorer(w, hw, hw.memory_bytes, fsdp=run.fsdp))
     pred = tflops_per_gpu(run, w, pub.step_time)
     if not search_layouts:
         return Prediction(run, pub, pred)
     t0 = time.perf_counter()
-    found = search(w, world_size=run.gpus, global_batch=run.global_batch, hardware=hw, shard=run.shard)
+    found = search(w, world_size=run.gpus, global_batch=run.global_batch, hardware=hw, shard=run.shard,
+                   fsdp=run.fsdp)
     return Prediction(run, pub, pred, found.best, tflops_per_gpu(run, w, found.best.step_time),
                       time.perf_counter() - t0)
