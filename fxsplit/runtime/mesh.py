@@ -337,7 +337,8 @@ def build_groups(mesh: DeviceMesh, *, ep: int, timeout: datetime.timedelta) -> G
             chains = mesh.mesh.reshape(dp * ds * cp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
             found["pipe"], _ = dist.new_subgroups_by_enumeration(chains, timeout=timeout)
         if cp > 1:  # [Note: cp gradients]: the gradient all-reduce runs over dp x cp, summed over cp
-            replicas = mesh.mesh.reshape(dp * cp, pp * tp).t().tolist()
+            # (per dp_shard index: with dp_shard, FSDP reduces over dp_shard x cp, [Note: FSDP over cp])
+            replicas = mesh.mesh.reshape(dp, ds, cp, pp * tp).permute(1, 3, 0, 2).reshape(-1, dp * cp).tolist()
             found["dp"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
         if ds > 1:  # every data-parallel rank (dp x dp_shard, x cp) of one (pp, tp) position: the loss mean
             replicas = mesh.mesh.reshape(dp * ds * cp, pp * tp).t().tolist()

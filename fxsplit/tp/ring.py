@@ -24,11 +24,10 @@ again and each block's dK / dV accumulator travels with it, one more step bringi
 C steps. Everything is computed in float32 (float64 for float64 inputs) and the output cast to the
 queries' dtype. A query
 row with no allowed key gives 0 and a 0 gradient, as torch's sdpa does. Numbers differ from one
-sdpa over all keys only in rounding (a different summation order). Each block's scores are
-computed whole ((S / C)^2 per query head, several alive in the backward), which on CPU holds more
-than the all-gather's sdpa kernel does (benchmarks/README.md); torch's
-``_scaled_dot_product_flash_attention_for_cpu`` and its backward return and take the log-sum-exp a
-tiled block needs (a fully masked row comes back with lse 0, to be set to -inf), not used yet. The mask may not need a
+sdpa over all keys only in rounding (a different summation order). Without a mask or a window a
+block runs by torch's CPU flash-attention kernel, tile by tile ([Note: tiled ring blocks] in
+``fxsplit.tp.ring_tiles``); with one, its scores are computed whole ((S / C)^2 per query head),
+the mask read at the block's positions. The mask may not need a
 gradient (a learned score bias keeps the all-gather: the pass checks this at plan time).
 
 [Note: why our own ring]
@@ -57,6 +56,7 @@ from torch.distributed._functional_collectives import _are_we_tracing
 from fxsplit.errors import RunError
 from fxsplit.tp.collectives import active
 from fxsplit.tp.context import positions_of
+from fxsplit.tp.ring_tiles import FlashMerge, pair_backward, tiled
 
 __all__ = ["RingSpec", "emulated_ring_attention", "ring_attention"]
 
@@ -174,13 +174,17 @@ def _unpack(flat: torch.Tensor, likes: Sequence[torch.Tensor]) -> list[torch.Ten
 def _forward(spec: RingSpec, lanes: Sequence[int], qs, ks, vs, masks, shift: Callable) -> tuple[list, list]:
     """Every lane's (out float32, lse) after C steps ([Note: ring attention])."""
     held = [_pack(k, v) for k, v in zip(ks, vs)]
-    runs = [_Online() for _ in lanes]
+    flash = tiled(spec, masks[0])  # [Note: tiled ring blocks]
+    runs = [FlashMerge(q, v.shape[-1]) if flash else _Online() for q, v in zip(qs, vs)]
     for step in range(spec.cp):
         pending = shift(held) if step < spec.cp - 1 else None
         for i, lane in enumerate(lanes):
             k, v = _unpack(held[i], (ks[i], vs[i]))
-            s = _scores(spec, qs[i], k, masks[i], lane, (lane - step) % spec.cp)
-            runs[i].add(s, _heads(spec, v, qs[i]))
+            src = (lane - step) % spec.cp
+            if flash:
+                runs[i].add(spec, qs[i], _heads(spec, k, qs[i]), _heads(spec, v, qs[i]), lane, src)
+                continue
+            runs[i].add(_scores(spec, qs[i], k, masks[i], lane, src), _heads(spec, v, qs[i]))
         if pending is not None:
             held = pending.wait()
     results = [run.result() for run in runs]
@@ -196,17 +200,18 @@ def _backward(spec: RingSpec, lanes: Sequence[int], qs, ks, vs, masks, outs, lse
     dos = [_acc(g).to(o.dtype) for g, o in zip(grads, outs)]
     rows = [(do * o).sum(-1, keepdim=True) for do, o in zip(dos, outs)]
     dqs = [torch.zeros(q.shape, dtype=o.dtype, device=q.device) for q, o in zip(qs, outs)]
+    flash = tiled(spec, masks[0])  # [Note: tiled ring blocks]
     for step in range(spec.cp):
         pending = shift(held) if step < spec.cp - 1 else None
         for i, lane in enumerate(lanes):
             k, v = _unpack(held[i], (ks[i], vs[i]))
-            s = _scores(spec, qs[i], k, masks[i], lane, (lane - step) % spec.cp)
-            p = torch.exp(s - _safe(lses[i]))
-            kr, vr = _acc(_heads(spec, k, qs[i])).to(s.dtype), _acc(_heads(spec, v, qs[i])).to(s.dtype)
-            dv = torch.matmul(p.transpose(-1, -2), dos[i])
-            ds = p * (torch.matmul(dos[i], vr.transpose(-1, -2)) - rows[i])
-            dqs[i] = dqs[i] + torch.matmul(ds, kr) * scale
-            dk = torch.matmul(ds.transpose(-1, -2), _acc(qs[i]).to(s.dtype)) * scale
+            src = (lane - step) % spec.cp
+            if flash:
+                dq, dk, dv = pair_backward(spec, qs[i], _heads(spec, k, qs[i]), _heads(spec, v, qs[i]), outs[i],
+                                           lses[i], dos[i], lane, src)
+            else:
+                dq, dk, dv = _block_backward(spec, qs[i], k, v, masks[i], lses[i], dos[i], rows[i], lane, src, scale)
+            dqs[i] = dqs[i] + dq
             dkv[i] = dkv[i] + _pack(_unrepeat(spec, dk, k), _unrepeat(spec, dv, v))
         moved = shift(dkv)  # each block's gradient travels with it; after C moves it is home
         if pending is not None:
@@ -215,6 +220,17 @@ def _backward(spec: RingSpec, lanes: Sequence[int], qs, ks, vs, masks, outs, lse
     dks, dvs = zip(*(_unpack(d, (k, v)) for d, k, v in zip(dkv, ks, vs)))
     return ([d.to(q.dtype) for d, q in zip(dqs, qs)], [d.to(k.dtype) for d, k in zip(dks, ks)],
             [d.to(v.dtype) for d, v in zip(dvs, vs)])
+
+
+def _block_backward(spec: RingSpec, q, k, v, mask, lse, do, rows, lane: int, src: int, scale: float) -> tuple:
+    """(dq, dk, dv) of one block from its scores, materialized (a mask or a window: [Note: tiled ring
+    blocks]); dk / dv at the query heads (GQA summed by the caller)."""
+    s = _scores(spec, q, k, mask, lane, src)
+    p = torch.exp(s - _safe(lse))
+    kr, vr = _acc(_heads(spec, k, q)).to(s.dtype), _acc(_heads(spec, v, q)).to(s.dtype)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, vr.transpose(-1, -2)) - rows)
+    return torch.matmul(ds, kr) * scale, torch.matmul(ds.transpose(-1, -2), _acc(q).to(s.dtype)) * scale, dv
 
 
 # ------------------------------------------------------------------------ over a process group
