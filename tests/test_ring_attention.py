@@ -65,17 +65,37 @@ def test_ring_matches_one_sdpa_over_the_whole_sequence(cp, case):
     _ring_vs_sdpa(cp, **case)
 
 
-@pytest.mark.parametrize("case", [dict(), dict(kv_heads=2, gqa=True), dict(causal=False)],
-                         ids=["causal", "gqa", "bidirectional"])
-def test_without_a_mask_or_window_no_block_scores_are_materialized(monkeypatch, case):
-    """[Note: tiled ring blocks]: causal / unmasked blocks go through torch's CPU flash kernel, forward and
-    backward; the materialized path (``_scores``) is never entered, and the result is still exact."""
-    import fxsplit.tp.ring as ring
+@pytest.mark.parametrize("case", [dict(), dict(causal=False), dict(window=5)],
+                         ids=["causal", "bidirectional", "sliding-window"])
+def test_no_block_scores_are_materialized(monkeypatch, case):
+    """[Note: tiled ring blocks]: every block goes through torch's CPU flash kernel, forward and backward:
+    no score matrix by matmul (the reference sdpa runs before matmul is refused), and still exact."""
+    import fxsplit.tp.ring_tiles as tiles
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("a block's scores were materialized")
+    calls = []
+    kernel = tiles._aten._scaled_dot_product_flash_attention_for_cpu
 
-    monkeypatch.setattr(ring, "_scores", refuse)
+    class _Counting:  # the kernel, counted
+        _scaled_dot_product_flash_attention_for_cpu = staticmethod(lambda *a, **k: calls.append(1) or kernel(*a, **k))
+        _scaled_dot_product_flash_attention_for_cpu_backward = \
+            tiles._aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    monkeypatch.setattr(tiles, "_aten", _Counting)
+    real = torch.matmul
+
+    def no_matmul(*args, **kwargs):
+        raise AssertionError("a block's scores were computed by matmul")
+
+    case = dict(case)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, S, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    pos = [positions_of(r, 2, S) for r in range(2)]
+    bound = [dict(q=q[:, :, p], k=k[:, :, p], v=v[:, :, p], attn_mask=None, scale=None, enable_gqa=False,
+                  seq_len=S, causal=case.get("causal", True), window=case.get("window"), axis="cp") for p in pos]
+    monkeypatch.setattr(torch, "matmul", no_matmul)
+    emulated_ring_attention(bound)
+    monkeypatch.setattr(torch, "matmul", real)
+    assert calls, "the flash kernel never ran"
     _ring_vs_sdpa(2, **case)
 
 

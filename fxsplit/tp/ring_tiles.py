@@ -13,10 +13,11 @@ pair, the chunks' positions decide the mask without materializing it -- a key ch
 query chunk is attended whole, the same chunk causally (``is_causal``: both chunks start at the
 same global position and have the same length), a later chunk not at all -- and the pairs' (out,
 lse) merge as the blocks do (``out = sum_i exp(lse_i - lse) out_i``, ``lse = logaddexp_i lse_i``).
-A sliding window or a given mask is not a whole pair nor a causal diagonal: those calls keep the
-blocks of ``fxsplit.tp.ring`` (scores materialized per block, the mask read at the block's
-positions); :func:`tiled` says which. Inputs are read in the accumulation dtype (float32; float64
-stays float64), as the rest of the ring computes.
+With a sliding window or a given mask each pair gets an additive mask of its own (one number per
+(query, key) of the pair and no head dim: the given mask read at the pair's rows and key positions,
+causal and window rows from the positions), a quarter of a block's and never per head; a row with no
+allowed key in a pair comes back from the kernel with lse 0, set to -inf so it adds nothing. Inputs
+are read in the accumulation dtype (float32; float64 stays float64), as the rest of the ring computes.
 """
 
 from __future__ import annotations
@@ -25,24 +26,61 @@ from typing import Any
 
 import torch
 
-__all__ = ["FlashMerge", "pair_backward", "pairs", "tiled"]
+from fxsplit.tp.context import positions_of
+
+__all__ = ["FlashMerge", "block_mask", "pair_backward", "pairs"]
 
 _aten = torch.ops.aten
 
 
-def tiled(spec: Any, mask: torch.Tensor | None) -> bool:
-    """Whether a call's blocks run by the kernel ([Note: tiled ring blocks]): no mask, no window,
-    the sequence in 2C equal chunks."""
-    return mask is None and spec.window is None and spec.seq_len % (2 * spec.cp) == 0
+def block_mask(spec: Any, q: torch.Tensor, mask: torch.Tensor | None, rows: torch.Tensor, keys: torch.Tensor,
+               qrows: slice) -> torch.Tensor:
+    """The additive mask (0 / -inf, or the given additive values) of one pair: queries at global
+    positions ``rows`` (the lane's local rows ``qrows``) against keys at ``keys``, 4-D for the kernel:
+    the given mask read at those rows and key positions, the causal and sliding-window rows at the
+    global positions. One number per (query, key), no head dim unless the given mask has one."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    add = torch.zeros(rows.shape[0], keys.shape[0], dtype=dtype, device=q.device)
+    if mask is not None:
+        cols = mask if mask.shape[-2] == 1 else mask[..., qrows, :]
+        cols = cols if cols.shape[-1] == 1 else cols.index_select(-1, keys)
+        add = add.masked_fill(~cols, float("-inf")) if cols.dtype == torch.bool else add + cols.to(dtype)
+    allowed = torch.ones(add.shape[-2:], dtype=torch.bool, device=q.device)
+    if spec.causal:
+        allowed = allowed & (keys.unsqueeze(0) <= rows.unsqueeze(1))
+    if spec.window is not None:
+        allowed = allowed & (rows.unsqueeze(1) - keys.unsqueeze(0) < spec.window)
+    add = add.masked_fill(~allowed, float("-inf"))
+    while add.dim() < 4:
+        add = add.unsqueeze(0)
+    return add.reshape(-1, *add.shape[-3:]).contiguous()
 
 
 def pairs(spec: Any, lane: int, src: int) -> list[tuple[slice, slice, bool]]:
-    """(query rows, key rows, causal) of every pair lane ``lane`` attends in rank ``src``'s block."""
+    """(query rows, key rows, same chunk) of every pair lane ``lane`` attends in rank ``src``'s block:
+    causal, the key chunks not after the query chunk; else every pair."""
     c, n = spec.cp, spec.seq_len // (2 * spec.cp)
-    if not spec.causal:  # one call over the whole block
-        return [(slice(0, 2 * n), slice(0, 2 * n), False)]
-    chunks = lambda r: ((r, slice(0, n)), (2 * c - 1 - r, slice(n, 2 * n)))  # noqa: E731
-    return [(qrows, krows, kc == qc) for qc, qrows in chunks(lane) for kc, krows in chunks(src) if kc <= qc]
+
+    def chunks(r: int) -> tuple:  # (chunk index, its local rows), read from the rank's global positions
+        pos = positions_of(r, c, spec.seq_len)
+        return ((int(pos[0]) // n, slice(0, n)), (int(pos[n]) // n, slice(n, 2 * n)))
+
+    return [(qrows, krows, kc == qc) for qc, qrows in chunks(lane) for kc, krows in chunks(src)
+            if not spec.causal or kc <= qc]
+
+
+def _pair_args(spec: Any, q: torch.Tensor, mask: torch.Tensor | None, lane: int, src: int) -> list[tuple]:
+    """(query rows, key rows, is_causal, additive mask or None) of every kernel call of one block:
+    without a mask or window, the whole block (not causal) or the chunk pairs (the same chunk causal,
+    no mask built); else the chunk pairs, each its own mask ([Note: tiled ring blocks])."""
+    plain = mask is None and spec.window is None
+    if plain and not spec.causal:
+        return [(slice(None), slice(None), False, None)]
+    if plain:
+        return [(r, k, same, None) for r, k, same in pairs(spec, lane, src)]
+    rows = positions_of(lane, spec.cp, spec.seq_len, q.device)
+    keys = positions_of(src, spec.cp, spec.seq_len, q.device)
+    return [(r, k, False, block_mask(spec, q, mask, rows[r], keys[k], r)) for r, k, _ in pairs(spec, lane, src)]
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -64,13 +102,16 @@ class FlashMerge:
         self.lse = torch.full(b.shape[:-1], float("-inf"), dtype=b.dtype, device=q.device)
         self.shape = (*q.shape[:-1], dv)
 
-    def add(self, spec: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lane: int, src: int) -> None:
+    def add(self, spec: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            lane: int, src: int) -> None:
         """Lane ``lane``'s queries against rank ``src``'s keys / values (GQA repeated by the caller)."""
         q4, k4, v4 = _bhsd(q), _bhsd(k), _bhsd(v)
-        for rows, cols, causal in pairs(spec, lane, src):
+        for rows, cols, causal, add in _pair_args(spec, q, mask, lane, src):
             o, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-                q4[:, :, rows].contiguous(), k4[:, :, cols].contiguous(), v4[:, :, cols].contiguous(), 0.0, causal,
-                scale=_scale(spec, q))
+                q4[:, :, rows].contiguous(), k4[:, :, cols].contiguous(), v4[:, :, cols].contiguous(), 0.0,
+                causal, attn_mask=add, scale=_scale(spec, q))
+            if add is not None:  # a row with no allowed key comes back with lse 0: it adds nothing
+                lse = lse.masked_fill(torch.isneginf(add).all(-1), float("-inf"))
             old, old_o = self.lse[:, :, rows], self.out[:, :, rows]
             new = torch.logaddexp(old, lse)
             base = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
@@ -82,19 +123,20 @@ class FlashMerge:
         return self.out.reshape(self.shape), self.lse.reshape(*self.shape[:-1], 1)
 
 
-def pair_backward(spec: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, do: torch.Tensor, lane: int, src: int) -> tuple[torch.Tensor, ...]:
+def pair_backward(spec: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  out: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, lane: int, src: int) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of lane ``lane``'s queries against rank ``src``'s block, from the whole attention's
     ``out`` / ``lse`` ((..., Sq, 1)) and output gradient ``do``; in the accumulation dtype, shaped as
-    q, k, v."""
+    q, k, v (k, v at the query heads)."""
     q4, k4, v4, o4, do4 = (_bhsd(x) for x in (q, k, v, out, do))
     l4 = lse.reshape(o4.shape[:-1]).to(o4.dtype)
+    l4 = torch.where(torch.isneginf(l4), torch.zeros_like(l4), l4)  # no allowed key at all: p = exp(-inf) = 0
     dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k4), torch.zeros_like(v4)
-    for rows, cols, causal in pairs(spec, lane, src):
+    for rows, cols, causal, add in _pair_args(spec, q, mask, lane, src):
         gq, gk, gv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do4[:, :, rows].contiguous(), q4[:, :, rows].contiguous(), k4[:, :, cols].contiguous(),
             v4[:, :, cols].contiguous(), o4[:, :, rows].contiguous(), l4[:, :, rows].contiguous(), 0.0, causal,
-            scale=_scale(spec, q))
+            attn_mask=add, scale=_scale(spec, q))
         dq[:, :, rows] += gq
         dk[:, :, cols] += gk
         dv[:, :, cols] += gv
