@@ -5,7 +5,9 @@ Terms as in :mod:`fxsplit.runtime.mesh` (d, s = dp_shard, p, t). A rank's stage 
 tensor-parallel shards (plain tensors: fxsplit's TP is in the graph, not DTensor); FSDP shards
 each of them further, dim 0, over the s ranks of the ``dp_shard`` mesh axis, and with d > 1
 replicates over ``dp`` (HSDP: a 2-D (dp, dp_shard) mesh; gradients are reduce-scattered over
-dp_shard and all-reduced over dp, averaged over all d * s data-parallel ranks).
+dp_shard and all-reduced over dp, averaged over all d * s data-parallel ranks). With context
+parallelism the shard dim is dp_shard x cp flattened and the sum is divided by d * s only ([Note:
+FSDP over cp] in :mod:`fxsplit.runtime.mesh`).
 
     units = shard_stages({s: module, ...}, fsdp_mesh, mp_policy=policy)
     sync = ShardedGradSync(units)
