@@ -163,6 +163,7 @@ class _Rewrite:
         self.state: dict[torch.fx.Node, Any] = {}  # node -> Seq, or a tuple of Seq | None for tuples
         self.cuts: dict[tuple[torch.fx.Node, int, int], torch.fx.Node] = {}
         self.reduced: set[torch.fx.Node] = set()  # full values summed over the cp ranks (losses)
+        self.row_numbers: set[torch.fx.Node] = set()  # this rank's row numbers ([Note: an MoE block under cp])
 
     # -- helpers
     def fail(self, node: torch.fx.Node, why: str) -> PlanError:
@@ -541,7 +542,7 @@ _POINTWISE = {
     "relu", "dropout", "to", "_to_copy", "type_as", "contiguous", "clone", "masked_fill", "where", "eq", "ne", "lt",
     "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "bitwise_not", "and", "or", "__and__", "__or__",
     "cos", "sin", "alias", "detach", "abs", "clamp", "float", "mul_", "add_", "tril", "triu", "lift_fresh_copy",
-    "erf", "softplus", "square", "reciprocal", "maximum", "minimum", "floor_divide", "empty_like",
+    "erf", "softplus", "square", "reciprocal", "maximum", "minimum", "empty_like",
 }
 _RULES: dict[str, Callable[[_Rewrite, torch.fx.Node], Any]] = {
     **{name: _pointwise for name in _POINTWISE},

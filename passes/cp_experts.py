@@ -12,9 +12,10 @@ In the graph the block is not row-wise op by op -- it sorts the (token, choice) 
 the token dim, gathers rows by the sort's indices, counts the rows per expert, and scatters back by
 the inverse permutation -- so these ops get rules that keep them on the local rows:
 - ``sort`` along the sequence dim: the local rows' order by expert; its indices are local row
-  numbers, which only ``index`` into a value sharded like them may use (``index`` of a full value by
-  them raises);
-- ``index(x, [idx])`` with x and idx sharded: the rows idx names, sharded like idx;
+  numbers (tracked: ``rw.row_numbers``, through a floor division by the top-k and the inverse
+  permutation), which only ``index`` into a value sharded like them may use;
+- ``index(x, [idx])`` with x sharded and idx this rank's row numbers: the rows idx names, sharded
+  like idx (an index by any other tensor, e.g. token ids, raises: its values name global rows);
 - ``histc`` of a sharded value: a ``Local`` value (the local count per expert), allowed only into
   ``cumsum`` / casts and as a grouped matmul's offsets (anything else raises, so a local count never
   passes as the full one);
@@ -66,21 +67,35 @@ def _topk(rw: Any, node: torch.fx.Node) -> tuple:
 
 
 def _sort(rw: Any, node: torch.fx.Node) -> tuple:
-    """The local rows' order (along the sequence dim) or a row-wise sort (along another)."""
+    """The local rows' order (along the sequence dim: its indices are local row numbers) or a row-wise sort."""
     s = _seq(rw, node.args[0])
-    if node.kwargs.get("stable") is False:
-        raise rw.fail(node, "an unstable sort")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    if dim % ndim(node.args[0]) == s.dim:
+        rw.row_numbers.update(u for u in node.users if u.target is operator.getitem and u.args[1] == 1)
     return (s, s)
 
 
+def _floor_divide(rw: Any, node: torch.fx.Node) -> Any:
+    """Row numbers of (token, choice) rows divided by the choices: the token's row number."""
+    s = _seq(rw, node.args[0])
+    if s is None or not isinstance(node.args[1], int):
+        raise rw.fail(node, "a floor division of sequence-sharded values other than by a constant")
+    if node.args[0] in rw.row_numbers:
+        rw.row_numbers.add(node)
+    return s
+
+
 def _index(rw: Any, node: torch.fx.Node) -> Any:
+    """Rows of a sharded value picked by this rank's row numbers (from a sort along the sequence, or its
+    inverse): any other index tensor raises, since its values would name rows of the full sequence."""
     x, indices = node.args[0], node.args[1]
     s = _seq(rw, x)
     if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node) or s is None or s.dim != 0:
         raise rw.fail(node, "an index other than the rows of a sequence-sharded value by one index tensor")
     si = _seq(rw, indices[0])
-    if si is None:
-        raise rw.fail(node, "rows of a sequence-sharded value picked by an index that is not this rank's rows")
+    if si is None or indices[0] not in rw.row_numbers:
+        raise rw.fail(node, "rows of a sequence-sharded value picked by an index that is not this rank's row "
+                            "numbers (a sort's indices along the sequence, or their inverse)")
     return si
 
 
@@ -119,11 +134,12 @@ def _index_put(rw: Any, node: torch.fx.Node) -> Any:
         local = size // rw.cp if isinstance(size, int) else rw.new(operator.floordiv, (size, rw.cp), like=node)
         rows = rw.new(values.target, (local,), dict(values.kwargs), like=node)
     node.update_arg(2, rows)
+    rw.row_numbers.add(node)  # the inverse permutation: row numbers too
     return s
 
 
 EXPERT_RULES: dict[str, Callable[[Any, torch.fx.Node], Any]] = {
-    "topk": _topk, "sort": _sort, "index": _index, "histc": _histc, "cumsum": _cumsum,
+    "topk": _topk, "sort": _sort, "floor_divide": _floor_divide, "index": _index, "histc": _histc, "cumsum": _cumsum,
     "grouped_mm": _grouped_mm, "_grouped_mm": _grouped_mm, "grouped_mm_fallback": _grouped_mm,
     "index_put": _index_put,
 }
