@@ -251,6 +251,25 @@ def test_a_count_over_the_local_tokens_used_as_a_value_is_refused():
         fxsplit.plan(_TokenCounts(), (ids,), cp=2, hardware=_HW)
 
 
+class _RowsByValue(nn.Module):
+    """Rows picked by an index computed from the tokens' values: under cp they would name rows of the full sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, ids):
+        h = self.emb(ids).reshape(-1, 8)
+        return self.head(h[(h[:, 0] > 0).long()])
+
+
+def test_rows_picked_by_an_index_that_is_not_row_numbers_are_refused():
+    ids = torch.randint(0, 32, (2, 8))
+    with pytest.raises(PlanError, match=r"not this rank's row numbers"):
+        fxsplit.plan(_RowsByValue(), (ids,), cp=2, hardware=_HW)
+
+
 class _FloatInput(nn.Module):
     def __init__(self):
         super().__init__()
