@@ -182,8 +182,8 @@ def test_verify_catches_ring_blocks_read_at_the_wrong_positions(monkeypatch):
     model, args, kwargs = _gpt()
     with shared_traces(_TRACES):
         the_plan = fxsplit.plan(model, args, kwargs, cp=2, cp_kv="ring", hardware=_HW)
-    true = ring.positions_of
-    monkeypatch.setattr(ring, "positions_of", lambda r, cp, S, device=None: true(r, cp, S, device).roll(S // (2 * cp)))
+    true = ring.chunks_of  # the chunk pairs' causal flags (no mask is built for a causal block) read them
+    monkeypatch.setattr(ring, "chunks_of", lambda r, cp: tuple(reversed(true(r, cp))))
     with pytest.raises(VerificationError):
         fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fxsplit.tp.context import positions_of
+from fxsplit.tp.context import chunks_of, positions_of
 
 __all__ = ["FlashMerge", "block_mask", "pair_backward", "pairs"]
 
@@ -61,9 +61,9 @@ def pairs(spec: Any, lane: int, src: int) -> list[tuple[slice, slice, bool]]:
     causal, the key chunks not after the query chunk; else every pair."""
     c, n = spec.cp, spec.seq_len // (2 * spec.cp)
 
-    def chunks(r: int) -> tuple:  # (chunk index, its local rows), read from the rank's global positions
-        pos = positions_of(r, c, spec.seq_len)
-        return ((int(pos[0]) // n, slice(0, n)), (int(pos[n]) // n, slice(n, 2 * n)))
+    def chunks(r: int) -> tuple:  # (chunk index, its local rows)
+        head, tail = chunks_of(r, c)
+        return ((head, slice(0, n)), (tail, slice(n, 2 * n)))
 
     return [(qrows, krows, kc == qc) for qc, qrows in chunks(lane) for kc, krows in chunks(src)
             if not spec.causal or kc <= qc]
