@@ -93,14 +93,31 @@ def _scale(spec: Any, q: torch.Tensor) -> float:
     return spec.scale if spec.scale is not None else q.shape[-1] ** -0.5
 
 
+def _key(rows: slice) -> tuple:
+    return (rows.start, rows.stop)
+
+
+def _joined(parts: dict, like: torch.Tensor, keys: list[tuple]) -> torch.Tensor:
+    """The row parts (dim 2) put back in order, a part never reached zeros ([Note: functional merge])."""
+    if (None, None) in parts:
+        return parts[(None, None)]
+    return torch.cat([parts[k] if k in parts else torch.zeros_like(like[:, :, k[0]:k[1]]) for k in keys], 2)
+
+
+def _halves(n: int) -> list[tuple]:
+    return [(0, n), (n, 2 * n)]
+
+
+# [Note: functional merge] Every step builds new tensors (the merged row parts are kept apart and
+# joined at the end) and writes into none: a ring traced into a graph (the zero-bubble split, compile)
+# keeps only what values flow into, and an in-place write into a slice would be dropped there.
 class FlashMerge:
-    """One lane's running (out, lse) over its query rows, merged pair by pair."""
+    """One lane's running (out, lse) over its query rows, merged pair by pair (row parts: the whole
+    block, or the head and tail chunks)."""
 
     def __init__(self, q: torch.Tensor, dv: int) -> None:
-        b = _bhsd(q)
-        self.out = torch.zeros((*b.shape[:-1], dv), dtype=b.dtype, device=q.device)
-        self.lse = torch.full(b.shape[:-1], float("-inf"), dtype=b.dtype, device=q.device)
         self.shape = (*q.shape[:-1], dv)
+        self.parts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def add(self, spec: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             lane: int, src: int) -> None:
@@ -112,32 +129,39 @@ class FlashMerge:
                 causal, attn_mask=add, scale=_scale(spec, q))
             if add is not None:  # a row with no allowed key comes back with lse 0: it adds nothing
                 lse = lse.masked_fill(torch.isneginf(add).all(-1), float("-inf"))
-            old, old_o = self.lse[:, :, rows], self.out[:, :, rows]
+            if _key(rows) not in self.parts:
+                self.parts[_key(rows)] = (o, lse)
+                continue
+            old_o, old = self.parts[_key(rows)]
             new = torch.logaddexp(old, lse)
             base = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-            self.out[:, :, rows] = old_o * torch.exp(old - base).unsqueeze(-1) + o * torch.exp(lse - base).unsqueeze(-1)
-            self.lse[:, :, rows] = new
+            self.parts[_key(rows)] = (old_o * torch.exp(old - base).unsqueeze(-1)
+                                      + o * torch.exp(lse - base).unsqueeze(-1), new)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, lse (..., Sq, 1)), the shapes ``fxsplit.tp.ring``'s online softmax gives."""
-        return self.out.reshape(self.shape), self.lse.reshape(*self.shape[:-1], 1)
+        """(out, lse (..., Sq, 1)), the shapes ``fxsplit.tp.ring`` works with."""
+        keys = sorted(self.parts, key=lambda k: -1 if k[0] is None else k[0])
+        out = torch.cat([self.parts[k][0] for k in keys], 2)
+        lse = torch.cat([self.parts[k][1] for k in keys], 2)
+        return out.reshape(self.shape), lse.reshape(*self.shape[:-1], 1)
 
 
 def pair_backward(spec: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   out: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, lane: int, src: int) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) of lane ``lane``'s queries against rank ``src``'s block, from the whole attention's
     ``out`` / ``lse`` ((..., Sq, 1)) and output gradient ``do``; in the accumulation dtype, shaped as
-    q, k, v (k, v at the query heads)."""
+    q, k, v (k, v at the query heads). No in-place write ([Note: functional merge])."""
     q4, k4, v4, o4, do4 = (_bhsd(x) for x in (q, k, v, out, do))
     l4 = lse.reshape(o4.shape[:-1]).to(o4.dtype)
     l4 = torch.where(torch.isneginf(l4), torch.zeros_like(l4), l4)  # no allowed key at all: p = exp(-inf) = 0
-    dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k4), torch.zeros_like(v4)
+    grads: list[dict] = [{}, {}, {}]
     for rows, cols, causal, add in _pair_args(spec, q, mask, lane, src):
-        gq, gk, gv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        got = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do4[:, :, rows].contiguous(), q4[:, :, rows].contiguous(), k4[:, :, cols].contiguous(),
             v4[:, :, cols].contiguous(), o4[:, :, rows].contiguous(), l4[:, :, rows].contiguous(), 0.0, causal,
             attn_mask=add, scale=_scale(spec, q))
-        dq[:, :, rows] += gq
-        dk[:, :, cols] += gk
-        dv[:, :, cols] += gv
+        for parts, key, g in zip(grads, (_key(rows), _key(cols), _key(cols)), got):
+            parts[key] = parts[key] + g if key in parts else g
+    keys = _halves(spec.seq_len // (2 * spec.cp))
+    dq, dk, dv = (_joined(parts, like, keys) for parts, like in zip(grads, (q4, k4, v4)))
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
