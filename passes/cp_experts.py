@@ -39,8 +39,6 @@ from fxsplit.passes.cp_attention import ndim, val
 
 __all__ = ["EXPERT_RULES", "LOCAL_OK", "Local"]
 
-_aten = torch.ops.aten
-
 
 @dataclass(frozen=True)
 class Local:
