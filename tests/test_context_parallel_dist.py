@@ -1,7 +1,7 @@
 """Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4 (K/V by ring, the
 plan's own choice), cp=2 x tp=2 with sequence parallelism (ring), cp=2 x tp=2 with the vocabulary-parallel loss,
 cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1 by ring: its traced graph split runs the
-ring's functional all-to-all) and cp=2 x dp=2 with compile=True
+ring's functional all-to-all and flash kernels) and cp=2 x dp=2 with compile=True by ring
 (every stage graph through inductor, none falling back) on the zoo GPT, three SGD steps each,
 and Llama with its own loss at cp=2 x dp=2 (a second step at 27 tokens, which 2 * cp does not divide: padded to
 the traced 32 and masked) and at cp=2 x tp=2 by ring, every data-parallel replica fed its own slice of the global
@@ -25,8 +25,9 @@ _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True, cp_kv="ring"),
          dict(cp=2, tp=2, vocab_parallel_loss=True), dict(cp=2, pp=2, microbatches=2),
          dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
-         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4, cp_kv="ring"), dict(cp=2, dp=2, compile=True)]
-RING = (1, 2, 6)  # the cases whose attention runs by ring (cp=4 by the plan's memory rule)
+         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4, cp_kv="ring"),
+         dict(cp=2, dp=2, compile=True, cp_kv="ring")]
+RING = (1, 2, 6, 7)  # the cases whose attention runs by ring (cp=4 by the plan's memory rule)
 SAVED = 0  # the case whose state after the last step is saved: cp=2 x dp=2
 STEPS, LR = 3, 0.1
 
