@@ -5,6 +5,7 @@ by ring (``cp_kv``), on 4 gloo ranks in ONE launch; then torch's own
 
     .venv/bin/python benchmarks/long_context.py                              # 2k and 4k tokens
     .venv/bin/python benchmarks/long_context.py --lengths 2048,4096,8192,16384 --repeats 3
+    .venv/bin/python benchmarks/long_context.py --lengths 16384 --layouts cp=4 --skip-torch   # cp=4 only
 
 Layouts, 4 ranks each, each data-parallel replica training on ``--sequences`` sequences (default 2): cp=1
 is dp=4 (each rank whole sequences), cp=2 is dp=2 x cp=2, cp=4 is cp=4 (each rank a quarter of each
@@ -51,7 +52,8 @@ def _loss(output, target):  # the model's own loss (labels= in the inputs)
     return output["loss"]
 
 
-def _worker(rank: int, world: int, lengths: list[int], repeats: int, sequences: int) -> dict:
+def _worker(rank: int, world: int, lengths: list[int], repeats: int, sequences: int, layouts: dict,
+            with_torch: bool) -> dict:
     import fxsplit
     from fxsplit.testing.data import replica_slice
     from fxsplit.testing.memory import LiveBytes
@@ -63,7 +65,7 @@ def _worker(rank: int, world: int, lengths: list[int], repeats: int, sequences: 
         g = torch.Generator().manual_seed(S)
         ids = torch.randint(0, 256, (4 * sequences, S), generator=g)
         pms, data = {}, {}
-        for name, layout in LAYOUTS.items():
+        for name, layout in layouts.items():
             dp = layout.get("dp", 1)
             batch = ids[:sequences * dp]  # `sequences` per data-parallel replica
             pm = fxsplit.parallelize(model, (batch[:sequences],), {"labels": batch[:sequences]}, loss_fn=_loss,
@@ -71,7 +73,7 @@ def _worker(rank: int, world: int, lengths: list[int], repeats: int, sequences: 
             x = replica_slice(pm, batch)
             pms[name], data[name] = pm, x
             pm.step(x, labels=x, target=x)  # warm-up: allocates the parameter gradients
-        times = {name: [] for name in LAYOUTS}
+        times = {name: [] for name in layouts}
         peaks = {}
         for r in range(repeats):
             for name, pm in pms.items():
@@ -85,12 +87,12 @@ def _worker(rank: int, world: int, lengths: list[int], repeats: int, sequences: 
                     pm.step(x, labels=x, target=x)
                     times[name].append(time.perf_counter() - t0)
         rows[S] = {name: (peaks[name], statistics.median(times[name]) if times[name] else float("nan"))
-                   for name in LAYOUTS}
+                   for name in layouts}
         if rank == 0:  # this rank's figures as each length ends (the table, over every rank, comes at the end)
             for name, (peak, step) in rows[S].items():
                 print(f"rank 0: {S} tokens, {name}: peak {peak / 2**20:.1f} MiB, step {step:.3f} s", flush=True)
         del pms
-    rows["torch"] = _torch_cp(rank, world, min(lengths))
+    rows["torch"] = _torch_cp(rank, world, min(lengths)) if with_torch else "not attempted (--skip-torch)"
     return rows
 
 
@@ -123,20 +125,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", default="2048,4096", help="sequence lengths, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="steps per layout (the first measures memory)")
     parser.add_argument("--sequences", type=int, default=2, help="sequences per data-parallel replica (>= 2: export traces a batch of 1 static)")
+    parser.add_argument("--layouts", default="", help="run only the layouts whose name contains one of these "
+                        "comma-separated words (e.g. 'cp=4': a length whose cp=1 layout does not fit in memory)")
+    parser.add_argument("--skip-torch", action="store_true", help="do not attempt torch's context_parallel")
     ns = parser.parse_args(argv)
     lengths = [int(x) for x in ns.lengths.split(",")]
+    words = [w for w in ns.layouts.split(",") if w]
+    layouts = {name: opts for name, opts in LAYOUTS.items() if not words or any(w in name for w in words)}
     from fxsplit.testing import run_distributed
 
-    results = run_distributed(_worker, 4, lengths, max(ns.repeats, 2), ns.sequences, timeout=4 * 3600)
+    results = run_distributed(_worker, 4, lengths, max(ns.repeats, 2), ns.sequences, layouts,
+                              not ns.skip_torch, timeout=4 * 3600)
     print("| tokens | layout | peak activation memory per rank | vs cp=1 | step (median) |")
     print("| --- | --- | --- | --- | --- |")
     first = next(iter(LAYOUTS))
     for S in lengths:
-        base = max(r[S][first][0] for r in results)
-        for name in LAYOUTS:
+        base = max(r[S][first][0] for r in results) if first in layouts else None
+        for name in layouts:
             peak = max(r[S][name][0] for r in results)
             step = max(r[S][name][1] for r in results)
-            print(f"| {S} | {name} | {peak / 2**20:.1f} MiB | {peak / base:.2f} | {step:.3f} s |")
+            ratio = f"{peak / base:.2f}" if base else "not run"
+            print(f"| {S} | {name} | {peak / 2**20:.1f} MiB | {ratio} | {step:.3f} s |")
     print(f"\ntorch context_parallel (cp=4, {min(lengths)} tokens, rank 0): {results[0]['torch']}")
 
 

@@ -54,6 +54,7 @@ from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.collectives import all_reduce_sum, gather_from_region, gather_to_region, reduce_from_region
 from fxsplit.tp.context import causal_rows, keep_local, natural_order
 from fxsplit.tp.ring import ring_attention
+from fxsplit.passes.cp_experts import EXPERT_RULES, LOCAL_OK, Local
 from fxsplit.passes.cp_attention import KV_STRATEGIES, matmul_rule, ndim as _ndim, same as _same, sdpa_rule, val as _val
 
 __all__ = ["CPPlan", "context_parallel"]
@@ -162,6 +163,7 @@ class _Rewrite:
         self.state: dict[torch.fx.Node, Any] = {}  # node -> Seq, or a tuple of Seq | None for tuples
         self.cuts: dict[tuple[torch.fx.Node, int, int], torch.fx.Node] = {}
         self.reduced: set[torch.fx.Node] = set()  # full values summed over the cp ranks (losses)
+        self.row_numbers: set[torch.fx.Node] = set()  # this rank's row numbers ([Note: an MoE block under cp])
 
     # -- helpers
     def fail(self, node: torch.fx.Node, why: str) -> PlanError:
@@ -220,6 +222,13 @@ class _Rewrite:
             self.state[node] = self.state[node.args[0]][node.args[1]]
             return
         sharded = [a for a in node.all_input_nodes if isinstance(self.state.get(a), Seq)]
+        if any(isinstance(self.state.get(a), Local) for a in node.all_input_nodes):
+            if name not in LOCAL_OK:  # [Note: an MoE block under cp] in passes/cp_experts.py
+                raise self.fail(node, "it reads a value counted over this rank's tokens only (an MoE block's "
+                                      "rows per expert) other than as a grouped matmul's offsets")
+            if not sharded:
+                self.state[node] = Local()
+                return
         if not sharded:
             return
         rule = _RULES.get(name)
@@ -243,6 +252,8 @@ class _Rewrite:
     def output(self, node: torch.fx.Node) -> None:
         def fix(a: Any) -> Any:
             s = self.seq_of(a)
+            if isinstance(s, Local):
+                raise self.fail(a, "a model output counted over this rank's tokens only")
             if s is None:
                 v = _val(a)
                 if isinstance(v, torch.Tensor) and v.requires_grad and a not in self.reduced:
@@ -531,7 +542,7 @@ _POINTWISE = {
     "relu", "dropout", "to", "_to_copy", "type_as", "contiguous", "clone", "masked_fill", "where", "eq", "ne", "lt",
     "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "bitwise_not", "and", "or", "__and__", "__or__",
     "cos", "sin", "alias", "detach", "abs", "clamp", "float", "mul_", "add_", "tril", "triu", "lift_fresh_copy",
-    "erf", "softplus", "square", "reciprocal", "maximum", "minimum",
+    "erf", "softplus", "square", "reciprocal", "maximum", "minimum", "empty_like",
 }
 _RULES: dict[str, Callable[[_Rewrite, torch.fx.Node], Any]] = {
     **{name: _pointwise for name in _POINTWISE},
@@ -550,6 +561,7 @@ _RULES: dict[str, Callable[[_Rewrite, torch.fx.Node], Any]] = {
     "matmul": matmul_rule, "bmm": matmul_rule, "addmm": _addmm, "mm": _mm,
     "scaled_dot_product_attention": sdpa_rule,
     "cross_entropy_loss": _cross_entropy,
+    **EXPERT_RULES,  # [Note: an MoE block under cp]
 }
 
 

@@ -13,16 +13,18 @@ Written only against fxsplit's public API.
   (``gather_to_region``: backward reduce-scatters dK / dV) and put in natural order; the local
   queries run torch's sdpa against all of them. One collective per attention; the gathered K/V
   (S tokens) are held for the backward, and ``is_causal`` becomes an (S / C, S) mask.
-- **ring**: ``fxsplit.tp.ring.ring_attention`` passes each rank's block around the ring with an
-  online-softmax merge ([Note: ring attention]); C - 1 dependent exchanges forward and C
-  backward (each overlapped with a block's compute), two blocks held at a time, causal and
-  sliding-window masks built per block. Each block's scores are computed whole, (S / C)^2 per
-  query head, with about four such tensors alive at once in the backward.
-- ``cp_kv=None`` (auto) takes the ring when the gathered K/V would be larger than the ring's
-  block scores, ``S * (K/V width) > 4 * H * (S / C)^2`` elements per sample, else the
-  all-gather (torch's sdpa kernel never holds the scores): at long sequences the all-gather
-  (measured on CPU, benchmarks/README.md "Context parallelism: all-gather vs ring"). Either
-  choice may be forced with ``cp_kv="allgather"`` / ``"ring"``.
+- **ring**: ``fxsplit.tp.ring.ring_attention`` passes each rank's block around the ring with a
+  log-sum-exp merge ([Note: ring attention]); C - 1 dependent exchanges forward and C
+  backward (each overlapped with a block's compute), two blocks held at a time; each block by
+  torch's CPU flash kernel, no scores held, causal blocks as chunk pairs with no mask, a window or
+  a given mask one additive mask per chunk pair ([Note: tiled ring blocks] in fxsplit.tp.ring_tiles).
+- ``cp_kv=None`` (auto) takes the ring when ``S * (K/V width) > 4 * H * (S / C)^2`` elements per
+  sample, else the all-gather. The right-hand side was the scores a block of the ring held before
+  its blocks ran by the flash kernel; the ring no longer holds them, and at 8k tokens it held less
+  than the all-gather (benchmarks/README.md, "Context parallelism: all-gather vs ring": cp=2 386 vs
+  648 MiB) while stepping slower on this CPU machine (cp=2 2.4x, cp=4 1.1x, under load), so the rule
+  is kept, an all-gather bias at long sequences, until both are measured where the exchange is not a
+  shared CPU's (a GPU). Either choice may be forced with ``cp_kv="allgather"`` / ``"ring"``.
 - The ring is not taken, whatever was asked, and the plan says why, when the attention is
   eager ``softmax(Q K^T) V`` (no single op to replace: its two matmuls all-gather K and V) or
   its mask needs a gradient (a learned score bias: the ring does not differentiate the mask).

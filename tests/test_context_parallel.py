@@ -148,6 +148,20 @@ def test_llama_stays_exact_over_three_optimizer_steps():
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.hf
+def test_an_moe_block_under_cp_and_ep_is_exact():
+    """Mixtral (2 layers, 4 experts, top-2) at cp=2 x dp=2 x ep=2, emulated by verify over the (ep, cp) ranks:
+    each cp rank routes, sorts, counts and combines its own tokens ([Note: an MoE block under cp]), its
+    experts' gradients its tokens' share; outputs and every gradient against the unsplit model."""
+    from fxsplit.testing import tp_coverage
+
+    model, _, _ = tp_coverage.build("mixtral")
+    ids = torch.randint(0, model.config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(3))
+    the_plan = fxsplit.plan(model, (ids,), cp=2, dp=2, ep=2, hardware=_HW, verify=True)
+    report = the_plan.pass_report["context_parallel"]
+    assert len(report.attention) == 2 and the_plan.ep_plan.expert_params, (report, the_plan.ep_plan)
+
+
 def test_verify_catches_causal_rows_at_the_wrong_positions():
     """The check can fail: queries reading every key (no causal rows) diverge at the first attention."""
     model, args, kwargs = _gpt()
@@ -163,13 +177,13 @@ def test_verify_catches_causal_rows_at_the_wrong_positions():
 
 def test_verify_catches_ring_blocks_read_at_the_wrong_positions(monkeypatch):
     """The ring's check can fail: each block's keys taken one chunk off their true positions."""
-    from fxsplit.tp import ring
+    from fxsplit.tp import ring_tiles as ring
 
     model, args, kwargs = _gpt()
     with shared_traces(_TRACES):
         the_plan = fxsplit.plan(model, args, kwargs, cp=2, cp_kv="ring", hardware=_HW)
-    true = ring.positions_of
-    monkeypatch.setattr(ring, "positions_of", lambda r, cp, S, device=None: true(r, cp, S, device).roll(S // (2 * cp)))
+    true = ring.chunks_of  # the chunk pairs' causal flags (no mask is built for a causal block) read them
+    monkeypatch.setattr(ring, "chunks_of", lambda r, cp: tuple(reversed(true(r, cp))))
     with pytest.raises(VerificationError):
         fxsplit.verify(model, args, the_plan, kwargs, quiet=True)
 
@@ -215,6 +229,45 @@ def test_an_op_along_the_sequence_is_refused_naming_its_node():
     ids = torch.randint(0, 32, (2, 8))
     with pytest.raises(PlanError, match=r"cumsum"):
         fxsplit.plan(_SequenceSum(), (ids,), cp=2, hardware=_HW)
+
+
+class _TokenCounts(nn.Module):
+    """A histogram of the tokens' features used as a value: under cp it would count one rank's tokens only."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(h) + torch.histc(h[..., 0], bins=32, min=-3, max=3)
+
+
+def test_a_count_over_the_local_tokens_used_as_a_value_is_refused():
+    """[Note: an MoE block under cp]: histc of sharded rows is a local count, allowed only as grouped-matmul offsets."""
+    ids = torch.randint(0, 32, (2, 8))
+    with pytest.raises(PlanError, match=r"counted over this rank's tokens only"):
+        fxsplit.plan(_TokenCounts(), (ids,), cp=2, hardware=_HW)
+
+
+class _RowsByValue(nn.Module):
+    """Rows picked by an index computed from the tokens' values: under cp they would name rows of the full sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, ids):
+        h = self.emb(ids).reshape(-1, 8)
+        return self.head(h[(h[:, 0] > 0).long()])
+
+
+def test_rows_picked_by_an_index_that_is_not_row_numbers_are_refused():
+    ids = torch.randint(0, 32, (2, 8))
+    with pytest.raises(PlanError, match=r"not this rank's row numbers"):
+        fxsplit.plan(_RowsByValue(), (ids,), cp=2, hardware=_HW)
 
 
 class _FloatInput(nn.Module):

@@ -1,7 +1,7 @@
 """Context parallelism on real gloo ranks, in ONE launch of 4 processes: cp=2 x dp=2, cp=4 (K/V by ring, the
 plan's own choice), cp=2 x tp=2 with sequence parallelism (ring), cp=2 x tp=2 with the vocabulary-parallel loss,
 cp=2 x pp=2 (1F1B, interleaved 1F1B with two stages per rank, ZB-H1 by ring: its traced graph split runs the
-ring's functional all-to-all) and cp=2 x dp=2 with compile=True
+ring's functional all-to-all and flash kernels) and cp=2 x dp=2 with compile=True by ring
 (every stage graph through inductor, none falling back) on the zoo GPT, three SGD steps each,
 and Llama with its own loss at cp=2 x dp=2 (a second step at 27 tokens, which 2 * cp does not divide: padded to
 the traced 32 and masked) and at cp=2 x tp=2 by ring, every data-parallel replica fed its own slice of the global
@@ -25,8 +25,9 @@ _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True, cp_kv="ring"),
          dict(cp=2, tp=2, vocab_parallel_loss=True), dict(cp=2, pp=2, microbatches=2),
          dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
-         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4, cp_kv="ring"), dict(cp=2, dp=2, compile=True)]
-RING = (1, 2, 6)  # the cases whose attention runs by ring (cp=4 by the plan's memory rule)
+         dict(cp=2, pp=2, schedule="zb_h1", microbatches=4, cp_kv="ring"),
+         dict(cp=2, dp=2, compile=True, cp_kv="ring")]
+RING = (1, 2, 6, 7)  # the cases whose attention runs by ring (cp=4 by the plan's memory rule)
 SAVED = 0  # the case whose state after the last step is saved: cp=2 x dp=2
 STEPS, LR = 3, 0.1
 
@@ -278,3 +279,103 @@ def _check_reload(per_rank, full, ref_state):
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=f"{where}: {k}")
     assert all(res["steps"] == STEPS for res in per_rank), [res["steps"] for res in per_rank]
+
+
+# cp with the data ranks sharded by FSDP2 (over dp_shard x cp) and with experts placed by ep (carved out of
+# dp or dp_shard at every cp rank): label -> (model, options); world size 4 each
+SHARDED_CASES = {
+    "gpt/cp2-ds2": ("gpt", dict(cp=2, dp_shard=2)),
+    "mixtral/cp2-dp2-ep2": ("mixtral", dict(cp=2, dp=2, ep=2)),
+    "mixtral/cp2-ds2-ep2": ("mixtral", dict(cp=2, dp_shard=2, ep=2)),
+}
+
+
+def _sharded_example(name):
+    if name == "gpt":
+        return _example()
+    from fxsplit.testing import tp_coverage
+
+    model, _, _ = tp_coverage.build("mixtral")  # 2 layers, 4 experts, top-2, GQA
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(0, model.config.vocab_size, (4, 8), generator=g)
+    return model, x, torch.randint(0, model.config.vocab_size, (4, 8), generator=g)
+
+
+def _logits_loss(out, y):
+    return zoo.cross_entropy_loss(out.logits if hasattr(out, "logits") else out, y)
+
+
+def _whole(grad):
+    """An FSDP-sharded gradient gathered whole (a collective over its mesh, the same order on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _train_sharded(rank, world):
+    from fxsplit.testing.data import replica_index
+
+    out = {}
+    for label, (name, opts) in SHARDED_CASES.items():
+        model, x, y = _sharded_example(name)
+        data = opts.get("dp", 1) * opts.get("dp_shard", 1)
+        pm = fxsplit.parallelize(model, (x[:x.shape[0] // data],), loss_fn=_logits_loss, hardware=_HW, timeout=120,
+                                 verify=False, **opts)
+        opt = torch.optim.SGD(pm.parameters(), lr=LR)
+        losses, grads, norms = [], [], []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            losses.append(float(pm.step(replica_slice(pm, x), target=replica_slice(pm, y))))
+            norms.append(float(pm.clip_grad_norm_(1e9)))  # the whole model's norm (nothing clipped)
+            grads.append({n: _whole(p.grad).detach().clone() for m in pm.stage_modules.values()
+                          for n, p in m.named_parameters() if p.grad is not None})
+            opt.step()
+        experts = set(pm.plan.ep_plan.expert_params) if opts.get("ep", 1) > 1 else set()
+        out[label] = dict(losses=losses, grads=grads, norms=norms, experts=experts,
+                          ep_rank=replica_index(pm)[0] % opts.get("ep", 1), cp=pm.coords["cp"])
+    return out
+
+
+def _sharded_reference(name):
+    model, x, y = _sharded_example(name)
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads, norms = [], [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = _logits_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
+        norms.append(float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm()))  # tied: once
+        opt.step()
+    return losses, grads, norms
+
+
+@pytest.mark.dist
+@pytest.mark.hf
+def test_cp_with_fsdp_and_experts_trains_like_one_process_over_gloo():
+    """cp=2 x dp_shard=2 (FSDP2 over dp_shard x cp), cp=2 x dp=2 x ep=2 and cp=2 x dp_shard=2 x ep=2 on
+    Mixtral: every step's loss, whole-model gradient norm and every gradient (FSDP shards gathered, each
+    rank's block of experts) against one process on the whole batch, on every rank, ONE launch of 4."""
+    results = run_distributed(_train_sharded, 4, timeout=900)
+    for label, (name, opts) in SHARDED_CASES.items():
+        ref_losses, ref_grads, ref_norms = _sharded_reference(name)
+        ep = opts.get("ep", 1)
+        assert {r[label]["cp"] for r in results} == {0, 1}, label
+        for rank, res in enumerate(r[label] for r in results):
+            tag = f"{label} rank {rank}"
+            assert bool(res["experts"]) == (ep > 1), f"{tag}: experts placed {sorted(res['experts'])}"
+            torch.testing.assert_close(res["losses"], ref_losses, rtol=1e-5, atol=1e-6, msg=f"{tag}: losses")
+            assert res["norms"] == pytest.approx(ref_norms, rel=1e-4), f"{tag}: whole-model gradient norms"
+            for step in range(STEPS):
+                seen = set()
+                for n, g in res["grads"][step].items():
+                    want = ref_grads[step][n]
+                    if n in res["experts"]:  # this rank's block of experts
+                        k = want.shape[0] // ep
+                        want = want[res["ep_rank"] * k:(res["ep_rank"] + 1) * k]
+                    torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=f"{tag} step {step} grad {n}")
+                    seen.add(n)
+                missing = set(ref_grads[step]) - seen
+                assert missing <= {"wte.weight", "lm_head.weight"}, (tag, step, sorted(missing))

@@ -1,7 +1,8 @@
 """Ring attention (``fxsplit.tp.ring``) in one process: every cp rank's lane of the ring, emulated
 (the exchange a rotation of the lanes), against one sdpa over the whole sequence, in float64 so
 that the only difference is rounding: outputs and the gradients of q, k and v, with causal,
-sliding-window, given (bool and additive) masks, grouped-query heads and a query row with no key.
+sliding-window, given (bool and additive) masks, grouped-query heads, a query row with no key and no
+mask at all (unmasked and causal blocks run by torch's CPU flash kernel, never holding their scores).
 The plan's choice between all-gather and ring ([Note: all-gather or ring]) and its refusals."""
 
 import pytest
@@ -47,8 +48,8 @@ def _ring_vs_sdpa(cp, *, causal=True, window=None, mask=None, heads=4, kv_heads=
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("case", [
     dict(), dict(window=5), dict(causal=False, mask="bool"), dict(causal=True, mask="additive"),
-    dict(kv_heads=2, gqa=True), dict(mask="empty-row"),
-], ids=["causal", "sliding-window", "bool-mask", "additive-mask", "gqa", "a-row-with-no-key"])
+    dict(kv_heads=2, gqa=True), dict(mask="empty-row"), dict(causal=False),
+], ids=["causal", "sliding-window", "bool-mask", "additive-mask", "gqa", "a-row-with-no-key", "bidirectional"])
 def test_ring_matches_one_sdpa_over_the_whole_sequence(cp, case):
     case = dict(case)
     g = torch.Generator().manual_seed(7)
@@ -62,6 +63,40 @@ def test_ring_matches_one_sdpa_over_the_whole_sequence(cp, case):
         mask[5] = False
         case["mask"] = mask
     _ring_vs_sdpa(cp, **case)
+
+
+@pytest.mark.parametrize("case", [dict(), dict(causal=False), dict(window=5)],
+                         ids=["causal", "bidirectional", "sliding-window"])
+def test_no_block_scores_are_materialized(monkeypatch, case):
+    """[Note: tiled ring blocks]: every block goes through torch's CPU flash kernel, forward and backward:
+    no score matrix by matmul (the reference sdpa runs before matmul is refused), and still exact."""
+    import fxsplit.tp.ring_tiles as tiles
+
+    calls = []
+    kernel = tiles._aten._scaled_dot_product_flash_attention_for_cpu
+
+    class _Counting:  # the kernel, counted
+        _scaled_dot_product_flash_attention_for_cpu = staticmethod(lambda *a, **k: calls.append(1) or kernel(*a, **k))
+        _scaled_dot_product_flash_attention_for_cpu_backward = \
+            tiles._aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    monkeypatch.setattr(tiles, "_aten", _Counting)
+    real = torch.matmul
+
+    def no_matmul(*args, **kwargs):
+        raise AssertionError("a block's scores were computed by matmul")
+
+    case = dict(case)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, S, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    pos = [positions_of(r, 2, S) for r in range(2)]
+    bound = [dict(q=q[:, :, p], k=k[:, :, p], v=v[:, :, p], attn_mask=None, scale=None, enable_gqa=False,
+                  seq_len=S, causal=case.get("causal", True), window=case.get("window"), axis="cp") for p in pos]
+    monkeypatch.setattr(torch, "matmul", no_matmul)
+    emulated_ring_attention(bound)
+    monkeypatch.setattr(torch, "matmul", real)
+    assert calls, "the flash kernel never ran"
+    _ring_vs_sdpa(2, **case)
 
 
 def test_a_mask_that_needs_a_gradient_is_refused_naming_the_fix():

@@ -155,7 +155,8 @@ def _tied_seed_names(shared_params: Sequence[Sequence[tuple[int, str]]], stage: 
 
 
 def materialize_sharded_stage(plan: Any, stage: int, *, tp_rank: int, source: nn.Module, mesh: Any,
-                              device: torch.device | str = "cpu", mp_policy: Any = None, ep_rank: int = 0) -> nn.Module:
+                              device: torch.device | str = "cpu", mp_policy: Any = None, ep_rank: int = 0,
+                              divide_factor: int | None = None) -> nn.Module:
     """Stage ``stage`` as :func:`materialize_stage` makes it, wrapped with FSDP over ``mesh``
     (:func:`fxsplit.runtime.fsdp.shard_stages`), holding only this rank's FSDP shard of its tp
     shard of each parameter.
@@ -213,7 +214,8 @@ block of experts, whole. Peak memory is
             owner._parameters[leaf] = new
     # 2. FSDP shards on the meta device, then storage for them only
     ignored = {local.get_parameter(params[key][0]) for key in experts}
-    local = shard_stages({stage: local}, mesh, mp_policy=mp_policy, ignored={stage: ignored})[stage]
+    local = shard_stages({stage: local}, mesh, mp_policy=mp_policy, ignored={stage: ignored},
+                         divide_factor=divide_factor)[stage]
     local.to_empty(device=device)
     with torch.no_grad():
         for key, names in buffers.items():

@@ -468,11 +468,14 @@ class ParallelModel(nn.Module):
 
         p = check_norm_type(norm_type)
         specs = self.plan.tp_plan.param_specs
-        c, coords = self.plan.config, self.coords  # the first ep group: data index < ep ([Note: expert-parallel groups])
+        c, coords = self.plan.config, self.coords
+        # the first ep group: data index < ep at cp rank 0 ([Note: expert-parallel groups]); FSDP shards over
+        # the cp ranks too ([Note: FSDP over cp]), so with dp_shard every cp rank counts its own shards
+        first_experts = coords.get("dp", 0) * c.dp_shard + coords.get("dp_shard", 0) < c.ep and coords.get("cp", 0) == 0
         counted = norm_parameters(
             {int(s): m for s, m in self.stage_modules.items()}, shared_params=self.plan.stages.shared_params,
-            sharded=specs, coords=coords, experts=set(self.plan.ep_plan.expert_params) if c.ep > 1 else set(),
-            first_expert_group=coords.get("dp", 0) * c.dp_shard + coords.get("dp_shard", 0) < c.ep)
+            sharded=specs, coords={k: v for k, v in coords.items() if k != "cp" or c.dp_shard == 1},
+            experts=set(self.plan.ep_plan.expert_params) if c.ep > 1 else set(), first_expert_group=first_experts)
         world = dist.group.WORLD if dist.is_initialized() else None
         total = global_norm([local_tensor(q.grad) for q in counted if q.grad is not None], p, group=world,
                             device=self._runtime.device)

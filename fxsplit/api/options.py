@@ -203,17 +203,6 @@ class ParallelConfig:
         if self.dynamic_sequence is True:
             raise PlanError("cp > 1 cuts a sequence length known at plan time; use dynamic_sequence=None or False "
                             "(plan with the length you train at, divisible by 2 * cp)")
-        if self.ep > 1:
-            raise PlanError(f"cp={self.cp} with ep={self.ep} is not supported yet: the expert-parallel groups "
-                            "(fxsplit.runtime.mesh.expert_groups) are carved out of the dp x dp_shard ranks with no cp "
-                            "dim, so an expert's gradient would be summed over its ep replicas but not over the cp "
-                            "ranks that hold the other tokens of its sequences; use cp=1 or ep=1")
-        if self.dp_shard > 1:
-            raise PlanError("cp > 1 with dp_shard > 1 is not supported yet: FSDP2 reduce-scatters and averages "
-                            "gradients over its (dp, dp_shard) mesh, but each cp rank holds only its tokens' share of "
-                            "a gradient, which must first be summed over cp (an HSDP mesh whose replicate dim is "
-                            "(dp, cp) flattened, divided by dp * dp_shard, is not built); use dp for the data-parallel "
-                            "ranks, or cp=1")
 
     def static_batch(self, example_batch: int | None) -> int | None:
         """The microbatch size torch.export traces the batch at, or None for a symbolic batch

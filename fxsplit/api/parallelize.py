@@ -34,7 +34,7 @@ from fxsplit.pipeline.rank_plan import RankPlan
 from fxsplit.runtime import PipelineRuntime, RuntimeOptions
 from fxsplit.runtime.data_parallel import DataParallelGrads
 from fxsplit.runtime.fsdp import ShardedGradSync
-from fxsplit.runtime.mesh import Groups
+from fxsplit.runtime.mesh import Groups, fsdp_mesh
 from fxsplit.runtime.watch import Watch, group_wait, host_blocking
 
 __all__ = ["parallelize"]
@@ -101,7 +101,7 @@ def parallelize(
     _warn_fresh_weights(model)
     c = the_plan.config
     pp_rank = coords["pp"]
-    stages, units = _materialized(the_plan, model, mesh, coords, groups, device)
+    stages, units = _materialized(the_plan, model, mesh, coords, groups, device, timeout)
     seed = _agreed_seed(c.seed, groups.errors)  # collective: before the watch starts, as every rank does
     watch = _start_watch(mesh, the_plan, timeout) if dist.get_world_size() > 1 else None
     sharded = None
@@ -171,7 +171,7 @@ def _process_groups(config: ParallelConfig, mesh: Any, timeout: float) -> tuple[
 
 
 def _materialized(the_plan: Any, model: nn.Module, mesh: Any, coords: Mapping[str, int], groups: Groups,
-                  device: torch.device) -> tuple[dict, dict | None]:
+                  device: torch.device, timeout: float) -> tuple[dict, dict | None]:
     """``(stages, FSDP units or None)``: this rank's stages of ``the_plan``, each holding only its
     shards ([Note: what every rank does])."""
     c = the_plan.config
@@ -179,11 +179,13 @@ def _materialized(the_plan: Any, model: nn.Module, mesh: Any, coords: Mapping[st
     units = None
     if c.dp_shard > 1:  # FSDP units ([Note: FSDP units and reshard_after_forward] in fxsplit.runtime.fsdp),
         # each rank materializing only its shards ([Note: materializing FSDP shards])
-        fsdp_mesh = mesh["dp", "dp_shard"] if c.dp > 1 else mesh["dp_shard"]
+        # with cp, over dp_shard x cp, dividing by the data ranks only ([Note: FSDP over cp] in fxsplit.runtime.mesh)
+        shards = fsdp_mesh(mesh, timeout=datetime.timedelta(seconds=timeout))
         units = stages = {
-            s: materialize_sharded_stage(the_plan, s, tp_rank=coords["tp"], source=model, mesh=fsdp_mesh,
+            s: materialize_sharded_stage(the_plan, s, tp_rank=coords["tp"], source=model, mesh=shards,
                                          device=device, mp_policy=c.mp_policy,
-                                         ep_rank=groups.ep.rank() if c.ep > 1 else 0) for s in mine
+                                         ep_rank=groups.ep.rank() if c.ep > 1 else 0,
+                                         divide_factor=c.dp * c.dp_shard if c.cp > 1 else None) for s in mine
         }
     else:
         stages = {

@@ -328,12 +328,20 @@ def _materialized(plan: Any, stage: int, rank: int, model: nn.Module, device: to
 
 def _lockstep_ranks(c: Any) -> tuple[list[dict[str, tuple[int, int]]], int]:
     """The ranks verify runs in lockstep (each its (rank, size) per mesh axis), and how many
-    distinct stage modules they hold: every (ep, tp) rank, each its batch slice and block of
-    experts (ep excludes cp); else every (cp, tp) rank, the cp ranks of one tp rank sharing its
-    modules, so their parameter gradients add up in one .grad, as the runtime sums them over cp."""
-    if c.ep > 1:
-        return [{"ep": (e, c.ep), "tp": (r, c.tp)} for e in range(c.ep) for r in range(c.tp)], c.ep * c.tp
-    return [{"cp": (k, c.cp), "tp": (r, c.tp)} for k in range(c.cp) for r in range(c.tp)], c.tp
+    distinct stage modules they hold: every (ep, cp, tp) rank (rank i = (e * cp + k) * tp + r), each
+    ep rank its batch slice and block of experts; the cp ranks of one (ep, tp) rank share its
+    modules (:func:`_module_of`), so their parameter gradients add up in one .grad, as the runtime
+    sums them over cp."""
+    axes = [("ep", c.ep)] * (c.ep > 1) + [("cp", c.cp)] * (c.cp > 1 or c.ep == 1) + [("tp", c.tp)]
+    ranks = [{}]
+    for name, size in axes:
+        ranks = [{**rank, name: (k, size)} for rank in ranks for k in range(size)]
+    return ranks, c.ep * c.tp
+
+
+def _module_of(c: Any, i: int) -> int:
+    """Lockstep rank i's modules (index e * tp + r: its ep and tp ranks; cp ranks share)."""
+    return (i // (c.cp * c.tp)) * c.tp + i % c.tp
 
 
 def _run_stages(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], flat: Sequence[Any],
@@ -342,7 +350,7 @@ def _run_stages(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], flat: S
     each stage's node values appended to ``vals``; returns the flat model outputs per rank (one
     list, the ep ranks' outputs joined along the batch, with ep)."""
     c = plan.config
-    ranks, held = _lockstep_ranks(c)
+    ranks, _ = _lockstep_ranks(c)
     n = len(ranks)
     rank_inputs = _batch_slices(flat, batch, n, c.ep)
     outs: list[list[tuple]] = []
@@ -352,12 +360,13 @@ def _run_stages(plan: Any, stage_modules: Sequence[Sequence[nn.Module]], flat: S
                    hand_over(outs[src.stage][r][src.index], meta.dim_order)
                    for src, meta in zip(io.inputs, io.input_meta)] for r in range(n)]
         vals.append({})
-        mods = [stage_modules[s][i % held] for i in range(n)]
+        mods = [stage_modules[s][_module_of(c, i)] for i in range(n)]
         outs.append(run_lockstep(plan.stages.modules[s], mods, inputs, vals[-1], ranks))
     rank_flat = [[outs[-1][r][local] for _, local in sorted(plan.stages.io[-1].model_outputs)] for r in range(n)]
-    if c.ep > 1:  # per tp rank one model output (its ep ranks' joined), one loss
+    if c.ep > 1:  # per (cp, tp) rank one model output (its ep ranks' joined), one loss
+        per = c.cp * c.tp
         rank_flat = [[torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() else vs[0]
-                      for vs in zip(*rank_flat[r::c.tp])] for r in range(c.tp)]
+                      for vs in zip(*rank_flat[j::per])] for j in range(per)]
     return rank_flat
 
 

@@ -98,7 +98,8 @@ class DataParallelGrads:
     - ``tied`` / ``experts``: parameters reduced only in :meth:`finish` (tied: summed across stages
       first) / over ``ep_replica`` ([Note: expert gradients]).
     - ``cp``: context-parallel degree ([Note: cp gradients]); ``data_ranks``: dp * dp_shard.
-    - ``sharded``: FSDP2's units with ``dp_shard`` > 1, which do the data-parallel mean themselves.
+    - ``sharded``: FSDP2's units with ``dp_shard`` > 1, which do the data-parallel mean themselves (with
+      cp, over dp_shard x cp: [Note: FSDP over cp] in fxsplit.runtime.mesh).
     - ``overlap``: start a stage's all-reduces when it is ready (False: all in :meth:`finish`; one
       stage has nothing computing after its backward).
     """

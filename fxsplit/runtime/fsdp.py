@@ -5,7 +5,9 @@ Terms as in :mod:`fxsplit.runtime.mesh` (d, s = dp_shard, p, t). A rank's stage 
 tensor-parallel shards (plain tensors: fxsplit's TP is in the graph, not DTensor); FSDP shards
 each of them further, dim 0, over the s ranks of the ``dp_shard`` mesh axis, and with d > 1
 replicates over ``dp`` (HSDP: a 2-D (dp, dp_shard) mesh; gradients are reduce-scattered over
-dp_shard and all-reduced over dp, averaged over all d * s data-parallel ranks).
+dp_shard and all-reduced over dp, averaged over all d * s data-parallel ranks). With context
+parallelism the shard dim is dp_shard x cp flattened and the sum is divided by d * s only ([Note:
+FSDP over cp] in :mod:`fxsplit.runtime.mesh`).
 
     units = shard_stages({s: module, ...}, fsdp_mesh, mp_policy=policy)
     sync = ShardedGradSync(units)
@@ -82,11 +84,15 @@ def fsdp_policy(mp_policy: Any) -> Any:
 
 
 def shard_stages(modules: Mapping[int, nn.Module], mesh: Any, *, mp_policy: Any = None,
-                 ignored: Mapping[int, set] | None = None) -> dict[int, nn.Module]:
+                 ignored: Mapping[int, set] | None = None, divide_factor: int | None = None) -> dict[int, nn.Module]:
     """Wrap each stage module with ``fully_shard`` over ``mesh`` (1-D: dp_shard; 2-D (dp,
-    dp_shard): HSDP), one unit per stage ([Note: FSDP units and reshard_after_forward]); the
-    modules are changed in place (their parameters become DTensor shards) and returned.
-    ``ignored[s]``: parameters of stage s FSDP leaves whole and unreduced (expert weights placed by ep)."""
+    dp_shard): HSDP; with cp, dp_shard x cp flattened: fxsplit.runtime.mesh.fsdp_mesh), one unit per
+    stage ([Note: FSDP units and reshard_after_forward]); the modules are changed in place (their
+    parameters become DTensor shards) and returned. ``ignored[s]``: parameters of stage s FSDP leaves
+    whole and unreduced (expert weights placed by ep). ``divide_factor``: what the summed gradients are
+    divided by instead of the mesh's size (the data ranks under cp, [Note: FSDP over cp] in
+    fxsplit.runtime.mesh); the reductions then sum and divide after (no averaging op, which not every
+    backend has for a factor of its own)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = fsdp_policy(mp_policy)
@@ -98,6 +104,9 @@ def shard_stages(modules: Mapping[int, nn.Module], mesh: Any, *, mp_policy: Any 
         if ignored and ignored.get(s):
             kwargs["ignored_params"] = set(ignored[s])
         out[s] = fully_shard(module, **kwargs)
+        if divide_factor is not None:
+            out[s].set_gradient_divide_factor(float(divide_factor))
+            out[s].set_force_sum_reduction_for_comms(True)
     return out
 
 

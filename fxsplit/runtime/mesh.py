@@ -43,6 +43,7 @@ __all__ = [
     "check_mesh",
     "choose_backend",
     "expert_groups",
+    "fsdp_mesh",
     "init_from_env",
     "mesh_coords",
     "mesh_dims",
@@ -199,12 +200,14 @@ def check_mesh(mesh: DeviceMesh, dp: int, pp: int, tp: int, dp_shard: int = 1, c
 
 
 # [Note: expert-parallel groups] ep ranks are carved out of the data-parallel ranks, as DeepSpeed-MoE
-# and torchtitan do: the world size stays dp * dp_shard * pp * tp. At one (pp, tp) position the
+# and torchtitan do: the world size stays dp * dp_shard * cp * pp * tp. At one (cp, pp, tp) position the
 # D = dp * dp_shard data ranks (data index i = dp_i * dp_shard + dp_shard_i) form D / ep expert-parallel
 # groups of ep consecutive data indices (they hold different experts and exchange tokens: "ep"), and
-# ep expert-replica groups of the D / ep data indices with the same i % ep (they hold the same experts
-# and reduce those experts' gradients: "ep_replica"). Consecutive indices keep an ep group on one
-# host where the data ranks of a host are consecutive.
+# at one (pp, tp) position, ep expert-replica groups of the D / ep data indices with the same i % ep,
+# at every cp position (they hold the same experts and reduce those experts' gradients: "ep_replica";
+# a cp rank's expert gradient is its tokens' share, so the sum runs over cp too, as for the dense
+# weights, [Note: cp gradients]). Consecutive indices keep an ep group on one host where the data
+# ranks of a host are consecutive.
 def expert_groups(mesh: DeviceMesh, ep: int, *, timeout: datetime.timedelta | None = None
                   ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's ("ep", "ep_replica") process groups ([Note: expert-parallel groups]); collective
@@ -215,13 +218,34 @@ def expert_groups(mesh: DeviceMesh, ep: int, *, timeout: datetime.timedelta | No
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or data % ep:
         raise PlanError(f"expert_groups: ep={ep!r} must be an int dividing the {data} data-parallel ranks "
                         f"(dp * dp_shard) of a mesh of shape {shape}")
-    columns = mesh.mesh.reshape(data, -1).t().tolist()  # per (pp, tp) position: its data ranks in order
+    grid = mesh.mesh.reshape(data, shape.get("cp", 1), -1)  # (data index, cp, (pp, tp) position)
+    columns = grid.flatten(1).t().tolist()  # per (cp, pp, tp) position: its data ranks in order
     ep_sets = [col[i:i + ep] for col in columns for i in range(0, data, ep)]
-    replica_sets = [col[e::ep] for col in columns for e in range(ep)]
+    replica_sets = [sorted(grid[e::ep, :, pos].flatten().tolist()) for pos in range(grid.shape[2]) for e in range(ep)]
     options = {} if timeout is None else {"timeout": timeout}
     ep_group, _ = dist.new_subgroups_by_enumeration(ep_sets, **options)
     replica_group, _ = dist.new_subgroups_by_enumeration(replica_sets, **options)
     return ep_group, replica_group
+
+
+# [Note: FSDP over cp] With cp > 1 the cp ranks of a data-parallel rank hold the same parameters and
+# see different tokens of the same sequences, so FSDP2 shards over them too, as torchtitan's
+# "dp_shard_cp" mesh dim does: the ("dp_shard", "cp") dims flattened into one. FSDP's reduce-scatter
+# then sums a gradient over the cp ranks' shares with the data ranks'; it must divide by the data
+# ranks dp * dp_shard only (each cp rank holds its tokens' share of the replica's gradient, not a
+# gradient of its own mean), which fxsplit.runtime.fsdp.shard_stages sets as FSDP's divide factor.
+def fsdp_mesh(mesh: DeviceMesh, *, timeout: datetime.timedelta | None = None) -> DeviceMesh:
+    """The mesh FSDP2 shards a stage over: "dp_shard" (1-D), or ("dp", "dp_shard") with dp > 1 (HSDP);
+    with a "cp" dim, "dp_shard" x "cp" flattened into "dp_shard_cp" ([Note: FSDP over cp]). Collective
+    on every rank of ``mesh`` when it flattens (the new group); its group bounded by ``timeout``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    shard = "dp_shard"
+    if "cp" in names:
+        flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if timeout is not None:
+            _set_timeout(flat.get_group(), timeout)
+        shard = "dp_shard_cp"
+    return mesh["dp", shard] if mesh.shape[names.index("dp")] > 1 else mesh[shard]
 
 
 def mesh_coords(mesh: DeviceMesh) -> dict[str, int]:
@@ -257,8 +281,8 @@ class Groups:
       the world group itself.
     - ``errors``: every rank, on gloo: the end-of-call flag all-reduces ([Note: failures]); a group of
       its own, so that data-parallel all-reduces running during the pipeline never interleave with them.
-    - ``data``: every data-parallel rank (dp x dp_shard) of one (pp, tp) position (dp_shard > 1): the
-      loss mean.
+    - ``data``: every data-parallel rank (dp x dp_shard, and the cp ranks) of one (pp, tp) position
+      (dp_shard > 1): the loss mean.
     - ``ep`` / ``ep_replica``: [Note: expert-parallel groups] (ep > 1).
     """
 
@@ -313,10 +337,11 @@ def build_groups(mesh: DeviceMesh, *, ep: int, timeout: datetime.timedelta) -> G
             chains = mesh.mesh.reshape(dp * ds * cp, pp, tp).permute(0, 2, 1).reshape(-1, pp).tolist()
             found["pipe"], _ = dist.new_subgroups_by_enumeration(chains, timeout=timeout)
         if cp > 1:  # [Note: cp gradients]: the gradient all-reduce runs over dp x cp, summed over cp
-            replicas = mesh.mesh.reshape(dp * cp, pp * tp).t().tolist()
+            # (per dp_shard index: with dp_shard, FSDP reduces over dp_shard x cp, [Note: FSDP over cp])
+            replicas = mesh.mesh.reshape(dp, ds, cp, pp * tp).permute(1, 3, 0, 2).reshape(-1, dp * cp).tolist()
             found["dp"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
-        if ds > 1:  # every data-parallel rank (dp x dp_shard) of one (pp, tp) position: the loss mean
-            replicas = mesh.mesh.reshape(dp * ds, pp * tp).t().tolist()
+        if ds > 1:  # every data-parallel rank (dp x dp_shard, x cp) of one (pp, tp) position: the loss mean
+            replicas = mesh.mesh.reshape(dp * ds * cp, pp * tp).t().tolist()
             found["data"], _ = dist.new_subgroups_by_enumeration(replicas, timeout=timeout)
     if ep > 1:
         found["ep"], found["ep_replica"] = expert_groups(mesh, ep, timeout=timeout)

@@ -43,12 +43,16 @@ def _check(seq_len: int, cp: int, op: str) -> None:
             f"(pad and mask the tail), or a cp degree whose double divides {seq_len}")
 
 
+def chunks_of(rank: int, cp: int) -> tuple[int, int]:
+    """The chunks (of 2cp) rank ``rank`` of ``cp`` keeps, head then tail: ``rank`` and ``2cp-1-rank``
+    (plain ints: read while tracing a graph, where a tensor's value is unknown)."""
+    return rank, 2 * cp - 1 - rank
+
+
 def positions_of(rank: int, cp: int, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The global positions rank ``rank`` of ``cp`` keeps: chunks ``rank`` and ``2cp-1-rank``."""
+    """The global positions rank ``rank`` of ``cp`` keeps: its :func:`chunks_of`, in that order."""
     chunk = seq_len // (2 * cp)
-    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    tail_start = (2 * cp - 1 - rank) * chunk
-    return torch.cat([head, torch.arange(tail_start, tail_start + chunk, device=device)])
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunks_of(rank, cp)])
 
 
 def local_positions(like: torch.Tensor, seq_len: int, axis: str = "cp") -> torch.Tensor:

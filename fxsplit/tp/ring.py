@@ -12,24 +12,20 @@ lane at once in one process (``emulated_ring_attention``, for ``fxsplit.verify``
     out = ring_attention(q, k, v, mask_rows, scale, enable_gqa, seq_len=S, causal=True)  # (B, H, S/C, Dv)
 
 [Note: ring attention]
-Forward, per rank: C steps; at each, the exchange of the held block is started, then the block's
-scores ``q k^T * scale`` (masked: causal and sliding-window rows from the global positions of the
-local queries and of the block's keys, [Note: load-balanced chunks]; a given mask's rows are this
-rank's queries and its columns are read at the block's positions) are merged into a running
-(max, sum, accumulator) per query row -- the online softmax of flash attention -- and the next
-block is awaited. The result ``acc / sum`` and ``lse = max + log(sum)`` are saved. Backward: the
-flash-attention gradient per block (``P = exp(s - lse)``, ``dV = P^T dO``, ``dS = P * (dO V^T -
-rowsum(dO * O))``, ``dQ += dS K * scale``, ``dK = dS^T Q * scale``); the blocks go around the ring
-again and each block's dK / dV accumulator travels with it, one more step bringing it home after
-C steps. Everything is computed in float32 (float64 for float64 inputs) and the output cast to the
-queries' dtype. A query
-row with no allowed key gives 0 and a 0 gradient, as torch's sdpa does. Numbers differ from one
-sdpa over all keys only in rounding (a different summation order). Each block's scores are
-computed whole ((S / C)^2 per query head, several alive in the backward), which on CPU holds more
-than the all-gather's sdpa kernel does (benchmarks/README.md); torch's
-``_scaled_dot_product_flash_attention_for_cpu`` and its backward return and take the log-sum-exp a
-tiled block needs (a fully masked row comes back with lse 0, to be set to -inf), not used yet. The mask may not need a
-gradient (a learned score bias keeps the all-gather: the pass checks this at plan time).
+Forward, per rank: C steps; at each, the exchange of the held block is started, then the local
+queries' attention to the block -- by torch's CPU flash-attention kernel, which returns each query
+row's log-sum-exp and holds no [Sq, Sk] scores per head ([Note: tiled ring blocks] in
+``fxsplit.tp.ring_tiles``: causal and sliding-window rows from the global positions of the local
+queries and of the block's keys, [Note: load-balanced chunks]; a given mask's rows are this rank's
+queries and its columns are read at the block's positions) -- is merged into the running (out, lse)
+of each query row, and the next block is awaited. Backward: the kernel's backward per block from the
+merged out and lse (the flash-attention gradient: the block's share of dQ, dK, dV); the blocks go
+around the ring again and each block's dK / dV accumulator travels with it, one more step bringing it
+home after C steps. Everything is computed in float32 (float64 for float64 inputs) and the output
+cast to the queries' dtype. A query row with no allowed key gives 0 and a 0 gradient, as torch's sdpa
+does. Numbers differ from one sdpa over all keys only in rounding (a different summation order).
+The mask may not need a gradient (a learned score bias keeps the all-gather: the pass checks this at
+plan time).
 
 [Note: why our own ring]
 torch's ``torch.distributed.tensor.experimental.context_parallel`` (``_templated_ring_attention``)
@@ -44,7 +40,6 @@ one (``_Bound.wait``: [Note: failure protocol] in fxsplit.runtime.watch).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +51,7 @@ from torch.distributed._functional_collectives import _are_we_tracing
 
 from fxsplit.errors import RunError
 from fxsplit.tp.collectives import active
-from fxsplit.tp.context import positions_of
+from fxsplit.tp.ring_tiles import FlashMerge, pair_backward
 
 __all__ = ["RingSpec", "emulated_ring_attention", "ring_attention"]
 
@@ -78,26 +73,6 @@ class RingSpec:
 # ------------------------------------------------------------------------------------- one block
 
 
-def _scores(spec: RingSpec, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, lane: int,
-            src: int) -> torch.Tensor:
-    """(..., H, Sq, Sk) float32: lane ``lane``'s queries against rank ``src``'s keys, masked with -inf."""
-    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    s = torch.matmul(_acc(q), _acc(_heads(spec, k, q)).transpose(-1, -2)) * scale
-    keys = positions_of(src, spec.cp, spec.seq_len, q.device)
-    if mask is not None:
-        cols = mask if mask.shape[-1] == 1 else mask.index_select(-1, keys)
-        s = s.masked_fill(~cols, float("-inf")) if cols.dtype == torch.bool else s + cols.to(s.dtype)
-    if spec.causal or spec.window is not None:
-        rows = positions_of(lane, spec.cp, spec.seq_len, q.device).unsqueeze(1)
-        allowed = torch.ones(rows.shape[0], keys.shape[0], dtype=torch.bool, device=q.device)
-        if spec.causal:
-            allowed = allowed & (keys.unsqueeze(0) <= rows)
-        if spec.window is not None:
-            allowed = allowed & (rows - keys.unsqueeze(0) < spec.window)
-        s = s.masked_fill(~allowed, float("-inf"))
-    return s
-
-
 def _heads(spec: RingSpec, kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Grouped-query K / V repeated to the query heads (sdpa's ``enable_gqa``)."""
     if not spec.gqa or kv.shape[-3] == q.shape[-3]:
@@ -115,43 +90,6 @@ def _unrepeat(spec: RingSpec, grad: torch.Tensor, kv: torch.Tensor) -> torch.Ten
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """``x`` in the accumulation dtype: float32, or float64 for float64 inputs."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _safe(x: torch.Tensor) -> torch.Tensor:
-    """-inf (a row with no allowed key so far) read as 0, so that exp(-inf - 0) = 0, never NaN."""
-    return torch.where(torch.isneginf(x), torch.zeros_like(x), x)
-
-
-class _Online:
-    """The running softmax of one lane's query rows: max, sum of exp, and the weighted values."""
-
-    def __init__(self) -> None:
-        self.m: torch.Tensor | None = None
-        self.l: torch.Tensor | None = None
-        self.acc: torch.Tensor | None = None
-
-    def add(self, s: torch.Tensor, v: torch.Tensor) -> None:
-        m_blk = s.amax(-1, keepdim=True)
-        if self.m is None:
-            m_new = m_blk
-        else:
-            m_new = torch.maximum(self.m, m_blk)
-        base = _safe(m_new)
-        p = torch.exp(s - base)
-        pv = torch.matmul(p, _acc(v).to(p.dtype))
-        l_blk = p.sum(-1, keepdim=True)
-        if self.m is None:
-            self.m, self.l, self.acc = m_new, l_blk, pv
-            return
-        alpha = torch.exp(self.m - base)
-        self.m, self.l, self.acc = m_new, self.l * alpha + l_blk, self.acc * alpha + pv
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out float32, lse (..., Sq, 1)); a row with no allowed key: out 0, lse -inf."""
-        empty = self.l == 0
-        out = torch.where(empty, torch.zeros_like(self.acc), self.acc / torch.where(empty, torch.ones_like(self.l), self.l))
-        lse = torch.where(empty, torch.full_like(self.l, float("-inf")), _safe(self.m) + torch.log(self.l))
-        return out, lse
 
 
 # ------------------------------------------------------------------------------------ the lanes
@@ -174,13 +112,13 @@ def _unpack(flat: torch.Tensor, likes: Sequence[torch.Tensor]) -> list[torch.Ten
 def _forward(spec: RingSpec, lanes: Sequence[int], qs, ks, vs, masks, shift: Callable) -> tuple[list, list]:
     """Every lane's (out float32, lse) after C steps ([Note: ring attention])."""
     held = [_pack(k, v) for k, v in zip(ks, vs)]
-    runs = [_Online() for _ in lanes]
+    runs = [FlashMerge(q, v.shape[-1]) for q, v in zip(qs, vs)]
     for step in range(spec.cp):
         pending = shift(held) if step < spec.cp - 1 else None
         for i, lane in enumerate(lanes):
             k, v = _unpack(held[i], (ks[i], vs[i]))
-            s = _scores(spec, qs[i], k, masks[i], lane, (lane - step) % spec.cp)
-            runs[i].add(s, _heads(spec, v, qs[i]))
+            runs[i].add(spec, qs[i], _heads(spec, k, qs[i]), _heads(spec, v, qs[i]), masks[i], lane,
+                        (lane - step) % spec.cp)
         if pending is not None:
             held = pending.wait()
     results = [run.result() for run in runs]
@@ -190,23 +128,17 @@ def _forward(spec: RingSpec, lanes: Sequence[int], qs, ks, vs, masks, shift: Cal
 def _backward(spec: RingSpec, lanes: Sequence[int], qs, ks, vs, masks, outs, lses, grads,
               shift: Callable) -> tuple[list, list, list]:
     """Every lane's (dq, dk, dv) in the inputs' dtypes ([Note: ring attention])."""
-    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(qs[0].shape[-1])
     held = [_pack(k, v) for k, v in zip(ks, vs)]
     dkv = [torch.zeros(k.numel() + v.numel(), dtype=_acc(qs[0]).dtype, device=k.device) for k, v in zip(ks, vs)]
     dos = [_acc(g).to(o.dtype) for g, o in zip(grads, outs)]
-    rows = [(do * o).sum(-1, keepdim=True) for do, o in zip(dos, outs)]
     dqs = [torch.zeros(q.shape, dtype=o.dtype, device=q.device) for q, o in zip(qs, outs)]
     for step in range(spec.cp):
         pending = shift(held) if step < spec.cp - 1 else None
         for i, lane in enumerate(lanes):
             k, v = _unpack(held[i], (ks[i], vs[i]))
-            s = _scores(spec, qs[i], k, masks[i], lane, (lane - step) % spec.cp)
-            p = torch.exp(s - _safe(lses[i]))
-            kr, vr = _acc(_heads(spec, k, qs[i])).to(s.dtype), _acc(_heads(spec, v, qs[i])).to(s.dtype)
-            dv = torch.matmul(p.transpose(-1, -2), dos[i])
-            ds = p * (torch.matmul(dos[i], vr.transpose(-1, -2)) - rows[i])
-            dqs[i] = dqs[i] + torch.matmul(ds, kr) * scale
-            dk = torch.matmul(ds.transpose(-1, -2), _acc(qs[i]).to(s.dtype)) * scale
+            dq, dk, dv = pair_backward(spec, qs[i], _heads(spec, k, qs[i]), _heads(spec, v, qs[i]), masks[i], outs[i],
+                                       lses[i], dos[i], lane, (lane - step) % spec.cp)
+            dqs[i] = dqs[i] + dq
             dkv[i] = dkv[i] + _pack(_unrepeat(spec, dk, k), _unrepeat(spec, dv, v))
         moved = shift(dkv)  # each block's gradient travels with it; after C moves it is home
         if pending is not None:
