@@ -9,7 +9,10 @@ time here (a skipped test, a test a -k filter left out).
 
 """
 
+import json
+import math
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -65,6 +68,21 @@ def _guarded_init_process_group(*args, **kwargs):
     if backend != "threaded":  # tests/tp_threaded.py: tp ranks as threads of this process, no launch
         _refuse("a process group in the pytest process (torch.distributed.init_process_group)")
     return _init_process_group(*args, **kwargs)
+
+
+# [Note: heaviest files first]: `make test` runs `--dist loadfile --no-loadscope-reorder`, so xdist hands
+# the files out in collection order, the next file to whichever worker runs low; this hook orders the
+# files by their CPU seconds in tests/file_costs.json, most first (a file not listed there, a new one,
+# goes first of all: it may be heavy), and keeps each file's tests in their order. xdist's own order,
+# most tests first, left the heaviest files (a few tests, each a multi-rank launch) to the end, where
+# one worker ran them for minutes while the other had nothing left to do. Refresh the table from a
+# measurement: benchmarks/suite_cpu.py --costs tests/file_costs.json FILE.json [...].
+FILE_COSTS = Path(__file__).with_name("file_costs.json")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    costs = json.loads(FILE_COSTS.read_text())
+    items.sort(key=lambda item: -costs.get(item.path.name, math.inf))  # stable: a file's tests keep their order
 
 
 harness.dist = _GuardedDist()
