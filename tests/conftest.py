@@ -11,10 +11,12 @@ time here (a skipped test, a test a -k filter left out).
 
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import fxsplit.testing.harness as harness
@@ -84,6 +86,16 @@ def pytest_collection_modifyitems(session, config, items):
     costs = json.loads(FILE_COSTS.read_text())
     items.sort(key=lambda item: -costs.get(item.path.name, math.inf))  # stable: a file's tests keep their order
 
+
+# [Note: one thread per worker]: under xdist each worker runs torch on cores / workers intra-op threads
+# (one on the 2-core machines `make test` runs on). With torch's default, a thread per core in every
+# worker, two workers run four OpenMP threads on two cores, and an idle OpenMP thread spins before it
+# sleeps: tests/test_activation_checkpointing.py (in-process tests) run alone on the loaded machine
+# measured 36.9 and 40.6 CPU-s with the default against 25.3 with one thread (benchmarks/README.md). Ranks of a launch already run one thread each
+# (fxsplit.testing.harness), so the in-process references now run as the ranks do.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 harness.dist = _GuardedDist()
 subprocess.Popen = _GuardedPopen
