@@ -17,11 +17,12 @@ demo: $(STAMP)
 
 # The whole test suite (graph/plan/schedule tests, gloo multi-process tests; GPU tests skip without CUDA),
 # in TEST_WORKERS pytest-xdist workers, one test file per worker at a time (a file's module fixtures
-# are built once; xdist hands out the files with the most tests first): 1174 tests took 19:52 on 2 cores
-# with other work beside it (benchmarks/README.md, "Suite time, 2026-12-04"). TEST_WORKERS=0: one process.
+# are built once), the files that cost the most CPU first ([Note: heaviest files first] in
+# tests/conftest.py): 1174 tests took 19:52 on 2 cores with other work beside it (benchmarks/README.md,
+# "Suite time, 2026-12-04"). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # Only the tests that need no process group.
 test-fast: $(STAMP)

@@ -2,6 +2,7 @@
 
     python -m pytest -q -p benchmarks.suite_cpu tests/... [--suite-cpu-out FILE.json]
     python benchmarks/suite_cpu.py FILE.json [BEFORE.json]      # print the table (and the change)
+    python benchmarks/suite_cpu.py --costs tests/file_costs.json FILE.json [...]   # the order `make test` runs
 
 Why not `time` or RUSAGE_CHILDREN: the gloo ranks of `fxsplit.testing.run_distributed` are forked
 by a multiprocessing forkserver, a child of the pytest process that lives until pytest exits and
@@ -158,7 +159,28 @@ def _table(data: dict, before: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def write_costs(path: str, measured: list[str]) -> dict[str, float]:
+    """tests/file_costs.json ([Note: heaviest files first] in tests/conftest.py): the CPU seconds of
+    every file in the ``measured`` JSON files (a later file's figure replaces an earlier one's), over
+    the figures already in ``path`` for the files not measured now."""
+    costs = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            costs = json.load(f)
+    for name in measured:
+        with open(name) as f:
+            for p, e in json.load(f)["files"].items():
+                costs[os.path.basename(p)] = round(e["cpu"], 1)
+    with open(path, "w") as f:
+        json.dump(dict(sorted(costs.items(), key=lambda kv: (-kv[1], kv[0]))), f, indent=1)
+        f.write("\n")
+    return costs
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--costs":  # --costs tests/file_costs.json MEASURED.json [...]
+        write_costs(sys.argv[2], sys.argv[3:])
+        sys.exit(0)
     with open(sys.argv[1]) as f:
         after = json.load(f)
     before = None

@@ -9,9 +9,14 @@ time here (a skipped test, a test a -k filter left out).
 
 """
 
+import json
+import math
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import fxsplit.testing.harness as harness
@@ -66,6 +71,31 @@ def _guarded_init_process_group(*args, **kwargs):
         _refuse("a process group in the pytest process (torch.distributed.init_process_group)")
     return _init_process_group(*args, **kwargs)
 
+
+# [Note: heaviest files first]: `make test` runs `--dist loadfile --no-loadscope-reorder`, so xdist hands
+# the files out in collection order, the next file to whichever worker runs low; this hook orders the
+# files by their CPU seconds in tests/file_costs.json, most first (a file not listed there, a new one,
+# goes first of all: it may be heavy), and keeps each file's tests in their order. xdist's own order,
+# most tests first, left the heaviest files (a few tests, each a multi-rank launch) to the end, where
+# one worker ran them for minutes while the other had nothing left to do. Refresh the table from a
+# measurement: benchmarks/suite_cpu.py --costs tests/file_costs.json FILE.json [...].
+FILE_COSTS = Path(__file__).with_name("file_costs.json")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    costs = json.loads(FILE_COSTS.read_text())
+    items.sort(key=lambda item: -costs.get(item.path.name, math.inf))  # stable: a file's tests keep their order
+
+
+# [Note: one thread per worker]: under xdist each worker runs torch on cores / workers intra-op threads
+# (one on the 2-core machines `make test` runs on). With torch's default, a thread per core in every
+# worker, two workers run four OpenMP threads on two cores, and an idle OpenMP thread spins before it
+# sleeps: tests/test_activation_checkpointing.py (in-process tests) run alone on the loaded machine
+# measured 36.9 and 40.6 CPU-s with the default against 25.3 with one thread (benchmarks/README.md). Ranks of a launch already run one thread each
+# (fxsplit.testing.harness), so the in-process references now run as the ranks do.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 harness.dist = _GuardedDist()
 subprocess.Popen = _GuardedPopen
