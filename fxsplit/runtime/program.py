@@ -45,7 +45,8 @@ class ProgramRun:
         """The sizes of the symbols in the metas of this call (:meth:`_model_metas`), from ``inputs``."""
         rt: Any = self
         metas = self._model_metas()
-        key = (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs), metas is rt.input_meta)
+        # by the metas themselves, not "an override's or the plan's": overrides of other shapes differ
+        key = (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs), tuple(metas))
         if key not in rt._binding_cache:
             rt._binding_cache[key] = bind_symbols(metas, inputs)
         return rt._binding_cache[key]
