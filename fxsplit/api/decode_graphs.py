@@ -42,6 +42,7 @@ from torch import fx, nn
 from fxsplit.api.kv_cache import KVCache, decode_module
 from fxsplit.api.kv_export import ExportDecode, ExportGraphs, export_graphs
 from fxsplit.api.seq_dims import SeqDimsError
+from fxsplit.errors import UsageError
 
 __all__ = ["export_refusal_kept", "kv_cache_kept"]
 
@@ -119,8 +120,8 @@ def kv_cache_kept(pm: Any, length: int | None, mask_input: int | None) -> KVCach
     if length is None:
         return KVCache({s: _module(kept, "symbolic", s, g, lambda g=g: decode_module(g)) for s, g in held.items()})
     found = _analysis(pm, length, mask_input)
-    if isinstance(found, str):
-        raise SeqDimsError(found)
+    if isinstance(found, str):  # generate asks export_refusal_kept first: it then recomputes instead
+        raise UsageError(f"generate(): the KV cache is not exact for this plan: {found}; pass use_cache=False")
     modules = {s: _module(kept, (length, mask_input), s, mod, lambda s=s, mod=mod: found.on({s: mod}).modules[s])
                for s, mod in held.items()}
     return KVCache(modules, shapes=ExportDecode(modules, found.input_meta, found.stage_input_meta))
