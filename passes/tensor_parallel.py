@@ -54,22 +54,13 @@ from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.plan import SequenceParallelPlan
 from fxsplit.tp.sharding import unshard_state_dict
 from fxsplit.tp.functional import column_parallel_linear, gather_logits, vocab_parallel_embedding
-from fxsplit.tp.plan import LocalSize, TPPlan, TPPlanError, find_tp_plan
+from fxsplit.tp.plan import TPPlan, TPPlanError, find_tp_plan
 from fxsplit.tp.random import call_in_tp_stream, in_tp_stream, is_random
+from fxsplit.passes.tp_local_shapes import local_shapes, local_val as _local_val
 from fxsplit.passes.tp_operands import (grouped_weights, matmuls_as_linears, new_node as _new, partial_sums,
                                        scatter_operands, sum_grads, whole_blocks)
 
 __all__ = ["tensor_parallel", "apply_tp_plan", "full_state_dict", "tp_graph_diff"]
-
-
-def _local_val(val: Any, dim: int, size: int) -> Any:
-    """A fake tensor like ``val`` with ``size`` on ``dim`` (same fake mode, dtype, device)."""
-    shape = list(val.shape)
-    shape[dim] = size
-    out = fake_like(val, shape)  # [Note: fake tensors without dispatch] in fxsplit.graph.meta
-    if getattr(val, "fake_mode", None) is None:
-        return out.requires_grad_(val.requires_grad)
-    return out.requires_grad_(val.requires_grad) if val.requires_grad and val.is_floating_point() else out
 
 
 def _own_copy(gm: torch.fx.GraphModule, path: str, memo: dict[str, nn.Module]) -> nn.Module:
@@ -120,17 +111,6 @@ def _shard_params(gm: torch.fx.GraphModule, plan: TPPlan) -> None:
             n.meta["val"] = None  # refilled with the local shape by _finish
 
 
-def _set_arg(node: torch.fx.Node, path: tuple, value: int) -> None:
-    args = list(node.args)
-    if len(path) == 1:
-        args[path[0]] = value
-    else:
-        inner = list(args[path[0]])
-        inner[path[1]] = value
-        args[path[0]] = type(node.args[path[0]])(inner) if isinstance(node.args[path[0]], tuple) else inner
-    node.args = tuple(args)
-
-
 def _is_view(node: Any) -> bool:
     return isinstance(node, torch.fx.Node) and op_name(node) in ("view", "reshape")
 
@@ -143,7 +123,7 @@ def _linear_input(node: torch.fx.Node, plan: TPPlan) -> torch.fx.Node:
 def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -> torch.fx.GraphModule:
     """Rewrite ``gm`` in place into the graph every tp rank runs; returns it.
 
-    Steps, in order: local shapes (:func:`_local_shapes`), local parameters
+    Steps, in order: local shapes (``passes.tp_local_shapes.local_shapes``), local parameters
     (:func:`_shard_params`), f before each region (:func:`_insert_fs`), row linears and g
     (:func:`_rewrite_rows`), vocabulary embeddings (:func:`_rewrite_vocab_embeddings`), LM heads
     (:func:`_rewrite_lm_heads`); then sequence parallelism (:func:`_sequence_parallel`) or the
@@ -154,7 +134,7 @@ def apply_tp_plan(gm: torch.fx.GraphModule, plan: TPPlan, *, axis: str = "tp") -
     sharded_random = [n for n in gm.graph.nodes if n.name in plan.rewrite.sharded_nodes and is_random(n, gm)]
     head_inputs = {h: _linear_input(nodes[h], plan).name for h in plan.rewrite.lm_heads}  # as traced
     matmuls_as_linears(gm, plan, nodes)
-    _local_shapes(gm, plan, nodes)
+    local_shapes(gm, plan, nodes)
     _shard_params(gm, plan)
     grouped_weights(plan, nodes, _local_val)
     whole_blocks(gm, plan, nodes, axis, _module_to_function)
@@ -189,29 +169,6 @@ def _check_applicable(gm: torch.fx.GraphModule, plan: TPPlan) -> dict[str, torch
         raise TPPlanError(f"apply_tp_plan: the plan names nodes {missing[:3]} that this graph lacks; find the "
                           "plan on this graph (find_tp_plan(gm, tp))")
     return nodes
-
-
-def _local_shapes(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node]) -> None:
-    """Step 1: shape arguments and metadata of sharded values become local."""
-    t = plan.tp
-    for arg in plan.rewrite.shape_args:
-        name, path, value = arg.node, arg.path, arg.value
-        if isinstance(value, LocalSize):  # a size computed at run time: divide it there
-            node = nodes[name]
-            full = node.args[path[0]] if len(path) == 1 else node.args[path[0]][path[1]]
-            with gm.graph.inserting_before(node):
-                value = _new(gm.graph, operator.floordiv, (full, value.divisor), like=node,
-                             val=full.meta.get("val") // value.divisor)
-        _set_arg(nodes[name], path, value)
-    for name, sharded in plan.rewrite.sharded_nodes.items():
-        n, dim, size = nodes[name], sharded.dim, sharded.size
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):  # size -1: symbolic (a merged B * heads), from the traced shape
-            n.meta["val"] = _local_val(val, dim, (size if size >= 0 else val.shape[dim]) // t)
-        elif isinstance(val, (list, tuple)):  # a split: its pieces kept whole keep their size
-            whole = {u.args[1] for u in n.users if u.target is operator.getitem and u.name not in plan.rewrite.sharded_nodes}
-            n.meta["val"] = type(val)(v if i in whole else _local_val(v, dim, int(v.shape[dim]) // t)
-                                      for i, v in enumerate(val))
 
 
 def _insert_fs(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
@@ -483,7 +440,7 @@ def _sequence_parallel(gm: torch.fx.GraphModule, plan: TPPlan, axis: str, done: 
     seq: dict[torch.fx.Node, int] = {}  # node -> sequence dim of its local shard
     value = _sp_collectives(gm, plan, axis, done, orig, seq)
     _sp_on_shard(gm, sp, value, orig, seq)
-    _sp_edges(gm, sp, axis, value, orig)
+    _sp_edges(gm, sp, axis, value, orig, plan.tp)
     for name in sp.size_reads:
         _times_t(gm.graph, value[name], plan.tp)
     for node, d in seq.items():
@@ -558,15 +515,18 @@ def _sp_on_shard(gm: torch.fx.GraphModule, sp: SequenceParallelPlan, value: dict
         seq[node] = d
 
 
-def _sp_edges(gm: torch.fx.GraphModule, sp: SequenceParallelPlan, axis: str, value: dict, orig: dict) -> None:
+def _sp_edges(gm: torch.fx.GraphModule, sp: SequenceParallelPlan, axis: str, value: dict, orig: dict,
+              t: int) -> None:
     """The recorded edges, in graph order: scatter, sum (copy_to_region) or gather in front of
     one input of a consumer."""
     graph = gm.graph
     for consumer, operand, action, dim in sp.edges:
         node = value[consumer]
         x = _operand(node, operand, value)
-        if action == "scatter":
+        if action == "scatter":  # the operand spans the whole sequence, its scatter this rank's shard
             target, kwargs, v = scatter_to_region, {"dim": dim, "axis": axis}, orig.get(x, x.meta.get("val"))
+            if isinstance(v, torch.Tensor):
+                v = _local_val(v, dim, v.shape[dim] // t)
         elif action == "sum":
             target, kwargs, v = copy_to_region, {"axis": axis}, orig.get(x, x.meta.get("val"))
         else:

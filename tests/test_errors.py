@@ -63,7 +63,8 @@ ALLOWED_CLASSES: dict[tuple[str, str], str] = {
     ("fxsplit/tp/shapes.py", "RegionFailed"): "caught in tp/propagate.py and tp/plan.py: the region stays replicated",
     ("fxsplit/pipeline/partition/memory_caps.py", "_Exhausted"): "caught in the same module: the search budget ran out",
     ("fxsplit/api/seq_dims.py", "SeqDimsError"):
-        "caught in api/kv_export.py: export_refusal turns it into generate's one-line reason to recompute",
+        "caught in api/kv_export.py and api/decode_graphs.py: the refusal becomes generate's one-line reason to "
+        "recompute",
 }
 
 

@@ -240,6 +240,72 @@ def test_export_kv_cache_equals_hugging_face_generate_with_its_cache(name):
     assert torch.equal(tokens, ref), (name, tokens, ref)
 
 
+@pytest.mark.hf
+def test_export_kv_cache_at_tp2_in_one_process_equals_hugging_face_generate():
+    """The decode graphs of a tp=2 x pp=2 plan (heads and the vocabulary sharded) run for both tp
+    ranks in this process by verify's lockstep interpreter (collectives emulated), each rank with
+    its own slots: the tokens equal Hugging Face's generate with its cache, past the traced 16."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from fxsplit.api.generate import _Feed, model_logits
+    from fxsplit.api.kv_cache import _SLOT, KVCache, cached_positions
+    from fxsplit.api.kv_export import cached_masked_attention, export_graphs, kv_total
+    from fxsplit.api.lockstep import run_lockstep
+    from fxsplit.api.materialize import materialize_stage
+    from fxsplit.tp.collectives import axis_rank
+
+    model, args, kwargs = _family("llama")
+    p = fxsplit.plan(model, args, kwargs, tp=2, pp=2, microbatches=2)
+    feed = _Feed.of(p.stages.input_meta)
+    graphs = export_graphs(p.stages.modules, p.stages.io, p.stages.input_meta, 16, mask_input=feed.mask).graphs
+    mods = [[materialize_stage(p, s, tp_rank=r, source=model) for r in range(2)] for s in range(len(graphs))]
+    caches = [KVCache({}), KVCache({})]  # each tp rank's slots
+    stage = [0]
+
+    def rank_slot(fn):  # the slot of the rank the lockstep is evaluating
+        def run(*a, **kw):
+            token = _SLOT.set(caches[axis_rank("tp")]._slots[(stage[0], 0)])
+            try:
+                return fn(*a, **kw)
+            finally:
+                _SLOT.reset(token)
+        return run
+
+    for g in graphs:
+        for node in g.nodes:
+            if node.target in (cached_masked_attention, cached_positions, kv_total):
+                node.target = rank_slot(node.target)
+
+    def forward(flat):
+        values = {}
+        for s, sio in enumerate(p.stages.io):
+            stage[0] = s
+            ins = [[flat[src.index] if src.stage is None else values[(src.stage, src.index)][r] for src in sio.inputs]
+                   for r in range(2)]
+            with contextlib.ExitStack() as stack:
+                for c in caches:
+                    stack.enter_context(c.context(s, 0))
+                outs = run_lockstep(SimpleNamespace(graph=graphs[s]), mods[s], ins, None)
+            for k in range(len(outs[0])):
+                values[(s, k)] = [o[k] for o in outs]
+        return values[(len(graphs) - 1, len(outs[0]) - 1)]
+
+    prompt = _prompt(2, 6, 256, 1)
+    new = 14
+    ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                         use_cache=True)
+    tokens, fed = prompt, 0
+    with torch.no_grad():
+        for _ in range(new):
+            flat = feed.cached(tokens[:, fed:], tokens.shape[1])
+            fed = tokens.shape[1]
+            logits = [model_logits(x)[:, -1] for x in forward(flat)]
+            assert torch.equal(logits[0], logits[1])  # gathered: every rank holds the whole vocabulary
+            tokens = torch.cat([tokens, logits[0].argmax(-1)[:, None]], dim=1)
+    assert torch.equal(tokens, ref), (tokens, ref)
+
+
 def test_export_kv_cache_refusals_name_the_node():
     from fxsplit.api.kv_export import export_refusal
 
@@ -446,3 +512,59 @@ def test_generate_at_tp2_pp2_equals_one_process():
         for key in (1, 2, "sampled", "long") if name == "llama" else (1, 2):
             got = results[0][(name, key)]
             assert torch.equal(got, _hf_reference(name, key)), (name, key, got)
+
+
+def _kept_decode_graphs(rank, world):
+    """Three generate calls of one model at pp=2 (two prompts of one length, one of another): the
+    export analysis runs once and the second and third calls run the first call's decode modules."""
+    from fxsplit.api import decode_graphs
+    from fxsplit.api import generate as gen
+
+    analysed, caches = [0], []
+    analyse, keep = decode_graphs.export_graphs, gen.kv_cache_kept
+
+    def counted(*a, **kw):
+        analysed[0] += 1
+        return analyse(*a, **kw)
+
+    def recorded(*a, **kw):
+        cache = keep(*a, **kw)
+        caches.append(dict(cache.modules))
+        return cache
+
+    decode_graphs.export_graphs, gen.kv_cache_kept = counted, recorded
+    try:
+        model, args, kwargs = _family("llama")
+        pm = fxsplit.parallelize(model, args, kwargs, pp=2, microbatches=2, timeout=60, verify=False)
+        eos = model.generation_config.eos_token_id
+        out = [pm.generate(_prompt(2, 6, 256, 2), max_new_tokens=4, eos_token_id=eos),
+               pm.generate(_prompt(1, 6, 256, 1), max_new_tokens=4, eos_token_id=eos),
+               pm.generate(_prompt(2, 9, 256, 0), max_new_tokens=3, eos_token_id=eos)]
+        # FSDP gathers and reshards the stage between calls: the kept modules still read this call's parameters
+        model, args, _ = zoo.make("gpt")
+        fsdp = fxsplit.parallelize(model, args, dp_shard=2, pp=1, microbatches=2, timeout=60, verify=False)
+        out += [fsdp.generate(_prompt(1, 5, model.config.vocab_size, 4), max_new_tokens=4) for _ in range(2)]
+    finally:
+        decode_graphs.export_graphs, gen.kv_cache_kept = analyse, keep
+    reused = [all(c[s] is caches[0][s] for s in caches[0]) for c in caches[1:3]]
+    return out, analysed[0], reused
+
+
+@pytest.mark.dist
+@pytest.mark.hf
+def test_a_second_generate_builds_no_decode_graph():
+    """[Note: decode graphs kept per model] (fxsplit.api.decode_graphs): the export analysis once
+    per model, the decode modules reused by later calls (other batch and prompt lengths), tokens
+    equal to Hugging Face's generate with its cache; under FSDP a second call equals one process."""
+    results = run_distributed(_kept_decode_graphs, 2, timeout=400)
+    model, _, _ = _family("llama")
+    gpt, _, _ = zoo.make("gpt")
+    for rank, (out, analysed, reused) in enumerate(results):
+        assert analysed == 1 and reused == [True, True], (rank, analysed, reused)
+        for got, (b, t, seed, new) in zip(out, [(2, 6, 2, 4), (1, 6, 1, 4), (2, 9, 0, 3)]):
+            prompt = _prompt(b, t, 256, seed)
+            want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                                  do_sample=False, use_cache=True)
+            assert torch.equal(got, want), (rank, b, t, got, want)
+        want = generate_unsplit(gpt, _prompt(1, 5, gpt.config.vocab_size, 4), max_new_tokens=4)
+        assert torch.equal(out[3], want) and torch.equal(out[4], want), (rank, out[3:], want)

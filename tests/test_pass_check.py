@@ -152,3 +152,31 @@ def test_a_pass_that_returns_a_copied_graph_module_passes(traced):
 
     result = _run(traced, copies)
     assert len(result.graph_module.graph.nodes) == len(traced[0].graph.nodes)
+
+
+def test_a_built_in_pass_is_held_to_the_contract(traced):
+    """No exemption by module: a pass shipped as fxsplit.passes.* that breaks a shape is named too."""
+    def broken(gm, ctx):
+        return shape_breaking(gm, ctx)
+
+    broken.__module__ = "fxsplit.passes.broken"
+    with pytest.raises(PassContractError, match="broken"):
+        _run(traced, broken)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_keeps_local_shapes_in_its_metadata(traced, sequence_parallel):
+    """The tensor-parallel pass passes the check, and every scatter along the sequence (the token
+    embedding's, and the position embedding's it is added to) carries this rank's shard's shape."""
+    import functools
+
+    from fxsplit.passes.tensor_parallel import tensor_parallel
+    from fxsplit.tp.collectives import scatter_to_region
+
+    tp = functools.partial(tensor_parallel, tp=2, sequence_parallel=sequence_parallel)
+    gm = _run(traced, tp).graph_module
+    scatters = [n for n in gm.graph.nodes if n.target is scatter_to_region]
+    assert len(scatters) == (2 if sequence_parallel else 0), [n.format_node() for n in scatters]
+    for n in scatters:
+        dim, full = n.kwargs["dim"], n.args[0].meta["val"]
+        assert n.meta["val"].shape[dim] * 2 == full.shape[dim], (n.name, n.meta["val"].shape, full.shape)

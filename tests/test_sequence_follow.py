@@ -6,6 +6,7 @@ process; the gloo runs (bytes sent per step, tp2 x pp2, dp2 x pp2, ZB-V, cp2 pad
 tests/test_sequence_lengths_dist.py."""
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import sympy
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import fxsplit
+from fxsplit.api.generate import cache_path
 from fxsplit.api.padding import check_padding, follows, pad_to_traced, traced_length
 from fxsplit.errors import PlanError
 from fxsplit.testing import hf_zoo
@@ -37,6 +39,9 @@ def test_a_plan_follows_every_length_up_to_the_traced_one():
     boundaries = [m for io in p.stages.io[1:] for m in io.input_meta if m.requires_grad]
     assert boundaries and all(m.shape[1] == seq for m in boundaries), [str(m) for m in boundaries]
     assert "every length 2..16 runs as it is" in str(p)
+    # generate recomputes, saying why the KV cache of an exported graph cannot serve one length symbol
+    why = cache_path(SimpleNamespace(plan=p, _runtime=SimpleNamespace(compile=None)))
+    assert "follow_sequence=True" in why and "needs two" in why and "follow_sequence=False" in why, why
     ids, mask = args[0][:, :9], kwargs["attention_mask"][:, :9]
     assert pad_to_traced([ids, mask], p) == ([ids, mask], None)  # no padding
     flat, t = pad_to_traced([args[0][:, :1], kwargs["attention_mask"][:, :1]], p)  # one position pads

@@ -91,8 +91,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fxsplit.api.inputs import check_batch, inference_microbatches
+from fxsplit.api.decode_graphs import export_refusal_kept, kv_cache_kept
 from fxsplit.api.kv_cache import KVCache, cache_refusal, decode_module, stage_refusal
-from fxsplit.api.kv_export import export_decode, export_refusal
 from fxsplit.api.overlapped_decode import overlapped_decode
 from fxsplit.api.padding import follows, traced_length
 from fxsplit.errors import ArgumentTypeError, RunError, UsageError
@@ -304,23 +304,23 @@ def cache_path(pm: Any, *, use_cache: bool = True) -> str | None:
     feed = _Feed.of(pm.plan.stages.input_meta, traced_length(pm.plan))
     compiled = bool(pm._runtime.compile)
     if follows(pm.plan):
-        return ("the plan follows each step's length (follow_sequence=True) and the KV cache of an exported "
-                "graph is built from its static trace: plan with follow_sequence=False for a cached generate")
+        return ("the plan follows each step's length (follow_sequence=True): its graphs compute every "
+                "length-dependent size from one symbol, the length of the step's token ids, but a cached step needs "
+                "two (the new tokens for the activations, every position so far for the attention mask), which the "
+                "KV cache of an exported graph tells apart by the literal traced length of a static trace; plan with "
+                "follow_sequence=False (the default) for a cached generate")
     if feed.length is not None and not compiled:
-        return export_refusal(pm.plan.stages.modules, pm.plan.stages.input_meta, feed.length)
+        return export_refusal_kept(pm, feed.length, feed.mask)
     return cache_refusal(pm.plan, traced_length=feed.length, mask_input=feed.mask is not None, compiled=compiled)
 
 
 def _cache(pm: Any, feed: _Feed) -> KVCache:
     """The KV cache of one call over the stages this rank holds: [Note: generation with a KV cache]
     for a graph with a symbolic sequence, [Note: KV cache for exported graphs] for one traced at a
-    fixed length. Built in the call: FSDP has gathered the parameters the decode modules refer to."""
-    runtime = pm._runtime
-    if feed.length is None:
-        return KVCache({s: decode_module(g) for s, g in runtime.modules.items()})
-    dec = export_decode(runtime.modules, pm.plan.stages.modules, runtime.io, pm.plan.stages.input_meta,
-                        feed.length, mask_input=feed.mask)
-    return KVCache(dec.modules, shapes=dec)
+    fixed length. Its decode modules are kept per model and put on the parameters the stages hold
+    in this call (FSDP has gathered them): [Note: decode graphs kept per model] in
+    fxsplit.api.decode_graphs."""
+    return kv_cache_kept(pm, feed.length, feed.mask)
 
 
 def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,

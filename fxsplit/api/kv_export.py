@@ -67,8 +67,8 @@ from fxsplit.api.seq_dims import SeqDims, SeqDimsError
 from fxsplit.graph.ops import op_name
 from fxsplit.pipeline.stage import ValueMeta
 
-__all__ = ["ExportDecode", "all_positions", "cached_masked_attention", "export_decode", "export_refusal",
-           "kv_total"]
+__all__ = ["ExportDecode", "ExportGraphs", "all_positions", "cached_masked_attention", "export_decode",
+           "export_graphs", "export_refusal", "kv_total"]
 
 NEW = sympy.Symbol("kv_new", integer=True, positive=True)
 ALL = sympy.Symbol("kv_all", integer=True, positive=True)
@@ -343,11 +343,36 @@ def export_refusal(graphs: Sequence[fx.GraphModule], input_meta: Sequence[ValueM
     return None
 
 
-def export_decode(held: Mapping[int, nn.Module], graphs: Sequence[fx.GraphModule], io: Sequence[Any],
-                  input_meta: Sequence[ValueMeta], length: int, *, mask_input: int | None) -> ExportDecode:
-    """The decode modules of the ``held`` stages (on their own parameters) and the metas of a
-    cached call; ``graphs``: every stage's graph (labels flow from the first stage), ``io``: the
-    plan's StageIO per stage; ``mask_input``: the index of the attention mask among the model inputs."""
+@dataclass(frozen=True)
+class ExportGraphs:
+    """Every stage's decode graph (no parameters yet: :meth:`on` puts a rank's stages under them)
+    and the metas of a cached call, as :class:`ExportDecode` holds them."""
+
+    graphs: tuple[fx.Graph, ...]
+    input_meta: tuple[ValueMeta, ...]
+    stage_input_meta: dict[int, tuple[ValueMeta, ...]]
+
+    def on(self, held: Mapping[int, nn.Module]) -> ExportDecode:
+        """The decode modules of the ``held`` stages, on their own parameters (what each graph's
+        ``get_attr`` reads now), with these metas."""
+        modules = {s: fx.GraphModule(mod, _copied(self.graphs[s]), class_name="DecodeStage")
+                   for s, mod in held.items()}
+        return ExportDecode(modules, self.input_meta, self.stage_input_meta)
+
+
+def _copied(graph: fx.Graph) -> fx.Graph:
+    # a graph belongs to one GraphModule; the kept one stays unowned for the next rebuild
+    new = fx.Graph()
+    new.output(new.graph_copy(graph, {}))
+    return new
+
+
+def export_graphs(graphs: Sequence[fx.GraphModule], io: Sequence[Any], input_meta: Sequence[ValueMeta], length: int,
+                  *, mask_input: int | None) -> ExportGraphs:
+    """Every stage's decode graph and the metas of a cached call; ``graphs``: every stage's graph
+    (labels flow from the first stage), ``io``: the plan's StageIO per stage; ``mask_input``: the
+    index of the attention mask among the model inputs. Raises SeqDimsError where
+    :func:`export_refusal` says why not."""
     dims, built, _ = _analyse(graphs, input_meta, length)
     metas = []
     for i, m in enumerate(input_meta):
@@ -363,5 +388,11 @@ def export_decode(held: Mapping[int, nn.Module], graphs: Sequence[fx.GraphModule
             labels = dims.by_name(m.name)
             ins.append(_meta_at(m, labels, NEW, length) if m.is_tensor and labels else m)
         stage_metas[s] = tuple(ins)
-    modules = {s: fx.GraphModule(mod, built[s], class_name="DecodeStage") for s, mod in held.items()}
-    return ExportDecode(modules, tuple(metas), stage_metas)
+    return ExportGraphs(tuple(built), tuple(metas), stage_metas)
+
+
+def export_decode(held: Mapping[int, nn.Module], graphs: Sequence[fx.GraphModule], io: Sequence[Any],
+                  input_meta: Sequence[ValueMeta], length: int, *, mask_input: int | None) -> ExportDecode:
+    """The decode modules of the ``held`` stages (on their own parameters) and the metas of a
+    cached call (:func:`export_graphs`, then :meth:`ExportGraphs.on`)."""
+    return export_graphs(graphs, io, input_meta, length, mask_input=mask_input).on(held)

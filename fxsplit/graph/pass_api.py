@@ -297,10 +297,8 @@ class PassManager:
     use the ``FXSPLIT_DEBUG_DIR`` environment variable. ``check_metadata``: hold every pass to the
     metadata contract (module docstring); the check recomputes only the nodes a pass changed, each
     distinct (op, input shapes) once per run ([Note: cached fake values] in fxsplit.graph.pass_check).
-    fxsplit's built-in passes (``fxsplit.passes``) are not rechecked: tensor parallelism's rewrite
-    keeps some values at their global shape under sequence parallelism and in merged-head views
-    (its own shape bookkeeping, checked by ``verify`` against the unsplit model), which a per-node
-    fake recompute reads as a broken contract.
+    fxsplit's built-in passes are held to it like a user's (tensor parallelism keeps every value it
+    shards at its local shape: sequence shards, merged heads, whole multi-query blocks).
 
     Calling the manager returns ``PassResult(final_gm, modified_by_any_pass)``; failures follow
     [Note: pass failures] in ``fxsplit.graph.pass_api``.
@@ -428,7 +426,7 @@ class PassManager:
             token = recorder.begin(len(ran), name, gm)
             ctx.debug_dir = token.folder
         try:
-            snapshot = take_snapshot(gm) if self.check_metadata and not _built_in(fn) else None
+            snapshot = take_snapshot(gm) if self.check_metadata else None
             start = time.perf_counter()
             try:
                 result = fn(gm, ctx)
@@ -488,13 +486,6 @@ class PassManager:
                     )
                 exc.add_note(note)
                 raise
-
-
-def _built_in(fn: PassFn) -> bool:
-    inner = fn
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    return (getattr(inner, "__module__", None) or "").startswith("fxsplit.passes.")
 
 
 def _spec_name(spec: PassSpec, fn: PassFn) -> str:

@@ -37,6 +37,7 @@ import sympy
 import torch
 import torch.fx
 import torch.fx.experimental.symbolic_shapes
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.node import map_arg
 
 from fxsplit.errors import PassContractError
@@ -197,7 +198,9 @@ def _recompute(gm: torch.fx.GraphModule, node: torch.fx.Node, where: str, pass_n
         return None  # a method of a non-tensor value (a dict's .items(), ...)
     mode = torch._guards.detect_fake_mode([a.meta["val"] for a in node.all_input_nodes])
     try:
-        with mode if mode is not None else contextlib.nullcontext():
+        # the python dispatcher: ops whose C++ kernel needs concrete sizes (baddbmm broadcasting
+        # its input) run their Python decompositions on symbolic shapes, as torch.export ran them
+        with mode if mode is not None else contextlib.nullcontext(), enable_python_dispatcher():
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             return node.target(*args, **kwargs)

@@ -451,7 +451,7 @@ class PipelineRuntime:
     def _bind(self, metas: Sequence[ValueMeta], inputs: Sequence[Any]) -> dict:
         """The sizes of the symbols in ``metas`` from ``inputs`` (cached per input shapes)."""
         key = (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in inputs),
-               metas is self.input_meta)
+               tuple(metas))  # keyed by the metas themselves: two overrides may share input shapes
         if key not in self._binding_cache:
             self._binding_cache[key] = bind_symbols(metas, inputs)
         return self._binding_cache[key]
