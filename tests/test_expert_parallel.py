@@ -29,10 +29,12 @@ MORE, ADAM_LR = 2, 1e-2  # the STATE_CASES: AdamW, and steps trained after a loa
 ADAM_ATOL = 1e-4
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # bfloat16 against the unsplit model under the same policy: the tolerances of tests/test_mixed_precision.py
-# (per tensor relative to max(|g|, 1e-3 |whole gradient|), and over the whole gradient). Measured for
-# moe/dp2-ep2-pp2-bf16: loss 6.1e-5 from that reference and 2.7e-4 from the float32 model (so the loss
-# tells a run that ignored the policy apart), worst tensor 0.0125
-MP_GRAD_RTOL, MP_WHOLE_RTOL, MP_LOSS_RTOL = 3e-2, 1e-2, 1e-4
+# (per tensor relative to max(|g|, 1e-3 |whole gradient|), and over the whole gradient; worst tensor
+# measured 0.0125 for moe/dp2-ep2-pp2-bf16). The first loss runs on the same parameters and is compared
+# tightly: equal to the reference's, 2.2e-4 from the float32 model's, so it tells a run that ignored the
+# policy apart. Later losses are as noisy as the reference itself: its second loss moves by 6.8e-4
+# between one and two threads (4.346408 vs 4.343464; the float32 model's 4.342556 lies in that band)
+MP_GRAD_RTOL, MP_WHOLE_RTOL, MP_LOSS_RTOL, MP_FIRST_LOSS_RTOL = 3e-2, 1e-2, 2e-3, 5e-5
 
 # label -> (model builder, options); the world size is dp * dp_shard * pp * tp
 CASES_2 = {
@@ -266,6 +268,8 @@ def _check(cases, results):
             if options.get("tp", 1) > 1:
                 assert res["experts"] <= set(res["specs"]), f"{tag}: the experts are not split over tp"
             assert res["losses"] == pytest.approx(losses, rel=MP_LOSS_RTOL if mp else 1e-5), tag
+            if mp:  # the first step runs on the same parameters: as tight as float32 ([see MP_LOSS_RTOL])
+                assert res["losses"][0] == pytest.approx(losses[0], rel=MP_FIRST_LOSS_RTOL), tag
             whole_norm = float(torch.cat([g.flatten() for g in grads.values()]).norm())  # every expert once
             # (the gradients' own tolerance: a missed or doubled expert block moves it by far more)
             assert res["norm"] == pytest.approx(whole_norm, rel=MP_GRAD_RTOL if mp else 1e-4), tag
