@@ -23,6 +23,8 @@ the general ones (``UsageError``, ``ArgumentTypeError``, ``OutOfRangeError``, ``
 
 from __future__ import annotations
 
+import traceback
+
 from collections.abc import Mapping
 
 __all__ = [
@@ -206,6 +208,20 @@ REQUEST_ERRORS = (PlanError, TPPlanError, ShardingError, PartitionError, SplitEr
 def exception_text(exc: BaseException) -> str:
     """``"<class name>: <the whole message>"`` of ``exc``, for a reason fxsplit records and shows
     later (``compile_fallbacks``, ``split_fallbacks``): the whole text, as inductor's first line
-    often says only that something failed and the cause follows on later lines."""
+    often says only that something failed and the cause follows on later lines. When the error
+    came from deeper code (its cause chain, then its traceback), the innermost frame is named
+    too, ``[raised at <file>:<line> in <function>]``: a compiler's own wrapper messages rarely
+    say where in the compiler the failure was."""
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    head = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    root, seen = exc, {id(exc)}
+    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
+        root = nxt
+        seen.add(id(root))
+    frames = traceback.extract_tb(root.__traceback__) if root.__traceback__ is not None else []
+    if not frames:
+        return head
+    where = frames[-1]
+    path = where.filename.split("site-packages/")[-1]
+    kind = "" if root is exc else f"{type(root).__name__} "
+    return f"{head} [{kind}raised at {path}:{where.lineno} in {where.name}]"

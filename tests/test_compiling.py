@@ -158,17 +158,26 @@ def test_compiled_loss_error_is_the_eager_one():
 
 def test_a_compile_fallback_keeps_the_whole_exception_text(monkeypatch):
     """compile_fallbacks keeps dynamo's whole message: inductor's first line often says only that
-    compiling failed, and the cause follows on later lines."""
+    compiling failed, and the cause follows on later lines; and names where the innermost cause was
+    raised (inductor's wrapper says "raised: TypeError ..." and not where)."""
     from fxsplit.runtime.compile.compiling import CompiledGraph
+
+    def deep_in_the_compiler():
+        return None > None
 
     def refusing_compile(fn, **kwargs):
         def run(*args):
-            raise torch._dynamo.exc.TorchRuntimeError("backend='inductor' raised:\nthe cause, on line two\nand three")
+            try:
+                deep_in_the_compiler()
+            except TypeError as exc:
+                raise torch._dynamo.exc.TorchRuntimeError("backend='inductor' raised:\nthe cause, on line two\nand three") from exc
         return run
 
     monkeypatch.setattr(torch, "compile", refusing_compile)
     why = []
     graph = CompiledGraph(lambda x: x * 2, why.append, whole=False, name="loss_fn")
     assert torch.equal(graph(torch.ones(2)), torch.full((2,), 2.0))  # eagerly, as without compile
+    line = deep_in_the_compiler.__code__.co_firstlineno + 1
     assert why == ["torch.compile refused loss_fn (TorchRuntimeError: backend='inductor' raised:\n"
-                   "the cause, on line two\nand three)"], why
+                   "the cause, on line two\nand three [TypeError raised at "
+                   f"{__file__}:{line} in deep_in_the_compiler])"], why

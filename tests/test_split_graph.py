@@ -344,4 +344,5 @@ def test_a_split_fallback_keeps_the_whole_exception_text():
     fall back, not its first line."""
     with pytest.raises(UnsupportedStage) as info:
         GraphSplit.trace(_FailsOnFakeTensors(), [torch.randn(4, 8)])
-    assert "(RuntimeError: data-dependent shape\nthe cause, on the second line)" in str(info.value), str(info.value)
+    assert "(RuntimeError: data-dependent shape\nthe cause, on the second line [raised at " in str(info.value), str(info.value)
+    assert str(info.value).endswith(" in forward])"), str(info.value)  # _FailsOnFakeTensors.forward raised it

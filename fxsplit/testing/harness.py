@@ -103,6 +103,23 @@ def rank_context(start_method: str | None = None) -> Any:
     return ctx
 
 
+def _profiled(fn: Callable[..., Any], rank: int, world_size: int, args: tuple) -> Any:
+    """`fn(rank, world_size, *args)`; under FXSPLIT_RANK_PROFILE=DIR (in the environment the
+    launching process had when its forkserver started), profiled with cProfile into
+    DIR/<fn>-rank<r>-<pid>.prof: where a launch's time goes (benchmarks/suite_cpu.py --ranks)."""
+    out = os.environ.get("FXSPLIT_RANK_PROFILE")
+    if not out:
+        return fn(rank, world_size, *args)
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn, rank, world_size, *args)
+    finally:
+        os.makedirs(out, exist_ok=True)
+        prof.dump_stats(os.path.join(out, f"{getattr(fn, '__name__', 'fn')}-rank{rank}-{os.getpid()}.prof"))
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -136,7 +153,7 @@ def _worker(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         fn, args = pickle.loads(payload)
-        value = fn(rank, world_size, *args)
+        value = _profiled(fn, rank, world_size, args)
         try:
             data = pickle.dumps(("ok", value))
         except Exception as exc:  # the value could not be pickled
