@@ -3,7 +3,7 @@
 Terms: **rank** -- one spawned process, numbered 0..world_size-1; **launch** -- one call of
 `run_distributed`, which owns a fresh process group for its lifetime.
 
-    run_distributed(fn, world_size, *args, backend="gloo", timeout=120.0, env=None) -> list
+    run_distributed(fn, world_size, *args, backend="gloo", timeout=120.0, env=None, prepare=None) -> list
 
 The parent hosts the rendezvous store (a `TCPStore` on a port the OS picks), so launches running
 side by side on one machine never race for a port. Every rank gets MASTER_ADDR=127.0.0.1,
@@ -21,6 +21,19 @@ again: measured on 2 loaded cores, a 4-rank launch took 2 s this way against 36 
 transformers) that a rank's first parallelize would import ([Note: rank start-up]). The server is forked before any CUDA or OpenMP use, which keeps forking safe; pass
 `start_method="spawn"` to get fresh interpreters. Environment variables set in the parent
 after the server started do not reach the ranks: pass them in `env`.
+
+[Note: preparing once per launch]
+``prepare=(fn0, args0)`` runs ``fn0(*args0)`` once, in one process started like a rank (a
+launcher), which then forks every rank: the ranks inherit what it built (a model, its plans:
+``fxsplit.testing.trace_cache.shared_plans``) instead of each building the same thing. Every
+rank plans the same model the same way ([Note: what every rank does] in fxsplit.api.parallelize),
+so a 4-rank launch that plans in ``prepare`` plans once instead of four times. Forking is safe
+only from a process with one thread and no OpenMP pool: the launcher runs with
+``torch.set_num_threads(1)`` from its start and refuses to fork (an error naming the threads, not
+a hang) while another thread is alive; process groups are made after the fork, in each rank. The
+ranks are the launcher's children, not the parent's: the launcher sends their pids, the parent
+sees a rank end at the EOF of its pipe and kills them by pid, and the launcher reaps them only
+after the parent has closed the launch (so a pid the parent may still kill is never reused).
 
 Failure handling: the parent waits on one pipe per rank plus each process's exit sentinel. The
 first rank to raise (or to exit without a result) ends the launch at once: the others are
@@ -227,6 +240,7 @@ def run_distributed(
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
     start_method: str | None = None,
+    prepare: tuple[Callable[..., Any], tuple] | None = None,
 ) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` fresh processes; return their results.
 
@@ -236,7 +250,8 @@ def run_distributed(
     the process group is set up (torch is already imported by then). `start_method` is a
     multiprocessing start method; the default, "forkserver" where the platform has it (else
     "spawn"), imports torch once in a server process and forks every rank from it, so a launch
-    costs no torch import (see the module docstring).
+    costs no torch import (see the module docstring). ``prepare=(fn0, args0)`` runs ``fn0(*args0)``
+    once before the ranks start, in the process they are forked from ([Note: preparing once per launch]).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise UsageError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
@@ -245,6 +260,7 @@ def run_distributed(
     ctx = rank_context(start_method)
     try:
         payload = pickle.dumps((fn, args))
+        prep_payload = None if prepare is None else pickle.dumps(tuple(prepare))
     except Exception as exc:
         raise ArgumentTypeError(
             f"run_distributed: could not pickle {getattr(fn, '__qualname__', fn)!r} and its "
@@ -258,6 +274,14 @@ def run_distributed(
     pg_timeout_s = timeout + _PG_TIMEOUT_MARGIN_S
     procs, readers = [], []
     alive_r, alive_w = ctx.Pipe(duplex=False)  # EOF in the ranks when this process dies
+    if prep_payload is not None:
+        rank_args = (world_size, store.port, backend, pg_timeout_s, dict(env or {}))
+        try:
+            return _run_prepared(ctx, rank_args, alive_r, alive_w, payload, prep_payload, deadline, timeout)
+        finally:
+            alive_r.close()
+            alive_w.close()
+            del store
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
@@ -286,13 +310,148 @@ def run_distributed(
         del store
 
 
+def _run_prepared(ctx: Any, rank_args: tuple, alive_r: Any, alive_w: Any, payload: bytes, prep_payload: bytes,
+                  deadline: float, timeout: float) -> list:
+    """``run_distributed`` with ``prepare``: one launcher process runs it and forks the ranks
+    ([Note: preparing once per launch])."""
+    pipes = [ctx.Pipe(duplex=False) for _ in range(rank_args[0])]
+    ctl_r, ctl_w = ctx.Pipe(duplex=False)
+    launcher = ctx.Process(target=_launcher, args=(rank_args, [w for _, w in pipes], ctl_w, alive_r, payload,
+                                                   prep_payload), name="fxsplit-launcher", daemon=True)
+    procs: list = []
+    launcher.start()
+    try:
+        for _, w in pipes:
+            w.close()
+        ctl_w.close()
+        pids = _launched(launcher, ctl_r, deadline, timeout)
+        procs = [_ForkedRank(pid) for pid in pids]
+        results = _collect(procs, [r for r, _ in pipes], deadline, timeout)
+        for p in procs:  # every rank has reported: let them tear their groups down
+            p.join(timeout=max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
+        return results
+    finally:
+        _kill_all(procs)
+        alive_w.close()  # the launcher reaps its ranks and exits
+        launcher.join(timeout=_EXIT_GRACE_S)
+        _kill_all([launcher])
+        for r, _ in pipes:
+            r.close()
+        ctl_r.close()
+
+
+def _launched(launcher: Any, ctl: Any, deadline: float, timeout: float) -> list[int]:
+    """The ranks' pids, sent by the launcher once ``prepare`` has returned; its error if it raised."""
+    multiprocessing.connection.wait([ctl, launcher.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+    msg = None
+    if ctl.poll():
+        try:
+            msg = pickle.loads(ctl.recv_bytes())
+        except EOFError:
+            pass
+    elif launcher.is_alive():
+        raise DistributedRunError(f"run_distributed: timed out after {timeout:g} s in prepare, before any rank "
+                                  "started; the launcher was killed", stuck_ranks=())
+    if msg is None:
+        launcher.join(timeout=1.0)
+        raise DistributedRunError(f"run_distributed: the launcher {_exit_reason(launcher.exitcode)} before "
+                                  "starting the ranks (see its stderr above)")
+    if msg[0] == "error":
+        raise DistributedRunError(f"run_distributed: prepare failed: {msg[1]}\n--- traceback of prepare ---\n"
+                                  f"{msg[2].rstrip()}", rank_traceback=msg[2])
+    return msg[1]
+
+
+def _launcher(rank_args: tuple, writers: list, ctl: Any, alive: Any, payload: bytes, prep_payload: bytes) -> None:
+    """Body of the launcher: run ``prepare``, fork every rank (each runs `_worker`), send their pids,
+    reap them once the parent has closed the launch ([Note: preparing once per launch])."""
+    torch.set_num_threads(1)  # before any compute: no OpenMP pool may exist at the fork
+    os.environ.update(rank_args[4])
+    try:
+        fn0, args0 = pickle.loads(prep_payload)
+        fn0(*args0)
+        others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        if others:
+            raise UsageError(f"run_distributed: prepare left threads running ({', '.join(others)}); the ranks are "
+                             "forked from its process, and a fork beside other threads can hang: join them first")
+    except BaseException as exc:  # noqa: BLE001 -- reported to the parent
+        ctl.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    pids = []
+    for rank, conn in enumerate(writers):
+        sys.stdout.flush()  # a fork copies unflushed output
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                for other in (*writers[:rank], *writers[rank + 1:], ctl):
+                    other.close()
+                _worker(rank, *rank_args, conn, alive, payload)
+            finally:
+                os._exit(1)
+        pids.append(pid)
+    ctl.send_bytes(pickle.dumps(("pids", pids)))
+    for conn in (*writers, ctl):
+        conn.close()
+    try:
+        alive.recv_bytes()  # EOF: the parent has closed the launch (or died); no pid is killed after this
+    except (EOFError, OSError):
+        pass
+    for pid in pids:
+        os.waitpid(pid, 0)
+    os._exit(0)
+
+
+class _ForkedRank:
+    """The parent's view of a rank the launcher forked: not its child, so no sentinel (its pipe's EOF
+    is its end) and no waitpid; its state and exit status come from /proc (a zombie until the
+    launcher reaps it, which is after the parent stops looking)."""
+
+    sentinel = None
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def _stat(self) -> list[str]:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return []
+
+    def is_alive(self) -> bool:
+        stat = self._stat()
+        return bool(stat) and stat[0] not in ("Z", "X")
+
+    @property
+    def exitcode(self) -> int | None:
+        stat = self._stat()
+        if self.is_alive() or len(stat) < 50:
+            return None
+        status = int(stat[49])  # field 52, exit_code: the status as waitpid reports it
+        return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+    def join(self, timeout: float | None = None) -> None:
+        end = time.monotonic() + (timeout or 0.0)
+        while self.is_alive() and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _collect(procs: list, readers: list, deadline: float, timeout: float) -> list:
     """Wait for every rank's report; raise at the first failure or at the deadline."""
     world_size = len(procs)
     results: dict[int, Any] = {}
     errors: dict[int, tuple[str, str]] = {}
     waiting = {r: reader for r, reader in enumerate(readers)}
-    by_sentinel = {p.sentinel: r for r, p in enumerate(procs)}
+    by_sentinel = {p.sentinel: r for r, p in enumerate(procs) if p.sentinel is not None}
     error_deadline = None
     while len(results) < world_size:
         now = time.monotonic()
@@ -308,7 +467,8 @@ def _collect(procs: list, readers: list, deadline: float, timeout: float) -> lis
             )
         limit = min(deadline, error_deadline or deadline) - now
         ready = multiprocessing.connection.wait(
-            list(waiting.values()) + [procs[r].sentinel for r in waiting], timeout=limit
+            list(waiting.values()) + [procs[r].sentinel for r in waiting if procs[r].sentinel is not None],
+            timeout=limit,
         )
         for obj in ready:
             rank = by_sentinel[obj] if obj in by_sentinel else readers.index(obj)
