@@ -19,7 +19,7 @@ import torch
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
 from fxsplit.testing.data import local_grads, replica_slice
-from fxsplit.testing.trace_cache import SharedTraces, shared_traces
+from fxsplit.testing.trace_cache import SharedPlans, SharedTraces, shared_plans, shared_traces
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True, cp_kv="ring"),
@@ -50,20 +50,39 @@ def _example():
 
 
 _TRACES = SharedTraces()
+_PLANS = SharedPlans()
+_SHARED: list = []  # the example every layout of CASES is planned for: built once per process
+
+
+def _shared_example():
+    if not _SHARED:
+        _SHARED.extend(_example())
+    return _SHARED
+
+
+def _prepare():
+    """Once per launch, before the ranks fork ([Note: preparing once per launch] in fxsplit.testing.harness):
+    every layout of CASES planned, from one torch.export trace; each rank takes its copy of these plans
+    instead of planning the same layouts itself ([Note: plans made before the fork])."""
+    model, idx, _ = _shared_example()
+    with shared_traces(_TRACES):
+        for opts in CASES:
+            _PLANS.add(model, (idx,), hardware=_HW, verify=False, **opts)
 
 
 def _train(rank, world, ckpt):
-    # one model object, its weights restored in place before each layout, so that every layout plans
-    # from one torch.export trace; verify=False: this test compares every step with one process
-    # itself (each layout's verify runs in test_context_parallel.py)
-    model, idx, target = _example()
+    # one model object (the one _prepare planned), its weights restored in place before each layout;
+    # verify=False: this test compares every step with one process itself (each layout's verify runs
+    # in test_context_parallel.py)
+    model, idx, target = _shared_example()
     initial = copy.deepcopy(model.state_dict())
     out = []
     for k, opts in enumerate(CASES):
         model.load_state_dict(initial)
-        with shared_traces(_TRACES):
+        with shared_traces(_TRACES), shared_plans(_PLANS) as plans:
             pm = fxsplit.parallelize(model, (idx,), loss_fn=_loss_of(opts), hardware=_HW, timeout=60,
                                      verify=False, **opts)
+        assert plans.misses == 0, f"rank {rank} planned {opts} itself: the plan made before the fork was not used"
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
         x, y = replica_slice(pm, idx), replica_slice(pm, target)
         losses, grads = [], []
@@ -195,7 +214,7 @@ def _reference(state=None):
 @pytest.mark.dist
 def test_cp_layouts_train_like_one_process_over_gloo(tmp_path):
     ckpt = str(tmp_path / "cp-ckpt")
-    results = run_distributed(_train, 4, ckpt, timeout=900)
+    results = run_distributed(_train, 4, ckpt, timeout=900, prepare=(_prepare, ()))
     for k, length in enumerate((32, SHORT)):
         _check_llama([r[len(CASES)][k] for r in results], length)
     _check_llama_tp([r[len(CASES) + 1] for r in results])

@@ -37,7 +37,7 @@ from fxsplit.runtime.fsdp import ShardedGradSync
 from fxsplit.runtime.mesh import Groups, fsdp_mesh
 from fxsplit.runtime.watch import Watch, group_wait, host_blocking
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "planning_config"]
 
 _log = logging.getLogger("fxsplit")
 
@@ -93,9 +93,7 @@ def parallelize(
     mesh, coords, groups = _process_groups(config, mesh, timeout)
     device = _rank_device(device, mesh.device_type)
     _check_one_gpu_per_rank(device, groups.errors)
-    if config.hardware is None and device.type == "cpu":
-        config = dataclasses.replace(config, hardware=Hardware.cpu())  # cost stages for the machine they run on
-    the_plan = plan(model, example_args, example_kwargs, config=dataclasses.replace(config, verify=False),
+    the_plan = plan(model, example_args, example_kwargs, config=planning_config(config, device.type),
                     global_batch_size=global_batch_size)
     _verify(model, example_args, example_kwargs, the_plan, config.verify)
     _warn_fresh_weights(model)
@@ -116,6 +114,15 @@ def parallelize(
     return ParallelModel(plan_=the_plan, stages=stages, runtime=runtime, mesh=mesh, coords=coords,
                          groups=groups, loss_fn=loss_fn, grads=grads, log_every=log_every, sharded=sharded,
                          watch=watch)
+
+
+def planning_config(config: ParallelConfig, device_type: str) -> ParallelConfig:
+    """The config every rank of :func:`parallelize` plans with, on a ``device_type`` rank: stages
+    costed for the machine they run on (``Hardware.cpu()`` on a CPU rank, unless ``hardware`` is
+    given) and no plan-time verification (parallelize verifies the plan itself, after planning)."""
+    if config.hardware is None and device_type == "cpu":
+        config = dataclasses.replace(config, hardware=Hardware.cpu())
+    return dataclasses.replace(config, verify=False)
 
 
 def _searched_config(model: nn.Module, example_args: Any, example_kwargs: Any, *, strategy: str,

@@ -30,6 +30,19 @@ parameter or buffer replaced or reshaped, ``train()``/``eval()``) has another ke
 again; a change the fingerprint cannot see (a plain Python attribute read by ``forward``, a
 replaced ``forward``) is not: this is for tests that build a model once and plan it several ways,
 not a cache for users. Each reuse also checks that the cached graph's code is still what it was.
+
+[Note: plans made before the fork]
+``shared_plans(cache)`` goes one step further for a launch's ranks: every rank of
+``fxsplit.parallelize`` plans the same model the same way, so a launch's ``prepare`` (run once, in
+the process the ranks are forked from: [Note: preparing once per launch] in
+fxsplit.testing.harness) plans each layout with ``cache.add(model, args, kwargs, **options)``, and
+inside ``shared_plans(cache)`` each rank's ``parallelize`` of that model object with those input
+objects and options takes the plan it inherited instead of planning. The key is the trace key with
+the whole planning config (``planning_config``: what parallelize plans with) in place of the
+options. A plan is handed out once per process (each rank's copy is its own, copy-on-write, and a
+second ``parallelize`` of the same key in one rank plans afresh), so nothing a rank does to its
+plan reaches another use; ``hits`` / ``misses`` count the calls, for a test to check that its
+ranks really planned nothing.
 """
 
 from __future__ import annotations
@@ -47,8 +60,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 _plan_module = importlib.import_module("fxsplit.api.plan")  # the module (fxsplit.api.plan is also the function)
+_parallelize_module = importlib.import_module("fxsplit.api.parallelize")
 
-__all__ = ["SharedTraces", "copy_graph_module", "shared_traces"]
+__all__ = ["SharedPlans", "SharedTraces", "copy_graph_module", "shared_plans", "shared_traces"]
 
 
 def _tree_copy(mod: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
@@ -128,3 +142,55 @@ def shared_traces(cache: SharedTraces | None = None) -> Iterator[SharedTraces]:
         yield cache
     finally:
         _plan_module.trace = previous
+
+
+def _plan_key(model: nn.Module, example_args: Any, example_kwargs: Any, config: Any, global_batch_size: Any) -> tuple:
+    return (id(model), _fingerprint(model), _input_key((example_args, example_kwargs)), repr(config),
+            global_batch_size)
+
+
+@dataclass
+class SharedPlans:
+    """Plans made before a launch's ranks fork ([Note: plans made before the fork]); ``hits`` /
+    ``misses`` count the ``parallelize`` calls that took one and those that planned."""
+
+    entries: dict[Any, tuple[nn.Module, Any]] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+
+    def add(self, model: nn.Module, example_args: Any = (), example_kwargs: Any = None, *, device_type: str = "cpu",
+            global_batch_size: int | None = None, **options: Any) -> Any:
+        """Plan ``model`` as ``fxsplit.parallelize(model, example_args, example_kwargs, **options)``
+        plans on a ``device_type`` rank, and keep the plan for the ranks."""
+        config = _parallelize_module.planning_config(_make_config(None, options, where="parallelize"), device_type)
+        the_plan = _plan_module.plan(model, example_args, example_kwargs, config=config,
+                                     global_batch_size=global_batch_size)
+        self.entries[_plan_key(model, example_args, example_kwargs, config, global_batch_size)] = (model, the_plan)
+        return the_plan
+
+    def plan(self, model: nn.Module, example_args: Any = (), example_kwargs: Any = None, *, config: Any = None,
+             global_batch_size: int | None = None, **options: Any) -> Any:
+        """``fxsplit.plan`` as parallelize calls it: the kept plan of this key, once, else a new plan."""
+        key = None if options else _plan_key(model, example_args, example_kwargs, config, global_batch_size)
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            self.misses += 1
+            return _plan_module.plan(model, example_args, example_kwargs, config=config,
+                                     global_batch_size=global_batch_size, **options)
+        self.hits += 1
+        return entry[1]
+
+
+_make_config = importlib.import_module("fxsplit.api.options").make_config
+
+
+@contextlib.contextmanager
+def shared_plans(cache: SharedPlans) -> Iterator[SharedPlans]:
+    """Inside the block, :func:`fxsplit.parallelize` takes the plans ``cache`` holds for its model,
+    inputs and options instead of planning ([Note: plans made before the fork])."""
+    previous = _parallelize_module.plan
+    _parallelize_module.plan = cache.plan
+    try:
+        yield cache
+    finally:
+        _parallelize_module.plan = previous
