@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
 from fxsplit.testing.data import replica_index, replica_slice
+from fxsplit.testing.trace_cache import SharedPlans, shared_plans
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 STEPS, LR, GLOBAL_BATCH = 3, 0.05, 8
@@ -92,6 +93,25 @@ def _model(name):
     return model
 
 
+# what _prepare built and planned once per launch, before the ranks fork ([Note: preparing once per launch]
+# in fxsplit.testing.harness): label (or (label, "other") for a STATE_CASES reload) -> (model, x, y, example)
+_PREPARED: dict = {}
+_PLANS = SharedPlans()
+
+
+def _prepare(cases):
+    """Every case's model, batch and plan, made once; each rank takes its copy instead of planning the same
+    layout itself ([Note: plans made before the fork] in fxsplit.testing.trace_cache)."""
+    for label, (name, options) in cases.items():
+        layouts = [(label, options)] + ([((label, "other"), STATE_CASES[label])] if label in STATE_CASES else [])
+        for key, opts in layouts:
+            model = _model(name)
+            x, y = _batch(model)
+            example = x[:GLOBAL_BATCH // (opts.get("dp", 1) * opts.get("dp_shard", 1))]
+            _PREPARED[key] = model, x, y, example
+            _PLANS.add(model, (example,), hardware=_HW, verify=False, **opts)
+
+
 def _loss(out, y):
     logits = out.logits if hasattr(out, "logits") else out
     return zoo.cross_entropy_loss(logits, y)
@@ -151,7 +171,7 @@ def _continue(pm, opt, x, y):
     return losses
 
 
-def _state_checks(pm, opt, name, x, y, path, other):
+def _state_checks(pm, opt, label, name, x, y, path, other):
     """The trained full state dict (expert blocks joined over ep), a damaged copy refused, a
     reload of fresh weights, the sharded checkpoint loaded back, and loaded with the optimizer state
     by the same model at the ``other`` layout, which trains on."""
@@ -164,8 +184,8 @@ def _state_checks(pm, opt, name, x, y, path, other):
     reloaded_equal = all(torch.equal(reloaded[k], v) for k, v in fresh.items())
     pm.load_checkpoint(path)
     restored = pm.full_state_dict()
-    pm2 = fxsplit.parallelize(_model(name), (x[:GLOBAL_BATCH // other["dp"]],), loss_fn=_loss, hardware=_HW,
-                              timeout=60, verify=False, **other)
+    model2, _, _, example2 = _PREPARED[(label, "other")]  # a fresh model of ``name``, planned at ``other``
+    pm2 = fxsplit.parallelize(model2, (example2,), loss_fn=_loss, hardware=_HW, timeout=60, verify=False, **other)
     opt2 = torch.optim.AdamW(pm2.parameters(), lr=ADAM_LR)
     pm2.load_checkpoint(path, optimizer=opt2)
     same = lambda got: all(torch.equal(got[k], v) for k, v in trained.items())  # noqa: E731
@@ -176,13 +196,18 @@ def _state_checks(pm, opt, name, x, y, path, other):
 
 
 def _train(rank, world, cases, tmp=None):
+    with shared_plans(_PLANS) as plans:
+        out = _train_cases(cases, tmp)
+    assert plans.misses == 0, f"rank {rank} planned {plans.misses} layout(s) itself: a plan made before the fork went unused"
+    return out
+
+
+def _train_cases(cases, tmp):
     out = {}
     for label, (name, options) in cases.items():
-        model = _model(name)
-        x, y = _batch(model)
+        model, x, y, example = _PREPARED[label]
         # the zoo's model is verified on every rank first (ep emulated in one process: verify=None, auto)
-        data = options.get("dp", 1) * options.get("dp_shard", 1)
-        pm = fxsplit.parallelize(model, (x[:GLOBAL_BATCH // data],), loss_fn=_loss, hardware=_HW,
+        pm = fxsplit.parallelize(model, (example,), loss_fn=_loss, hardware=_HW,
                                  timeout=60, verify=None if label == "moe/dp2-ep2" else False, **options)
         opt = _optimizer(pm.parameters(), label)
         losses = []
@@ -198,7 +223,8 @@ def _train(rank, world, cases, tmp=None):
                           experts=set(pm.plan.ep_plan.expert_params), specs=dict(pm.plan.tp_plan.param_specs),
                           fallbacks=dict(pm.compile_fallbacks), splits=dict(pm._runtime.split_fallbacks))
         if label in STATE_CASES:
-            out[label].update(_state_checks(pm, opt, name, x, y, f"{tmp}/{label.replace('/', '-')}", STATE_CASES[label]))
+            out[label].update(_state_checks(pm, opt, label, name, x, y, f"{tmp}/{label.replace('/', '-')}",
+                                            STATE_CASES[label]))
     return out
 
 
@@ -334,10 +360,10 @@ def _check_mixed_precision(got, want, tag):
 @pytest.mark.dist
 @pytest.mark.hf
 def test_expert_parallel_two_ranks(tmp_path):
-    _check(CASES_2, run_distributed(_train, 2, CASES_2, str(tmp_path), timeout=300))
+    _check(CASES_2, run_distributed(_train, 2, CASES_2, str(tmp_path), timeout=300, prepare=(_prepare, (CASES_2,))))
 
 
 @pytest.mark.dist
 @pytest.mark.hf
 def test_expert_parallel_four_ranks(tmp_path):
-    _check(CASES_4, run_distributed(_train, 4, CASES_4, str(tmp_path), timeout=800))
+    _check(CASES_4, run_distributed(_train, 4, CASES_4, str(tmp_path), timeout=800, prepare=(_prepare, (CASES_4,))))

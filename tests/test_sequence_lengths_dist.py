@@ -17,7 +17,7 @@ import torch
 import fxsplit
 from fxsplit.testing import hf_zoo, run_distributed, zoo
 from fxsplit.testing.data import local_grads, replica_slice
-from fxsplit.testing.trace_cache import SharedTraces, shared_traces
+from fxsplit.testing.trace_cache import SharedPlans, SharedTraces, shared_plans, shared_traces
 
 TRACED = 16
 LENGTHS = (16, 9, 13)  # one per step: the traced length, then shorter ones
@@ -111,13 +111,28 @@ def _fresh(kind):
     return model, args, kwargs
 
 
+def _planned_as(options):
+    """The planning options of a case besides its layout (what :func:`_train` gives parallelize)."""
+    return dict(method="export", verify=False, hardware=INF_LINK, follow_sequence=options.get("cp", 1) == 1, **options)
+
+
+_PLANS = SharedPlans()
+
+
+def _prepare():
+    """Once per launch, before the ranks fork ([Note: preparing once per launch] in fxsplit.testing.harness):
+    every case planned; each rank takes its copy instead of planning it ([Note: plans made before the fork])."""
+    with shared_traces(_TRACES):
+        for kind, options in CASES.values():
+            model, args, kwargs = _fresh(kind)
+            _PLANS.add(model, args, kwargs, **_planned_as(options))
+
+
 def _train(kind, options):
     model, args, kwargs = _fresh(kind)
     vocab = int(model.config.vocab_size) if kind != "gpt" else model.config.vocab_size
-    with shared_traces(_TRACES):
-        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=_loss(kind), method="export", verify=False,
-                                 timeout=120, hardware=INF_LINK,
-                                 follow_sequence=options.get("cp", 1) == 1, **options)
+    with shared_traces(_TRACES), shared_plans(_PLANS):
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=_loss(kind), timeout=120, **_planned_as(options))
     info = pm.plan.graph.meta["fxsplit"]
     assert info.method == "export" and info.traced_length == TRACED
     assert info.follows_sequence == (options.get("cp", 1) == 1), info.reason
@@ -140,14 +155,16 @@ def _train(kind, options):
 
 
 def _cases(rank, world):
-    return {label: _train(kind, options) for label, (kind, options) in CASES.items()}
+    out = {label: _train(kind, options) for label, (kind, options) in CASES.items()}
+    assert _PLANS.misses == 0, f"rank {rank} planned {_PLANS.misses} case(s) itself: a plan made before the fork went unused"
+    return out
 
 
 @pytest.mark.dist
 def test_changing_lengths_and_packed_rows_match_one_process():
     from test_parallelize import check_grads
 
-    results = run_distributed(_cases, 4, timeout=600)
+    results = run_distributed(_cases, 4, timeout=600, prepare=(_prepare, ()))
     refs = {kind: _reference(kind) for kind in {k for k, _ in CASES.values()}}
     for label, (kind, _) in CASES.items():
         res = [r[label] for r in results]

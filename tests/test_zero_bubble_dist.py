@@ -13,7 +13,7 @@ import torch
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
 from fxsplit.testing.data import local_grads, replica_slice
-from fxsplit.testing.trace_cache import SharedTraces, shared_traces
+from fxsplit.testing.trace_cache import SharedPlans, SharedTraces, shared_plans, shared_traces
 
 STEPS = 3
 INF_LINK = fxsplit.Hardware(link_bytes_per_s=float("inf"))
@@ -47,6 +47,30 @@ def _reference(overrides):
 # parallelize materializes its stages from the model, which itself is never trained).
 _TRACES = SharedTraces()
 _MODELS: dict = {}
+# and a launch that prepares ([Note: preparing once per launch] in fxsplit.testing.harness) plans each
+# layout once before its ranks fork; every rank takes its copy ([Note: plans made before the fork])
+_PLANS = SharedPlans()
+
+
+def _model_of(overrides):
+    key = repr(sorted(overrides.items()))
+    if key not in _MODELS:
+        _MODELS[key] = zoo.make("gpt", **overrides)
+    return _MODELS[key]
+
+
+def _prepare(layouts):
+    """Plan every ``(overrides, options)`` of a launch as :func:`_train` will, once, before the ranks fork."""
+    with shared_traces(_TRACES):
+        for overrides, options in layouts:
+            model, args, kwargs = _model_of(overrides)
+            _PLANS.add(model, args, kwargs, hardware=INF_LINK, verify=False, **options)
+
+
+def _all_prepared(out):
+    """``out``, once every parallelize of this rank took a plan made before the fork."""
+    assert _PLANS.misses == 0, f"{_PLANS.misses} layout(s) planned on a rank: a plan made before the fork went unused"
+    return out
 
 
 def _verify_here():
@@ -62,13 +86,10 @@ def _train(overrides, options, states=False):
     """Trains a parallelized GPT for STEPS AdamW steps; ``states``: also gather the full parameters
     before each step (for :func:`_grads_at`)."""
     torch.manual_seed(0)
-    key = repr(sorted(overrides.items()))
-    if key not in _MODELS:
-        _MODELS[key] = zoo.make("gpt", **overrides)
-    model, args, kwargs = _MODELS[key]
+    model, args, kwargs = _model_of(overrides)
     ref, _, _ = zoo.make("gpt", **overrides)  # targets from the reference's outputs, as in _reference
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    with shared_traces(_TRACES):
+    with shared_traces(_TRACES), shared_plans(_PLANS):
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60,
                                  hardware=INF_LINK, verify=_verify_here(), **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -136,13 +157,14 @@ CASES = {
 
 
 def _cases(rank, world):
-    return {label: _train(overrides, options) for label, overrides, options in CASES[world]}
+    return _all_prepared({label: _train(overrides, options) for label, overrides, options in CASES[world]})
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero_bubble_schedules_match_single_process(world):
-    results = run_distributed(_cases, world, timeout=400)
+    results = run_distributed(_cases, world, timeout=400,
+                              prepare=(_prepare, ([(overrides, options) for _, overrides, options in CASES[world]],)))
     for label, overrides, options in CASES[world]:
         res = [r[label] for r in results]
         if options["schedule"] in ("zbv", "dualpipev"):  # the V: rank r holds stages r and 2p-1-r; the loss on rank 0
@@ -211,7 +233,7 @@ def _composed(rank, world):
         res = _train(COMPOSED_GPT, options, states=True)
         out[label] = dict(losses=[loss for loss, _ in res["steps"]], state=res["full_state"], states=res["states"],
                           fallbacks=res["fallbacks"], grads=res["grads"], coords=res["coords"], specs=res["specs"])
-    return out
+    return _all_prepared(out)
 
 
 def _check_composed(results, label, ref_losses, ref_state, noise, rtol=1e-5):
@@ -242,7 +264,8 @@ def _check_composed(results, label, ref_losses, ref_state, noise, rtol=1e-5):
 def test_zbv_with_tp_and_dp_matches_single_process():
     ref_losses, ref_state, noise = _final_state_reference()
     assert all(".k.bias" in n for n in noise), noise
-    results = run_distributed(_composed, 4, timeout=400)
+    results = run_distributed(_composed, 4, timeout=400,
+                              prepare=(_prepare, ([(COMPOSED_GPT, options) for options in COMPOSED.values()],)))
     for label in COMPOSED:
         _check_composed([r[label] for r in results], label, ref_losses, ref_state, noise)
 
@@ -358,12 +381,17 @@ def test_compiled_stage_graphs_match_single_process():
 # reaches 8e-5 of a gradient's largest entry at step 1 with or without oneDNN), and an HF model
 # under ZB-V (losses after each SGD step). Nothing falls back; every rank routes some matmuls.
 CKPT_GPT = dict(n_layer=4, batch_size=4, seq_len=16)
+COMPILED_COMPOSED = ((COMPOSED_GPT, dict(tp=2, microbatches=2, compile=True)),
+                     (CKPT_GPT, dict(pp=2, schedule="zbv", microbatches=4, activation_checkpointing="full", compile=True)))
+
+
 def _compiled_composed(rank, world):
     from test_parallelize import _hf_train
 
     os.environ["FXSPLIT_CPU_MATMUL"] = "onednn" if torch.backends.mkldnn.is_available() else "aten"
-    tp = _train(COMPOSED_GPT, dict(tp=2, microbatches=2, compile=True), states=True)
-    ckpt = _train(CKPT_GPT, dict(pp=2, schedule="zbv", microbatches=4, activation_checkpointing="full", compile=True))
+    (tp_gpt, tp_options), (ckpt_gpt, ckpt_options) = COMPILED_COMPOSED
+    tp = _train(tp_gpt, tp_options, states=True)
+    ckpt = _train(ckpt_gpt, ckpt_options)
     made = []
     inner = fxsplit.parallelize
     fxsplit.parallelize = lambda *a, **k: made.append(inner(*a, **k)) or made[-1]
@@ -385,7 +413,7 @@ def test_compiled_with_tp_checkpointing_and_hf_match_single_process():
     from test_parallelize import _hf_reference
 
     ref_losses, ref_state, noise = _final_state_reference()
-    results = run_distributed(_compiled_composed, 2, timeout=900)
+    results = run_distributed(_compiled_composed, 2, timeout=900, prepare=(_prepare, (COMPILED_COMPOSED,)))
     # tolerances as in test_zbv_with_tp_and_dp_matches_single_process
     _check_composed([r["tp"] for r in results], "compiled tp2", ref_losses, ref_state, noise)
     for rank, r in enumerate(results):

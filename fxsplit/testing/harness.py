@@ -370,6 +370,7 @@ def _launcher(rank_args: tuple, writers: list, ctl: Any, alive: Any, payload: by
     try:
         fn0, args0 = pickle.loads(prep_payload)
         fn0(*args0)
+        _stop_tqdm_monitor()
         others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         if others:
             raise UsageError(f"run_distributed: prepare left threads running ({', '.join(others)}); the ranks are "
@@ -402,6 +403,15 @@ def _launcher(rank_args: tuple, writers: list, ctl: Any, alive: Any, payload: by
     for pid in pids:
         os.waitpid(pid, 0)
     os._exit(0)
+
+
+def _stop_tqdm_monitor() -> None:
+    """Join tqdm's monitor thread, which a progress bar starts (transformers shows some while building a
+    model) and which outlives the bar; tqdm starts a new one when a later bar needs it."""
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    if tqdm is not None and getattr(tqdm, "monitor", None) is not None:
+        tqdm.monitor.exit()
+        tqdm.monitor = None
 
 
 class _ForkedRank:

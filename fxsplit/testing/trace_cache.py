@@ -39,9 +39,9 @@ fxsplit.testing.harness) plans each layout with ``cache.add(model, args, kwargs,
 inside ``shared_plans(cache)`` each rank's ``parallelize`` of that model object with those input
 objects and options takes the plan it inherited instead of planning. The key is the trace key with
 the whole planning config (``planning_config``: what parallelize plans with) in place of the
-options. A plan is handed out once per process (each rank's copy is its own, copy-on-write, and a
-second ``parallelize`` of the same key in one rank plans afresh), so nothing a rank does to its
-plan reaches another use; ``hits`` / ``misses`` count the calls, for a test to check that its
+options. A plan is handed out once per process (each rank's copy is its own, copy-on-write; a
+layout parallelized twice in one rank is added twice, and a third call plans afresh), so nothing
+a rank does to its plan reaches another use; ``hits`` / ``misses`` count the calls, for a test to check that its
 ranks really planned nothing.
 """
 
@@ -61,6 +61,7 @@ from torch.utils import _pytree as pytree
 
 _plan_module = importlib.import_module("fxsplit.api.plan")  # the module (fxsplit.api.plan is also the function)
 _parallelize_module = importlib.import_module("fxsplit.api.parallelize")
+_make_config = importlib.import_module("fxsplit.api.options").make_config
 
 __all__ = ["SharedPlans", "SharedTraces", "copy_graph_module", "shared_plans", "shared_traces"]
 
@@ -154,7 +155,7 @@ class SharedPlans:
     """Plans made before a launch's ranks fork ([Note: plans made before the fork]); ``hits`` /
     ``misses`` count the ``parallelize`` calls that took one and those that planned."""
 
-    entries: dict[Any, tuple[nn.Module, Any]] = field(default_factory=dict)
+    entries: dict[Any, list[tuple[nn.Module, Any]]] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
 
@@ -165,23 +166,21 @@ class SharedPlans:
         config = _parallelize_module.planning_config(_make_config(None, options, where="parallelize"), device_type)
         the_plan = _plan_module.plan(model, example_args, example_kwargs, config=config,
                                      global_batch_size=global_batch_size)
-        self.entries[_plan_key(model, example_args, example_kwargs, config, global_batch_size)] = (model, the_plan)
+        key = _plan_key(model, example_args, example_kwargs, config, global_batch_size)
+        self.entries.setdefault(key, []).append((model, the_plan))
         return the_plan
 
     def plan(self, model: nn.Module, example_args: Any = (), example_kwargs: Any = None, *, config: Any = None,
              global_batch_size: int | None = None, **options: Any) -> Any:
         """``fxsplit.plan`` as parallelize calls it: the kept plan of this key, once, else a new plan."""
         key = None if options else _plan_key(model, example_args, example_kwargs, config, global_batch_size)
-        entry = self.entries.pop(key, None)
-        if entry is None:
+        kept = self.entries.get(key)
+        if not kept:
             self.misses += 1
             return _plan_module.plan(model, example_args, example_kwargs, config=config,
                                      global_batch_size=global_batch_size, **options)
         self.hits += 1
-        return entry[1]
-
-
-_make_config = importlib.import_module("fxsplit.api.options").make_config
+        return kept.pop(0)[1]
 
 
 @contextlib.contextmanager
