@@ -68,6 +68,9 @@ def _prepare():
     with shared_traces(_TRACES):
         for opts in CASES:
             _PLANS.add(model, (idx,), hardware=_HW, verify=False, **opts)
+    model, _, _, _, half, whole = _shared_llama()
+    _PLANS.add(model, *half, hardware=_HW, verify=False, **LLAMA_DP)
+    _PLANS.add(model, *whole, hardware=_HW, verify=False, **LLAMA_TP)
 
 
 def _train(rank, world, ckpt):
@@ -151,11 +154,29 @@ def _model_loss(output, target):
     return output["loss"]
 
 
+LLAMA_DP = dict(cp=2, dp=2)
+LLAMA_TP = dict(cp=2, tp=2, cp_kv="ring")
+_LLAMA: list = []
+
+
+def _shared_llama():
+    """``(model, ids, mask, labels, half, whole)``, built once per process: the Llama both layouts plan
+    (neither trains it: one step each, no optimizer), its batch, and the examples they plan for,
+    each ``(args, kwargs)``: a data-parallel replica's half of the batch (cp=2 x dp=2) and the whole."""
+    if not _LLAMA:
+        model, ids, mask, labels = _llama()
+        half = ((ids[:2],), {"attention_mask": mask[:2], "labels": labels[:2]})
+        _LLAMA.extend((model, ids, mask, labels, half, ((ids,), {"attention_mask": mask, "labels": labels})))
+    return _LLAMA
+
+
 def _train_llama():
     """Llama's own loss (labels= in the graph: shifted before the cut, a global mean), cp=2 x dp=2."""
-    model, ids, mask, labels = _llama()
-    pm = fxsplit.parallelize(model, (ids[:2],), {"attention_mask": mask[:2], "labels": labels[:2]},
-                             loss_fn=_model_loss, hardware=_HW, timeout=120, cp=2, dp=2, verify=False)
+    model, ids, mask, labels, half, _ = _shared_llama()
+    with shared_plans(_PLANS) as plans:
+        pm = fxsplit.parallelize(model, *half, loss_fn=_model_loss, hardware=_HW, timeout=120, verify=False,
+                                 **LLAMA_DP)
+    assert plans.misses == 0, "Llama cp2 x dp2 planned on a rank: the plan made before the fork went unused"
     out = []
     for length in (32, SHORT):  # SHORT: padded to the traced 32 ([Note: padding to the traced length])
         x, m, y = (replica_slice(pm, t[:, :length]) for t in (ids, mask, labels))
@@ -168,9 +189,11 @@ def _train_llama():
 
 def _train_llama_tp():
     """Llama's own loss at cp=2 x tp=2, K/V by ring: one step on the whole batch."""
-    model, ids, mask, labels = _llama()
-    pm = fxsplit.parallelize(model, (ids,), {"attention_mask": mask, "labels": labels}, loss_fn=_model_loss,
-                             hardware=_HW, timeout=120, cp=2, tp=2, cp_kv="ring", verify=False)
+    model, ids, mask, labels, _, whole = _shared_llama()
+    with shared_plans(_PLANS) as plans:
+        pm = fxsplit.parallelize(model, *whole, loss_fn=_model_loss, hardware=_HW, timeout=120, verify=False,
+                                 **LLAMA_TP)
+    assert plans.misses == 0, "Llama cp2 x tp2 planned on a rank: the plan made before the fork went unused"
     loss = float(pm.step(ids, attention_mask=mask, labels=labels, target=labels))
     return dict(loss=loss, grads=local_grads(pm), tp=pm.coords["tp"], specs=dict(pm.plan.tp_plan.param_specs))
 
@@ -331,15 +354,34 @@ def _whole(grad):
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
+_SHARDED: dict = {}  # label -> (model, x, y, example): built once per process
+
+
+def _sharded_case(label):
+    if label not in _SHARDED:
+        name, opts = SHARDED_CASES[label]
+        model, x, y = _sharded_example(name)
+        _SHARDED[label] = model, x, y, x[:x.shape[0] // (opts.get("dp", 1) * opts.get("dp_shard", 1))]
+    return _SHARDED[label]
+
+
+def _prepare_sharded():
+    """Every SHARDED_CASES layout planned once per launch, before the ranks fork (as _prepare)."""
+    for label, (_, opts) in SHARDED_CASES.items():
+        model, _, _, example = _sharded_case(label)
+        _PLANS.add(model, (example,), hardware=_HW, verify=False, **opts)
+
+
 def _train_sharded(rank, world):
     from fxsplit.testing.data import replica_index
 
     out = {}
     for label, (name, opts) in SHARDED_CASES.items():
-        model, x, y = _sharded_example(name)
-        data = opts.get("dp", 1) * opts.get("dp_shard", 1)
-        pm = fxsplit.parallelize(model, (x[:x.shape[0] // data],), loss_fn=_logits_loss, hardware=_HW, timeout=120,
-                                 verify=False, **opts)
+        model, x, y, example = _sharded_case(label)
+        with shared_plans(_PLANS) as plans:
+            pm = fxsplit.parallelize(model, (example,), loss_fn=_logits_loss, hardware=_HW, timeout=120, verify=False,
+                                     **opts)
+        assert plans.misses == 0, f"rank {rank} planned {label} itself: the plan made before the fork went unused"
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
         losses, grads, norms = [], [], []
         for _ in range(STEPS):
@@ -377,7 +419,7 @@ def test_cp_with_fsdp_and_experts_trains_like_one_process_over_gloo():
     """cp=2 x dp_shard=2 (FSDP2 over dp_shard x cp), cp=2 x dp=2 x ep=2 and cp=2 x dp_shard=2 x ep=2 on
     Mixtral: every step's loss, whole-model gradient norm and every gradient (FSDP shards gathered, each
     rank's block of experts) against one process on the whole batch, on every rank, ONE launch of 4."""
-    results = run_distributed(_train_sharded, 4, timeout=900)
+    results = run_distributed(_train_sharded, 4, timeout=900, prepare=(_prepare_sharded, ()))
     for label, (name, opts) in SHARDED_CASES.items():
         ref_losses, ref_grads, ref_norms = _sharded_reference(name)
         ep = opts.get("ep", 1)

@@ -13,7 +13,7 @@ import torch
 
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
-from fxsplit.testing.trace_cache import SharedTraces, shared_traces
+from fxsplit.testing.trace_cache import SharedPlans, SharedTraces, shared_plans, shared_traces
 
 STEPS = 3
 LR = 1e-2
@@ -56,6 +56,24 @@ def _shared(name, overrides):
     if key not in _MODELS:
         _MODELS[key] = _make(name, overrides)
     return _MODELS[key]
+
+
+# A launch that prepares ([Note: preparing once per launch] in fxsplit.testing.harness) builds those
+# models and plans each layout once, before its ranks fork; every rank takes its copy of the plan
+# ([Note: plans made before the fork] in fxsplit.testing.trace_cache).
+_PLANS = SharedPlans()
+
+
+def _prepare(layouts):
+    with shared_traces(_TRACES):
+        for name, overrides, options in layouts.values():
+            model, args, kwargs, _ = _shared(name, dict(overrides))
+            _PLANS.add(model, args, kwargs, verify=False, **{"hardware": HW, **options})
+
+
+def _all_prepared(rank, out):
+    assert _PLANS.misses == 0, f"rank {rank} planned {_PLANS.misses} layout(s) itself: a plan made before the fork went unused"
+    return out
 
 
 def _hf_loss(out, y):
@@ -141,7 +159,7 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
     model, args, kwargs, loss_fn = _shared(name, overrides)
     options.setdefault("hardware", HW)
     # numerics are checked here, against one process: no plan-time verification on top
-    with shared_traces(_TRACES):
+    with shared_traces(_TRACES), shared_plans(_PLANS):
         pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, timeout=60, verify=False, **options)
     opt = _opt(pm.parameters())
     local_kwargs = {k: _data_slice(pm, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -236,12 +254,13 @@ LAYOUTS_4 = {
 
 
 def _cases_4(rank, world):
-    return {label: _train(rank, world, name, dict(ov), dict(opts)) for label, (name, ov, opts) in LAYOUTS_4.items()}
+    return _all_prepared(rank, {label: _train(rank, world, name, dict(ov), dict(opts))
+                                for label, (name, ov, opts) in LAYOUTS_4.items()})
 
 
 @pytest.mark.dist
 def test_dp_shard_layouts_match_single_process():
-    results = run_distributed(_cases_4, 4, timeout=400)
+    results = run_distributed(_cases_4, 4, timeout=400, prepare=(_prepare, (LAYOUTS_4,)))
     for label, (name, ov, opts) in LAYOUTS_4.items():
         _check([r[label] for r in results], *_reference(name, ov), dp_shard=opts["dp_shard"])
 
@@ -255,12 +274,13 @@ ZB_4 = {
 
 
 def _zb_cases_4(rank, world):
-    return {label: _train(rank, world, name, dict(ov), dict(opts)) for label, (name, ov, opts) in ZB_4.items()}
+    return _all_prepared(rank, {label: _train(rank, world, name, dict(ov), dict(opts))
+                                for label, (name, ov, opts) in ZB_4.items()})
 
 
 @pytest.mark.dist
 def test_dp_shard_with_zero_bubble_schedules_matches_single_process():
-    results = run_distributed(_zb_cases_4, 4, timeout=400)
+    results = run_distributed(_zb_cases_4, 4, timeout=400, prepare=(_prepare, (ZB_4,)))
     for label, (name, ov, opts) in ZB_4.items():
         assert all(r[label]["fallbacks"] == {} for r in results), [r[label]["fallbacks"] for r in results]
         _check([r[label] for r in results], *_reference(name, ov), dp_shard=opts["dp_shard"])

@@ -16,6 +16,7 @@ from fxsplit.errors import PlanError, UsageError
 from fxsplit.graph.ops import op_name
 from fxsplit.schedule.ir import ActionKind
 from fxsplit.testing import run_distributed, zoo
+from fxsplit.testing.trace_cache import SharedPlans, shared_plans
 
 NEW = 8
 SAMPLED = dict(do_sample=True, temperature=0.9, top_k=20, seed=3)
@@ -342,12 +343,50 @@ def _family(name):
     return getattr(hf_zoo, f"tiny_{name}")()
 
 
+TP2_PP2 = dict(tp=2, pp=2, microbatches=2)
+ZBV = dict(tp=2, pp=2, microbatches=2, schedule="zbv")
+DP2_PP2 = dict(dp=2, pp=2, microbatches=2)
+DS2_PP2 = dict(dp_shard=2, pp=2, microbatches=2)
+_BUILT: dict = {}  # "gpt" or a family -> (model, args, kwargs), built once per process
+_PLANS = SharedPlans()
+
+
+def _built(name):
+    if name not in _BUILT:
+        _BUILT[name] = zoo.make("gpt") if name == "gpt" else _family(name)
+    return _BUILT[name]
+
+
+def _family_inputs(name):
+    model, args, kwargs = _built(name)
+    return model, args, kwargs if name == "llama" else {}  # llama keeps its attention mask as a graph input
+
+
+def _prepare():
+    """Once per launch, before the ranks fork ([Note: preparing once per launch] in fxsplit.testing.harness):
+    every layout _generations parallelizes, planned; each rank takes its copy instead of planning it
+    ([Note: plans made before the fork] in fxsplit.testing.trace_cache). parallelize never modifies the
+    model, so every gpt layout plans the one zoo GPT."""
+    model, args, _ = _built("gpt")
+    for options in (TP2_PP2, ZBV, DP2_PP2, DS2_PP2, TP2_PP2):  # the last: _fault's
+        _PLANS.add(model, args, verify=False, **options)
+    for name in HF_FAMILIES:
+        _PLANS.add(*_family_inputs(name), verify=False, **TP2_PP2)
+
+
 def _generations(rank, world):
+    with shared_plans(_PLANS) as plans:
+        out = _generate_all(rank)
+    assert plans.misses == 0, f"rank {rank} planned {plans.misses} layout(s) itself: a plan made before the fork went unused"
+    return out
+
+
+def _generate_all(rank):
     out = {}
-    model, args, _ = zoo.make("gpt")
+    model, args, _ = _built("gpt")
     # the tokens are compared with one process below, and every rank computes the same plan:
     # rank 0 verifies it (the default), the others do not repeat that check
-    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, timeout=60, verify=None if rank == 0 else False)
+    pm = fxsplit.parallelize(model, args, timeout=60, verify=None if rank == 0 else False, **TP2_PP2)
     V = model.config.vocab_size
     out[("gpt", "path")] = cache_path(pm)  # None: the KV cache
     for b in (1, 3):
@@ -369,22 +408,19 @@ def _generations(rank, world):
         out[("gpt", "bad_option")] = (type(exc).__name__, "temperature=0.0" in str(exc), "global rank" in str(exc))
     out[("gpt", "after")] = pm.generate(_prompt(1, 5, V, 1), max_new_tokens=2)
     # zbv: the last stage sits on the first stage's rank, so the token stays on the rank
-    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, schedule="zbv", timeout=60,
-                             verify=None if rank == 0 else False)
+    pm = fxsplit.parallelize(model, args, timeout=60, verify=None if rank == 0 else False, **ZBV)
     out[("gpt", "zbv")] = pm.generate(_prompt(3, 5, V, 3), max_new_tokens=NEW)
     # dp=2 x pp=2: each replica (ranks 0-1, 2-3) continues its own prompt
     # the tokens are compared with one process below: plan-time verification (every rank emulating
     # every rank) is the same model's check again, so only the first parallelize runs it
-    pm = fxsplit.parallelize(model, args, dp=2, pp=2, microbatches=2, timeout=60, verify=False)
+    pm = fxsplit.parallelize(model, args, timeout=60, verify=False, **DP2_PP2)
     dp_out = [pm.generate(_prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW)]
     # dp_shard=2 x pp=2 (FSDP2 units gathered for the whole call): the same replicas
-    pm = fxsplit.parallelize(model, args, dp_shard=2, pp=2, microbatches=2, timeout=60, verify=False)
+    pm = fxsplit.parallelize(model, args, timeout=60, verify=False, **DS2_PP2)
     dp_out.append(pm.generate(_prompt(1, 5, V, 10 + rank // 2), max_new_tokens=NEW))
     for name in HF_FAMILIES:
-        model, args, kwargs = _family(name)
-        # llama keeps its attention mask as a graph input: generate fills it
-        pm = fxsplit.parallelize(model, args, kwargs if name == "llama" else {}, tp=2, pp=2, microbatches=2,
-                                 timeout=60, verify=False)
+        model, args, kwargs = _family_inputs(name)  # llama's attention mask a graph input: generate fills it
+        pm = fxsplit.parallelize(model, args, kwargs, timeout=60, verify=False, **TP2_PP2)
         eos = model.generation_config.eos_token_id
         out[(name, "path")] = cache_path(pm)
         for b in (1, 2):
@@ -432,8 +468,8 @@ def _fault(rank):
 
     from fxsplit.api import generate as gen
 
-    model, args, _ = zoo.make("gpt")
-    pm = fxsplit.parallelize(model, args, tp=2, pp=2, microbatches=2, timeout=60, verify=False)
+    model, args, _ = _built("gpt")  # the GPT the first layout ran (parallelize left it as it was)
+    pm = fxsplit.parallelize(model, args, timeout=60, verify=False, **TP2_PP2)
     calls = [0]
     pick = gen.next_tokens
 
@@ -468,7 +504,7 @@ def _hf_reference(name, key):
 @pytest.mark.dist
 @pytest.mark.hf
 def test_generate_at_tp2_pp2_equals_one_process():
-    results = run_distributed(_generations, 4, timeout=600)
+    results = run_distributed(_generations, 4, timeout=600, prepare=(_prepare, ()))
     gpt, _, _ = zoo.make("gpt")
     V = gpt.config.vocab_size
     for rank, (_, dp_out) in enumerate(results):

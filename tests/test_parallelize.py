@@ -10,7 +10,7 @@ import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
 from fxsplit.testing.data import replica_slice
-from fxsplit.testing.trace_cache import SharedTraces, shared_traces
+from fxsplit.testing.trace_cache import SharedPlans, SharedTraces, shared_plans, shared_traces
 
 STEPS = 3
 LR = 0.05
@@ -74,8 +74,30 @@ def _model(make, name, overrides):
 
 def _parallelize(rank, model, args, kwargs, **options):
     options.setdefault("verify", None if rank == 0 else False)
-    with shared_traces(_TRACES):
+    with shared_traces(_TRACES), shared_plans(_PLANS):
         return fxsplit.parallelize(model, args, kwargs, **options)
+
+
+# A launch that prepares ([Note: preparing once per launch] in fxsplit.testing.harness) builds its
+# models and plans every layout once, before the ranks fork; each rank takes its copy of the plan
+# ([Note: plans made before the fork] in fxsplit.testing.trace_cache).
+_PLANS = SharedPlans()
+_INF_LINK = fxsplit.Hardware(link_bytes_per_s=float("inf"))
+
+
+def _prepare(layouts):
+    """``layouts``: ``(make, name, overrides, options)`` per parallelize of the launch, as _train and
+    _hf_train call it (``loss_fn`` in the options is the step's, not the plan's)."""
+    with shared_traces(_TRACES):
+        for make, name, overrides, options in layouts:
+            model, args, kwargs = _model(make, name, overrides)
+            planned = {k: v for k, v in options.items() if k != "loss_fn"}
+            _PLANS.add(model, args, kwargs, verify=False, **{"hardware": _INF_LINK, **planned})
+
+
+def _all_prepared(rank, out):
+    assert _PLANS.misses == 0, f"rank {rank} planned {_PLANS.misses} layout(s) itself: a plan made before the fork went unused"
+    return out
 
 
 def _train(rank, world, name, overrides, options, steps=STEPS):
@@ -210,7 +232,8 @@ OVERRIDES_4 = {"batch_size": 4}
 
 
 def _cases_4(rank, world):
-    return {label: _train(rank, world, "gpt", dict(OVERRIDES_4), dict(opts)) for label, opts in LAYOUTS_4.items()}
+    return _all_prepared(rank, {label: _train(rank, world, "gpt", dict(OVERRIDES_4), dict(opts))
+                                for label, opts in LAYOUTS_4.items()})
 
 
 @pytest.mark.dist
@@ -220,7 +243,8 @@ def test_3d_layouts_match_single_process():
     # data-parallel mean over the dp group, with a pipeline (dp2-pp2) and without (dp2-tp2,
     # dp4-pp1, where every gradient goes in one all-reduce after the step);
     # full_state_dict() reassembles tp shards and pp stages into the original names and shapes
-    results = run_distributed(_cases_4, 4, timeout=400)
+    results = run_distributed(_cases_4, 4, timeout=400,
+                              prepare=(_prepare, ([(zoo.make, "gpt", OVERRIDES_4, opts) for opts in LAYOUTS_4.values()],)))
     ref = _reference("gpt", OVERRIDES_4)
     for label in LAYOUTS_4:
         _check([r[label] for r in results], *ref)
@@ -231,11 +255,15 @@ def _hf_loss(out, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _hf_train(rank, world, builder, options, steps=STEPS, grads=False):
-    """The losses of ``steps`` SGD steps; with ``grads``, a dict for :func:`check_grads` too."""
+def _hf_make(builder, **overrides):
     from fxsplit.testing import hf_zoo
 
-    model, args, kwargs = _model(lambda b, **ov: getattr(hf_zoo, b)(**ov), builder, {"batch_size": HF_BATCH})
+    return getattr(hf_zoo, builder)(**overrides)
+
+
+def _hf_train(rank, world, builder, options, steps=STEPS, grads=False):
+    """The losses of ``steps`` SGD steps; with ``grads``, a dict for :func:`check_grads` too."""
+    model, args, kwargs = _model(_hf_make, builder, {"batch_size": HF_BATCH})
     options = dict(options)
     options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
     pm = _parallelize(rank, model, args, kwargs, loss_fn=_hf_loss, timeout=90, **options)
@@ -286,9 +314,12 @@ HF_LAYOUTS = {"dp2-pp2": dict(dp=2, pp=2, microbatches=2), "tp2-pp2": dict(tp=2,
               "dp2-tp2": dict(dp=2, tp=2)}
 
 
+HF_BUILDERS = ("tiny_gpt2", "tiny_llama")
+
+
 def _hf_cases(rank, world):
-    return {(b, label): _hf_train(rank, world, b, dict(opts), grads=True)
-            for b in ("tiny_gpt2", "tiny_llama") for label, opts in HF_LAYOUTS.items()}
+    return _all_prepared(rank, {(b, label): _hf_train(rank, world, b, dict(opts), grads=True)
+                                for b in HF_BUILDERS for label, opts in HF_LAYOUTS.items()})
 
 
 @pytest.mark.dist
@@ -298,7 +329,8 @@ def test_hf_models_in_3d_layouts():
     process on the global batch."""
     from fxsplit.testing import hf_zoo
 
-    results = run_distributed(_hf_cases, 4, timeout=600)
+    results = run_distributed(_hf_cases, 4, timeout=600, prepare=(_prepare, (
+        [(_hf_make, b, {"batch_size": HF_BATCH}, opts) for b in HF_BUILDERS for opts in HF_LAYOUTS.values()],)))
     for builder in ("tiny_gpt2", "tiny_llama"):
         ref, ref_grads = _hf_reference(builder, grads=True)
         model = _model(lambda b, **ov: getattr(hf_zoo, b)(**ov), builder, {"batch_size": HF_BATCH})[0]
