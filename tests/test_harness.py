@@ -149,3 +149,66 @@ def test_pickling_failures_name_the_culprit():
     with pytest.raises(DistributedRunError, match="rank 1 failed: ArgumentTypeError: .*rank 1 returned a function"):
         run_distributed(_return_unpicklable, 2, timeout=60)
 
+
+
+# [Note: preparing once per launch]: prepare runs once, in the process the ranks are forked from
+_PREPARED: dict = {}
+
+
+def _prepare(pid_dir, value):
+    with open(pid_dir / "prepare.log", "a") as f:  # one line per run of prepare, whatever process runs it
+        f.write(f"{os.getpid()}\n")
+    _PREPARED["value"] = torch.arange(4.0) * value
+    _PREPARED["pid"] = os.getpid()
+
+
+def _inherited(rank, world_size, pid_dir):
+    (pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
+    t = _PREPARED["value"] + rank
+    dist.all_reduce(t)
+    return dict(sum=t.tolist(), prepared_in=_PREPARED["pid"], parent=os.getppid(), me=os.getpid(),
+                threads=torch.get_num_threads())
+
+
+def test_prepare_runs_once_and_every_rank_inherits_it(tmp_path):
+    out = run_distributed(_inherited, 3, tmp_path, timeout=60, prepare=(_prepare, (tmp_path, 2.0)))
+    runs = (tmp_path / "prepare.log").read_text().split()
+    assert len(runs) == 1, runs
+    launcher = int(runs[0])
+    assert all(o["prepared_in"] == launcher == o["parent"] and o["me"] != launcher for o in out), (launcher, out)
+    assert [o["sum"] for o in out] == [[3.0, 9.0, 15.0, 21.0]] * 3  # sum over ranks of 2 * arange(4) + rank
+    assert all(o["threads"] == 1 for o in out)
+    assert _pids_left(tmp_path) == []
+
+
+def _prepare_raises():
+    raise ValueError("no model today")
+
+
+def _prepare_leaves_a_thread():
+    import threading
+
+    threading.Thread(target=threading.Event().wait, name="left-behind", daemon=True).start()
+
+
+def test_prepare_failures_are_reported_before_any_rank_starts(tmp_path):
+    with pytest.raises(DistributedRunError, match="prepare failed: ValueError: no model today") as info:
+        run_distributed(_inherited, 2, tmp_path, timeout=60, prepare=(_prepare_raises, ()))
+    assert info.value.rank is None and "_prepare_raises" in info.value.rank_traceback
+    with pytest.raises(DistributedRunError, match=r"prepare failed: UsageError: .*threads running \(left-behind\)"):
+        run_distributed(_inherited, 2, tmp_path, timeout=60, prepare=(_prepare_leaves_a_thread, ()))
+    assert list(tmp_path.glob("rank*.pid")) == []  # no rank ran
+
+
+def test_prepared_ranks_fail_and_hang_as_others_do(tmp_path):
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_raise_on_rank_one, 2, tmp_path, timeout=60, prepare=(_prepare, (tmp_path, 1.0)))
+    assert info.value.rank == 1 and "ValueError: boom from the test" in str(info.value)
+    assert _pids_left(tmp_path) == []
+    start = time.monotonic()
+    with pytest.raises(DistributedRunError) as info:
+        run_distributed(_hang_on_rank_one, 2, tmp_path, timeout=5, prepare=(_prepare, (tmp_path, 1.0)))
+    assert info.value.rank is None and 1 in info.value.stuck_ranks and 5 <= time.monotonic() - start < 15
+    assert _pids_left(tmp_path) == []  # killed by pid, reaped by the launcher before the launch returned
+    with pytest.raises(DistributedRunError, match="rank 0 exited with code 3 before returning a result"):
+        run_distributed(_die_on_rank_zero, 2, timeout=60, prepare=(_prepare, (tmp_path, 1.0)))

@@ -1,12 +1,15 @@
 """fxsplit.testing.trace_cache: plans from a shared trace are the plans of a fresh trace (stage
 code, node metadata, shardings, schedule, every name of a tied weight), the cached trace is
-never handed out, and a model changed between the plans is traced again."""
+never handed out, and a model changed between the plans is traced again; a plan kept by
+SharedPlans is what parallelize would plan, handed out once per add."""
+
+import importlib
 
 import torch
 
 import fxsplit
 from fxsplit.testing import zoo
-from fxsplit.testing.trace_cache import copy_graph_module, shared_traces
+from fxsplit.testing.trace_cache import SharedPlans, copy_graph_module, shared_plans, shared_traces
 
 HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 LAYOUTS = [dict(tp=2, pp=2, microbatches=2, activation_checkpointing="selective"), dict(tp=2, sequence_parallel=True)]
@@ -63,3 +66,27 @@ def test_the_copy_shares_tensors_and_keeps_every_module():
     dup.get_submodule(path).weight = torch.nn.Parameter(torch.zeros(1))
     assert "seen" not in next(iter(gm.graph.nodes)).meta
     assert gm.get_submodule(path).weight is names[f"{path}.weight"]
+
+
+def test_a_kept_plan_is_parallelizes_own_plan_handed_out_once():
+    """[Note: plans made before the fork]: ``add`` plans as parallelize does (its planning config:
+    verify=None, the default, keys like verify=False), ``shared_plans`` hands that plan to
+    parallelize's call once, and plans afresh for a second call or another model object."""
+    from fxsplit.api.options import make_config
+    from fxsplit.api.parallelize import planning_config
+
+    par = importlib.import_module("fxsplit.api.parallelize")
+    planner = importlib.import_module("fxsplit.api.plan").plan
+    options = dict(pp=2, microbatches=2)
+    model, args, kwargs = zoo.make("gpt", batch_size=4)
+    other, _, _ = zoo.make("gpt", batch_size=4)
+    config = planning_config(make_config(None, dict(hardware=HW, verify=None, **options), where="parallelize"), "cpu")
+    cache = SharedPlans()
+    kept = cache.add(model, args, kwargs, hardware=HW, verify=False, **options)
+    with shared_plans(cache):
+        first = par.plan(model, args, kwargs, config=config, global_batch_size=None)  # as parallelize calls it
+        second = par.plan(model, args, kwargs, config=config, global_batch_size=None)
+        elsewhere = par.plan(other, args, kwargs, config=config, global_batch_size=None)
+    assert par.plan is planner  # restored
+    assert first is kept and second is not kept and elsewhere is not kept and (cache.hits, cache.misses) == (1, 2)
+    assert _summary(kept) == _summary(second) == _summary(planner(model, args, kwargs, config=config))
