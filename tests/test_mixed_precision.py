@@ -27,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._python_dispatch import TorchDispatchMode
 from fxsplit.testing import run_distributed, zoo
 from fxsplit.testing.data import replica_slice
+from fxsplit.testing.trace_cache import SharedPlans, shared_plans
 
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
 GRAD_RTOL = 3e-2  # per tensor (measured worst 0.0132)
@@ -80,13 +81,39 @@ def _whole_gap(grads: dict, ref: dict) -> float:
     return float(diff.norm() / torch.cat([g.float().flatten() for g in ref.values()]).norm())
 
 
+# Each launch builds a fresh model per layout (a rank writes the gradients into its parameters, which at
+# tp=1 are the model's own) and plans them all once, before its ranks fork ([Note: preparing once per
+# launch] in fxsplit.testing.harness); each rank takes its copy ([Note: plans made before the fork]).
+_PREPARED: dict = {}  # layout label -> (model, args, kwargs)
+_PLANS = SharedPlans()
+INF_LINK = fxsplit.Hardware(link_bytes_per_s=float("inf"))
+
+
+def _prepare(kind, layouts, options):
+    for label, opts in layouts.items():
+        if kind == "gpt":
+            model, args, kwargs = zoo.make("gpt", **GPT)
+        else:
+            model, x, _ = _llama()
+            args, kwargs = (x,), {}
+        _PREPARED[label] = model, args, kwargs
+        _PLANS.add(model, args, kwargs, hardware=INF_LINK, **options, **opts)
+
+
+def _prepared(rank, label, **options):
+    """``(model, args, kwargs, pm)``: the model prepared for ``label``, parallelized from its plan."""
+    model, args, kwargs = _PREPARED[label]
+    with shared_plans(_PLANS) as plans:
+        pm = fxsplit.parallelize(model, args, kwargs, timeout=60, hardware=INF_LINK, **options)
+    assert plans.misses == 0, f"rank {rank} planned {label} itself: the plan made before the fork went unused"
+    return model, args, kwargs, pm
+
+
 def _autocast_step(rank, world):
     out = {}
     for label, opts in LAYOUTS.items():
         torch.manual_seed(0)
-        model, args, kwargs = zoo.make("gpt", **GPT)
-        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60,
-                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
+        model, args, kwargs, pm = _prepared(rank, label, loss_fn=zoo.loss_fn("gpt"), **opts)
         x, y = _batch(model, args)
         with torch.autocast(**AUTOCAST):
             logits = pm.forward(x)  # inference: the same boundary casts, no autograd
@@ -107,7 +134,7 @@ def test_user_autocast_matches_one_process():
     model, args, _ = zoo.make("gpt", **GPT)
     with torch.no_grad(), torch.autocast(**AUTOCAST):
         ref_logits = model(_batch(model, args)[0])
-    results = run_distributed(_autocast_step, 4, timeout=300)
+    results = run_distributed(_autocast_step, 4, timeout=300, prepare=(_prepare, ("gpt", LAYOUTS, {})))
     for label in LAYOUTS:
         for rank, r in enumerate(results):
             loss, grads, matmul_dtypes, logits = r[label]
@@ -175,9 +202,7 @@ def _mp_step(rank, world):
     out = {}
     for label, opts in MP_LAYOUTS.items():
         torch.manual_seed(0)
-        model, args, kwargs = zoo.make("gpt", **GPT)
-        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60, mp_policy=POLICY,
-                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
+        model, args, kwargs, pm = _prepared(rank, label, loss_fn=zoo.loss_fn("gpt"), mp_policy=POLICY, **opts)
         x, y = _batch(model, args)
         with _MatmulDtypes() as seen:
             loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
@@ -196,7 +221,7 @@ def test_mp_policy_matches_the_same_casts_in_one_process():
     x, y = _batch(model, args)
     ref_loss, ref_grads = mixed_precision_reference(model, (x,), y, zoo.loss_fn("gpt"))
     floor = 1e-3 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
-    results = run_distributed(_mp_step, 4, timeout=300)
+    results = run_distributed(_mp_step, 4, timeout=300, prepare=(_prepare, ("gpt", MP_LAYOUTS, dict(mp_policy=POLICY))))
     for label in MP_LAYOUTS:
         for rank, r in enumerate(results):
             loss, grads, matmul_dtypes, fp32 = r[label]
@@ -220,8 +245,11 @@ def _llama():
 
     torch.manual_seed(0)
     model, (x,), _ = hf_zoo.tiny_llama(num_hidden_layers=2, batch_size=4, seq_len=8)
-    y = torch.randint(0, model.config.vocab_size, x.shape, generator=torch.Generator().manual_seed(2))
-    return model, x, y
+    return model, x, _llama_target(model, x)
+
+
+def _llama_target(model, x):
+    return torch.randint(0, model.config.vocab_size, x.shape, generator=torch.Generator().manual_seed(2))
 
 
 def _lm_loss(out, y):
@@ -231,9 +259,8 @@ def _lm_loss(out, y):
 def _llama_step(rank, world):
     out = {}
     for label, opts in LAYOUTS.items():
-        model, x, y = _llama()
-        pm = fxsplit.parallelize(model, (x,), loss_fn=_lm_loss, timeout=60, mp_policy=POLICY,
-                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
+        model, (x,), _, pm = _prepared(rank, label, loss_fn=_lm_loss, mp_policy=POLICY, **opts)
+        y = _llama_target(model, x)
         with _MatmulDtypes() as seen:
             loss = pm.step(replica_slice(pm, x), target=replica_slice(pm, y))
         with torch.no_grad():
@@ -260,7 +287,7 @@ def test_mp_policy_on_hf_llama_matches_one_process():
     model, x, y = _llama()
     ref_loss, ref_grads = mixed_precision_reference(model, (x,), y, _lm_loss)
     floor = 1e-3 * float(torch.cat([g.flatten() for g in ref_grads.values()]).norm())
-    results = run_distributed(_llama_step, 4, timeout=300)
+    results = run_distributed(_llama_step, 4, timeout=300, prepare=(_prepare, ("llama", LAYOUTS, dict(mp_policy=POLICY))))
     for label in LAYOUTS:
         for rank, r in enumerate(results):
             loss, grads, matmul_dtypes = r[label]
