@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
 from fxsplit.testing.data import replica_slice
+from fxsplit.testing.trace_cache import SharedPlans, shared_plans
 
 FP16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
 # a global batch of 4: each of the 2 data-parallel replicas trains on its own 2 samples
@@ -64,14 +65,37 @@ def _reference(scaler_kw: dict):
     return losses, scales, init, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+# A launch builds a fresh GPT per layout (each rank trains it: at tp=1 its parameters are the model's own)
+# and plans them all once, before the ranks fork ([Note: preparing once per launch] in
+# fxsplit.testing.harness); each rank takes its copy ([Note: plans made before the fork]).
+_PREPARED: dict = {}  # layout label -> (model, args, kwargs)
+_PLANS = SharedPlans()
+INF_LINK = fxsplit.Hardware(link_bytes_per_s=float("inf"))
+
+
+def _prepare(options):
+    for label, opts in LAYOUTS.items():
+        model, args, kwargs = _PREPARED[label] = zoo.make("gpt", **GPT)
+        _PLANS.add(model, args, kwargs, hardware=INF_LINK, **options, **opts)
+
+
+def _prepared(rank, label, **options):
+    """``(model, args, kwargs, pm)``: the GPT prepared for ``label`` (its batches taken from the model
+    before the parallelized model trains it), parallelized from its plan."""
+    model, args, kwargs = _PREPARED[label]
+    batches = _batches(model, args)
+    with shared_plans(_PLANS) as plans:
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60, hardware=INF_LINK,
+                                 **options)
+    assert plans.misses == 0, f"rank {rank} planned {label} itself: the plan made before the fork went unused"
+    return batches, pm
+
+
 def _train(rank, world, scaler_kw):
     out = {}
     for label, opts in LAYOUTS.items():
         torch.manual_seed(0)
-        model, args, kwargs = zoo.make("gpt", **GPT)
-        batches = _batches(model, args)
-        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60, mp_policy=FP16,
-                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
+        batches, pm = _prepared(rank, label, mp_policy=FP16, **opts)
         opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
         scaler = torch.amp.GradScaler("cpu", **scaler_kw)
         losses, scales = [], []
@@ -108,7 +132,7 @@ def test_fp16_grad_scaler_matches_one_process(scaler_kw):
         assert ref_scales == [2.0**23, 2.0**10, 2.0**10, 2.0**10], ref_scales
     else:
         assert ref_scales[0] == init_scale, "the finite case overflowed in one process"
-    results = run_distributed(_train, 4, scaler_kw, timeout=300)
+    results = run_distributed(_train, 4, scaler_kw, timeout=300, prepare=(_prepare, (dict(mp_policy=FP16),)))
     for label in LAYOUTS:
         for rank, r in enumerate(results):
             losses, scales, params = r[label]
@@ -199,10 +223,7 @@ def _autocast_train(rank, world):
     out = {}
     for label, opts in LAYOUTS.items():
         torch.manual_seed(0)
-        model, args, kwargs = zoo.make("gpt", **GPT)
-        batches = _batches(model, args)
-        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60,
-                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
+        batches, pm = _prepared(rank, label, **opts)
         opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
         scaler = torch.amp.GradScaler("cpu", **AUTOCAST_SCALER)
         losses, scales = [], []
@@ -229,7 +250,7 @@ def test_fp16_user_autocast_with_grad_scaler_matches_one_process():
     assert ref_scales[0] == AUTOCAST_SCALER["init_scale"], "overflowed in one process"
     ref_updates = {k: v - init[k] for k, v in ref_params.items()}
     floor = 1e-3 * float(torch.cat([u.flatten() for u in ref_updates.values()]).norm())
-    results = run_distributed(_autocast_train, 4, timeout=300)
+    results = run_distributed(_autocast_train, 4, timeout=300, prepare=(_prepare, ({},)))
     for label in LAYOUTS:
         for rank, r in enumerate(results):
             losses, scales, params = r[label]
