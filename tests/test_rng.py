@@ -9,7 +9,7 @@ from torch import nn
 import fxsplit
 from fxsplit.testing import run_distributed, zoo
 from fxsplit.testing.data import replica_slice
-from fxsplit.testing.trace_cache import SharedTraces, shared_traces
+from fxsplit.testing.trace_cache import SharedPlans, SharedTraces, shared_plans, shared_traces
 from fxsplit.tp.random import derive_seed, is_random, stage_stream, tp_stream
 
 GPT = dict(n_layer=4, dropout=0.2, attn_dropout=0.2, batch_size=4, seq_len=8)
@@ -94,12 +94,51 @@ def _model(key, build):
     return _MODELS[key]
 
 
-def _parallel(seed, **options):
-    model, args, _ = _model("gpt", lambda: zoo.make("gpt", **GPT))
-    options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
+INF_LINK = fxsplit.Hardware(link_bytes_per_s=float("inf"))
+# and a launch plans every layout its ranks parallelize once, before they fork ([Note: preparing once
+# per launch] in fxsplit.testing.harness); each rank takes its copy ([Note: plans made before the
+# fork]). The seed is a plan option; seed=None follows torch.manual_seed in the rank, not in the plan.
+_PLANS = SharedPlans()
+
+
+def _gpt():
+    return _model("gpt", lambda: zoo.make("gpt", **GPT))
+
+
+def _hf_gpt2_model():
+    from fxsplit.testing import hf_zoo
+
+    model, args, kwargs = _model("hf-gpt2", lambda: hf_zoo.make_hf("gpt2", resid_pdrop=0.2, attn_pdrop=0.2,
+                                                                    embd_pdrop=0.2))
+    model.train()
+    return model, args, kwargs
+
+
+def _gpt_options(seed, **options):
+    return dict(hardware=INF_LINK, tp=2, pp=2, seed=seed, **options)
+
+
+def _prepare(gpt_layouts, hf_layouts):
+    """Plan each GPT layout (parallelize's options) and each Hugging Face GPT-2 layout."""
     with shared_traces(_TRACES):
-        return fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), tp=2, pp=2, seed=seed, timeout=60,
-                                   **options)
+        model, args, _ = _gpt()
+        for options in gpt_layouts:
+            _PLANS.add(model, args, **options)
+        for options in hf_layouts:
+            torch.manual_seed(0)  # as _hf_gpt2 builds it
+            model, args, kwargs = _hf_gpt2_model()
+            _PLANS.add(model, args, kwargs, hardware=INF_LINK, **options)
+
+
+def _all_prepared(rank, out):
+    assert _PLANS.misses == 0, f"rank {rank} planned {_PLANS.misses} layout(s) itself: a plan made before the fork went unused"
+    return out
+
+
+def _parallel(seed, **options):
+    model, args, _ = _gpt()
+    with shared_traces(_TRACES), shared_plans(_PLANS):
+        return fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), timeout=60, **_gpt_options(seed, **options))
 
 
 def _losses(pm, batches=(0, 1)):
@@ -170,12 +209,16 @@ def _worker(rank, world):
     out["zb_h1"] = _losses(pm_zb)
     out["zb_h1_grads"], out["zb_h1_fallbacks"] = _grads(pm_zb), dict(pm_zb._runtime.split_fallbacks)
     out["coords"] = pm.coords
-    return out
+    return _all_prepared(rank, out)
+
+
+WORKER_LAYOUTS = [_gpt_options(None), _gpt_options(1), _gpt_options(1, schedule="1f1b"),
+                  _gpt_options(1, schedule="zb_h1")]
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_distributed(_worker, 4, timeout=300)
+    return run_distributed(_worker, 4, timeout=300, prepare=(_prepare, (WORKER_LAYOUTS, [])))
 
 
 def _by(ranks, pp, tp):
@@ -283,15 +326,12 @@ def test_one_process_equals_the_model_on_the_stage_stream():
 
 
 def _hf_gpt2(seed, **options):
-    from fxsplit.testing import hf_zoo
-
     torch.manual_seed(0)
-    model, args, kwargs = _model("hf-gpt2", lambda: hf_zoo.make_hf("gpt2", resid_pdrop=0.2, attn_pdrop=0.2, embd_pdrop=0.2))
-    model.train()
+    model, args, kwargs = _hf_gpt2_model()
     loss_fn = lambda out, y: nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # noqa: E731
-    with shared_traces(_TRACES):
-        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, seed=seed, timeout=60,
-                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **options)
+    with shared_traces(_TRACES), shared_plans(_PLANS):
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, seed=seed, timeout=60, hardware=INF_LINK,
+                                 **options)
     x, mask = args[0], kwargs["attention_mask"]
     g = torch.Generator().manual_seed(3)
     y = torch.randint(0, 256, x.shape, generator=g)
@@ -304,26 +344,28 @@ def _hf_gpt2(seed, **options):
 
 def _layouts_worker(rank, world):
     out = {}
-    for label, opts in {"hf-tp2-pp2": dict(tp=2, pp=2, microbatches=2)}.items():
+    for label, opts in {"hf-tp2-pp2": HF_TP2_PP2}.items():
         pm, a = _hf_gpt2(3, **opts)
         _, b = _hf_gpt2(3, **opts)
         c = _hf_gpt2(4, **opts)[1] if opts.get("tp") else None
         out[label] = dict(losses=(a, b, c), coords=pm.coords, replicated=_replicated_grads(pm))
-    pm = _parallel(1, sequence_parallel=True, microbatches=2)
+    pm = _parallel(1, **SP)
     a = _losses(pm)
-    out["sp"] = dict(losses=(a, _losses(_parallel(1, sequence_parallel=True, microbatches=2))), coords=pm.coords,
+    out["sp"] = dict(losses=(a, _losses(_parallel(1, **SP))), coords=pm.coords,
                      replicated=_replicated_grads(pm))
     out["dp2-tp2"] = _dp_masks()
-    return out
+    return _all_prepared(rank, out)
+
+
+DP_MASKS = dict(dp=2, tp=2, seed=1, hardware=INF_LINK)
 
 
 def _dp_masks():
     """dp=2 x tp=2, each replica on its own half of the global batch: the dropout masks of two
     steps on this rank ([Note: RNG streams] 4: the replicas share the streams)."""
-    model, args, _ = _model("gpt", lambda: zoo.make("gpt", **GPT))
-    with shared_traces(_TRACES):
-        pm = fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), dp=2, tp=2, seed=1, timeout=60,
-                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))
+    model, args, _ = _gpt()
+    with shared_traces(_TRACES), shared_plans(_PLANS):
+        pm = fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), timeout=60, **DP_MASKS)
     masks = _record_masks(pm)
     for i in (0, 1):
         x, y = _batch(i)
@@ -339,9 +381,16 @@ def _replicated_grads(pm):
             for n, p in sm.named_parameters() if p.grad is not None and n not in sharded}
 
 
+HF_TP2_PP2 = dict(tp=2, pp=2, microbatches=2)
+SP = dict(sequence_parallel=True, microbatches=2)
+# what _layouts_worker parallelizes, in order: each layout as often as it does
+LAYOUTS_GPT = [_gpt_options(1, **SP), _gpt_options(1, **SP), DP_MASKS]
+LAYOUTS_HF = [dict(seed=3, **HF_TP2_PP2), dict(seed=3, **HF_TP2_PP2), dict(seed=4, **HF_TP2_PP2)]
+
+
 @pytest.fixture(scope="module")
 def layouts():
-    return run_distributed(_layouts_worker, 4, timeout=420)
+    return run_distributed(_layouts_worker, 4, timeout=420, prepare=(_prepare, (LAYOUTS_GPT, LAYOUTS_HF)))
 
 
 @pytest.mark.dist
