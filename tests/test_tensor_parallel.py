@@ -108,9 +108,19 @@ def _run_tp(rank: int, world: int, spec: tuple, options: dict, traced: dict) -> 
             "regions": len(plan.regions), "styles": dict(plan.styles)}
 
 
+_TRACED: dict = {}  # repr(spec) -> its model's trace, made once per launch before the ranks fork
+
+
+def _prepare(cases: list) -> None:
+    """Trace each model of ``cases`` once ([Note: preparing once per launch] in fxsplit.testing.harness):
+    every rank copies the trace it inherited instead of tracing the same model itself."""
+    for spec, _ in cases:
+        if repr(spec) not in _TRACED:
+            _TRACED[repr(spec)] = fxsplit.trace(*_build(spec))
+
+
 def _cases_worker(rank: int, world: int, cases: list) -> list:
-    traced: dict = {}
-    return [_run_tp(rank, world, spec, options, traced) for spec, options in cases]
+    return [_run_tp(rank, world, spec, options, _TRACED) for spec, options in cases]
 
 
 _REFERENCES: dict[str, tuple] = {}
@@ -184,6 +194,6 @@ CASES_4 = [
 @pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["t2", "t4"])
 def test_tp_matches_single_process(world, cases):
-    results = run_distributed(_cases_worker, world, cases, timeout=300)
+    results = run_distributed(_cases_worker, world, cases, timeout=300, prepare=(_prepare, (cases,)))
     for i, (spec, options) in enumerate(cases):
         _check(spec, options, [results[r][i] for r in range(world)])
