@@ -11,6 +11,7 @@ from torch import nn
 import fxsplit
 from fxsplit.api.materialize import materialize_stage
 from fxsplit.testing import run_distributed
+from fxsplit.testing.trace_cache import SharedPlans, shared_plans
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 V, E, HEADS, T, B = 64, 32, 4, 8, 2
@@ -248,12 +249,27 @@ def _batches():
     return [(_ids(4, seed=s)[0], _ids(4, seed=100 + s)[0]) for s in range(STEPS)]
 
 
-def _train(rank, world):
+LAYOUT = dict(tp=2, pp=2, microbatches=2, schedule="1f1b", hardware=_HW)
+_PREPARED: list = []  # (model, args): the encoder _prepare planned, before the ranks forked
+_PLANS = SharedPlans()
+
+
+def _prepare():
+    """Plan the layout once per launch ([Note: preparing once per launch] in fxsplit.testing.harness);
+    each rank takes its copy of the plan ([Note: plans made before the fork])."""
     model, args, _ = _case("encoder_seq_first")
+    _PREPARED.extend((model, args))
+    _PLANS.add(model, args, **LAYOUT)
+
+
+def _train(rank, world):
+    model, args = _PREPARED
     # compared with one process by the test: rank 0 verifies the plan (the default), the others
     # compute the same plan and do not repeat that check
-    pm = fxsplit.parallelize(model, args, loss_fn=_lm_loss, tp=2, pp=2, microbatches=2, schedule="1f1b",
-                             timeout=60, hardware=_HW, verify=None if rank == 0 else False)
+    with shared_plans(_PLANS) as plans:
+        pm = fxsplit.parallelize(model, args, loss_fn=_lm_loss, timeout=60, verify=None if rank == 0 else False,
+                                 **LAYOUT)
+    assert plans.misses == 0, f"rank {rank} planned itself: the plan made before the fork went unused"
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     losses = []
     for x, y in _batches():
@@ -276,7 +292,7 @@ def test_encoder_lm_trains_like_one_process_tp2_pp2():
         loss.backward()
         opt.step()
         ref.append(loss.item())
-    results = run_distributed(_train, 4, timeout=300)
+    results = run_distributed(_train, 4, timeout=300, prepare=(_prepare, ()))
     assert all(r["blocks"] == (E, E, E) for r in results)
     got = [r["losses"] for r in results if r["losses"][0] is not None]
     assert got, "no rank reported the loss"
