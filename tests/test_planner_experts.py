@@ -64,6 +64,20 @@ def test_memory_at_ep2_holds_half_the_expert_bytes(moe):
     assert EXPERT_LOAD_MARGIN > 1
 
 
+def test_expert_gradients_are_reduced_only_over_their_replicas(moe):
+    """dp = 4: at ep = 4 each expert block lives on one data rank and needs no reduction; at ep = 2
+    it is all-reduced over its 2 replicas; everything else over all 4 data ranks."""
+    w, experts = moe
+    scorer = Scorer(w, _HW, math.inf)
+    one, two, four = (scorer.score(_cand(ep=ep)) for ep in (1, 2, 4))
+    dense = one.memory.params - experts
+    assert four.memory.params == pytest.approx(dense + experts / 4)
+    assert one.dp_time == pytest.approx(_HW.allreduce_time(one.memory.params, 4, _HW.same_node(0, 3)))
+    assert four.dp_time == pytest.approx(_HW.allreduce_time(dense, 4, _HW.same_node(0, 3)))
+    assert two.dp_time == pytest.approx(_HW.allreduce_time(dense, 4, _HW.same_node(0, 3))
+                                        + _HW.allreduce_time(experts / 2, 2, _HW.same_node(0, 2)))
+
+
 def test_dualpipev_hides_part_of_the_all_to_all(moe):
     w, _ = moe
     scorer = Scorer(w, _HW, math.inf)
