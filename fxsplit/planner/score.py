@@ -596,16 +596,23 @@ class Scorer:
         hw, s, step = self.hw, c.dp_shard, c.pp * c.tp
         intra_s = hw.same_node(0, (s - 1) * step)
         rep = c.dp // s
-        reduced = u.params / self.w.param_itemsize * (self.fsdp.reduce_itemsize or self.w.param_itemsize)
+        sharded = u.params - u.experts  # FSDP leaves the expert blocks whole (all-reduced below)
+        per_byte = (self.fsdp.reduce_itemsize or self.w.param_itemsize) / self.w.param_itemsize
+        reduced = sharded * per_byte
         a0, a1 = hw.allgather_time(0.0, s, intra_s), hw.allgather_time(1.0, s, intra_s)
         r0, r1 = hw.reduce_scatter_time(0.0, s, intra_s), hw.reduce_scatter_time(1.0, s, intra_s)
-        has = u.params > 0
-        gather = np.where(has, a0 + (a1 - a0) * u.params, 0.0)
+        has = sharded > 0
+        gather = np.where(has, a0 + (a1 - a0) * sharded, 0.0)
         reduce = np.where(has, r0 + (r1 - r0) * reduced, 0.0)
         if rep > 1:
             intra_r = hw.same_node(0, (rep - 1) * s * step)
             x0, x1 = hw.allreduce_time(0.0, rep, intra_r), hw.allreduce_time(1.0, rep, intra_r)
             reduce = reduce + np.where(has, x0 + (x1 - x0) * reduced / s, 0.0)
+        reps = c.dp // c.ep  # an expert block's replicas ([see _dp_time])
+        if reps > 1 and u.experts.any():
+            intra_e = hw.same_node(0, (reps - 1) * c.ep * step)
+            e0, e1 = hw.allreduce_time(0.0, reps, intra_e), hw.allreduce_time(1.0, reps, intra_e)
+            reduce = reduce + np.where(u.experts > 0, e0 + (e1 - e0) * u.experts * per_byte, 0.0)
         stages = [(cuts[k], cuts[k + 1]) for k in range(c.num_stages) if ranks[k] == r]
         jobs = step_jobs(self._fsdp_units, u.F, u.I + u.W, gather, reduce, stages, pipeline=c.pp > 1)
         exposed, hidden = overlap(jobs)
