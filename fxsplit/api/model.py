@@ -56,7 +56,7 @@ class ParallelModel(nn.Module):
             weakref.finalize(self, watch.close)  # its thread stops with this model
         self.plan = plan_
         self.stage_modules = nn.ModuleDict({str(s): m for s, m in stages.items()})
-        self._runtime = runtime
+        self._runtime: PipelineRuntime = runtime
         self.mesh = mesh
         self.coords = dict(coords)
         self._groups = groups
@@ -76,10 +76,22 @@ class ParallelModel(nn.Module):
         return {int(s): m for s, m in self.stage_modules.items()}
 
     @property
+    def runtime(self) -> PipelineRuntime:
+        """This rank's pipeline runtime (read it, do not set its attributes): its public API serves
+        instrumentation, e.g. ``pm.runtime.probe(before=...)`` or ``pm.runtime.traced_graphs()``."""
+        return self._runtime
+
+    @property
     def compile_fallbacks(self) -> dict[tuple[int, str], str]:
         """With ``compile=True``: ``(stage, "F" | "I" | "W" | "B" | "inference" | "loss")`` -> why
         that graph of this rank runs uncompiled ([Note: compiled stages]); empty when all compiled."""
         return dict(self._runtime.compile_fallbacks)
+
+    @property
+    def split_fallbacks(self) -> dict[int, str]:
+        """Stage -> why the graph split refused this rank's stage, which then runs its split backward
+        (I, W) on autograd (``split_backward="graph"``); empty when every split stage is traced."""
+        return dict(self._runtime.split_fallbacks)
 
     # -- running
     def _bound(self) -> contextlib.ExitStack:
@@ -180,6 +192,17 @@ class ParallelModel(nn.Module):
         """Seconds of the last ``step()``: host time on the CPU, the device's (CUDA events) on a GPU,
         which reading waits for ([Note: step timing] in fxsplit.runtime.timing)."""
         return self._timer.seconds if self._timer is not None else 0.0
+
+    @property
+    def last_wait_seconds(self) -> float:
+        """Host seconds the last ``step()`` spent blocked on pipeline peers (gloo's waits; NCCL's only
+        order streams and count nothing)."""
+        return self._waited
+
+    @property
+    def last_sent_bytes(self) -> int:
+        """Bytes this rank sent its pipeline peers in the last ``step()`` or ``forward()``."""
+        return self._runtime.last_sent_bytes
 
     @property
     def last_bubble(self) -> float:
