@@ -303,7 +303,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             t_ptd += time.perf_counter() - t0
         losses: dict[str, float] = {}
         clocks = {"fxsplit": ActionClock()} | {name: ActionClock() for name in ptds}
-        _clock_fxsplit(pm._runtime, clocks["fxsplit"])  # for the life of this runtime
+        _clock_fxsplit(pm.runtime, clocks["fxsplit"])  # for the life of this runtime
         for name, (_, stages, *_rest) in ptds.items():
             for st in stages:
                 _clock_ptd(st, clocks[name])

@@ -49,7 +49,7 @@ def _overlap(rank):
     model, args, _ = zoo.make("gpt", **GPT)
     pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, dp=2, pp=2, microbatches=2,
                              schedule="interleaved_1f1b", stages_per_rank=2, hardware=HW, timeout=60)
-    rt, dp_group = pm._runtime, pm._groups.dp
+    rt, dp_group = pm.runtime, pm._groups.dp
     events: list = []
     # around every action, before the runtime tells the data-parallel hooks a stage is done
     rt.probe(before=lambda step, a: events.append(("start", str(a))),

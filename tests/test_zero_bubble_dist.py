@@ -320,8 +320,8 @@ def _compiled(rank, world):
             steps.append((float(loss), grads))
             opt.step()
             opt.zero_grad()
-        rt = pm._runtime
-        out[label] = dict(steps=steps, fallbacks=dict(rt.split_fallbacks), not_compiled=pm.compile_fallbacks,
+        rt = pm.runtime
+        out[label] = dict(steps=steps, fallbacks=pm.split_fallbacks, not_compiled=pm.compile_fallbacks,
                           compiled=sorted((s, kind) for s, split in rt.traced_graphs()
                                           for kind, r in split.runners.items() if r.compiled),
                           onednn=sorted((s, kind) for s, split in rt.traced_graphs()
@@ -467,7 +467,8 @@ def test_zbv_with_dropout_draws_the_unsplit_models_masks():
 
 
 def test_compile_option_is_checked():
-    """compile=True needs the graph split, is refused with FSDP units until checked there, and is a bool."""
+    """compile=True needs the graph split, is refused with FSDP units until checked there; it and
+    fuse_backward are bools."""
     with pytest.raises(fxsplit.PlanError, match="split_backward='autograd'"):
         fxsplit.ParallelConfig(compile=True, split_backward="autograd")
     with pytest.raises(fxsplit.PlanError, match="dp_shard > 1"):
@@ -475,3 +476,5 @@ def test_compile_option_is_checked():
     with pytest.raises(fxsplit.PlanError, match="True or False"):
         fxsplit.ParallelConfig(compile=1)
     assert fxsplit.ParallelConfig(compile=True).compile
+    with pytest.raises(fxsplit.PlanError, match="fuse_backward must be True or False"):
+        fxsplit.ParallelConfig(compile=True, fuse_backward="no")
