@@ -63,7 +63,7 @@ def _overlap(rank):
 
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     steps = []
-    dist.all_reduce = spy  # parallel_model calls dist.all_reduce(...) through the module
+    dist.all_reduce = spy  # fxsplit.api.model and fxsplit.runtime.data_parallel call dist.all_reduce(...) through the module
     try:
         for step in range(STEPS):
             x, y = _gpt_batch(10 + 2 * step + pm.coords["dp"], 4, 16, 128)  # replicas: own data
