@@ -26,7 +26,7 @@ call; so a kept module is reused only while every object it reads is the one its
 holds now (checked by identity at each call), else it is rebuilt on them from the kept graph, with
 no analysis. The KVCache itself (the slots) is new for every call. The metas of a cached call are
 the same objects from call to call, and the runtime keys the symbol bindings of a call by the
-metas it binds with (fxsplit.runtime.program), so two overrides with different shapes and the
+metas it binds with (fxsplit.runtime.executor), so two overrides with different shapes and the
 same input shapes never share an entry.
 """
 

@@ -3,7 +3,7 @@ gradient synchronization, full state dicts and sharded checkpoints).
 
 Terms as in :mod:`fxsplit.api` (d, t, p; stages; microbatches). Built by :func:`fxsplit.parallelize`;
 its parameters are this rank's local shards, so any torch optimizer works on ``pm.parameters()``.
-Failures are agreed on by every rank ([Note: failures] in :mod:`fxsplit.runtime.failures`).
+Failures are agreed on by every rank ([Note: failures] at :meth:`ParallelModel._agree`).
 """
 
 from __future__ import annotations
