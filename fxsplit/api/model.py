@@ -216,7 +216,7 @@ class ParallelModel(nn.Module):
         self._doing("reducing gradients after step()")
         self._grads.finish()
         # every rank agrees here or none does: a rank holding no tied copy still joins (with ZB-V
-        # both copies of a tied weight can sit on one pipeline rank, so `_tied` differs by rank)
+        # both copies of a tied weight can sit on one pipeline rank, so the tied copies held differ by rank)
         if self._fsdp is not None and self._runtime.plan.shared_params:
             try:  # tied copies: summed over their pipeline ranks once FSDP reduced each
                 self._runtime.sum_tied_grads()
