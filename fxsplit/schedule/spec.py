@@ -149,6 +149,17 @@ class ScheduleSpec:
             return (p - 1) * max(f, f + i - w) / 2
         return (p - 1) * (f + i + w) / v
 
+    def bubble_floor(self, p: int, v: int, f: float, busy: float) -> float:
+        """The least :meth:`bubble` can be for a rank whose share of the forward is ``f`` and of
+        the forward and both backward halves ``busy``, however that work splits into I and W:
+        ``bubble`` with the terms a larger W can cancel left out (ZB-H1's none, ZB-V's and
+        DualPipeV's ``(p-1) f / 2``); a bubble that grows with every cost is ``bubble`` itself."""
+        if self.bubble_rule == "zb_h1":
+            return 0.0
+        if self.bubble_rule in ("zbv", "dualpipev"):
+            return (p - 1) * f / 2
+        return (p - 1) * busy / v
+
 
 SPECS: dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec("gpipe", gpipe, _any, 1, inflight_rule="all", stages_fix="give stages_per_rank >= 1"),
