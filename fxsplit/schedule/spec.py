@@ -115,6 +115,12 @@ class ScheduleSpec:
             return v_placement(num_ranks)
         return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
 
+    @property
+    def order_decides_inflight(self) -> bool:
+        """Whether a rank's peak of in-flight microbatches is found by walking this schedule's
+        order (``inflight_rule == "simulated"``: the zero-bubble schedules), not by a formula."""
+        return self.inflight_rule == "simulated"
+
     def inflight(self, p: int, v: int, m: int | None) -> tuple[float, ...]:
         """Peak in-flight microbatches per rank, in units of the rank's activation share per
         microbatch; the zero-bubble orders are simulated (m defaults to 2p there)."""
