@@ -86,10 +86,10 @@ def _train(rank, world, ckpt):
 
 def _compiled(pm):
     """What compile=True compiled (stage, graph) and what fell back to eager, with why."""
-    rt = pm._runtime
+    rt = pm.runtime
     return dict(compiled=sorted((s, kind) for s, split in rt.traced_graphs()
                                 for kind, r in split.runners.items() if r.compiled),
-                fallbacks={**rt.split_fallbacks, **pm.compile_fallbacks})
+                fallbacks={**pm.split_fallbacks, **pm.compile_fallbacks})
 
 
 def _reload(ckpt):

@@ -200,7 +200,7 @@ def _train(rank, world, cases, tmp=None):
         d, _ = replica_index(pm)
         out[label] = dict(losses=losses, grads=grads, norm=norm, ep_rank=d % options["ep"], tp_rank=pm.coords.get("tp", 0),
                           experts=set(pm.plan.ep_plan.expert_params), specs=dict(pm.plan.tp_plan.param_specs),
-                          fallbacks=dict(pm.compile_fallbacks), splits=dict(pm._runtime.split_fallbacks))
+                          fallbacks=dict(pm.compile_fallbacks), splits=pm.split_fallbacks)
         if label in STATE_CASES:
             out[label].update(_state_checks(pm, opt, name, x, y, f"{tmp}/{label.replace('/', '-')}", STATE_CASES[label]))
     return out

@@ -394,11 +394,8 @@ class Scorer:
         total = float(u.F.sum() + u.I.sum() + u.W.sum() - u.a2a_F.sum() - u.a2a_I.sum())  # (some may hide)
         bubble, p, S = 0.0, c.pp, c.num_stages
         if p > 1:
-            rule = _schedules.schedule_spec(c.schedule).bubble_rule
-            if rule in ("zbv", "dualpipev"):
-                bubble = (p - 1) * float(u.F.sum()) / S * c.stages_per_rank / 2
-            elif rule != "zb_h1":
-                bubble = (p - 1) * total / S
+            v = c.stages_per_rank  # a rank's share of the work is v mean stages
+            bubble = _schedules.schedule_spec(c.schedule).bubble_floor(p, v, float(u.F.sum()) / S * v, total / S * v)
         opt = self.hw.memory_time(self.optimizer_traffic * share / self.w.param_itemsize / c.dp_shard)
         experts = float(u.experts.sum()) / c.pp
         dp = 0.0 if self.fsdp.overlapped and c.dp_shard > 1 else self._dp_time(c, share, experts)  # may all hide

@@ -117,7 +117,7 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
                 else:
                     raise RuntimeError("the model failed on purpose in a forward action")
 
-        injected = pm._runtime.probe(before=faulty)
+        injected = pm.runtime.probe(before=faulty)
     if mine and fault == "kill-cp":
         _kill_inside_cp_exchange(options.get("cp_kv"), step, mark)
     opt = torch.optim.SGD(pm.parameters(), lr=0.01)
