@@ -145,7 +145,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             held["now"] = len(step.saved) / v
             held["peak"] = max(held["peak"], held["now"])
 
-        with pm._runtime.probe(before=before, after=after), counter.hooks():
+        with pm.runtime.probe(before=before, after=after), counter.hooks():
             loss = pm.step(x, target=y)
         if counter.live != 0:
             raise RuntimeError(f"rank {rank} {label}: {counter.live} saved bytes still live after the step")
@@ -178,7 +178,7 @@ def _rank_checkpointing(rank: int, world: int, setup: Setup) -> dict:
             if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
                 held[0] = max(held[0], mem.live)
 
-        with pm._runtime.probe(before=backward_starts), LiveBytes() as mem:
+        with pm.runtime.probe(before=backward_starts), LiveBytes() as mem:
             loss = pm.step(x, target=y)
         with_, without = pm.plan.split.peak_activations()
         out[mode] = {"peak": mem.peak, "held": held[0], "predicted": with_[rank], "predicted_none": without[rank],

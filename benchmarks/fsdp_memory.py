@@ -42,7 +42,7 @@ def _gathered_bytes(pm) -> int:
     the storage in place (``untyped_storage().resize_``), which no dispatcher mode sees, so
     ``LiveBytes`` misses them; read them off FSDP's own parameter records."""
     total = 0
-    for m in pm._runtime.modules.values():  # instrumentation only
+    for m in pm.runtime.modules.values():  # instrumentation only
         state = getattr(m, "_get_fsdp_state", None)
         group = state()._fsdp_param_group if state is not None else None
         for fp in (group.fsdp_params if group is not None else ()):
@@ -75,7 +75,7 @@ def _rank(rank, world, args):
             if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
                 seen[0] = max(seen[0], _gathered_bytes(pm))
 
-        pm._runtime.probe(before=backward_starts)  # for the life of this runtime
+        pm.runtime.probe(before=backward_starts)  # for the life of this runtime
     for r in range(args.rounds):
         order = list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))
         for label in order:

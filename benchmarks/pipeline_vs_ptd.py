@@ -287,9 +287,8 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
                                  stages_per_rank=v, split_points=setup.split_points_of(label), timeout=120,
                                  cut_at="modules",  # cuts PTD's split_spec can reproduce
                                  split_backward="autograd" if label.endswith("_autograd") else "graph",
-                                 activation_checkpointing=setup.checkpointing, compile=setup.compile)
-        if label.endswith("_unfused"):
-            pm._runtime.fuse_backward = False
+                                 activation_checkpointing=setup.checkpointing, compile=setup.compile,
+                                 fuse_backward=not label.endswith("_unfused"))
         t_fx = time.perf_counter() - t0
         paths = split_paths(pm.plan)
         variants = ptd_variants(setup)
@@ -304,7 +303,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
             t_ptd += time.perf_counter() - t0
         losses: dict[str, float] = {}
         clocks = {"fxsplit": ActionClock()} | {name: ActionClock() for name in ptds}
-        _clock_fxsplit(pm._runtime, clocks["fxsplit"])  # for the life of this runtime
+        _clock_fxsplit(pm.runtime, clocks["fxsplit"])  # for the life of this runtime
         for name, (_, stages, *_rest) in ptds.items():
             for st in stages:
                 _clock_ptd(st, clocks[name])
@@ -353,7 +352,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
 
         def read_wait(i, name, active):
             if name == "fxsplit" and i >= setup.warmup:
-                waits.append(pm._runtime.last_wait_seconds)
+                waits.append(pm.last_wait_seconds)
 
         def end_round(i):
             if i == 0:
@@ -369,7 +368,7 @@ def _rank_main(rank: int, world: int, setup: Setup) -> dict:
         sim_bal = schedules.simulate(pm.plan.schedule, forward=1 / 3, backward=2 / 3)
         out[label] = {
             "ptd_error": ptd_errors["ptd"], "ptd_errors": ptd_errors,
-            "compile_fallbacks": {f"{s}{k}": why for (s, k), why in pm._runtime.compile_fallbacks.items()},
+            "compile_fallbacks": {f"{s}{k}": why for (s, k), why in pm.compile_fallbacks.items()},
             "times": times, "cpu": cpus, "waits": waits, "actions": actions, "losses": first_losses,
             "paths": paths, "setup_s": (t_fx, t_ptd),
             "sim_plan_ratio": sim_plan.makespan / est_work,  # predicted step / T1

@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, length: int, rounds: int) -> dict:
             if r > 0:
                 times[(name, t)].append(float(seconds[0]))
                 cpus[(name, t)].append(float(seconds[1]))
-            sent[(name, t)] = pm._runtime.last_sent_bytes
+            sent[(name, t)] = pm.last_sent_bytes
     ratio = {(name, k): statistics.median(a / b for a, b in zip(d[(name, length // 4)], d[(name, length)]))
              for name in PLANS for k, d in (("wall", times), ("cpu", cpus))}
     return dict(times={p: statistics.median(v) for p, v in times.items()},

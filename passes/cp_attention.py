@@ -19,8 +19,8 @@ Written only against fxsplit's public API.
   torch's CPU flash kernel, no scores held, causal blocks as chunk pairs with no mask, a window or
   a given mask one additive mask per chunk pair ([Note: tiled ring blocks] in fxsplit.tp.ring_tiles).
 - ``cp_kv=None`` (auto) takes the ring when ``S * (K/V width) > 4 * H * (S / C)^2`` elements per
-  sample, else the all-gather. The right-hand side was the scores a block of the ring held before
-  its blocks ran by the flash kernel; the ring no longer holds them, and at 8k tokens it held less
+  sample, else the all-gather. The right-hand side counts the scores of one untiled ring block,
+  which the tiled ring (flash kernel) never holds: at 8k tokens the ring holds less
   than the all-gather (benchmarks/README.md, "Context parallelism: all-gather vs ring": cp=2 386 vs
   648 MiB) while stepping slower on this CPU machine (cp=2 2.4x, cp=4 1.1x, under load), so the rule
   is kept, an all-gather bias at long sequences, until both are measured where the exchange is not a

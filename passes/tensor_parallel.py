@@ -17,13 +17,13 @@ Rewrites (one forward all-reduce per region, collectives are graph nodes in f/g 
 column linear: its input goes through ``copy_to_region`` (f) once per region input; weight and
 bias are the local shard (by blocks for fused projections). Where every reader of a region's f
 is a plain [out, in] linear (nn.Linear, F.linear, aten.linear: q/k/v, gate/up, up), f and those
-linears become ONE ``tp_ops.column_parallel_linear`` node (outputs read by getitem) whose
+linears become ONE ``fxsplit.tp.functional.column_parallel_linear`` node (outputs read by getitem) whose
 backward starts f's all-reduce before the weight gradients and waits after them (Megatron's
 async tensor-model-parallel all-reduce); not under sequence parallelism. Row linear: the linear without bias,
 ``reduce_from_region`` (g), then the bias. Shape arguments carrying heads or width are the local
-counts. Vocabulary embedding: ``tp_ops.vocab_parallel_embedding``. LM head: f, the column linear
-on the vocabulary, then ``tp_ops.gather_logits`` -- or, with ``vocab_parallel_loss=True``, the
-model returns the local logits and the loss must be ``tp_ops.vocab_parallel_cross_entropy``.
+counts. Vocabulary embedding: ``fxsplit.tp.functional.vocab_parallel_embedding``. LM head: f, the column linear
+on the vocabulary, then ``fxsplit.tp.functional.gather_logits`` -- or, with ``vocab_parallel_loss=True``, the
+model returns the local logits and the loss must be ``fxsplit.tp.functional.vocab_parallel_cross_entropy``.
 With ``sequence_parallel=True`` (Megatron-3) the activations between regions are sharded along
 the sequence (dim 1 of [B, T, C]; T must divide by t at run time), as ``plan.rewrite.sequence_plan``
 records (``fxsplit.tp.sequence``): see ``_sequence_parallel``.
@@ -244,7 +244,8 @@ def _row_without_bias(graph: torch.fx.Graph, node: torch.fx.Node, info, x, val) 
 
 def _rewrite_vocab_embeddings(gm: torch.fx.GraphModule, plan: TPPlan, nodes: Mapping[str, torch.fx.Node],
                               axis: str) -> dict[str, torch.fx.Node]:
-    """Step 5: each vocabulary embedding becomes ``tp_ops.vocab_parallel_embedding`` (returned by name)."""
+    """Step 5: each vocabulary embedding becomes ``fxsplit.tp.functional.vocab_parallel_embedding``
+    (returned by name)."""
     graph = gm.graph
     done: dict[str, torch.fx.Node] = {}
     for name in plan.rewrite.vocab_embeddings:
@@ -358,7 +359,7 @@ def _cost_as_linears(gm: torch.fx.GraphModule, fused: torch.fx.Node) -> None:
 
 
 def _fuse_columns(gm: torch.fx.GraphModule, plan: TPPlan, f: torch.fx.Node, axis: str) -> None:
-    """Replace f and the column linears reading it by one ``tp_ops.column_parallel_linear`` node
+    """Replace f and the column linears reading it by one ``fxsplit.tp.functional.column_parallel_linear`` node
     (one output per linear, read by getitem), whose backward overlaps f's all-reduce with the
     weight gradients. Only when every user of f is a plain [out, in] linear reading f as its
     input (nn.Linear module, F.linear or aten.linear); otherwise f and the linears stay."""

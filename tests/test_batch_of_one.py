@@ -1,5 +1,5 @@
 """An example input of ONE sample does not fix the batch size ([Note: batch of one] in
-fxsplit.graph.trace): the traced graph keeps a batch symbol, so one plan runs batches of any size
+fxsplit.graph.examples): the traced graph keeps a batch symbol, so one plan runs batches of any size
 >= microbatches, split unevenly."""
 
 import pytest

@@ -108,10 +108,10 @@ def _train(rank, world, ckpt):
 
 def _compiled(pm):
     """What compile=True compiled (stage, graph) and what fell back to eager, with why."""
-    rt = pm._runtime
+    rt = pm.runtime
     return dict(compiled=sorted((s, kind) for s, split in rt.traced_graphs()
                                 for kind, r in split.runners.items() if r.compiled),
-                fallbacks={**rt.split_fallbacks, **pm.compile_fallbacks})
+                fallbacks={**pm.split_fallbacks, **pm.compile_fallbacks})
 
 
 def _reload(ckpt):
@@ -372,7 +372,7 @@ def _prepare_sharded():
         _PLANS.add(model, (example,), hardware=_HW, verify=False, **opts)
 
 
-def _train_sharded(rank, world):
+def _train_sharded(rank, world, tmp):
     from fxsplit.testing.data import replica_index
 
     out = {}
@@ -394,6 +394,14 @@ def _train_sharded(rank, world):
         experts = set(pm.plan.ep_plan.expert_params) if opts.get("ep", 1) > 1 else set()
         out[label] = dict(losses=losses, grads=grads, norms=norms, experts=experts,
                           ep_rank=replica_index(pm)[0] % opts.get("ep", 1), cp=pm.coords["cp"])
+        if opts.get("dp_shard", 1) > 1:  # a sharded checkpoint at cp x dp_shard: saved, damaged weights back
+            path = f"{tmp}/{label.replace('/', '-')}"
+            trained = {k: v.clone() for k, v in pm.full_state_dict().items()}
+            pm.save_checkpoint(path)
+            pm.load_full_state_dict({k: torch.zeros_like(v) for k, v in trained.items()})
+            pm.load_checkpoint(path)
+            back = pm.full_state_dict()
+            out[label].update(path=path, restored=all(torch.equal(back[k], v) for k, v in trained.items()))
     return out
 
 
@@ -410,18 +418,26 @@ def _sharded_reference(name):
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)})
         norms.append(float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm()))  # tied: once
         opt.step()
-    return losses, grads, norms
+    return losses, grads, norms, model.state_dict()
 
 
 @pytest.mark.dist
 @pytest.mark.hf
-def test_cp_with_fsdp_and_experts_trains_like_one_process_over_gloo():
+def test_cp_with_fsdp_and_experts_trains_like_one_process_over_gloo(tmp_path):
     """cp=2 x dp_shard=2 (FSDP2 over dp_shard x cp), cp=2 x dp=2 x ep=2 and cp=2 x dp_shard=2 x ep=2 on
     Mixtral: every step's loss, whole-model gradient norm and every gradient (FSDP shards gathered, each
-    rank's block of experts) against one process on the whole batch, on every rank, ONE launch of 4."""
-    results = run_distributed(_train_sharded, 4, timeout=900, prepare=(_prepare_sharded, ()))
+    rank's block of experts) against one process on the whole batch, on every rank, ONE launch of 4.
+    At cp x dp_shard the trained model's sharded checkpoint is saved, loaded back over zeroed weights,
+    and loaded whole in this process against the one-process model."""
+    results = run_distributed(_train_sharded, 4, str(tmp_path), timeout=900, prepare=(_prepare_sharded, ()))
     for label, (name, opts) in SHARDED_CASES.items():
-        ref_losses, ref_grads, ref_norms = _sharded_reference(name)
+        ref_losses, ref_grads, ref_norms, ref_state = _sharded_reference(name)
+        if opts.get("dp_shard", 1) > 1:  # the checkpoint: restored on every rank, and whole in this process (cp = 1)
+            assert all(r[label]["restored"] for r in results), label
+            whole = fxsplit.load_full_checkpoint(results[0][label]["path"])
+            assert set(whole) == set(ref_state), (label, sorted(set(whole) ^ set(ref_state)))
+            for k, v in ref_state.items():
+                torch.testing.assert_close(whole[k], v, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{label} checkpoint {k}: {m}")
         ep = opts.get("ep", 1)
         assert {r[label]["cp"] for r in results} == {0, 1}, label
         for rank, res in enumerate(r[label] for r in results):

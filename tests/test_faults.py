@@ -1,5 +1,5 @@
 """The failure protocol under real faults ([Note: failure protocol] in fxsplit.runtime.watch):
-a rank killed with -9, stopped with SIGSTOP, or raising in its loss_fn ends every other rank
+a rank killed with -9 (in training or in ``generate``), stopped with SIGSTOP, or raising in its loss_fn ends every other rank
 within 2 x timeout, each naming the rank at fault, and every survivor's process exits.
 
 Each case is 4 gloo processes of the quickstart GPT (2 of the zoo's MoE for ep: the survivor waits
@@ -23,7 +23,7 @@ TIMEOUT = 10.0  # a stop is found at T + the heartbeat check; exits under a load
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", ["tp2pp2-raise-loss", "pp4-kill-F", "tp2pp2-stop", "ep2-stop", "cp2ring-kill-cp",
-                                  "cp2ag-stop"])
+                                  "cp2ag-stop", "tp2pp2-kill-generate"])
 def test_a_fault_ends_every_rank_fast_naming_the_rank_at_fault(case):
     row = run_case(case, TIMEOUT)
     detail = f"{case}: {row}"

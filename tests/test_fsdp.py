@@ -174,10 +174,9 @@ def _train(rank, world, name, overrides, options, steps=STEPS):
         opt.zero_grad()
         losses.append(float(loss))
     state = pm.full_state_dict()
-    runtime = getattr(pm, "_runtime", None)
     return dict(losses=losses, grads=grads, state=state, coords=dict(pm.coords), held=_held(pm),
                 specs=dict(pm.plan.tp_plan.param_specs),
-                fallbacks=dict(getattr(runtime, "split_fallbacks", None) or {}))
+                fallbacks=pm.split_fallbacks)
 
 
 _REF_CACHE: dict = {}

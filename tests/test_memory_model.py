@@ -1,6 +1,6 @@
 """The per-rank memory model against measured memory, in one process: each saved storage counted
 once ([Note: saved tensors by storage] in fxsplit.graph.saved), what a stage holds per microbatch
-([Note: what a stage holds] in fxsplit.pipeline.split) in every checkpointing mode, the peak of a
+([Note: what a stage holds] in fxsplit.pipeline.memory) in every checkpointing mode, the peak of a
 whole training step ([Note: memory model] in fxsplit.pipeline.memory), and the auto-planner
 scoring with the same model. Measured with ``fxsplit.testing.memory.LiveBytes`` (every storage
 an op allocates, until freed) and saved-tensor hooks."""

@@ -49,7 +49,7 @@ def _overlap(rank):
     model, args, _ = zoo.make("gpt", **GPT)
     pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, dp=2, pp=2, microbatches=2,
                              schedule="interleaved_1f1b", stages_per_rank=2, hardware=HW, timeout=60)
-    rt, dp_group = pm._runtime, pm._groups.dp
+    rt, dp_group = pm.runtime, pm._groups.dp
     events: list = []
     # around every action, before the runtime tells the data-parallel hooks a stage is done
     rt.probe(before=lambda step, a: events.append(("start", str(a))),
@@ -63,7 +63,7 @@ def _overlap(rank):
 
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     steps = []
-    dist.all_reduce = spy  # parallel_model calls dist.all_reduce(...) through the module
+    dist.all_reduce = spy  # fxsplit.api.model and fxsplit.runtime.data_parallel call dist.all_reduce(...) through the module
     try:
         for step in range(STEPS):
             x, y = _gpt_batch(10 + 2 * step + pm.coords["dp"], 4, 16, 128)  # replicas: own data

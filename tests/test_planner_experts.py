@@ -64,6 +64,37 @@ def test_memory_at_ep2_holds_half_the_expert_bytes(moe):
     assert EXPERT_LOAD_MARGIN > 1
 
 
+def test_expert_gradients_are_reduced_only_over_their_replicas(moe):
+    """dp = 4: at ep = 4 each expert block lives on one data rank and needs no reduction; at ep = 2
+    it is all-reduced over its 2 replicas; everything else over all 4 data ranks."""
+    w, experts = moe
+    scorer = Scorer(w, _HW, math.inf)
+    one, two, four = (scorer.score(_cand(ep=ep)) for ep in (1, 2, 4))
+    dense = one.memory.params - experts
+    assert four.memory.params == pytest.approx(dense + experts / 4)
+    assert one.dp_time == pytest.approx(_HW.allreduce_time(one.memory.params, 4, _HW.same_node(0, 3)))
+    assert four.dp_time == pytest.approx(_HW.allreduce_time(dense, 4, _HW.same_node(0, 3)))
+    assert two.dp_time == pytest.approx(_HW.allreduce_time(dense, 4, _HW.same_node(0, 3))
+                                        + _HW.allreduce_time(experts / 2, 2, _HW.same_node(0, 2)))
+
+
+def test_per_layer_fsdp_leaves_expert_blocks_to_their_replicas(moe):
+    """FSDP2 per layer, overlapped, dp = dp_shard = 4: FSDP gathers and reduce-scatters only what is
+    not an expert block (the same at ep = 2 and 4); a block is all-reduced over its dp / ep replicas
+    (2 at ep = 2, none at ep = 4), once per microbatch without a pipeline."""
+    from fxsplit.planner.fsdp import FSDP2_PER_LAYER
+
+    w, _ = moe
+    scorer = Scorer(w, _HW, math.inf, fsdp=FSDP2_PER_LAYER)
+    two, four = (_cand(ep=ep, dp_shard=4) for ep in (2, 4))
+    total = lambda c: (lambda s: s.breakdown.dp_comm + s.breakdown.dp_overlapped)(scorer.score(c))  # noqa: E731
+    per_byte = FSDP2_PER_LAYER.reduce_itemsize / w.param_itemsize
+    blocks = [e for e in scorer.units_of(two).experts if e > 0]
+    assert blocks
+    replicas = sum(_HW.allreduce_time(e * per_byte, 2, _HW.same_node(0, 2)) for e in blocks)
+    assert total(two) - total(four) == pytest.approx(two.microbatches * replicas, rel=1e-9)
+
+
 def test_dualpipev_hides_part_of_the_all_to_all(moe):
     w, _ = moe
     scorer = Scorer(w, _HW, math.inf)

@@ -200,14 +200,14 @@ def _worker(rank, world):
         out["checkpoint"] = _checkpoint_replays(pm)
     pm = _parallel(1)
     out["seed1"] = _losses(pm)
-    pm._runtime.resume_rng(2, 0)
+    pm.runtime.resume_rng(2, 0)
     out["seed2"] = _losses(pm)
     out["steps"] = _losses(pm, batches=(0, 0))
     pm_1f1b = _parallel(1, schedule="1f1b")
     out["1f1b"], out["1f1b_grads"] = _losses(pm_1f1b), _grads(pm_1f1b)
     pm_zb = _parallel(1, schedule="zb_h1")
     out["zb_h1"] = _losses(pm_zb)
-    out["zb_h1_grads"], out["zb_h1_fallbacks"] = _grads(pm_zb), dict(pm_zb._runtime.split_fallbacks)
+    out["zb_h1_grads"], out["zb_h1_fallbacks"] = _grads(pm_zb), pm_zb.split_fallbacks
     out["coords"] = pm.coords
     return _all_prepared(rank, out)
 

@@ -30,7 +30,7 @@ def _held_at_backward_starts(rank, world):
             if action.kind is ActionKind.BACKWARD:
                 held.append(mem.live)
 
-        with pm._runtime.probe(before=backward_starts), LiveBytes() as mem:
+        with pm.runtime.probe(before=backward_starts), LiveBytes() as mem:
             pm.step(x, target=y)
         out[mode] = (held, mem.live, pm.plan.split.peak_activations()[0][rank])
     return out

@@ -182,3 +182,20 @@ def test_golden_grids():
         assert GOLDEN.get(key, "").strip("\n") == text, (
             f"golden grid {key!r} changed; new value:\n{text}\n(FXSPLIT_UPDATE_GOLDENS=1 rewrites it)"
         )
+
+
+@pytest.mark.parametrize("name", schedules.NAMES)
+def test_bubble_floor_is_the_least_closed_form_bubble_over_the_backward_split(name):
+    """The planner's lower bound (``ScheduleSpec.bubble_floor``) is never above the closed-form
+    ``bubble`` for any split of a rank's backward work into I and W, and ``bubble`` reaches it once
+    W may be as large as the forward (I = 0): the floor leaves out only what a larger W cancels."""
+    spec = schedules.schedule_spec(name)
+    p = 4
+    v = spec.default_stages_per_rank(p)
+    f = 3.0
+    for back in (0.0, 1.5, 3.0, 6.0, 12.0):
+        floor = spec.bubble_floor(p, v, f, f + back)
+        bubbles = [spec.bubble(p, v, f, back * k / 8, back * (8 - k) / 8) for k in range(9)]
+        assert min(bubbles) >= floor - 1e-12, (name, back, bubbles, floor)
+        if back >= f:
+            assert min(bubbles) == pytest.approx(floor, abs=1e-12), (name, back, bubbles, floor)

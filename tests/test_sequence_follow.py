@@ -40,7 +40,7 @@ def test_a_plan_follows_every_length_up_to_the_traced_one():
     assert boundaries and all(m.shape[1] == seq for m in boundaries), [str(m) for m in boundaries]
     assert "every length 2..16 runs as it is" in str(p)
     # generate recomputes, saying why the KV cache of an exported graph cannot serve one length symbol
-    why = cache_path(SimpleNamespace(plan=p, _runtime=SimpleNamespace(compile=None)))
+    why = cache_path(SimpleNamespace(plan=p, runtime=SimpleNamespace(compile=None)))
     assert "follow_sequence=True" in why and "needs two" in why and "follow_sequence=False" in why, why
     ids, mask = args[0][:, :9], kwargs["attention_mask"][:, :9]
     assert pad_to_traced([ids, mask], p) == ([ids, mask], None)  # no padding

@@ -144,7 +144,7 @@ def _train(kind, options):
                        **{k: replica_slice(pm, v) for k, v in kw.items()})
         grads = local_grads(pm)
         steps.append((float(loss), grads))
-        sent.append(pm._runtime.last_sent_bytes)
+        sent.append(pm.last_sent_bytes)
         opt.step()
         opt.zero_grad()
     ids, kw, _ = _batch(kind, 1, vocab)  # inference at a shorter length: the outputs cut back

@@ -1,4 +1,4 @@
-"""The fused column-parallel linear (``tp_ops.column_parallel_linear``): f plus the column linears
+"""The fused column-parallel linear (``fxsplit.tp.functional.column_parallel_linear``): f plus the column linears
 sharing its input as one op whose backward all-reduce overlaps the weight gradients.
 
 On 2 gloo ranks: outputs and every gradient equal the unfused ``copy_to_region`` + ``F.linear``;

@@ -120,7 +120,7 @@ def _train(overrides, options, states=False):
         opt.zero_grad()
     return dict(steps=steps, stages=sorted(int(s) for s in pm.stage_modules), stage_ranks=pm.plan.stage_ranks, peak=peak,
                 grads=[g for _, g in steps], states=before, coords=dict(pm.coords), specs=dict(pm.plan.tp_plan.param_specs),
-                full_state=pm.full_state_dict(), fallbacks=dict(pm._runtime.split_fallbacks),
+                full_state=pm.full_state_dict(), fallbacks=pm.split_fallbacks,
                 compile_fallbacks=pm.compile_fallbacks, onednn=_onednn_matmuls(pm),
                 held=sum(p.numel() * p.element_size() for p in pm.parameters()),  # distinct Parameters only
                 predicted=pm.plan.memory()[pm.coords["pp"]].params)
@@ -128,7 +128,7 @@ def _train(overrides, options, states=False):
 
 def _onednn_matmuls(pm):
     """How many matmuls this rank's compiled graphs run through oneDNN."""
-    return sum(r.onednn_matmuls for _, split in pm._runtime.traced_graphs() for r in split.runners.values())
+    return sum(r.onednn_matmuls for _, split in pm.runtime.traced_graphs() for r in split.runners.values())
 
 
 def _check(results, want, rtol=1e-5, atol=1e-6):
@@ -289,7 +289,7 @@ def _other(rank, world):
         out["hf"] = _hf_train(rank, world, "tiny_gpt2", dict(pp=2, schedule="zbv", microbatches=2))
     finally:
         fxsplit.parallelize = inner
-    out["fallbacks"] = [dict(pm._runtime.split_fallbacks) for pm in made]
+    out["fallbacks"] = [pm.split_fallbacks for pm in made]
     return out
 
 
@@ -343,8 +343,8 @@ def _compiled(rank, world):
             steps.append((float(loss), grads))
             opt.step()
             opt.zero_grad()
-        rt = pm._runtime
-        out[label] = dict(steps=steps, fallbacks=dict(rt.split_fallbacks), not_compiled=pm.compile_fallbacks,
+        rt = pm.runtime
+        out[label] = dict(steps=steps, fallbacks=pm.split_fallbacks, not_compiled=pm.compile_fallbacks,
                           compiled=sorted((s, kind) for s, split in rt.traced_graphs()
                                           for kind, r in split.runners.items() if r.compiled),
                           onednn=sorted((s, kind) for s, split in rt.traced_graphs()
@@ -402,7 +402,7 @@ def _compiled_composed(rank, world):
     tp_res = dict(losses=[loss for loss, _ in tp["steps"]], state=tp["full_state"], fallbacks=tp["fallbacks"],
                   grads=tp["grads"], states=tp["states"], coords=tp["coords"], specs=tp["specs"])
     return dict(tp=tp_res, tp_not_compiled=tp["compile_fallbacks"],
-                ckpt=ckpt, hf=(hf, made[0].compile_fallbacks, dict(made[0]._runtime.split_fallbacks)),
+                ckpt=ckpt, hf=(hf, made[0].compile_fallbacks, made[0].split_fallbacks),
                 onednn=(tp["onednn"], ckpt["onednn"], _onednn_matmuls(made[0])))
 
 
@@ -482,7 +482,7 @@ def _dropout_zbv(rank, world):
         steps.append((float(loss), grads))
         opt.step()
         opt.zero_grad()
-    return dict(steps=steps, fallbacks=dict(pm._runtime.split_fallbacks))
+    return dict(steps=steps, fallbacks=pm.split_fallbacks)
 
 
 @pytest.mark.dist
@@ -495,7 +495,8 @@ def test_zbv_with_dropout_draws_the_unsplit_models_masks():
 
 
 def test_compile_option_is_checked():
-    """compile=True needs the graph split, is refused with FSDP units until checked there, and is a bool."""
+    """compile=True needs the graph split, is refused with FSDP units until checked there; it and
+    fuse_backward are bools."""
     with pytest.raises(fxsplit.PlanError, match="split_backward='autograd'"):
         fxsplit.ParallelConfig(compile=True, split_backward="autograd")
     with pytest.raises(fxsplit.PlanError, match="dp_shard > 1"):
@@ -503,3 +504,5 @@ def test_compile_option_is_checked():
     with pytest.raises(fxsplit.PlanError, match="True or False"):
         fxsplit.ParallelConfig(compile=1)
     assert fxsplit.ParallelConfig(compile=True).compile
+    with pytest.raises(fxsplit.PlanError, match="fuse_backward must be True or False"):
+        fxsplit.ParallelConfig(compile=True, fuse_backward="no")

@@ -202,8 +202,8 @@ def _state_to_save(pm: ParallelModel, optimizer: torch.optim.Optimizer | None) -
             state[name] = value
     # each (pp, tp) position records the specs of the shards it wrote (replicas write the same)
     state[f"{_META}/pp{pm.coords.get('pp', 0)}-tp{tp_rank}"] = _ShardRecord(t, mine, alias_groups(pm.plan.graph))
-    runtime = pm._runtime
-    state[_TRAIN] = _TrainState(steps=pm._steps, seed=runtime.seed, rng_step=runtime.rng_step)
+    runtime = pm.runtime
+    state[_TRAIN] = _TrainState(steps=pm.step_count, seed=runtime.seed, rng_step=runtime.rng_step)
     return state
 
 
@@ -353,7 +353,7 @@ def _load_into(pm: ParallelModel, path: str, optimizer: torch.optim.Optimizer | 
     pm.load_full_state_dict({k: v for k, v in full.items() if not k.startswith(_OPTIM + "/")})
     if train is not None:  # older checkpoints have none: the counters stay as they are
         pm._steps = train.steps
-        pm._runtime.resume_rng(train.seed, train.rng_step)
+        pm.runtime.resume_rng(train.seed, train.rng_step)
     if optimizer is None:
         return
     specs = pm.plan.tp_plan.param_specs

@@ -26,7 +26,7 @@ call; so a kept module is reused only while every object it reads is the one its
 holds now (checked by identity at each call), else it is rebuilt on them from the kept graph, with
 no analysis. The KVCache itself (the slots) is new for every call. The metas of a cached call are
 the same objects from call to call, and the runtime keys the symbol bindings of a call by the
-metas it binds with (fxsplit.runtime.program), so two overrides with different shapes and the
+metas it binds with (fxsplit.runtime.executor), so two overrides with different shapes and the
 same input shapes never share an entry.
 """
 
@@ -73,7 +73,7 @@ def _analysis(pm: Any, length: int, mask_input: int | None) -> ExportGraphs | st
     key = (length, mask_input)
     if key not in kept.export:
         try:
-            kept.export[key] = export_graphs(pm.plan.stages.modules, pm._runtime.io, pm.plan.stages.input_meta,
+            kept.export[key] = export_graphs(pm.plan.stages.modules, pm.runtime.io, pm.plan.stages.input_meta,
                                              length, mask_input=mask_input)
         except SeqDimsError as exc:
             kept.export[key] = f"{exc} (graph traced by torch.export at {length} tokens)"
@@ -115,7 +115,7 @@ def kv_cache_kept(pm: Any, length: int | None, mask_input: int | None) -> KVCach
     """A KVCache of one call over the stages this rank holds, on kept decode modules: [Note:
     generation with a KV cache] for a graph with a symbolic sequence (``length`` None), [Note:
     KV cache for exported graphs] for one traced at ``length``."""
-    runtime, kept = pm._runtime, _kept(pm)
+    runtime, kept = pm.runtime, _kept(pm)
     held: Mapping[int, nn.Module] = runtime.modules
     if length is None:
         return KVCache({s: _module(kept, "symbolic", s, g, lambda g=g: decode_module(g)) for s, g in held.items()})

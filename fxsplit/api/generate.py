@@ -302,7 +302,7 @@ def cache_path(pm: Any, *, use_cache: bool = True) -> str | None:
     if not use_cache:
         return "use_cache=False"
     feed = _Feed.of(pm.plan.stages.input_meta, traced_length(pm.plan))
-    compiled = bool(pm._runtime.compile)
+    compiled = bool(pm.runtime.compile)
     if follows(pm.plan):
         return ("the plan follows each step's length (follow_sequence=True): its graphs compute every "
                 "length-dependent size from one symbol, the length of the step's token ids, but a cached step needs "
@@ -330,7 +330,7 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
     the tokens (B, T + n) on every rank, on ``input_ids``' device; ``sampling``: the fields of
     :class:`Sampling`. Bad arguments raise inside the agreed call, so a rank given them does not
     leave its peers waiting. (``pm`` is typed Any: fxsplit.api.model imports this module.)"""
-    runtime = pm._runtime
+    runtime = pm.runtime
     options = (tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None, max_new_tokens,
                eos_token_id, use_cache, overlap_steps, sorted(sampling.items()))
 
@@ -392,7 +392,7 @@ def generate(pm: Any, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token
 def _share(pm: Any, nxt: torch.Tensor | None, batch: int) -> torch.Tensor:
     """The last stage's tokens on every rank of the replica: first from tp rank 0 to the other tp
     ranks of the last stage (each drew its own; one answer wins), then over the pipeline."""
-    runtime = pm._runtime
+    runtime = pm.runtime
     tokens = nxt if nxt is not None else torch.empty(batch, dtype=torch.long, device=runtime.device)
     tokens = tokens.to(runtime.device)
     tp = pm._groups.tp

@@ -14,7 +14,7 @@ Representative use (inside :func:`fxsplit.api.generate.generate`)::
     runtime.forward(inputs, microbatches=m, override=cache)   # prefill, then one token per call
 
 [Note: generation with a KV cache]
-Which option, and why: of the two in issue 31 (a decode graph per stage from a graph pass, or
+Which option, and why: of the two ways (a decode graph per stage from a graph pass, or
 Hugging Face's own cache run eagerly on the original modules), only the graph pass works at
 tp > 1, where the stages are rewritten graphs and the original modules are not what a rank runs;
 so it is the graph pass, in its simplest exact form. Rather than new stage inputs and outputs (a

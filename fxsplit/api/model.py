@@ -3,7 +3,7 @@ gradient synchronization, full state dicts and sharded checkpoints).
 
 Terms as in :mod:`fxsplit.api` (d, t, p; stages; microbatches). Built by :func:`fxsplit.parallelize`;
 its parameters are this rank's local shards, so any torch optimizer works on ``pm.parameters()``.
-Failures are agreed on by every rank ([Note: failures] in :mod:`fxsplit.runtime.failures`).
+Failures are agreed on by every rank ([Note: failures] at :meth:`ParallelModel._agree`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ParallelModel(nn.Module):
             weakref.finalize(self, watch.close)  # its thread stops with this model
         self.plan = plan_
         self.stage_modules = nn.ModuleDict({str(s): m for s, m in stages.items()})
-        self._runtime = runtime
+        self._runtime: PipelineRuntime = runtime
         self.mesh = mesh
         self.coords = dict(coords)
         self._groups = groups
@@ -76,10 +76,22 @@ class ParallelModel(nn.Module):
         return {int(s): m for s, m in self.stage_modules.items()}
 
     @property
+    def runtime(self) -> PipelineRuntime:
+        """This rank's pipeline runtime (read it, do not set its attributes): its public API serves
+        instrumentation, e.g. ``pm.runtime.probe(before=...)`` or ``pm.runtime.traced_graphs()``."""
+        return self._runtime
+
+    @property
     def compile_fallbacks(self) -> dict[tuple[int, str], str]:
         """With ``compile=True``: ``(stage, "F" | "I" | "W" | "B" | "inference" | "loss")`` -> why
         that graph of this rank runs uncompiled ([Note: compiled stages]); empty when all compiled."""
         return dict(self._runtime.compile_fallbacks)
+
+    @property
+    def split_fallbacks(self) -> dict[int, str]:
+        """Stage -> why the graph split refused this rank's stage, which then runs its split backward
+        (I, W) on autograd (``split_backward="graph"``); empty when every split stage is traced."""
+        return dict(self._runtime.split_fallbacks)
 
     # -- running
     def _bound(self) -> contextlib.ExitStack:
@@ -182,6 +194,17 @@ class ParallelModel(nn.Module):
         return self._timer.seconds if self._timer is not None else 0.0
 
     @property
+    def last_wait_seconds(self) -> float:
+        """Host seconds the last ``step()`` spent blocked on pipeline peers (gloo's waits; NCCL's only
+        order streams and count nothing)."""
+        return self._waited
+
+    @property
+    def last_sent_bytes(self) -> int:
+        """Bytes this rank sent its pipeline peers in the last ``step()`` or ``forward()``."""
+        return self._runtime.last_sent_bytes
+
+    @property
     def last_bubble(self) -> float:
         """Share of the last step this rank's host spent blocked on its pipeline peers (waits that block
         the host: gloo's; NCCL's only order streams and count nothing)."""
@@ -193,7 +216,7 @@ class ParallelModel(nn.Module):
         self._doing("reducing gradients after step()")
         self._grads.finish()
         # every rank agrees here or none does: a rank holding no tied copy still joins (with ZB-V
-        # both copies of a tied weight can sit on one pipeline rank, so `_tied` differs by rank)
+        # both copies of a tied weight can sit on one pipeline rank, so the tied copies held differ by rank)
         if self._fsdp is not None and self._runtime.plan.shared_params:
             try:  # tied copies: summed over their pipeline ranks once FSDP reduced each
                 self._runtime.sum_tied_grads()

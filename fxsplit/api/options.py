@@ -107,6 +107,9 @@ class ParallelConfig:
     # and the loss through torch.compile ([Note: compiled stages], [Note: compiled loss] in
     # fxsplit.runtime.compile.compiling)
     compile: bool = False
+    # with compile=True, a B of a stage the schedule never splits runs as one fused backward graph
+    # ([Note: fused backward] in fxsplit.runtime.compile.compiling); False runs I then W there too (to measure it)
+    fuse_backward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("dp", "dp_shard", "cp", "tp", "pp", "ep", "microbatches", "stages_per_rank", "microbatch_size"):
@@ -133,6 +136,8 @@ class ParallelConfig:
             raise PlanError(f"split_backward must be 'graph' or 'autograd', got {self.split_backward!r}")
         if not isinstance(self.compile, bool):
             raise PlanError(f"compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.fuse_backward, bool):
+            raise PlanError(f"fuse_backward must be True or False, got {self.fuse_backward!r}")
         if self.compile and self.split_backward != "graph":
             raise PlanError("compile=True compiles the graph split's F, I and W graphs; split_backward='autograd' "
                             "runs autograd's own graph, which it cannot compile: use split_backward='graph'")

@@ -41,7 +41,7 @@ class _Program:
     the last stage's choice of tokens out."""
 
     def __init__(self, pm: Any, cache: KVCache, inputs: list, m: int, steps: int, pick: Callable, eos: int | None):
-        self.pm, self.rt, self.cache, self.inputs, self.m, self.steps = pm, pm._runtime, cache, inputs, m, steps
+        self.pm, self.rt, self.cache, self.inputs, self.m, self.steps = pm, pm.runtime, cache, inputs, m, steps
         self.pick, self.eos = pick, eos
         self.group = self.rt.pp_group if self.rt.pp_group is not None else dist.group.WORLD
         self.last = self.rt.plan.stage_ranks[-1]
@@ -101,7 +101,7 @@ def overlapped_decode(pm: Any, ids: torch.Tensor, m: int, max_new_tokens: int, e
     steps of ``m`` microbatches as one program; ``pick(output)`` chooses a microbatch's tokens from
     its model output (the model's own structure); ``flat(tokens, positions)``: a call's flat inputs
     from its new tokens (the token ids first) and the positions so far."""
-    rt = pm._runtime
+    rt = pm.runtime
     ids = ids.to(rt.device)
     if max_new_tokens == 0:
         return ids

@@ -244,7 +244,8 @@ def _runtime(rank_plan: RankPlan, stages: Mapping[int, nn.Module], groups: Group
         abort_on_error=c.pp > 1,  # with pp == 1 there is no pipeline group to destroy (not the world's)
         seed=seed,
         reduce_dtype=c.mp_policy.reduce_dtype if c.mp_policy is not None else None,
-        split_backward=c.split_backward, compile=c.compile, watch=watch, grad_hooks=grads,
+        split_backward=c.split_backward, compile=c.compile, fuse_backward=c.fuse_backward, watch=watch,
+        grad_hooks=grads,
         defer_tied_grads=deferred,  # summed once FSDP has reduced them
     ))
 

@@ -34,6 +34,7 @@ from fxsplit.errors import OutOfRangeError, PlanError, SplitError, UsageError
 from fxsplit.graph.examples import batch_of, check_example_batch, example_at_batch
 from fxsplit.hardware import Hardware
 from fxsplit.graph.pass_api import PassContext, PassManager
+from fxsplit.graph.shapes import substitute
 from fxsplit.graph.trace import trace
 from fxsplit.pipeline.comm import CommPlan, plan_all_communication
 from fxsplit.pipeline.rank_plan import RankPlan
@@ -516,7 +517,7 @@ def _loss_seconds(gm: torch.fx.GraphModule, hardware: Hardware) -> float:
         info = node.meta.get("fxsplit")
         for t in (info.outputs if info is not None else ()):
             if t.dtype.is_floating_point:
-                nbytes = t.nbytes.subs(binds) if hasattr(t.nbytes, "subs") else t.nbytes
+                nbytes = substitute(t.nbytes, binds)
                 numel = nbytes / t.dtype.itemsize
                 total += estimate_time(
                     NodeCost(flops=int(8 * numel), bytes_read=int(3 * nbytes), bytes_written=int(2 * nbytes)),

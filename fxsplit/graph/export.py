@@ -51,7 +51,9 @@ class Exported(NamedTuple):
     kept: list  # (module path, why) of attention modules kept whole ([Note: attention modules as ops])
     input_names: tuple[str, ...]
     traced_length: int | None = None  # the static sequence length export traced at, if any
-    follows: bool = False  # the graph takes every length up to traced_length ([Note: following the sequence ...])
+    # the graph takes every length up to traced_length ([Note: following the sequence from two static
+    # traces] in fxsplit.graph.sequence)
+    follows: bool = False
     follow_refused: str | None = None  # why it stays static, when following was asked
 
 

@@ -130,7 +130,7 @@ class TensorMeta:
         out = []
         for d in self.shape:
             if isinstance(d, sympy.Expr):
-                val = d.subs({s: by_name[s.name] for s in d.free_symbols if s.name in by_name})
+                val = sympy.sympify(substitute(d, {s: by_name[s.name] for s in d.free_symbols if s.name in by_name}))
                 if not val.is_Integer:
                     raise UsageError(f"shape {self.shape}: dimension {d} has unbound symbols {sorted(map(str, val.free_symbols))}")
                 out.append(int(val))

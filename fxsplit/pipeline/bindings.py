@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from fxsplit.errors import SplitError
+from fxsplit.graph.cost import value_bytes as tensor_bytes
 from fxsplit.graph.meta import substitute
 
 __all__ = ["batch_bindings", "example_bindings", "resolve_bindings", "concrete", "value_bytes", "cut_bytes"]
@@ -65,15 +66,14 @@ def concrete(x: Any, bindings: Mapping) -> float:
 
 
 def value_bytes(node: torch.fx.Node, bindings: Mapping) -> float:
+    """Bytes ``node``'s tensor sends at ``bindings`` (``NodeInfo.output_bytes``; a node with no
+    metadata by its value's shape)."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         info = node.meta.get("fxsplit")
         if info is not None and info.outputs:
             return info.output_bytes(bindings)
-        n = 1
-        for s in val.shape:
-            n *= s
-        return concrete(n * val.dtype.itemsize, bindings) if not isinstance(n, torch.SymInt) else concrete(n.node.expr * val.dtype.itemsize, bindings)
+        return concrete(tensor_bytes(val), bindings)
     return 0.0  # tuples travel as their getitem results; non-tensors are recomputed, not sent
 
 

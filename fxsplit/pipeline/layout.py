@@ -39,6 +39,7 @@ import sympy
 import torch
 
 from fxsplit.graph.meta import to_expr
+from fxsplit.graph.shapes import substitute
 
 __all__ = ["dim_order_of", "from_wire", "hand_over", "to_wire", "wire_shape"]
 
@@ -50,9 +51,7 @@ def _is_one(d: Any) -> bool:
 def _numeric(e: Any, symbols: dict) -> float:
     """A stride as a number for ordering: symbols (batch, sequence) stand for large distinct
     sizes, so products of sizes order as they do for any real size >= 2."""
-    if isinstance(e, sympy.Basic):
-        return float(e.xreplace(symbols))
-    return float(e)
+    return float(substitute(e, symbols))
 
 
 def dim_order_of(val: Any) -> tuple[int, ...] | None:

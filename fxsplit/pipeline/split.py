@@ -173,7 +173,7 @@ class SplitPlan:
         plain = [s.activation_bytes if s.activation_bytes_unchecked is None else s.activation_bytes_unchecked
                  for s in self.stages]
         spec = schedule_spec(self.schedule)
-        if spec.inflight_rule == "simulated" and self.num_ranks > 1:  # walk the order with each W's share
+        if spec.order_decides_inflight and self.num_ranks > 1:  # walk the order with each W's share
             p, v = self.num_ranks, self.num_stages // self.num_ranks
             rows = spec.builder(p, self.num_microbatches or 2 * p, v)
             w = [s.weight_bytes for s in self.stages]

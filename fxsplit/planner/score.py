@@ -394,13 +394,11 @@ class Scorer:
         total = float(u.F.sum() + u.I.sum() + u.W.sum() - u.a2a_F.sum() - u.a2a_I.sum())  # (some may hide)
         bubble, p, S = 0.0, c.pp, c.num_stages
         if p > 1:
-            rule = _schedules.schedule_spec(c.schedule).bubble_rule
-            if rule in ("zbv", "dualpipev"):
-                bubble = (p - 1) * float(u.F.sum()) / S * c.stages_per_rank / 2
-            elif rule != "zb_h1":
-                bubble = (p - 1) * total / S
+            v = c.stages_per_rank  # a rank's share of the work is v mean stages
+            bubble = _schedules.schedule_spec(c.schedule).bubble_floor(p, v, float(u.F.sum()) / S * v, total / S * v)
         opt = self.hw.memory_time(self.optimizer_traffic * share / self.w.param_itemsize / c.dp_shard)
-        dp = 0.0 if self.fsdp.overlapped and c.dp_shard > 1 else self._dp_time(c, share)  # may all hide
+        experts = float(u.experts.sum()) / c.pp
+        dp = 0.0 if self.fsdp.overlapped and c.dp_shard > 1 else self._dp_time(c, share, experts)  # may all hide
         return c.microbatches * total / p + bubble + dp + opt
 
     # -- the score
@@ -430,7 +428,7 @@ class Scorer:
             intra = self._pp_intra(c, ranks[s], ranks[s + 1])
             comm[s] = hw.p2p_time(float(u.cut[cuts[s + 1]]), intra)
         sh = c.dp_shard
-        mem, rank_P = self._memory(c, u, cuts)
+        mem, rank_P, rank_E = self._memory(c, u, cuts)
         fits = mem.total <= self.limit
         # time; with ranks sharing one host's cores, [Note: host sharing] in fxsplit.planner.host
         cores = self.cal.host_cores
@@ -452,7 +450,8 @@ class Scorer:
             work = copies * c.microbatches * float(F.sum() + I.sum() + W.sum())
             if shared and work / cores > pipe:  # the closed form: at least the total work over the cores
                 pipe, free, method = work / cores, work / cores, "closed form, host-bound"
-        dp_time, dp_hidden = self._dp_time(c, float(rank_P.max())), 0.0
+        busiest = int(np.argmax(rank_P))
+        dp_time, dp_hidden = self._dp_time(c, float(rank_P[busiest]), float(rank_E[busiest])), 0.0
         if self.fsdp.overlapped and c.dp_shard > 1:
             dp_time, dp_hidden = self._fsdp_overlap(c, u, cuts, ranks, int(np.argmax(rank_P)))
         opt_time = hw.memory_time(self.optimizer_traffic * float(rank_P.max()) / w.param_itemsize / sh)
@@ -518,7 +517,7 @@ class Scorer:
 
     def _memory(self, c: Candidate, u: _Units, cuts) -> tuple[Memory, np.ndarray]:
         """The busiest rank's memory under ``cuts`` by the split's model ([Note: memory model] in
-        fxsplit.pipeline.memory), and each pipeline rank's parameter bytes."""
+        fxsplit.pipeline.memory), each pipeline rank's parameter bytes and, of those, its expert blocks."""
         w, S, p = self.w, c.num_stages, c.pp
         idx = np.asarray(cuts)
         P = np.diff(np.concatenate(([0.0], np.cumsum(u.params)))[idx])
@@ -542,7 +541,7 @@ class Scorer:
         mems = [self._rank_memory(c, rank_P[r], float(acts[r]), u.transient, inflight[r], r, loss if r == ranks[-1] else 0.0,
                                   experts=float(rank_E[r]), exchange=u.a2a_buffer, imbalance=float(inflight[r] * rank_I[r]))
                 for r in range(p)]
-        return max(mems, key=lambda m: m.total), rank_P
+        return max(mems, key=lambda m: m.total), rank_P, rank_E
 
     def _rank_memory(self, c: Candidate, param_bytes: float, acts: float, recompute: float, inflight: float,
                      r: int, loss: float, *, experts: float = 0.0, exchange: float = 0.0, imbalance: float = 0.0) -> Memory:
@@ -565,19 +564,28 @@ class Scorer:
         it = self.w.param_itemsize
         return 2.0 + optimizer_bytes_per_element(it, self.optimizer_state) / it
 
-    def _dp_time(self, c: Candidate, grad_bytes: float) -> float:
+    def _dp_time(self, c: Candidate, grad_bytes: float, experts: float = 0.0) -> float:
+        """The data-parallel reduction of a rank's ``grad_bytes`` of gradients, of which ``experts``
+        are expert blocks placed by ep: the rest is reduced over all ``dp`` data ranks (reduce-scatter
+        and the parameters' all-gathers over dp_shard, all-reduce over its replicas), an expert block
+        only over the dp / ep ranks that hold the same experts, by all-reduce (FSDP leaves it whole)."""
         if c.dp == 1:
             return 0.0
         hw, step = self.hw, c.pp * c.tp
+        dense = grad_bytes - experts
+        t = 0.0
+        if experts > 0 and c.dp // c.ep > 1:  # the replicas of an expert block: every ep-th data rank
+            reps = c.dp // c.ep
+            t += hw.allreduce_time(experts, reps, hw.same_node(0, (reps - 1) * c.ep * step))
         if c.dp_shard > 1:
             s = c.dp_shard
             intra_s = hw.same_node(0, (s - 1) * step)
-            t = hw.reduce_scatter_time(grad_bytes, s, intra_s) + 2 * hw.allgather_time(grad_bytes, s, intra_s)
+            t += hw.reduce_scatter_time(dense, s, intra_s) + 2 * hw.allgather_time(dense, s, intra_s)
             rep = c.dp // s
             if rep > 1:
-                t += hw.allreduce_time(grad_bytes / s, rep, hw.same_node(0, (rep - 1) * s * step))
+                t += hw.allreduce_time(dense / s, rep, hw.same_node(0, (rep - 1) * s * step))
             return t
-        return hw.allreduce_time(grad_bytes, c.dp, hw.same_node(0, (c.dp - 1) * step))
+        return t + hw.allreduce_time(dense, c.dp, hw.same_node(0, (c.dp - 1) * step))
 
     def _fsdp_overlap(self, c: Candidate, u: _Units, cuts, ranks, r: int) -> tuple[float, float]:
         """(exposed, hidden) seconds of dp_shard's collectives on pipeline rank ``r`` under an
@@ -585,16 +593,23 @@ class Scorer:
         hw, s, step = self.hw, c.dp_shard, c.pp * c.tp
         intra_s = hw.same_node(0, (s - 1) * step)
         rep = c.dp // s
-        reduced = u.params / self.w.param_itemsize * (self.fsdp.reduce_itemsize or self.w.param_itemsize)
+        sharded = u.params - u.experts  # FSDP leaves the expert blocks whole (all-reduced below)
+        per_byte = (self.fsdp.reduce_itemsize or self.w.param_itemsize) / self.w.param_itemsize
+        reduced = sharded * per_byte
         a0, a1 = hw.allgather_time(0.0, s, intra_s), hw.allgather_time(1.0, s, intra_s)
         r0, r1 = hw.reduce_scatter_time(0.0, s, intra_s), hw.reduce_scatter_time(1.0, s, intra_s)
-        has = u.params > 0
-        gather = np.where(has, a0 + (a1 - a0) * u.params, 0.0)
+        has = sharded > 0
+        gather = np.where(has, a0 + (a1 - a0) * sharded, 0.0)
         reduce = np.where(has, r0 + (r1 - r0) * reduced, 0.0)
         if rep > 1:
             intra_r = hw.same_node(0, (rep - 1) * s * step)
             x0, x1 = hw.allreduce_time(0.0, rep, intra_r), hw.allreduce_time(1.0, rep, intra_r)
             reduce = reduce + np.where(has, x0 + (x1 - x0) * reduced / s, 0.0)
+        reps = c.dp // c.ep  # an expert block's replicas ([see _dp_time])
+        if reps > 1 and u.experts.any():
+            intra_e = hw.same_node(0, (reps - 1) * c.ep * step)
+            e0, e1 = hw.allreduce_time(0.0, reps, intra_e), hw.allreduce_time(1.0, reps, intra_e)
+            reduce = reduce + np.where(u.experts > 0, e0 + (e1 - e0) * u.experts * per_byte, 0.0)
         stages = [(cuts[k], cuts[k + 1]) for k in range(c.num_stages) if ranks[k] == r]
         jobs = step_jobs(self._fsdp_units, u.F, u.I + u.W, gather, reduce, stages, pipeline=c.pp > 1)
         exposed, hidden = overlap(jobs)

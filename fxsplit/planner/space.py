@@ -154,19 +154,21 @@ def candidates(*, world_size: int, global_batch: int, hardware: Hardware, num_gr
                         if ckpt == "selective" and schedule_spec(schedule).splits_backward:
                             continue  # split backward: two autograd passes, selective allows one
                         for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
-                            for sh, ep in _data_layouts(dp, shard, eps, m >= 2 * pp if schedule == "dualpipev" else None):
+                            pairs = m >= 2 * pp if schedule_spec(schedule).pairs_f_and_b else None
+                            for sh, ep in _data_layouts(dp, shard, eps, pairs):
                                 yield Candidate(dp=dp, tp=tp, pp=pp, stages_per_rank=v, schedule=schedule,
                                                 microbatches=m, microbatch_size=per_replica // m,
                                                 activation_checkpointing=ckpt, sequence_parallel=sp, dp_shard=sh,
                                                 ep=ep)
 
 
-def _data_layouts(dp: int, shard: bool, eps: list[int], dualpipev: bool | None) -> list[tuple[int, int]]:
-    """(dp_shard, ep) pairs of one data-parallel degree ([Note: candidate space]); ``dualpipev``:
-    None for another schedule, else whether m allows it (it is searched with ep > 1 only)."""
+def _data_layouts(dp: int, shard: bool, eps: list[int], pairs: bool | None) -> list[tuple[int, int]]:
+    """(dp_shard, ep) pairs of one data-parallel degree ([Note: candidate space]); ``pairs``:
+    None for a schedule that pairs no F with a B, else whether m allows the pairing (m >= 2p;
+    such a schedule, DualPipeV, is searched with ep > 1 only)."""
     sharded = [dp] if shard and dp > 1 else []
     plain = [(1, 1)] + [(sh, 1) for sh in sharded]
     experts = [(sh, e) for e in eps if e > 1 for sh in [1, *sharded]]
-    if dualpipev is None:
+    if pairs is None:
         return plain + experts
-    return experts if dualpipev else []
+    return experts if pairs else []

@@ -47,11 +47,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
-import sympy
 import torch.fx
 
 from fxsplit.errors import UsageError
 from fxsplit.graph.meta import node_info
+from fxsplit.graph.shapes import substitute
 from fxsplit.graph.recompute import MODES, layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
 from fxsplit.pipeline.checkpointing import mode_held
@@ -76,9 +76,7 @@ class Linear:
 
 
 def _num(x, binds) -> float:
-    if isinstance(x, sympy.Basic):  # xreplace: a plain substitution, much faster than subs
-        return float(x.xreplace(binds)) if x.free_symbols else float(x)
-    return float(x)
+    return float(substitute(x, binds))
 
 
 def _out_bytes(node: torch.fx.Node, binds) -> float:

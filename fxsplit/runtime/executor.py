@@ -231,12 +231,8 @@ class PipelineRuntime:
 
     @property
     def fuse_backward(self) -> bool:
-        """``RuntimeOptions.fuse_backward``; set it before the first step."""
+        """``RuntimeOptions.fuse_backward``."""
         return self.options.fuse_backward
-
-    @fuse_backward.setter
-    def fuse_backward(self, value: bool) -> None:
-        self.options.fuse_backward = bool(value)
 
     @property
     def seed(self) -> int | None:

@@ -35,7 +35,7 @@ accumulate unsharded over the microbatches, as torch.distributed.pipelining does
 :meth:`ShardedGradSync.reduce` runs what torch's pipelining stage runs after the last backward
 (``perform_reduce_grad``: post_backward of every param group, then the root's final callback):
 one reduce-scatter per stage per step. The caller runs ``begin`` and ``reduce`` only after every
-rank has agreed that no rank failed ([Note: failures] in :mod:`fxsplit.runtime.failures`), so a
+rank has agreed that no rank failed ([Note: failures] in :mod:`fxsplit.api.model`), so a
 failed rank never leaves its dp_shard peers blocked in a collective it will not join.
 
 [Note: mixed precision under FSDP]

@@ -36,6 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxsplit.errors import PlanError, UsageError
+from fxsplit.graph.shapes import substitute
 from fxsplit.pipeline.stage import ValueMeta
 
 __all__ = [
@@ -225,7 +226,7 @@ def concrete_shape(shape: Sequence[Any], binding: Mapping[sympy.Symbol, int]) ->
         if isinstance(d, int):
             out.append(d)
             continue
-        value = sympy.sympify(d.xreplace(dict(binding)) if binding else d)
+        value = sympy.sympify(substitute(d, binding))
         if value.free_symbols:
             raise PlanError(
                 f"shape {tuple(shape)}: dimension {d} uses {sorted(map(str, value.free_symbols))}, "

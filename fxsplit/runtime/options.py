@@ -58,7 +58,7 @@ class RuntimeOptions:
       "W" | "B" | "inference" | "loss")]`` says why a graph runs uncompiled ([Note: compiled
       stages] in fxsplit.runtime.compile.compiling).
     - ``fuse_backward``: False: a B of a compiled stage runs I then W even where the schedule never
-      splits it (for measuring [Note: fused backward]; set before the first step).
+      splits it (for measuring [Note: fused backward]; ``ParallelConfig.fuse_backward``).
     - ``watch``: the failure board every wait polls ([Note: failure protocol] in
       fxsplit.runtime.watch); None: waits bounded by ``timeout`` alone.
     - ``grad_hooks``: told ``stage_grads_ready(stage)`` once a stage's last backward of the step has

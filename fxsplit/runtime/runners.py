@@ -209,7 +209,7 @@ class GraphRunner(EagerRunner):
         if saved.weight_grads is not None:  # a fused backward's: copied, never stolen
             accumulate_grads(params, saved.weight_grads)
             return None
-        # a compiled W's outputs are copied (its graph is not the one `_owned_outputs` read)
+        # a compiled W's outputs are copied (``split.w_owned`` describes the traced W graph, not the compiled one)
         split = saved.graph.split
         owned = None if "W" in split.runners else split.w_owned
         accumulate_grads(params, saved.graph.weight_grads(params, buffers), owned)

@@ -8,7 +8,7 @@ gradients); **leaves**: the stage inputs that need a gradient; **intermediates**
 nodes where a parameter's gradient branches off the input path. The whole method is
 [Note: split backward] below; the executor's step is [Note: pipeline step].
 
-Representative use (the executor's I and W actions)::
+Representative use (an eager runner's I and W actions, fxsplit.runtime.runners)::
 
     split = SplitBackward(roots, root_grads, leaves, params)
     with split.capturing():                                   # I

@@ -19,8 +19,8 @@ Representative use::
 Built by list scheduling in unit time: at each tick every rank runs, of its actions whose
 dependencies ran at earlier ticks, the one of the smallest (virtual microbatch, stage); a rank with
 none is idle (None). The dependencies are the forward's (``sFj`` after ``(s-1)Fj``) and the token's;
-``overlap=False`` adds the barrier ``generate`` has today (no step k + 1 before every microbatch's
-step k has ended), for comparison. With m' >= the number of stages the overlapped program keeps
+``overlap=False`` adds the barrier of ``generate(overlap_steps=False)`` (no step k + 1 before every
+microbatch's step k has ended), for comparison. With m' >= the number of stages the overlapped program keeps
 every rank busy after the first p ticks, while the stepwise one idles (p - 1) / (m' + p - 1) of
 every step; with m' = 1 nothing can overlap (each token waits for the whole pipeline). The program
 is what ``ParallelModel.generate`` runs with its KV cache ([Note: overlapped steps] in

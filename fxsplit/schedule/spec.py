@@ -115,6 +115,12 @@ class ScheduleSpec:
             return v_placement(num_ranks)
         return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
 
+    @property
+    def order_decides_inflight(self) -> bool:
+        """Whether a rank's peak of in-flight microbatches is found by walking this schedule's
+        order (``inflight_rule == "simulated"``: the zero-bubble schedules), not by a formula."""
+        return self.inflight_rule == "simulated"
+
     def inflight(self, p: int, v: int, m: int | None) -> tuple[float, ...]:
         """Peak in-flight microbatches per rank, in units of the rank's activation share per
         microbatch; the zero-bubble orders are simulated (m defaults to 2p there)."""
@@ -148,6 +154,17 @@ class ScheduleSpec:
         if self.bubble_rule == "dualpipev":  # exact when I <= W; below the simulated idle by < 1/3 otherwise (tests)
             return (p - 1) * max(f, f + i - w) / 2
         return (p - 1) * (f + i + w) / v
+
+    def bubble_floor(self, p: int, v: int, f: float, busy: float) -> float:
+        """The least :meth:`bubble` can be for a rank whose share of the forward is ``f`` and of
+        the forward and both backward halves ``busy``, however that work splits into I and W:
+        ``bubble`` with the terms a larger W can cancel left out (ZB-H1's none, ZB-V's and
+        DualPipeV's ``(p-1) f / 2``); a bubble that grows with every cost is ``bubble`` itself."""
+        if self.bubble_rule == "zb_h1":
+            return 0.0
+        if self.bubble_rule in ("zbv", "dualpipev"):
+            return (p - 1) * f / 2
+        return (p - 1) * busy / v
 
 
 SPECS: dict[str, ScheduleSpec] = {s.name: s for s in (

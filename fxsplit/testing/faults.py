@@ -7,7 +7,8 @@ how every other rank ends. Used by ``benchmarks/faults.py`` (the whole matrix) a
     row["seconds"], row["named"], row["exit_codes"], row["hung"]
 
 Cases are ``<layout>-<fault>``: layouts in :data:`LAYOUTS`, faults in :data:`FAULTS`: ``kill-F`` /
-``kill-B`` (SIGKILL inside a forward / backward action), ``stop`` (SIGSTOP inside a forward: the
+``kill-B`` (SIGKILL inside a forward / backward action), ``kill-generate`` (SIGKILL inside a forward
+action of ``ParallelModel.generate``: survivors wait in its messages, collectives or the token's broadcast), ``stop`` (SIGSTOP inside a forward: the
 process stays, silent), ``raise-loss`` (its loss_fn raises), ``raise-model`` (a forward action
 raises), and for the cp layouts ``kill-cp`` (SIGKILL inside the context-parallel exchange of keys
 and values: the ring's all-to-all or the all-gather, at its first call of the step). The launcher is :func:`run_case`: like torchrun it hosts the rendezvous store in the
@@ -49,11 +50,13 @@ def fault_rank_of(case: str) -> int:
     return LAYOUTS[layout][3] if fault == "raise-loss" else LAYOUTS[layout][2]
 FAULTS = ("kill-F", "kill-B", "stop", "raise-loss", "raise-model")
 FAULT_STEP = 3
+_GENERATES = ("tp2pp2", "pp4", "dp2pp2", "zbv")  # the layouts whose kill-generate case benchmarks/faults.py runs
 
 
 def cases() -> list[str]:
     return [f"{layout}-{fault}" for layout in LAYOUTS
-            for fault in FAULTS + (("kill-cp",) if "cp" in LAYOUTS[layout][1] else ())]
+            for fault in FAULTS + (("kill-cp",) if "cp" in LAYOUTS[layout][1] else ())
+            + (("kill-generate",) if layout in _GENERATES else ())]
 
 
 # -------------------------------------------------------------------------------------------- rank
@@ -99,9 +102,9 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
     pm = parallelize(model, (x[: len(x) // dp],), loss_fn=loss_fn, timeout=timeout, verify=None if rank == 0 else False,
                      microbatches=4 if options.get("pp", 1) > 1 else 2, **options)
     injected = contextlib.nullcontext()
-    if mine and fault in ("kill-F", "kill-B", "stop", "raise-model"):
+    if mine and fault in ("kill-F", "kill-B", "stop", "raise-model", "kill-generate"):
         # fault injection as one action of this rank starts: F, or a backward (B or I)
-        kinds = ({ActionKind.FORWARD} if fault in ("kill-F", "stop", "raise-model")
+        kinds = ({ActionKind.FORWARD} if fault in ("kill-F", "stop", "raise-model", "kill-generate")
                  else {ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT})
 
         def faulty(_step, action):
@@ -114,7 +117,7 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
                 else:
                     raise RuntimeError("the model failed on purpose in a forward action")
 
-        injected = pm._runtime.probe(before=faulty)
+        injected = pm.runtime.probe(before=faulty)
     if mine and fault == "kill-cp":
         _kill_inside_cp_exchange(options.get("cp_kv"), step, mark)
     opt = torch.optim.SGD(pm.parameters(), lr=0.01)
@@ -124,6 +127,9 @@ def rank_main(case: str, timeout: float, out_dir: str) -> None:
         with injected:
             for step[0] in range(FAULT_STEP + 3):
                 xb = x[d * rows: (d + 1) * rows]
+                if fault == "kill-generate":  # killed in a forward action of the FAULT_STEP-th call
+                    pm.generate(xb[:2, :8], max_new_tokens=4)
+                    continue
                 pm.step(xb, target=xb.roll(-1, 1))
                 opt.step()
                 opt.zero_grad()

@@ -84,7 +84,7 @@ def fsdp_gathered_bytes(pm: Any) -> int:
     allocates and frees them by resizing a storage in place (``untyped_storage().resize_``), which
     no dispatcher mode sees, so ``LiveBytes`` misses them; read them off FSDP's own records."""
     total = 0
-    for m in pm._runtime.modules.values():  # instrumentation only
+    for m in pm.runtime.modules.values():  # instrumentation only
         state = getattr(m, "_get_fsdp_state", None)
         group = state()._fsdp_param_group if state is not None else None
         for fp in (group.fsdp_params if group is not None else ()):
@@ -110,7 +110,7 @@ def measured_step_peak(pm: Any, opt: torch.optim.Optimizer, *args: Any, target: 
         if action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
             gathered[0] = max(gathered[0], fsdp_gathered_bytes(pm))
 
-    with pm._runtime.probe(before=backward_starts), LiveBytes() as mem:
+    with pm.runtime.probe(before=backward_starts), LiveBytes() as mem:
         pm.step(*args, target=target)
         opt.step()
     if parts is not None:

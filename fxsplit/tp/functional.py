@@ -38,7 +38,7 @@ __all__ = ["column_parallel_linear", "gather_logits", "vocab_parallel_cross_entr
 
 def _group(axis: str) -> dist.ProcessGroup | None:
     if not isinstance(axis, str):
-        raise ArgumentTypeError(f"tp_ops: axis must be a mesh axis name (str), got {axis!r}")
+        raise ArgumentTypeError(f"fxsplit.tp.functional: axis must be a mesh axis name (str), got {axis!r}")
     group = current_group(axis)
     return None if group is None or group.size() == 1 else group
 

@@ -20,8 +20,8 @@ on the rank owning that expert: ``fxsplit.passes.expert_parallel`` puts the toke
 ([Note: expert-parallel exchange] in ``fxsplit.tp.experts``) around it. The router, the sort, the
 routing weights, the combine over top-k, shared experts, expert biases gathered per row after the
 last matmul and auxiliary losses are outside the region and stay as they are (replicated, data
-parallel). Anything else keeps today's behaviour, with the reason in ``skipped``: ``batched_mm``
-experts (each row gathers its expert's matrix, ``W[expert_ids]``, in token order: no sorted rows
+parallel). Anything else is left as traced (no token exchange), with the reason in ``skipped``:
+``batched_mm`` experts (each row gathers its expert's matrix, ``W[expert_ids]``, in token order: no sorted rows
 to exchange), dense experts (``bmm`` of every token with every expert's matrix, Llama 4's form),
 a region with another op or a value escaping it (gpt-oss's expert biases gathered per row between
 its matmuls), E not divisible by ep.
@@ -72,7 +72,7 @@ class EPPlan:
 
     ep: int = 1
     layers: tuple[MoELayer, ...] = ()
-    skipped: tuple[tuple[str, str], ...] = ()  # (module path, why it keeps today's behaviour)
+    skipped: tuple[tuple[str, str], ...] = ()  # (module path, why it is left as traced)
     spans: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # (dispatch, combine) node names
 
     @property

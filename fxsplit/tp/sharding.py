@@ -18,13 +18,13 @@ norm statistics, and the tensors a trace creates itself (torch.export's `lifted_
 fx's `_tensor_constant*`, plain tensor attributes), which are in no state dict. Each takes its
 value from a real tensor (the model, else the plan's stage module, which holds the trace's
 constants by reference: `fxsplit.api.materialize._value_sources`), or materialization raises;
-it is never zero-filled. (Before, every such tensor came out as zeros: a wrong loss with no error.)
+it is never zero-filled (zeros would give a wrong loss with no error).
 
 [Note: vocabulary padding] When the vocabulary V does not divide by t, the table is padded to
 `pad_to` rows (the next multiple of t, or of t * k for alignment) and rank r holds the padded
 rows [r * L, (r + 1) * L) with L = pad_to / t. The padding rows are zero, are never looked up
-(`tp_ops.vocab_parallel_embedding` only sees ids < V) and their logit columns are excluded from
-the loss (`tp_ops.vocab_parallel_cross_entropy` treats them as -inf), so they get no gradient
+(`fxsplit.tp.functional.vocab_parallel_embedding` only sees ids < V) and their logit columns are excluded from
+the loss (`fxsplit.tp.functional.vocab_parallel_cross_entropy` treats them as -inf), so they get no gradient
 and never change. `local_range` reports ranges in the padded index space. `unshard` drops the
 padding, which needs the unpadded size: the spec's `size` field, or `unshard(..., size=V)`.
 """

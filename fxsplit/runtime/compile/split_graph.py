@@ -8,7 +8,8 @@ a stage's forward and its backward, traced with ``make_fx`` (fake tensors) from
 the backward reads (what autograd would save); **carry** -- values I computes that W reads
 (e.g. the gradient reaching a linear layer's output, a recomputed activation).
 
-Representative use (the executor's F, I and W actions on a zero-bubble schedule)::
+Representative use (a graph runner's F, I and W actions on a zero-bubble schedule,
+fxsplit.runtime.runners)::
 
     split = GraphSplit.trace(module, inputs)          # once per input signature (cached)
     outs, state = split.forward(params, buffers, inputs)        # F: no autograd graph
