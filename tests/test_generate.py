@@ -226,18 +226,28 @@ def test_export_kv_cache_equals_hugging_face_generate_with_its_cache(name):
     dec = export_decode(dict(enumerate(p.stages.modules)), p.stages.modules, p.stages.io, p.stages.input_meta,
                         16, mask_input=feed.mask)
     cache = KVCache(dec.modules, shapes=dec)
+
+    def last_logits(flat):
+        logits = model_logits(_stages_in_order(p, cache, flat))
+        assert logits.shape[1] == flat[0].shape[1]
+        return logits[:, -1]
+
+    _greedy_equals_hugging_face(model, feed, last_logits, name)
+
+
+def _greedy_equals_hugging_face(model, feed, last_logits, name):
+    """A prompt of 6 tokens, then 14 greedy tokens (positions past the traced 16), each step fed as the
+    KV cache takes it (``feed.cached``: the new tokens only) to ``last_logits(flat) -> [B, vocab]``:
+    the tokens equal Hugging Face's own generate with its cache."""
     prompt = _prompt(2, 6, 256, 1)
-    new = 14  # 6 + 14 positions: beyond the traced 16
-    ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+    ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=14, do_sample=False,
                          use_cache=True)
     tokens, fed = prompt, 0
     with torch.no_grad():
-        for _ in range(new):
+        for _ in range(14):
             flat = feed.cached(tokens[:, fed:], tokens.shape[1])
             fed = tokens.shape[1]
-            logits = model_logits(_stages_in_order(p, cache, flat))
-            assert logits.shape[1] == flat[0].shape[1]
-            tokens = torch.cat([tokens, logits[:, -1].argmax(-1)[:, None]], dim=1)
+            tokens = torch.cat([tokens, last_logits(flat).argmax(-1)[:, None]], dim=1)
     assert torch.equal(tokens, ref), (name, tokens, ref)
 
 
@@ -292,19 +302,12 @@ def test_export_kv_cache_at_tp2_in_one_process_equals_hugging_face_generate():
                 values[(s, k)] = [o[k] for o in outs]
         return values[(len(graphs) - 1, len(outs[0]) - 1)]
 
-    prompt = _prompt(2, 6, 256, 1)
-    new = 14
-    ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
-                         use_cache=True)
-    tokens, fed = prompt, 0
-    with torch.no_grad():
-        for _ in range(new):
-            flat = feed.cached(tokens[:, fed:], tokens.shape[1])
-            fed = tokens.shape[1]
-            logits = [model_logits(x)[:, -1] for x in forward(flat)]
-            assert torch.equal(logits[0], logits[1])  # gathered: every rank holds the whole vocabulary
-            tokens = torch.cat([tokens, logits[0].argmax(-1)[:, None]], dim=1)
-    assert torch.equal(tokens, ref), (tokens, ref)
+    def last_logits(flat):
+        logits = [model_logits(x)[:, -1] for x in forward(flat)]
+        assert torch.equal(logits[0], logits[1])  # gathered: every rank holds the whole vocabulary
+        return logits[0]
+
+    _greedy_equals_hugging_face(model, feed, last_logits, "llama tp2 x pp2")
 
 
 def test_export_kv_cache_refusals_name_the_node():

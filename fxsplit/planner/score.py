@@ -574,9 +574,9 @@ class Scorer:
         hw, step = self.hw, c.pp * c.tp
         dense = grad_bytes - experts
         t = 0.0
-        if experts > 0 and c.dp // c.ep > 1:  # the replicas of an expert block: every ep-th data rank
-            reps = c.dp // c.ep
-            t += hw.allreduce_time(experts, reps, hw.same_node(0, (reps - 1) * c.ep * step))
+        reps, intra_e = self._expert_replicas(c)
+        if experts > 0 and reps > 1:
+            t += hw.allreduce_time(experts, reps, intra_e)
         if c.dp_shard > 1:
             s = c.dp_shard
             intra_s = hw.same_node(0, (s - 1) * step)
@@ -586,6 +586,12 @@ class Scorer:
                 t += hw.allreduce_time(dense / s, rep, hw.same_node(0, (rep - 1) * s * step))
             return t
         return t + hw.allreduce_time(dense, c.dp, hw.same_node(0, (c.dp - 1) * step))
+
+    def _expert_replicas(self, c: Candidate) -> tuple[int, bool]:
+        """(how many data ranks hold each expert block: every ep-th one, dp / ep; whether they share
+        a node): the group an expert block's gradient is all-reduced over."""
+        reps = c.dp // c.ep
+        return reps, self.hw.same_node(0, (reps - 1) * c.ep * c.pp * c.tp)
 
     def _fsdp_overlap(self, c: Candidate, u: _Units, cuts, ranks, r: int) -> tuple[float, float]:
         """(exposed, hidden) seconds of dp_shard's collectives on pipeline rank ``r`` under an
@@ -605,9 +611,8 @@ class Scorer:
             intra_r = hw.same_node(0, (rep - 1) * s * step)
             x0, x1 = hw.allreduce_time(0.0, rep, intra_r), hw.allreduce_time(1.0, rep, intra_r)
             reduce = reduce + np.where(has, x0 + (x1 - x0) * reduced / s, 0.0)
-        reps = c.dp // c.ep  # an expert block's replicas ([see _dp_time])
+        reps, intra_e = self._expert_replicas(c)
         if reps > 1 and u.experts.any():
-            intra_e = hw.same_node(0, (reps - 1) * c.ep * step)
             e0, e1 = hw.allreduce_time(0.0, reps, intra_e), hw.allreduce_time(1.0, reps, intra_e)
             reduce = reduce + np.where(u.experts > 0, e0 + (e1 - e0) * u.experts * per_byte, 0.0)
         stages = [(cuts[k], cuts[k + 1]) for k in range(c.num_stages) if ranks[k] == r]
