@@ -26,6 +26,7 @@ is computed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import warnings
@@ -35,6 +36,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import torch
 import torch.fx
 from torch import nn
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxsplit import config
 from fxsplit.graph.decompose import Decomposition, attention_as_ops
@@ -250,7 +252,6 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequenc
                     batch: bool = True) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     mode = FakeTensorMode(shape_env=ShapeEnv() if dynamic else None, allow_non_fake_inputs=True)
     fakes = []
@@ -266,8 +267,74 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequenc
                 fakes.append(mode.from_tensor(x))
         else:
             fakes.append(x)
-    with mode:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    with mode, (_PythonMatmul() if dynamic and not _matmul_keeps_symbols() else contextlib.nullcontext()):
+        _NumbersKept(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+class _NumbersKept(FakeTensorProp):
+    """FakeTensorProp that records plain numbers too (a static size read from ``x.shape``): torch
+    2.11's records None for them, which stage building reads as a missing value; 2.13's keeps them."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        kept = _numbers_kept(result, n.meta.get("val"))
+        if kept is not None:
+            n.meta["val"] = kept
+        return result
+
+
+def _numbers_kept(result: Any, val: Any) -> Any:
+    if val is None and isinstance(result, (int, float, bool)):
+        return result
+    if isinstance(result, (tuple, list)) and isinstance(val, (tuple, list)) and len(result) == len(val):
+        return type(val)(_numbers_kept(r, v) for r, v in zip(result, val))
+    return val
+
+
+# [Note: symbolic matmul on torch 2.11]
+# torch 2.11's C++ matmul (which ``F.linear`` on a 3-D input and ``@`` reach) calls ``numel()`` on its
+# input, which a fake tensor of symbolic sizes refuses, or, through ``nn.Linear`` with no bias, fixes
+# the batch and sequence symbols to the example's sizes: the trace came out static in both, and the
+# plan refused any other microbatch size (seen on the GPU machines' torch 2.11, gpu-check
+# 2026-12-04; torch 2.13 keeps the symbols). torch.export is not affected: it decomposes matmul in
+# Python (``torch._decomp.decompositions.matmul``). So where a probe shows the C++ matmul losing the
+# symbols, fake propagation routes ``torch.matmul`` / ``@`` / ``F.linear`` through that same Python
+# decomposition (a torch function mode; the result's shapes and dtype are the C++ kernel's).
+
+
+@functools.lru_cache(maxsize=None)
+def _matmul_keeps_symbols() -> bool:
+    """Whether this torch's matmul keeps a symbolic batch of a 3-D fake input (probed once)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(4, 8, 16), symbolic_context=ctx)
+    try:
+        with mode:
+            out = torch.nn.functional.linear(x, torch.empty(32, 16))
+    except Exception:  # noqa: BLE001 -- torch 2.11: "Cannot call numel() on tensor with symbolic sizes"
+        return False
+    return not mode.shape_env.replacements and not isinstance(out.shape[0], int)
+
+
+class _PythonMatmul(torch.overrides.TorchFunctionMode):
+    """``torch.matmul``, ``@`` and ``F.linear`` through torch's Python matmul decomposition
+    ([Note: symbolic matmul on torch 2.11])."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch._decomp.decompositions import matmul
+
+        kwargs = kwargs or {}
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and not kwargs:
+            return matmul(*args)
+        if func is torch.nn.functional.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            out = matmul(x, weight.t())
+            return out if bias is None else out + bias
+        return func(*args, **kwargs)
 
 
 def _propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, on_meta: bool,

@@ -52,6 +52,8 @@ def world_of_one(device: torch.device) -> Iterator[None]:
     """A default process group of one rank over a TCPStore on a free port: NCCL on a CUDA device
     (after ``torch.cuda.set_device``, so nothing lands on another GPU), gloo on the CPU."""
     if device.type == "cuda":
+        # torch 2.11 refuses set_device(torch.device("cuda")) (no index): name the current GPU
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60))
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -237,7 +237,7 @@ def run(*, sections: str = "abcde", quick: bool = False, total_budget: float = 4
     import torch
 
     env = _environment()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"  # an index: torch 2.11's set_device needs one
     report: dict = {"environment": env, "device": device, "quick": quick, "sections": {}}
     end = time.monotonic() + total_budget
     for letter in sections:
