@@ -30,6 +30,25 @@ def test_baked_devices_become_the_stage_device():
     assert on_device(gm, "cpu") == 0  # nothing left to change
 
 
+def test_devices_inside_higher_order_subgraphs_change_too():
+    """torch 2.11's export puts HF Llama's rotary no_grad block in a wrap_with_set_grad_enabled
+    subgraph (a GraphModule attribute of the stage): its device literals run on the stage's device
+    too (gpu-check 2026-12-04 found them left on the CPU)."""
+    inner = torch.fx.Graph()
+    y = inner.placeholder("y")
+    r = inner.call_function(torch.ops.aten.arange.default, (4,), {"device": torch.device("meta")})
+    inner.output(inner.call_function(torch.ops.aten.add.Tensor, (y, r)))
+    outer = torch.fx.Graph()
+    x = outer.placeholder("x")
+    outer.output(outer.call_module("submod_1", (x,)))
+    root = torch.nn.Module()
+    root.submod_1 = torch.fx.GraphModule(torch.nn.Module(), inner)
+    gm = torch.fx.GraphModule(root, outer)
+    assert on_device(gm, "cpu") == 1
+    assert _literals(gm.submod_1) == [torch.device("cpu")]
+    assert gm(torch.ones(4)).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 @pytest.mark.hf
 def test_hf_llama_stages_keep_no_trace_device():
     from fxsplit.testing import hf_zoo

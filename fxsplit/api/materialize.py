@@ -112,11 +112,17 @@ def on_device(gm: nn.Module, device: torch.device | str) -> int:
             return device
         return arg
 
-    for node in gm.graph.nodes:
-        node.args = torch.fx.node.map_aggregate(node.args, fix)
-        node.kwargs = dict(torch.fx.node.map_aggregate(node.kwargs, fix))
-    if changed:
-        gm.recompile()
+    # the graphs of higher-order ops too (torch 2.11's export puts a rotary table's no_grad block
+    # in a wrap_with_set_grad_enabled subgraph, a GraphModule attribute of the stage)
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        before = changed
+        for node in sub.graph.nodes:
+            node.args = torch.fx.node.map_aggregate(node.args, fix)
+            node.kwargs = dict(torch.fx.node.map_aggregate(node.kwargs, fix))
+        if changed != before:
+            sub.recompile()
     return changed
 
 

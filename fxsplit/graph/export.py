@@ -309,8 +309,13 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
             gm.graph.erase_node(node)
             if hasattr(gm, "_guards_fn"):
                 delattr(gm, "_guards_fn")
-        elif node.op == "call_function" and str(node.target) in _EXPORT_CHECK_OPS and not node.users:
-            gm.graph.erase_node(node)
+    for sub in gm.modules():  # higher-order ops' subgraphs hold check ops too (torch 2.11)
+        if isinstance(sub, torch.fx.GraphModule):
+            for node in list(sub.graph.nodes):
+                if node.op == "call_function" and str(node.target) in _EXPORT_CHECK_OPS and not node.users:
+                    sub.graph.erase_node(node)
+            if sub is not gm:
+                sub.recompile()
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -250,7 +250,8 @@ def _fp16_scaler(device: torch.device) -> dict:
         runs[label] = (losses, scales)
     final, ref_final = pm.full_state_dict(), ref_model.state_dict()
     floor = 1e-3 * float(torch.cat([(ref_final[k] - v).float().cpu().flatten() for k, v in init.items()]).norm())
-    gaps = {k: _gap(final[k] - v, ref_final[k] - v, floor) for k, v in init.items() if v.is_floating_point()}
+    # full_state_dict is on the CPU, the reference on the device
+    gaps = {k: _gap(final[k].to(v.device) - v, ref_final[k] - v, floor) for k, v in init.items() if v.is_floating_point()}
     worst = max(gaps, key=gaps.get)
     checks = [_check(f"loss, step {i}", abs(a - b) / abs(b), FP16_LOSS_RTOL)
               for i, (a, b) in enumerate(zip(runs["pm"][0], runs["ref"][0]))]
