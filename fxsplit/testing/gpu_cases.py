@@ -206,6 +206,9 @@ def _one_step(device: torch.device, options: Mapping[str, Any], *, autocast: tor
     with amp:
         ref_loss, ref_grads = _reference(ref_model, x, y, _cast_forward(cast) if cast is not None else None)
     pm = _parallelize(model, args, kwargs, device, **options)
+    with amp:  # a warm-up step (compilation, cuBLAS workspaces, lazy state), its gradients dropped
+        pm.step(_replica(pm, x), target=_replica(pm, y))
+    pm.zero_grad(set_to_none=True)
     memory: dict = {}
     with _measured(device, pm, memory, compiled=bool(options.get("compile"))), amp:
         loss = float(pm.step(_replica(pm, x), target=_replica(pm, y)))
