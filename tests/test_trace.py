@@ -231,3 +231,37 @@ def test_hf_cache_is_turned_off_for_export_and_restored():
     gm = fxsplit.trace(model, args, kwargs, method="export")
     assert "use_cache=False" in gm.meta["fxsplit"].reason
     assert model.config.use_cache is True
+
+
+def test_symbolic_batch_survives_a_matmul_that_loses_it(monkeypatch):
+    """[Note: symbolic matmul on torch 2.11]: where the C++ matmul fixes the batch symbol (torch
+    2.11, the GPU machines'), fake propagation routes matmul / @ / F.linear through torch's Python
+    decomposition. Forced here (this torch's probe passes): the symbols stay and the shapes match."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(8, 16, bias=False)
+            self.w = nn.Parameter(torch.randn(16, 4))
+
+        def forward(self, x):
+            h = self.up(x) @ self.w
+            return F.linear(h, torch.ones(3, 4), torch.zeros(3)) * x.shape[-1] ** -0.5
+
+    x = torch.randn(2, 5, 8)
+    plain = fxsplit.trace(Net(), (x,))
+    monkeypatch.setattr(fxsplit.graph.trace, "_matmul_keeps_symbols", lambda: False)
+    calls = []
+    real = fxsplit.graph.trace._PythonMatmul.__torch_function__
+    monkeypatch.setattr(fxsplit.graph.trace._PythonMatmul, "__torch_function__",
+                        lambda self, func, *a, **k: calls.append(func) or real(self, func, *a, **k))
+    routed = fxsplit.trace(Net(), (x,))
+    assert {torch.nn.functional.linear, torch.Tensor.matmul} <= set(calls)  # `@` arrives as Tensor.matmul
+    assert set(routed.meta["fxsplit"].symbols) == {"batch"} == set(plain.meta["fxsplit"].symbols)
+    shapes = lambda gm: [str(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else n.meta.get("val")
+                         for n in gm.graph.nodes]
+    assert shapes(routed) == shapes(plain)
+    # a static size read off x.shape is recorded as a number (torch 2.11's FakeTensorProp records none)
+    assert 8 in [n.meta.get("val") for n in routed.graph.nodes if isinstance(n.meta.get("val"), int)]
+    assert fxsplit.graph.trace._numbers_kept((4, 8), (None, None)) == (4, 8)
+    assert fxsplit.graph.trace._numbers_kept(8, None) == 8
