@@ -18,13 +18,25 @@ Written only against fxsplit's public API.
   backward (each overlapped with a block's compute), two blocks held at a time; each block by
   torch's CPU flash kernel, no scores held, causal blocks as chunk pairs with no mask, a window or
   a given mask one additive mask per chunk pair ([Note: tiled ring blocks] in fxsplit.tp.ring_tiles).
-- ``cp_kv=None`` (auto) takes the ring when ``S * (K/V width) > 4 * H * (S / C)^2`` elements per
-  sample, else the all-gather. The right-hand side counts the scores of one untiled ring block,
-  which the tiled ring (flash kernel) never holds: at 8k tokens the ring holds less
-  than the all-gather (benchmarks/README.md, "Context parallelism: all-gather vs ring": cp=2 386 vs
-  648 MiB) while stepping slower on this CPU machine (cp=2 2.4x, cp=4 1.1x, under load), so the rule
-  is kept, an all-gather bias at long sequences, until both are measured where the exchange is not a
-  shared CPU's (a GPU). Either choice may be forced with ``cp_kv="allgather"`` / ``"ring"``.
+- ``cp_kv=None`` (auto) decides by memory, per attention. Both move the same bytes per step (the
+  all-gather (C - 1) / C of K/V at once, the ring the same in C - 1 blocks); what differs is what
+  is held: the all-gather keeps every rank's keys and values for the backward, the ring its own
+  block plus the one in flight, and with the tiled ring no block's scores are held at all. So the
+  extra memory of the all-gather is the other ranks' K/V, ``(C - 1) * (S / C) * (Wk + Wv)``
+  elements per sample, against the layer's own activations, about ``17 * (S / C) * hidden``
+  (Korthikanti et al. 2022: 34 s b h bytes per layer in 16-bit with no score term; hidden = the
+  query width Wq). Auto takes the ring when that extra exceeds about a quarter of them:
+  ``(C - 1) * (Wk + Wv) > 4 * Wq``; both sides scale with S / C, so the choice does not depend on
+  the length. Multi-head attention (Wk + Wv = 2 Wq) takes the all-gather at C = 2, 3 and the ring
+  from C = 4. Grouped-query attention with 1/8 of the heads for K/V (Llama 3 70B / 405B) would keep
+  the all-gather up to C = 17, as Llama 3 trained at cp = 16 (its paper: all-gather for GQA's small
+  K/V and any mask), but Wk and Wv are the widths the sdpa call reads: where the model repeats K/V
+  to the query heads before it (Hugging Face's ``repeat_kv`` under a materialized mask, and every
+  traced HF model materializes it), the all-gather gathers the repeated K/V, H / Hkv times the
+  bytes, and the rule counts those. Gathering before the repeat is not done yet. The all-gather is one collective where the ring makes C - 1 dependent
+  exchanges, which on this CPU machine step slower (benchmarks/README.md, "Context parallelism:
+  all-gather vs ring"); on GPUs they overlap a block's compute. Either may be forced with
+  ``cp_kv="allgather"`` / ``"ring"``.
 - The ring is not taken, whatever was asked, and the plan says why, when the attention is
   eager ``softmax(Q K^T) V`` (no single op to replace: its two matmuls all-gather K and V) or
   its mask needs a gradient (a learned score bias: the ring does not differentiate the mask).
@@ -72,11 +84,12 @@ def choose_kv(request: str | None, cp: int, q: Any, k: Any, v: Any, mask: Any) -
         return "allgather", "its mask needs a gradient (a learned score bias), which the ring does not compute"
     if request is not None:
         return request, f"cp_kv={request!r}"
-    seq, heads = int(val(k).shape[-2]), int(val(q).shape[-3])
-    gathered, blocks = seq * (_width(k) + _width(v)), 4 * heads * (seq // cp) ** 2
-    if gathered > blocks:
-        return "ring", f"auto: gathered K/V {gathered} > ring block scores {blocks} elements per sample"
-    return "allgather", f"auto: gathered K/V {gathered} <= ring block scores {blocks} elements per sample"
+    others, budget = (cp - 1) * (_width(k) + _width(v)), 4 * _width(q)
+    if others > budget:
+        return "ring", (f"auto: the all-gather would hold the other {cp - 1} ranks' K/V, {others} elements per local "
+                        f"token, > 4 x the query width {budget} (a quarter of a layer's activations)")
+    return "allgather", (f"auto: the other {cp - 1} ranks' K/V the all-gather holds, {others} elements per local "
+                         f"token, <= 4 x the query width {budget} (a quarter of a layer's activations)")
 
 
 def matmul_rule(rw: Any, node: torch.fx.Node) -> Any:

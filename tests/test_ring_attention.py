@@ -119,8 +119,8 @@ def _plan(**opts):
                                         (dict(cp=4, cp_kv="allgather"), 0)],
                          ids=["cp2-auto", "cp4-auto", "cp2-ring", "cp4-allgather"])
 def test_the_plan_chooses_ring_or_all_gather_by_the_memory_rule_and_says_why(opts, ring):
-    """16 tokens, 4 heads, K/V width 64: gathered K/V 1024 elements per sample against ring block scores of
-    4 * 4 * (16 / cp)^2: 1024 at cp = 2 (all-gather), 256 at cp = 4 (ring)."""
+    """Multi-head attention, query width 32, K/V width 64: the other ranks' K/V, (cp - 1) * 64 elements per
+    local token, against 4 * 32: 64 at cp = 2 (all-gather), 192 at cp = 4 (ring)."""
     cp_plan = _plan(**opts).pass_report["context_parallel"]
     assert sum("ring attention" in a for a in cp_plan.attention) == ring, cp_plan.attention
     assert all(("cp_kv=" in a) or ("auto:" in a) for a in cp_plan.attention), cp_plan.attention
