@@ -296,9 +296,11 @@ def _traced(model: nn.Module, example_args: Any, example_kwargs: Any,
 
 
 def _rewrite_passes(config: ParallelConfig) -> list[Callable]:
-    """The passes before the split, in order: the user's, context, tensor and expert parallelism,
-    mixed precision."""
-    pipeline = list(config.passes)
+    """The passes before the split, in order: the user's, causal masks, context, tensor and expert
+    parallelism, mixed precision."""
+    from fxsplit.passes.causal_masks import causal_masks
+
+    pipeline = list(config.passes) + [causal_masks]  # [Note: causal masks as is_causal]
     if config.cp > 1:  # before tensor parallelism, on the aten graph export traced
         from fxsplit.passes.context_parallel import context_parallel
 
