@@ -42,7 +42,7 @@ import torch.fx
 from fxsplit.graph.meta import to_expr
 from fxsplit.graph.pass_api import PassContext, PassResult
 
-__all__ = ["MAX_ELEMENTS", "causal_masks"]
+__all__ = ["MAX_ELEMENTS", "causal_masks", "reads_a_mask"]
 
 MAX_ELEMENTS = 1 << 28  # 256 Mi booleans evaluated at plan time: sequences up to 16k
 _TRIAL_BATCHES = (1, 3)
@@ -52,7 +52,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 
 class _Unsure(Exception):
-    """The mask cannot be shown causal (the message says why)."""
+    """The mask cannot be shown causal (the message says why); caught inside this module."""
 
 
 def _is_size_read(n: torch.fx.Node) -> bool:
@@ -204,6 +204,12 @@ def _drop_unused(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> int:
             gm.graph.erase_node(n)
             dropped += 1
     return dropped
+
+
+def reads_a_mask(gm: torch.fx.GraphModule) -> bool:
+    """Whether some sdpa call of ``gm`` reads a mask (the pass has something to look at)."""
+    return any(n.op == "call_function" and n.target in _SDPA_TARGETS and isinstance(_arg(n, "attn_mask"), torch.fx.Node)
+               for n in gm.graph.nodes)
 
 
 def causal_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -238,7 +238,7 @@ def plan(
     split_pass = _split_pass(config, gm, hardware, stage_ranks, batch_of((example_args, example_kwargs or {})))
     # every pass (the user's, tensor parallel, the split) runs through one PassManager, so the
     # debug dumps (debug=DIR or FXSPLIT_DEBUG_DIR) show each of them
-    gm = PassManager(_rewrite_passes(config) + [split_pass], debug=config.debug)(gm, ctx).graph_module
+    gm = PassManager(_rewrite_passes(config, gm) + [split_pass], debug=config.debug)(gm, ctx).graph_module
     result = _assemble(config, gm, ctx, stage_ranks, t0)
     result = _within_memory_limit(result, split_pass, ctx)
     if scored is not None:
@@ -295,12 +295,14 @@ def _traced(model: nn.Module, example_args: Any, example_kwargs: Any,
     return config, example_args, example_kwargs, gm
 
 
-def _rewrite_passes(config: ParallelConfig) -> list[Callable]:
-    """The passes before the split, in order: the user's, causal masks, context, tensor and expert
-    parallelism, mixed precision."""
-    from fxsplit.passes.causal_masks import causal_masks
+def _rewrite_passes(config: ParallelConfig, gm: torch.fx.GraphModule) -> list[Callable]:
+    """The passes before the split, in order: the user's, causal masks (where an attention reads a
+    mask), context, tensor and expert parallelism, mixed precision."""
+    from fxsplit.passes.causal_masks import causal_masks, reads_a_mask
 
-    pipeline = list(config.passes) + [causal_masks]  # [Note: causal masks as is_causal]
+    pipeline = list(config.passes)
+    if reads_a_mask(gm):  # [Note: causal masks as is_causal]
+        pipeline.append(causal_masks)
     if config.cp > 1:  # before tensor parallelism, on the aten graph export traced
         from fxsplit.passes.context_parallel import context_parallel
 
