@@ -30,10 +30,9 @@ Written only against fxsplit's public API.
   the length. Multi-head attention (Wk + Wv = 2 Wq) takes the all-gather at C = 2, 3 and the ring
   from C = 4. Grouped-query attention with 1/8 of the heads for K/V (Llama 3 70B / 405B) would keep
   the all-gather up to C = 17, as Llama 3 trained at cp = 16 (its paper: all-gather for GQA's small
-  K/V and any mask), but Wk and Wv are the widths the sdpa call reads: where the model repeats K/V
-  to the query heads before it (Hugging Face's ``repeat_kv`` under a materialized mask, and every
-  traced HF model materializes it), the all-gather gathers the repeated K/V, H / Hkv times the
-  bytes, and the rule counts those. Gathering before the repeat is not done yet. The all-gather is one collective where the ring makes C - 1 dependent
+  K/V and any mask). Wk and Wv are the widths the attention reads: K/V repeated to the query heads
+  before sdpa (Hugging Face's ``repeat_kv``) are read before the repeat ([Note: K/V before their
+  repeat]), so they count at their own width. The all-gather is one collective where the ring makes C - 1 dependent
   exchanges, which on this CPU machine step slower (benchmarks/README.md, "Context parallelism:
   all-gather vs ring"); on GPUs they overlap a block's compute. Either may be forced with
   ``cp_kv="allgather"`` / ``"ring"``.
@@ -56,6 +55,7 @@ __all__ = ["KV_STRATEGIES", "choose_kv", "matmul_rule", "ndim", "same", "sdpa_ru
 
 KV_STRATEGIES = ("allgather", "ring")
 _AXIS = "cp"
+_aten = torch.ops.aten
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -122,11 +122,16 @@ def sdpa_rule(rw: Any, node: torch.fx.Node) -> Any:
             raise rw.fail(node, f"its {name} is not sharded along the sequence dim (-2)")
     if args.get("dropout_p", 0.0):
         raise rw.fail(node, "attention dropout (dropout_p > 0) draws its mask per key block")
+    grouped = _unrepeated(rw, k, q), _unrepeated(rw, v, q)
+    unrepeat = all(g is not None for g in grouped) and not args.get("enable_gqa", False)
+    if unrepeat:  # [Note: K/V before their repeat]
+        k, v = args["key"], args["value"] = grouped
+        args["enable_gqa"] = True
     mask = args.get("attn_mask")
     causal = bool(args.get("is_causal", False))
     if mask is not None and causal:
         raise rw.fail(node, "both a mask and is_causal=True")
-    how = []
+    how = [f"K/V before their repeat to the {int(val(q).shape[-3])} query heads (enable_gqa)"] if unrepeat else []
     if mask is not None:
         args["attn_mask"] = _mask_rows(rw, node, mask)
         how.append("mask rows of the local queries")
@@ -144,6 +149,70 @@ def sdpa_rule(rw: Any, node: torch.fx.Node) -> Any:
     node.kwargs = {k_: args[k_] for k_ in _SDPA[6:] if k_ in args}
     rw.plan.attention.append(f"{node.name}: sdpa, K/V all-gathered ({why})" + (f", {', '.join(how)}" if how else ""))
     return rw.seq_of(q)
+
+
+# [Note: K/V before their repeat]
+# Grouped-query models repeat each K/V head to the query heads before sdpa (Hugging Face's
+# ``repeat_kv``: ``x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)``), so an
+# all-gather or a ring of sdpa's own K/V moves n_rep times the bytes and holds n_rep times the
+# memory it needs. Where the key or value is exactly that repeat of a sequence-sharded (b, kv, s, d)
+# value (full slices and one unsqueeze before the expand, shapes checked at every step), the
+# attention reads the unrepeated value with ``enable_gqa=True`` instead: sdpa's own grouped-query
+# mode repeats head j // n_rep, which is what expand + reshape compute, so the result is the same;
+# the repeat's nodes go when nothing else reads them.
+
+
+def _full_slice(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not _aten.slice.Tensor:
+        return False
+    src = val(node.args[0])
+    dim = (node.args[1] if len(node.args) > 1 else 0) % src.dim()
+    start, end = (node.args[2] if len(node.args) > 2 else None), (node.args[3] if len(node.args) > 3 else None)
+    step = node.args[4] if len(node.args) > 4 else 1
+    return start in (None, 0) and step == 1 and (end is None or (type(end) is int and _reaches(end, src.shape[dim])))
+
+
+def _reaches(end: int, size: Any) -> bool:
+    try:
+        return end >= int(size)
+    except (TypeError, ValueError):
+        return end >= 2 ** 62  # torch.export's "to the end" on a symbolic size
+
+
+def _unrepeated(rw: Any, x: Any, q: Any) -> torch.fx.Node | None:
+    """The (b, kv, s, d) value ``x`` repeats to the query heads ([Note: K/V before their repeat]), or None."""
+    if not isinstance(x, torch.fx.Node) or x.op != "call_function":
+        return None
+    if x.target not in (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default):
+        return None
+    e = x.args[0]
+    while isinstance(e, torch.fx.Node) and e.target in (_aten.clone.default, _aten.contiguous.default):
+        e = e.args[0]
+    if not isinstance(e, torch.fx.Node) or e.target is not _aten.expand.default:
+        return None
+    u, unsqueezes = e.args[0], 0
+    while isinstance(u, torch.fx.Node) and (_full_slice(u) or u.target is _aten.unsqueeze.default):
+        if u.target is _aten.unsqueeze.default:
+            if u.args[1] % (ndim(u.args[0]) + 1) != 2:
+                return None
+            unsqueezes += 1
+        u = u.args[0]
+    if unsqueezes != 1 or not isinstance(u, torch.fx.Node) or ndim(u) != 4:
+        return None
+    src, wide, out, qs = val(u).shape, val(e).shape, val(x).shape, val(q).shape
+    if len(wide) != 5 or len(out) != 4:
+        return None
+    b, kv, s, d = src
+    if not (same(wide[0], b) and same(wide[1], kv) and same(wide[3], s) and same(wide[4], d)):
+        return None
+    n_rep = wide[2]
+    if not (same(out[0], b) and same(out[1], kv * n_rep) and same(out[2], s) and same(out[3], d)
+            and same(qs[-3], kv * n_rep)):
+        return None
+    seq = rw.seq_of(u)
+    if seq is None or seq.dim != 2 or seq.inner != 1:
+        return None
+    return u
 
 
 def _mask_rows(rw: Any, node: torch.fx.Node, mask: torch.fx.Node) -> torch.fx.Node:

@@ -130,3 +130,23 @@ def test_the_plan_chooses_ring_or_all_gather_by_the_memory_rule_and_says_why(opt
 def test_bad_cp_kv_is_refused():
     with pytest.raises(PlanError, match="cp_kv must be"):
         fxsplit.ParallelConfig(cp=2, cp_kv="rings")
+
+
+@pytest.mark.hf
+def test_grouped_query_kv_are_exchanged_before_their_repeat():
+    """[Note: K/V before their repeat]: HF Llama's repeat_kv (2 K/V heads to 4 query heads) is read
+    before the repeat, with enable_gqa, by the all-gather and by the ring; exactness is
+    test_context_parallel's (llama-cp4, qwen2-cp2xtp2, qwen2-cp4-ring against one process)."""
+    from fxsplit.testing import hf_zoo
+
+    model, args, kwargs = hf_zoo.make_hf("llama")
+    for kv, op in (("allgather", "scaled_dot_product_attention"), ("ring", "ring_attention")):
+        plan = fxsplit.plan(model, args, kwargs, cp=2, cp_kv=kv, hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")))
+        notes = plan.pass_report["context_parallel"].attention
+        assert len(notes) == 2 and all("before their repeat to the 4 query heads" in a for a in notes), notes
+        calls = [n for gm in plan.stages.modules for n in gm.graph.nodes if op in str(n.target)]
+        assert len(calls) == 2
+        for n in calls:
+            key = n.args[1]
+            assert tuple(key.meta["val"].shape)[1] == 2, key.meta["val"].shape  # 2 K/V heads, not 4
+            assert n.kwargs.get("enable_gqa") is True or n.args[5] is True
