@@ -18,24 +18,28 @@ Written only against fxsplit's public API.
   backward (each overlapped with a block's compute), two blocks held at a time; each block by
   torch's CPU flash kernel, no scores held, causal blocks as chunk pairs with no mask, a window or
   a given mask one additive mask per chunk pair ([Note: tiled ring blocks] in fxsplit.tp.ring_tiles).
-- ``cp_kv=None`` (auto) decides by memory, per attention. Both move the same bytes per step (the
-  all-gather (C - 1) / C of K/V at once, the ring the same in C - 1 blocks); what differs is what
-  is held: the all-gather keeps every rank's keys and values for the backward, the ring its own
-  block plus the one in flight, and with the tiled ring no block's scores are held at all. So the
-  extra memory of the all-gather is the other ranks' K/V, ``(C - 1) * (S / C) * (Wk + Wv)``
-  elements per sample, against the layer's own activations, about ``17 * (S / C) * hidden``
-  (Korthikanti et al. 2022: 34 s b h bytes per layer in 16-bit with no score term; hidden = the
-  query width Wq). Auto takes the ring when that extra exceeds about a quarter of them:
-  ``(C - 1) * (Wk + Wv) > 4 * Wq``; both sides scale with S / C, so the choice does not depend on
-  the length. Multi-head attention (Wk + Wv = 2 Wq) takes the all-gather at C = 2, 3 and the ring
-  from C = 4. Grouped-query attention with 1/8 of the heads for K/V (Llama 3 70B / 405B) would keep
-  the all-gather up to C = 17, as Llama 3 trained at cp = 16 (its paper: all-gather for GQA's small
-  K/V and any mask). Wk and Wv are the widths the attention reads: K/V repeated to the query heads
-  before sdpa (Hugging Face's ``repeat_kv``) are read before the repeat ([Note: K/V before their
-  repeat]), so they count at their own width. The all-gather is one collective where the ring makes C - 1 dependent
-  exchanges, which on this CPU machine step slower (benchmarks/README.md, "Context parallelism:
-  all-gather vs ring"); on GPUs they overlap a block's compute. Either may be forced with
-  ``cp_kv="allgather"`` / ``"ring"``.
+- ``cp_kv=None`` (auto), per attention. Both move the same bytes per step (the all-gather
+  (C - 1) / C of K/V at once, the ring the same in C - 1 blocks, each overlapped with a block's
+  compute); they differ in what is held and in the kernel. With no mask to read (``is_causal``, or
+  none: every traced model whose causal mask the ``causal_masks`` pass turned into ``is_causal``)
+  the ring is taken: its blocks run the flash kernel, causal blocks as chunk pairs with no mask,
+  and it holds its own K/V block and the one in flight, where the all-gather's sdpa reads an
+  (S / C, S) causal-rows mask (so not the flash kernel: on the CPU the math kernel holds the
+  scores) and keeps every rank's K/V. Measured on a small Llama (benchmarks/README.md, "Context
+  parallelism after the causal-mask pass"): the ring held less and stepped faster in every layout
+  at 2k and 4k. With a given mask (padding, documents, a window the model builds), the ring
+  builds one additive mask per chunk pair and stepped 1.1-1.6x the all-gather's time (measured
+  before the pass, when every traced mask was a given one), so memory decides: the extra memory of
+  the all-gather is the other ranks' K/V, ``(C - 1) * (S / C) * (Wk + Wv)`` elements per sample,
+  against the layer's own activations, about ``17 * (S / C) * hidden`` (Korthikanti et al. 2022:
+  34 s b h bytes per layer in 16-bit with no score term; hidden = the query width Wq); the ring is
+  taken when that extra exceeds about a quarter of them, ``(C - 1) * (Wk + Wv) > 4 * Wq``,
+  whatever the length. Multi-head attention (Wk + Wv = 2 Wq) then takes the all-gather at C = 2, 3
+  and the ring from C = 4; grouped-query attention with 1/8 of the heads for K/V (Llama 3 70B /
+  405B) keeps the all-gather up to C = 17, as Llama 3 trained at cp = 16 (its paper: all-gather
+  for GQA's small K/V and any mask). Wk and Wv are the widths the attention reads: K/V repeated to
+  the query heads before sdpa (Hugging Face's ``repeat_kv``) are read before the repeat ([Note:
+  K/V before their repeat]). Either may be forced with ``cp_kv="allgather"`` / ``"ring"``.
 - The ring is not taken, whatever was asked, and the plan says why, when the attention is
   eager ``softmax(Q K^T) V`` (no single op to replace: its two matmuls all-gather K and V) or
   its mask needs a gradient (a learned score bias: the ring does not differentiate the mask).
@@ -84,12 +88,15 @@ def choose_kv(request: str | None, cp: int, q: Any, k: Any, v: Any, mask: Any) -
         return "allgather", "its mask needs a gradient (a learned score bias), which the ring does not compute"
     if request is not None:
         return request, f"cp_kv={request!r}"
+    if mask is None:
+        return "ring", ("auto: no mask to read (causal or none): the ring's blocks run the flash kernel and hold two K/V "
+                        "blocks, where the all-gather's sdpa reads an (S/C, S) mask and holds every rank's K/V")
     others, budget = (cp - 1) * (_width(k) + _width(v)), 4 * _width(q)
     if others > budget:
-        return "ring", (f"auto: the all-gather would hold the other {cp - 1} ranks' K/V, {others} elements per local "
-                        f"token, > 4 x the query width {budget} (a quarter of a layer's activations)")
-    return "allgather", (f"auto: the other {cp - 1} ranks' K/V the all-gather holds, {others} elements per local "
-                         f"token, <= 4 x the query width {budget} (a quarter of a layer's activations)")
+        return "ring", (f"auto: a given mask; the all-gather would hold the other {cp - 1} ranks' K/V, {others} elements "
+                        f"per local token, > 4 x the query width {budget} (a quarter of a layer's activations)")
+    return "allgather", (f"auto: a given mask; the other {cp - 1} ranks' K/V the all-gather holds, {others} elements per "
+                         f"local token, <= 4 x the query width {budget} (a quarter of a layer's activations)")
 
 
 def matmul_rule(rw: Any, node: torch.fx.Node) -> Any:

@@ -166,7 +166,7 @@ def test_verify_catches_causal_rows_at_the_wrong_positions():
     """The check can fail: queries reading every key (no causal rows) diverge at the first attention."""
     model, args, kwargs = _gpt()
     with shared_traces(_TRACES):
-        the_plan = fxsplit.plan(model, args, kwargs, cp=2, hardware=_HW)
+        the_plan = fxsplit.plan(model, args, kwargs, cp=2, cp_kv="allgather", hardware=_HW)
     gm = the_plan.stages.modules[0]
     rows = next(n for n in gm.graph.nodes if n.target is causal_rows)
     rows.target = _every_key

@@ -22,12 +22,13 @@ from fxsplit.testing.data import local_grads, replica_slice
 from fxsplit.testing.trace_cache import SharedPlans, SharedTraces, shared_plans, shared_traces
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
-CASES = [dict(cp=2, dp=2), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True, cp_kv="ring"),
-         dict(cp=2, tp=2, vocab_parallel_loss=True), dict(cp=2, pp=2, microbatches=2),
-         dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4),
+_AG = dict(cp_kv="allgather")  # the zoo GPT's attention is is_causal: the plan's rule would take the ring
+CASES = [dict(cp=2, dp=2, **_AG), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True, cp_kv="ring"),
+         dict(cp=2, tp=2, vocab_parallel_loss=True, **_AG), dict(cp=2, pp=2, microbatches=2, **_AG),
+         dict(cp=2, pp=2, schedule="interleaved_1f1b", stages_per_rank=2, microbatches=4, **_AG),
          dict(cp=2, pp=2, schedule="zb_h1", microbatches=4, cp_kv="ring"),
          dict(cp=2, dp=2, compile=True, cp_kv="ring")]
-RING = (1, 2, 6, 7)  # the cases whose attention runs by ring (cp=4 by the plan's memory rule)
+RING = (1, 2, 6, 7)  # the cases whose attention runs by ring (cp=4 by the plan's rule: no mask to read)
 SAVED = 0  # the case whose state after the last step is saved: cp=2 x dp=2
 STEPS, LR = 3, 0.1
 

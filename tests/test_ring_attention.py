@@ -109,18 +109,28 @@ def test_a_mask_that_needs_a_gradient_is_refused_naming_the_fix():
 _TRACES = SharedTraces()
 
 
-def _plan(**opts):
-    model, args, kwargs = zoo.make_gpt(seq_len=16)  # standard multi-head attention
+def _plan(hf=None, **opts):
+    if hf is None:
+        model, args, kwargs = zoo.make_gpt(seq_len=16)  # standard multi-head attention, is_causal (no mask)
+    else:
+        from fxsplit.testing import hf_zoo
+
+        model, args, kwargs = hf_zoo.make_hf(hf)  # with its attention_mask: a given mask
     with shared_traces(_TRACES):
         return fxsplit.plan(model, args, kwargs, hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **opts)
 
 
-@pytest.mark.parametrize("opts, ring", [(dict(cp=2), 0), (dict(cp=4), 4), (dict(cp=2, cp_kv="ring"), 4),
-                                        (dict(cp=4, cp_kv="allgather"), 0)],
-                         ids=["cp2-auto", "cp4-auto", "cp2-ring", "cp4-allgather"])
-def test_the_plan_chooses_ring_or_all_gather_by_the_memory_rule_and_says_why(opts, ring):
-    """Multi-head attention, query width 32, K/V width 64: the other ranks' K/V, (cp - 1) * 64 elements per
-    local token, against 4 * 32: 64 at cp = 2 (all-gather), 192 at cp = 4 (ring)."""
+@pytest.mark.parametrize("opts, ring", [
+    (dict(cp=2), 4), (dict(cp=4, cp_kv="allgather"), 0),
+    (dict(hf="gpt2", cp=2), 0), (dict(hf="gpt2", cp=4), 2), (dict(hf="llama", cp=4), 0),
+    (dict(hf="gpt2", cp=2, cp_kv="ring"), 2)],
+    ids=["no-mask-cp2-auto", "cp4-allgather", "mha-mask-cp2-auto", "mha-mask-cp4-auto", "gqa-mask-cp4-auto",
+         "mha-mask-cp2-ring"])
+def test_the_plan_chooses_ring_or_all_gather_by_the_rule_and_says_why(opts, ring):
+    """[Note: all-gather or ring]: with no mask to read (the zoo GPT's is_causal) the ring; with a given
+    mask, the memory rule (C - 1)(Wk + Wv) > 4 Wq: multi-head GPT-2 (Wk + Wv = 2 Wq) all-gathers at cp = 2
+    and takes the ring at cp = 4; Llama's 2 K/V heads of 4, read before their repeat (Wk + Wv = Wq), keep
+    the all-gather at cp = 4."""
     cp_plan = _plan(**opts).pass_report["context_parallel"]
     assert sum("ring attention" in a for a in cp_plan.attention) == ring, cp_plan.attention
     assert all(("cp_kv=" in a) or ("auto:" in a) for a in cp_plan.attention), cp_plan.attention
