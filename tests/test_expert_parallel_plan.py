@@ -204,9 +204,10 @@ def test_partition_counts_each_ranks_block_of_experts():
     assert [m.params for m in placed.memory()] == [s.param_bytes for s in placed.split.stages]
 
 
-def _sentinel_moe_forward(threshold: int):
+def _sentinel_moe_forward(threshold: int, write: bool = False):
     """zoo MoELayer.forward with transformers 5.17's sentinel fill between the grouped matmuls:
-    ``masked_fill((expert_ids_g >= threshold).unsqueeze(-1), 0.0)`` on the sorted rows."""
+    ``masked_fill((expert_ids_g >= threshold).unsqueeze(-1), 0.0)`` on the sorted rows (``write``:
+    the ids written in place through a view before the comparison)."""
     import torch.nn.functional as F
     from fxsplit.testing.zoo_moe import grouped_mm
 
@@ -217,6 +218,8 @@ def _sentinel_moe_forward(threshold: int):
         ids_g, order = torch.sort(top_i.reshape(-1))
         offs = torch.cumsum(torch.histc(ids_g.float(), bins=self.num_experts, min=0, max=self.num_experts - 1),
                             dim=0).to(torch.int32)
+        if write:
+            ids_g.view(-1).add_(1)
         sentinel = (ids_g >= threshold).unsqueeze(-1)
         token = order // self.top_k
         e, rows = self.experts, flat[token]
@@ -228,14 +231,16 @@ def _sentinel_moe_forward(threshold: int):
     return forward
 
 
-@pytest.mark.parametrize("never", [True, False], ids=["ids-below-E", "ids-may-reach-the-threshold"])
-def test_a_sentinel_fill_that_is_never_applied_is_removed_exactly(monkeypatch, never):
+@pytest.mark.parametrize("never, write", [(True, False), (False, False), (False, True)],
+                         ids=["ids-below-E", "ids-may-reach-the-threshold", "ids-written-in-place"])
+def test_a_sentinel_fill_that_is_never_applied_is_removed_exactly(monkeypatch, never, write):
     """[Note: sentinel masks] in fxsplit.tp.moe: a fill whose mask ``ids >= E`` is never true (the
     ids are a topk's indices over E scores) is the identity, removed, and the layer placed exactly;
-    with ``ids >= E - 1`` (true for the last expert's rows) the layer is kept, saying why."""
+    with ``ids >= E - 1`` (true for the last expert's rows), or the ids written in place (through a
+    view) before the comparison, the layer is kept, saying why."""
     from fxsplit.testing import zoo_moe
 
-    monkeypatch.setattr(zoo_moe.MoELayer, "forward", _sentinel_moe_forward(4 if never else 3))
+    monkeypatch.setattr(zoo_moe.MoELayer, "forward", _sentinel_moe_forward(3 if not never and not write else 4, write))
     model, args, _ = zoo.make("moe", n_layer=1, shared_expert=False)
     plan = fxsplit.plan(model, args, dp=2, ep=2, hardware=_HW)
     if never:

@@ -267,9 +267,7 @@ def _ids_below(ids: torch.fx.Node, bound: int, before: torch.fx.Node | None) -> 
     val = ids.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex or _in_place(ids):
         return False
-    order = {n: i for i, n in enumerate(ids.graph.nodes)}
-    if any(_in_place(u) and u.args and u.args[0] is ids and (before is None or order[u] < order[before])
-           for u in ids.users):
+    if _written_before(ids, before):
         return False
     name, args = op_name(ids), ids.args
     if name in _VALUE_KEEPING and args and isinstance(args[0], torch.fx.Node):
@@ -299,10 +297,28 @@ def _ids_below(ids: torch.fx.Node, bound: int, before: torch.fx.Node | None) -> 
     return False
 
 
+def _written_before(node: torch.fx.Node, before: torch.fx.Node | None) -> bool:
+    """Whether an in-place op reads ``node`` or a value computed from it (a view may alias it) before
+    ``before`` (anywhere in the graph when None): conservatively, as a write to ``node``."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    limit = len(order) if before is None else order[before]
+    seen, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n in seen or order[n] >= limit:
+            continue
+        seen.add(n)
+        if _in_place(n):
+            return True
+        todo.extend(n.users)
+    return False
+
+
 def _dim_at_most(x: object, dim: object, bound: int) -> bool:
     """Whether ``x``'s dim ``dim`` has at most ``bound`` entries (a static size)."""
     val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor) or isinstance(dim, bool) or not isinstance(dim, int) or not -val.dim() <= dim < val.dim():
+    if not isinstance(val, torch.Tensor) or isinstance(dim, bool) or not isinstance(dim, int) \
+            or not -val.dim() <= dim < val.dim():
         return False
     size = val.shape[dim]
     return isinstance(size, int) and size <= bound
