@@ -313,3 +313,23 @@ def test_no_grad_blocks_over_gradient_free_inputs_are_inlined(on_activation):
     ref.sum().backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(got[k], p.grad, rtol=0, atol=0)
+
+
+def test_meta_model_read_by_cpu_indices_exports_where_fake_embedding_refuses_the_pair(monkeypatch):
+    """[Note: a meta model read by CPU indices] in fxsplit.graph.export: forced here (this torch's fake
+    embedding accepts the pair): the export of a meta model runs preferring meta outputs, and an
+    embedding of the meta weight with CPU ids traces to a meta value of the right shape."""
+    import fxsplit.graph.export as export
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 4))
+    monkeypatch.setattr(export, "_meta_embedding_refused", lambda: True)
+    seen = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: seen.append(
+        torch._functorch.config.fake_tensor_prefer_device_type) or real(*a, **k))
+    gm = fxsplit.trace(model, (torch.randint(0, 32, (2, 5)),), method="export")
+    assert seen and set(seen) == {"meta"}, seen
+    assert torch._functorch.config.fake_tensor_prefer_device_type is None
+    emb = next(n for n in gm.graph.nodes if "embedding" in str(n.target))
+    assert emb.meta["val"].device.type == "meta" and tuple(emb.meta["val"].shape)[1:] == (5, 8)

@@ -14,6 +14,7 @@ same location finder serves the fx frontend's errors (``failure_location``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import linecache
 import operator
@@ -286,7 +287,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
         dyn_spec = spec
     input_dtypes = [v.dtype if isinstance(v, torch.Tensor) else None
                     for v in torch.utils._pytree.tree_leaves((args, kwargs))]
-    with _parameters_in(model, param_dtype) as originals:
+    with _parameters_in(model, param_dtype) as originals, _meta_weights_read_by_cpu_indices(model):
         ep = torch.export.export(model, _cast_inputs(args, param_dtype), _cast_inputs(kwargs, param_dtype),
                                  strict=False, dynamic_shapes=dyn_spec)
         try:
@@ -388,3 +389,36 @@ def _may_carry_gradient(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
         elif any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
+
+
+# [Note: a meta model read by CPU indices]
+# A model built on the meta device (planning without weights) is traced with the caller's CPU
+# example inputs: ``nn.Embedding`` then reads a meta weight with CPU indices. torch 2.13's fake
+# ``aten.embedding`` accepts the pair (its output on the weight's device, meta); torch 2.11's has no
+# such rule and torch.export failed ("Unhandled FakeTensor Device Propagation for
+# aten.embedding.default, found two different devices meta, cpu"). Where a probe shows that, the
+# export of a meta model runs with ``fake_tensor_prefer_device_type="meta"``: an op mixing meta and
+# CPU tensors gets meta outputs, as 2.13's embedding does. Only shapes and dtypes are traced (a meta
+# model has no values), so no number can come out different.
+
+
+@functools.lru_cache(maxsize=None)
+def _meta_embedding_refused() -> bool:
+    """Whether this torch's fake ``aten.embedding`` refuses a meta weight with CPU indices (probed once)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            torch.nn.functional.embedding(mode.from_tensor(torch.zeros(3, dtype=torch.int64)),
+                                          mode.from_tensor(torch.empty(4, 2, device="meta")))
+    except RuntimeError:
+        return True
+    return False
+
+
+def _meta_weights_read_by_cpu_indices(model: nn.Module) -> contextlib.AbstractContextManager:
+    """[Note: a meta model read by CPU indices]: the setting a meta model's export needs on this torch."""
+    if not any(p.is_meta for p in model.parameters()) or not _meta_embedding_refused():
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(fake_tensor_prefer_device_type="meta")
