@@ -297,20 +297,32 @@ def _ids_below(ids: torch.fx.Node, bound: int, before: torch.fx.Node | None) -> 
     return False
 
 
+# ops whose output may share ``node``'s storage (a view, or the input itself): an in-place op on one
+# of them writes ``node``
+_MAY_ALIAS = frozenset({"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "expand_as",
+                        "transpose", "permute", "t", "slice", "select", "narrow", "getitem", "alias", "detach",
+                        "as_strided", "unfold", "view_as", "split", "split_with_sizes", "chunk", "unbind",
+                        "contiguous", "to", "type_as", "movedim", "swapaxes", "diagonal", "real", "imag"})
+
+
 def _written_before(node: torch.fx.Node, before: torch.fx.Node | None) -> bool:
-    """Whether an in-place op reads ``node`` or a value computed from it (a view may alias it) before
-    ``before`` (anywhere in the graph when None): conservatively, as a write to ``node``."""
+    """Whether an in-place op writes ``node``, directly or through a value that may alias it (a view),
+    before ``before`` (anywhere in the graph when None)."""
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     limit = len(order) if before is None else order[before]
-    seen, todo = set(), list(node.users)
+    seen, todo = set(), [node]
     while todo:
         n = todo.pop()
-        if n in seen or order[n] >= limit:
+        if n in seen:
             continue
         seen.add(n)
-        if _in_place(n):
-            return True
-        todo.extend(n.users)
+        for u in n.users:
+            if order[u] >= limit:
+                continue
+            if _in_place(u) and u.args and u.args[0] is n:
+                return True
+            if op_name(u) in _MAY_ALIAS and u.args and u.args[0] is n:
+                todo.append(u)
     return False
 
 
