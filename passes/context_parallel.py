@@ -48,7 +48,7 @@ import torch
 import torch.fx
 
 from fxsplit.errors import PlanError
-from fxsplit.graph.meta import annotate_graph, fake_like
+from fxsplit.graph.meta import annotate_graph, fake_like, keeping_symbols
 from fxsplit.graph.ops import op_name
 from fxsplit.graph.pass_api import PassContext, PassResult
 from fxsplit.tp.collectives import all_reduce_sum, gather_from_region, gather_to_region, reduce_from_region
@@ -611,5 +611,5 @@ def _fake_run(node: torch.fx.Node, args: tuple, kwargs: dict, mode: Any, cp: int
         return fake_like(args[0], tuple(args[0].shape))
     if node.op == "call_function" and t is operator.floordiv:
         return args[0] // args[1]
-    with mode:
+    with mode, keeping_symbols():  # [Note: symbolic matmul on torch 2.11] in fxsplit.graph.trace
         return t(*args, **kwargs)

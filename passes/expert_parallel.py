@@ -40,6 +40,10 @@ def expert_parallel(gm: torch.fx.GraphModule, ctx: PassContext, *, ep: int, axis
 def _rewrite(gm: torch.fx.GraphModule, layer: MoELayer, ep: int, axis: str) -> tuple[str, str]:
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
+    for name in layer.identities:  # fills never applied ([Note: sentinel masks] in fxsplit.tp.moe)
+        fill = nodes.pop(name)
+        fill.replace_all_uses_with(fill.args[0])
+        graph.erase_node(fill)
     rows, offs, last = nodes[layer.rows], nodes[layer.offs], nodes[layer.last]
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((nodes[f] for f in layer.first), key=order.__getitem__)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxsplit.errors import PlanError
-from fxsplit.graph.meta import annotate_node
+from fxsplit.graph.meta import annotate_node, keeping_symbols
 from fxsplit.graph.pass_api import PassContext, PassResult
 
 __all__ = ["mixed_precision"]
@@ -111,7 +111,7 @@ def _propagate_dtypes(gm: torch.fx.GraphModule) -> None:
             env[n] = val
         return env[n]
 
-    with mode:
+    with mode, keeping_symbols():  # [Note: symbolic matmul on torch 2.11]
         for n in gm.graph.nodes:
             if n.op in ("placeholder", "get_attr", "output"):
                 value(n)

@@ -202,3 +202,54 @@ def test_partition_counts_each_ranks_block_of_experts():
     split = lambda plan: sum(s.param_bytes for s in plan.split.stages)  # noqa: E731
     assert split(whole) - split(placed) == expert_bytes / 2
     assert [m.params for m in placed.memory()] == [s.param_bytes for s in placed.split.stages]
+
+
+def _sentinel_moe_forward(threshold: int, write: bool = False):
+    """zoo MoELayer.forward with transformers 5.17's sentinel fill between the grouped matmuls:
+    ``masked_fill((expert_ids_g >= threshold).unsqueeze(-1), 0.0)`` on the sorted rows (``write``:
+    the ids written in place through a view before the comparison)."""
+    import torch.nn.functional as F
+    from fxsplit.testing.zoo_moe import grouped_mm
+
+    def forward(self, x):
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        top_w, top_i = torch.topk(F.softmax(self.router(flat), dim=-1), self.top_k, dim=-1)
+        ids_g, order = torch.sort(top_i.reshape(-1))
+        offs = torch.cumsum(torch.histc(ids_g.float(), bins=self.num_experts, min=0, max=self.num_experts - 1),
+                            dim=0).to(torch.int32)
+        if write:
+            ids_g.view(-1).add_(1)
+        sentinel = (ids_g >= threshold).unsqueeze(-1)
+        token = order // self.top_k
+        e, rows = self.experts, flat[token]
+        gate = grouped_mm(rows, e.w1.transpose(-2, -1), offs).masked_fill(sentinel, 0.0)
+        up = grouped_mm(rows, e.w3.transpose(-2, -1), offs)
+        out = grouped_mm(F.silu(gate) * up, e.w2.transpose(-2, -1), offs) * top_w.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(flat).index_add(0, token, out).reshape(B, T, C)
+
+    return forward
+
+
+@pytest.mark.parametrize("never, write", [(True, False), (False, False), (False, True)],
+                         ids=["ids-below-E", "ids-may-reach-the-threshold", "ids-written-in-place"])
+def test_a_sentinel_fill_that_is_never_applied_is_removed_exactly(monkeypatch, never, write):
+    """[Note: sentinel masks] in fxsplit.tp.moe: a fill whose mask ``ids >= E`` is never true (the
+    ids are a topk's indices over E scores) is the identity, removed, and the layer placed exactly;
+    with ``ids >= E - 1`` (true for the last expert's rows), or the ids written in place (through a
+    view) before the comparison, the layer is kept, saying why."""
+    from fxsplit.testing import zoo_moe
+
+    monkeypatch.setattr(zoo_moe.MoELayer, "forward", _sentinel_moe_forward(3 if not never and not write else 4, write))
+    model, args, _ = zoo.make("moe", n_layer=1, shared_expert=False)
+    plan = fxsplit.plan(model, args, dp=2, ep=2, hardware=_HW)
+    if never:
+        assert [layer.module_path for layer in plan.ep_plan.layers] == ["blocks.0.moe"], str(plan.ep_plan)
+        assert plan.ep_plan.layers[0].identities and not plan.ep_plan.skipped
+        assert not any("masked_fill" in str(n.target) for n in plan.stages.modules[0].graph.nodes)
+        report = fxsplit.verify(model, args, plan, quiet=True)
+        assert report.gradients == len(list(model.parameters())) and report.max_gradient_error < 1e-5, report
+    else:
+        assert not plan.ep_plan.layers
+        assert [why for _, why in plan.ep_plan.skipped] == [
+            "masked_fill (masked_fill) between the grouped matmuls is not a row-wise op"], str(plan.ep_plan)

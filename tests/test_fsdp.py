@@ -521,3 +521,15 @@ def test_dp_shard_mixed_precision_matches_plain_data_parallel():
             for n, g in want.items():
                 gap = float((got[n] - g).norm()) / max(float(g.norm()), floor)
                 assert gap < MP_GAP, (rank, step, n, gap)
+
+
+def test_param_groups_of_torch_2_11_and_2_13_fsdp_states():
+    """FSDP's state holds a list of parameter groups on torch 2.13 (``_fsdp_param_groups``) and one
+    group or None on torch 2.11 (``_fsdp_param_group``): the reduce step reads either."""
+    from types import SimpleNamespace
+
+    from fxsplit.runtime.fsdp import _param_groups
+
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=["a", "b"])) == ["a", "b"]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group="a")) == ["a"]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []

@@ -57,7 +57,9 @@ def _reference(autocast: bool):
 
 
 class _MatmulDtypes(TorchDispatchMode):
-    """Records the dtypes every matrix product ran in (forward and backward) on this rank."""
+    """Records the dtypes every matrix product ran in (forward and backward) on this rank; not an
+    outer product (inner size 1): transformers 5.17's rotary embedding computes ``inv_freq @
+    positions`` in float32 by its own choice (autocast disabled), in eager as in the split model."""
 
     OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_dot_product_flash_attention_for_cpu"}
 
@@ -67,8 +69,11 @@ class _MatmulDtypes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.__name__.split(".")[0] in self.OPS:
-            self.dtypes.add(args[0].dtype)
+        name = func.__name__.split(".")[0]
+        if name in self.OPS:
+            a = args[1] if name in ("addmm", "baddbmm") else args[0]
+            if name.startswith("_scaled") or a.shape[-1] != 1:
+                self.dtypes.add(a.dtype)
         return out
 
 

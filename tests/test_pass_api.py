@@ -122,6 +122,26 @@ def test_pass_returning_wrong_type_names_pass():
     assert "PassResult(graph_module, modified)" in msg and "['noop']" in msg
 
 
+def test_a_pass_failing_inside_a_no_grad_block_leaves_grad_mode_on():
+    """[Note: grad mode kept across a pass]: torch's wrap_with_set_grad_enabled turns grad mode off and
+    does not turn it back on when its body raises; the manager restores the mode the pass began in."""
+
+    def body(x):
+        raise RuntimeError("body failed")
+
+    def runs_a_block(gm, ctx):
+        torch.ops.higher_order.wrap_with_set_grad_enabled(False, body, torch.ones(2))
+        return PassResult(gm, False)
+
+    assert torch.is_grad_enabled()
+    try:
+        with pytest.raises(RuntimeError, match="body failed"):
+            PassManager([runs_a_block], debug=False)(traced())
+        assert torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+
+
 def test_failing_pass_reraises_original_with_note():
     boom = KeyError("missing thing")
 

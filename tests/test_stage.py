@@ -491,3 +491,17 @@ def test_graphs_from_fxsplit_trace_with_symbolic_batch(name, method):
     _, args3, kwargs3 = zoo.make(name, batch_size=3)  # another batch size than traced
     out = sg.unflatten_outputs(sg.run_sequential(*flatten_inputs(gm, args3, kwargs3)))
     torch.testing.assert_close(out, model(*args3, **kwargs3), rtol=RTOL, atol=ATOL)
+
+
+def test_numbers_without_metadata_are_told_from_tensors():
+    """torch 2.11's FakeTensorProp records no "val" for a plain number (a static ``x.shape[0]``, a
+    float input ``scale=1.0``); 2.13's does. Forced here by dropping those: the stages still build
+    and match the model."""
+    model, args, kwargs, gm, flat = _case("kwargs", "fx")
+    gm = torch.fx.symbolic_trace(model)
+    _fake_prop(gm, flat)
+    dropped = [n.name for n in gm.graph.nodes
+               if isinstance(n.meta.get("val"), (int, float)) and n.meta.pop("val", None) is not None]
+    assert dropped and "scale" in dropped
+    sg = build_stages(gm, _even_assignment(gm, 3), 3)
+    assert sg.num_stages == 3

@@ -265,3 +265,71 @@ def test_symbolic_batch_survives_a_matmul_that_loses_it(monkeypatch):
     assert 8 in [n.meta.get("val") for n in routed.graph.nodes if isinstance(n.meta.get("val"), int)]
     assert fxsplit.graph.trace._numbers_kept((4, 8), (None, None)) == (4, 8)
     assert fxsplit.graph.trace._numbers_kept(8, None) == 8
+
+
+class _Rotary(nn.Module):
+    """A rotary table computed under ``@torch.no_grad()`` from a buffer and the positions, as
+    transformers 5.17's rotary embeddings do, feeding a linear; ``on_activation`` puts a no_grad
+    block over an activation instead (which must stay a block)."""
+
+    def __init__(self, on_activation: bool = False):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (100 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+        self.proj = nn.Linear(8, 8)
+        self.on_activation = on_activation
+
+    @torch.no_grad()
+    def table(self, x):
+        if self.on_activation:
+            return (x * 2,)
+        pos = torch.arange(x.shape[1], device=x.device).float()
+        freqs = pos[:, None] * self.inv_freq[None, :]  # (T, 4)
+        return torch.cat([freqs.cos(), freqs.sin()], -1), freqs
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h * self.table(h)[0]
+
+
+@pytest.mark.parametrize("on_activation", [False, True], ids=["buffer-and-positions", "activation"])
+def test_no_grad_blocks_over_gradient_free_inputs_are_inlined(on_activation):
+    """[Note: no_grad blocks inlined]: export's ``wrap_with_set_grad_enabled`` over a buffer and the
+    positions becomes the main graph's ops (the passes rewrite those); one over an activation stays;
+    outputs and gradients equal the model's either way."""
+    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
+    torch.manual_seed(0)
+    model, x = _Rotary(on_activation), torch.randn(2, 6, 8)
+    gm = fxsplit.trace(model, (x,), method="export")
+    kept = [n for n in gm.graph.nodes if n.target is hop]
+    assert len(kept) == (1 if on_activation else 0), gm.code
+    if not on_activation:
+        assert {"cos", "sin"} <= {str(n.target).split(".")[-2] for n in gm.graph.nodes if n.op == "call_function"}
+    gm.graph.lint()
+    out, ref = gm(x), model(x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    out.sum().backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    ref.sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, rtol=0, atol=0)
+
+
+def test_meta_model_read_by_cpu_indices_exports_where_fake_embedding_refuses_the_pair(monkeypatch):
+    """[Note: a meta model read by CPU indices] in fxsplit.graph.export: forced here (this torch's fake
+    embedding accepts the pair): the export of a meta model runs preferring meta outputs, and an
+    embedding of the meta weight with CPU ids traces to a meta value of the right shape."""
+    import fxsplit.graph.export as export
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 4))
+    monkeypatch.setattr(export, "_meta_embedding_refused", lambda: True)
+    seen = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: seen.append(
+        torch._functorch.config.fake_tensor_prefer_device_type) or real(*a, **k))
+    gm = fxsplit.trace(model, (torch.randint(0, 32, (2, 5)),), method="export")
+    assert seen and set(seen) == {"meta"}, seen
+    assert torch._functorch.config.fake_tensor_prefer_device_type is None
+    emb = next(n for n in gm.graph.nodes if "embedding" in str(n.target))
+    assert emb.meta["val"].device.type == "meta" and tuple(emb.meta["val"].shape)[1:] == (5, 8)

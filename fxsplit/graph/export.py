@@ -14,8 +14,10 @@ same location finder serves the fx frontend's errors (``failure_location``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import linecache
+import operator
 from typing import Any, Callable, Mapping, NamedTuple
 
 import logging
@@ -285,7 +287,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
         dyn_spec = spec
     input_dtypes = [v.dtype if isinstance(v, torch.Tensor) else None
                     for v in torch.utils._pytree.tree_leaves((args, kwargs))]
-    with _parameters_in(model, param_dtype) as originals:
+    with _parameters_in(model, param_dtype) as originals, _meta_weights_read_by_cpu_indices(model):
         ep = torch.export.export(model, _cast_inputs(args, param_dtype), _cast_inputs(kwargs, param_dtype),
                                  strict=False, dynamic_shapes=dyn_spec)
         try:
@@ -309,6 +311,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
             gm.graph.erase_node(node)
             if hasattr(gm, "_guards_fn"):
                 delattr(gm, "_guards_fn")
+    _inline_no_grad_blocks(gm)
     for sub in gm.modules():  # higher-order ops' subgraphs hold check ops too (torch 2.11)
         if isinstance(sub, torch.fx.GraphModule):
             for node in list(sub.graph.nodes):
@@ -319,3 +322,103 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# [Note: no_grad blocks inlined]
+# torch.export puts a ``with torch.no_grad():`` region (or a ``@torch.no_grad()`` forward) of the model in a
+# ``wrap_with_set_grad_enabled(False, submod, *inputs)`` higher-order op over a subgraph. transformers
+# 5.17 (the GPU machines') decorates every rotary embedding's forward with ``@torch.no_grad()``; 5.25
+# does not, and its cos/sin ops sit in the main graph. The passes rewrite the main graph only (context
+# parallelism's positions, the split's cuts, the cost of each op), so a block whose inputs carry no
+# gradient is inlined: no value in it can require grad with grad mode on or off (its inputs are buffers,
+# integer positions or values computed from them), so the inlined ops compute the same values and
+# the same (no) gradients. A block reading a parameter or an activation stays a higher-order op.
+
+
+def _inline_no_grad_blocks(gm: torch.fx.GraphModule) -> None:
+    """Inline every ``wrap_with_set_grad_enabled(False, ...)`` of ``gm`` whose inputs carry no
+    gradient ([Note: no_grad blocks inlined])."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    if hop is None:
+        return
+    blocks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop and n.args[0] is False]
+    if not blocks:
+        return
+    graded = _may_carry_gradient(gm)
+    for node in blocks:
+        sub_node, inputs = node.args[1], node.args[2:]
+        if node.kwargs or not isinstance(sub_node, torch.fx.Node) or sub_node.op != "get_attr" \
+                or any(isinstance(a, torch.fx.Node) and a in graded for a in inputs):
+            continue
+        sub = getattr(gm, str(sub_node.target))
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(inputs) or any(n.op in ("get_attr", "call_module") for n in sub.graph.nodes):
+            continue  # the subgraph's own attributes: left as it is
+        if not all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)
+                   for u in node.users):
+            continue
+        with gm.graph.inserting_before(node):
+            outputs = gm.graph.graph_copy(sub.graph, dict(zip(placeholders, inputs)))
+        if not isinstance(outputs, (tuple, list)):
+            outputs = (outputs,)
+        for user in list(node.users):
+            user.replace_all_uses_with(outputs[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        if not sub_node.users:
+            gm.graph.erase_node(sub_node)
+            delattr(gm, str(sub_node.target))
+
+
+def _may_carry_gradient(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Nodes whose value may require grad: a parameter that does, a floating-point input, and every
+    node reading one of those (over-approximated: any op)."""
+    out: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            try:
+                attr = gm.get_parameter(str(n.target))
+            except AttributeError:
+                attr = None
+            if attr is not None and attr.requires_grad:
+                out.add(n)
+        elif n.op == "placeholder":
+            val = n.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex:
+                out.add(n)
+        elif any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+# [Note: a meta model read by CPU indices]
+# A model built on the meta device (planning without weights) is traced with the caller's CPU
+# example inputs: ``nn.Embedding`` then reads a meta weight with CPU indices. torch 2.13's fake
+# ``aten.embedding`` accepts the pair (its output on the weight's device, meta); torch 2.11's has no
+# such rule and torch.export failed ("Unhandled FakeTensor Device Propagation for
+# aten.embedding.default, found two different devices meta, cpu"). Where a probe shows that, the
+# export of a meta model runs with ``fake_tensor_prefer_device_type="meta"``: an op mixing meta and
+# CPU tensors gets meta outputs, as 2.13's embedding does. Only shapes and dtypes are traced (a meta
+# model has no values), so no number can come out different.
+
+
+@functools.lru_cache(maxsize=None)
+def _meta_embedding_refused() -> bool:
+    """Whether this torch's fake ``aten.embedding`` refuses a meta weight with CPU indices (probed once)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            torch.nn.functional.embedding(mode.from_tensor(torch.zeros(3, dtype=torch.int64)),
+                                          mode.from_tensor(torch.empty(4, 2, device="meta")))
+    except RuntimeError:
+        return True
+    return False
+
+
+def _meta_weights_read_by_cpu_indices(model: nn.Module) -> contextlib.AbstractContextManager:
+    """[Note: a meta model read by CPU indices]: the setting a meta model's export needs on this torch."""
+    if not any(p.is_meta for p in model.parameters()) or not _meta_embedding_refused():
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(fake_tensor_prefer_device_type="meta")

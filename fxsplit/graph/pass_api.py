@@ -414,6 +414,14 @@ class PassManager:
                 recorder.finish()
         return PassResult(gm, any_modified)
 
+    # [Note: grad mode kept across a pass]
+    # torch's ``wrap_with_set_grad_enabled`` (the higher-order op torch.export makes of a no_grad block,
+    # [Note: no_grad blocks inlined] in fxsplit.graph.export) sets grad mode, runs its subgraph and
+    # sets it back with no ``finally`` (torch 2.11 and 2.13): a pass whose fake run of such a block
+    # raised left grad mode off for the rest of the process, and every later backward found nothing
+    # to differentiate (seen on torch 2.11 with transformers 5.17: a failed context-parallel plan,
+    # then "element 0 of tensors does not require grad" and ``verify`` comparing 0 gradients in later
+    # tests). Each pass runs inside ``torch.set_grad_enabled(<the mode before>)``, which restores it.
     def _run_one(
         self, fn: PassFn, name: str, gm: torch.fx.GraphModule, ctx: PassContext,
         ran: list[str], recorder: Any, shapes: dict,
@@ -429,7 +437,8 @@ class PassManager:
             snapshot = take_snapshot(gm) if self.check_metadata else None
             start = time.perf_counter()
             try:
-                result = fn(gm, ctx)
+                with torch.set_grad_enabled(torch.is_grad_enabled()):  # [Note: grad mode kept across a pass]
+                    result = fn(gm, ctx)
             except BaseException as exc:
                 exc.add_note(_failure_note(f"in pass {name!r}", name, ran))
                 raise

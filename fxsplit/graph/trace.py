@@ -298,8 +298,13 @@ def _numbers_kept(result: Any, val: Any) -> Any:
 # plan refused any other microbatch size (seen on the GPU machines' torch 2.11, gpu-check
 # 2026-12-04; torch 2.13 keeps the symbols). torch.export is not affected: it decomposes matmul in
 # Python (``torch._decomp.decompositions.matmul``). So where a probe shows the C++ matmul losing the
-# symbols, fake propagation routes ``torch.matmul`` / ``@`` / ``F.linear`` through that same Python
-# decomposition (a torch function mode; the result's shapes and dtype are the C++ kernel's).
+# symbols, fake propagation routes ``torch.matmul`` / ``@`` / ``F.linear`` (and their ATen overloads
+# ``aten.matmul`` / ``aten.linear``, which an exported graph calls) through that same Python
+# decomposition (a torch function mode; the result's shapes and dtype are the C++ kernel's). Passes
+# that run a graph's ops again on its fake tensors (context parallelism's local shapes, mixed
+# precision) do so inside ``fxsplit.graph.meta.keeping_symbols()``, the same mode: without it, 2.11
+# fixed the batch symbol of the trace's shape environment to the example's size for every later
+# plan from that trace (a second plan from a shared trace found the symbol gone).
 
 
 @functools.lru_cache(maxsize=None)
@@ -327,9 +332,10 @@ class _PythonMatmul(torch.overrides.TorchFunctionMode):
         from torch._decomp.decompositions import matmul
 
         kwargs = kwargs or {}
-        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and not kwargs:
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.ops.aten.matmul.default) \
+                and not kwargs:
             return matmul(*args)
-        if func is torch.nn.functional.linear:
+        if func in (torch.nn.functional.linear, torch.ops.aten.linear.default):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             out = matmul(x, weight.t())

@@ -616,7 +616,27 @@ def _obviously_not_tensor(n: torch.fx.Node) -> bool:
         return n.args[1] in _NON_TENSOR_ATTRS
     if n.op == "call_method":
         return n.target in _NON_TENSOR_METHODS
+    # a number computed from numbers (``x.shape[0]``, ``C ** -0.5``): torch 2.11's FakeTensorProp
+    # records no "val" for a plain int or float (2.13's does); an operator or math function of
+    # values that hold no tensor returns none
+    if n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator", "math") \
+            and n.all_input_nodes:
+        return all(_holds_no_tensor(_node_value(a)) for a in n.all_input_nodes)
+    # likewise an input passed as a number (``scale=1.0``): fake propagation gives every tensor input
+    # a "val", so an input without one, in a graph whose other inputs have one, is not a tensor
+    if n.op == "placeholder":
+        return any(p.op == "placeholder" and isinstance(p.meta.get("val"), torch.Tensor) for p in n.graph.nodes)
     return False
+
+
+def _holds_no_tensor(val: Any) -> bool:
+    if val is _NO_META or isinstance(val, (torch.Tensor, TensorMetadata)):
+        return False
+    if isinstance(val, (tuple, list)):
+        return all(_holds_no_tensor(v) for v in val)
+    if isinstance(val, dict):
+        return all(_holds_no_tensor(v) for v in val.values())
+    return True
 
 
 def _is_tensor(n: torch.fx.Node) -> bool:

@@ -156,8 +156,18 @@ class ShardedGradSync:
             m.set_requires_gradient_sync(True)
             state = fully_shard.state(m)
             for st in state._state_ctx.all_states:
-                for group in st._fsdp_param_groups:
+                for group in _param_groups(st):
                     group.post_backward()
             state._root_post_backward_final_callback()
             m.reshard()  # a stage without a gradient this step is gathered still
         self._gathered = False
+
+
+def _param_groups(state: Any) -> list:
+    """The parameter groups of one FSDP state: torch 2.13's ``FSDPState`` holds a list of them
+    (``_fsdp_param_groups``), torch 2.11's one group or None (``_fsdp_param_group``)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]

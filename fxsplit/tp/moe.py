@@ -25,6 +25,17 @@ parallel). Anything else is left as traced (no token exchange), with the reason 
 to exchange), dense experts (``bmm`` of every token with every expert's matrix, Llama 4's form),
 a region with another op or a value escaping it (gpt-oss's expert biases gathered per row between
 its matmuls), E not divisible by ep.
+
+[Note: sentinel masks] transformers 5.17's grouped_mm experts zero the rows of "sentinel" tokens
+(expert id >= E, which only its own expert parallelism makes) after each grouped matmul:
+``proj_out.masked_fill((expert_ids_g >= E).unsqueeze(-1), 0.0)``, unconditionally (5.25 masks only
+under its own expert parallelism). The mask is a per-row value from outside the region, so the
+region would be kept as traced. Where the graph shows the mask is never true (the ids are the
+indices of a ``topk``, ``max`` or ``argmax`` over a dim of at most E entries, moved only by reshapes,
+``sort`` and ``cat`` (through a no_grad block's subgraph too: phimoe's router), with no
+in-place write before the comparison), the fill is the identity: the region accepts it and
+``MoELayer.identities`` names it, for the pass to remove (exactly: the same values, the same
+gradients). A mask that could be true keeps the region as traced.
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ class MoELayer:
     last: str
     matmuls: tuple[str, ...]  # every grouped linear of the region, first and last included
     region: tuple[str, ...] = field(default=(), compare=False)  # every node of the expert FFN, in graph order
+    identities: tuple[str, ...] = field(default=(), compare=False)  # fills never applied ([Note: sentinel masks])
 
     def __str__(self) -> str:
         return f"{self.module_path or '<root>'}: {self.experts} experts, weights {', '.join(self.weights)}"
@@ -109,9 +121,14 @@ def _region(first: list[torch.fx.Node], last: torch.fx.Node, group: set[torch.fx
 
 
 def _why_not(region: set[torch.fx.Node], group: set[torch.fx.Node], rows: torch.fx.Node, offs: torch.fx.Node,
-             last: torch.fx.Node) -> str | None:
-    """Why ``region`` cannot run on the experts' owners row by row, or None when it can."""
+             last: torch.fx.Node, identities: set[torch.fx.Node] = frozenset()) -> str | None:
+    """Why ``region`` cannot run on the experts' owners row by row, or None when it can
+    (``identities``: fills that are never applied, [Note: sentinel masks])."""
     for n in region:
+        if n in identities:
+            if any(u not in region for u in n.users):
+                return f"{n.name} is also used outside the expert region"
+            continue
         if n not in group:
             name = op_name(n)
             if name not in _ROW_WISE:
@@ -203,7 +220,9 @@ def _layer(gm: torch.fx.GraphModule, linears: dict, offs: torch.fx.Node,
     region = _region(firsts, last, members)
     if not members <= region:
         return None, f"grouped matmuls over {offs.name} are not all on a path from the first to the last"
-    why = _why_not(region, members, x, offs, last)
+    experts = offs.meta["val"].shape[0] if isinstance(offs.meta.get("val"), torch.Tensor) else None
+    identities = {n for n in region if isinstance(experts, int) and _never_filled(n, experts)}
+    why = _why_not(region, members, x, offs, last, identities)
     if why is not None:
         return None, why
     weights = tuple(dict.fromkeys(linears[g.name].weight for g in group))
@@ -211,9 +230,117 @@ def _layer(gm: torch.fx.GraphModule, linears: dict, offs: torch.fx.Node,
     if len(sizes) != 1 or offs.meta.get("val") is None or tuple(offs.meta["val"].shape) != (sizes.copy().pop(),):
         return None, f"expert weights {weights} and {offs.name} disagree on the number of experts"
     path = linears[last.name].module_path
-    ordered = tuple(n.name for n in gm.graph.nodes if n in region)
+    ordered = tuple(n.name for n in gm.graph.nodes if n in region and n not in identities)
     return MoELayer(path, sizes.pop(), weights, x.name, offs.name, tuple(g.name for g in firsts), last.name,
-                    tuple(g.name for g in group), ordered), ""
+                    tuple(g.name for g in group), ordered,
+                    tuple(n.name for n in gm.graph.nodes if n in identities)), ""
+
+
+# ops that keep every element's value (another shape or a copy): what may sit between a topk's
+# indices and a sentinel comparison ([Note: sentinel masks])
+_VALUE_KEEPING = frozenset({"view", "reshape", "flatten", "unsqueeze", "squeeze", "contiguous", "clone", "alias"})
+
+
+def _never_filled(node: torch.fx.Node, experts: int) -> bool:
+    """Whether ``node`` is ``masked_fill(x, mask, value)`` with a mask that is never true: ``ids >= c``
+    (or ``ids > c - 1``), kept by reshapes, for ``c >= experts`` and ids below ``experts``."""
+    if node.op not in ("call_function", "call_method") or op_name(node) != "masked_fill" or _in_place(node) \
+            or len(node.args) < 3:
+        return False
+    mask = node.args[1]
+    while isinstance(mask, torch.fx.Node) and op_name(mask) in _VALUE_KEEPING and not _in_place(mask) and mask.args:
+        mask = mask.args[0]
+    if not isinstance(mask, torch.fx.Node) or mask.op not in ("call_function", "call_method") or len(mask.args) != 2:
+        return False
+    ids, c = mask.args
+    if isinstance(c, bool) or not isinstance(c, int) or not isinstance(ids, torch.fx.Node):
+        return False
+    bound = {"ge": c, "gt": c + 1}.get(op_name(mask))
+    return bound is not None and bound >= experts and _ids_below(ids, experts, before=mask)
+
+
+def _ids_below(ids: torch.fx.Node, bound: int, before: torch.fx.Node | None) -> bool:
+    """Whether every element of ``ids`` is below ``bound``: the indices of a ``topk`` / ``max`` /
+    ``argmax`` over a dim of at most ``bound`` entries, through value-keeping ops, ``sort``'s values,
+    ``cat`` and the outputs of a no_grad block's subgraph, none written in place (before ``before``,
+    in ``ids``'s graph)."""
+    val = ids.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex or _in_place(ids):
+        return False
+    if _written_before(ids, before):
+        return False
+    name, args = op_name(ids), ids.args
+    if name in _VALUE_KEEPING and args and isinstance(args[0], torch.fx.Node):
+        return _ids_below(args[0], bound, before)
+    if name in ("cat", "concat") and args and isinstance(args[0], (list, tuple)):
+        return all(isinstance(a, torch.fx.Node) and _ids_below(a, bound, before) for a in args[0])
+    if name in ("argmax", "argmin"):
+        return _dim_at_most(args[0], args[1] if len(args) > 1 else ids.kwargs.get("dim"), bound)
+    if name != "getitem" or not isinstance(args[0], torch.fx.Node) or not isinstance(args[1], int):
+        return False
+    src, i = args
+    src_name = op_name(src)
+    if src_name == "sort" and i == 0:  # the values, sorted: the same elements
+        return _ids_below(src.args[0], bound, before)
+    if src_name == "topk" and i == 1:  # the indices: in [0, size of the dim)
+        return _dim_at_most(src.args[0], src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", -1), bound)
+    if src_name in ("max", "min") and i == 1:  # max(x, dim): the indices
+        return _dim_at_most(src.args[0], src.args[1] if len(src.args) > 1 else src.kwargs.get("dim"), bound)
+    if src.target is getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None):
+        sub = src.args[1]  # a no_grad block ([Note: no_grad blocks inlined] in fxsplit.graph.export)
+        sub = getattr(src.graph.owning_module, str(sub.target), None) if isinstance(sub, torch.fx.Node) else None
+        if not isinstance(sub, torch.fx.GraphModule):
+            return False
+        outs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        return i < len(outs) and isinstance(outs[i], torch.fx.Node) and _ids_below(outs[i], bound, None)
+    return False
+
+
+# ops whose output may share ``node``'s storage (a view, or the input itself): an in-place op on one
+# of them writes ``node``
+_MAY_ALIAS = frozenset({"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "expand_as",
+                        "transpose", "permute", "t", "slice", "select", "narrow", "getitem", "alias", "detach",
+                        "as_strided", "unfold", "view_as", "split", "split_with_sizes", "chunk", "unbind",
+                        "contiguous", "to", "type_as", "movedim", "swapaxes", "diagonal", "real", "imag"})
+
+
+def _written_before(node: torch.fx.Node, before: torch.fx.Node | None) -> bool:
+    """Whether an in-place op writes ``node``, directly or through a value that may alias it (a view),
+    before ``before`` (anywhere in the graph when None)."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    limit = len(order) if before is None else order[before]
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if order[u] >= limit:
+                continue
+            if _in_place(u) and u.args and u.args[0] is n:
+                return True
+            if op_name(u) in _MAY_ALIAS and u.args and u.args[0] is n:
+                todo.append(u)
+    return False
+
+
+def _dim_at_most(x: object, dim: object, bound: int) -> bool:
+    """Whether ``x``'s dim ``dim`` has at most ``bound`` entries (a static size)."""
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or isinstance(dim, bool) or not isinstance(dim, int) \
+            or not -val.dim() <= dim < val.dim():
+        return False
+    size = val.shape[dim]
+    return isinstance(size, int) and size <= bound
+
+
+def _in_place(node: torch.fx.Node) -> bool:
+    """An op that writes its first argument (``x.clamp_``, ``aten.masked_fill_``)."""
+    t = node.target
+    name = t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+    return node.op in ("call_function", "call_method") and name.endswith("_") and not name.endswith("__")
 
 
 def _reaches(start: torch.fx.Node, targets: set[torch.fx.Node]) -> set[torch.fx.Node]:
