@@ -246,6 +246,7 @@ def test_symbolic_batch_survives_a_matmul_that_loses_it(monkeypatch):
 
         def forward(self, x):
             h = self.up(x) @ self.w
+            h = F.scaled_dot_product_attention(h, h, h, is_causal=True)  # 3-D: no heads dim
             return F.linear(h, torch.ones(3, 4), torch.zeros(3)) * x.shape[-1] ** -0.5
 
     x = torch.randn(2, 5, 8)
@@ -256,7 +257,7 @@ def test_symbolic_batch_survives_a_matmul_that_loses_it(monkeypatch):
     monkeypatch.setattr(fxsplit.graph.trace._PythonMatmul, "__torch_function__",
                         lambda self, func, *a, **k: calls.append(func) or real(self, func, *a, **k))
     routed = fxsplit.trace(Net(), (x,))
-    assert {torch.nn.functional.linear, torch.Tensor.matmul} <= set(calls)  # `@` arrives as Tensor.matmul
+    assert {torch.nn.functional.linear, torch.Tensor.matmul, F.scaled_dot_product_attention} <= set(calls)  # `@`: Tensor.matmul
     assert set(routed.meta["fxsplit"].symbols) == {"batch"} == set(plain.meta["fxsplit"].symbols)
     shapes = lambda gm: [str(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else n.meta.get("val")
                          for n in gm.graph.nodes]

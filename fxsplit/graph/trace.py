@@ -300,7 +300,9 @@ def _numbers_kept(result: Any, val: Any) -> Any:
 # Python (``torch._decomp.decompositions.matmul``). So where a probe shows the C++ matmul losing the
 # symbols, fake propagation routes ``torch.matmul`` / ``@`` / ``F.linear`` (and their ATen overloads
 # ``aten.matmul`` / ``aten.linear``, which an exported graph calls) through that same Python
-# decomposition (a torch function mode; the result's shapes and dtype are the C++ kernel's). Passes
+# decomposition (a torch function mode; the result's shapes and dtype are the C++ kernel's). A 3-D
+# sdpa (no heads dim) reaches that matmul inside its C++ math kernel, which no mode sees: it runs as
+# 4-D with one head, which 2.11's kernel choice keeps symbolic. Passes
 # that run a graph's ops again on its fake tensors (context parallelism's local shapes, mixed
 # precision) do so inside ``fxsplit.graph.meta.keeping_symbols()``, the same mode: without it, 2.11
 # fixed the batch symbol of the trace's shape environment to the example's size for every later
@@ -340,7 +342,23 @@ class _PythonMatmul(torch.overrides.TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             out = matmul(x, weight.t())
             return out if bias is None else out + bias
+        if func in _SDPA and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+            # a 3-D sdpa runs its math kernel through the C++ matmul: as 4-D (one head), the same shapes
+            q, k, v, *rest = args
+            rest = list(rest)
+            mask = rest[0] if rest else kwargs.get("attn_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 3:
+                mask = mask.unsqueeze(-3)
+            if rest:
+                rest[0] = mask
+            elif "attn_mask" in kwargs:
+                kwargs = {**kwargs, "attn_mask": mask}
+            return func(q.unsqueeze(-3), k.unsqueeze(-3), v.unsqueeze(-3), *rest, **kwargs).squeeze(-3)
         return func(*args, **kwargs)
+
+
+_SDPA = (torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
+         torch.ops.aten.scaled_dot_product_attention.default)
 
 
 def _propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, on_meta: bool,
