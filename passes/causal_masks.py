@@ -22,7 +22,8 @@ The mask is replaced (``attn_mask=None, is_causal=True``) only where
 - other symbols (the batch) take two trial values, and the mask is the same at both;
 - the value equals sdpa's own causal mask, ``ones(Lq, Lk).tril()`` (boolean), or 0 on and below
   the diagonal and -inf or the dtype's lowest value above it (float: ``exp`` of either is 0);
-- it has at most ``MAX_ELEMENTS`` elements (a longer mask is left as it is, with the reason).
+- it has at most ``MAX_ELEMENTS`` elements (a longer mask is left as it is, with the reason);
+- nothing in its subgraph draws random numbers.
 
 Every other mask stays, and ``ctx.report["causal_masks"]`` names each with its reason. The mask
 subgraph's nodes that nothing else reads are removed.
@@ -48,6 +49,7 @@ MAX_ELEMENTS = 1 << 28  # 256 Mi booleans evaluated at plan time: sequences up t
 _TRIAL_BATCHES = (1, 3)
 _SDPA_TARGETS = {torch.ops.aten.scaled_dot_product_attention.default, torch._C._nn.scaled_dot_product_attention,
                  torch.nn.functional.scaled_dot_product_attention}
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -85,6 +87,8 @@ def _subgraph(mask: torch.fx.Node) -> list[torch.fx.Node]:
             raise _Unsure(f"it reads the model input {n.name!r} (a padding or document mask)")
         if n.op in ("call_module", "output"):
             raise _Unsure(f"it is computed by the module call {n.name!r}")
+        if any(word in str(n.target) for word in _RANDOM):
+            raise _Unsure(f"it draws random numbers ({n.name!r}): one evaluation says nothing of the next step")
         stack.extend(n.all_input_nodes)
     return list(seen)
 

@@ -83,6 +83,22 @@ class _FloatMask(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class _RandomMask(_FloatMask):
+    """A mask drawn at random, which happens to be causal when the threshold is 2 (rand < 1 always)."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        keep = torch.ones(s, s, dtype=torch.bool, device=x.device).tril() & (torch.rand(s, s, device=x.device) < 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+def test_a_mask_drawn_at_random_stays():
+    gm = fxsplit.trace(_RandomMask(float("-inf")), (torch.randn(2, 6, 8),), dynamic_sequence=False, method="export")
+    ctx = PassContext()
+    assert not causal_masks(gm, ctx).modified and "draws random numbers" in ctx.report["causal_masks"]
+
+
 @pytest.mark.parametrize("fill, diagonal, causal", [(float("-inf"), 0, True), (torch.finfo(torch.float32).min, 0, True),
                                                     (float("-inf"), 1, False), (-1e4, 0, False)],
                          ids=["-inf", "lowest", "diagonal+1", "-1e4"])
