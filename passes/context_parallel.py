@@ -611,5 +611,5 @@ def _fake_run(node: torch.fx.Node, args: tuple, kwargs: dict, mode: Any, cp: int
         return fake_like(args[0], tuple(args[0].shape))
     if node.op == "call_function" and t is operator.floordiv:
         return args[0] // args[1]
-    with mode, keeping_symbols():  # [Note: symbolic matmul on torch 2.11] in fxsplit.graph.trace
+    with mode, keeping_symbols():  # [Note: symbolic matmul on torch 2.11] in fxsplit.graph.symbolic
         return t(*args, **kwargs)

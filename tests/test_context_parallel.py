@@ -88,7 +88,7 @@ def test_local_shapes_keep_the_batch_symbol_where_matmul_loses_it(monkeypatch):
     tensors inside ``keeping_symbols()``; torch 2.11's C++ ``aten.linear`` fixed the trace's batch
     symbol there, and the next plan from the same trace lost it. Forced here (this torch's probe
     passes): ``aten.linear`` goes through the Python matmul and two plans from one trace keep it."""
-    import fxsplit.graph.trace as trace
+    import fxsplit.graph.symbolic as trace
 
     model, args, kwargs = _gpt()
     monkeypatch.setattr(trace, "_matmul_keeps_symbols", lambda: False)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxsplit
+import fxsplit.graph.symbolic
 import fxsplit.graph.trace
 from fxsplit.testing import zoo
 from fxsplit.graph.meta import NodeInfo, TensorMeta, TraceInfo, tensor_metas
@@ -251,10 +252,10 @@ def test_symbolic_batch_survives_a_matmul_that_loses_it(monkeypatch):
 
     x = torch.randn(2, 5, 8)
     plain = fxsplit.trace(Net(), (x,))
-    monkeypatch.setattr(fxsplit.graph.trace, "_matmul_keeps_symbols", lambda: False)
+    monkeypatch.setattr(fxsplit.graph.symbolic, "_matmul_keeps_symbols", lambda: False)
     calls = []
-    real = fxsplit.graph.trace._PythonMatmul.__torch_function__
-    monkeypatch.setattr(fxsplit.graph.trace._PythonMatmul, "__torch_function__",
+    real = fxsplit.graph.symbolic._PythonMatmul.__torch_function__
+    monkeypatch.setattr(fxsplit.graph.symbolic._PythonMatmul, "__torch_function__",
                         lambda self, func, *a, **k: calls.append(func) or real(self, func, *a, **k))
     routed = fxsplit.trace(Net(), (x,))
     assert {torch.nn.functional.linear, torch.Tensor.matmul, F.scaled_dot_product_attention} <= set(calls)  # `@`: Tensor.matmul

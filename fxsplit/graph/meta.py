@@ -18,7 +18,6 @@ int/SymInt or None) and ``node.meta["fxsplit"]`` (a :class:`NodeInfo`). Passes t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -29,6 +28,7 @@ import torch.fx
 
 from fxsplit.errors import MissingKeyError
 from fxsplit.graph.shapes import Dim, Number, TensorMeta, substitute, tensor_metas, to_expr
+from fxsplit.graph.symbolic import keeping_symbols  # re-exported: passes use it from here
 
 __all__ = [
     "fake_like",
@@ -204,16 +204,6 @@ def annotate_graph(gm: torch.fx.GraphModule) -> None:
 # a meta tensor of that shape, dtype and default (contiguous) strides, on the fake device: built
 # directly, as the mode's own ``from_tensor`` does (~0.03 ms). Symbolic sizes keep the mode (a
 # meta tensor cannot hold a SymInt outside it). Each call returns a new tensor, as torch.empty did.
-
-
-def keeping_symbols() -> contextlib.AbstractContextManager:
-    """A context for running ops on fake tensors of symbolic sizes that keeps the symbols: where this
-    torch's C++ matmul loses them (torch 2.11), ``matmul`` / ``@`` / ``linear`` (``torch`` and
-    ``aten``) run through torch's Python decomposition; elsewhere a no-op ([Note: symbolic matmul on
-    torch 2.11] in fxsplit.graph.trace)."""
-    from fxsplit.graph import trace  # trace imports this module
-
-    return contextlib.nullcontext() if trace._matmul_keeps_symbols() else trace._PythonMatmul()
 
 
 def fake_like(val: torch.Tensor, shape: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
