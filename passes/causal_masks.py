@@ -202,8 +202,8 @@ def _make_causal(node: torch.fx.Node) -> None:
 
 
 def _drop_unused(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> int:
-    dropped = 0
-    for n in reversed([n for n in gm.graph.nodes if n in set(nodes)]):
+    dropped, wanted = 0, set(nodes)
+    for n in reversed([n for n in gm.graph.nodes if n in wanted]):
         if not n.users and n.op in ("call_function", "call_method", "get_attr"):
             gm.graph.erase_node(n)
             dropped += 1
