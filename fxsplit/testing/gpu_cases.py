@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import datetime
 import tempfile
 import time
@@ -37,7 +38,7 @@ from fxsplit.hardware import Hardware
 from fxsplit.testing import zoo
 from fxsplit.testing.memory import LiveBytes
 
-__all__ = ["CASES", "LAYOUTS", "run_case", "run_layout", "world_of_one"]
+__all__ = ["CASES", "LAYOUTS", "SIZED_CASES", "run_case", "run_layout", "run_sized", "world_of_one"]
 
 FP32_RTOL = 1e-5  # loss and per-tensor gradient gap, float32 (tests/test_parallelize.py: 1e-5)
 BF16_GRAD_RTOL, BF16_WHOLE_RTOL, BF16_LOSS_RTOL = 3e-2, 1e-2, 1e-4  # tests/test_mixed_precision.py
@@ -393,6 +394,49 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dp2": dict(dp=2, schedule="1f1b"),
     "dp_shard2": dict(dp_shard=2, schedule="1f1b"),
 }
+
+
+# (c)'s own runs: plan.memory() against the measured peak at a size where the caching allocator's
+# 512-byte rounding is noise (the cases above run a 0.2 MiB model, where it is most of the gap).
+# A GPT of ~130M parameters, micro-batches of 4 x 1024 tokens; memory only (b) checks the numbers.
+SIZED_GPT = dict(n_layer=8, n_embd=1024, n_head=16, seq_len=1024, block_size=1024, vocab_size=32000)
+SIZED_SMALL = dict(n_layer=4, n_embd=64, n_head=4, seq_len=64, block_size=64, vocab_size=512)  # the CPU's --quick form
+SIZED_MICRO = 4
+SIZED_CASES: dict[str, dict[str, Any]] = {
+    "1f1b": dict(schedule="1f1b"),
+    "interleaved_v2": dict(schedule="interleaved_1f1b", stages_per_rank=2),
+    "zbv": dict(schedule="zbv"),
+    "checkpointing_full": dict(schedule="zbv", activation_checkpointing="full"),
+    "mp_policy_bf16": dict(schedule="1f1b", mp_policy="bf16"),
+}
+
+
+def run_sized(name: str, device: torch.device, *, small: bool = False) -> dict:
+    """One warm-up and one measured step of the ~130M GPT (``SIZED_SMALL`` with ``small``) under
+    ``SIZED_CASES[name]`` on one rank: ``plan.memory()``'s peak against the measured one."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def fn(_: torch.device) -> dict:
+        sizes = SIZED_SMALL if small else SIZED_GPT
+        model, args, kwargs = zoo.make("gpt", batch_size=SIZED_MICRO, **sizes)
+        options = dict(SIZED_CASES[name])
+        if options.get("mp_policy") == "bf16":
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        pm = _parallelize(model, args, kwargs, device, **options)
+        g = torch.Generator().manual_seed(7)
+        x, y = (torch.randint(0, sizes["vocab_size"], (SIZED_MICRO * M, sizes["seq_len"]), generator=g).to(device)
+                for _ in range(2))
+        first = float(pm.step(x, target=y))
+        pm.zero_grad(set_to_none=True)
+        memory: dict = {}
+        with _measured(device, pm, memory):
+            loss = float(pm.step(x, target=y))
+        ok = all(map(math.isfinite, (first, loss)))
+        return {"checks": [{"what": "finite losses", "gap": None, "tol": None, "ok": ok}], "memory": memory,
+                "params": sum(p.numel() for p in pm.parameters())}
+
+    return _timed({"name": f"sized_{name}", "what": f"{SIZED_CASES[name]} at {'SIZED_SMALL' if small else 'SIZED_GPT'}"},
+                  lambda: fn(device), device)
 
 
 def run_case(name: str, device: torch.device) -> dict:

@@ -15,7 +15,9 @@ Sections, on a CUDA device (one GPU; NCCL in a process group of one rank):
                       mp_policy bf16, torch.autocast, fp16 with a GradScaler, activation checkpointing,
                       dropout streams, a checkpoint saved and resumed, an HF Llama traced on the CPU,
                       each against the unsplit model on the same GPU;
-  (c) ``memory``      ``plan.memory()`` against the measured peak of (b)'s runs (no run of its own);
+  (c) ``memory``      ``plan.memory()`` against the measured peak: of (b)'s and (e)'s runs, and of its
+                      own at a ~130M-parameter GPT (``SIZED_CASES``: 1F1B, interleaved, ZB-V, full
+                      checkpointing, mp_policy bf16), where the allocator's rounding is noise;
   (d) ``speed``       :mod:`fxsplit.testing.gpu_speed`: a 1.3B Llama in bf16, fxsplit against plain PyTorch
                       eager and torch.compile, alternated: step time, tokens/s, MFU, fxsplit's overhead;
   (e) ``multi_gpu``   tp=2, pp=2, ZB-V at pp=2, dp=2 and dp_shard=2 on 2 GPUs over NCCL, each rank
@@ -23,7 +25,7 @@ Sections, on a CUDA device (one GPU; NCCL in a process group of one rank):
 Without CUDA every section runs its CPU form (gloo, the same cases on the CPU, a tiny Llama; the
 CPU's memory from :class:`fxsplit.testing.memory.LiveBytes`) or says that it needs a GPU; ``--quick``
 runs a small subset of each, which is what tests/test_gpu_check.py checks. The budgets add up to
-under 8 minutes on one GPU (``BUDGETS``); the whole run stops at ``--total-budget`` seconds.
+under 9 minutes on one GPU (``BUDGETS``); the whole run stops at ``--total-budget`` seconds.
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ __all__ = ["BUDGETS", "SECTIONS", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: tests/ and scripts/ live beside fxsplit/
 SECTIONS = {"a": "gpu_tests", "b": "parallelize", "c": "memory", "d": "speed", "e": "multi_gpu"}
-# seconds per section: (full run on a GPU, --quick); "memory" reads (b)'s records and runs nothing
-BUDGETS = {"gpu_tests": (75, 60), "parallelize": (150, 60), "speed": (240, 90), "multi_gpu": (150, 90)}
+# seconds per section: (full run on a GPU, --quick)
+BUDGETS = {"gpu_tests": (75, 60), "parallelize": (150, 60), "memory": (60, 45), "speed": (240, 90),
+           "multi_gpu": (150, 90)}
 QUICK_CASES = ("zbv",)
 QUICK_LAYOUTS = ("tp2",)
+QUICK_SIZED = ("zbv",)
 GRACE_S = 30.0  # of a section's budget, kept for the case running when its deadline passes
 SPEED_LOSS_RTOL = 2e-2  # bf16: the first step's loss of every mode against plain eager's
 
@@ -97,6 +101,17 @@ def _parallelize(lines: Path, deadline: float, device: Any, quick: bool) -> None
                 _emit(lines, {"name": name, "status": "skip", "reason": "the section's budget ran out"})
                 continue
             _emit(lines, run_case(name, device))
+
+
+def _memory(lines: Path, deadline: float, device: Any, quick: bool) -> None:
+    from fxsplit.testing.gpu_cases import SIZED_CASES, run_sized, world_of_one
+
+    with world_of_one(device):
+        for name in (QUICK_SIZED if quick else SIZED_CASES):
+            if time.monotonic() > deadline:
+                _emit(lines, {"name": f"sized_{name}", "status": "skip", "reason": "the section's budget ran out"})
+                continue
+            _emit(lines, run_sized(name, device, small=device.type != "cuda"))
 
 
 def _speed(lines: Path, deadline: float, device: Any, quick: bool) -> None:
@@ -146,6 +161,8 @@ def _child(args: argparse.Namespace) -> int:
             _gpu_tests(lines, deadline)
         elif args.section == "parallelize":
             _parallelize(lines, deadline, device, args.quick)
+        elif args.section == "memory":
+            _memory(lines, deadline, device, args.quick)
         elif args.section == "speed":
             _speed(lines, deadline, device, args.quick)
         elif args.section == "multi_gpu":
@@ -221,17 +238,20 @@ def _status(section: dict) -> str:
 
 
 def _memory_view(sections: dict) -> dict:
-    """(c): the memory figures of (b)'s runs and of every rank of (e)'s."""
-    rows = [{"name": r["name"], **r["memory"]} for r in sections.get("parallelize", {}).get("records", [])
+    """(c): the memory figures of its own runs, of (b)'s and of every rank of (e)'s."""
+    own = sections.get("memory", {})
+    rows = [r for r in own.get("records", []) if not r.get("memory")]  # skips and errors stay as they are
+    rows += [{"name": r["name"], "status": r["status"], **r["memory"]} for r in own.get("records", []) if r.get("memory")]
+    rows += [{"name": r["name"], **r["memory"]} for r in sections.get("parallelize", {}).get("records", [])
             if r.get("memory")]
     rows += [{"name": f"{r['name']} rank {rank['rank']}", **rank["memory"]}
              for r in sections.get("multi_gpu", {}).get("records", []) for rank in r.get("ranks", []) if rank.get("memory")]
-    return {"records": [{"status": "pass", **row} for row in rows],
-            "note": "from the runs of (b) and (e): predicted = plan.memory(optimizer_bytes_per_param=0).peak; "
+    return {**{k: v for k, v in own.items() if k != "records"}, "records": [{"status": "pass", **row} for row in rows],
+            "note": "sized_* rows: (c)'s own runs; the others from the runs of (b) and (e): predicted = plan.memory(optimizer_bytes_per_param=0).peak; "
                     "measured = this rank's parameters + the step's peak above what was allocated before it"}
 
 
-def run(*, sections: str = "abcde", quick: bool = False, total_budget: float = 480.0,
+def run(*, sections: str = "abcde", quick: bool = False, total_budget: float = 540.0,
         ranks_on_cpu: bool = False) -> dict:
     """Every section named in ``sections`` (letters of ``SECTIONS``), in order; the report dict."""
     import torch
@@ -242,9 +262,6 @@ def run(*, sections: str = "abcde", quick: bool = False, total_budget: float = 4
     end = time.monotonic() + total_budget
     for letter in sections:
         name = SECTIONS[letter]
-        if name == "memory":  # filled in once (e) has run too
-            report["sections"][name] = {}
-            continue
         if name == "multi_gpu" and env["gpus"] < 2 and not ranks_on_cpu:
             report["sections"][name] = {"skip": f"needs 2 CUDA devices for NCCL (found {env['gpus']}); "
                                                 "--ranks-on-cpu runs its layouts over gloo on the CPU", "records": []}
@@ -266,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gpu-check-report.json", help="the JSON report; the text table goes beside it (.txt)")
     parser.add_argument("--quick", action="store_true", help="a small subset of every section (the CPU test's mode)")
     parser.add_argument("--sections", default="abcde", help="letters of the sections to run (default: abcde)")
-    parser.add_argument("--total-budget", type=float, default=480.0, help="seconds for the whole check (default 480)")
+    parser.add_argument("--total-budget", type=float, default=540.0, help="seconds for the whole check (default 540)")
     parser.add_argument("--ranks-on-cpu", action="store_true", help="run (e)'s layouts over gloo on the CPU")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # child side
     parser.add_argument("--lines", help=argparse.SUPPRESS)

@@ -47,6 +47,9 @@ def _case_lines(records: list[dict]) -> list[str]:
 def _memory_lines(records: list[dict]) -> list[str]:
     lines = ["    case                   pp rank  predicted MiB  measured MiB  measured/predicted  how"]
     for r in records:
+        if "measured_bytes" not in r:  # a sized run that was skipped or failed: say why
+            lines.append(f"    {r['name']:<22} {r['status']}: {r.get('reason') or r.get('error', '')}"[:400])
+            continue
         lines.append(f"    {r['name']:<22} {r['pp_rank']:>7}  {r['predicted_bytes'] / 2**20:>13.2f}  "
                      f"{r['measured_bytes'] / 2**20:>12.2f}  {_num(r.get('ratio'), '>18.3f')}  {r['how']}")
     return lines
