@@ -25,7 +25,7 @@ import sys
 import time
 
 from fxsplit.testing import run_distributed
-from fxsplit.testing.memory import cases, measure_case
+from fxsplit.testing.memory import LAYOUTS, cases, measure_case
 
 
 def _rank(rank, world, args):

@@ -198,11 +198,19 @@ def test_the_schedule_walk_counts_gradients_from_the_first_backward():
     # one stage, 10 bytes per microbatch, 3 bytes of gradients: at 0B0 two microbatches are held
     # and the gradients appear; later backwards free activations, the gradients stay
     (row,) = parse_schedule("0F0 0F1 0B0 0F2 0B1 0B2")
-    assert schedule_walk(row, [10.0], [10.0], [3.0]) == (20.0, 3.0)  # at 0F2: the gradients of 0B0 stay
-    assert schedule_walk(parse_schedule("0F0 0F1 0B0 0F2 0F3 0B1 0B2 0B3")[0], [10.0], [10.0], [3.0]) == (30.0, 3.0)
+    assert schedule_walk(row, [10.0], [10.0], [3.0]) == (20.0, 3.0, 0.0)  # at 0F2: the gradients of 0B0 stay
+    assert schedule_walk(parse_schedule("0F0 0F1 0B0 0F2 0F3 0B1 0B2 0B3")[0], [10.0], [10.0], [3.0]) == (30.0, 3.0, 0.0)
     # a checkpointed stage under the graph split: I recomputes, W's inputs (12) exceed the 10 held
     (row,) = parse_schedule("0F0 0F1 0I0 0I1 0W0 0W1")
-    assert schedule_walk(row, [10.0], [12.0], [3.0]) == (24.0, 0.0)
+    assert schedule_walk(row, [10.0], [12.0], [3.0]) == (24.0, 0.0, 0.0)
+    # transients: a backward's start (the loss's gradients, 7) on what is held before it, not on
+    # what I leaves after recomputing; the graph W's gradients (3) once the stage already has some
+    assert schedule_walk(row, [10.0], [12.0], [3.0], start=[7.0]) == (22.0, 0.0, 7.0)  # 0I1 starts on 12 + 10
+    (row,) = parse_schedule("0F0 0I0 0W0 0F1 0I1 0W1")
+    assert schedule_walk(row, [10.0], [12.0], [3.0], weight_transient=[4.0]) == (12.0, 3.0, 4.0)  # 0W1
+    assert schedule_walk(row, [10.0], [12.0], [3.0]) == (12.0, 3.0, 0.0)
+    (row,) = parse_schedule("0F0 0B0 0F1 0B1")
+    assert schedule_walk(row, [10.0], [10.0], [3.0], start=[7.0]) == (10.0, 3.0, 7.0)  # 0B1: gradients held too
 
 
 def test_tied_parameters_of_one_rank_are_one_tensor():

@@ -25,6 +25,7 @@ from fxsplit.errors import PlanError
 from fxsplit.graph.units import fmt_bytes
 from fxsplit.pipeline import memory as _model
 from fxsplit.pipeline.memory import RankMemory
+from fxsplit.schedule import schedule_spec
 
 __all__ = ["RankMemory", "rank_memory"]
 
@@ -49,8 +50,14 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
     stage_acts = [a + e for a, e in zip(plain_acts, extra)]
     after_i = [st.weight_bytes for st in plan.split.stages]
     stage_grads = [0.0] * len(stage_acts)
+    computed = [0.0] * len(stage_acts)  # the gradients a stage's weight backward computes (shared ones too)
     loss = getattr(plan.split, "loss_bytes", 0.0)
     last = plan.split.stages[-1].rank if plan.split.stages else c.pp - 1
+    # the transients of the walk: as a stage's backward starts, the loss's gradients (last stage)
+    # or the region it recomputes, the larger; the graph split's W adds its gradients in at once
+    start = [max(st.recompute_bytes, _model.loss_gradient_bytes(loss) if i == len(plan.split.stages) - 1 else 0.0)
+             for i, st in enumerate(plan.split.stages)]
+    graph_w = schedule_spec(c.schedule).splits_backward and c.split_backward == "graph"
     out = []
     for r in range(c.pp):
         shard = whole = shard_numel = gathered = grads = optimizer = 0.0
@@ -60,9 +67,6 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 # a parameter two stages of the rank share is one tensor there (share_tied_on_rank
                 # in fxsplit.api.materialize), except under FSDP, which shards each stage apart
                 key = id(p) if s == 1 else (stage, id(p))
-                if key in seen:
-                    continue
-                seen.add(key)
                 shape = tuple(p.shape)
                 full = full_shapes.get(name, shape)
                 if name in specs and shape == full:
@@ -70,6 +74,11 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 if name in experts:
                     shape = (shape[0] // c.ep, *shape[1:])
                 numel = math.prod(shape)
+                gdt = policy.reduce_dtype if policy is not None and policy.reduce_dtype is not None else p.dtype
+                computed[stage] += numel * _size(gdt)  # a stage's W computes a shared parameter's part too
+                if key in seen:
+                    continue
+                seen.add(key)
                 rows = shape[0] if shape else 1
                 # (FSDP leaves the expert weights placed by ep whole: its ignored_params)
                 mine = numel if s == 1 or not shape or name in experts else math.ceil(rows / s) * (numel // max(rows, 1))
@@ -77,22 +86,23 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 shard += mine * size
                 whole += numel
                 shard_numel += mine
-                gdt = policy.reduce_dtype if policy is not None and policy.reduce_dtype is not None else p.dtype
                 grads += numel * _size(gdt)
                 stage_grads[stage] += numel * _size(gdt)
                 pdt = policy.param_dtype if policy is not None and policy.param_dtype is not None else p.dtype
                 gathered += numel * _size(pdt)
                 optimizer += mine * _model.optimizer_bytes_per_element(size, optimizer_bytes_per_param)
-        acts, grads_at_peak = _model.schedule_walk(plan.schedule[r], stage_acts, after_i, stage_grads)
-        imbalance = acts - _model.schedule_walk(plan.schedule[r], plain_acts, after_i, stage_grads)[0] if any(extra) else 0.0
         recompute = max((plan.split.stages[st].recompute_bytes for st in plan.stages_of(r)), default=0.0)
+        acts, grads_at_peak, transient = _model.schedule_walk(plan.schedule[r], stage_acts, after_i, stage_grads,
+                                                              start, computed if graph_w else None)
+        imbalance = acts - _model.schedule_walk(plan.schedule[r], plain_acts, after_i, stage_grads, start,
+                                                computed if graph_w else None)[0] if any(extra) else 0.0
         out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel,
                                       grad_itemsize=grads / max(whole, 1), gather_itemsize=gathered / max(whole, 1),
                                       optimizer_bytes_per_param=optimizer / max(shard_numel, 1), dp=c.dp, dp_shard=s, activations=acts + buffers[r],
                                       recompute=recompute,
                                       microbatches=c.microbatches, inflight=min(inflight[r], c.microbatches),
                                       loss_bytes=loss if last == r else 0.0, pp_rank=r, grads_at_peak=grads_at_peak,
-                                      exchange=exchange[r], imbalance=imbalance))
+                                      exchange=exchange[r], imbalance=imbalance, transient=transient))
     return out
 
 
@@ -103,7 +113,6 @@ def _expert_terms(plan: Any) -> tuple[list[float], list[float]]:
     from fxsplit.graph.saved import first_saver_bytes, unit_saved
     from fxsplit.pipeline.bindings import example_bindings
     from fxsplit.pipeline.checkpointing import mode_held
-    from fxsplit.schedule import schedule_spec
 
     c, stages = plan.config, plan.split.stages
     layers = plan.ep_plan.layers if c.ep > 1 else ()

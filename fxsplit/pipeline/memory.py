@@ -72,7 +72,7 @@ import torch.fx
 from fxsplit.graph.saved import base, node_bytes, union_bytes
 
 __all__ = ["EXPERT_LOAD_MARGIN", "RankMemory", "rank_memory", "message_buffers", "schedule_peaks",
-           "optimizer_bytes_per_element", "state_bytes_per_param_byte", "schedule_walk", "worst", "StageHeld",
+           "optimizer_bytes_per_element", "state_bytes_per_param_byte", "schedule_walk", "loss_gradient_bytes", "worst", "StageHeld",
            "loss_key", "with_loss", "expert_rows_factor", "expert_memory", "exchange_bytes"]
 
 # [Note: expert memory] With expert parallelism (ep > 1) the busiest ep rank's experts get more
@@ -111,6 +111,11 @@ def exchange_bytes(rows: torch.fx.Node, last: torch.fx.Node, binds: Mapping) -> 
     return node_bytes(rows, binds) + node_bytes(last, binds)
 
 _LOSS_GRADIENTS = 2  # tensors the size of the loss's input live at the start of the last stage's backward
+
+
+def loss_gradient_bytes(loss_bytes: float) -> float:
+    """The loss's gradients as the last stage's backward starts ([Note: memory model])."""
+    return _LOSS_GRADIENTS * loss_bytes
 
 
 _MASTER_COPY = 4.0  # a float32 master copy of a 16-bit parameter, per element
@@ -160,6 +165,7 @@ class RankMemory:
     grads_during_forwards: bool = False  # whole gradients live beside the activations (more microbatches than in flight)
     backward: float = 0.0  # a backward's working memory on top of the activations (the loss's gradients)
     grads_at_peak: float | None = None  # gradients live at the activation peak, from the schedule's walk (None: not walked)
+    transient: float | None = None  # the walk's transient at its peak (None: not walked; max(recompute, backward) then)
     exchange: float = 0.0  # expert parallelism: the largest MoE layer's exchange buffers ([Note: expert memory])
     imbalance: float = 0.0  # of ``activations``: the busiest ep rank's extra expert rows ([Note: expert memory])
 
@@ -176,7 +182,8 @@ class RankMemory:
             grads = self.whole_grads if self.grads_during_forwards else 0.0
         # two transients of a backward, one after the other: the loss's gradients are freed by the
         # backward of the ops after the last checkpointed region before any region is recomputed
-        pipeline = self.activations + self.exchange + max(self.recompute, self.backward) + grads
+        transient = max(self.recompute, self.backward) if self.transient is None else self.transient
+        pipeline = self.activations + self.exchange + transient + grads
         return self.params + self.optimizer + self.gathered + max(pipeline, self.whole_grads + self.buckets)
 
     @property
@@ -197,7 +204,8 @@ def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
                 dp: int, dp_shard: int, activations: float, recompute: float = 0.0,
                 microbatches: int = 1, inflight: float = 1.0, loss_bytes: float = 0.0,
                 pp_rank: int = 0, grads_at_peak: float | None = None, exchange: float = 0.0,
-                imbalance: float = 0.0, held_numel: float | None = None) -> RankMemory:
+                imbalance: float = 0.0, held_numel: float | None = None,
+                transient: float | None = None) -> RankMemory:
     """One rank's :class:`RankMemory` ([Note: memory model]); ``numel``: the
     rank's tp-local parameter elements, ``shard_bytes`` / ``shard_numel``: its FSDP shard of them;
     ``microbatches`` the rank runs per step, ``inflight`` the most it holds at once; ``loss_bytes``
@@ -212,9 +220,9 @@ def rank_memory(*, shard_bytes: float, numel: float, shard_numel: float,
         pp_rank=pp_rank, params=shard_bytes, grads=shard_bytes, optimizer=shard_numel * optimizer_bytes_per_param,
         activations=activations, gathered=held * gather_itemsize if dp_shard > 1 else 0.0,
         whole_grads=whole_grads, buckets=whole_grads if dp > 1 or dp_shard > 1 else 0.0, recompute=recompute,
-        grads_during_forwards=microbatches > inflight, backward=_LOSS_GRADIENTS * loss_bytes,
+        grads_during_forwards=microbatches > inflight, backward=loss_gradient_bytes(loss_bytes),
         grads_at_peak=None if grads_at_peak is None else min(grads_at_peak, whole_grads), exchange=exchange,
-        imbalance=imbalance)
+        imbalance=imbalance, transient=transient)
 
 
 # [Note: message buffers]
@@ -240,8 +248,9 @@ def message_buffers(stage_ranks: Sequence[int], bytes_in: Sequence[float], bytes
         return tuple(out)
     for r in range(num_ranks):
         mine = [s for s in range(S) if stage_ranks[s] == r]
-        grads = max((bytes_out[s] for s in mine if s < S - 1), default=0.0)
-        acts = max((bytes_in[s] for s in mine if s > 0), default=0.0)
+        # a neighbour on the same rank is handed its values in place: no message, no buffer
+        grads = max((bytes_out[s] for s in mine if s < S - 1 and stage_ranks[s + 1] != r), default=0.0)
+        acts = max((bytes_in[s] for s in mine if s > 0 and stage_ranks[s - 1] != r), default=0.0)
         out[r] = _MESSAGES_IN_FLIGHT * (grads + acts)
     return tuple(out)
 
@@ -277,29 +286,40 @@ def schedule_peaks(schedule: Sequence[Sequence], num_ranks: int, full: Sequence[
 
 
 def schedule_walk(row: Sequence, full: Sequence[float], after_input_grad: Sequence[float],
-                  grad_bytes: Sequence[float]) -> tuple[float, float]:
-    """[Note: the schedule's walk] One rank's (activation bytes, gradient bytes) at the moment
-    their sum peaks, walking its actions in order: a forward of stage s adds ``full[s]``; I
-    leaves ``after_input_grad[s]`` of it ([Note: split backward memory]); the first backward of
-    s that computes weight gradients (B, or W when split) allocates its gradients,
+                  grad_bytes: Sequence[float], start: Sequence[float] | None = None,
+                  weight_transient: Sequence[float] | None = None) -> tuple[float, float, float]:
+    """[Note: the schedule's walk] One rank's (activation bytes, gradient bytes, transient bytes)
+    at the moment their sum peaks, walking its actions in order: a forward of stage s adds
+    ``full[s]``; I leaves ``after_input_grad[s]`` of it ([Note: split backward memory]); the first
+    backward of s that computes weight gradients (B, or W when split) allocates its gradients,
     ``grad_bytes[s]``, which stay until the step ends, while it frees its microbatch (B all of
     it, W the rest): a backward frees activations as it fills gradients (measured:
     tests/test_memory_model.py), so the sum is checked before and after, not with both whole.
+    Transients, on top of what is held when they happen: ``start[s]`` as a B or I of s begins (the
+    loss's gradients on the last stage; under checkpointing the region it recomputes, whole; the
+    larger of the two, [Note: memory model]); ``weight_transient[s]``: a W of s whose gradients
+    already exist computes all of its gradients before adding them in (the graph split's W,
+    ``accumulate_grads``; a parameter it shares with another stage of the rank included): that
+    much more until it returns.
     Follows the order the runtime runs, where the in-flight formulas (``inflight_1f1b``) bound
     interleaved orders."""
     live = grads = 0.0
     have: set = set()
-    best = (0.0, 0.0)
+    best = (0.0, 0.0, 0.0)
 
-    def check() -> None:
+    def check(transient: float = 0.0) -> None:
         nonlocal best
-        if live + grads > sum(best):
-            best = (live, grads)
+        if live + grads + transient > sum(best):
+            best = (live, grads, transient)
 
     for a in row:
         if a is None:
             continue
         kind, s = str(a.kind), a.stage
+        if kind in ("B", "I") and start is not None:
+            check(start[s])
+        if kind == "W" and weight_transient is not None and s in have:
+            check(weight_transient[s])
         if kind == "F":
             live += full[s]
         elif kind == "I":  # may grow: a checkpointed region recomputed by I keeps W's inputs
@@ -356,13 +376,17 @@ class StageHeld:
         self.gm, self.units, self.binds, self.held, self.loss = gm, units, binds, held, loss_key
         self.index = {u: i for i, u in enumerate(units)}
 
-    def boundary(self, a: int, b: int) -> dict[Any, float]:
-        """Bases of the values stage [a, b) receives and sends on, with their bytes."""
+    def boundary(self, a: int, b: int, local: Sequence[tuple[int, int]] = ()) -> dict[Any, float]:
+        """Bases of the values stage [a, b) receives and sends on, with their bytes. ``local``: the
+        unit ranges of the other stages on the same rank; a value received from one of them is
+        handed over on the rank, the sender's kept output itself (the executor's ``detach``: one
+        storage), so the sender counts it and this stage does not."""
         out: dict[Any, float] = {}
         n = len(self.units)
         for i in range(a, b):
             u = self.units[i]
-            ins = [x for x in u.all_input_nodes if self.index.get(x, n) < a]
+            ins = [x for x in u.all_input_nodes if self.index.get(x, n) < a
+                   and not any(lo <= self.index.get(x, n) < hi for lo, hi in local)]
             sends = [u] if any(a <= i < b <= self.index.get(x, -1) for x in u.users) else []
             for x in ins + sends:
                 key = base(x, self.gm)
@@ -387,8 +411,14 @@ class StageHeld:
                 parts.setdefault(region[i], []).append(self.held[i])
         return max((union_bytes(p) for p in parts.values()), default=0.0)
 
-    def stage(self, held: Sequence | None, a: int, b: int, last: bool) -> float:
-        extra = self.boundary(a, b)
+    def stage(self, held: Sequence | None, a: int, b: int, last: bool,
+              local: Sequence[tuple[int, int]] = ()) -> float:
+        extra = self.boundary(a, b, local)
         if last:
             extra.update(self.loss)
-        return union_bytes((self.held if held is None else held)[a:b], extra)
+        units = (self.held if held is None else held)[a:b]
+        if local:  # what it saves of a value handed over on the rank is the sender's storage, counted there
+            n = len(self.units)
+            units = [({k: v for k, v in keys.items() if not any(lo <= self.index.get(k, n) < hi for lo, hi in local)}, own)
+                     for keys, own in units]
+        return union_bytes(units, extra)

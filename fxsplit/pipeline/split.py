@@ -560,8 +560,10 @@ def _summaries(part: Partition, problem: PartitionProblem, keys: Sequence[str], 
         wbytes = rbytes = 0.0
         if held is not None:
             last = s == part.num_stages - 1
-            plain = held.stage(None, a, b, last)
-            acts = plain if um is None else held.stage(um.held, a, b, last)
+            local = [(part.cuts[t], part.cuts[t + 1]) for t in range(part.num_stages)
+                     if t != s and problem.rank_of(t) == problem.rank_of(s)]
+            plain = held.stage(None, a, b, last, local)
+            acts = plain if um is None else held.stage(um.held, a, b, last, local)
             # what W needs after I: of the saved activations; under checkpointing with the graph
             # split backward, of the region I recomputed once (kept until W: may exceed ``acts``);
             # the autograd split's W recomputes again, so it holds no more than ``acts``

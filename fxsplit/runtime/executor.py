@@ -557,7 +557,7 @@ class PipelineRuntime:
         keep = tuple(out) if any(sio.consumers) else ()
         saved = Saved(args, keep) if step.training else None
         if graph is not None:
-            saved.graph, saved.outputs = graph, tuple(out) if s == self.last_stage else keep
+            saved.graph = graph  # the last stage's outputs are not kept: [Note: the loss's gradients under the graph split]
         if s == self.last_stage:
             self._model_outputs(step, mb, out, saved)
         if saved is not None:

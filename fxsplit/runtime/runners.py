@@ -131,6 +131,45 @@ def _roots(saved: Saved, grads: dict[int, torch.Tensor]) -> tuple[list[torch.Ten
     return roots, root_grads
 
 
+# [Note: the loss's gradients under the graph split]
+# The last stage's graph forward runs under no_grad, so the loss (on autograd) needs tensors that
+# stand for the stage's outputs, and I needs the loss's gradient for each. Leaves would do, but
+# ``autograd.grad(loss, leaves)`` needs the leaves kept to the end, and a leaf is the output
+# itself: the logits, the largest tensor of a language model, held per microbatch in flight beside
+# what the loss saves (measured: ZB-V's last stage 16 MiB over 1F1B's at a 4 x 256 x 4096 batch).
+# Each output goes through ``_HandOver`` instead: an identity whose backward puts the gradient in
+# the forward's ``SplitState.output_grads`` (the output a view, unsaved), made differentiable by
+# one shared scalar leaf (``_anchor``) that the backward runs to. Only what the loss itself saves
+# stays (cross-entropy: its log-softmax), as on autograd (``EagerRunner``).
+
+
+class _HandOver(torch.autograd.Function):
+    """The identity on ``x``; its backward stores the gradient in ``box[j]`` and passes nothing on."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, x: torch.Tensor, box: dict, j: int) -> torch.Tensor:
+        ctx.box, ctx.j = box, j
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.box[ctx.j] = grad
+        return None, None, None, None
+
+
+_ANCHORS: dict[int, torch.Tensor] = {}
+
+
+def _anchor() -> torch.Tensor:
+    """The scalar leaf every ``_HandOver`` hangs from (per thread: one is enough, nothing flows into it)."""
+    import threading
+
+    key = threading.get_ident()
+    if key not in _ANCHORS:
+        _ANCHORS[key] = torch.zeros((), requires_grad=True)
+    return _ANCHORS[key]
+
+
 class GraphRunner(EagerRunner):
     """A stage whose training forward runs as the graph split's F graph, I and W as its graphs."""
 
@@ -174,8 +213,10 @@ class GraphRunner(EagerRunner):
         if split is None:
             return super().forward(step, mb, args)
         out, state = split.forward(*self.state(), _tensors(args))
-        if self.last:  # the loss differentiates from leaves standing for the outputs
-            out = [o.detach().requires_grad_() if j in split.diff_outputs else o for j, o in enumerate(out)]
+        if self.last:  # [Note: the loss's gradients under the graph split]
+            state.output_grads = box = {}
+            state.output_metas = {j: (out[j].shape, out[j].dtype, out[j].device) for j in split.diff_outputs}
+            out = [_HandOver.apply(_anchor(), o, box, j) if j in split.diff_outputs else o for j, o in enumerate(out)]
         return out, state
 
     def backward(self, saved: Saved, grads: dict[int, torch.Tensor], wanted: list[int], *,
@@ -184,16 +225,20 @@ class GraphRunner(EagerRunner):
             return super().backward(saved, grads, wanted, full=full)
         state = saved.graph
         split = state.split
-        outs = [saved.outputs[j] for j in split.diff_outputs]
+        if state.output_metas is not None:  # the last stage: the outputs are gone, their metas kept
+            metas = [state.output_metas[j] for j in split.diff_outputs]
+        else:
+            metas = [(o.shape, o.dtype, o.device) for o in (saved.outputs[j] for j in split.diff_outputs)]
         if saved.loss is not None:
-            got = torch.autograd.grad(saved.loss, outs, allow_unused=True)
-            for j, g in zip(split.diff_outputs, got):
-                if g is not None:
-                    grads[j] = g if j not in grads else grads[j] + g
+            torch.autograd.grad(saved.loss, [_anchor()], allow_unused=True)  # fills state.output_grads
+            for j, g in state.output_grads.items():
+                grads[j] = g if j not in grads else grads[j] + g
+            state.output_grads = {}
         tangents = []
-        for j, o in zip(split.diff_outputs, outs):
+        for j, (shape, dtype, device) in zip(split.diff_outputs, metas):
             g = grads.get(j)
-            tangents.append(torch.zeros_like(o) if g is None else g if g.dtype == o.dtype else g.to(o.dtype))
+            tangents.append(torch.zeros(shape, dtype=dtype, device=device) if g is None
+                            else g if g.dtype == dtype else g.to(dtype))
         saved.outputs, saved.loss = (), None
         params, buffers = self.state()
         if full and "B" in split.runners:  # [Note: fused backward]

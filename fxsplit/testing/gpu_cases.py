@@ -411,13 +411,16 @@ SIZED_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def run_sized(name: str, device: torch.device, *, small: bool = False) -> dict:
-    """One warm-up and one measured step of the ~130M GPT (``SIZED_SMALL`` with ``small``) under
-    ``SIZED_CASES[name]`` on one rank: ``plan.memory()``'s peak against the measured one."""
+def run_sized(name: str, device: torch.device, *, small: bool = False, sizes: Mapping[str, int] | None = None) -> dict:
+    """One warm-up and one measured step of the ~130M GPT (``SIZED_SMALL`` with ``small``, or the
+    GPT of ``sizes``) under ``SIZED_CASES[name]`` on one rank: ``plan.memory()``'s peak against the
+    measured one."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    chosen = dict(sizes) if sizes is not None else SIZED_SMALL if small else SIZED_GPT
+
     def fn(_: torch.device) -> dict:
-        sizes = SIZED_SMALL if small else SIZED_GPT
+        sizes = chosen
         model, args, kwargs = zoo.make("gpt", batch_size=SIZED_MICRO, **sizes)
         options = dict(SIZED_CASES[name])
         if options.get("mp_policy") == "bf16":
@@ -435,7 +438,7 @@ def run_sized(name: str, device: torch.device, *, small: bool = False) -> dict:
         return {"checks": [{"what": "finite losses", "gap": None, "tol": None, "ok": ok}], "memory": memory,
                 "params": sum(p.numel() for p in pm.parameters())}
 
-    return _timed({"name": f"sized_{name}", "what": f"{SIZED_CASES[name]} at {'SIZED_SMALL' if small else 'SIZED_GPT'}"},
+    return _timed({"name": f"sized_{name}", "what": f"{SIZED_CASES[name]} at {chosen}"},
                   lambda: fn(device), device)
 
 

@@ -583,6 +583,9 @@ class SplitState:
     inputs: list[torch.Tensor]
     tangents: list[torch.Tensor] | None = None
     carry: list[Any] | None = None
+    # the last stage's ([Note: the loss's gradients under the graph split] in fxsplit.runtime.runners)
+    output_grads: dict[int, torch.Tensor] | None = None
+    output_metas: dict[int, tuple] | None = None
 
     def _value(self, src: tuple[str, int], params: list, buffers: list) -> Any:
         kind, k = src
