@@ -28,7 +28,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests -m "not dist"
 
-# fxsplit's CUDA path in at most 8 minutes on one GPU: the gpu test tier, parallelize at world size 1
+# fxsplit's CUDA path in at most 9 minutes on one GPU: the gpu test tier, parallelize at world size 1
 # against the unsplit model, memory, speed against plain PyTorch, and 2-GPU layouts when there are 2
 # GPUs; one report ($(GPU_CHECK_OUT) and .txt beside it), printed at the end. Needs no install: a GPU
 # machine runs it from a plain checkout with its own python3 and torch (no .venv, no network).
