@@ -5,6 +5,8 @@ SharedPlans is what parallelize would plan, handed out once per add."""
 
 import importlib
 
+import pytest
+
 import torch
 
 import fxsplit
@@ -90,3 +92,19 @@ def test_a_kept_plan_is_parallelizes_own_plan_handed_out_once():
     assert par.plan is planner  # restored
     assert first is kept and second is not kept and elsewhere is not kept and (cache.hits, cache.misses) == (1, 2)
     assert _summary(kept) == _summary(second) == _summary(planner(model, args, kwargs, config=config))
+
+
+@pytest.mark.hf
+def test_what_a_plan_learns_about_the_sizes_does_not_reach_the_next_plan():
+    # [Note: the trace's shape environment]: a dp2 x ep2 x cp2 plan of Mixtral writes facts about
+    # the batch and sequence symbols into the trace's ShapeEnv; before the restore the next plan
+    # from the same trace failed ("Cannot convert symbols to int": its bindings missed the batch)
+    from fxsplit.testing.moe_families import build
+
+    model, args, kwargs = build("mixtral")
+    layouts = [dict(dp=2, ep=2, cp=2), dict(dp=2, ep=2, cp=2, pp=2)]
+    fresh = [_summary(fxsplit.plan(model, args, kwargs, hardware=HW, **o)) for o in layouts]
+    with shared_traces() as cache:
+        shared = [_summary(fxsplit.plan(model, args, kwargs, hardware=HW, **o)) for o in layouts]
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert shared == fresh

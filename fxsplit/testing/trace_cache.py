@@ -90,6 +90,50 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return new
 
 
+# [Note: the trace's shape environment]
+# The copies share the trace's symbolic sizes, and with them its ShapeEnv: what a plan learns
+# about a size (a guard, a divisibility fact, a replacement such as s0 -> 2*s7 when cp or ep
+# splits the batch or the sequence) is written there and would change the next plan's view of
+# the same symbols (measured: a dp2 x ep2 x cp2 plan of Mixtral made the next plan's bindings
+# miss the batch symbol). A fresh trace starts from a fresh ShapeEnv, so the cache keeps the
+# trace's ShapeEnv state (the fields below) and puts it back before each plan from it, bumping
+# the version counters its caches are keyed by (torch's private fields: this is a test harness).
+_SHAPE_FIELDS = ("replacements", "replacements_slocs", "divisible", "var_to_range", "var_to_range_sloc", "guards",
+                 "axioms", "deferred_runtime_asserts", "num_deferred_runtime_asserts")
+
+
+@dataclass
+class _ShapeState:
+    env: Any = None
+    saved: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def of(gm: torch.fx.GraphModule) -> "_ShapeState":
+        env = next((n.meta["val"].fake_mode.shape_env for n in gm.graph.nodes if n.op == "placeholder"
+                    and getattr(n.meta.get("val"), "fake_mode", None) is not None), None)
+        if env is None:
+            return _ShapeState()
+        return _ShapeState(env, {k: _copied(getattr(env, k)) for k in _SHAPE_FIELDS if hasattr(env, k)})
+
+    def restore(self) -> None:
+        if self.env is None:
+            return
+        for k, v in self.saved.items():
+            setattr(self.env, k, _copied(v))
+        for counter in ("_version_counter", "_replacements_version_counter"):
+            if hasattr(self.env, counter):
+                setattr(self.env, counter, getattr(self.env, counter) + 1)
+        if hasattr(self.env, "_get_key"):
+            self.env._prev_cache_key = self.env._get_key()
+        self.env._resimplify_floor_div_axioms = True
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: list(v) if isinstance(v, list) else v for k, v in value.items()}
+    return copy.copy(value)
+
+
 def _fingerprint(model: nn.Module) -> tuple:
     mods = tuple((name, type(m).__qualname__, id(m), m.training) for name, m in model.named_modules(remove_duplicate=False))
     tensors = tuple((name, id(t), tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
@@ -109,6 +153,7 @@ class SharedTraces:
     """The traces of one ``shared_traces()`` block; ``hits`` / ``misses`` count the plans."""
 
     entries: dict[Any, tuple[nn.Module, torch.fx.GraphModule, str]] = field(default_factory=dict)
+    shapes: dict[Any, "_ShapeState"] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
 
@@ -120,8 +165,10 @@ class SharedTraces:
             self.misses += 1
             gm = _TRACE(model, example_args, example_kwargs, **options)
             entry = self.entries[key] = (model, gm, gm.code)
+            self.shapes[key] = _ShapeState.of(gm)
         else:
             self.hits += 1
+            self.shapes[key].restore()
         _, gm, code = entry
         if gm.code != code:
             raise AssertionError("shared_traces: the cached trace was modified (a pass rewrote the graph it was handed)")
