@@ -176,16 +176,21 @@ def test_llama_stays_exact_over_three_optimizer_steps():
 
 @pytest.mark.hf
 def test_an_moe_block_under_cp_and_ep_is_exact():
-    """Mixtral (2 layers, 4 experts, top-2) at cp=2 x dp=2 x ep=2, emulated by verify over the (ep, cp) ranks:
+    """Mixtral (2 layers, 4 experts, top-2) at cp=2 x dp=2 x ep=2, also x tp=2 and x pp=2, emulated by verify
+    over the (ep, cp, tp) ranks:
     each cp rank routes, sorts, counts and combines its own tokens ([Note: an MoE block under cp]), its
     experts' gradients its tokens' share; outputs and every gradient against the unsplit model."""
     from fxsplit.testing import tp_coverage
 
     model, _, _ = tp_coverage.build("mixtral")
     ids = torch.randint(0, model.config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(3))
-    the_plan = fxsplit.plan(model, (ids,), cp=2, dp=2, ep=2, hardware=_HW, verify=True)
-    report = the_plan.pass_report["context_parallel"]
-    assert len(report.attention) == 2 and the_plan.ep_plan.expert_params, (report, the_plan.ep_plan)
+    # with tp (experts and attention heads split too) and pp (two stages): one trace for the three
+    for extra in ({}, dict(tp=2), dict(pp=2)):
+        with shared_traces(_TRACES):
+            the_plan = fxsplit.plan(model, (ids,), cp=2, dp=2, ep=2, hardware=_HW, verify=True, **extra)
+        report = the_plan.pass_report["context_parallel"]
+        assert len(report.attention) == 2 and the_plan.ep_plan.expert_params, (extra, report, the_plan.ep_plan)
+        assert (the_plan.config.pp, the_plan.config.tp) == (extra.get("pp", 1), extra.get("tp", 1))
 
 
 def test_verify_catches_causal_rows_at_the_wrong_positions():
