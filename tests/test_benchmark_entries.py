@@ -27,3 +27,13 @@ def test_help_runs(script, monkeypatch):
         runpy.run_path(str(script), run_name="__main__")
     assert exit_.value.code in (0, None), out.getvalue()
     assert "usage:" in out.getvalue()
+
+
+def test_gpu_profile_help_runs():
+    # the GPU-only profiling entry (run on a lent device, not in the suite): it parses and imports
+    from fxsplit.testing import gpu_profile
+
+    out = io.StringIO()
+    with pytest.raises(SystemExit) as exit_, contextlib.redirect_stdout(out):
+        gpu_profile.main(["--help"])
+    assert exit_.value.code == 0 and "--steps" in out.getvalue()
