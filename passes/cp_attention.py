@@ -39,7 +39,8 @@ Written only against fxsplit's public API.
   405B) keeps the all-gather up to C = 17, as Llama 3 trained at cp = 16 (its paper: all-gather
   for GQA's small K/V and any mask). Wk and Wv are the widths the attention reads: K/V repeated to
   the query heads before sdpa (Hugging Face's ``repeat_kv``) are read before the repeat ([Note:
-  K/V before their repeat]). Either may be forced with ``cp_kv="allgather"`` / ``"ring"``.
+  K/V before their repeat]). Either may be forced with ``cp_kv="allgather"`` / ``"ring"``. On a CUDA
+  rank ``parallelize`` plans with ``cp_kv="allgather"`` ([Note: the ring on CUDA] in fxsplit.tp.ring).
 - The ring is not taken, whatever was asked, and the plan says why, when the attention is
   eager ``softmax(Q K^T) V`` (no single op to replace: its two matmuls all-gather K and V) or
   its mask needs a gradient (a learned score bias: the ring does not differentiate the mask).

@@ -160,3 +160,19 @@ def test_grouped_query_kv_are_exchanged_before_their_repeat():
             key = n.args[1]
             assert tuple(key.meta["val"].shape)[1] == 2, key.meta["val"].shape  # 2 K/V heads, not 4
             assert n.kwargs.get("enable_gqa") is True or n.args[5] is True
+
+
+def test_the_ring_is_not_run_on_cuda():
+    # [Note: the ring on CUDA]: its blocks run torch's CPU flash kernel. parallelize plans CUDA ranks
+    # with the all-gather, refuses an explicit ring there, and the op itself refuses a non-CPU tensor
+    from fxsplit.api.options import ParallelConfig
+    from fxsplit.api.parallelize import planning_config
+
+    assert planning_config(ParallelConfig(cp=2), "cuda").cp_kv == "allgather"
+    assert planning_config(ParallelConfig(cp=2), "cpu").cp_kv is None  # chosen per attention on the CPU
+    assert planning_config(ParallelConfig(cp=1), "cuda").cp_kv is None
+    with pytest.raises(PlanError, match="cp_kv='ring' on a CUDA rank.*no CUDA kernel.*cp_kv='allgather'"):
+        planning_config(ParallelConfig(cp=2, cp_kv="ring"), "cuda")
+    q = torch.empty(1, 2, 8, 4, device="meta")
+    with pytest.raises(RunError, match="ring_attention on a meta tensor"):
+        ring_attention(q, q, q, seq_len=16, causal=True)

@@ -36,6 +36,7 @@ from fxsplit.runtime.data_parallel import DataParallelGrads
 from fxsplit.runtime.fsdp import ShardedGradSync
 from fxsplit.runtime.mesh import Groups, fsdp_mesh
 from fxsplit.runtime.watch import Watch, group_wait, host_blocking
+from fxsplit.tp.ring import ring_on_cuda
 
 __all__ = ["parallelize", "planning_config"]
 
@@ -122,6 +123,10 @@ def planning_config(config: ParallelConfig, device_type: str) -> ParallelConfig:
     given) and no plan-time verification (parallelize verifies the plan itself, after planning)."""
     if config.hardware is None and device_type == "cpu":
         config = dataclasses.replace(config, hardware=Hardware.cpu())
+    if device_type == "cuda" and config.cp > 1:  # [Note: the ring on CUDA] in fxsplit.tp.ring
+        if config.cp_kv == "ring":
+            raise PlanError(ring_on_cuda("cp_kv='ring' on a CUDA rank"))
+        config = dataclasses.replace(config, cp_kv="allgather")
     return dataclasses.replace(config, verify=False)
 
 

@@ -53,7 +53,7 @@ from fxsplit.errors import RunError
 from fxsplit.tp.collectives import active
 from fxsplit.tp.ring_tiles import FlashMerge, pair_backward
 
-__all__ = ["RingSpec", "emulated_ring_attention", "ring_attention"]
+__all__ = ["RingSpec", "emulated_ring_attention", "ring_attention", "ring_on_cuda"]
 
 _FC = torch.ops._c10d_functional
 
@@ -201,6 +201,21 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+# [Note: the ring on CUDA]
+# The ring's blocks run torch's CPU flash-attention kernel and its backward
+# (``_scaled_dot_product_flash_attention_for_cpu``: out and log-sum-exp per block, [Note: tiled ring
+# blocks]), which has no CUDA kernel; the CUDA kernels that return a log-sum-exp (flash: 16-bit only,
+# no mask; memory-efficient: a padded log-sum-exp) are not wired in, because no GPU here could check
+# their numbers against one process (a block kernel that is wrong would be a wrong number, not an
+# error). So on a CUDA rank ``parallelize`` plans every attention with the all-gather (sdpa on the
+# gathered K/V, torch's own CUDA kernels: the memory-efficient one reads the causal-rows mask), an
+# explicit ``cp_kv="ring"`` is refused there, and ``ring_attention`` on a CUDA tensor raises.
+def ring_on_cuda(what: str) -> str:
+    return (f"{what}: context parallelism's ring runs torch's CPU flash-attention kernel, which has no CUDA "
+            "kernel ([Note: the ring on CUDA] in fxsplit/tp/ring.py); plan with cp_kv='allgather' (what "
+            "parallelize picks on CUDA), or run the ring on CPU ranks")
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                    scale: float | None = None, enable_gqa: bool = False, *, seq_len: int, causal: bool = False,
                    window: int | None = None, axis: str = "cp") -> torch.Tensor:
@@ -213,6 +228,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
         raise RunError(
             f"ring_attention: the mask of shape {tuple(attn_mask.shape)} needs a gradient (a learned score bias); "
             "the ring does not differentiate the mask: plan with cp_kv='allgather'")
+    if q.device.type != "cpu":
+        raise RunError(ring_on_cuda(f"ring_attention on a {q.device.type} tensor"))
     b = active(axis)
     cp = 1 if b is None else b.group.size()
     spec = RingSpec(seq_len=seq_len, cp=cp, causal=causal, window=window, scale=scale, gqa=enable_gqa)
