@@ -41,6 +41,7 @@ import torch
 import torch.fx
 
 from fxsplit.graph.meta import to_expr
+from fxsplit.graph.ops import SDPA_ARGS
 from fxsplit.graph.pass_api import PassContext, PassResult
 
 __all__ = ["MAX_ELEMENTS", "causal_masks", "reads_a_mask"]
@@ -50,7 +51,6 @@ _TRIAL_BATCHES = (1, 3)
 _SDPA_TARGETS = {torch.ops.aten.scaled_dot_product_attention.default, torch._C._nn.scaled_dot_product_attention,
                  torch.nn.functional.scaled_dot_product_attention}
 _RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 class _Unsure(Exception):
@@ -66,7 +66,7 @@ def _is_size_read(n: torch.fx.Node) -> bool:
 
 
 def _arg(node: torch.fx.Node, name: str, default: Any = None) -> Any:
-    i = _SDPA_ARGS.index(name)
+    i = SDPA_ARGS.index(name)
     if len(node.args) > i:
         return node.args[i]
     return node.kwargs.get(name, default)
@@ -193,7 +193,7 @@ def _elements(shape: Any) -> int:
 def _make_causal(node: torch.fx.Node) -> None:
     args, kwargs = list(node.args), dict(node.kwargs)
     for name, value in (("attn_mask", None), ("is_causal", True)):
-        i = _SDPA_ARGS.index(name)
+        i = SDPA_ARGS.index(name)
         if len(args) > i:
             args[i] = value
         else:

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from fxsplit.graph.ops import SDPA_ARGS, sdpa_arguments
 from fxsplit.tp.context import causal_rows
 from fxsplit.tp.ring import ring_attention
 
@@ -61,7 +62,6 @@ __all__ = ["KV_STRATEGIES", "choose_kv", "matmul_rule", "ndim", "same", "sdpa_ru
 KV_STRATEGIES = ("allgather", "ring")
 _AXIS = "cp"
 _aten = torch.ops.aten
-_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def val(node: Any) -> Any:
@@ -121,8 +121,7 @@ def matmul_rule(rw: Any, node: torch.fx.Node) -> Any:
 def sdpa_rule(rw: Any, node: torch.fx.Node) -> Any:
     """Local queries against every key and value, by all-gather or ring, masks at the queries'
     global rows."""
-    args = dict(zip(_SDPA, node.args))
-    args.update(node.kwargs)
+    args = sdpa_arguments(node)
     q, k, v = args["query"], args["key"], args["value"]
     for name, x in (("query", q), ("key", k), ("value", v)):
         s = rw.seq_of(x)
@@ -153,8 +152,8 @@ def sdpa_rule(rw: Any, node: torch.fx.Node) -> Any:
             args["attn_mask"] = rw.new(causal_rows, (q, rw.S), {"axis": _AXIS}, like=node)
         args["is_causal"] = False
         how.append("is_causal -> causal rows at the local queries' global positions")
-    node.args = tuple(args.get(k_, d) for k_, d in zip(_SDPA[:6], (None, None, None, None, 0.0, False)))
-    node.kwargs = {k_: args[k_] for k_ in _SDPA[6:] if k_ in args}
+    node.args = tuple(args.get(k_, d) for k_, d in zip(SDPA_ARGS[:6], (None, None, None, None, 0.0, False)))
+    node.kwargs = {k_: args[k_] for k_ in SDPA_ARGS[6:] if k_ in args}
     rw.plan.attention.append(f"{node.name}: sdpa, K/V all-gathered ({why})" + (f", {', '.join(how)}" if how else ""))
     return rw.seq_of(q)
 

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxsplit.graph.ops import op_name
+from fxsplit.graph.ops import op_name, sdpa_arguments
 
 __all__ = ["KVCache", "cache_refusal", "cached_attention", "cached_positions", "decode_module", "stage_refusal"]
 
@@ -134,9 +134,7 @@ def _arange_bounds(node: fx.Node) -> tuple[Any, Any] | None:
 
 
 def _sdpa_parts(node: fx.Node) -> tuple[dict[str, Any], dict[str, Any]]:
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    given = dict(zip(names, node.args))
-    given.update(node.kwargs)
+    given = sdpa_arguments(node)
     return given, {k: given[k] for k in ("scale", "enable_gqa") if k in given}
 
 

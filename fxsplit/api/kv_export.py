@@ -64,7 +64,7 @@ from torch import fx, nn
 
 from fxsplit.api.kv_cache import _SLOT, cached_positions
 from fxsplit.api.seq_dims import SeqDims, SeqDimsError
-from fxsplit.graph.ops import op_name
+from fxsplit.graph.ops import op_name, sdpa_arguments
 from fxsplit.pipeline.stage import ValueMeta
 
 __all__ = ["ExportDecode", "ExportGraphs", "all_positions", "cached_masked_attention", "export_decode",
@@ -125,13 +125,6 @@ class ExportDecode:
     stage_input_meta: dict[int, tuple[ValueMeta, ...]]
 
 
-def _sdpa_args(node: fx.Node) -> dict[str, Any]:
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    given = dict(zip(names, node.args))
-    given.update(node.kwargs)
-    return given
-
-
 def _is_sdpa(node: fx.Node, gm: nn.Module) -> bool:
     return node.op == "call_function" and op_name(node, gm) == "scaled_dot_product_attention"
 
@@ -146,7 +139,7 @@ def _needs(gm: fx.GraphModule) -> dict[fx.Node, set[str]]:
             continue
         if not need[node]:
             continue
-        mask = _sdpa_args(node).get("attn_mask") if _is_sdpa(node, gm) else None
+        mask = sdpa_arguments(node).get("attn_mask") if _is_sdpa(node, gm) else None
         for x in node.all_input_nodes:
             need[x] |= {MASK} if x is mask else need[node]
     return need
@@ -291,7 +284,7 @@ class _Copy:
         return new
 
     def _attention(self, node: fx.Node, region: str, env: dict, where: str) -> fx.Node:
-        given = _sdpa_args(node)
+        given = sdpa_arguments(node)
         if region != ACT:
             raise SeqDimsError(f"{where}: an attention inside the mask region")
         if given.get("dropout_p", 0.0) not in (0, 0.0):

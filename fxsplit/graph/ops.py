@@ -63,6 +63,8 @@ __all__ = [
     "PathError",
     "resolve_path",
     "owner_and_leaf",
+    "SDPA_ARGS",
+    "sdpa_arguments",
 ]
 
 
@@ -334,3 +336,17 @@ def owner_and_leaf(root: nn.Module, path: str) -> tuple[nn.Module, str]:
     if not isinstance(owner, nn.Module):
         raise PathError(f"path {path!r}: {prefix!r} is a {type(owner).__name__}, not a module")
     return owner, leaf
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention calls
+
+# ``F.scaled_dot_product_attention``'s parameters in order (as ``aten.scaled_dot_product_attention``)
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The arguments an sdpa call ``node`` was given, by parameter name (positional and keyword)."""
+    given = dict(zip(SDPA_ARGS, node.args))
+    given.update(node.kwargs)
+    return given
