@@ -393,6 +393,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2_zbv": dict(pp=2, schedule="zbv"),
     "dp2": dict(dp=2, schedule="1f1b"),
     "dp_shard2": dict(dp_shard=2, schedule="1f1b"),
+    "cp2": dict(cp=2, schedule="1f1b"),  # on CUDA by all-gather ([Note: the ring on CUDA] in fxsplit.tp.ring)
 }
 
 

@@ -20,7 +20,7 @@ Sections, on a CUDA device (one GPU; NCCL in a process group of one rank):
                       checkpointing, mp_policy bf16), where the allocator's rounding is noise;
   (d) ``speed``       :mod:`fxsplit.testing.gpu_speed`: a 1.3B Llama in bf16, fxsplit against plain PyTorch
                       eager and torch.compile, alternated: step time, tokens/s, MFU, fxsplit's overhead;
-  (e) ``multi_gpu``   tp=2, pp=2, ZB-V at pp=2, dp=2 and dp_shard=2 on 2 GPUs over NCCL, each rank
+  (e) ``multi_gpu``   tp=2, pp=2, ZB-V at pp=2, dp=2, dp_shard=2 and cp=2 on 2 GPUs over NCCL, each rank
                       against the unsplit model on its GPU; skipped, with the reason, under 2 GPUs.
 Without CUDA every section runs its CPU form (gloo, the same cases on the CPU, a tiny Llama; the
 CPU's memory from :class:`fxsplit.testing.memory.LiveBytes`) or says that it needs a GPU; ``--quick``
