@@ -315,8 +315,10 @@ def test_graph_split_with_skips_checkpointing_and_hf():
 # oneDNN (FXSPLIT_CPU_MATMUL=onednn in the ranks, whatever this host's probe says: [Note: CPU
 # matmuls through oneDNN]): every compiled forward graph has some.
 COMPILED = {"1f1b": dict(pp=2, schedule="1f1b", microbatches=2, compile=True),
-            "zbv": dict(pp=2, schedule="zbv", microbatches=2, compile=True)}
-COMPILED_GRAPHS = {"1f1b": "BF", "zbv": "FIW"}
+            "zbv": dict(pp=2, schedule="zbv", microbatches=2, compile=True),
+            # fuse_backward=False: a schedule that never splits B still runs it as I then W ([Note: fused backward])
+            "1f1b-unfused": dict(pp=2, schedule="1f1b", microbatches=2, compile=True, fuse_backward=False)}
+COMPILED_GRAPHS = {"1f1b": "BF", "zbv": "FIW", "1f1b-unfused": "FIW"}
 COMPILED_GPT = {"batch_size": 4, "n_layer": 1, "seq_len": 8}
 
 
