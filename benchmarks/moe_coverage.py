@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     families = (a.families.split(",") if a.families else
                 [f for f in moe_families.FAMILIES if a.include_slow or f not in moe_families.SLOW])
     layouts = a.layouts.split(",")
-    for name in [*families, *layouts]:
-        if name not in moe_families.FAMILIES and name not in LAYOUTS:
-            ap.error(f"unknown family or layout {name!r}")
+    for name, known in [*((f, moe_families.FAMILIES) for f in families), *((x, LAYOUTS) for x in layouts)]:
+        if name not in known:
+            ap.error(f"unknown name {name!r}: choose from {', '.join(known)}")
     print("| family | " + " | ".join(layouts) + " |")
     print("|---" * (len(layouts) + 1) + "|")
     counts = {layout: {"exact": 0, "kept": 0, "fails": 0} for layout in layouts}
