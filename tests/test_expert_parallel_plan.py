@@ -253,3 +253,49 @@ def test_a_sentinel_fill_that_is_never_applied_is_removed_exactly(monkeypatch, n
         assert not plan.ep_plan.layers
         assert [why for _, why in plan.ep_plan.skipped] == [
             "masked_fill (masked_fill) between the grouped matmuls is not a row-wise op"], str(plan.ep_plan)
+
+
+class _LoopedExperts(torch.nn.Module):
+    """JetMoE's expert form on its own: the rows sorted by expert, split by counts computed from
+    the data (``tolist()``: data-dependent sizes), one linear per expert on its slice of a 3-D
+    weight, joined back; two blocks so that pp=2 has a cut to make."""
+
+    def __init__(self, dim=16, experts=4, top_k=2, vocab=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.router = torch.nn.ModuleList(torch.nn.Linear(dim, experts, bias=False) for _ in range(2))
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(experts, dim, dim) * 0.2) for _ in range(2))
+        self.experts, self.top_k = experts, top_k
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for router, w in zip(self.router, self.w):
+            x = h.reshape(-1, h.shape[-1])
+            weights, chosen = router(x).softmax(-1).topk(self.top_k)
+            order = chosen.flatten().argsort()
+            rows = x[order // self.top_k]
+            counts = torch.nn.functional.one_hot(chosen.flatten(), self.experts).sum(0).tolist()
+            out = torch.cat([torch.nn.functional.linear(piece, w[e]) for e, piece in enumerate(rows.split(counts))])
+            y = torch.zeros_like(x).index_add(0, order // self.top_k, out * weights.flatten()[order, None])
+            h = h + y.view_as(h)
+        return h
+
+
+def test_looped_experts_plan_with_a_pipeline_and_are_kept_with_their_reason():
+    """Regression (benchmarks/moe_coverage.py, jetmoe): data-dependent sizes (``u0 .. u3``) made every
+    pipeline cost unevaluable (UsageError at pp=2) and the experts were left out of ``ep_plan`` with no
+    reason. The split now estimates each as its share of the sum the graph asserts ([Note:
+    data-dependent sizes] in fxsplit/pipeline/bindings.py), and ep keeps the loop with its reason."""
+    from fxsplit.pipeline.bindings import example_bindings
+
+    torch.manual_seed(0)
+    model = _LoopedExperts()
+    ids = torch.randint(0, 32, (4, 8))
+    plan = fxsplit.plan(model, (ids,), dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b", hardware=_HW)
+    assert not plan.ep_plan.layers and plan.ep_plan.skipped, str(plan.ep_plan)
+    assert all("experts in a loop" in why for _, why in plan.ep_plan.skipped)
+    # 4 x 8 tokens, top-2: 64 routed rows over 4 experts, 16 each
+    unbacked = {str(s): v for s, v in example_bindings(plan.graph).items() if str(s).startswith("u")}
+    assert unbacked and set(unbacked.values()) == {16}, unbacked
+    report = fxsplit.verify(model, (ids,), plan, quiet=True)
+    assert report.max_gradient_error < 1e-5

@@ -108,3 +108,21 @@ def test_what_a_plan_learns_about_the_sizes_does_not_reach_the_next_plan():
         shared = [_summary(fxsplit.plan(model, args, kwargs, hardware=HW, **o)) for o in layouts]
     assert (cache.hits, cache.misses) == (1, 1)
     assert shared == fresh
+
+
+def test_plans_with_and_without_tp_share_a_trace_unless_attention_is_decomposed():
+    """tp traces with ``decompose_attention`` (torch's attention modules as ops); a model with none
+    traces the same graph either way, so its tp plan takes the trace of its other plans
+    (benchmarks/moe_coverage.py: one trace per family for five layouts) and equals a fresh plan."""
+    from fxsplit.graph.decompose import decomposes
+
+    layouts = [dict(pp=2, microbatches=2), dict(tp=2)]
+    model, args, kwargs = zoo.make("gpt", batch_size=4)
+    fresh = _summary(fxsplit.plan(model, args, kwargs, hardware=HW, **layouts[1]))
+    model, args, kwargs = zoo.make("gpt", batch_size=4)
+    with shared_traces() as cache:
+        shared = [_summary(fxsplit.plan(model, args, kwargs, hardware=HW, **options)) for options in layouts]
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert shared[1] == fresh
+    assert not decomposes(model)
+    assert decomposes(torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2), 1, enable_nested_tensor=False))

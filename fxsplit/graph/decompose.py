@@ -55,7 +55,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Decomposition", "attention_as_ops"]
+__all__ = ["Decomposition", "attention_as_ops", "decomposes"]
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype, name: str) -> torch.Tensor | None:
@@ -224,6 +224,13 @@ _FORWARDS: tuple[tuple[type, tuple[str, ...], Any], ...] = (
     (nn.TransformerEncoderLayer, ("forward", "_sa_block", "_ff_block"), _layer_forward),
     (nn.TransformerEncoder, ("forward",), _encoder_forward),
 )
+
+
+def decomposes(model: nn.Module) -> bool:
+    """Whether :func:`attention_as_ops` would run any module of ``model`` as ops (without it, a
+    trace with ``decompose_attention=True`` is the trace without it)."""
+    return any(isinstance(m, cls) and _runs_torch_forward(m, cls, methods)
+               for m in model.modules() for cls, methods, _ in _FORWARDS)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,21 @@ position: what the split (``fxsplit.pipeline.split``) and the auto-planner
     binds = resolve_bindings(gm, {"batch": 4})     # the traced example's sizes, overridden
     batch_bindings(gm, 2)                          # {batch symbol: 2} when the trace saw another size
     cut_bytes(units, binds)                        # bytes live across positions 0..n (ends 0)
+
+Terms: **backed** symbol -- a dynamic input dim (``s0``), bound to the traced example's size;
+**data-dependent** (unbacked) symbol -- a size the trace learnt only as a value of the data
+(``u0``: ``tensor.tolist()``, ``nonzero``), which no example size gives.
+
+[Note: data-dependent sizes]
+A model that splits its rows by counts it computes (JetMoE's experts: ``x.split(expert_size.tolist())``,
+one linear per expert) traces to shapes in unbacked symbols ``u0 .. u3``, which the costs and
+boundaries of a split have to evaluate. torch.export records what it knows of them as runtime
+asserts in the graph; the one we use is a sum, ``Eq(u0 + u1 + u2 + u3, 2*s0*s1)`` (the groups
+cover every routed row). Each symbol of such a sum is estimated as an equal share of its value at
+the backed sizes (balanced routing: the average, which is what a balanced split should plan for);
+the actual counts vary per step and the step is exact whatever they are (the estimate only sizes
+the cost model). A data-dependent symbol with no such sum stays unbound, and evaluating a cost in
+it raises the UsageError naming it.
 """
 
 from __future__ import annotations
@@ -14,6 +29,8 @@ from typing import Any, Mapping
 import sympy
 import torch
 import torch.fx
+
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from fxsplit.errors import SplitError
 from fxsplit.graph.cost import value_bytes as tensor_bytes
@@ -39,7 +56,37 @@ def batch_bindings(gm: torch.fx.GraphModule, batch: int | None) -> dict[sympy.Sy
 
 
 def example_bindings(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
-    """The example sizes the graph was traced with, for every symbol in its input shapes."""
+    """The example sizes the graph was traced with, for every symbol in its input shapes, and an
+    estimate of the data-dependent sizes at them ([Note: data-dependent sizes])."""
+    out = _backed_example_sizes(gm)
+    return {**out, **data_dependent_estimates(gm, out)}
+
+
+def _unbacked(s: sympy.Basic) -> bool:
+    return isinstance(s, sympy.Symbol) and symbol_is_type(s, SymT.UNBACKED_INT)
+
+
+def data_dependent_estimates(gm: torch.fx.GraphModule, binds: Mapping) -> dict[sympy.Symbol, int]:
+    """Each data-dependent symbol that a runtime assert ``Eq(u_a + ... + u_k, size)`` of ``gm``
+    sums, as an equal share of ``size`` at ``binds`` (rounded up); [Note: data-dependent sizes]."""
+    out: dict[sympy.Symbol, int] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.SymBool) or not isinstance(val.node.expr, sympy.Eq):
+            continue
+        for parts, size in ((val.node.expr.lhs, val.node.expr.rhs), (val.node.expr.rhs, val.node.expr.lhs)):
+            terms = sympy.Add.make_args(parts)
+            if not all(_unbacked(t) for t in terms) or any(_unbacked(x) for x in size.free_symbols):
+                continue
+            total = substitute(size, binds)
+            if total.free_symbols:
+                continue
+            share = -(-int(total) // len(terms))
+            out.update({t: share for t in terms if t not in out})
+    return out
+
+
+def _backed_example_sizes(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
     out: dict[sympy.Symbol, int] = {}
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -88,6 +135,9 @@ def resolve_bindings(gm: torch.fx.GraphModule, bindings: Mapping[str | sympy.Sym
             binds[info.symbols[k]] = int(val)
         else:
             binds[k] = int(val)
+    if bindings:  # the data-dependent sizes at the overridden ones, unless bound themselves
+        given = {info.symbols[k] if isinstance(k, str) else k for k in bindings}
+        binds.update({u: v for u, v in data_dependent_estimates(gm, binds).items() if u not in given})
     return binds
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 import torch.fx
@@ -56,6 +55,7 @@ from fxsplit.graph.recompute import MODES, layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
 from fxsplit.pipeline.checkpointing import mode_held
 from fxsplit.pipeline.bindings import cut_bytes as unit_cut_bytes
+from fxsplit.pipeline.bindings import example_bindings, resolve_bindings
 from fxsplit.pipeline.recomputable import recomputable
 from fxsplit.tp.plan import TPPlan
 
@@ -193,13 +193,10 @@ class _Probe:
     def of(cls, gm: torch.fx.GraphModule) -> "_Probe":
         info = gm.meta.get("fxsplit")
         batch = info.symbols.get("batch") if info is not None else None
-        base = {s: v for s, v in _example_bindings(gm).items()}
+        base = example_bindings(gm)
 
-        def binds(b: int) -> dict:
-            out = dict(base)
-            if batch is not None:
-                out[batch] = b
-            return out
+        def binds(b: int) -> dict:  # data-dependent sizes follow the batch ([Note: data-dependent sizes])
+            return dict(base) if batch is None else resolve_bindings(gm, {batch: b})
 
         return cls(batch, _example_batch(gm), binds(1), binds(2))
 
@@ -376,11 +373,6 @@ def _experts(gm: torch.fx.GraphModule, units: list, by_name: dict, b1: dict, b2:
     tp = bool(layers) and all(w in specs for layer in layers for w in layer.weights)
     return dict(units=mask, params=params, a2a1=a1, a2a2=a2, num=num, tp=tp)
 
-
-def _example_bindings(gm: torch.fx.GraphModule) -> Mapping:
-    from fxsplit.pipeline.bindings import example_bindings
-
-    return example_bindings(gm)
 
 
 def _example_batch(gm: torch.fx.GraphModule) -> int:

@@ -6,7 +6,9 @@ Terms:
     trace key: the model object (held, so its id is not reused), a fingerprint of it (every
         module's class, identity and training flag; every parameter's and buffer's name, identity,
         shape, dtype, device and requires_grad), the example inputs (tensors by identity, shape,
-        dtype and device; other values by ``repr``) and ``trace``'s keyword options.
+        dtype and device; other values by ``repr``) and ``trace``'s keyword options
+        (``decompose_attention`` read as False for a model with no torch attention module to
+        decompose, so a tp plan shares the trace of the plans without tp).
     copy: a new GraphModule over a deep copy of the graph (nodes new, each node's ``meta`` a new
         dict of the same values, as ``torch.fx`` copies nodes), with the module tree copied
         container by container and the tensors shared (the model's own parameters, as a fresh
@@ -58,6 +60,8 @@ import torch
 import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from fxsplit.graph.decompose import decomposes
 
 _plan_module = importlib.import_module("fxsplit.api.plan")  # the module (fxsplit.api.plan is also the function)
 _parallelize_module = importlib.import_module("fxsplit.api.parallelize")
@@ -158,6 +162,8 @@ class SharedTraces:
     misses: int = 0
 
     def trace(self, model: nn.Module, example_args: Any = (), example_kwargs: Any = None, **options: Any):
+        if options.get("decompose_attention") and not decomposes(model):  # the same graph as without it
+            options = {**options, "decompose_attention": False}
         key = (id(model), _fingerprint(model), _input_key((example_args, example_kwargs)),
                tuple(sorted((k, repr(v)) for k, v in options.items())))
         entry = self.entries.get(key)

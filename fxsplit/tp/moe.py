@@ -23,6 +23,7 @@ last matmul and auxiliary losses are outside the region and stay as they are (re
 parallel). Anything else is left as traced (no token exchange), with the reason in ``skipped``:
 ``batched_mm`` experts (each row gathers its expert's matrix, ``W[expert_ids]``, in token order: no sorted rows
 to exchange), dense experts (``bmm`` of every token with every expert's matrix, Llama 4's form),
+experts in a loop (rows split by data-dependent counts, one linear per expert: JetMoE's form),
 a region with another op or a value escaping it (gpt-oss's expert biases gathered per row between
 its matmuls), E not divisible by ep.
 
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxsplit.errors import PlanError
 from fxsplit.graph.inspection import module_path
@@ -178,7 +180,7 @@ def find_moe_layers(gm: torch.fx.GraphModule, ep: int) -> EPPlan:
             offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
             if isinstance(offs, torch.fx.Node):
                 by_offs.setdefault(offs, []).append(node)
-    skipped += _dense_experts(gm, linears)
+    skipped += _dense_experts(gm, linears) + _looped_experts(gm)
     layers = []
     for offs, group in by_offs.items():
         layer, why = _layer(gm, linears, offs, group)
@@ -204,6 +206,44 @@ def _dense_experts(gm: torch.fx.GraphModule, linears: dict) -> list[tuple[str, s
             found.append((module_path(n), "dense experts: every token runs through every expert (bmm over "
                           "[experts, tokens, features]), so there are no routed rows to exchange"))
     return found
+
+
+def _looped_experts(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """Experts run one by one (JetMoE's form): the rows ``split_with_sizes`` along dim 0 by counts
+    computed from the data (data-dependent sizes), each piece through a linear whose weight is one
+    expert's slice (``select`` on dim 0) of a 3-D parameter. No grouped linear over one ``offs``
+    to put the exchange around, so they stay whole on every rank."""
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or op_name(n) != "split_with_sizes" or _split_dim(n) != 0:
+            continue
+        pieces = n.meta.get("val")
+        if not isinstance(pieces, (list, tuple)) or not any(
+                isinstance(p, torch.Tensor) and p.dim() and _data_dependent(p.shape[0]) for p in pieces):
+            continue
+        for piece in n.users:
+            if any(_expert_slice_linear(u, piece) for u in piece.users):
+                found.append((module_path(n), "experts in a loop: the rows split by counts computed from the data "
+                              "(split_with_sizes), one linear per expert on its slice of a 3-D weight; expert "
+                              "parallelism needs grouped linears over one offs (grouped_mm experts)"))
+                break
+    return found
+
+
+def _data_dependent(size: object) -> bool:
+    return isinstance(size, torch.SymInt) and bool(free_unbacked_symbols(size))
+
+
+def _expert_slice_linear(node: torch.fx.Node, rows: torch.fx.Node) -> bool:
+    """``node`` is ``linear(rows, W[i])`` with ``W`` a 3-D parameter."""
+    if node.op != "call_function" or op_name(node) != "linear" or node.args[0] is not rows or len(node.args) < 2:
+        return False
+    w = node.args[1]
+    if not isinstance(w, torch.fx.Node) or op_name(w) != "select" or not w.args or w.args[1] != 0:
+        return False
+    src = w.args[0]
+    val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    return isinstance(src, torch.fx.Node) and src.op == "get_attr" and isinstance(val, torch.Tensor) and val.dim() == 3
 
 
 def _layer(gm: torch.fx.GraphModule, linears: dict, offs: torch.fx.Node,
