@@ -164,6 +164,7 @@ def test_untraceable_model_error_names_module_line_and_fix():
     with pytest.raises(fxsplit.TraceError) as ei:
         fxsplit.trace(model, (torch.randn(2, 4),), method="auto")
     assert "torch.fx could not trace" in str(ei.value) and "torch.export could not trace" in str(ei.value)
+    assert 'Fix: trace with method="fx" and leaf_modules=[...] naming the module' in str(ei.value)  # no cache hint: no "or"
     # the fix the message suggests works
     gm = fxsplit.trace(model, (torch.randn(2, 4),), method="fx", leaf_modules=["inner.1"])
     x = torch.randn(2, 4)

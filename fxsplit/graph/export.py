@@ -183,7 +183,8 @@ def _export_error(exc: BaseException, model: nn.Module, kwargs: dict) -> TraceEr
             "the model returns a key/value cache (config.use_cache=True), which torch.export cannot "
             "output: pass use_cache=False (example_kwargs={'use_cache': False} or config.use_cache=False)"
         )
-    hints.append("or trace with method=\"fx\" and leaf_modules=[...] for the untraceable parts")
+    hints.append(("or " if hints else "") + "trace with method=\"fx\" and leaf_modules=[...] naming the module "
+                 "that cannot be traced (kept as one call in the graph)")
     short = text.splitlines()[0][:500]
     return TraceError(f"torch.export could not trace {type(model).__name__}{where}: {short}. Fix: " + "; ".join(hints))
 
