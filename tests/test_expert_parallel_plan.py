@@ -294,6 +294,7 @@ def test_looped_experts_plan_with_a_pipeline_and_are_kept_with_their_reason():
     plan = fxsplit.plan(model, (ids,), dp=2, ep=2, pp=2, microbatches=2, schedule="1f1b", hardware=_HW)
     assert not plan.ep_plan.layers and plan.ep_plan.skipped, str(plan.ep_plan)
     assert all("experts in a loop" in why for _, why in plan.ep_plan.skipped)
+    assert len(plan.ep_plan.skipped) == 2, str(plan.ep_plan)  # both loops (the root module's), one entry each
     # 4 x 8 tokens, top-2: 64 routed rows over 4 experts, 16 each
     unbacked = {str(s): v for s, v in example_bindings(plan.graph).items() if str(s).startswith("u")}
     assert unbacked and set(unbacked.values()) == {16}, unbacked
