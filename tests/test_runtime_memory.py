@@ -60,7 +60,7 @@ def _one_rank_peaks():
     out = {}
     with gpu_cases.world_of_one(cpu):
         for name in gpu_cases.SIZED_CASES:
-            record = gpu_cases.run_sized(name, cpu, sizes=sizes)
+            record = gpu_cases.run_sized(name, cpu, sizes)
             assert record["status"] == "pass", record
             out[name] = record["memory"]
     return out

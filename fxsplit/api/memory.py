@@ -58,6 +58,7 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
     start = [max(st.recompute_bytes, _model.loss_gradient_bytes(loss) if i == len(plan.split.stages) - 1 else 0.0)
              for i, st in enumerate(plan.split.stages)]
     graph_w = schedule_spec(c.schedule).splits_backward and c.split_backward == "graph"
+    w_transient = computed if graph_w else None  # filled per parameter below, read by the walks
     out = []
     for r in range(c.pp):
         shard = whole = shard_numel = gathered = grads = optimizer = 0.0
@@ -93,9 +94,9 @@ def rank_memory(plan: Any, *, optimizer_bytes_per_param: float = 8.0) -> list[Ra
                 optimizer += mine * _model.optimizer_bytes_per_element(size, optimizer_bytes_per_param)
         recompute = max((plan.split.stages[st].recompute_bytes for st in plan.stages_of(r)), default=0.0)
         acts, grads_at_peak, transient = _model.schedule_walk(plan.schedule[r], stage_acts, after_i, stage_grads,
-                                                              start, computed if graph_w else None)
+                                                              start, w_transient)
         imbalance = acts - _model.schedule_walk(plan.schedule[r], plain_acts, after_i, stage_grads, start,
-                                                computed if graph_w else None)[0] if any(extra) else 0.0
+                                                w_transient)[0] if any(extra) else 0.0
         out.append(_model.rank_memory(shard_bytes=shard, numel=whole, shard_numel=shard_numel,
                                       grad_itemsize=grads / max(whole, 1), gather_itemsize=gathered / max(whole, 1),
                                       optimizer_bytes_per_param=optimizer / max(shard_numel, 1), dp=c.dp, dp_shard=s, activations=acts + buffers[r],

@@ -374,7 +374,6 @@ def _experts(gm: torch.fx.GraphModule, units: list, by_name: dict, b1: dict, b2:
     return dict(units=mask, params=params, a2a1=a1, a2a2=a2, num=num, tp=tp)
 
 
-
 def _example_batch(gm: torch.fx.GraphModule) -> int:
     """The example's batch size: the first tensor input's first dimension (1 without one)."""
     for node in gm.graph.nodes:

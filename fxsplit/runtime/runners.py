@@ -25,6 +25,7 @@ executor moves values (receives, sends, saved activations, all on the `Step`); a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -157,17 +158,11 @@ class _HandOver(torch.autograd.Function):
         return None, None, None, None
 
 
-_ANCHORS: dict[int, torch.Tensor] = {}
-
-
+@functools.cache
 def _anchor() -> torch.Tensor:
-    """The scalar leaf every ``_HandOver`` hangs from (per thread: one is enough, nothing flows into it)."""
-    import threading
-
-    key = threading.get_ident()
-    if key not in _ANCHORS:
-        _ANCHORS[key] = torch.zeros((), requires_grad=True)
-    return _ANCHORS[key]
+    """The scalar leaf every ``_HandOver`` hangs from: one for all (nothing flows into it, and
+    ``autograd.grad`` with it as input writes no ``.grad``), on the CPU whatever the default device."""
+    return torch.zeros((), device="cpu", requires_grad=True)
 
 
 class GraphRunner(EagerRunner):

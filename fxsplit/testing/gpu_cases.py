@@ -401,7 +401,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 # 512-byte rounding is noise (the cases above run a 0.2 MiB model, where it is most of the gap).
 # A GPT of ~130M parameters, micro-batches of 4 x 1024 tokens; memory only (b) checks the numbers.
 SIZED_GPT = dict(n_layer=8, n_embd=1024, n_head=16, seq_len=1024, block_size=1024, vocab_size=32000)
-SIZED_SMALL = dict(n_layer=4, n_embd=64, n_head=4, seq_len=64, block_size=64, vocab_size=512)  # the CPU's --quick form
+SIZED_SMALL = dict(n_layer=4, n_embd=64, n_head=4, seq_len=64, block_size=64, vocab_size=512)  # the CPU form of (c)
 SIZED_MICRO = 4
 SIZED_CASES: dict[str, dict[str, Any]] = {
     "1f1b": dict(schedule="1f1b"),
@@ -412,16 +412,13 @@ SIZED_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def run_sized(name: str, device: torch.device, *, small: bool = False, sizes: Mapping[str, int] | None = None) -> dict:
-    """One warm-up and one measured step of the ~130M GPT (``SIZED_SMALL`` with ``small``, or the
-    GPT of ``sizes``) under ``SIZED_CASES[name]`` on one rank: ``plan.memory()``'s peak against the
-    measured one."""
+def run_sized(name: str, device: torch.device, sizes: Mapping[str, int] = SIZED_GPT) -> dict:
+    """One warm-up and one measured step of the GPT of ``sizes`` (the ~130M ``SIZED_GPT``; the
+    CPU's form ``SIZED_SMALL``) under ``SIZED_CASES[name]`` on one rank: ``plan.memory()``'s peak
+    against the measured one."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    chosen = dict(sizes) if sizes is not None else SIZED_SMALL if small else SIZED_GPT
-
     def fn(_: torch.device) -> dict:
-        sizes = chosen
         model, args, kwargs = zoo.make("gpt", batch_size=SIZED_MICRO, **sizes)
         options = dict(SIZED_CASES[name])
         if options.get("mp_policy") == "bf16":
@@ -439,7 +436,7 @@ def run_sized(name: str, device: torch.device, *, small: bool = False, sizes: Ma
         return {"checks": [{"what": "finite losses", "gap": None, "tol": None, "ok": ok}], "memory": memory,
                 "params": sum(p.numel() for p in pm.parameters())}
 
-    return _timed({"name": f"sized_{name}", "what": f"{SIZED_CASES[name]} at {chosen}"},
+    return _timed({"name": f"sized_{name}", "what": f"{SIZED_CASES[name]} at {dict(sizes)}"},
                   lambda: fn(device), device)
 
 

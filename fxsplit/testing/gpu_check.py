@@ -104,14 +104,14 @@ def _parallelize(lines: Path, deadline: float, device: Any, quick: bool) -> None
 
 
 def _memory(lines: Path, deadline: float, device: Any, quick: bool) -> None:
-    from fxsplit.testing.gpu_cases import SIZED_CASES, run_sized, world_of_one
+    from fxsplit.testing.gpu_cases import SIZED_CASES, SIZED_GPT, SIZED_SMALL, run_sized, world_of_one
 
     with world_of_one(device):
         for name in (QUICK_SIZED if quick else SIZED_CASES):
             if time.monotonic() > deadline:
                 _emit(lines, {"name": f"sized_{name}", "status": "skip", "reason": "the section's budget ran out"})
                 continue
-            _emit(lines, run_sized(name, device, small=device.type != "cuda"))
+            _emit(lines, run_sized(name, device, SIZED_GPT if device.type == "cuda" else SIZED_SMALL))
 
 
 def _speed(lines: Path, deadline: float, device: Any, quick: bool) -> None:

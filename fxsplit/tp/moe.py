@@ -224,7 +224,8 @@ def _looped_experts(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
         for piece in n.users:
             if any(_expert_slice_linear(u, piece) for u in piece.users):
                 # at the root a module path names no loop: its split node does (two loops stay two entries)
-                found.append((module_path(n) or f"<root> {n.name}", "experts in a loop: the rows split by counts computed from the data "
+                found.append((module_path(n) or f"<root> {n.name}",
+                              "experts in a loop: the rows split by counts computed from the data "
                               "(split_with_sizes), one linear per expert on its slice of a 3-D weight; expert "
                               "parallelism needs grouped linears over one offs (grouped_mm experts)"))
                 break
