@@ -18,8 +18,8 @@ demo: $(STAMP)
 # The whole test suite (graph/plan/schedule tests, gloo multi-process tests; GPU tests skip without CUDA),
 # in TEST_WORKERS pytest-xdist workers, one test file per worker at a time (a file's module fixtures
 # are built once), the files that cost the most CPU first ([Note: heaviest files first] in
-# tests/conftest.py): 1268 tests took 9:23-9:48 on 2 idle cores, the whole .ci/run from a clean clone
-# 9:54-10:20 (benchmarks/README.md, "Suite time, session 18"). TEST_WORKERS=0: one process.
+# tests/conftest.py): 1268 tests took 9:23-10:12 on 2 idle cores, the whole .ci/run from a clean clone
+# 9:54-10:46 (benchmarks/README.md, "Suite time, session 18"). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
