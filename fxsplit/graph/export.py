@@ -63,14 +63,16 @@ class Exported(NamedTuple):
 def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool, sequence: bool | None,
                  static_batch: int | None, wide: tuple[tuple, dict] | None, param_dtype: torch.dtype | None,
                  decomposing: Callable[[], Any], follow_sequence: bool = False,
-                 propagate: Callable[[torch.fx.GraphModule, bool], None] | None = None) -> Exported:
+                 propagate: Callable[[torch.fx.GraphModule, bool], None] | None = None,
+                 stack_traces: bool = False) -> Exported:
     """Export ``model`` at the example ``(args, kwargs)``: at ``static_batch`` samples when given
     ([Note: a static batch]), else at ``wide`` (a batch of one widened: [Note: batch of one]) when
     given; the sequence symbolic only when ``sequence is True``; nothing symbolic without
     ``symbolic``. ``follow_sequence``: a sequence traced static is made to take every shorter
     length ([Note: following the sequence from two static traces] in ``fxsplit.graph.sequence``),
-    ``propagate(gm, batch)`` re-propagating fake values through the rewritten graph. Raises
-    TraceError naming where export failed and the fix."""
+    ``propagate(gm, batch)`` re-propagating fake values through the rewritten graph.
+    ``stack_traces``: nodes keep the model's source lines ([Note: no stack traces by default]).
+    Raises TraceError naming where export failed and the fix."""
     if static_batch is not None:
         ex_args, ex_kwargs = example_at_batch(args, kwargs, static_batch)
         batch_note = f" (the batch static at {static_batch} samples per microbatch: [Note: a static batch])"
@@ -78,7 +80,7 @@ def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool,
         ex_args, ex_kwargs = wide if wide is not None else (args, kwargs)
         batch_note = WIDE_NOTE if wide is not None else ""
     try:
-        with _cache_off(model, kwargs) as note:
+        with _cache_off(model, kwargs) as note, _stack_traces(stack_traces):
             try:
                 with decomposing() as dec:
                     gm = export_graph(model, ex_args, ex_kwargs, symbolic, param_dtype, sequence=sequence is True,
@@ -133,6 +135,31 @@ def _followed(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: d
         return f" (the sequence stays static at {length}, shorter steps padded: {why})", length, False, why
     return (f" (traced at {length} and {length - 1} positions: every length up to {length} runs as it is, "
             "[Note: following the sequence from two static traces])"), length, True, None
+
+
+# [Note: no stack traces by default]
+# torch.export records, for every node it creates, the Python stack of the model's code that made
+# it (``node.stack_trace``: a traceback captured and formatted per node). Nothing in fxsplit reads
+# it, and it is a quarter of the export: a Llama-70B config (80 layers, meta) exported in 6.3 s
+# with it and 4.8 s without, 11.5 s and 10.0 s with the batch symbolic (benchmarks/README.md,
+# issue 28 part 5). So the exports fxsplit makes leave it out (``torch.fx.config.
+# do_not_emit_stack_traces``); ``fxsplit.trace(..., stack_traces=True)`` keeps it, for a person
+# who reads the graph's code (``gm.print_readable()`` prints each node's source line above it).
+
+
+@contextlib.contextmanager
+def _stack_traces(keep: bool):
+    """[Note: no stack traces by default]: torch.export without per-node stack traces unless ``keep``."""
+    config = torch.fx.config
+    if keep or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 @contextlib.contextmanager

@@ -388,6 +388,7 @@ class _Request:
     param_dtype: torch.dtype | None
     decompose: bool  # decompose_attention
     follow_sequence: bool  # [Note: following the sequence from two static traces]
+    stack_traces: bool  # [Note: no stack traces by default] in fxsplit.graph.export
 
     def decomposing(self) -> Any:
         """A context manager for one attempt: attention modules traced as ops, or nothing."""
@@ -399,7 +400,7 @@ class _Request:
 def _request(model: nn.Module, example_args: Any, example_kwargs: Any, *, leaf_modules: Iterable[Any],
              dynamic_batch: bool | None, dynamic_sequence: bool | None, microbatch_size: int | None,
              param_dtype: torch.dtype | None, decompose_attention: bool, follow_sequence: bool,
-             deprecated: Mapping[str, Any]) -> _Request:
+             stack_traces: bool, deprecated: Mapping[str, Any]) -> _Request:
     symbolic, dynamic_batch, microbatch_size = _old_spellings(deprecated, dynamic_batch, microbatch_size)
     if microbatch_size is not None and (isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int)
                                         or microbatch_size < 1):
@@ -416,7 +417,7 @@ def _request(model: nn.Module, example_args: Any, example_kwargs: Any, *, leaf_m
     return _Request(model, args, kwargs, leaves, on_meta=any(p.is_meta for p in model.parameters()),
                     symbolic=symbolic, sequence=dynamic_sequence, static_batch=static_batch,
                     wide=(wide_args, wide_kwargs) if widened else None, param_dtype=param_dtype,
-                    decompose=decompose_attention, follow_sequence=follow_sequence)
+                    decompose=decompose_attention, follow_sequence=follow_sequence, stack_traces=stack_traces)
 
 
 class _Traced(NamedTuple):
@@ -452,6 +453,7 @@ def _by_export(req: _Request, method: str, fx_error: TraceError | None) -> _Trac
         exported = export_model(req.model, req.args, req.kwargs, symbolic=req.symbolic, sequence=req.sequence,
                                 static_batch=req.static_batch, wide=req.wide, param_dtype=req.param_dtype,
                                 decomposing=req.decomposing, follow_sequence=req.follow_sequence,
+                                stack_traces=req.stack_traces,
                                 propagate=lambda g, batch: _fake_propagate(g, _flat_cast(req), True, True, batch))
     except TraceError as err:
         if fx_error is None:
@@ -503,6 +505,7 @@ def trace(
     param_dtype: torch.dtype | None = None,
     decompose_attention: bool = False,
     follow_sequence: bool = False,
+    stack_traces: bool = False,
     **deprecated: Any,
 ) -> torch.fx.GraphModule:
     """Trace ``model`` into a GraphModule whose every node carries fxsplit metadata.
@@ -536,6 +539,9 @@ def trace(
             shorter and make the graph take every length up to the traced one ([Note: following the
             sequence from two static traces] in ``fxsplit.graph.sequence``); the trace reason says
             when it could not, and the graph stays static.
+        stack_traces: torch.export keeps each node's source lines (``node.stack_trace``, printed by
+            ``gm.print_readable()``); off by default, a quarter of an export's time ([Note: no stack
+            traces by default] in ``fxsplit.graph.export``). torch.fx records none either way.
         deprecated: ``static_batch=b`` (now ``microbatch_size=b``) and ``dynamic=`` (now
             ``dynamic_batch`` and ``dynamic_sequence``) still work, with a ``FutureWarning``
             naming the new spelling.
@@ -548,7 +554,8 @@ def trace(
         raise UsageError(f"method must be one of {METHODS}, got {method!r}")
     req = _request(model, example_args, example_kwargs, leaf_modules=leaf_modules, dynamic_batch=dynamic_batch,
                    dynamic_sequence=dynamic_sequence, microbatch_size=microbatch_size, param_dtype=param_dtype,
-                   decompose_attention=decompose_attention, follow_sequence=follow_sequence, deprecated=deprecated)
+                   decompose_attention=decompose_attention, follow_sequence=follow_sequence,
+                   stack_traces=stack_traces, deprecated=deprecated)
     traced, fx_error = None, None
     if method in ("auto", "fx"):
         try:
