@@ -69,11 +69,19 @@ __all__ = ["DistributedRunError", "rank_context", "run_distributed"]
 # policy types): measured 3.6 CPU-s for a rank's first pp=2 parallelize without them against
 # 1.3 s with them. Modules in _PRELOAD_IF_LOADED are preloaded only when the parent has imported
 # them already (so a launch never imports a package the caller does not use): transformers
-# costs about 3.5 CPU-s per rank for Llama's modeling module alone.
+# costs about 3.5 CPU-s per rank for Llama's modeling module alone. The second group are modules
+# imported lazily on a rank's first use (``fxsplit`` itself imports its submodules on first access,
+# so its preload alone loads almost nothing; DCP on the first checkpoint; inductor's compile_fx on
+# the first compile=True; sympy's tensor and units modules on the first Add.flatten / simplify):
+# 0.02-0.5 CPU-s each per rank, measured with py-spy over a whole `make test` as 2436 samples (10%)
+# of the ranks' 23591, about 70 CPU-s of the suite; once per forkserver instead.
 _PRELOAD = (
     "torch", "torch.distributed", "fxsplit", __name__,
     "torch._dynamo", "torch.export", "torch._export", "torch._functorch.partitioners",
     "torch._inductor.decomposition", "torch.distributed.tensor", "torch.distributed.fsdp", "networkx",
+    "fxsplit.api", "fxsplit.api.auto", "fxsplit.passes", "torch.distributed.checkpoint",
+    "torch.distributed.tensor.experimental", "torch._inductor.compile_fx", "torch._inductor.codegen.halide",
+    "sympy.tensor.tensor", "sympy.physics.units",
 )
 _PRELOAD_IF_LOADED = {
     "pytest": ("pytest",),
