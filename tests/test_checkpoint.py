@@ -8,9 +8,11 @@ import torch
 import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
+from fxsplit.testing.trace_cache import SharedPlans, shared_plans
 
 LR = 0.05
 NAME, OVERRIDES = "gpt", {"batch_size": 4}
+HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 
 
 def _optimizer(params):
@@ -48,12 +50,31 @@ def _reference(steps):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, optim
 
 
+# Each launch builds the GPT and plans its layout once, before the ranks fork ([Note: preparing once
+# per launch] in fxsplit.testing.harness); every rank takes its copy of the plan ([Note: plans made
+# before the fork] in fxsplit.testing.trace_cache).
+_MODEL: list = []  # (model, args, kwargs), built once per process
+_PLANS = SharedPlans()
+
+
+def _example():
+    if not _MODEL:
+        _MODEL.extend(zoo.make(NAME, **OVERRIDES))
+    return _MODEL
+
+
+def _prepare(options):
+    model, args, kwargs = _example()
+    _PLANS.add(model, args, kwargs, hardware=HW, **options)
+
+
 def _run(rank, world, options, start, stop, load_from, save_to):
-    model, args, kwargs = zoo.make(NAME, **OVERRIDES)
-    options = dict(options)
-    options.setdefault("hardware", fxsplit.Hardware(link_bytes_per_s=float("inf")))
-    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60,
-                             verify=None if rank == 0 else False, **options)
+    model, args, kwargs = _example()
+    # verify is no planning option (ranks plan with verify=False): rank 0 verifies the plan it takes
+    with shared_plans(_PLANS) as plans:
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60,
+                                 verify=None if rank == 0 else False, hardware=HW, **options)
+    assert plans.misses == 0, f"rank {rank} planned {options} itself: the plan made before the fork went unused"
     opt = _optimizer(pm.parameters())
     if load_from:
         pm.load_checkpoint(load_from, optimizer=opt)
@@ -73,12 +94,14 @@ def _run(rank, world, options, start, stop, load_from, save_to):
 def test_checkpoint_reloads_under_other_layouts(tmp_path):
     ref_losses, ref_state, _ = _reference(3)
     ckpt = str(tmp_path / "ckpt")
-    first = run_distributed(_run, 4, dict(tp=2, pp=2, microbatches=2), 0, 2, None, ckpt, timeout=240)
+    saved = dict(tp=2, pp=2, microbatches=2)
+    first = run_distributed(_run, 4, saved, 0, 2, None, ckpt, timeout=240, prepare=(_prepare, (saved,)))
     for losses, _ in first:
         assert losses == pytest.approx(ref_losses[:2], rel=1e-5)
     # reload at pp=4 (4 ranks) and at 1 process; both continue exactly like the uninterrupted run
-    second = run_distributed(_run, 4, dict(pp=4, schedule="1f1b", microbatches=4), 2, 3, ckpt, None, timeout=240)
-    single = run_distributed(_run, 1, dict(), 2, 3, ckpt, None, timeout=240)
+    pp4 = dict(pp=4, schedule="1f1b", microbatches=4)
+    second = run_distributed(_run, 4, pp4, 2, 3, ckpt, None, timeout=240, prepare=(_prepare, (pp4,)))
+    single = run_distributed(_run, 1, dict(), 2, 3, ckpt, None, timeout=240, prepare=(_prepare, ({},)))
     for losses, state in second + single:
         assert losses == pytest.approx(ref_losses[2:], rel=1e-5, abs=1e-6)
         assert set(state) == set(ref_state)

@@ -10,7 +10,7 @@ import torch
 import fxsplit
 from fxsplit.api.grad_norm import check_norm_type, global_norm, norm_parameters, scale_grads
 from fxsplit.testing import run_distributed, zoo
-from fxsplit.testing.trace_cache import SharedTraces, shared_traces
+from fxsplit.testing.trace_cache import SharedPlans, SharedTraces, shared_plans, shared_traces
 
 INF = float("inf")
 STEPS = 3
@@ -113,20 +113,35 @@ def _clip_steps(step, clip, optimizer):
     return out
 
 
-# one model per rank, every layout planned from one trace; rank 0 verifies the plan every rank
-# computes ([Note: one model and trace per launch] in test_parallelize.py)
+# one model per launch, every layout planned from one trace, once, before the ranks fork ([Note:
+# preparing once per launch] in fxsplit.testing.harness); each rank takes its copy of the plans
+# ([Note: plans made before the fork] in fxsplit.testing.trace_cache), and rank 0 verifies the
+# plan every rank takes ([Note: one model and trace per launch] in test_parallelize.py)
 _MODEL: list = []
 _TRACES = SharedTraces()
+_PLANS = SharedPlans()
+INF_LINK = fxsplit.Hardware(link_bytes_per_s=float("inf"))
+
+
+def _example():
+    if not _MODEL:
+        _MODEL.append(zoo.make("gpt", batch_size=BATCH))
+    return _MODEL[0]
+
+
+def _prepare():
+    model, args, _ = _example()
+    with shared_traces(_TRACES):
+        for opts, _ in LAYOUTS.values():
+            _PLANS.add(model, args, hardware=INF_LINK, **opts)
 
 
 def _train(rank, world, options, kind):
     torch.manual_seed(0)
-    if not _MODEL:
-        _MODEL.append(zoo.make("gpt", batch_size=BATCH))
-    model, args, _ = _MODEL[0]
-    with shared_traces(_TRACES):
+    model, args, _ = _example()
+    with shared_plans(_PLANS):
         pm = fxsplit.parallelize(model, args, loss_fn=zoo.loss_fn("gpt"), timeout=60, verify=None if rank == 0 else False,
-                                 hardware=fxsplit.Hardware(link_bytes_per_s=float("inf")), **options)
+                                 hardware=INF_LINK, **options)
     assert pm.plan.stages.shared_params or options.get("pp", 1) == 1
     d, dp = options.get("dp", 1), pm.coords["dp"]
     per = BATCH // d
@@ -139,7 +154,10 @@ def _train(rank, world, options, kind):
 
 
 def _all_layouts(rank, world):
-    return {label: _train(rank, world, dict(opts), kind) for label, (opts, kind) in LAYOUTS.items()}
+    out = {label: _train(rank, world, dict(opts), kind) for label, (opts, kind) in LAYOUTS.items()}
+    assert _PLANS.misses == 0, (f"rank {rank} planned {_PLANS.misses} layout(s) itself: "
+                                "a plan made before the fork went unused")
+    return out
 
 
 def _reference(kind):
@@ -158,7 +176,7 @@ def _reference(kind):
 
 @pytest.mark.dist
 def test_clip_grad_norm_matches_the_unsplit_model():
-    results = run_distributed(_all_layouts, 4, timeout=400)
+    results = run_distributed(_all_layouts, 4, timeout=400, prepare=(_prepare, ()))
     for label, (_, kind) in LAYOUTS.items():
         ref_norms, ref_state = _reference(kind)
         for n_inf, n1, n2, after in ref_norms:

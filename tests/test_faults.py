@@ -17,6 +17,7 @@ import re
 import pytest
 
 from fxsplit.testing.faults import run_case
+from fxsplit.testing.trace_cache import SharedPlans, shared_plans
 
 TIMEOUT = 10.0  # a stop is found at T + the heartbeat check; exits under a loaded suite take seconds more
 
@@ -67,13 +68,40 @@ def test_a_slow_but_healthy_rank_is_not_a_fault():
         assert loss == pytest.approx(want, rel=1e-5)
 
 
+# _mismatched's models (zoo GPT overrides) and layouts; its subject is the checks of each call, not
+# planning, so each model is built and planned once per launch, before the ranks fork ([Note:
+# preparing once per launch] in fxsplit.testing.harness), and every rank takes its copy of the plan
+# ([Note: plans made before the fork] in fxsplit.testing.trace_cache)
+MISMATCHED = {
+    "inputs": (dict(n_layer=4, batch_size=8, seq_len=16), dict(pp=4, microbatches=4)),
+    "losses_differ": (dict(n_layer=2, batch_size=4, seq_len=16), dict(tp=2, pp=2, microbatches=2)),
+    "nonfinite": (dict(n_layer=2, batch_size=4, seq_len=16), dict(dp=2, pp=2, microbatches=2)),
+}
+_MODELS: dict = {}  # label of MISMATCHED -> (model, x)
+_PLANS = SharedPlans()
+
+
+def _prepare_mismatched():
+    from fxsplit.testing import zoo
+
+    for label, (overrides, options) in MISMATCHED.items():
+        model, (x,), _ = zoo.make("gpt", **overrides)
+        _MODELS[label] = model, x
+        _PLANS.add(model, (x,), **options)
+
+
 def _mismatched(rank, world):
     import torch
 
     import fxsplit
     from fxsplit.testing import zoo
 
-    model, (x,), _ = zoo.make("gpt", n_layer=4, batch_size=8, seq_len=16)
+    def parallelized(label, loss_fn):  # (model, x, this rank's ParallelModel) of MISMATCHED[label]
+        model, x = _MODELS[label]
+        with shared_plans(_PLANS):
+            return model, x, fxsplit.parallelize(model, (x,), loss_fn=loss_fn, timeout=10.0, **MISMATCHED[label][1])
+
+    model, x, pm = parallelized("inputs", zoo.cross_entropy_loss)
     y = x.roll(-1, 1)
     out = {}
 
@@ -84,28 +112,28 @@ def _mismatched(rank, world):
         except Exception as exc:  # noqa: BLE001
             return (type(exc).__name__, str(exc))
 
-    pm = fxsplit.parallelize(model, (x,), loss_fn=zoo.cross_entropy_loss, pp=4, microbatches=4, timeout=10.0)
     short = x[:6] if rank == 0 else x
     out["forward"] = catch(lambda: pm(short))
     out["step"] = catch(lambda: pm.step(short, target=y[: len(short)]))
     out["after"] = catch(lambda: float(pm.step(x, target=y)))
     out["want"] = float(zoo.cross_entropy_loss(model(x), y))
 
-    # tp=2 x pp=2: the two tensor-parallel ranks of the last stage run loss_fns that differ
-    model2, (x2,), _ = zoo.make("gpt", n_layer=2, batch_size=4, seq_len=16)
-    y2 = x2.roll(-1, 1)
+    # tp=2 x pp=2: the two tensor-parallel ranks of the last stage run loss_fns that differ (loss_fn
+    # is no planning option: every rank takes the one plan)
     scale = 1.0 + 0.5 * (rank == 3)
     differ = lambda o, t: zoo.cross_entropy_loss(o, t) * scale  # noqa: E731
-    pm2 = fxsplit.parallelize(model2, (x2,), loss_fn=differ, tp=2, pp=2, microbatches=2, timeout=10.0)
+    _, x2, pm2 = parallelized("losses_differ", differ)
+    y2 = x2.roll(-1, 1)
     out["losses_differ"] = catch(lambda: pm2.step(x2, target=y2))
 
     # a non-finite loss on one replica (dp=2 x pp=2): one value everywhere, and one norm
-    model3, (x3,), _ = zoo.make("gpt", n_layer=2, batch_size=4, seq_len=16)
-    y3 = x3.roll(-1, 1)
     nan_on_replica_1 = lambda o, t: zoo.cross_entropy_loss(o, t) * (float("nan") if rank >= 2 else 1.0)  # noqa: E731
-    pm3 = fxsplit.parallelize(model3, (x3,), loss_fn=nan_on_replica_1, dp=2, pp=2, microbatches=2, timeout=10.0)
+    _, x3, pm3 = parallelized("nonfinite", nan_on_replica_1)
+    y3 = x3.roll(-1, 1)
     loss3 = pm3.step(x3, target=y3)
     out["nonfinite"] = (float(loss3), float(pm3.clip_grad_norm_(1.0)))
+    assert _PLANS.misses == 0, (f"rank {rank} planned {_PLANS.misses} model(s) itself: "
+                                "a plan made before the fork went unused")
     return out
 
 
@@ -113,7 +141,7 @@ def _mismatched(rank, world):
 def test_inputs_and_losses_that_must_agree_are_checked_on_every_rank():
     from fxsplit.testing import run_distributed
 
-    results = run_distributed(_mismatched, 4, timeout=240)
+    results = run_distributed(_mismatched, 4, timeout=240, prepare=(_prepare_mismatched, ()))
     for rank, res in enumerate(results):
         for key in ("forward", "step"):
             kind, text = res[key]

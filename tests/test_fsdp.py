@@ -42,25 +42,25 @@ def _make(name, overrides):
     return model, args, kwargs, zoo.loss_fn(name)
 
 
-# Per rank process: the layouts of one launch parallelize one model object per (name, overrides)
+# Per process: the layouts of one launch parallelize one model object per (name, overrides)
 # and plan it from one trace ([Note: sharing a trace between plans] in fxsplit.testing.trace_cache;
 # parallelize materializes its stages from the model, which itself is never trained), so a launch
-# traces each model once per rank instead of once per layout.
+# traces each model once instead of once per layout.
 _TRACES = SharedTraces()
 _MODELS: dict = {}
 
 
 def _shared(name, overrides):
-    """``_make(name, overrides)``, built once per rank process."""
+    """``_make(name, overrides)``, built once per process (by prepare, for the ranks it forks)."""
     key = (name, repr(sorted(overrides.items())))
     if key not in _MODELS:
         _MODELS[key] = _make(name, overrides)
     return _MODELS[key]
 
 
-# A launch that prepares ([Note: preparing once per launch] in fxsplit.testing.harness) builds those
-# models and plans each layout once, before its ranks fork; every rank takes its copy of the plan
-# ([Note: plans made before the fork] in fxsplit.testing.trace_cache).
+# Every launch prepares ([Note: preparing once per launch] in fxsplit.testing.harness): it builds
+# those models and plans each layout once, before its ranks fork; every rank takes its copy of the
+# plan ([Note: plans made before the fork] in fxsplit.testing.trace_cache).
 _PLANS = SharedPlans()
 
 
@@ -332,6 +332,27 @@ class _FailOn:
         return zoo.cross_entropy_loss(out, y)
 
 
+# the GPT's layouts in _state_cases: trained and saved at ds2-pp2, reloaded at the other two
+STATE_LAYOUTS = {"ds2-pp2": dict(dp_shard=2, pp=2, microbatches=2), "ds4": dict(dp_shard=4),
+                 "tp2-ds2": dict(tp=2, dp_shard=2)}
+META_LAYOUT = dict(tp=2, dp_shard=2)  # _meta_model's
+_META: list = []  # the meta-device GPT of _meta_model: (model, args, kwargs), built once per process
+
+
+def _meta_example():
+    if not _META:
+        with torch.device("meta"):
+            _META.extend(zoo.make("gpt", batch_size=4, n_embd=64))
+    return _META
+
+
+def _prepare_state():
+    """STATE_LAYOUTS and the meta-device GPT at META_LAYOUT, planned once before the ranks fork."""
+    _prepare({label: ("gpt", GPT4, opts) for label, opts in STATE_LAYOUTS.items()})
+    model, args, kwargs = _meta_example()
+    _PLANS.add(model, args, kwargs, verify=False, hardware=HW, **META_LAYOUT)
+
+
 def _state_cases(rank, world, path):
     import time
 
@@ -340,8 +361,8 @@ def _state_cases(rank, world, path):
     model, args, kwargs, _ = _shared("gpt", GPT4)
     loss = _FailOn(3)
     common = dict(loss_fn=loss, timeout=20, verify=False, hardware=HW)
-    with shared_traces(_TRACES):
-        pm = fxsplit.parallelize(model, args, kwargs, dp_shard=2, pp=2, microbatches=2, **common)
+    with shared_plans(_PLANS):
+        pm = fxsplit.parallelize(model, args, kwargs, **STATE_LAYOUTS["ds2-pp2"], **common)
     opt = _opt(pm.parameters())
     x = _batch("gpt", model, args, 0)
     y = _target("gpt", model, x, 0)
@@ -362,14 +383,14 @@ def _state_cases(rank, world, path):
     loss.armed = False
     out["meta"] = _meta_model(common)
     # reload at other layouts: (dp_shard=4) and (tp=2, dp_shard=2)
-    for label, opts in (("ds4", dict(dp_shard=4)), ("tp2-ds2", dict(tp=2, dp_shard=2))):
-        with shared_traces(_TRACES):
-            pm2 = fxsplit.parallelize(model, args, kwargs, **opts, **common)
+    for label in ("ds4", "tp2-ds2"):
+        with shared_plans(_PLANS):
+            pm2 = fxsplit.parallelize(model, args, kwargs, **STATE_LAYOUTS[label], **common)
         opt2 = _opt(pm2.parameters())
         pm2.load_checkpoint(path, optimizer=opt2)
         out[label] = dict(state=pm2.full_state_dict(), optim=_full_optim(pm2, opt2), coords=dict(pm2.coords),
                           specs=dict(pm2.plan.tp_plan.param_specs))
-    return out
+    return _all_prepared(rank, out)
 
 
 def _meta_model(common):
@@ -381,9 +402,9 @@ def _meta_model(common):
     from fxsplit.api.materialize import materialize_sharded_stage, materialize_stage
     from fxsplit.testing.memory import LiveBytes
 
-    with torch.device("meta"):
-        model, args, kwargs = zoo.make("gpt", batch_size=4, n_embd=64)
-    pm = fxsplit.parallelize(model, args, kwargs, tp=2, dp_shard=2, **common)
+    model, args, kwargs = _meta_example()
+    with shared_plans(_PLANS):
+        pm = fxsplit.parallelize(model, args, kwargs, **META_LAYOUT, **common)
     tp_rank = pm.coords["tp"]
     params = list(pm.parameters())
     ok = all(isinstance(p, DTensor) and not p.to_local().is_meta for p in params)
@@ -403,7 +424,7 @@ def _meta_model(common):
 @pytest.mark.dist
 def test_dp_shard_clip_checkpoint_and_failures(tmp_path):
     path = str(tmp_path / "ckpt")
-    results = run_distributed(_state_cases, 4, path, timeout=400)
+    results = run_distributed(_state_cases, 4, path, timeout=400, prepare=(_prepare_state, ()))
     norm, grads, state, optim = _clip_reference()
     for rank, res in enumerate(results):
         assert res["norm"] == pytest.approx(norm, rel=1e-5), f"rank {rank}"
@@ -479,16 +500,21 @@ MP_GAP = 3e-2
 MP_WHOLE_GAP = 1e-2
 
 
-def _mp_cases(rank, world):
+def _mp_layouts():
+    """The layouts of _mp_cases: plain dp and FSDP, bfloat16 parameters either way."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    common = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), microbatches=2)
+    return {"dp2": ("gpt", GPT4, dict(dp=2, **common)), "ds2": ("gpt", GPT4, dict(dp_shard=2, **common))}
+
+
+def _mp_cases(rank, world, layouts):
     out = {}
-    for label, opts in (("dp2", dict(dp=2)), ("ds2", dict(dp_shard=2))):
-        model, args, kwargs, loss_fn = _shared("gpt", GPT4)
-        with shared_traces(_TRACES):
+    for label, (name, ov, opts) in layouts.items():
+        model, args, kwargs, loss_fn = _shared(name, ov)
+        with shared_plans(_PLANS):
             pm = fxsplit.parallelize(model, args, kwargs, loss_fn=loss_fn, timeout=60, verify=False, hardware=HW,
-                                     mp_policy=policy, microbatches=2, **opts)
+                                     **opts)
         opt = _opt(pm.parameters())
         losses, grads = [], []
         for i in range(2):
@@ -500,14 +526,15 @@ def _mp_cases(rank, world):
             opt.zero_grad()
         dtypes = {p.dtype for p in pm.parameters()}
         out[label] = dict(losses=losses, grads=grads, dtypes=dtypes)
-    return out
+    return _all_prepared(rank, out)
 
 
 @pytest.mark.dist
 def test_dp_shard_mixed_precision_matches_plain_data_parallel():
     # FSDP casts (all-gathers in bfloat16) where plain dp's graph casts: the same bfloat16 values
     # either way, gradients accumulated and reduced in float32 ([Note: mixed precision under FSDP])
-    results = run_distributed(_mp_cases, 2, timeout=300)
+    layouts = _mp_layouts()
+    results = run_distributed(_mp_cases, 2, layouts, timeout=300, prepare=(_prepare, (layouts,)))
     for rank, res in enumerate(results):
         a, b = res["dp2"], res["ds2"]
         assert a["dtypes"] == b["dtypes"] == {torch.float32}, rank  # master weights stay float32

@@ -68,7 +68,7 @@ def _reference(scaler_kw: dict):
 # A launch builds a fresh GPT per layout (each rank trains it: at tp=1 its parameters are the model's own)
 # and plans them all once, before the ranks fork ([Note: preparing once per launch] in
 # fxsplit.testing.harness); each rank takes its copy ([Note: plans made before the fork]).
-_PREPARED: dict = {}  # layout label -> (model, args, kwargs)
+_PREPARED: dict = {}  # layout label (or "overflow") -> (model, args, kwargs)
 _PLANS = SharedPlans()
 INF_LINK = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 
@@ -145,12 +145,22 @@ def test_fp16_grad_scaler_matches_one_process(scaler_kw):
             assert gaps[worst] <= PARAM_RTOL, f"{where}: parameter {worst} off by {gaps[worst]:.3g}"
 
 
+# _one_rank_overflows's layout, parallelize's defaults otherwise (Hardware.cpu(), every rank verifying)
+OVERFLOW = dict(mp_policy=FP16, dp=2, pp=2, microbatches=2)
+
+
+def _prepare_overflow():
+    model, args, kwargs = _PREPARED["overflow"] = zoo.make("gpt", **GPT)
+    _PLANS.add(model, args, kwargs, **OVERFLOW)
+
+
 def _one_rank_overflows(rank, world):
     torch.manual_seed(0)
-    model, args, kwargs = zoo.make("gpt", **GPT)
+    model, args, kwargs = _PREPARED["overflow"]
     (x, y), = _batches(model, args)[:1]
-    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60, mp_policy=FP16,
-                             dp=2, pp=2, microbatches=2)
+    with shared_plans(_PLANS) as plans:
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.loss_fn("gpt"), timeout=60, **OVERFLOW)
+    assert plans.misses == 0, f"rank {rank} planned itself: the plan made before the fork went unused"
     with pytest.raises(TypeError, match="GradScaler"):  # checked on every rank, before the pipeline
         pm.step(x, target=y, scaler=object())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -171,7 +181,8 @@ def _one_rank_overflows(rank, world):
 
 @pytest.mark.dist
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
-    for rank, (unchanged, scale) in enumerate(run_distributed(_one_rank_overflows, 4, timeout=240)):
+    results = run_distributed(_one_rank_overflows, 4, timeout=240, prepare=(_prepare_overflow, ()))
+    for rank, (unchanged, scale) in enumerate(results):
         assert unchanged, f"rank {rank} applied the step although another rank's gradients overflowed"
         assert scale == 2.0**7, f"rank {rank}: scale {scale}, not backed off to 2**7 with the others"
 
