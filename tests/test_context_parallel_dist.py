@@ -52,7 +52,7 @@ def _example():
 
 _TRACES = SharedTraces()
 _PLANS = SharedPlans()
-_SHARED: list = []  # the example every layout of CASES is planned for: built once per process
+_SHARED: list = []  # the example every GPT layout (CASES, mp_policy, the reload) is planned for: built once per process
 
 
 def _shared_example():
@@ -63,12 +63,17 @@ def _shared_example():
 
 def _prepare():
     """Once per launch, before the ranks fork ([Note: preparing once per launch] in fxsplit.testing.harness):
-    every layout of CASES planned, from one torch.export trace; each rank takes its copy of these plans
-    instead of planning the same layouts itself ([Note: plans made before the fork])."""
+    every GPT layout (CASES, mp_policy's and the reload's) planned from shared traces, and both Llama layouts;
+    each rank takes its copy of these plans instead of planning the same layouts itself ([Note: plans made
+    before the fork])."""
+    from test_mixed_precision import POLICY
+
     model, idx, _ = _shared_example()
     with shared_traces(_TRACES):
         for opts in CASES:
             _PLANS.add(model, (idx,), hardware=_HW, verify=False, **opts)
+        _PLANS.add(model, (idx,), hardware=_HW, verify=False, mp_policy=POLICY, **MP)
+        _PLANS.add(model, (idx,), hardware=_HW, verify=False, **RELOAD)
     model, _, _, _, half, whole = _shared_llama()
     _PLANS.add(model, *half, hardware=_HW, verify=False, **LLAMA_DP)
     _PLANS.add(model, *whole, hardware=_HW, verify=False, **LLAMA_TP)
@@ -102,8 +107,9 @@ def _train(rank, world, ckpt):
                         ring=ring, **_compiled(pm)))
     out.append(_train_llama())
     out.append(_train_llama_tp())
-    out.append(_mp_step())
-    out.append(_reload(ckpt))
+    out.append(_mp_step(initial))
+    out.append(_reload(ckpt, initial))
+    assert _PLANS.misses == 0, f"rank {rank} planned {_PLANS.misses} layout(s) itself: a plan made before the fork went unused"
     return out
 
 
@@ -115,22 +121,29 @@ def _compiled(pm):
                 fallbacks={**pm.split_fallbacks, **pm.compile_fallbacks})
 
 
-def _reload(ckpt):
+RELOAD = dict(tp=2, pp=2, microbatches=2)  # the layout the cp=2 x dp=2 checkpoint is loaded at
+MP = dict(cp=2, dp=2)  # the layout of mp_policy
+
+
+def _reload(ckpt, initial):
     """The cp=2 x dp=2 checkpoint loaded at another layout without cp: its full state dict."""
-    model, idx, _ = _example()
-    pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60,
-                             tp=2, pp=2, microbatches=2)
+    model, idx, _ = _shared_example()
+    model.load_state_dict(initial)
+    with shared_plans(_PLANS):
+        pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60, **RELOAD)
     pm.load_checkpoint(ckpt, optimizer=torch.optim.SGD(pm.parameters(), lr=LR))
     return dict(steps=pm.step_count, state=pm.full_state_dict())
 
 
-def _mp_step():
+def _mp_step(initial):
     """One step under mp_policy at cp=2 x dp=2: the loss and the full gradients (as a state dict)."""
     from test_mixed_precision import POLICY
 
-    model, idx, target = _example()
-    pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60,
-                             mp_policy=POLICY, cp=2, dp=2)
+    model, idx, target = _shared_example()
+    model.load_state_dict(initial)
+    with shared_plans(_PLANS):
+        pm = fxsplit.parallelize(model, (idx,), loss_fn=zoo.cross_entropy_loss, hardware=_HW, timeout=60,
+                                 mp_policy=POLICY, **MP)
     loss = float(pm.step(replica_slice(pm, idx), target=replica_slice(pm, target)))
     fp32 = all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in pm.parameters())
     with torch.no_grad():

@@ -20,6 +20,7 @@ import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.api import RankFailedError
 from fxsplit.testing import run_distributed
+from fxsplit.testing.trace_cache import SharedPlans, SharedTraces, shared_plans, shared_traces
 
 HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))  # tiny models: split by compute alone
 GPT = {"n_layer": 2, "batch_size": 4, "seq_len": 16}
@@ -94,21 +95,64 @@ def _local_grads(pm):
     return out
 
 
-def _gpt_pm(**options):
+# Each launch prepares ([Note: preparing once per launch] in fxsplit.testing.harness): its models, and the plan of
+# every parallelize of them that plans (a request refused before planning plans nothing), made once before the
+# ranks fork; each rank takes its copy instead of planning the same layout itself ([Note: plans made before the
+# fork] in fxsplit.testing.trace_cache). A plan is handed out once per process: a layout parallelized n times in a
+# launch is prepared n times.
+_BUILT: dict = {}  # "gpt" -> (model, args); the two-rank launch's "fixed" -> (model, x, y, example), "dict" -> (model, x)
+_PLANS = SharedPlans()
+
+
+def _gpt_layout(**options):
+    return {"pp": 2, "schedule": "1f1b", "microbatches": 2, "hardware": HW, **options}
+
+
+def _prepare_gpt(*layouts):
+    """The launch's GPT, planned with each of ``layouts`` (``_gpt_pm``'s options) from one trace."""
     model, args, _ = zoo.make("gpt", **GPT)
-    options = {"pp": 2, "schedule": "1f1b", "microbatches": 2, "hardware": HW, "timeout": FAST, **options}
-    return model, fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, **options)
+    _BUILT["gpt"] = model, args
+    with shared_traces(SharedTraces()):
+        for options in layouts:
+            _PLANS.add(model, args, verify=False, **_gpt_layout(**options))
+
+
+def _gpt_pm(timeout=FAST, **options):
+    model, args = _BUILT["gpt"]
+    with shared_plans(_PLANS):
+        return model, fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, timeout=timeout,
+                                          **_gpt_layout(**options))
+
+
+def _all_prepared(rank, out):
+    assert _PLANS.misses == 0, f"rank {rank} planned {_PLANS.misses} layout(s) itself: a plan made before the fork went unused"
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
 # launch 1: two ranks, pp=2
 
 
+DP2 = dict(dp=2, pp=1, microbatches=1)
+
+
+def _prepare_two():
+    """The GPT at pp=2 (_gpt_pm() three times, the failing loss once) and at dp=2 (twice), the fixed-batch
+    model and the dict-output model, as _two_ranks parallelizes them."""
+    _prepare_gpt({}, {}, {}, {}, DP2, DP2)
+    fmodel, fx, fy = _fixed_model()
+    example = fx[:4]  # the object the rank passes: the plan's key holds an input tensor by identity
+    _BUILT["fixed"] = fmodel, fx, fy, example
+    _PLANS.add(fmodel, (example,), pp=2, schedule="1f1b", microbatches=2, hardware=HW, verify=False)
+    dmodel, dx = _BUILT["dict"] = _dict_model()
+    _PLANS.add(dmodel, (dx,), pp=2, schedule="1f1b", microbatches=3, hardware=HW, verify=False)
+
+
 def _two_ranks(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     r = {}
-    model, args, _ = zoo.make("gpt", **GPT)
+    model, args = _BUILT["gpt"]
     loss = zoo.cross_entropy_loss
     par = lambda **kw: fxsplit.parallelize(model, args, loss_fn=loss, hardware=HW, timeout=FAST, **kw)  # noqa: E731
     # -- requests that cannot be met: each raised on every rank before any collective
@@ -140,36 +184,39 @@ def _two_ranks(rank, world):
     r["same_plan"] = pm.plan is plan0 and all(pm.stage_modules[k] is v for k, v in stages0.items())
 
     # -- a batch size fixed in the model: the wrong microbatch size is refused before the pipeline
-    fmodel, fx, fy = _fixed_model()
-    pm_fixed = fxsplit.parallelize(fmodel, (fx[:4],), loss_fn=zoo.mse_loss, pp=2, schedule="1f1b",
-                                   microbatches=2, hardware=HW, timeout=FAST)
+    fmodel, fx, fy, example = _BUILT["fixed"]
+    with shared_plans(_PLANS):
+        pm_fixed = fxsplit.parallelize(fmodel, (example,), loss_fn=zoo.mse_loss, pp=2, schedule="1f1b",
+                                       microbatches=2, hardware=HW, timeout=FAST)
     r["fixed_wrong"] = _catch(lambda: pm_fixed.step(fx[:4], target=fy[:4]))
     r["fixed_right"] = _catch(lambda: float(pm_fixed.step(fx, target=fy)))
 
     # -- inference only: step() refused; pm(x) gives the model's own output structure
-    dmodel, dx = _dict_model()
-    pm_inf = fxsplit.parallelize(dmodel, (dx,), pp=2, schedule="1f1b", microbatches=3, hardware=HW,
-                                 timeout=FAST)
+    dmodel, dx = _BUILT["dict"]
+    with shared_plans(_PLANS):
+        pm_inf = fxsplit.parallelize(dmodel, (dx,), pp=2, schedule="1f1b", microbatches=3, hardware=HW,
+                                     timeout=FAST)
     r["step_inference"] = _catch(lambda: pm_inf.step(dx, target=dx))
     r["dict_out"] = pm_inf(dx)
     r["dict_out_odd"] = pm_inf(dx[:5])
 
     # -- failures on the last stage only: every rank raises fast, the others name the failed rank
     x, y = _gpt_batch(1, 4, 16)
-    bad = fxsplit.parallelize(model, args, loss_fn=_nonscalar_loss_ce, pp=2, schedule="1f1b",
-                              microbatches=2, hardware=HW, timeout=FAST)
+    with shared_plans(_PLANS):
+        bad = fxsplit.parallelize(model, args, loss_fn=_nonscalar_loss_ce, pp=2, schedule="1f1b",
+                                  microbatches=2, hardware=HW, timeout=FAST)
     r["nonscalar"] = _catch(lambda: bad.step(x, target=y))
     r["after_failure"] = _catch(lambda: bad.step(x, target=y))
     _, pm = _gpt_pm()
     r["bad_target"] = _catch(lambda: pm.step(x, target=y[:, :7]))
 
     # -- dp=2, pp=1: one replica fails in its loss; the world group survives, the model too
-    _, pm = _gpt_pm(dp=2, pp=1, microbatches=1)
+    _, pm = _gpt_pm(**DP2)
     r["dp_bad_target"] = _catch(lambda: pm.step(x, target=y[:, :7] if rank == 1 else y))
     r["dp_after"] = _catch(lambda: float(pm.step(x, target=y)))
     # -- dp=2, pp=1 training on different data per replica (a fresh model): every gradient goes
     #    in the one data-parallel all-reduce after the step (no pipeline stage to overlap with)
-    _, pm = _gpt_pm(dp=2, pp=1, microbatches=1)
+    _, pm = _gpt_pm(**DP2)
     opt = torch.optim.SGD(pm.parameters(), lr=LR)
     r["dp_train"] = []
     for step in range(STEPS):
@@ -185,7 +232,7 @@ def _two_ranks(rank, world):
         r["absent_peer"] = _catch(lambda: pm.step(x, target=y))
     else:
         time.sleep(4.5)
-    return r
+    return _all_prepared(rank, r)
 
 
 def _nonscalar_loss_ce(logits, y):
@@ -195,7 +242,7 @@ def _nonscalar_loss_ce(logits, y):
 @pytest.fixture(scope="module")
 def two():
     t0 = time.perf_counter()
-    results = run_distributed(_two_ranks, 2, timeout=150)
+    results = run_distributed(_two_ranks, 2, timeout=150, prepare=(_prepare_two, ()))
     print(f"two-rank launch: {time.perf_counter() - t0:.1f}s")
     return results
 
@@ -381,7 +428,7 @@ def _replica_batch(step, dp_rank=None):
 
 def _four_ranks(rank, world):
     r = {}
-    model, args, _ = zoo.make("gpt", **GPT)
+    model, args = _BUILT["gpt"]
     r["world"] = _catch(lambda: fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, dp=2, pp=3))
     # training on different data per replica: the dp mean equals one process on the whole batch
     _, pm = _gpt_pm(dp=2)
@@ -400,13 +447,13 @@ def _four_ranks(rank, world):
     r["usable_after"] = _catch(lambda: pm.step(x, target=y))
     # one replica's last stage fails inside the pipeline
     r["one_replica_target"] = _catch(lambda: pm.step(x, target=y[:, :5] if pm.coords["dp"] == 0 else y))
-    return r
+    return _all_prepared(rank, r)
 
 
 @pytest.fixture(scope="module")
 def four():
     t0 = time.perf_counter()
-    results = run_distributed(_four_ranks, 4, timeout=150)
+    results = run_distributed(_four_ranks, 4, timeout=150, prepare=(_prepare_gpt, (dict(dp=2),)))
     print(f"four-rank launch: {time.perf_counter() - t0:.1f}s")
     return results
 

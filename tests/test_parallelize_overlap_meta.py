@@ -28,6 +28,7 @@ import fxsplit
 from fxsplit.testing import zoo
 from fxsplit.testing import run_distributed
 from fxsplit.testing.data import replica_slice
+from fxsplit.testing.trace_cache import SharedPlans, shared_plans
 
 HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))  # tiny models: split by compute alone
 GPT = {"n_layer": 2, "batch_size": 4, "seq_len": 16}
@@ -43,12 +44,28 @@ def _gpt_batch(seed, b, t, vocab):
 # rank side
 
 
+# The launch prepares ([Note: preparing once per launch] in fxsplit.testing.harness): the GPT of _overlap and
+# its plan, made once before the ranks fork; each rank takes its copy of the plan ([Note: plans made before the
+# fork] in fxsplit.testing.trace_cache). The meta-device models are built and planned on each rank, as a user's
+# ranks would: that is what the meta tests are about.
+_OVERLAP: list = []  # (model, args)
+_PLANS = SharedPlans()
+OVERLAP = dict(dp=2, pp=2, microbatches=2, schedule="interleaved_1f1b", stages_per_rank=2, hardware=HW)
+
+
+def _prepare():
+    model, args, _ = zoo.make("gpt", **GPT)
+    _OVERLAP.extend((model, args))
+    _PLANS.add(model, args, verify=False, **OVERLAP)
+
+
 def _overlap(rank):
     """Events of each step on this rank: ("start"|"end", action) around every pipeline action and
     ("all_reduce", on the dp group, async) for every torch.distributed.all_reduce call."""
-    model, args, _ = zoo.make("gpt", **GPT)
-    pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, dp=2, pp=2, microbatches=2,
-                             schedule="interleaved_1f1b", stages_per_rank=2, hardware=HW, timeout=60)
+    model, args = _OVERLAP
+    with shared_plans(_PLANS) as plans:
+        pm = fxsplit.parallelize(model, args, loss_fn=zoo.cross_entropy_loss, timeout=60, **OVERLAP)
+    assert plans.misses == 0, f"rank {rank} planned dp=2 x pp=2 itself: the plan made before the fork went unused"
     rt, dp_group = pm.runtime, pm._groups.dp
     events: list = []
     # around every action, before the runtime tells the data-parallel hooks a stage is done
@@ -138,7 +155,7 @@ def _four_ranks(rank, world):
 @pytest.fixture(scope="module")
 def four():
     t0 = time.perf_counter()
-    results = run_distributed(_four_ranks, 4, timeout=300)
+    results = run_distributed(_four_ranks, 4, timeout=300, prepare=(_prepare, ()))
     print(f"four-rank launch: {time.perf_counter() - t0:.1f}s")
     return results
 

@@ -12,6 +12,7 @@ from torch import nn
 import fxsplit
 from fxsplit.testing import run_distributed
 from fxsplit.testing.data import local_grads
+from fxsplit.testing.trace_cache import SharedPlans, shared_plans
 
 _HW = fxsplit.Hardware(link_bytes_per_s=float("inf"))
 
@@ -50,12 +51,27 @@ def _target(out):
     return torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
 
 
+# The launch prepares ([Note: preparing once per launch] in fxsplit.testing.harness): every case's model and
+# its tp=2 plan, made once before the ranks fork; each rank takes its copy of the plans ([Note: plans made
+# before the fork] in fxsplit.testing.trace_cache)
+_BUILT: dict = {}  # label -> (model, args, method)
+_PLANS = SharedPlans()
+
+
+def _prepare():
+    for label in CASES:
+        model, args, method = _BUILT[label] = _case(label)
+        _PLANS.add(model, args, tp=2, method=method, hardware=_HW, verify=False)
+
+
 def _real_steps(rank, world):
     out = {}
     for label in CASES:
-        model, args, method = _case(label)
+        model, args, method = _BUILT[label]
         y = _target(model(*args))
-        pm = fxsplit.parallelize(model, args, loss_fn=_mse, tp=2, method=method, hardware=_HW, timeout=60)
+        with shared_plans(_PLANS) as plans:
+            pm = fxsplit.parallelize(model, args, loss_fn=_mse, tp=2, method=method, hardware=_HW, timeout=60)
+        assert plans.misses == 0, f"rank {rank} planned {label} itself: the plan made before the fork went unused"
         with torch.no_grad():
             output = pm(*args)
         loss = float(pm.step(*args, target=y))
@@ -69,7 +85,7 @@ def _real_steps(rank, world):
 def test_verified_families_train_alike_over_gloo():
     from test_parallelize import check_grads
 
-    results = run_distributed(_real_steps, 2, timeout=400)
+    results = run_distributed(_real_steps, 2, timeout=400, prepare=(_prepare, ()))
     for label in CASES:
         model, args, method = _case(label)
         report = fxsplit.verify(model, args, fxsplit.plan(model, args, tp=2, hardware=_HW, method=method))

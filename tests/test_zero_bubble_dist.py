@@ -278,27 +278,39 @@ OTHER = {"skip-zbv": ("skip", {}, dict(pp=2, schedule="zbv", microbatches=4)),
                           dict(pp=2, schedule="zbv", microbatches=4, activation_checkpointing="full"))}
 
 
+HF_OTHER = dict(pp=2, schedule="zbv", microbatches=2)
+
+
+def _other_layouts():
+    """The parallelize calls of :func:`_other`, as test_parallelize's ``_prepare`` plans them before the ranks fork."""
+    from test_parallelize import HF_BATCH, _hf_make
+
+    return [*((zoo.make, name, ov, opts) for name, ov, opts in OTHER.values()),
+            (_hf_make, "tiny_gpt2", {"batch_size": HF_BATCH}, HF_OTHER)]
+
+
 def _other(rank, world):
-    from test_parallelize import _hf_train, _train as _train_named
+    from test_parallelize import _all_prepared as _all_prepared_named, _hf_train, _train as _train_named
 
     made = []
     inner = fxsplit.parallelize
     fxsplit.parallelize = lambda *a, **k: made.append(inner(*a, **k)) or made[-1]
     try:
         out = {label: _train_named(rank, world, name, ov, dict(opts)) for label, (name, ov, opts) in OTHER.items()}
-        out["hf"] = _hf_train(rank, world, "tiny_gpt2", dict(pp=2, schedule="zbv", microbatches=2))
+        out["hf"] = _hf_train(rank, world, "tiny_gpt2", dict(HF_OTHER))
     finally:
         fxsplit.parallelize = inner
     out["fallbacks"] = [pm.split_fallbacks for pm in made]
-    return out
+    return _all_prepared_named(rank, out)
 
 
 @pytest.mark.dist
 @pytest.mark.hf
 def test_graph_split_with_skips_checkpointing_and_hf():
-    from test_parallelize import _check as _check_named, _hf_reference, _reference as _reference_named
+    from test_parallelize import _check as _check_named, _hf_reference, _prepare as _prepare_named
+    from test_parallelize import _reference as _reference_named
 
-    results = run_distributed(_other, 2, timeout=600)
+    results = run_distributed(_other, 2, timeout=600, prepare=(_prepare_named, (_other_layouts(),)))
     assert all(r["fallbacks"] == [{}] * 3 for r in results), [r["fallbacks"] for r in results]
     for label, (name, ov, _) in OTHER.items():
         _check_named([r[label] for r in results], *_reference_named(name, ov))
@@ -436,6 +448,8 @@ def test_compiled_with_tp_checkpointing_and_hf_match_single_process():
 DROP_GPT = dict(n_layer=4, batch_size=4, seq_len=8, dropout=0.2, attn_dropout=0.2)
 DROP_SPLIT = ("blocks.1", "blocks.2", "blocks.3")  # stage s > 0 starts at blocks.s
 DROP_SEED, DROP_M = 5, 4
+DROP_OPTIONS = dict(pp=2, schedule="zbv", microbatches=DROP_M, seed=DROP_SEED, split_points=DROP_SPLIT,
+                    cut_at="modules")
 
 
 def _dropout_reference():
@@ -471,10 +485,10 @@ def _dropout_reference():
 
 
 def _dropout_zbv(rank, world):
-    model, args, kwargs = zoo.make("gpt", **DROP_GPT)
-    pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60, hardware=INF_LINK,
-                             pp=2, schedule="zbv", microbatches=DROP_M, seed=DROP_SEED, split_points=DROP_SPLIT,
-                             cut_at="modules")
+    model, args, kwargs = _model_of(DROP_GPT)
+    with shared_plans(_PLANS):
+        pm = fxsplit.parallelize(model, args, kwargs, loss_fn=zoo.cross_entropy_loss, timeout=60, hardware=INF_LINK,
+                                 **DROP_OPTIONS)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     steps = []
     for i in range(STEPS):
@@ -484,12 +498,12 @@ def _dropout_zbv(rank, world):
         steps.append((float(loss), grads))
         opt.step()
         opt.zero_grad()
-    return dict(steps=steps, fallbacks=pm.split_fallbacks)
+    return _all_prepared(dict(steps=steps, fallbacks=pm.split_fallbacks))
 
 
 @pytest.mark.dist
 def test_zbv_with_dropout_draws_the_unsplit_models_masks():
-    results = run_distributed(_dropout_zbv, 2, timeout=300)
+    results = run_distributed(_dropout_zbv, 2, timeout=300, prepare=(_prepare, ([(DROP_GPT, DROP_OPTIONS)],)))
     assert all(r["fallbacks"] == {} for r in results), [r["fallbacks"] for r in results]
     want = _dropout_reference()
     _check(results, want)

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxsplit.schedule.ir import ActionKind
 
-__all__ = ["LiveBytes", "LAYOUTS", "cases", "measure_case", "measured_step_peak"]
+__all__ = ["LiveBytes", "LAYOUTS", "case_model", "cases", "measure_case", "measured_step_peak", "plan_options"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -151,22 +151,38 @@ def _options(options: dict) -> dict:
     return out
 
 
-def measure_case(options: dict, gpt: dict, batch: int) -> tuple[float, float, dict]:
+def case_model(gpt: dict, batch: int) -> tuple[torch.nn.Module, tuple]:
+    """``(model, example_args)``: the zoo GPT :func:`measure_case` measures (``gpt``: its config, ``batch``
+    samples per replica)."""
+    from fxsplit.testing import zoo
+
+    model, ex, _ = zoo.make("gpt", batch_size=batch, **gpt)
+    return model, ex
+
+
+def plan_options(options: dict, batch: int) -> dict:
+    """The keywords :func:`measure_case` plans a case's ``options`` with (``parallelize``'s, loss and timeout
+    aside): ``SharedPlans.add``'s, to plan the case before a launch's ranks fork."""
+    from fxsplit.hardware import Hardware
+
+    replicas = options.get("dp", 1) * options.get("dp_shard", 1)
+    return dict(verify=False, hardware=Hardware.cpu(), global_batch_size=batch * replicas, **_options(options))
+
+
+def measure_case(options: dict, gpt: dict, batch: int, built: tuple | None = None) -> tuple[float, float, dict]:
     """On one rank of a launch: (measured, predicted) peak bytes of this rank for the zoo GPT
     (``gpt``: its config, ``batch`` samples per replica) planned with ``options`` (one warm-up
-    step, one measured: ``measured_step_peak`` against ``Plan.memory()``), and both sides' terms."""
+    step, one measured: ``measured_step_peak`` against ``Plan.memory()``), and both sides' terms.
+    ``built``: :func:`case_model`'s ``(model, example_args)`` to plan (one planned before the fork)."""
     from fxsplit.api.parallelize import parallelize
-    from fxsplit.hardware import Hardware
     from fxsplit.testing import zoo
 
     torch.manual_seed(0)
-    model, ex, _ = zoo.make("gpt", batch_size=batch, **gpt)
+    model, ex = case_model(gpt, batch) if built is None else built
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, gpt["vocab_size"], ex[0].shape, generator=g)
     y = torch.randint(0, gpt["vocab_size"], ex[0].shape, generator=g)
-    replicas = options.get("dp", 1) * options.get("dp_shard", 1)
-    pm = parallelize(model, ex, loss_fn=zoo.cross_entropy_loss, verify=False, timeout=120,
-                             hardware=Hardware.cpu(), global_batch_size=batch * replicas, **_options(options))
+    pm = parallelize(model, ex, loss_fn=zoo.cross_entropy_loss, timeout=120, **plan_options(options, batch))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
     pm.step(x, target=y)  # creates the AdamW state
     opt.step()
