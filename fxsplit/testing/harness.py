@@ -45,6 +45,7 @@ ranks that had not returned. Processes are always joined; none is left behind.
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -69,19 +70,18 @@ __all__ = ["DistributedRunError", "rank_context", "run_distributed"]
 # policy types): measured 3.6 CPU-s for a rank's first pp=2 parallelize without them against
 # 1.3 s with them. Modules in _PRELOAD_IF_LOADED are preloaded only when the parent has imported
 # them already (so a launch never imports a package the caller does not use): transformers
-# costs about 3.5 CPU-s per rank for Llama's modeling module alone. The second group are modules
-# imported lazily on a rank's first use (``fxsplit`` itself imports its submodules on first access,
-# so its preload alone loads almost nothing; DCP on the first checkpoint; inductor's compile_fx on
-# the first compile=True; sympy's tensor and units modules on the first Add.flatten / simplify):
-# 0.02-0.5 CPU-s each per rank, measured with py-spy over a whole `make test` as 2436 samples (10%)
-# of the ranks' 23591, about 70 CPU-s of the suite; once per forkserver instead.
+# costs about 3.5 CPU-s per rank for Llama's modeling module alone. A rank starts with
+# ``gc.freeze()``: the cyclic collector then never walks what the rank inherited from the server
+# (every preloaded module's objects), which each rank's full collections otherwise traverse again,
+# touching (and so copying) the server's pages. Measured on test_expert_parallel.py +
+# test_runtime_dist.py (CPU-s of the whole process tree, benchmarks/suite_cpu.py): 74.6 without
+# the freeze, 70.7 with it. Preloading more (fxsplit.api, DCP, inductor's compile_fx: modules a
+# py-spy of the suite saw ranks import lazily) measured 82.6 without the freeze and 72.2 with it,
+# no better than this list, so the list stays as it is.
 _PRELOAD = (
     "torch", "torch.distributed", "fxsplit", __name__,
     "torch._dynamo", "torch.export", "torch._export", "torch._functorch.partitioners",
     "torch._inductor.decomposition", "torch.distributed.tensor", "torch.distributed.fsdp", "networkx",
-    "fxsplit.api", "fxsplit.api.auto", "fxsplit.passes", "torch.distributed.checkpoint",
-    "torch.distributed.tensor.experimental", "torch._inductor.compile_fx", "torch._inductor.codegen.halide",
-    "sympy.tensor.tensor", "sympy.physics.units",
 )
 _PRELOAD_IF_LOADED = {
     "pytest": ("pytest",),
@@ -153,6 +153,7 @@ def _worker(
     payload: bytes,
 ) -> None:
     """Body of one rank: join the process group, run `fn`, send ("ok", value) or ("error", ...)."""
+    gc.freeze()  # [Note: rank start-up]: what the rank inherited is not the rank's garbage
     _exit_with_parent(alive)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
