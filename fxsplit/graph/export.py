@@ -145,6 +145,7 @@ def _followed(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: d
 # issue 28 part 5). So the exports fxsplit makes leave it out (``torch.fx.config.
 # do_not_emit_stack_traces``); ``fxsplit.trace(..., stack_traces=True)`` keeps it, for a person
 # who reads the graph's code (``gm.print_readable()`` prints each node's source line above it).
+# torch 2.11 has no such setting (``_stack_traces`` then leaves its export as it is).
 
 
 @contextlib.contextmanager
