@@ -7,6 +7,21 @@ are set up inside the first test that asks for them), those three entry points f
 marker; and tests/test_markers.py reads every test file for launches a test cannot reach at run
 time here (a skipped test, a test a -k filter left out).
 
+
+[Note: scalar inductor kernels in the suite]
+The compiled tests (compile=True: test_zero_bubble_dist, test_context_parallel_dist,
+test_expert_parallel, test_compiling, test_split_graph) compile ~90 distinct graphs, and a fresh
+clone on a fresh machine (CI) finds none of them in inductor's cache: measured with an empty
+``TORCHINDUCTOR_CACHE_DIR``, those 13 tests took 372 CPU-s against 134 with a warm cache, the largest
+single item of `make test`'s time. Most of the difference is g++ on inductor's C++ kernels, and
+vectorized kernels (at::vec's headers, and a probe compile per instruction set) cost twice the
+scalar ones: with ``TORCHINDUCTOR_VEC_ISA_OK=0`` the same 13 tests took 280 CPU-s (benchmarks/README.md
+"Suite time, 2026-12-05"). So the suite asks inductor for scalar CPU kernels. What fxsplit hands to
+torch.compile is the same graph either way (which graphs, in which order, with which collectives);
+the instruction set is inductor's choice of C++ for one graph, checked against eager by torch's own
+tests, and the compiled tests compare with one process to tolerances that hold for both. A person
+who wants the vectorized kernels sets ``TORCHINDUCTOR_VEC_ISA_OK=1`` (this only sets a default);
+`make gpu-check` and the benchmarks run torch's defaults.
 """
 
 import json
@@ -15,11 +30,13 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
-import torch
-import torch.distributed as dist
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")  # before torch: [Note: scalar inductor kernels in the suite]
 
-import fxsplit.testing.harness as harness
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import fxsplit.testing.harness as harness  # noqa: E402
 
 # [Note: rank start-up] in fxsplit.testing.harness: a pytest process starts its ranks' forkserver at
 # its first launch, and the server preloads transformers (and its Llama and GPT-2 modules) only if

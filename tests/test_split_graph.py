@@ -72,6 +72,22 @@ def test_gpt_stages_bit_equal_to_autograd(mode):
         assert (0 < norms[1] + norms[2] <= norms[0]) if mode != "none" else norms[1] + norms[2] == 0, norms
 
 
+def test_a_selective_split_leaves_later_compiles_untagged():
+    """[Note: selective checkpoint tags leak]: tracing a selectively checkpointed stage leaves
+    torch.fx's global node meta as it was, so a torch.compile after it in the process still
+    partitions its backward (it raised "'>' not supported between instances of 'NoneType' and
+    'NoneType'" in AOTAutograd, and compile=True fell back to eager)."""
+    before = dict(torch.fx.traceback.current_meta)
+    plan, inputs = _plan("selective")
+    GraphSplit.trace(plan.stages.modules[0], inputs[0])
+    assert torch.fx.traceback.current_meta == before
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x.sin() * 3).sum(), backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, requires_grad=True)
+    fn(x).backward()
+    torch.testing.assert_close(x.grad, 3 * x.detach().cos())
+
+
 class TwiceOnOnePath(nn.Module):
     """``W`` used twice on the input's path (pytorch#180952), plus a bias only W reaches."""
 

@@ -75,14 +75,16 @@ backward, it replays like any other draw.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.fx.node import has_side_effect
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -110,6 +112,31 @@ __all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "has_selective_region
 # a wrapper for the rest of the process (graphs then hold targets that are not the module's
 # functions: counting nodes by identity finds none). Traces in this module take this lock.
 _TRACE_LOCK = threading.Lock()
+
+
+# [Note: selective checkpoint tags leak]
+# torch's selective checkpoint, when it runs under a tracer (its `_CachingTorchDispatchMode` sees a
+# proxy mode: our make_fx of a selectively checkpointed stage), writes ``recompute`` and
+# ``ac_graph_id`` (None here) into ``torch.fx.traceback.current_meta``, the process-global dict
+# whose entries every later trace with preserved node meta copies onto every node it makes
+# (dynamo, AOTAutograd), and never takes them out (torch 2.13). So after one such split, every
+# torch.compile in the process traced graphs whose every node said "recompute" with
+# ac_graph_id None, and AOTAutograd's partitioner failed comparing two ids
+# (`cleanup_recompute_tags`: "'>' not supported between instances of 'NoneType' and
+# 'NoneType'"): compile=True fell back to eager for the loss and the stage graphs of a rank that
+# had traced a selective stage first, and the suite's compiled-loss test failed whenever its
+# pytest worker had run test_split_graph's selective case before it (the "compile flake" of issue 26).
+# The trace puts the dict back as it found it.
+@contextlib.contextmanager
+def _fx_meta_kept() -> Iterator[None]:
+    meta = fx_traceback.current_meta
+    saved = dict(meta)
+    try:
+        yield
+    finally:
+        fx_traceback.current_meta = meta  # a context that rebound it and did not restore it
+        meta.clear()
+        meta.update(saved)
 
 
 class UnsupportedStage(Exception):
@@ -484,7 +511,7 @@ class GraphSplit:
         b_in = [joint.get_buffer(n) for n in bnames]
         x_in = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
         try:
-            with _TRACE_LOCK, torch.enable_grad(), traced_collectives() as calls:  # [Note: one fx trace at a time]
+            with _TRACE_LOCK, _fx_meta_kept(), torch.enable_grad(), traced_collectives() as calls:  # [Note: one fx trace at a time]
                 gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(p_in, b_in, x_in, tangents)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means: not this way
             raise UnsupportedStage(f"make_fx could not trace the stage's forward and backward "
