@@ -118,15 +118,14 @@ _TRACE_LOCK = threading.Lock()
 # torch's selective checkpoint, when it runs under a tracer (its `_CachingTorchDispatchMode` sees a
 # proxy mode: our make_fx of a selectively checkpointed stage), writes ``recompute`` and
 # ``ac_graph_id`` (None here) into ``torch.fx.traceback.current_meta``, the process-global dict
-# whose entries every later trace with preserved node meta copies onto every node it makes
-# (dynamo, AOTAutograd), and never takes them out (torch 2.13). So after one such split, every
-# torch.compile in the process traced graphs whose every node said "recompute" with
-# ac_graph_id None, and AOTAutograd's partitioner failed comparing two ids
-# (`cleanup_recompute_tags`: "'>' not supported between instances of 'NoneType' and
-# 'NoneType'"): compile=True fell back to eager for the loss and the stage graphs of a rank that
-# had traced a selective stage first, and the suite's compiled-loss test failed whenever its
-# pytest worker had run test_split_graph's selective case before it (the "compile flake" of issue 26).
-# The trace puts the dict back as it found it.
+# whose entries a later trace with preserved node meta copies onto the nodes it makes, and never
+# takes them out (torch 2.13). After one such split, a later torch.compile with a backward in the
+# same process could get a joint graph whose nodes said "recompute" with ac_graph_id None, and
+# AOTAutograd's partitioner failed comparing two ids (`cleanup_recompute_tags`: "'>' not supported
+# between instances of 'NoneType' and 'NoneType'"): a compiled loss (compile=True) ran eagerly with
+# that reason. The suite's compiled-loss test failed so whenever its pytest worker had run
+# test_split_graph's selective case before it (the "compile flake" of issue 26, which depended on
+# which files xdist gave one worker). The trace puts the dict back as it found it.
 @contextlib.contextmanager
 def _fx_meta_kept() -> Iterator[None]:
     meta = fx_traceback.current_meta
