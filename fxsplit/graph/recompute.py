@@ -44,20 +44,24 @@ nodes are never random (their cached output would skip a draw and shift every la
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 import torch.fx
+import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
 from fxsplit.errors import UsageError
 from fxsplit.graph.ops import MATMULS, is_random, op_name
 
-__all__ = ["MODES", "layer_key", "node_layer", "regions", "worth_checkpointing", "keeps_output", "keep", "call_module", "checkpointed", "policy"]
+__all__ = ["MODES", "layer_key", "node_layer", "regions", "worth_checkpointing", "keeps_output", "keep", "call_module", "checkpointed", "policy",
+           "fx_meta_kept"]
 
 MODES = ("none", "selective", "full")
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -218,3 +222,28 @@ def checkpointed(region: Callable, mode: str, *inputs: Any) -> Any:
     context = _SELECTIVE if mode == "selective" else ckpt.noop_context_fn
     return ckpt.checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True, context_fn=context)
 
+
+# [Note: selective checkpoint tags leak]
+# torch's selective checkpoint, when it runs under a tracer (its `_CachingTorchDispatchMode` sees a
+# proxy mode: our make_fx of a selectively checkpointed stage), writes ``recompute`` and
+# ``ac_graph_id`` (None here) into ``torch.fx.traceback.current_meta``, the process-global dict
+# whose entries a later trace with preserved node meta copies onto the nodes it makes, and never
+# takes them out (torch 2.13). After one such split, a later torch.compile with a backward in the
+# same process could get a joint graph whose nodes said "recompute" with ac_graph_id None, and
+# AOTAutograd's partitioner failed comparing two ids (`cleanup_recompute_tags`: "'>' not supported
+# between instances of 'NoneType' and 'NoneType'"): a compiled loss (compile=True) ran eagerly with
+# that reason. The suite's compiled-loss test failed so whenever its pytest worker had run
+# test_split_graph's selective case before it (the "compile flake" of issue 26, which depended on
+# which files xdist gave one worker). `fx_meta_kept` puts the dict back as it found it around
+# such a trace (GraphSplit.trace).
+@contextlib.contextmanager
+def fx_meta_kept() -> Iterator[None]:
+    """Leave ``torch.fx.traceback.current_meta`` as it was ([Note: selective checkpoint tags leak])."""
+    meta = fx_traceback.current_meta
+    saved = dict(meta)
+    try:
+        yield
+    finally:
+        fx_traceback.current_meta = meta  # a context that rebound it and did not restore it
+        meta.clear()
+        meta.update(saved)

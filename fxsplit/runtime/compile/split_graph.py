@@ -75,16 +75,14 @@ backward, it replays like any other draw.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.fx.traceback as fx_traceback
 from torch.fx.node import has_side_effect
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -93,7 +91,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxsplit.errors import exception_text
 from fxsplit.graph.ops import is_random
-from fxsplit.graph.recompute import checkpointed
+from fxsplit.graph.recompute import checkpointed, fx_meta_kept
 from fxsplit.tp.collectives import note_calls, traced_collectives
 from fxsplit.tp.random import TracedStream, enter_tp_stream, exit_tp_stream, traced_tp_streams
 
@@ -113,29 +111,6 @@ __all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "has_selective_region
 # functions: counting nodes by identity finds none). Traces in this module take this lock.
 _TRACE_LOCK = threading.Lock()
 
-
-# [Note: selective checkpoint tags leak]
-# torch's selective checkpoint, when it runs under a tracer (its `_CachingTorchDispatchMode` sees a
-# proxy mode: our make_fx of a selectively checkpointed stage), writes ``recompute`` and
-# ``ac_graph_id`` (None here) into ``torch.fx.traceback.current_meta``, the process-global dict
-# whose entries a later trace with preserved node meta copies onto the nodes it makes, and never
-# takes them out (torch 2.13). After one such split, a later torch.compile with a backward in the
-# same process could get a joint graph whose nodes said "recompute" with ac_graph_id None, and
-# AOTAutograd's partitioner failed comparing two ids (`cleanup_recompute_tags`: "'>' not supported
-# between instances of 'NoneType' and 'NoneType'"): a compiled loss (compile=True) ran eagerly with
-# that reason. The suite's compiled-loss test failed so whenever its pytest worker had run
-# test_split_graph's selective case before it (the "compile flake" of issue 26, which depended on
-# which files xdist gave one worker). The trace puts the dict back as it found it.
-@contextlib.contextmanager
-def _fx_meta_kept() -> Iterator[None]:
-    meta = fx_traceback.current_meta
-    saved = dict(meta)
-    try:
-        yield
-    finally:
-        fx_traceback.current_meta = meta  # a context that rebound it and did not restore it
-        meta.clear()
-        meta.update(saved)
 
 
 class UnsupportedStage(Exception):
@@ -510,7 +485,7 @@ class GraphSplit:
         b_in = [joint.get_buffer(n) for n in bnames]
         x_in = [x.detach().requires_grad_(x.requires_grad) for x in tensors]
         try:
-            with _TRACE_LOCK, _fx_meta_kept(), torch.enable_grad(), traced_collectives() as calls:  # [Note: one fx trace at a time]
+            with _TRACE_LOCK, fx_meta_kept(), torch.enable_grad(), traced_collectives() as calls:  # [Note: one fx trace at a time]
                 gm = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(p_in, b_in, x_in, tangents)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means: not this way
             raise UnsupportedStage(f"make_fx could not trace the stage's forward and backward "
