@@ -338,21 +338,6 @@ def test_meta_model_read_by_cpu_indices_exports_where_fake_embedding_refuses_the
     assert emb.meta["val"].device.type == "meta" and tuple(emb.meta["val"].shape)[1:] == (5, 8)
 
 
-@pytest.mark.parametrize("options, symbolic", [(dict(method="fx"), True), (dict(method="export"), True),
-                                                (dict(method="export", microbatch_size=2, dynamic_sequence=None), False)])
-def test_symbolic_traces_run_without_the_fake_tensor_cache(options, symbolic):
-    """[Note: no fake-tensor cache for symbolic traces]: the fake values of a trace with a symbolic
-    batch or sequence come from a mode without the op cache; a static trace keeps it; torch's own
-    setting is left as it was."""
-    model, args, kwargs = zoo.make("gpt", n_layer=1)
-    before = torch._dynamo.config.fake_tensor_cache_enabled
-    gm = fxsplit.trace(model, args, kwargs, **options)
-    assert gm.meta["fxsplit"].dynamic == symbolic
-    modes = {n.meta["val"].fake_mode for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
-    assert modes and {m.cache_enabled for m in modes} == {not symbolic}
-    assert torch._dynamo.config.fake_tensor_cache_enabled == before
-
-
 def test_export_keeps_source_lines_only_when_asked():
     """[Note: no stack traces by default]: torch.export's per-node source lines are left out of
     fxsplit's exports (a quarter of an export's time), kept with ``stack_traces=True``; torch's

@@ -32,7 +32,6 @@ from fxsplit.graph.lazy_code import lazily_recompiled
 from fxsplit.graph.ops import resolve_path
 from fxsplit.graph.sequence import at_length, sequence_input
 from fxsplit.graph.sequence import follow_sequence as follow_lengths
-from fxsplit.graph.symbolic import symbolic_fake_cache_off
 
 log = logging.getLogger("fxsplit")
 
@@ -317,8 +316,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool,
         dyn_spec = spec
     input_dtypes = [v.dtype if isinstance(v, torch.Tensor) else None
                     for v in torch.utils._pytree.tree_leaves((args, kwargs))]
-    with _parameters_in(model, param_dtype) as originals, _meta_weights_read_by_cpu_indices(model), \
-            symbolic_fake_cache_off(dyn_spec is not None):  # [Note: no fake-tensor cache for symbolic traces]
+    with _parameters_in(model, param_dtype) as originals, _meta_weights_read_by_cpu_indices(model):
         ep = torch.export.export(model, _cast_inputs(args, param_dtype), _cast_inputs(kwargs, param_dtype),
                                  strict=False, dynamic_shapes=dyn_spec)
         try:

@@ -25,30 +25,7 @@ import functools
 
 import torch
 
-__all__ = ["keeping_symbols", "symbolic_fake_cache_off"]
-
-
-# [Note: no fake-tensor cache for symbolic traces]
-# A fake tensor mode caches each op's output metadata by its inputs' and, on a hit, builds the
-# output again from the entry: with symbolic sizes that is sympy arithmetic for every size and
-# stride (a 2-layer Llama export: 612k SymInt operations in `_get_output_tensor_from_cache_entry`,
-# more than running the ops' meta functions). So the traces with a symbolic batch or sequence
-# (torch.export with dynamic shapes, fx's fake propagation) run with the cache off, measured
-# (CPU s, this machine, benchmarks/README.md "Fake-tensor cache off for symbolic traces"): the
-# published runs' 2-layer Llama exports 11.8 -> 7.3 for five, their fx-traced GPTs 4.6 -> 3.7,
-# an 8-layer Llama-70B export 2.75 -> 2.47. Static traces keep it (8-layer static export 1.09 with
-# the cache, 1.26 without). The cache is an optimization only: the same ops run either way.
-@contextlib.contextmanager
-def symbolic_fake_cache_off(symbolic: bool = True):
-    """Fake tensor modes made inside have no op cache when ``symbolic`` ([Note: no fake-tensor
-    cache for symbolic traces]); a no-op otherwise."""
-    import torch._dynamo.config as dynamo_config
-
-    if not symbolic or not hasattr(dynamo_config, "fake_tensor_cache_enabled"):
-        yield
-        return
-    with dynamo_config.patch(fake_tensor_cache_enabled=False):
-        yield
+__all__ = ["keeping_symbols"]
 
 
 def keeping_symbols() -> contextlib.AbstractContextManager:

@@ -42,7 +42,7 @@ from fxsplit.graph.decompose import Decomposition, attention_as_ops
 from fxsplit.graph.examples import WIDE_NOTE, batch_of, dynamic_dims, example_at_batch, static_batch_size, widen_batch
 from fxsplit.graph.export import export_model, failure_location, is_hf_model
 from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
-from fxsplit.graph.symbolic import keeping_symbols, symbolic_fake_cache_off
+from fxsplit.graph.symbolic import keeping_symbols
 from fxsplit.errors import ArgumentTypeError, TraceError, UsageError
 
 __all__ = ["trace", "TraceError", "flatten_inputs", "example_at_batch"]
@@ -253,8 +253,7 @@ def _fake_propagate(gm: torch.fx.GraphModule, flat: list, dynamic: bool, sequenc
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    with symbolic_fake_cache_off(dynamic):  # [Note: no fake-tensor cache for symbolic traces]
-        mode = FakeTensorMode(shape_env=ShapeEnv() if dynamic else None, allow_non_fake_inputs=True)
+    mode = FakeTensorMode(shape_env=ShapeEnv() if dynamic else None, allow_non_fake_inputs=True)
     fakes = []
     for x in flat:
         if isinstance(x, torch.Tensor):
