@@ -22,6 +22,16 @@ the instruction set is inductor's choice of C++ for one graph, checked against e
 tests, and the compiled tests compare with one process to tolerances that hold for both. A person
 who wants the vectorized kernels sets ``TORCHINDUCTOR_VEC_ISA_OK=1`` (this only sets a default);
 `make gpu-check` and the benchmarks run torch's defaults.
+
+[Note: no fake-tensor cache in the suite]
+A fake tensor mode caches each op's output metadata; with symbolic sizes, making an entry rebuilds
+the output from it (sympy arithmetic for every size and stride) and a hit does so again. For a model
+of many alike layers the hits pay (fxsplit.trace of Llama-70B's 80 layers, symbolic batch: 11.4 CPU-s
+with the cache, 17.6 without), so fxsplit leaves torch's cache alone; for the suite's small models
+most ops are first seen once and the entries cost more than they save (a 2-layer Llama export 1.94
+-> 1.27; test_planner_published 41.7 -> 33.1 s; benchmarks/README.md "Suite time, 2026-12-05"). So
+the suite runs with ``TORCH_FAKE_TENSOR_DISPATCH_CACHE=0`` (a default: set it to 1 for torch's).
+The same ops run either way; only the memo of their results is off.
 """
 
 import json
@@ -31,6 +41,7 @@ import subprocess
 from pathlib import Path
 
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")  # before torch: [Note: scalar inductor kernels in the suite]
+os.environ.setdefault("TORCH_FAKE_TENSOR_DISPATCH_CACHE", "0")  # before torch: [Note: no fake-tensor cache in the suite]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
