@@ -29,7 +29,7 @@ the output from it (sympy arithmetic for every size and stride) and a hit does s
 of many alike layers the hits pay (fxsplit.trace of Llama-70B's 80 layers, symbolic batch: 11.4 CPU-s
 with the cache, 17.6 without), so fxsplit leaves torch's cache alone; for the suite's small models
 most ops are first seen once and the entries cost more than they save (a 2-layer Llama export 1.94
--> 1.27; test_planner_published 41.7 -> 33.1 s; benchmarks/README.md "Suite time, 2026-12-05"). So
+-> 1.27; test_planner_published 41.7 -> 32.7 s; benchmarks/README.md "Suite time, 2026-12-05"). So
 the suite runs with ``TORCH_FAKE_TENSOR_DISPATCH_CACHE=0`` (a default: set it to 1 for torch's).
 The same ops run either way; only the memo of their results is off.
 """

@@ -158,6 +158,14 @@ def _check(results, ref_losses, ref_grads, ref_state):
     check_grads(results, ref_grads)
 
 
+def tied_names(model):
+    """The groups of parameter names that are one tensor in ``model`` (``check_grads``' ``tied``)."""
+    by_tensor = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(n)
+    return [g for g in by_tensor.values() if len(g) > 1]
+
+
 def check_grads(results, ref_grads, rtol=1e-5, atol=1e-6, tied=()):
     """Every data-parallel replica: each step's gradients (tp shards reassembled, replicated ones
     on every tp rank) equal the single process's on the global batch, and its ranks together hold
@@ -333,11 +341,7 @@ def test_hf_models_in_3d_layouts():
         [(_hf_make, b, {"batch_size": HF_BATCH}, opts) for b in HF_BUILDERS for opts in HF_LAYOUTS.values()],)))
     for builder in ("tiny_gpt2", "tiny_llama"):
         ref, ref_grads = _hf_reference(builder, grads=True)
-        model = _model(lambda b, **ov: getattr(hf_zoo, b)(**ov), builder, {"batch_size": HF_BATCH})[0]
-        by_tensor = {}
-        for n, p in model.named_parameters(remove_duplicate=False):
-            by_tensor.setdefault(id(p), []).append(n)
-        tied = [g for g in by_tensor.values() if len(g) > 1]
+        tied = tied_names(_model(lambda b, **ov: getattr(hf_zoo, b)(**ov), builder, {"batch_size": HF_BATCH})[0])
         for label in HF_LAYOUTS:
             for rank, r in enumerate(results):
                 got = r[(builder, label)]["losses"]

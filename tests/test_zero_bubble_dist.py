@@ -425,7 +425,7 @@ def _compiled_composed(rank, world):
 @pytest.mark.slow
 @pytest.mark.hf
 def test_compiled_with_tp_checkpointing_and_hf_match_single_process():
-    from test_parallelize import HF_BATCH, _hf_reference, check_grads
+    from test_parallelize import HF_BATCH, _hf_reference, check_grads, tied_names
     from fxsplit.testing import hf_zoo
 
     ref_losses, ref_state, noise = _final_state_reference()
@@ -441,12 +441,8 @@ def test_compiled_with_tp_checkpointing_and_hf_match_single_process():
         assert hf["losses"] == pytest.approx(hf_ref, rel=1e-5, abs=1e-6), f"hf rank {rank}"
         if torch.backends.mkldnn.is_available():
             assert all(r["onednn"]), (rank, r["onednn"])
-    model = hf_zoo.tiny_gpt2(batch_size=HF_BATCH)[0]
-    by_tensor = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(p), []).append(n)
     check_grads([r["hf"][0] for r in results], hf_ref_grads, rtol=1e-4, atol=1e-5,
-                tied=[g for g in by_tensor.values() if len(g) > 1])
+                tied=tied_names(hf_zoo.tiny_gpt2(batch_size=HF_BATCH)[0]))
 
 
 # ZB-V with dropout (graph split, p=2): the masks are those of the unsplit model run on the stage

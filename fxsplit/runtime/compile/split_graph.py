@@ -112,7 +112,6 @@ __all__ = ["GraphSplit", "SplitState", "UnsupportedStage", "has_selective_region
 _TRACE_LOCK = threading.Lock()
 
 
-
 class UnsupportedStage(Exception):
     """The stage cannot be split at the graph level exactly; the message says why."""
 
