@@ -26,7 +26,8 @@
    ``repeat_layers``, timed with the search), and a Llama-70B config planned for tp=8 x pp=8 vs a bare torch.export of it: 1F1B,
    m = 16, global batch 16 (so one sample per microbatch, and the plan traces the batch static
    at it: [Note: a static batch] in fxsplit.graph.examples; ``--dynamic-batch`` times the plan
-   with the batch symbolic too; ``--dynamic-sequence`` times it with the sequence symbolic, which
+   with no global batch too, which takes any batch (traced at a marker batch: [Note: a marker
+   batch] in fxsplit.graph.batch_marker), and with ``dynamic_batch=True`` (symbolic fake values); ``--dynamic-sequence`` times it with the sequence symbolic, which
    the default plan does not need: it serves every length up to 4096 padded, [Note: padding to
    the traced length] in fxsplit.api.padding). A 2-layer config is exported first, so that neither
    timed call pays torch's one-time warm-up.
@@ -321,9 +322,18 @@ def _speed_70b(dynamic_batch: bool = False, dynamic_sequence: bool = False) -> N
     if dynamic_batch:
         gc.collect()
         t0 = time.perf_counter()
-        fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, hardware=hw)
+        any_batch = fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, hardware=hw)
         dyn_s = time.perf_counter() - t0
-        print(f"  the same with the batch symbolic (no global batch): {dyn_s:.1f}s = {dyn_s / export_s:.2f}x; "
+        how = "marker batch" if "marker batch" in any_batch.graph.meta["fxsplit"].reason else "batch symbolic"
+        print(f"  the same with no global batch (any batch runs; {how}): {dyn_s:.1f}s = {dyn_s / export_s:.2f}x; "
+              f"peak RSS {peak_rss_mb():.0f} MB")
+        del any_batch
+        gc.collect()
+        t0 = time.perf_counter()
+        fxsplit.plan(model, args, kwargs, tp=8, pp=8, schedule="1f1b", microbatches=16, hardware=hw,
+                     dynamic_batch=True)
+        sym_s = time.perf_counter() - t0
+        print(f"  the same with dynamic_batch=True (symbolic fake values): {sym_s:.1f}s = {sym_s / export_s:.2f}x; "
               f"peak RSS {peak_rss_mb():.0f} MB")
     if dynamic_sequence:
         gc.collect()

@@ -99,7 +99,7 @@ def test_local_shapes_keep_the_batch_symbol_where_matmul_loses_it(monkeypatch):
     traces = SharedTraces()
     for cp in (2, 4):
         with shared_traces(traces):
-            the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, cp=cp)
+            the_plan = fxsplit.plan(model, args, kwargs, hardware=_HW, cp=cp, dynamic_batch=True)
         assert torch.ops.aten.linear.default in calls
         (_, cached, _), = traces.entries.values()
         batch = next(n.meta["val"].shape[0] for n in cached.graph.nodes if n.op == "placeholder")

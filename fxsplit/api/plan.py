@@ -33,8 +33,9 @@ from fxsplit.api.options import SCHEDULES, ParallelConfig, make_config
 from fxsplit.errors import OutOfRangeError, PlanError, SplitError, UsageError
 from fxsplit.graph.examples import batch_of, check_example_batch, example_at_batch
 from fxsplit.hardware import Hardware
-from fxsplit.graph.pass_api import PassContext, PassManager
-from fxsplit.graph.shapes import substitute
+from fxsplit.graph.batch_marker import rebatch
+from fxsplit.graph.pass_api import PassContext, PassManager, PassResult
+from fxsplit.graph.shapes import graph_marker, substitute
 from fxsplit.graph.trace import trace
 from fxsplit.pipeline.comm import CommPlan, plan_all_communication
 from fxsplit.pipeline.rank_plan import RankPlan
@@ -324,7 +325,15 @@ def _rewrite_passes(config: ParallelConfig, gm: torch.fx.GraphModule) -> list[Ca
         from fxsplit.passes.mixed_precision import mixed_precision
 
         pipeline.append(functools.partial(mixed_precision, param_dtype=config.mp_policy.param_dtype))
+    if graph_marker(gm) is not None:
+        pipeline.append(batch_literals)
     return pipeline
+
+
+def batch_literals(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """[Note: a marker batch] (fxsplit.graph.batch_marker): sizes that the passes before wrote into the
+    graph from its static values (multiples of the marker) read the batch from the input again."""
+    return PassResult(gm, rebatch(gm) > 0)
 
 
 def _split_pass(config: ParallelConfig, gm: torch.fx.GraphModule, hardware: Hardware,

@@ -27,7 +27,8 @@ import torch.fx
 from torch import nn
 
 from fxsplit.errors import TraceError
-from fxsplit.graph.examples import WIDE_NOTE, dynamic_dims, example_at_batch
+from fxsplit.graph.batch_marker import choose_marker, mark_batch
+from fxsplit.graph.examples import WIDE_NOTE, batch_of, dynamic_dims, example_at_batch
 from fxsplit.graph.lazy_code import lazily_recompiled
 from fxsplit.graph.ops import resolve_path
 from fxsplit.graph.sequence import at_length, sequence_input
@@ -64,15 +65,45 @@ def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool,
                  static_batch: int | None, wide: tuple[tuple, dict] | None, param_dtype: torch.dtype | None,
                  decomposing: Callable[[], Any], follow_sequence: bool = False,
                  propagate: Callable[[torch.fx.GraphModule, bool], None] | None = None,
-                 stack_traces: bool = False) -> Exported:
+                 stack_traces: bool = False, marker: bool | int | None = True) -> Exported:
     """Export ``model`` at the example ``(args, kwargs)``: at ``static_batch`` samples when given
     ([Note: a static batch]), else at ``wide`` (a batch of one widened: [Note: batch of one]) when
     given; the sequence symbolic only when ``sequence is True``; nothing symbolic without
     ``symbolic``. ``follow_sequence``: a sequence traced static is made to take every shorter
     length ([Note: following the sequence from two static traces] in ``fxsplit.graph.sequence``),
-    ``propagate(gm, batch)`` re-propagating fake values through the rewritten graph.
+    ``propagate(gm, batch[, at])`` re-propagating fake values through the rewritten graph (the
+    example at ``at`` samples when given: the marker batch).
     ``stack_traces``: nodes keep the model's source lines ([Note: no stack traces by default]).
-    Raises TraceError naming where export failed and the fix."""
+    Raises TraceError naming where export failed and the fix.
+
+    A symbolic batch with the sequence not symbolic is exported static at a marker batch and made to
+    take any batch ([Note: a marker batch] in ``fxsplit.graph.batch_marker``); where the marker cannot
+    serve, the batch is exported symbolic and the note says why."""
+    if marker and symbolic and static_batch is None and sequence is not True:
+        example = batch_of((args, kwargs))
+        marker = choose_marker(model, args, kwargs, example) if example is not None else None
+        if marker:
+            try:
+                exported = export_model(model, args, kwargs, symbolic=symbolic, sequence=sequence, static_batch=marker,
+                                        wide=None, param_dtype=param_dtype, decomposing=decomposing,
+                                        follow_sequence=follow_sequence, stack_traces=stack_traces,
+                                        propagate=None if propagate is None else (
+                                            lambda g, batch: propagate(g, batch, marker)))
+                why = mark_batch(exported.gm, marker, example)
+            except TraceError as exc:
+                why = f"the export at batch {marker} failed: {str(exc).splitlines()[0]}"
+            if why is None:
+                note = exported.note.replace(f" (the batch static at {marker} samples per microbatch: [Note: a static "
+                                             "batch])", f" (traced at the marker batch {marker}, every batch runs: "
+                                             "[Note: a marker batch])")
+                return exported._replace(note=note)
+            log.info("fxsplit.trace: the batch is traced symbolic: the marker batch %d cannot serve: %s", marker, why)
+            exported = export_model(model, args, kwargs, symbolic=symbolic, sequence=sequence, static_batch=None,
+                                    wide=wide, param_dtype=param_dtype, decomposing=decomposing,
+                                    follow_sequence=follow_sequence, propagate=propagate, stack_traces=stack_traces,
+                                    marker=False)
+            return exported._replace(note=exported.note + f" (the batch symbolic: the marker batch {marker} cannot "
+                                                          f"serve: {why})")
     if static_batch is not None:
         ex_args, ex_kwargs = example_at_batch(args, kwargs, static_batch)
         batch_note = f" (the batch static at {static_batch} samples per microbatch: [Note: a static batch])"

@@ -46,6 +46,7 @@ import torch
 import torch.fx
 
 from fxsplit.errors import ArgumentTypeError, UsageError
+from fxsplit.graph.shapes import batch_dims
 
 __all__ = [
     "PALETTE",
@@ -157,7 +158,7 @@ def _format_shape(shape: Any, names: Mapping) -> str:
 
 def _format_val(val: Any, names: Mapping) -> str:
     if isinstance(val, torch.Tensor):
-        return _format_shape(val.shape, names)
+        return _format_shape(batch_dims(val), names)  # [Note: a marker batch]: the batch read as one
     if isinstance(val, (tuple, list)):
         parts = [_format_val(v, names) for v in val]
         if any(parts):

@@ -197,6 +197,9 @@ def _recompute(gm: torch.fx.GraphModule, node: torch.fx.Node, where: str, pass_n
     if node.op == "call_method" and not (args and isinstance(args[0], torch.Tensor)):
         return None  # a method of a non-tensor value (a dict's .items(), ...)
     mode = torch._guards.detect_fake_mode([a.meta["val"] for a in node.all_input_nodes])
+    if mode is None:  # no tensor input (an arange of a size): the mode the node's value was made in,
+        # so that its sizes read as the graph reads them ([Note: a marker batch])
+        mode = getattr(node.meta.get("val"), "fake_mode", None)
     try:
         # the python dispatcher: ops whose C++ kernel needs concrete sizes (baddbmm broadcasting
         # its input) run their Python decompositions on symbolic shapes, as torch.export ran them

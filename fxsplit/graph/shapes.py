@@ -22,10 +22,17 @@ import torch
 
 from fxsplit.errors import ArgumentTypeError, UsageError
 
-__all__ = ["Dim", "Number", "to_expr", "substitute", "TensorMeta", "tensor_metas"]
+__all__ = ["Dim", "Number", "to_expr", "substitute", "TensorMeta", "tensor_metas", "BATCH", "MARKER_ATTR", "marker_of",
+           "batch_dims", "marker_example", "marked", "graph_marker"]
 
 Dim = int | sympy.Expr
 Number = int | float | sympy.Expr
+
+# [Note: a marker batch] (fxsplit.graph.batch_marker): the batch symbol of a graph traced at a
+# marker batch, and the attribute of its fake-tensor mode that holds the marker
+BATCH = sympy.Symbol("batch", integer=True, positive=True)
+MARKER_ATTR = "fxsplit_batch_marker"
+EXAMPLE_ATTR = "fxsplit_batch_example"  # the example's own batch: what BATCH is bound to by default
 
 
 def to_expr(x: Any) -> Number:
@@ -149,10 +156,49 @@ def tensor_metas(val: Any) -> tuple[TensorMeta, ...]:
     of them) or ShapeProp's ``meta["tensor_meta"]``; non-tensors are skipped."""
     from torch.fx.passes.shape_prop import TensorMetadata
 
-    if isinstance(val, (torch.Tensor, TensorMetadata)):
+    if isinstance(val, torch.Tensor):
+        return (TensorMeta(batch_dims(val), val.dtype, bool(val.requires_grad)),)
+    if isinstance(val, TensorMetadata):
         return (TensorMeta(tuple(to_expr(s) for s in val.shape), val.dtype, bool(val.requires_grad)),)
     if isinstance(val, dict):
         val = list(val.values())
     if isinstance(val, (list, tuple)):
         return tuple(m for v in val for m in tensor_metas(v))
     return ()
+
+
+def marker_of(val: Any) -> int | None:
+    """The marker batch of a value's graph (its fake-tensor mode carries it: [Note: a marker batch]
+    in fxsplit.graph.batch_marker), else None."""
+    return getattr(getattr(val, "fake_mode", None), MARKER_ATTR, None)
+
+
+def graph_marker(gm: Any) -> int | None:
+    """The marker batch of a graph module traced at one (its inputs' values carry it), else None."""
+    return next((m for n in gm.graph.nodes if n.op == "placeholder" and (m := marker_of(n.meta.get("val")))), None)
+
+
+def marker_example(val: Any) -> int | None:
+    """The example batch a marker-batch graph's ``BATCH`` stands for by default, else None."""
+    return getattr(getattr(val, "fake_mode", None), EXAMPLE_ATTR, None)
+
+
+def batch_dims(val: torch.Tensor) -> tuple[Dim, ...]:
+    """The sizes of ``val`` as ints and sympy expressions; in a marker-batch graph a multiple
+    ``k * P`` of the marker is read as ``k * BATCH``."""
+    dims = tuple(to_expr(s) for s in val.shape)
+    p = marker_of(val)
+    return dims if p is None else tuple(marked(d, p) for d in dims)
+
+
+def marked(d: Dim, p: int | None) -> Dim:
+    """A size of a graph traced at the marker ``p`` as fxsplit reads it: a multiple ``k * p`` (an
+    int, or an expression whose every coefficient is one) is ``k * BATCH``; ``p`` None: ``d``."""
+    if p is None:
+        return d
+    if isinstance(d, int):
+        return BATCH * (d // p) if d and d % p == 0 else d
+    terms = sympy.Add.make_args(sympy.expand(d))
+    if all((c := t.as_coeff_Mul()[0]).is_Integer and int(c) % p == 0 for t in terms):
+        return sympy.expand(sympy.Add(*[t / p for t in terms]) * BATCH)
+    return d

@@ -41,7 +41,8 @@ from fxsplit import config
 from fxsplit.graph.decompose import Decomposition, attention_as_ops
 from fxsplit.graph.examples import WIDE_NOTE, batch_of, dynamic_dims, example_at_batch, static_batch_size, widen_batch
 from fxsplit.graph.export import export_model, failure_location, is_hf_model
-from fxsplit.graph.meta import TraceInfo, annotate_graph, to_expr
+from fxsplit.graph.meta import TraceInfo, annotate_graph
+from fxsplit.graph.shapes import batch_dims
 from fxsplit.graph.symbolic import keeping_symbols
 from fxsplit.errors import ArgumentTypeError, TraceError, UsageError
 
@@ -333,8 +334,7 @@ def _name_symbols(gm: torch.fx.GraphModule, input_names: Sequence[str]) -> dict[
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        for d, size in enumerate(val.shape):
-            expr = to_expr(size)
+        for d, expr in enumerate(batch_dims(val)):
             if not isinstance(expr, sympy.Symbol):
                 continue
             if d == 0 and "batch" not in symbols:
@@ -389,6 +389,9 @@ class _Request:
     decompose: bool  # decompose_attention
     follow_sequence: bool  # [Note: following the sequence from two static traces]
     stack_traces: bool  # [Note: no stack traces by default] in fxsplit.graph.export
+    # a symbolic batch may be traced at a marker batch ([Note: a marker batch]); not when
+    # dynamic_batch=True asks for symbolic fake values
+    marker: bool = True
 
     def decomposing(self) -> Any:
         """A context manager for one attempt: attention modules traced as ops, or nothing."""
@@ -417,7 +420,8 @@ def _request(model: nn.Module, example_args: Any, example_kwargs: Any, *, leaf_m
     return _Request(model, args, kwargs, leaves, on_meta=any(p.is_meta for p in model.parameters()),
                     symbolic=symbolic, sequence=dynamic_sequence, static_batch=static_batch,
                     wide=(wide_args, wide_kwargs) if widened else None, param_dtype=param_dtype,
-                    decompose=decompose_attention, follow_sequence=follow_sequence, stack_traces=stack_traces)
+                    decompose=decompose_attention, follow_sequence=follow_sequence, stack_traces=stack_traces,
+                    marker=dynamic_batch is None)
 
 
 class _Traced(NamedTuple):
@@ -453,8 +457,9 @@ def _by_export(req: _Request, method: str, fx_error: TraceError | None) -> _Trac
         exported = export_model(req.model, req.args, req.kwargs, symbolic=req.symbolic, sequence=req.sequence,
                                 static_batch=req.static_batch, wide=req.wide, param_dtype=req.param_dtype,
                                 decomposing=req.decomposing, follow_sequence=req.follow_sequence,
-                                stack_traces=req.stack_traces,
-                                propagate=lambda g, batch: _fake_propagate(g, _flat_cast(req), True, True, batch))
+                                stack_traces=req.stack_traces, marker=req.marker,
+                                propagate=lambda g, batch, at=None: _fake_propagate(g, _flat_cast(req, at), True, True,
+                                                                                    batch))
     except TraceError as err:
         if fx_error is None:
             raise
@@ -467,10 +472,11 @@ def _by_export(req: _Request, method: str, fx_error: TraceError | None) -> _Trac
                    exported.traced_length, exported.follows, exported.follow_refused)
 
 
-def _flat_cast(req: _Request) -> list:
+def _flat_cast(req: _Request, at: int | None = None) -> list:
     """The example's flat inputs as the export traced them (following the sequence is refused
-    under a ``param_dtype``, so no input is cast)."""
-    args, kwargs = example_at_batch(req.args, req.kwargs, req.static_batch) if req.static_batch is not None else (
+    under a ``param_dtype``, so no input is cast); ``at``: the marker batch it traced at."""
+    batch = at if at is not None else req.static_batch
+    args, kwargs = example_at_batch(req.args, req.kwargs, batch) if batch is not None else (
         req.wide if req.wide is not None else (req.args, req.kwargs))
     return torch.utils._pytree.tree_flatten((tuple(args), dict(kwargs)))[0]
 
@@ -517,8 +523,10 @@ def trace(
         method: ``"fx"``, ``"export"`` or ``"auto"`` (fx first, then export).
         leaf_modules: module paths or classes that fx keeps as single ``call_module`` nodes.
         dynamic_batch: whether the batch (dim 0) is a symbol under torch.export: None (default:
-            static when ``microbatch_size`` is given, else symbolic), True (symbolic), False
-            (static at ``microbatch_size``, or else at the example's batch); torch.fx keeps it
+            static when ``microbatch_size`` is given, else any batch runs, traced static at a
+            marker batch whose multiples costs and shapes read as the symbol ``batch``: [Note: a
+            marker batch] in fxsplit.graph.batch_marker), True (symbolic, in the fake values too),
+            False (static at ``microbatch_size``, or else at the example's batch); torch.fx keeps it
             symbolic ([Note: a static batch]). A symbolic batch of one sample is traced as two so
             that it does not fix the batch size ([Note: batch of one]).
         dynamic_sequence: whether the sequence (dim 1 of integer inputs) is a symbol: True (both

@@ -35,6 +35,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 from fxsplit.errors import SplitError
 from fxsplit.graph.cost import value_bytes as tensor_bytes
 from fxsplit.graph.meta import substitute
+from fxsplit.graph.shapes import BATCH, batch_dims, marked, marker_example, marker_of
 
 __all__ = ["batch_bindings", "example_bindings", "resolve_bindings", "concrete", "value_bytes", "cut_bytes"]
 
@@ -48,6 +49,8 @@ def batch_bindings(gm: torch.fx.GraphModule, batch: int | None) -> dict[sympy.Sy
     for node in gm.graph.nodes:
         val = node.meta.get("val") if node.op == "placeholder" else None
         if isinstance(val, torch.Tensor) and val.dim() >= 1:
+            if marker_of(val) is not None:  # [Note: a marker batch]
+                return {BATCH: int(batch)} if marker_example(val) != batch else {}
             s = val.shape[0]
             if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol) and s.node.hint != batch:
                 return {s.node.expr: int(batch)}
@@ -70,11 +73,13 @@ def data_dependent_estimates(gm: torch.fx.GraphModule, binds: Mapping) -> dict[s
     """Each data-dependent symbol that a runtime assert ``Eq(u_a + ... + u_k, size)`` of ``gm``
     sums, as an equal share of ``size`` at ``binds`` (rounded up); [Note: data-dependent sizes]."""
     out: dict[sympy.Symbol, int] = {}
+    p = next((m for n in gm.graph.nodes if n.op == "placeholder" and (m := marker_of(n.meta.get("val")))), None)
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if not isinstance(val, torch.SymBool) or not isinstance(val.node.expr, sympy.Eq):
             continue
         for parts, size in ((val.node.expr.lhs, val.node.expr.rhs), (val.node.expr.rhs, val.node.expr.lhs)):
+            size = marked(int(size) if size.is_Integer else size, p)  # [Note: a marker batch]
             terms = sympy.Add.make_args(parts)
             if not all(_unbacked(t) for t in terms) or any(_unbacked(x) for x in size.free_symbols):
                 continue
@@ -94,6 +99,8 @@ def _backed_example_sizes(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
+        if marker_of(val) is not None and val.dim() and BATCH in getattr(batch_dims(val)[0], "free_symbols", ()):
+            out[BATCH] = int(marker_example(val))  # [Note: a marker batch]
         for s in val.shape:
             if isinstance(s, torch.SymInt):
                 expr = s.node.expr

@@ -50,7 +50,7 @@ import torch.fx
 
 from fxsplit.errors import UsageError
 from fxsplit.graph.meta import node_info
-from fxsplit.graph.shapes import substitute
+from fxsplit.graph.shapes import marker_example, substitute
 from fxsplit.graph.recompute import MODES, layer_key
 from fxsplit.graph.saved import first_saver_bytes, unit_saved
 from fxsplit.pipeline.checkpointing import mode_held
@@ -380,6 +380,8 @@ def _example_batch(gm: torch.fx.GraphModule) -> int:
         if node.op == "placeholder":
             val = node.meta.get("val")
             if hasattr(val, "shape") and len(val.shape) > 0:
+                if marker_example(val) is not None:  # [Note: a marker batch]
+                    return int(marker_example(val))
                 s = val.shape[0]
                 return int(s.node.hint) if hasattr(s, "node") and s.node.hint is not None else int(s)
     return 1

@@ -1,0 +1,180 @@
+"""Every batch size from one static trace at a marker batch.
+
+[Note: a marker batch]
+With the batch symbolic, torch.export makes a symbolic fake tensor per node and pays sympy for every
+size the model computes: an 80-layer Llama export is 1.8x the static one, and everything after it
+(costs, TP's local values) pays for the symbol again (benchmarks/README.md, issue 28 part 5).
+Propagating symbolic values through a static graph afterwards costs as much (5.6 s of a 6.2 s
+export), so the symbol is kept out of the graph's fake values altogether:
+
+- the model is exported static at a *marker* batch ``P``: a prime (97 first) that divides no size of
+  a parameter, buffer or example input (the batch dims left out) and no sentinel integer (2**63 - 1);
+- every integer argument of the graph that is a multiple of ``P`` is the batch times something
+  (``P`` is prime: a product of the model's own sizes is never a multiple of it), so it is
+  replaced by ``sym_size(input, 0) * k``: the graph runs at any batch, reading it from its input,
+  as a symbolic export's graph does;
+- the fake values stay static at ``P``; fxsplit's own size reading (``TensorMeta`` of a value:
+  ``fxsplit.graph.shapes.tensor_metas``) reads a size that is a multiple of ``P`` as ``k * batch``
+  (the graph's fake-tensor mode carries the marker, so values that passes make in that mode are
+  read the same way), which is all that costs, memory, boundaries and the runtime's symbol
+  binding see.
+
+What the marker cannot tell apart, it refuses and the batch is traced symbolic as before: a float
+literal that is a multiple of ``1 / P`` or of ``P`` (a mean over the batch written as ``x * (1 / b)``),
+a constant tensor of the graph with a dim that is a multiple of ``P``, a batch dim whose literal is
+not a multiple of ``P`` where the batch enters (no input of batch ``P``). A size computed from the
+batch in a way that is not a multiple of it (``b // 2``) would stay static at its value for ``P``;
+such a graph fails at another batch with a shape error (a view or expand of the wrong size), and
+``fxsplit.verify`` runs every plan at the user's own example batch, which is not ``P``.
+Passes that write sizes into the graph from the static values (a view's shape, a new full tensor)
+write multiples of ``P``: ``rebatch`` runs again before the split and rewrites those too.
+
+    P = choose_marker(model, args, kwargs)          # 97, or None when no prime is free
+    why = mark_batch(gm, P)                          # None: done; else why the marker cannot serve
+    batch_dims(val)                                  # sizes with multiples of P read as k * batch
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from fxsplit.graph.meta import annotate_node
+from fxsplit.graph.shapes import EXAMPLE_ATTR, MARKER_ATTR, marker_of
+
+__all__ = ["MARKERS", "choose_marker", "mark_batch", "rebatch"]
+
+MARKERS = (97, 89, 83, 79, 71, 67, 61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 13, 11)
+_SENTINELS = (2 ** 63 - 1, 2 ** 31 - 1, 2 ** 32, 2 ** 16)
+_LIMIT = 2 ** 40  # a larger integer is a sentinel or an address, never a size of one microbatch
+_sym_size = torch.ops.aten.sym_size.int
+
+
+def choose_marker(model: torch.nn.Module, args: Any, kwargs: Any, batch: int | None) -> int | None:
+    """The first prime of ``MARKERS`` dividing no size of ``model``'s parameters and buffers, of the
+    example's tensors (dim 0 of those whose dim 0 is the example's ``batch`` left out) and no
+    sentinel integer; None when every one does."""
+    sizes: set[int] = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        sizes.update(int(s) for s in t.shape)
+    for x in pytree.tree_leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor):
+            shape = [int(s) for s in x.shape]
+            sizes.update(shape[1:] if shape and batch is not None and shape[0] == batch else shape)
+    sizes.discard(0)
+    for p in MARKERS:
+        if not any(s % p == 0 for s in sizes) and not any(s % p == 0 for s in _SENTINELS):
+            return p
+    return None
+
+
+def _is_marker_float(x: float, p: int) -> bool:
+    """A float that may be computed from the batch: a multiple of ``p`` (``float(b)``), or of ``1 / p``
+    when it is not a multiple of ``1 / 1024`` (``1 / b``; 0.5 is a multiple of ``1 / p`` too)."""
+    if not math.isfinite(x) or x == 0:
+        return False
+    if (x / p) == round(x / p):
+        return True
+    m = x * p
+    return abs(m - round(m)) <= 1e-9 * max(1.0, abs(m)) and x * 1024 != round(x * 1024)
+
+
+def mark_batch(gm: torch.fx.GraphModule, p: int, example: int) -> str | None:
+    """Make ``gm`` (exported static at batch ``p``) take any batch ([Note: a marker batch]), its batch
+    symbol standing for ``example`` samples until bound; None when done, else why not (``gm`` is
+    then unchanged)."""
+    source = _batch_input(gm, p)
+    if source is None:
+        return f"no input has the marker batch {p} as its dim 0"
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            t = _attr(gm, str(node.target))
+            if isinstance(t, torch.Tensor) and any(int(s) % p == 0 for s in t.shape if int(s)):
+                return f"the constant {node.target} {tuple(t.shape)} has a dim of the batch"
+        for x in pytree.tree_leaves((node.args, node.kwargs)):
+            if type(x) is float and _is_marker_float(x, p):
+                return f"node {node.name} ({node.target}) takes {x!r}, which may be computed from the batch"
+    val = source.meta["val"]
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return "the graph's values are not fake tensors"
+    rebatch(gm, p, source)
+    if hasattr(gm, "validate_inputs"):  # export's input check would hold every call to batch p
+        gm.validate_inputs = False
+    setattr(mode, MARKER_ATTR, p)
+    setattr(mode, EXAMPLE_ATTR, example)
+    return None
+
+
+def rebatch(gm: torch.fx.GraphModule, p: int | None = None, source: torch.fx.Node | None = None) -> int:
+    """Replace every integer argument of ``gm`` that is a multiple of the marker ``p`` (the graph's
+    own when None) by the batch times its factor, read from the batch input; returns how many."""
+    if p is None:
+        p = next((m for n in gm.graph.nodes if (m := marker_of(n.meta.get("val"))) is not None), None)
+        if p is None:
+            return 0
+    source = source or _batch_input(gm, p)
+    if source is None:
+        return 0
+    made: dict[int, torch.fx.Node] = {}
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    anchor = [last]
+
+    def expr(k: int) -> torch.fx.Node:  # the node of k * batch (k may be negative)
+        if k not in made:
+            with gm.graph.inserting_after(anchor[0]):
+                if 1 not in made:
+                    made[1] = gm.graph.call_function(_sym_size, (source, 0))
+                    made[1].meta["val"] = p
+                    anchor[0] = made[1]
+            if k != 1:
+                with gm.graph.inserting_after(anchor[0]):
+                    made[k] = gm.graph.call_function(operator.mul, (made[1], k))
+                    made[k].meta["val"] = p * k
+                    anchor[0] = made[k]
+        return made[k]
+
+    existing = {n.args[0]: n for n in gm.graph.nodes
+                if n.target is _sym_size and n.args[0] is source and n.args[1] == 0}
+    if source in existing:
+        made[1] = existing[source]
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_function", "call_method") or node in made.values():
+            continue
+        flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+        changed = False
+        for i, x in enumerate(flat):
+            if type(x) is int and x and abs(x) < _LIMIT and x % p == 0:
+                flat[i] = expr(x // p)
+                changed = True
+        if changed:
+            node.args, node.kwargs = pytree.tree_unflatten(flat, spec)
+            count += 1
+    if count:
+        if "fxsplit" in source.meta:  # an annotated graph: the new size nodes carry metadata too
+            for n in made.values():
+                annotate_node(n, gm)
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _batch_input(gm: torch.fx.GraphModule, p: int) -> torch.fx.Node | None:
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == p:
+            return n
+    return None
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
