@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fxsplit
-from fxsplit.graph.batch_marker import MARKERS, choose_marker, mark_batch
+from fxsplit.graph.batch_marker import MARKERS, _is_marker_float, choose_marker, mark_batch
 from fxsplit.graph.meta import TensorMeta
 from fxsplit.graph.shapes import BATCH, batch_dims, tensor_metas
 from fxsplit.testing import hf_zoo
@@ -97,9 +97,9 @@ def test_a_float_of_the_batch_refuses_the_marker():
 
 
 def test_choose_marker_skips_primes_of_the_model():
-    model = nn.Sequential(nn.Linear(97 * 2, 89), nn.Linear(89, 83 * 3))
-    assert choose_marker(model, (torch.randn(2, 194),), {}, 2) == 79
-    assert choose_marker(nn.Linear(4, 4), (torch.randn(2, 97 * 5),), {}, 2) == 89  # a non-batch dim of an input
+    model = nn.Sequential(nn.Linear(97 * 2, 101), nn.Linear(101, 103 * 3))
+    assert choose_marker(model, (torch.randn(2, 194),), {}, 2) == 107
+    assert choose_marker(nn.Linear(4, 4), (torch.randn(2, 97 * 5),), {}, 2) == 101  # a non-batch dim of an input
     assert choose_marker(nn.Linear(4, 4), (torch.randn(97, 4),), {}, 97) == 97  # the batch dim itself is left out
     assert choose_marker(nn.Linear(4, 4), (torch.randn(2, 4),), {}, 2) == MARKERS[0]
 
@@ -134,3 +134,50 @@ def test_sizes_a_pass_writes_from_the_static_values_follow_the_batch():
     assert views and not any(type(a) is int and a % 97 == 0 for n in views for a in n.args[1])
     a, k = _at(args, kwargs, 6)
     fxsplit.verify(model, a, plan, k, quiet=True)
+
+
+class _Similarity(nn.Module):
+    """An in-batch similarity: the batch twice in one value, which the marker cannot tell apart from a
+    size of the model that is a multiple of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h @ h.t()).softmax(-1) @ h
+
+
+class _PadCompare(nn.Module):
+    """Compares token ids with a pad id that is a multiple of 97: that prime is not the marker."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(300, 4, padding_idx=194)
+
+    def forward(self, ids):
+        return self.emb(ids) * (ids != self.emb.padding_idx).unsqueeze(-1)
+
+
+def test_values_with_the_batch_twice_refuse_the_marker_and_pad_ids_skip_their_primes():
+    model, x = _Similarity(), torch.randn(3, 4)
+    gm = fxsplit.trace(model, (x,), method="export", dynamic_sequence=None)
+    assert "the marker in more than one size" in gm.meta["fxsplit"].reason
+    for b in (2, 5):
+        y = torch.randn(b, 4)
+        torch.testing.assert_close(gm(y), model(y))
+    model = _PadCompare()
+    ids = torch.tensor([[1, 194, 5], [194, 2, 3]])
+    gm = fxsplit.trace(model, (ids,), method="export", dynamic_sequence=None)
+    assert "marker batch 101" in gm.meta["fxsplit"].reason  # 97 divides the pad id 194
+    for b in (1, 3):
+        y = ids.repeat(2, 1)[:b]
+        torch.testing.assert_close(gm(y), model(y))
+
+
+def test_floats_of_the_batch_and_floats_of_the_model():
+    assert _is_marker_float(1 / 97, 97) and _is_marker_float(3 / 97, 97) and _is_marker_float(194.0, 97)
+    # epsilons, a dtype's smallest value, halves and scales are the model's own
+    for x in (1e-12, 1e-5, -3.4028234663852886e38, 0.5, 0.125, 1.0, 10000.0, 0.7071067811865476):
+        assert not _is_marker_float(x, 97), x

@@ -49,7 +49,13 @@ from fxsplit.graph.shapes import EXAMPLE_ATTR, MARKER_ATTR, marker_of
 
 __all__ = ["MARKERS", "choose_marker", "mark_batch", "rebatch"]
 
-MARKERS = (97, 89, 83, 79, 71, 67, 61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 13, 11)
+def _primes(lo: int, hi: int) -> tuple[int, ...]:
+    return tuple(n for n in range(lo, hi) if all(n % d for d in range(2, int(n ** 0.5) + 1)))
+
+
+# 97 first (small enough that an example of real tensors repeated to it stays small), then the
+# primes above it (a model of 126 layers has integer attributes up to 125), then the ones below
+MARKERS = _primes(97, 1000) + tuple(reversed(_primes(11, 97)))
 _SENTINELS = (2 ** 63 - 1, 2 ** 31 - 1, 2 ** 32, 2 ** 16)
 _LIMIT = 2 ** 40  # a larger integer is a sentinel or an address, never a size of one microbatch
 _sym_size = torch.ops.aten.sym_size.int
@@ -62,6 +68,7 @@ def choose_marker(model: torch.nn.Module, args: Any, kwargs: Any, batch: int | N
     sizes: set[int] = set()
     for t in list(model.parameters()) + list(model.buffers()):
         sizes.update(int(s) for s in t.shape)
+    sizes.update(_integers(model))
     for x in pytree.tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor):
             shape = [int(s) for s in x.shape]
@@ -73,15 +80,45 @@ def choose_marker(model: torch.nn.Module, args: Any, kwargs: Any, batch: int | N
     return None
 
 
+def _integers(model: torch.nn.Module) -> set[int]:
+    """The integers a model's code may compare or compute with: its modules' integer attributes
+    (``padding_idx``, head counts) and its config's (token ids: an ``input_ids == pad_token_id``
+    with the pad id a multiple of the marker would be rewritten as a size)."""
+    out: set[int] = set()
+
+    def add(v: Any, depth: int = 0) -> None:
+        if type(v) is int:
+            out.add(abs(v))
+        elif isinstance(v, (list, tuple, set)) and depth < 2:
+            for x in v:
+                add(x, depth + 1)
+        elif isinstance(v, dict) and depth < 2:
+            for x in v.values():
+                add(x, depth + 1)
+
+    for m in model.modules():
+        for v in vars(m).values():
+            add(v)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        try:
+            add(config.to_dict())
+        except Exception:  # noqa: BLE001 -- a config that cannot list itself: its module attributes still count
+            pass
+    return out
+
+
 def _is_marker_float(x: float, p: int) -> bool:
-    """A float that may be computed from the batch: a multiple of ``p`` (``float(b)``), or of ``1 / p``
-    when it is not a multiple of ``1 / 1024`` (``1 / b``; 0.5 is a multiple of ``1 / p`` too)."""
-    if not math.isfinite(x) or x == 0:
+    """A float that may be computed from the batch: a multiple ``k * p`` (``float(b)``), or ``k / p``
+    that is not a multiple of ``1 / 1024`` (``1 / b``; 0.5 is ``48.5 / 97``). Only sizes of one
+    microbatch count: not a dtype's smallest value (-3.4e38) or an epsilon (1e-12)."""
+    if not math.isfinite(x) or x == 0 or abs(x) > _LIMIT:
         return False
-    if (x / p) == round(x / p):
+    q = x / p
+    if abs(q) >= 1 and q == round(q):
         return True
     m = x * p
-    return abs(m - round(m)) <= 1e-9 * max(1.0, abs(m)) and x * 1024 != round(x * 1024)
+    return 1 <= abs(m) < 2 ** 20 and abs(m - round(m)) <= 1e-9 * abs(m) and x * 1024 != round(x * 1024)
 
 
 def mark_batch(gm: torch.fx.GraphModule, p: int, example: int) -> str | None:
@@ -99,6 +136,13 @@ def mark_batch(gm: torch.fx.GraphModule, p: int, example: int) -> str | None:
         for x in pytree.tree_leaves((node.args, node.kwargs)):
             if type(x) is float and _is_marker_float(x, p):
                 return f"node {node.name} ({node.target}) takes {x!r}, which may be computed from the batch"
+    for node in gm.graph.nodes:
+        for v in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            sizes = [s for s in v.shape if type(s) is int and s] if isinstance(v, torch.Tensor) else []
+            if sum(1 for s in sizes if s % p == 0) > 1 or any(s % (p * p) == 0 for s in sizes):
+                # the batch twice in one value (an in-batch similarity [b, b]), or a sum of the
+                # model's sizes that is a multiple of p ([b, t, 50 + 47]): not told apart
+                return f"node {node.name} has the value {tuple(v.shape)}, with the marker in more than one size"
     val = source.meta["val"]
     mode = getattr(val, "fake_mode", None)
     if mode is None:
