@@ -181,3 +181,30 @@ def test_floats_of_the_batch_and_floats_of_the_model():
     # epsilons, a dtype's smallest value, halves and scales are the model's own
     for x in (1e-12, 1e-5, -3.4028234663852886e38, 0.5, 0.125, 1.0, 10000.0, 0.7071067811865476):
         assert not _is_marker_float(x, 97), x
+
+
+class _Flatten(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x.reshape(x.shape[0] * x.shape[1], 4)).view(x.shape[0], x.shape[1], 4)
+
+
+def test_multiples_of_the_batch_become_products_and_a_second_rewrite_reuses_the_batch():
+    from fxsplit.graph.batch_marker import rebatch
+
+    model, x = _Flatten(), torch.randn(2, 3, 4)
+    gm = fxsplit.trace(model, (x,), method="export", dynamic_sequence=None)
+    assert "marker batch 97" in gm.meta["fxsplit"].reason
+    sizes = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sym_size.int]
+    assert len(sizes) == 1 and any(n.args == (sizes[0], 3) for n in gm.graph.nodes)  # 291 = 3 * batch
+    for n in gm.graph.nodes:  # what a pass writing sizes from the static values does
+        if n.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default):
+            n.args = (n.args[0], [int(s) for s in n.meta["val"].shape])
+    assert rebatch(gm) == 2
+    assert [n for n in gm.graph.nodes if n.target is torch.ops.aten.sym_size.int] == sizes
+    for b in (1, 5):
+        y = torch.randn(b, 3, 4)
+        torch.testing.assert_close(gm(y), model(y))

@@ -49,6 +49,7 @@ from fxsplit.graph.shapes import EXAMPLE_ATTR, MARKER_ATTR, marker_of
 
 __all__ = ["MARKERS", "choose_marker", "mark_batch", "rebatch"]
 
+
 def _primes(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(n for n in range(lo, hi) if all(n % d for d in range(2, int(n ** 0.5) + 1)))
 
@@ -183,10 +184,9 @@ def rebatch(gm: torch.fx.GraphModule, p: int | None = None, source: torch.fx.Nod
                     anchor[0] = made[k]
         return made[k]
 
-    existing = {n.args[0]: n for n in gm.graph.nodes
-                if n.target is _sym_size and n.args[0] is source and n.args[1] == 0}
-    if source in existing:
-        made[1] = existing[source]
+    existing = next((n for n in gm.graph.nodes if n.target is _sym_size and n.args == (source, 0)), None)
+    if existing is not None:  # a second call (sizes a pass wrote): the batch read once
+        made[1] = anchor[0] = existing
     count = 0
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "call_method") or node in made.values():
