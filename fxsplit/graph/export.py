@@ -65,7 +65,7 @@ def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool,
                  static_batch: int | None, wide: tuple[tuple, dict] | None, param_dtype: torch.dtype | None,
                  decomposing: Callable[[], Any], follow_sequence: bool = False,
                  propagate: Callable[[torch.fx.GraphModule, bool], None] | None = None,
-                 stack_traces: bool = False, marker: bool | int | None = True) -> Exported:
+                 stack_traces: bool = False, marker: bool = True) -> Exported:
     """Export ``model`` at the example ``(args, kwargs)``: at ``static_batch`` samples when given
     ([Note: a static batch]), else at ``wide`` (a batch of one widened: [Note: batch of one]) when
     given; the sequence symbolic only when ``sequence is True``; nothing symbolic without
@@ -78,35 +78,20 @@ def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool,
 
     A symbolic batch with the sequence not symbolic is exported static at a marker batch and made to
     take any batch ([Note: a marker batch] in ``fxsplit.graph.batch_marker``); where the marker cannot
-    serve, the batch is exported symbolic and the note says why."""
+    serve, the batch is exported symbolic and the note says why; ``marker=False`` (``dynamic_batch=True``)
+    asks for the symbolic export itself."""
     if marker and symbolic and static_batch is None and sequence is not True:
-        example = batch_of((args, kwargs))
-        marker = choose_marker(model, args, kwargs, example) if example is not None else None
-        if marker:
-            try:
-                exported = export_model(model, args, kwargs, symbolic=symbolic, sequence=sequence, static_batch=marker,
-                                        wide=None, param_dtype=param_dtype, decomposing=decomposing,
-                                        follow_sequence=follow_sequence, stack_traces=stack_traces,
-                                        propagate=None if propagate is None else (
-                                            lambda g, batch: propagate(g, batch, marker)))
-                why = mark_batch(exported.gm, marker, example)
-            except TraceError as exc:
-                why = f"the export at batch {marker} failed: {str(exc).splitlines()[0]}"
-            if why is None:
-                note = exported.note.replace(f" (the batch static at {marker} samples per microbatch: [Note: a static "
-                                             "batch])", f" (traced at the marker batch {marker}, every batch runs: "
-                                             "[Note: a marker batch])")
-                return exported._replace(note=note)
-            log.info("fxsplit.trace: the batch is traced symbolic: the marker batch %d cannot serve: %s", marker, why)
-            exported = export_model(model, args, kwargs, symbolic=symbolic, sequence=sequence, static_batch=None,
-                                    wide=wide, param_dtype=param_dtype, decomposing=decomposing,
-                                    follow_sequence=follow_sequence, propagate=propagate, stack_traces=stack_traces,
-                                    marker=False)
-            return exported._replace(note=exported.note + f" (the batch symbolic: the marker batch {marker} cannot "
-                                                          f"serve: {why})")
+        options = dict(symbolic=symbolic, sequence=sequence, param_dtype=param_dtype, decomposing=decomposing,
+                       follow_sequence=follow_sequence, stack_traces=stack_traces)
+        marked, why = _at_marker(model, args, kwargs, options, propagate)
+        if marked is not None:
+            return marked
+        exported = export_model(model, args, kwargs, static_batch=None, wide=wide, propagate=propagate, marker=False,
+                                **options)
+        return exported if why is None else exported._replace(note=exported.note + why)
     if static_batch is not None:
         ex_args, ex_kwargs = example_at_batch(args, kwargs, static_batch)
-        batch_note = f" (the batch static at {static_batch} samples per microbatch: [Note: a static batch])"
+        batch_note = _static_note(static_batch)
     else:
         ex_args, ex_kwargs = wide if wide is not None else (args, kwargs)
         batch_note = WIDE_NOTE if wide is not None else ""
@@ -136,6 +121,33 @@ def export_model(model: nn.Module, args: tuple, kwargs: dict, *, symbolic: bool,
     except Exception as exc:
         raise _export_error(exc, model, kwargs) from exc
     return Exported(gm, note, dec.kept, tuple(_flat_input_names(gm._in_spec, model, args)), *followed[1:])
+
+
+def _static_note(batch: int) -> str:
+    return f" (the batch static at {batch} samples per microbatch: [Note: a static batch])"
+
+
+def _at_marker(model: nn.Module, args: tuple, kwargs: dict, options: dict,
+               propagate: Callable | None) -> tuple[Exported | None, str | None]:
+    """``(exported, None)``: ``model`` exported at a marker batch and made to take any batch ([Note: a
+    marker batch] in ``fxsplit.graph.batch_marker``); else ``(None, why)`` for the trace reason (None
+    when the example has no batch or every marker divides a size of the model)."""
+    example = batch_of((args, kwargs))
+    p = choose_marker(model, args, kwargs, example) if example is not None else None
+    if p is None:
+        return None, None
+    try:
+        exported = export_model(model, args, kwargs, static_batch=p, wide=None, **options,
+                                propagate=None if propagate is None else (lambda g, batch: propagate(g, batch, p)))
+        why = mark_batch(exported.gm, p, example)
+    except TraceError as exc:
+        why = f"the export at batch {p} failed: {str(exc).splitlines()[0]}"
+    if why is not None:
+        log.info("fxsplit.trace: the batch is traced symbolic: the marker batch %d cannot serve: %s", p, why)
+        return None, f" (the batch symbolic: the marker batch {p} cannot serve: {why})"
+    note = exported.note.replace(_static_note(p), f" (traced at the marker batch {p}, every batch runs: "
+                                                  "[Note: a marker batch])")
+    return exported._replace(note=note), None
 
 
 def _followed(gm: torch.fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, *, decomposing: Callable,
