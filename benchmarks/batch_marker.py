@@ -6,6 +6,7 @@ output difference from the model at batches 1, 3 and 5 (the example has 2). No p
 
     .venv/bin/python benchmarks/batch_marker.py                # every arch
     .venv/bin/python benchmarks/batch_marker.py llama t5 vit
+    .venv/bin/python benchmarks/batch_marker.py --moe          # every MoE family of fxsplit.testing.moe_families
 
 Prints a markdown table (the one in benchmarks/README.md).
 """
@@ -18,6 +19,7 @@ import time
 import torch
 
 import fxsplit
+from fxsplit.testing import moe_families as mf
 from fxsplit.testing import tp_coverage as tc
 
 
@@ -37,8 +39,8 @@ def _out(y):
     return torch.utils._pytree.tree_leaves(y)[0]
 
 
-def row(arch: str) -> str:
-    model, args, kwargs = tc.build(arch)
+def row(arch: str, moe: bool = False) -> str:
+    model, args, kwargs = mf.build(arch) if moe else tc.build(arch)
     model.eval()
     t0 = time.perf_counter()
     gm = fxsplit.trace(model, args, kwargs, dynamic_sequence=None, method="export")
@@ -66,16 +68,18 @@ def row(arch: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("archs", nargs="*", default=list(tc.ARCHS))
+    ap.add_argument("archs", nargs="*")
+    ap.add_argument("--moe", action="store_true", help="the MoE families instead of the TP coverage archs")
     ns = ap.parse_args()
+    archs = ns.archs or list(mf.FAMILIES if ns.moe else tc.ARCHS)
     for warm in ("gpt2", "vit"):  # torch's first export of a text and of an image model pay a warm-up
         m, a, k = tc.build(warm)
         torch.export.export(m, a, k, strict=False)
     print("| arch | traced | trace s | `dynamic_batch=True` s | ratio | max error at batches 1, 3, 5 |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for arch in ns.archs:
+    for arch in archs:
         try:
-            print(row(arch), flush=True)
+            print(row(arch, ns.moe), flush=True)
         except Exception as exc:  # noqa: BLE001 -- a row says what failed; the table goes on
             print(f"| {arch} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} | | | | |", flush=True)
 
