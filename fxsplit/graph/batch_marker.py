@@ -7,8 +7,10 @@ size the model computes: an 80-layer Llama export is 1.8x the static one, and ev
 Propagating symbolic values through a static graph afterwards costs as much (5.6 s of a 6.2 s
 export), so the symbol is kept out of the graph's fake values altogether:
 
-- the model is exported static at a *marker* batch ``P``: a prime (97 first) that divides no size of
-  a parameter, buffer or example input (the batch dims left out) and no sentinel integer (2**63 - 1);
+- the model is exported static at a *marker* batch ``P``: a prime (97 first, then the primes above it,
+  then those below) that divides no size of a parameter, buffer or example input (the batch dims left
+  out), no integer attribute of a module or of a Hugging Face config (a pad id compared with the token
+  ids) and no sentinel integer (2**63 - 1);
 - every integer argument of the graph that is a multiple of ``P`` is the batch times something
   (``P`` is prime: a product of the model's own sizes is never a multiple of it), so it is
   replaced by ``sym_size(input, 0) * k``: the graph runs at any batch, reading it from its input,
@@ -17,21 +19,26 @@ export), so the symbol is kept out of the graph's fake values altogether:
   ``fxsplit.graph.shapes.tensor_metas``) reads a size that is a multiple of ``P`` as ``k * batch``
   (the graph's fake-tensor mode carries the marker, so values that passes make in that mode are
   read the same way), which is all that costs, memory, boundaries and the runtime's symbol
-  binding see.
+  binding see. The Llama-70B plan with no global batch: 1.34-1.43x a bare export (2.29-2.34x with
+  symbolic fake values, ``dynamic_batch=True``, which keeps them).
 
 What the marker cannot tell apart, it refuses and the batch is traced symbolic as before: a float
-literal that is a multiple of ``1 / P`` or of ``P`` (a mean over the batch written as ``x * (1 / b)``),
-a constant tensor of the graph with a dim that is a multiple of ``P``, a batch dim whose literal is
-not a multiple of ``P`` where the batch enters (no input of batch ``P``). A size computed from the
-batch in a way that is not a multiple of it (``b // 2``) would stay static at its value for ``P``;
-such a graph fails at another batch with a shape error (a view or expand of the wrong size), and
-``fxsplit.verify`` runs every plan at the user's own example batch, which is not ``P``.
-Passes that write sizes into the graph from the static values (a view's shape, a new full tensor)
-write multiples of ``P``: ``rebatch`` runs again before the split and rewrites those too.
+literal that may be computed from the batch (``k * P``, or ``k / P`` when not a multiple of 1/1024:
+a mean written as ``x * (1 / b)``), a constant tensor of the graph with a dim that is a multiple of
+``P``, a value with two sizes that are multiples of ``P`` (an in-batch similarity ``[b, b]``, or a
+sum of the model's sizes that happens to be one: ``50 + 47``), no input at batch ``P``, an export at
+``P`` that fails. A size computed from the batch in a way that is not a multiple of it (``b // 2``)
+would stay static at its value for ``P``; such a graph fails at another batch with a shape error (a
+view or expand of the wrong size), and ``fxsplit.verify`` runs every plan at the user's own example
+batch, which is not ``P``. Passes that write sizes into the graph from the static values (a view's
+shape, a new full tensor) write multiples of ``P``: ``rebatch`` runs again before the split
+(``batch_literals`` in fxsplit.api.plan) and rewrites those too. Checked on every architecture of
+the TP coverage matrix and every MoE family (``benchmarks/batch_marker.py``): all take the marker,
+outputs equal to the model's at batches 1, 3 and 5.
 
-    P = choose_marker(model, args, kwargs)          # 97, or None when no prime is free
-    why = mark_batch(gm, P)                          # None: done; else why the marker cannot serve
-    batch_dims(val)                                  # sizes with multiples of P read as k * batch
+    P = choose_marker(model, args, kwargs, batch)    # 97, or None when no prime is free
+    why = mark_batch(gm, P, batch)                   # None: done; else why the marker cannot serve
+    batch_dims(val)                                  # (fxsplit.graph.shapes) multiples of P read as k * batch
 """
 
 from __future__ import annotations
