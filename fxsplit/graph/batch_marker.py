@@ -33,7 +33,7 @@ view or expand of the wrong size), and ``fxsplit.verify`` runs every plan at the
 batch, which is not ``P``. Passes that write sizes into the graph from the static values (a view's
 shape, a new full tensor) write multiples of ``P``: ``rebatch`` runs again before the split
 (``batch_literals`` in fxsplit.api.plan) and rewrites those too. Checked on every architecture of
-the TP coverage matrix and every MoE family (``benchmarks/batch_marker.py``): all take the marker,
+the TP coverage matrix and every MoE family torch.export traces (``benchmarks/batch_marker.py``): all take the marker,
 outputs equal to the model's at batches 1, 3 and 5.
 
     P = choose_marker(model, args, kwargs, batch)    # 97, or None when no prime is free
