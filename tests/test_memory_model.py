@@ -262,3 +262,42 @@ def test_fsdp_gathers_in_the_param_dtype_so_parameter_casts_hold_nothing():
     # at most one bf16 copy per parameter read (the tied embedding / LM head weight is read twice)
     casts = sum(p.numel() * 2 for _, p in model.named_parameters(remove_duplicate=False))
     assert 0 < a - b <= casts, (a, b, casts)
+
+
+def test_builds_pass_over_candidates_the_search_underestimated_by_as_much(monkeypatch):
+    """[Note: the pick's memory is its plan's]: a built plan over the limit tells how low the search's
+    estimate was; the next candidates whose estimate times that ratio is over the limit are not
+    built (Llama-70B on 64 H100 at batch 512 built three near-identical layouts, all over, and
+    raised), and the pick is the first that fits."""
+    from types import SimpleNamespace
+
+    import fxsplit.api.auto as auto
+    import fxsplit.pipeline.memory as memory_mod
+
+    gib = 2 ** 30
+    monkeypatch.setattr(memory_mod, "worst", lambda m: m)
+    base = fxsplit.ParallelConfig(microbatches=1)
+
+    def run(estimates):  # GiB, best first; every built plan needs 1.13x its estimate
+        scores = [SimpleNamespace(memory=SimpleNamespace(peak=e * gib), candidate=SimpleNamespace(short=lambda i=i: f"c{i}"))
+                  for i, e in enumerate(estimates)]
+        picked, built = {}, []
+        result = SimpleNamespace(scores=scores, memory_limit=74.5 * gib,
+                                 with_pick=lambda k, mem, how, passed=None: picked.update(k=k, how=how, passed=passed))
+        monkeypatch.setattr(auto, "config_of", lambda score, res, chosen, hw: dataclasses.replace(
+            chosen, microbatches=scores.index(score) + 1))
+
+        def plan_fn(config):
+            k = config.microbatches - 1
+            built.append(k)
+            return SimpleNamespace(memory=lambda: SimpleNamespace(peak=1.13 * estimates[k] * gib, pp_rank=0))
+
+        auto.build_pick(plan_fn, base, result)
+        return picked, built
+
+    picked, built = run([67, 69, 72, 60, 50])
+    assert picked["k"] == 3 and picked["how"] == "built"
+    assert built == [0, 0, 3]  # the pick and its re-split, then straight to candidate 3
+    assert sorted(picked["passed"]) == [1, 2] and "x 1.13" in picked["passed"][1]
+    with pytest.raises(PlanError, match=r"best 2 attempts do not fit .*\(4 candidates passed over unbuilt"):
+        run([67, 69, 72, 70, 70])

@@ -119,12 +119,29 @@ def build_pick(plan_fn: Callable[[ParallelConfig], Any], chosen: ParallelConfig,
     function; else the same layout is split again under the limit (the partitioner moves the
     cuts), else the next candidate is built, up to ``_BUILDS`` of them; PlanError names every
     tried layout and what it needs. The kept plan's ``predicted_memory``, ``print(plan)`` and
-    the search table's pick row all show that plan's figure."""
+    the search table's pick row all show that plan's figure.
+
+    A built plan over the limit also says by how much the search's estimate was low on this model
+    (its peak / the estimate; the largest such ratio so far): the candidates after it whose estimate
+    times that ratio is over the limit are passed over unbuilt, with that reason. Without this the
+    builds went to the next-best layouts, which differ from the first in little but the schedule and
+    were over by as much: Llama-70B on 64 H100 at a global batch of 512 tried three such layouts
+    (the search estimated 67-72 GiB, their plans needed 76-84 GiB) and raised PlanError."""
     from fxsplit.errors import SplitError
+    from fxsplit.graph.units import fmt_bytes
     from fxsplit.pipeline.memory import worst
 
-    limit, tried = result.memory_limit, []
-    for k, score in enumerate(result.scores[:_BUILDS]):
+    limit, tried, passed = result.memory_limit, [], {}
+    low = 1.0  # the largest (built plan's peak / the search's estimate) so far
+    builds = 0
+    for k, score in enumerate(result.scores):
+        if builds == _BUILDS:
+            break
+        if score.memory.peak * low > limit:
+            passed[k] = (f"memory: the search's {fmt_bytes(score.memory.peak)} x {low:.2f} (how low its estimate was "
+                         f"for the plans built before) is over the limit {fmt_bytes(limit)}")
+            continue
+        builds += 1
         config = chosen if k == 0 else config_of(score, result, chosen, chosen.hardware)
         attempts = [config, dataclasses.replace(config, split_points=None, memory_limit=limit)]
         for attempt in attempts:
@@ -135,9 +152,11 @@ def build_pick(plan_fn: Callable[[ParallelConfig], Any], chosen: ParallelConfig,
                 continue
             mem = worst(built.memory())
             if mem.peak <= limit:
-                return built, result.with_pick(k, mem, "built" if attempt is config else "built, re-split")
+                return built, result.with_pick(k, mem, "built" if attempt is config else "built, re-split", passed)
+            low = max(low, mem.peak / score.memory.peak)
             tried.append(f"{score.candidate.short()}: its plan needs {mem.peak / 2**30:.2f} GiB on pp rank {mem.pp_rank} "
                          f"(the search estimated {score.memory.peak / 2**30:.2f} GiB)")
+    skipped = f" ({len(passed)} candidates passed over unbuilt: their estimate x {low:.2f} is over it)" if passed else ""
     raise PlanError(f"strategy='auto': the search's best {len(tried)} attempts do not fit memory_limit = "
-                    f"{limit / 2**30:.2f} GiB per rank by their built plans' memory: " + "; ".join(tried)
+                    f"{limit / 2**30:.2f} GiB per rank by their built plans' memory{skipped}: " + "; ".join(tried)
                     + ". Fix: raise memory_limit, use more ranks, or a smaller global batch.")

@@ -35,7 +35,7 @@ import bisect
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
 
 import torch.fx
 
@@ -103,15 +103,18 @@ class SearchResult:
     picked_from: tuple[str, int] | None = None  # set by with_pick: the built pick and its rank in the search
     pruned: int = 0  # not re-partitioned: their lower bound is over the top_k-th fastest ([Note: search strategy])
 
-    def with_pick(self, k: int, memory: Any, how: str) -> "SearchResult":
+    def with_pick(self, k: int, memory: Any, how: str, passed: Mapping[int, str] | None = None) -> "SearchResult":
         """This result with ``scores[k]`` as the pick (first), its memory the built plan's
         (``Plan.memory()``'s busiest rank: [Note: the pick's memory is its plan's] in
-        fxsplit.api.auto); the candidates it passed over for memory move to ``rejected``."""
+        fxsplit.api.auto); the candidates it passed over for memory move to ``rejected``, with
+        ``passed[i]`` as candidate i's reason when it was not built."""
         s = self.scores[k]
         c = s.candidate
         pick = replace(s, memory=memory, method=f"{s.method}; {how}: memory is its plan's")
-        skipped = tuple((o.candidate.short(), f"memory: its built plan is over the limit {fmt_bytes(self.memory_limit)}")
-                        for o in self.scores[:k])
+        passed = passed or {}
+        skipped = tuple((o.candidate.short(), passed.get(i, f"memory: its built plan is over the limit "
+                                                           f"{fmt_bytes(self.memory_limit)}"))
+                        for i, o in enumerate(self.scores[:k]))
         if s.cuts and how.endswith("re-split"):
             pick = replace(pick, cuts=())
         return replace(self, best=pick, scores=(pick,) + self.scores[k + 1:], rejected=skipped + self.rejected,
