@@ -18,9 +18,9 @@ demo: $(STAMP)
 # The whole test suite (graph/plan/schedule tests, gloo multi-process tests; GPU tests skip without CUDA),
 # in TEST_WORKERS pytest-xdist workers, one test file per worker at a time (a file's module fixtures
 # are built once), the files that cost the most CPU first ([Note: heaviest files first] in
-# tests/conftest.py): 1270 tests took 9:34 (pytest; whole .ci/run 10:09) from a clean clone with an
+# tests/conftest.py): 1283 tests took 9:09 (pytest; whole .ci/run 9:44) from a clean clone with an
 # empty inductor cache, as on CI's fresh machine, on 2 idle cores here (benchmarks/README.md "Suite
-# time, 2026-12-05"). TEST_WORKERS=0: one process.
+# time, session 21"). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
