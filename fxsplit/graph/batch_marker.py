@@ -52,7 +52,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fxsplit.graph.meta import annotate_node
-from fxsplit.graph.shapes import EXAMPLE_ATTR, MARKER_ATTR, marker_of
+from fxsplit.graph.ops import resolve_path
+from fxsplit.graph.shapes import EXAMPLE_ATTR, MARKER_ATTR, graph_marker
 
 __all__ = ["MARKERS", "choose_marker", "mark_batch", "rebatch"]
 
@@ -138,14 +139,13 @@ def mark_batch(gm: torch.fx.GraphModule, p: int, example: int) -> str | None:
         return f"no input has the marker batch {p} as its dim 0"
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            t = _attr(gm, str(node.target))
+            t = resolve_path(gm, str(node.target), default=None)
             if isinstance(t, torch.Tensor) and any(int(s) % p == 0 for s in t.shape if int(s)):
                 return f"the constant {node.target} {tuple(t.shape)} has a dim of the batch"
         for x in pytree.tree_leaves((node.args, node.kwargs)):
             if type(x) is float and _is_marker_float(x, p):
                 return f"node {node.name} ({node.target}) takes {x!r}, which may be computed from the batch"
-    for node in gm.graph.nodes:
-        for v in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+        for v in pytree.tree_leaves(node.meta.get("val")):
             sizes = [s for s in v.shape if type(s) is int and s] if isinstance(v, torch.Tensor) else []
             if sum(1 for s in sizes if s % p == 0) > 1 or any(s % (p * p) == 0 for s in sizes):
                 # the batch twice in one value (an in-batch similarity [b, b]), or a sum of the
@@ -166,10 +166,9 @@ def mark_batch(gm: torch.fx.GraphModule, p: int, example: int) -> str | None:
 def rebatch(gm: torch.fx.GraphModule, p: int | None = None, source: torch.fx.Node | None = None) -> int:
     """Replace every integer argument of ``gm`` that is a multiple of the marker ``p`` (the graph's
     own when None) by the batch times its factor, read from the batch input; returns how many."""
+    p = graph_marker(gm) if p is None else p
     if p is None:
-        p = next((m for n in gm.graph.nodes if (m := marker_of(n.meta.get("val"))) is not None), None)
-        if p is None:
-            return 0
+        return 0
     source = source or _batch_input(gm, p)
     if source is None:
         return 0
@@ -222,10 +221,3 @@ def _batch_input(gm: torch.fx.GraphModule, p: int) -> torch.fx.Node | None:
         if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == p:
             return n
     return None
-
-
-def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj

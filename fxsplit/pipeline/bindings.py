@@ -35,7 +35,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 from fxsplit.errors import SplitError
 from fxsplit.graph.cost import value_bytes as tensor_bytes
 from fxsplit.graph.meta import substitute
-from fxsplit.graph.shapes import BATCH, batch_dims, marked, marker_example, marker_of
+from fxsplit.graph.shapes import BATCH, graph_marker, marked, marker_example, marker_of
 
 __all__ = ["batch_bindings", "example_bindings", "resolve_bindings", "concrete", "value_bytes", "cut_bytes"]
 
@@ -73,7 +73,7 @@ def data_dependent_estimates(gm: torch.fx.GraphModule, binds: Mapping) -> dict[s
     """Each data-dependent symbol that a runtime assert ``Eq(u_a + ... + u_k, size)`` of ``gm``
     sums, as an equal share of ``size`` at ``binds`` (rounded up); [Note: data-dependent sizes]."""
     out: dict[sympy.Symbol, int] = {}
-    p = next((m for n in gm.graph.nodes if n.op == "placeholder" and (m := marker_of(n.meta.get("val")))), None)
+    p = graph_marker(gm)
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if not isinstance(val, torch.SymBool) or not isinstance(val.node.expr, sympy.Eq):
@@ -99,8 +99,8 @@ def _backed_example_sizes(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        if marker_of(val) is not None and val.dim() and BATCH in getattr(batch_dims(val)[0], "free_symbols", ()):
-            out[BATCH] = int(marker_example(val))  # [Note: a marker batch]
+        if marker_of(val) is not None:  # [Note: a marker batch]: its symbol stands for the example's batch
+            out[BATCH] = int(marker_example(val))
         for s in val.shape:
             if isinstance(s, torch.SymInt):
                 expr = s.node.expr
